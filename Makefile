@@ -1,0 +1,39 @@
+# Two entry points: `make demo` and `make test`. Both create the venv and install.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CONSTRAINTS := requirements/dev-constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test typecheck lint bench bench-quick clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax,bench]'
+	touch $(STAMP)
+
+demo: venv
+	$(PY) examples/demo.py
+
+test: venv
+	$(PY) -m pytest -q tests src/statestream
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+bench: venv
+	$(PY) benchmarks/bench_core.py
+
+bench-quick: venv
+	$(PY) benchmarks/bench_core.py --quick
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

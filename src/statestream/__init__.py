@@ -1,0 +1,62 @@
+"""statestream: fast, safe checkpoints of whole training states.
+
+Example:
+    >>> import numpy as np, tempfile, os, statestream as ss
+    >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
+    >>> ss.save(path, {"params": {"w": np.ones((2, 2), np.float32)}, "step": 1})
+    >>> ss.load(path)["params"]["w"].shape
+    (2, 2)
+"""
+
+from statestream._version import __version__
+from statestream.api import (
+    ArrayMetadata,
+    CheckpointMetadata,
+    VerifyReport,
+    load,
+    metadata,
+    save,
+    verify,
+)
+from statestream.engine import IOOptions, MemoryOptions
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    FormatVersionError,
+    MissingKeyError,
+    PickleNotAllowedError,
+    StorageError,
+    TargetMismatchError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+    UnsupportedTypeError,
+)
+
+__all__ = [
+    "ArrayMetadata",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "FormatVersionError",
+    "IOOptions",
+    "MemoryOptions",
+    "MissingKeyError",
+    "PickleNotAllowedError",
+    "StorageError",
+    "TargetMismatchError",
+    "TruncatedFileError",
+    "UnsafeCheckpointError",
+    "UnsupportedTypeError",
+    "VerifyReport",
+    "__version__",
+    "load",
+    "metadata",
+    "save",
+    "verify",
+]

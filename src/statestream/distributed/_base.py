@@ -1,0 +1,62 @@
+"""The Collective protocol: how processes agree (barriers, gathers, broadcasts).
+
+Implementations use the framework's own runtime (torch.distributed, JAX);
+statestream never opens sockets of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+__all__ = ["Collective", "SingleProcess"]
+
+T = TypeVar("T")
+
+
+class Collective(Protocol):
+    """What save/load need from a group of processes."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def barrier(self, name: str) -> None:
+        """Wait until every process reached the barrier called ``name``."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj`` (JSON-able plain data), in rank order."""
+        ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from process ``src`` on every process."""
+        ...
+
+
+class SingleProcess:
+    """The trivial collective of one process.
+
+    Example:
+        >>> c = SingleProcess()
+        >>> c.rank, c.world_size, c.all_gather_object({"x": 1})
+        (0, 1, [{'x': 1}])
+    """
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def barrier(self, name: str) -> None:
+        return None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj

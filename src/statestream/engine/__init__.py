@@ -1,0 +1,21 @@
+"""The engine: the only layer that owns threads, queues and buffers."""
+
+from statestream.engine._io import (
+    ByteBudget,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    default_memory_budget_bytes,
+    read_requests,
+    write_files,
+)
+
+__all__ = [
+    "ByteBudget",
+    "IOOptions",
+    "MemoryOptions",
+    "Progress",
+    "default_memory_budget_bytes",
+    "read_requests",
+    "write_files",
+]

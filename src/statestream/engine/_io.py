@@ -1,0 +1,347 @@
+"""The engine: worker threads, the staging budget, and the write/read pipelines.
+
+This is the only module that owns threads and buffers. Everything above it
+hands it plain plans; blocking I/O and checksums run here on worker
+threads (pwritev/preadv and CRC-32C release the GIL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    ChecksumMismatchError,
+    TruncatedFileError,
+)
+from statestream.format import checksum
+from statestream.plan import FilePlan, ReadPiece, ReadRequest, WriteItem
+from statestream.storage import CheckpointReader, WriteTransaction
+
+__all__ = [
+    "ByteBudget",
+    "IOOptions",
+    "MemoryOptions",
+    "Progress",
+    "default_memory_budget_bytes",
+    "read_requests",
+    "write_files",
+]
+
+#: Bytes handed to one vectored write call (many small chunks coalesce up to this).
+_WRITE_BATCH_BYTES = 16 << 20
+_ZEROS = bytes(4096)
+
+Progress = Callable[[int, int], None]
+
+
+def default_memory_budget_bytes() -> int:
+    """min(25% of physical RAM, 4 GiB): the staging budget when none is given."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return int(min(ram // 4, 4 << 30))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IOOptions:
+    """How the engine does I/O.
+
+    Attributes:
+        num_threads: worker threads for writes and reads (also the most data
+            files one process writes).
+        max_chunk_bytes: arrays are split into chunks of at most this size;
+            each chunk has its own checksum.
+        max_request_bytes: the largest single coalesced read.
+    """
+
+    num_threads: int = 4
+    max_chunk_bytes: int = 64 << 20
+    max_request_bytes: int = 32 << 20
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 1 or self.max_chunk_bytes < 1 or self.max_request_bytes < 1:
+            raise ValueError(f"IOOptions values must be positive: {self}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """Host memory the engine may use for staging copies and scratch reads.
+
+    Attributes:
+        memory_budget_bytes: upper bound on bytes staged at once (copies of
+            non-contiguous/byte-swapped/device arrays on save, scratch for
+            chunks that do not land in place on load). ``None`` picks
+            :func:`default_memory_budget_bytes`.
+    """
+
+    memory_budget_bytes: int | None = None
+
+    def resolved(self) -> int:
+        b = self.memory_budget_bytes
+        return default_memory_budget_bytes() if b is None else max(1, int(b))
+
+
+class ByteBudget:
+    """A counting semaphore over bytes: the staging pool's ceiling.
+
+    A request larger than the whole budget waits until the pool is empty
+    and then takes all of it, so progress is always possible.
+
+    Example:
+        >>> b = ByteBudget(100)
+        >>> b.acquire(60); b.in_use
+        60
+        >>> b.release(60); b.peak
+        60
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        if n <= 0:
+            return 0
+        with self._cv:
+            while self.in_use + n > self.capacity:
+                self._cv.wait()
+            self.in_use += n
+            self.peak = max(self.peak, self.in_use)
+        return n
+
+    def try_acquire(self, n: int) -> int | None:
+        """Take ``n`` bytes if available now; None (and nothing taken) otherwise."""
+        n = min(n, self.capacity)
+        if n <= 0:
+            return 0
+        with self._cv:
+            if self.in_use + n > self.capacity:
+                return None
+            self.in_use += n
+            self.peak = max(self.peak, self.in_use)
+        return n
+
+    def release(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._cv:
+            self.in_use -= n
+            self._cv.notify_all()
+
+
+class _Progress:
+    def __init__(self, total: int, cb: Progress | None) -> None:
+        self.total, self.done, self._cb = total, 0, cb
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self._cb is None:
+            return
+        with self._lock:
+            self.done += n
+            done = self.done
+        self._cb(done, self.total)
+
+
+def _run_all(n_threads: int, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run jobs on a pool; re-raise the first failure after cancelling the rest."""
+    if not jobs:
+        return []
+    if n_threads <= 1 or len(jobs) == 1:
+        return [j() for j in jobs]
+    with ThreadPoolExecutor(max_workers=min(n_threads, len(jobs)),
+                            thread_name_prefix="statestream-io") as pool:
+        futs = [pool.submit(j) for j in jobs]
+        done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futs]
+
+
+# ----------------------------------------------------------------------------- write
+
+
+def write_files(
+    txn: WriteTransaction,
+    files: Sequence[FilePlan],
+    source: Callable[[WriteItem], np.ndarray],
+    *,
+    options: IOOptions,
+    budget: ByteBudget,
+    progress: Progress | None = None,
+) -> dict[tuple[int, int], int]:
+    """Write every planned file in parallel (one thread per file), fsync each.
+
+    ``source(item)`` returns the item's bytes (1-D uint8, C order); it is
+    called on the worker thread, after ``item.staging_bytes`` has been
+    reserved from ``budget``. Returns the CRC-32C of every (array, chunk).
+    """
+    prog = _Progress(sum(f.size for f in files), progress)
+    sums: dict[tuple[int, int], int] = {}
+    lock = threading.Lock()
+
+    def write_one(fp: FilePlan) -> None:
+        w = txn.create_file(fp.name, fp.size)
+        try:
+            batch: list[Any] = []
+            batch_off = 0
+            batch_end = 0
+            held = 0
+            local: dict[tuple[int, int], int] = {}
+
+            def flush() -> None:
+                nonlocal batch, held
+                if batch:
+                    w.write_at(batch, batch_off)
+                    prog.add(batch_end - batch_off)
+                batch = []
+                budget.release(held)
+                held = 0
+
+            for it in fp.items:
+                if batch and (it.offset - batch_off > _WRITE_BATCH_BYTES or len(batch) > 900):
+                    flush()
+                if not batch:
+                    batch_off = batch_end = it.offset
+                got = budget.try_acquire(it.staging_bytes)
+                if got is None:
+                    # never wait while holding staged bytes: write them out first
+                    flush()
+                    batch_off = batch_end = it.offset
+                    got = budget.acquire(it.staging_bytes)
+                held += got
+                data = source(it)
+                if data.nbytes != it.nbytes:  # pragma: no cover - provider bug guard
+                    raise AssertionError(
+                        f"chunk {it.array}/{it.chunk} produced {data.nbytes} bytes, "
+                        f"planned {it.nbytes}"
+                    )
+                local[(it.array, it.chunk)] = checksum(data)
+                pad = it.offset - batch_end
+                while pad > 0:
+                    z = min(pad, len(_ZEROS))
+                    batch.append(_ZEROS[:z])
+                    pad -= z
+                batch.append(data)
+                batch_end = it.offset + it.nbytes
+            flush()
+            w.finish()
+        except BaseException:
+            budget.release(held)
+            w.abort()
+            raise
+        with lock:
+            sums.update(local)
+
+    _run_all(options.num_threads, [lambda fp=fp: write_one(fp) for fp in files])
+    return sums
+
+
+# ----------------------------------------------------------------------------- read
+
+
+def read_requests(
+    reader: CheckpointReader,
+    file_names: Sequence[str],
+    requests: Sequence[ReadRequest],
+    *,
+    options: IOOptions,
+    budget: ByteBudget,
+    describe: Callable[[ReadPiece], str],
+    progress: Progress | None = None,
+    collect: list[CheckpointCorruptError] | None = None,
+) -> None:
+    """Execute read requests on worker threads, verifying every chunk's CRC-32C.
+
+    Pieces with a ``direct`` destination are read in place; the rest go
+    through scratch buffers charged to ``budget`` and are scattered.
+
+    With ``collect``, corruption is appended there and reading goes on
+    (``verify``); otherwise the first problem is raised.
+
+    Raises:
+        ChecksumMismatchError: naming the array (via ``describe``) and file.
+        TruncatedFileError: a file ends early or is missing.
+    """
+    prog = _Progress(sum(r.nbytes for r in requests), progress)
+    lock = threading.Lock()
+    queue = list(requests)
+    queue.reverse()
+
+    def next_request() -> ReadRequest | None:
+        with lock:
+            return queue.pop() if queue else None
+
+    def worker() -> None:
+        while True:
+            req = next_request()
+            if req is None:
+                return
+            if collect is None:
+                _read_one(req)
+                continue
+            try:
+                _read_one(req)
+            except CheckpointCorruptError as exc:
+                with lock:
+                    collect.append(exc)
+
+    def _read_one(req: ReadRequest) -> None:
+        need = sum(p.staging_bytes for p in req.pieces)
+        held = budget.acquire(need)
+        try:
+            bufs: list[Any] = []
+            views: list[np.ndarray] = []
+            pos = req.offset
+            for p in req.pieces:
+                if p.offset > pos:
+                    bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
+                buf = p.direct if p.direct is not None else np.empty(p.nbytes, dtype=np.uint8)
+                bufs.append(buf)
+                views.append(buf)
+                pos = p.offset + p.nbytes
+            try:
+                reader.read_into(file_names[req.file], req.offset, bufs)
+            except TruncatedFileError as exc:
+                names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
+                raise type(exc)(f"{exc} (affects {names})") from None
+            for p, buf in zip(req.pieces, views):
+                got = checksum(buf)
+                if got != p.checksum:
+                    err = ChecksumMismatchError(
+                        f"checksum mismatch in {describe(p)}: chunk {p.chunk} at bytes "
+                        f"[{p.offset}, {p.offset + p.nbytes}) of "
+                        f"{reader.location}/{file_names[p.file]} has CRC-32C {got:08x}, the "
+                        f"manifest says {p.checksum:08x}; the checkpoint is corrupt, restore "
+                        "it from another copy"
+                    )
+                    if collect is None:
+                        raise err
+                    with lock:
+                        collect.append(err)
+                    continue
+                if p.scatter:
+                    src = buf.view(p.dtype).reshape(p.chunk_shape)
+                    for dview, csl in p.scatter:
+                        dview[...] = src[csl] if csl else src
+            prog.add(req.nbytes)
+        finally:
+            budget.release(held)
+
+    n = max(1, min(options.num_threads, len(requests)))
+    _run_all(n, [worker for _ in range(n)])

@@ -1,0 +1,153 @@
+"""Load planning: intersect wanted boxes with saved chunks -> sorted byte ranges."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from statestream.format import ArrayEntry, dtype_from_name
+
+__all__ = ["ReadPiece", "ReadRequest", "Wanted", "coalesce", "plan_load", "plan_verify"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wanted:
+    """A destination box of an array: the engine fills ``dest`` (global box at ``start``)."""
+
+    array: int
+    start: tuple[int, ...]
+    dest: np.ndarray
+
+
+@dataclasses.dataclass(slots=True)
+class ReadPiece:
+    """One saved chunk read whole, verified, then placed.
+
+    ``direct`` is a 1-D uint8 view of destination memory the chunk lands in
+    verbatim (no copy). Each ``scatter`` entry copies a region of the chunk
+    (``chunk_index``) into a destination view.
+    """
+
+    array: int
+    chunk: int
+    file: int
+    offset: int
+    nbytes: int
+    checksum: int
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype  # type: ignore[type-arg]
+    direct: np.ndarray | None = None
+    scatter: list[tuple[np.ndarray, tuple[slice, ...]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Scratch memory needed to read this piece (0 when it lands in place)."""
+        return 0 if self.direct is not None else self.nbytes
+
+
+@dataclasses.dataclass(slots=True)
+class ReadRequest:
+    """Consecutive pieces of one file read by a single vectored read."""
+
+    file: int
+    offset: int
+    nbytes: int
+    pieces: list[ReadPiece]
+
+
+def _intersect(
+    a0: tuple[int, ...], ash: tuple[int, ...], b0: tuple[int, ...], bsh: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(x, y) for x, y in zip(a0, b0))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a0, ash, b0, bsh))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def plan_load(
+    arrays: Sequence[ArrayEntry],
+    wanted: Sequence[Wanted],
+    *,
+    max_request_bytes: int = 32 << 20,
+    max_gap_bytes: int = 64 << 10,
+    max_pieces_per_request: int = 512,
+) -> list[ReadRequest]:
+    """Plan reads that fill every wanted box, sorted by file and offset, coalesced.
+
+    Chunks that land contiguously in a destination are read straight into
+    it; others are read into scratch and copied. Nearby pieces of a file
+    merge into one request (gaps up to ``max_gap_bytes`` are read and dropped).
+    """
+    pieces: dict[tuple[int, int], ReadPiece] = {}
+    for w in wanted:
+        entry = arrays[w.array]
+        dt = dtype_from_name(entry.dtype)
+        dshape = tuple(w.dest.shape)
+        for ci, c in enumerate(entry.chunks):
+            if c.nbytes == 0:
+                continue
+            box = _intersect(c.start, c.shape, w.start, dshape) if c.shape else ((), ())
+            if box is None:
+                continue
+            lo, sh = box
+            dsl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, w.start, sh))
+            csl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, c.start, sh))
+            dview = w.dest[dsl] if dsl else w.dest
+            key = (w.array, ci)
+            piece = pieces.get(key)
+            if piece is None:
+                piece = ReadPiece(w.array, ci, c.file, c.offset, c.nbytes, c.checksum,
+                                  c.shape, dt)
+                pieces[key] = piece
+            whole = sh == c.shape
+            if whole and piece.direct is None and dview.flags.c_contiguous:
+                piece.direct = dview.reshape(-1).view(np.uint8)
+            else:
+                piece.scatter.append((dview, csl))
+    return coalesce(pieces.values(), max_request_bytes=max_request_bytes,
+                    max_gap_bytes=max_gap_bytes, max_pieces_per_request=max_pieces_per_request)
+
+
+def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 20
+                ) -> list[ReadRequest]:
+    """Read every chunk of every array (into scratch) so its checksum can be checked."""
+    pieces = [
+        ReadPiece(ai, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape,
+                  dtype_from_name(a.dtype))
+        for ai, a in enumerate(arrays)
+        for ci, c in enumerate(a.chunks)
+        if c.nbytes
+    ]
+    return coalesce(pieces, max_request_bytes=max_request_bytes)
+
+
+def coalesce(
+    pieces: Iterable[ReadPiece],
+    *,
+    max_request_bytes: int = 32 << 20,
+    max_gap_bytes: int = 64 << 10,
+    max_pieces_per_request: int = 512,
+) -> list[ReadRequest]:
+    """Sort pieces by (file, offset) and merge neighbours into large requests."""
+    ordered = sorted(pieces, key=lambda p: (p.file, p.offset, p.array, p.chunk))
+    requests: list[ReadRequest] = []
+    cur: ReadRequest | None = None
+    for p in ordered:
+        if cur is not None:
+            end = cur.offset + cur.nbytes
+            gap = p.offset - end
+            if (
+                p.file == cur.file
+                and 0 <= gap <= max_gap_bytes
+                and cur.nbytes + gap + p.nbytes <= max_request_bytes
+                and len(cur.pieces) < max_pieces_per_request
+            ):
+                cur.pieces.append(p)
+                cur.nbytes += gap + p.nbytes
+                continue
+        cur = ReadRequest(p.file, p.offset, p.nbytes, [p])
+        requests.append(cur)
+    return requests

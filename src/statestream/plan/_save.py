@@ -1,0 +1,146 @@
+"""Save planning: split arrays into chunks and lay chunks out in data files.
+
+Pure functions over plain dataclasses; every item carries its byte cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+__all__ = ["ArraySpec", "FilePlan", "SavePlan", "WriteItem", "plan_save", "split_chunks"]
+
+#: Chunks of at least this size start on a page boundary (O_DIRECT/mmap friendly).
+PAGE_ALIGN = 4096
+PAGE_ALIGN_MIN_BYTES = 256 * 1024
+#: Smaller chunks are packed on cache-line boundaries.
+SMALL_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """What the planner needs to know about one array to save."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    copies: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteItem:
+    """One chunk to write: which array box, where in which file, and its cost."""
+
+    array: int
+    chunk: int
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    file: int
+    offset: int
+    #: Host bytes the engine must stage (copy) to write this item; 0 if zero-copy.
+    staging_bytes: int
+
+
+@dataclasses.dataclass(slots=True)
+class FilePlan:
+    """A data file: its name, final size and items in offset order."""
+
+    name: str
+    size: int
+    items: list[WriteItem]
+
+
+@dataclasses.dataclass(slots=True)
+class SavePlan:
+    """Everything the engine writes, and each array's chunk list for the manifest."""
+
+    files: list[FilePlan]
+    #: per array: list of (start, shape, nbytes) in chunk order
+    chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]]
+    total_bytes: int
+
+
+def split_chunks(
+    shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split an array into row blocks (along axis 0) of at most ``max_chunk_bytes``.
+
+    Each block is contiguous in C order. Empty arrays have no chunks; 0-d
+    arrays have one.
+
+    Example:
+        >>> split_chunks((10, 4), 4, 48)
+        [((0, 0), (3, 4)), ((3, 0), (3, 4)), ((6, 0), (3, 4)), ((9, 0), (1, 4))]
+    """
+    if not shape:
+        return [((), ())]
+    if math.prod(shape) == 0:
+        return []
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = max(1, max_chunk_bytes // max(row_bytes, 1))
+    out = []
+    for r in range(0, shape[0], rows):
+        n = min(rows, shape[0] - r)
+        out.append(((r,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:])))
+    return out
+
+
+def _align(offset: int, nbytes: int) -> int:
+    a = PAGE_ALIGN if nbytes >= PAGE_ALIGN_MIN_BYTES else SMALL_ALIGN
+    return -(-offset // a) * a
+
+
+def plan_save(
+    arrays: Sequence[ArraySpec],
+    *,
+    file_prefix: str,
+    max_files: int,
+    max_chunk_bytes: int,
+    min_file_bytes: int = 32 << 20,
+) -> SavePlan:
+    """Chunk every array and pack the chunks, in array order, into balanced files.
+
+    Files are contiguous runs of chunks so that arrays saved together are
+    read together; their count grows with the state up to ``max_files``
+    (one per writer thread).
+
+    Example:
+        >>> p = plan_save([ArraySpec((4,), 4), ArraySpec((), 8)], file_prefix="data/r0",
+        ...               max_files=4, max_chunk_bytes=1 << 20)
+        >>> [(f.name, f.size, len(f.items)) for f in p.files]
+        [('data/r0-0.bin', 72, 2)]
+    """
+    chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]] = []
+    flat: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int, bool]] = []
+    total = 0
+    for ai, a in enumerate(arrays):
+        per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        for ci, (start, cshape) in enumerate(split_chunks(a.shape, a.itemsize, max_chunk_bytes)):
+            nb = math.prod(cshape) * a.itemsize
+            per.append((start, cshape, nb))
+            flat.append((ai, ci, start, cshape, nb, a.copies))
+            total += nb
+        chunks.append(per)
+    n_files = max(1, min(max_files, -(-total // max(min_file_bytes, 1))))
+    target = -(-total // n_files) if total else 0
+    files: list[FilePlan] = []
+    cur: list[WriteItem] = []
+    offset = 0
+    filled = 0
+
+    def close() -> None:
+        nonlocal cur, offset
+        files.append(FilePlan(f"{file_prefix}-{len(files)}.bin", offset, cur))
+        cur, offset = [], 0
+
+    for ai, ci, start, cshape, nb, copies in flat:
+        if cur and len(files) < n_files - 1 and filled >= target * (len(files) + 1):
+            close()
+        off = _align(offset, nb)
+        cur.append(WriteItem(ai, ci, start, cshape, nb, len(files), off, nb if copies else 0))
+        offset = off + nb
+        filled += nb
+    if cur:
+        close()
+    return SavePlan(files=files, chunks=chunks, total_bytes=total)

@@ -1,0 +1,111 @@
+"""The provider protocol: one provider per kind of array state.
+
+A provider knows one framework and nothing about files. On save it
+*prepares* a value (describes dtype/shape and snapshots it so chunks can
+be copied out later); on load it *restores* a value for a target, handing
+the engine destination buffers to fill and a ``finish`` that builds the
+framework object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from statestream.tree import KeyPath
+
+__all__ = [
+    "ArrayProvider",
+    "Destination",
+    "PreparedArray",
+    "box_slices",
+    "chunk_of_host_array",
+]
+
+
+def box_slices(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """Index expression selecting the box ``[start, start + shape)``."""
+    return tuple(slice(s, s + n) for s, n in zip(start, shape))
+
+
+def chunk_of_host_array(
+    arr: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]
+) -> np.ndarray:
+    """Little-endian, C-contiguous bytes (1-D uint8) of a box of a host array.
+
+    No copy when the box is already contiguous and little-endian.
+    """
+    part = arr[box_slices(start, shape)] if arr.ndim else arr.reshape(1)
+    if part.dtype.byteorder == ">":
+        part = part.astype(part.dtype.newbyteorder("<"))
+    part = np.ascontiguousarray(part)
+    return part.reshape(-1).view(np.uint8)
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedArray:
+    """A leaf ready to be written: its metadata plus a way to read its bytes.
+
+    ``chunk(start, shape)`` returns the box's bytes as a 1-D uint8 array,
+    C order, little-endian. It may be called from engine worker threads.
+    ``copies`` says whether ``chunk`` allocates (so the engine charges the
+    memory budget for it).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray]
+    copies: bool
+    attrs: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        from statestream.format import itemsize_of
+
+        return math.prod(self.shape) * itemsize_of(self.dtype)
+
+
+@dataclasses.dataclass(slots=True)
+class Destination:
+    """Where a restored array's bytes go, and how to build the final value.
+
+    ``boxes`` pairs each global box start with a writable host array of the
+    saved dtype and the box's shape; the engine fills them. ``finish()``
+    then returns the framework value (casting / moving devices as needed).
+    """
+
+    boxes: list[tuple[tuple[int, ...], np.ndarray]]
+    finish: Callable[[], Any]
+
+
+class ArrayProvider(Protocol):
+    """Same shape for every framework (numpy, torch, jax)."""
+
+    kind: str
+
+    def handles(self, obj: Any) -> bool:
+        """True if ``obj`` is a value of this provider's framework."""
+        ...
+
+    def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
+        """Describe ``obj`` and snapshot it for writing."""
+        ...
+
+    def is_target(self, like: Any) -> bool:
+        """True if ``like`` (a target leaf) asks for this framework's type."""
+        ...
+
+    def target_shape(self, like: Any) -> tuple[int, ...]:
+        """Global shape the target expects."""
+        ...
+
+    def restore(
+        self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath
+    ) -> Destination:
+        """Allocate destinations for a saved array, typed after ``like`` (or defaults)."""
+        ...

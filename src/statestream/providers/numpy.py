@@ -1,0 +1,85 @@
+"""NumPy arrays and scalars (including ml_dtypes bfloat16 / float8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import TargetMismatchError, UnsupportedTypeError
+from statestream.format import dtype_from_name, dtype_name
+from statestream.providers._base import Destination, PreparedArray, chunk_of_host_array
+from statestream.tree import KeyPath, format_keypath
+
+__all__ = ["NumpyProvider", "host_destination", "prepare_host_array"]
+
+
+def prepare_host_array(arr: np.ndarray, path: KeyPath, kind: str,
+                       attrs: dict[str, Any] | None = None) -> PreparedArray:
+    """Prepare a host NumPy array (any layout, any byte order) for writing."""
+    name = dtype_name(arr.dtype)
+    if name is None:
+        raise UnsupportedTypeError(
+            f"array at key path '{format_keypath(path)}' has dtype {arr.dtype}, which "
+            "statestream cannot store; cast it to a numeric dtype"
+        )
+    copies = not arr.flags.c_contiguous or arr.dtype.byteorder == ">"
+    return PreparedArray(
+        kind=kind,
+        dtype=name,
+        shape=tuple(int(s) for s in arr.shape),
+        chunk=lambda start, shape: chunk_of_host_array(arr, start, shape),
+        copies=copies,
+        attrs=attrs,
+    )
+
+
+def host_destination(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A fresh host array to read a saved array into."""
+    return np.empty(shape, dtype=dtype_from_name(dtype))
+
+
+class NumpyProvider:
+    """Provider for ``numpy.ndarray`` and NumPy scalars."""
+
+    kind = "numpy"
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, (np.ndarray, np.generic))
+
+    def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
+        if isinstance(obj, np.generic):
+            return prepare_host_array(np.asarray(obj), path, self.kind, {"scalar": True})
+        if obj.dtype.hasobject or obj.dtype.fields is not None:
+            raise UnsupportedTypeError(
+                f"array at key path '{format_keypath(path)}' has dtype {obj.dtype}; object "
+                "and structured arrays are not supported (pickle it via pickle_paths)"
+            )
+        return prepare_host_array(obj, path, self.kind)
+
+    def is_target(self, like: Any) -> bool:
+        return isinstance(like, (np.ndarray, np.generic))
+
+    def target_shape(self, like: Any) -> tuple[int, ...]:
+        return tuple(int(s) for s in np.shape(like))
+
+    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                scalar: bool = False) -> Destination:
+        dest = host_destination(dtype, shape)
+        want = None if like is None else np.asarray(like).dtype
+        if like is not None and isinstance(like, np.generic):
+            scalar = True
+
+        def finish() -> Any:
+            out = dest
+            if want is not None and want != out.dtype:
+                try:
+                    out = out.astype(want)
+                except (TypeError, ValueError) as exc:
+                    raise TargetMismatchError(
+                        f"cannot cast saved {dtype} array at key path '{format_keypath(path)}' "
+                        f"to the target's dtype {want}: {exc}"
+                    ) from exc
+            return out[()] if scalar else out
+
+        return Destination(boxes=[((0,) * len(shape), dest)], finish=finish)

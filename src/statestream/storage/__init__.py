@@ -1,0 +1,27 @@
+"""Storage backends: where checkpoint bytes live.
+
+``Storage`` is the protocol; ``LocalStorage`` is the POSIX fast path.
+``storage_for(path)`` picks the backend for a path or URL.
+"""
+
+from statestream.storage._base import (
+    Buffer,
+    CheckpointReader,
+    FileWriter,
+    Storage,
+    StorageCapabilities,
+    WriteTransaction,
+)
+from statestream.storage._local import LocalStorage
+from statestream.storage._resolve import storage_for
+
+__all__ = [
+    "Buffer",
+    "CheckpointReader",
+    "FileWriter",
+    "LocalStorage",
+    "Storage",
+    "StorageCapabilities",
+    "WriteTransaction",
+    "storage_for",
+]

@@ -1,0 +1,131 @@
+"""The Storage protocol: the few operations a checkpoint backend provides.
+
+Methods are synchronous and thread-safe: the engine calls them from its
+worker threads (blocking I/O there releases the GIL). A backend that wraps
+an async client bridges it on one long-lived loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = [
+    "Buffer",
+    "CheckpointReader",
+    "FileWriter",
+    "Storage",
+    "StorageCapabilities",
+    "WriteTransaction",
+]
+
+#: Anything exposing the buffer protocol (bytes, memoryview, numpy arrays).
+Buffer = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StorageCapabilities:
+    """What a backend can do, declared up front instead of probed with try/except."""
+
+    #: Commit is a rename of a temporary location (local) rather than a marker object.
+    atomic_rename: bool
+    #: Files accept writes at arbitrary offsets (pwrite); otherwise write in order.
+    random_write: bool
+    #: Reads of byte ranges are cheap (local, object-store ranged GET).
+    ranged_read: bool = True
+
+
+class FileWriter(Protocol):
+    """One data file being written inside a transaction."""
+
+    def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+        """Write ``buffers`` back to back starting at byte ``offset``."""
+        ...
+
+    def finish(self) -> None:
+        """Make the file durable (fsync) and close it."""
+        ...
+
+    def abort(self) -> None:
+        """Close without making durable."""
+        ...
+
+
+class WriteTransaction(Protocol):
+    """A checkpoint being written; invisible until :meth:`commit`."""
+
+    location: str
+
+    def create_file(self, name: str, size_hint: int) -> FileWriter:
+        """Create data file ``name`` (``data/...``) of about ``size_hint`` bytes."""
+        ...
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write a small file (manifest, commit marker) durably in one go."""
+        ...
+
+    def commit(self) -> None:
+        """Atomically publish the checkpoint at its final path."""
+        ...
+
+    def abort(self) -> None:
+        """Discard everything written; the final path is untouched."""
+        ...
+
+
+class CheckpointReader(Protocol):
+    """Read access to one committed checkpoint."""
+
+    location: str
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes:
+        """Read a whole small file, refusing ones larger than ``max_bytes``."""
+        ...
+
+    def file_size(self, name: str) -> int:
+        """Size in bytes of data file ``name``; TruncatedFileError if missing."""
+        ...
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        """Fill writable ``buffers`` from ``name`` starting at ``offset``, exactly."""
+        ...
+
+    def close(self) -> None:
+        """Release file handles."""
+        ...
+
+
+class Storage(Protocol):
+    """A place checkpoints live: a local file system, an object store, ..."""
+
+    capabilities: StorageCapabilities
+
+    def begin_write(self, path: str, *, overwrite: bool) -> WriteTransaction:
+        """Start writing a checkpoint to ``path``.
+
+        Raises:
+            CheckpointExistsError: ``path`` exists and ``overwrite`` is false
+                (or it exists and is not a checkpoint).
+        """
+        ...
+
+    def open_read(self, path: str) -> CheckpointReader:
+        """Open the committed checkpoint at ``path``.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed lives there.
+        """
+        ...
+
+    def is_committed(self, path: str) -> bool:
+        """True if ``path`` holds a committed checkpoint."""
+        ...
+
+    def list(self, path: str) -> list[str]:
+        """Names of the entries directly under ``path`` (empty if none)."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Remove the checkpoint at ``path`` (uncommit first, then data)."""
+        ...

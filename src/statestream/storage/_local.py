@@ -1,0 +1,372 @@
+"""Local POSIX storage: pwritev/preadv from worker threads, commit by rename."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StorageError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+)
+from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
+from statestream.storage._base import Buffer, StorageCapabilities
+
+__all__ = ["LocalStorage"]
+
+_IOV_MAX = 1024
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2_fn() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _renameat2_fn()
+
+
+def _rename2(src: str, dst: str, flags: int) -> bool:
+    """renameat2(2); returns False if the kernel/file system does not support it."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    while views:
+        batch = views[:_IOV_MAX]
+        try:
+            n = os.pwritev(fd, batch, offset)
+        except OSError as exc:
+            raise StorageError(f"writing {where} at offset {offset} failed: {exc}") from exc
+        offset += n
+        # drop fully written views; trim a partially written one
+        while n and views:
+            v = views[0]
+            if n >= v.nbytes:
+                n -= v.nbytes
+                views.pop(0)
+            else:
+                views[0] = v[n:]
+                n = 0
+
+
+class _LocalFileWriter:
+    def __init__(self, path: str, size_hint: int) -> None:
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if size_hint > 0:
+            try:
+                os.posix_fallocate(self._fd, 0, size_hint)
+            except OSError:
+                pass  # not supported by this file system; writes extend the file
+
+    def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+        _pwrite_all(self._fd, buffers, offset, self._path)
+
+    def finish(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise StorageError(f"fsync of {self._path} failed: {exc}") from exc
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _LocalWriteTransaction:
+    def __init__(self, path: str, overwrite: bool) -> None:
+        self.location = path
+        self._final = path
+        self._overwrite = overwrite
+        parent, name = os.path.split(path)
+        os.makedirs(parent, exist_ok=True)
+        self._tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        os.mkdir(self._tmp)
+        os.mkdir(os.path.join(self._tmp, DATA_DIR))
+        self._done = False
+
+    def _tmp_path(self, name: str) -> str:
+        if name.startswith(DATA_DIR + "/"):
+            validate_file_name(name)
+        elif "/" in name or name in ("", ".", ".."):
+            raise UnsafeCheckpointError(f"refusing to write {name!r} outside the checkpoint")
+        return os.path.join(self._tmp, name)
+
+    def create_file(self, name: str, size_hint: int) -> _LocalFileWriter:
+        return _LocalFileWriter(self._tmp_path(name), size_hint)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        w = _LocalFileWriter(self._tmp_path(name), 0)
+        try:
+            w.write_at([data], 0)
+            w.finish()
+        except BaseException:
+            w.abort()
+            raise
+
+    def commit(self) -> None:
+        try:
+            _fsync_dir(os.path.join(self._tmp, DATA_DIR))
+            _fsync_dir(self._tmp)
+            final = self._final
+            if os.path.lexists(final):
+                if not self._overwrite:
+                    raise CheckpointExistsError(
+                        f"{final} already exists; pass overwrite=True to replace it atomically "
+                        "or choose another path"
+                    )
+                _check_replaceable(final)
+                if _rename2(self._tmp, final, _RENAME_EXCHANGE):
+                    # self._tmp now holds the previous checkpoint
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+                else:
+                    old = self._tmp + ".old"
+                    os.rename(final, old)
+                    os.rename(self._tmp, final)
+                    shutil.rmtree(old, ignore_errors=True)
+            else:
+                try:
+                    ok = _rename2(self._tmp, final, _RENAME_NOREPLACE)
+                except FileExistsError:
+                    raise CheckpointExistsError(
+                        f"{final} was created by someone else while this save ran; "
+                        "nothing was replaced"
+                    ) from None
+                if not ok:
+                    os.rename(self._tmp, final)
+            _fsync_dir(os.path.dirname(final) or ".")
+            self._done = True
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self._done:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._done = True
+
+
+def _check_replaceable(path: str) -> None:
+    """Only a committed checkpoint or an empty directory may be replaced."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        if os.path.exists(os.path.join(path, COMMIT_NAME)) or not os.listdir(path):
+            return
+    raise CheckpointExistsError(
+        f"{path} exists and is not a statestream checkpoint; refusing to replace it even with "
+        "overwrite=True. Remove it yourself or choose another path"
+    )
+
+
+class _LocalReader:
+    def __init__(self, path: str) -> None:
+        self.location = path
+        try:
+            self._root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {path}: the directory does not exist"
+            ) from None
+        try:
+            os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(self._root)
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
+                "interrupted or foreign save?); refusing to load it"
+            ) from None
+        self._data: int | None = None
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is not None:
+                return fd
+            validate_file_name(name)
+            try:
+                if self._data is None:
+                    self._data = os.open(
+                        DATA_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=self._root,
+                    )
+                fd = os.open(
+                    name[len(DATA_DIR) + 1 :], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=self._data,
+                )
+            except FileNotFoundError:
+                raise TruncatedFileError(
+                    f"data file {os.path.join(self.location, name)} is missing; the checkpoint "
+                    "is damaged"
+                ) from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeCheckpointError(
+                        f"{os.path.join(self.location, name)} is a symbolic link or not a file; "
+                        "refusing to follow it out of the checkpoint"
+                    ) from None
+                raise StorageError(f"cannot open {self.location}/{name}: {exc}") from exc
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
+            self._fds[name] = fd
+            return fd
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes:
+        where = os.path.join(self.location, name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where} is missing; the checkpoint is damaged") from None
+        except OSError as exc:
+            raise UnsafeCheckpointError(f"cannot open {where} safely: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise CheckpointCorruptError(
+                    f"{where} is {size} bytes, over the {max_bytes}-byte limit"
+                )
+            buf = bytearray(size)
+            got = os.preadv(fd, [buf], 0) if size else 0
+            if got != size:
+                raise TruncatedFileError(f"{where} changed while being read")
+            return bytes(buf)
+        finally:
+            os.close(fd)
+
+    def file_size(self, name: str) -> int:
+        return os.fstat(self._open(name)).st_size
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        fd = self._open(name)
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if v.nbytes]
+        while views:
+            batch = views[:_IOV_MAX]
+            try:
+                n = os.preadv(fd, batch, offset)
+            except OSError as exc:
+                raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
+            if n == 0:
+                raise TruncatedFileError(
+                    f"data file {os.path.join(self.location, name)} ends at byte {offset}, "
+                    "before the data the manifest lists; the checkpoint is truncated"
+                )
+            offset += n
+            while n and views:
+                v = views[0]
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = v[n:]
+                    n = 0
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._data is not None:
+                os.close(self._data)
+                self._data = None
+            if self._root >= 0:
+                os.close(self._root)
+                self._root = -1
+
+
+class LocalStorage:
+    """Checkpoints as directories on a local (POSIX) file system.
+
+    A save writes into ``.<name>.tmp-<id>`` next to the final path, fsyncs
+    every file and directory, then renames it into place (``renameat2``
+    with ``RENAME_NOREPLACE``, or ``RENAME_EXCHANGE`` to replace an existing
+    checkpoint atomically).
+
+    Example:
+        >>> import tempfile, os
+        >>> st = LocalStorage()
+        >>> d = tempfile.mkdtemp()
+        >>> st.is_committed(os.path.join(d, "ckpt"))
+        False
+    """
+
+    capabilities = StorageCapabilities(atomic_rename=True, random_write=True)
+
+    def begin_write(self, path: str, *, overwrite: bool) -> _LocalWriteTransaction:
+        path = os.path.abspath(path)
+        if os.path.lexists(path):
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{path} already exists; pass overwrite=True to replace it atomically or "
+                    "choose another path"
+                )
+            _check_replaceable(path)
+        try:
+            return _LocalWriteTransaction(path, overwrite)
+        except OSError as exc:
+            raise StorageError(f"cannot create a checkpoint under {path}: {exc}") from exc
+
+    def open_read(self, path: str) -> _LocalReader:
+        return _LocalReader(os.path.abspath(path))
+
+    def is_committed(self, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, COMMIT_NAME))
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, path: str) -> None:
+        marker = os.path.join(path, COMMIT_NAME)
+        try:
+            os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(path, ignore_errors=True)
