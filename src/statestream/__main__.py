@@ -1,0 +1,5 @@
+import sys
+
+from statestream.cli import main
+
+sys.exit(main())

@@ -1,0 +1,132 @@
+"""``statestream`` command line: a thin shell over the public API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import statestream as ss
+
+__all__ = ["main"]
+
+
+def _human(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _describe(leaf: Any) -> tuple[str, str, str, int]:
+    if isinstance(leaf, ss.ArrayMetadata):
+        shape = "(" + ", ".join(str(s) for s in leaf.shape) + ("," if len(leaf.shape) == 1 else "") + ")"
+        return leaf.kind, leaf.dtype, shape, leaf.nbytes
+    text = repr(leaf)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return "value", type(leaf).__name__, text, 0
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _rows(tree: Any, collapse: bool) -> list[tuple[str, str, str, str, int]]:
+    """One row per leaf; long runs of plain values (RNG states, ...) fold into one row."""
+    from statestream.tree import format_keypath
+
+    out: list[tuple[str, str, str, str, int]] = []
+
+    def walk(x: Any, p: tuple[Any, ...]) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, p + (k,))
+        elif isinstance(x, (list, tuple)):
+            if collapse and len(x) > 8 and all(isinstance(v, _PLAIN) for v in x):
+                types = sorted({type(v).__name__ for v in x})
+                out.append((format_keypath(p), "values", "|".join(types),
+                            f"{type(x).__name__}[{len(x)}]", 0))
+                return
+            for i, v in enumerate(x):
+                walk(v, p + (i,))
+        else:
+            out.append((format_keypath(p),) + _describe(x))
+
+    walk(tree, ())
+    return out
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    md = ss.metadata(args.path)
+    rows = _rows(md.tree, collapse=not (args.all or args.json))
+    if args.json:
+        out = {
+            "path": md.path,
+            "format_version": md.format_version,
+            "total_bytes": md.total_bytes,
+            "num_arrays": md.num_arrays,
+            "files": md.files,
+            "meta": md.meta,
+            "leaves": [
+                {"key": k, "kind": kind, "dtype": dt, "shape": sh, "nbytes": nb}
+                for k, kind, dt, sh, nb in rows
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"checkpoint  {md.path}")
+    print(f"format      statestream v{md.format_version}  ({md.meta.get('library', '?')})")
+    w = max([len("key path")] + [len(r[0]) for r in rows])
+    print(f"{'key path':<{w}}  {'kind':<7} {'dtype':<14} {'shape':<22} {'size':>10}")
+    for k, kind, dt, sh, nb in rows:
+        size = _human(nb) if kind not in ("value", "values") else ""
+        print(f"{k:<{w}}  {kind:<7} {dt:<14} {sh:<22} {size:>10}")
+    n_files = len(md.files)
+    print(
+        f"total       {md.num_arrays} arrays, {_human(md.total_bytes)} in {n_files} data "
+        f"file{'s' if n_files != 1 else ''} ({_human(sum(s for _, s in md.files))} on disk), "
+        f"{sum(1 for _ in md.leaves())} leaves"
+    )
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    rep = ss.verify(args.path)
+    if rep.ok:
+        print(f"OK  {rep.path}: {rep.checked_chunks} chunks, {_human(rep.checked_bytes)} verified")
+        return 0
+    print(f"DAMAGED  {rep.path}: {len(rep.problems)} problem(s)", file=sys.stderr)
+    for p in rep.problems:
+        print(f"  - {p}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``statestream`` command.
+
+    Example:
+        >>> main(["--version"])  # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(
+        prog="statestream", description="Inspect and verify statestream checkpoints."
+    )
+    parser.add_argument("--version", action="version", version=f"statestream {ss.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="show the tree with shapes, dtypes and sizes")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all", action="store_true", help="list every value of long sequences")
+    p.set_defaults(fn=_cmd_inspect)
+    p = sub.add_parser("verify", help="re-read every chunk and check its checksum")
+    p.add_argument("path")
+    p.set_defaults(fn=_cmd_verify)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ss.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
