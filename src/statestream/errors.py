@@ -13,7 +13,7 @@ refines, so ``except FileNotFoundError`` keeps working::
     ├── FormatVersionError (ValueError)                written by a newer, unknown format version
     ├── UnsupportedTypeError (TypeError)               a leaf statestream cannot save
     ├── PickleNotAllowedError (PermissionError)        a pickled leaf loaded without allow_pickle
-    ├── TargetMismatchError (ValueError)               target shape/structure differs from the checkpoint
+    ├── TargetMismatchError (ValueError)               target shape/structure differs from saved
     ├── MissingKeyError (KeyError)                     target asks for a key the checkpoint lacks
     └── StorageError (OSError)                         the storage backend failed
 

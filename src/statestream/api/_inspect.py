@@ -7,13 +7,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from statestream.api._load import open_checkpoint
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import Manifest
 from statestream.plan import ReadPiece, plan_verify
 from statestream.tree import Key, KeyPath, Node, format_keypath
-
-from statestream.api._load import open_checkpoint
 
 __all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "verify"]
 

@@ -209,6 +209,12 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if k in ("list", "tuple") and isinstance(like, (list, tuple)) and not hasattr(
         type(like), "_fields"
     ):
+        if len(like) != len(kids) and merge:
+            # inside a stateful object the fresh state_dict() is only a hint (a history
+            # list may have grown since): load what was saved
+            builds = [(i, _walk(c, NO_TARGET, path + (i,), m, job, "saved", merge))
+                      for i, c in kids]
+            return _container_build(k, NO_TARGET, builds, path)
         if len(like) != len(kids):
             raise TargetMismatchError(
                 f"length mismatch at key path '{format_keypath(path)}': the checkpoint has a "
@@ -245,7 +251,8 @@ def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]
     if isinstance(like, dict):
         return list(like.items()), ("container", like)
     if isinstance(like, tuple) and hasattr(type(like), "_fields"):
-        return list(zip(type(like)._fields, like)), ("container", like)
+        fields: tuple[str, ...] = type(like)._fields  # type: ignore[attr-defined]
+        return list(zip(fields, like)), ("container", like)
     if dataclasses.is_dataclass(like) and not isinstance(like, type):
         return [(f.name, getattr(like, f.name)) for f in dataclasses.fields(like)], (
             "container", like)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 
 from statestream import __version__
 from statestream.distributed import Collective, SingleProcess
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, write_files
+from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
 from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import (
     COMMIT_NAME,
@@ -25,7 +25,7 @@ from statestream.format import (
     encode_manifest,
     itemsize_of,
 )
-from statestream.plan import ArraySpec, WriteItem, plan_save
+from statestream.plan import ArraySpec, StreamPlanner, WriteItem
 from statestream.providers import (
     PreparedArray,
     array_provider_for,
@@ -38,6 +38,9 @@ from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypa
 __all__ = ["save"]
 
 
+_CONTAINER_TYPES = frozenset({dict, list, tuple})
+
+
 class _Collector:
     """Turns leaves into manifest nodes and remembers the arrays to write."""
 
@@ -45,14 +48,20 @@ class _Collector:
         self.arrays: list[PreparedArray] = []
         self.paths: list[KeyPath] = []
         self._pickle = {parse_keypath(p) for p in pickle_paths}
+        self.on_array: Callable[[int, PreparedArray], None] | None = None
 
     def _add(self, prepared: PreparedArray, path: KeyPath) -> int:
         self.arrays.append(prepared)
         self.paths.append(path)
-        return len(self.arrays) - 1
+        index = len(self.arrays) - 1
+        if self.on_array is not None:
+            self.on_array(index, prepared)
+        return index
 
     def leaf(self, path: KeyPath, x: Any) -> Node | None:
         t = type(x)
+        if t in _CONTAINER_TYPES:
+            return None
         if x is None:
             return Node("none")
         if t is bool:
@@ -136,54 +145,61 @@ def save(
     io = io or IOOptions()
     memory = memory or MemoryOptions()
     coll = collective or SingleProcess()
-    collector = _Collector(pickle_paths)
-    tree = flatten(state, collector.leaf, pytree_fn=expand_pytree, fallback_fn=collector.fallback)
-    arrays = collector.arrays
-    plan = plan_save(
-        [ArraySpec(a.shape, itemsize_of(a.dtype), a.copies) for a in arrays],
-        file_prefix=f"data/r{coll.rank}",
-        max_files=io.num_threads,
-        max_chunk_bytes=io.max_chunk_bytes,
-    )
     storage, spath = storage_for(path)
     txn = storage.begin_write(spath, overwrite=overwrite)
+    planner = StreamPlanner(file_prefix=f"data/r{coll.rank}", max_files=io.num_threads,
+                            max_chunk_bytes=io.max_chunk_bytes)
+    collector = _Collector(pickle_paths)
+    arrays = collector.arrays
+
+    def source(item: WriteItem) -> np.ndarray:
+        try:
+            return arrays[item.array].chunk(item.start, item.shape)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise UnsupportedTypeError(
+                f"reading the value at key path "
+                f"'{format_keypath(collector.paths[item.array])}' failed: {exc}"
+            ) from exc
+
+    writer = StreamWriter(txn, planner.file_name, source,
+                          budget=ByteBudget(memory.resolved()), progress=progress)
+
+    def on_array(index: int, prepared: PreparedArray) -> None:
+        # Writers start on this array while the walk goes on to the next.
+        writer.submit(planner.add(index, ArraySpec(prepared.shape, itemsize_of(prepared.dtype),
+                                                   prepared.copies)))
+
+    collector.on_array = on_array
     try:
-
-        def source(item: WriteItem) -> np.ndarray:
-            try:
-                return arrays[item.array].chunk(item.start, item.shape)
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise UnsupportedTypeError(
-                    f"reading the value at key path "
-                    f"'{format_keypath(collector.paths[item.array])}' failed: {exc}"
-                ) from exc
-
-        budget = ByteBudget(memory.resolved())
-        sums = write_files(txn, plan.files, source, options=io, budget=budget,
-                           progress=progress)
+        try:
+            tree = flatten(state, collector.leaf, pytree_fn=expand_pytree,
+                           fallback_fn=collector.fallback)
+        except BaseException:
+            writer.abort()
+            raise
+        sums = writer.close()
+        files = planner.files()
         entries: list[ArrayEntry] = []
-        # chunk -> (file, offset) from the plan
-        where: dict[tuple[int, int], tuple[int, int]] = {}
-        for fp in plan.files:
-            for it in fp.items:
-                where[(it.array, it.chunk)] = (it.file, it.offset)
+        offsets = planner.offsets
         for ai, a in enumerate(arrays):
             chunks = []
-            for ci, (start, cshape, nb) in enumerate(plan.chunks[ai]):
-                f, off = where[(ai, ci)]
+            for ci, (start, cshape, nb) in enumerate(planner.chunks[ai]):
+                if nb == 0:
+                    continue
+                f, off = offsets[(ai, ci)]
                 chunks.append(ChunkEntry(f, off, nb, sums[(ai, ci)], start, cshape))
             entries.append(ArrayEntry(a.dtype, a.shape, tuple(chunks)))
         manifest = Manifest(
             tree=tree,
             arrays=entries,
-            files=[FileEntry(fp.name, fp.size) for fp in plan.files],
+            files=[FileEntry(fp.name, fp.size) for fp in files],
             meta={
                 "library": f"statestream {__version__}",
                 "created_unix": time.time(),
                 "world_size": coll.world_size,
-                "total_bytes": plan.total_bytes,
+                "total_bytes": planner.total_bytes,
             },
         )
         coll.barrier("statestream.save.written")

@@ -24,7 +24,8 @@ def _human(n: int) -> str:
 
 def _describe(leaf: Any) -> tuple[str, str, str, int]:
     if isinstance(leaf, ss.ArrayMetadata):
-        shape = "(" + ", ".join(str(s) for s in leaf.shape) + ("," if len(leaf.shape) == 1 else "") + ")"
+        dims = ", ".join(str(s) for s in leaf.shape)
+        shape = f"({dims},)" if len(leaf.shape) == 1 else f"({dims})"
         return leaf.kind, leaf.dtype, shape, leaf.nbytes
     text = repr(leaf)
     if len(text) > 40:
@@ -95,6 +96,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        ss.metadata(args.path)
+    except ss.CheckpointNotFoundError:
+        raise  # nothing to verify: exit 2 like inspect, not 1 (damaged)
+    except ss.CheckpointError:
+        pass  # a damaged manifest is reported by verify below
     rep = ss.verify(args.path)
     if rep.ok:
         print(f"OK  {rep.path}: {rep.checked_chunks} chunks, {_human(rep.checked_bytes)} verified")

@@ -8,7 +8,9 @@ threads (pwritev/preadv and CRC-32C release the GIL).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -19,7 +21,6 @@ import numpy as np
 from statestream.errors import (
     CheckpointCorruptError,
     ChecksumMismatchError,
-    TruncatedFileError,
 )
 from statestream.format import checksum
 from statestream.plan import FilePlan, ReadPiece, ReadRequest, WriteItem
@@ -30,6 +31,7 @@ __all__ = [
     "IOOptions",
     "MemoryOptions",
     "Progress",
+    "StreamWriter",
     "default_memory_budget_bytes",
     "read_requests",
     "write_files",
@@ -98,10 +100,11 @@ class ByteBudget:
 
     Example:
         >>> b = ByteBudget(100)
-        >>> b.acquire(60); b.in_use
+        >>> b.acquire(60)
         60
-        >>> b.release(60); b.peak
-        60
+        >>> b.release(60)
+        >>> b.in_use, b.peak
+        (0, 60)
     """
 
     def __init__(self, capacity: int) -> None:
@@ -202,13 +205,15 @@ def write_files(
             batch_off = 0
             batch_end = 0
             held = 0
+            reported = 0  # progress counts alignment gaps between batches too
             local: dict[tuple[int, int], int] = {}
 
             def flush() -> None:
-                nonlocal batch, held
+                nonlocal batch, held, reported
                 if batch:
                     w.write_at(batch, batch_off)
-                    prog.add(batch_end - batch_off)
+                    prog.add(batch_end - reported)
+                    reported = batch_end
                 batch = []
                 budget.release(held)
                 held = 0
@@ -248,7 +253,8 @@ def write_files(
         with lock:
             sums.update(local)
 
-    _run_all(options.num_threads, [lambda fp=fp: write_one(fp) for fp in files])
+    jobs: list[Callable[[], None]] = [functools.partial(write_one, fp) for fp in files]
+    _run_all(options.num_threads, jobs)
     return sums
 
 
@@ -317,7 +323,7 @@ def read_requests(
                 pos = p.offset + p.nbytes
             try:
                 reader.read_into(file_names[req.file], req.offset, bufs)
-            except TruncatedFileError as exc:
+            except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
                 names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
                 raise type(exc)(f"{exc} (affects {names})") from None
             for p, buf in zip(req.pieces, views):
@@ -345,3 +351,142 @@ def read_requests(
 
     n = max(1, min(options.num_threads, len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+class StreamWriter:
+    """Writes items as they are planned: one thread and queue per data file.
+
+    The caller (walking the state on its own thread) ``submit``s items; each
+    file's thread writes them in order, coalescing queued neighbours into
+    vectored writes of up to 16 MiB, charging copies to ``budget``. So
+    preparing later arrays overlaps writing earlier ones. ``close()`` waits,
+    fsyncs every file, and returns the CRC-32C of every (array, chunk).
+
+    """
+
+    _STOP = object()
+
+    def __init__(
+        self,
+        txn: WriteTransaction,
+        file_name: Callable[[int], str],
+        source: Callable[[WriteItem], np.ndarray],
+        *,
+        budget: ByteBudget,
+        progress: Progress | None = None,
+    ) -> None:
+        self._txn = txn
+        self._name = file_name
+        self._source = source
+        self._budget = budget
+        self._progress = progress
+        self._done = 0
+        self._lock = threading.Lock()
+        self._queues: list[queue.SimpleQueue[Any]] = []
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._sums: dict[tuple[int, int], int] = {}
+        self._failed = threading.Event()
+        self.total_bytes = 0
+
+    def submit(self, items: Sequence[WriteItem]) -> None:
+        """Queue items for writing; raises at once if a writer has failed."""
+        if self._failed.is_set():
+            self._raise()
+        for it in items:
+            while it.file >= len(self._queues):
+                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                t = threading.Thread(target=self._run, args=(len(self._queues), q),
+                                     name=f"statestream-write-{len(self._queues)}", daemon=True)
+                self._queues.append(q)
+                self._threads.append(t)
+                t.start()
+            self._queues[it.file].put(it)
+            self.total_bytes += it.nbytes
+
+    def close(self) -> dict[tuple[int, int], int]:
+        """Finish every file (fsync) and return the chunk checksums."""
+        for q in self._queues:
+            q.put(self._STOP)
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            self._raise()
+        return self._sums
+
+    def abort(self) -> None:
+        """Stop writers as soon as possible (after an error elsewhere)."""
+        self._failed.set()
+        for q in self._queues:
+            q.put(self._STOP)
+        for t in self._threads:
+            t.join()
+
+    def _raise(self) -> None:
+        raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
+
+    def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
+        budget = self._budget
+        w = None
+        held = 0
+        sums: dict[tuple[int, int], int] = {}
+        try:
+            w = self._txn.create_file(self._name(index), 0)
+            stop = False
+            pending: Any = None
+            while not stop:
+                it = pending if pending is not None else q.get()
+                pending = None
+                if it is self._STOP or self._failed.is_set():
+                    break
+                batch: list[Any] = []
+                batch_off = it.offset
+                end = it.offset
+                while True:
+                    got = budget.try_acquire(it.staging_bytes)
+                    if got is None:
+                        if batch:  # never wait while holding staged bytes
+                            pending = it
+                            break
+                        got = budget.acquire(it.staging_bytes)
+                    held += got
+                    data = self._source(it)
+                    sums[(it.array, it.chunk)] = checksum(data)
+                    pad = it.offset - end
+                    while pad > 0:
+                        z = min(pad, len(_ZEROS))
+                        batch.append(_ZEROS[:z])
+                        pad -= z
+                    batch.append(data)
+                    end = it.offset + it.nbytes
+                    if end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900:
+                        break
+                    try:
+                        nxt = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is self._STOP:
+                        stop = True
+                        break
+                    it = nxt
+                w.write_at(batch, batch_off)
+                budget.release(held)
+                held = 0
+                if self._progress is not None:
+                    with self._lock:
+                        self._done += end - batch_off
+                        done = self._done
+                    self._progress(done, self.total_bytes)
+            if not self._failed.is_set():
+                w.finish()
+                w = None
+            with self._lock:
+                self._sums.update(sums)
+        except BaseException as exc:  # reported by submit()/close()
+            with self._lock:
+                self._errors.append(exc)
+            self._failed.set()
+        finally:
+            budget.release(held)
+            if w is not None:
+                w.abort()

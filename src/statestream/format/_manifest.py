@@ -208,7 +208,7 @@ def _str(v: Any, what: str) -> str:
 
 def validate_file_name(name: str) -> str:
     """Accept only ``data/<plain name>``: no separators, no ``..``, no absolute paths."""
-    if type(name) is not str or not _FILE_NAME_RE.match(name) or ".." in name:
+    if type(name) is not str or not _FILE_NAME_RE.fullmatch(name) or ".." in name:
         raise UnsafeCheckpointError(
             f"manifest names data file {name!r:.120}, which is not a plain file inside the "
             "checkpoint's data/ directory; refusing to read it (the checkpoint is corrupt or "
@@ -324,36 +324,48 @@ def _decode_array(d: Any, i: int, files: list[FileEntry]) -> ArrayEntry:
     chunks: list[ChunkEntry] = []
     covered = 0
     nd = len(shape)
-    for j, c in enumerate(_list(d.get("chunks"), f"array {i} chunks")):
-        c = _list(c, f"array {i} chunk {j}")
-        if len(c) != 6:
-            raise _Bad(f"array {i} chunk {j} must have 6 fields")
-        f = _int(c[0], "chunk file index", 0, len(files) - 1) if files else -1
-        if f < 0:
-            raise _Bad(f"array {i} chunk {j} refers to a file but the file table is empty")
-        off = _int(c[1], "chunk offset", 0, MAX_FILE_BYTES)
-        nb = _int(c[2], "chunk length", 0, MAX_ARRAY_BYTES)
-        crc = _int(c[3], "chunk checksum", 0, 0xFFFFFFFF)
-        start = tuple(_int(x, "chunk start", 0, MAX_DIM) for x in _list(c[4], "chunk start"))
-        cshape = tuple(_int(x, "chunk shape", 0, MAX_DIM) for x in _list(c[5], "chunk shape"))
-        if len(start) != nd or len(cshape) != nd:
-            raise _Bad(f"array {i} chunk {j} has the wrong number of dimensions")
+    n_files = len(files)
+    chunk_list = _list(d.get("chunks"), f"array {i} chunks")
+    for j, c in enumerate(chunk_list):
+        if type(c) is not list or len(c) != 6:
+            raise _Bad(f"array {i} chunk {j} must be a list of 6 fields")
+        f, off, nb, crc, start_l, shape_l2 = c
+        if type(f) is not int or not 0 <= f < n_files:
+            raise _Bad(f"array {i} chunk {j} refers to file {f!r:.40}, not one of {n_files}")
+        if type(off) is not int or not 0 <= off <= MAX_FILE_BYTES:
+            raise _Bad(f"array {i} chunk {j} has a bad offset {off!r:.40}")
+        if type(nb) is not int or not 0 <= nb <= MAX_ARRAY_BYTES:
+            raise _Bad(f"array {i} chunk {j} has a bad length {nb!r:.40}")
+        if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+            raise _Bad(f"array {i} chunk {j} has a bad checksum {crc!r:.40}")
+        if (
+            type(start_l) is not list
+            or type(shape_l2) is not list
+            or len(start_l) != nd
+            or len(shape_l2) != nd
+        ):
+            raise _Bad(f"array {i} chunk {j} must give start and shape with {nd} dimensions")
         for a in range(nd):
-            if start[a] + cshape[a] > shape[a]:
+            x, n = start_l[a], shape_l2[a]
+            if type(x) is not int or type(n) is not int or x < 0 or n < 0:
+                raise _Bad(f"array {i} chunk {j} has a bad start/shape on axis {a}")
+            if x + n > shape[a]:
                 raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
+        cshape = tuple(shape_l2)
         vol = math.prod(cshape)
         if nb != vol * itemsize:
             raise _Bad(
                 f"array {i} chunk {j} is {nb} bytes but its shape {cshape} x {itemsize} bytes "
                 f"per element needs {vol * itemsize}"
             )
-        if off + nb > files[f].size:
+        fe = files[f]
+        if off + nb > fe.size:
             raise _Bad(
-                f"array {i} chunk {j} spans bytes [{off}, {off + nb}) of {files[f].name}, "
-                f"which the manifest says has only {files[f].size} bytes"
+                f"array {i} chunk {j} spans bytes [{off}, {off + nb}) of {fe.name}, "
+                f"which the manifest says has only {fe.size} bytes"
             )
         covered += vol
-        chunks.append(ChunkEntry(f, off, nb, crc, start, cshape))
+        chunks.append(ChunkEntry(f, off, nb, crc, tuple(start_l), cshape))
     if covered != total:
         raise _Bad(f"array {i}'s chunks cover {covered} of its {total} elements")
     live = [c for c in chunks if math.prod(c.shape) > 0]
@@ -412,7 +424,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
                 raise _Bad(f"data file {name} is listed twice")
             seen.add(name)
             files.append(FileEntry(name, _int(fl[1], "file size", 0, MAX_FILE_BYTES)))
-        arrays = [_decode_array(a, i, files) for i, a in enumerate(_list(doc.get("arrays"), "arrays"))]
+        arrays_l = _list(doc.get("arrays"), "arrays")
+        arrays = [_decode_array(a, i, files) for i, a in enumerate(arrays_l)]
         used: set[int] = set()
         tree = _decode_node(doc.get("tree"), 0, len(arrays), used)
         meta = doc.get("meta", {})
@@ -443,10 +456,12 @@ def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None
 def decode_commit(data: bytes, where: str) -> tuple[int, int]:
     """Parse a commit marker; return (manifest size, manifest CRC-32C)."""
     if len(data) > MAX_COMMIT_BYTES:
-        raise CheckpointCorruptError(f"commit marker {where} is larger than {MAX_COMMIT_BYTES} bytes")
+        raise CheckpointCorruptError(
+            f"commit marker {where} is larger than {MAX_COMMIT_BYTES} bytes"
+        )
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"commit marker {where} is not valid JSON: {exc}") from exc
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{where} is not a statestream commit marker")

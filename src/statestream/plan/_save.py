@@ -9,7 +9,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["ArraySpec", "FilePlan", "SavePlan", "WriteItem", "plan_save", "split_chunks"]
+__all__ = [
+    "ArraySpec",
+    "FilePlan",
+    "SavePlan",
+    "StreamPlanner",
+    "WriteItem",
+    "plan_save",
+    "split_chunks",
+]
 
 #: Chunks of at least this size start on a page boundary (O_DIRECT/mmap friendly).
 PAGE_ALIGN = 4096
@@ -144,3 +152,69 @@ def plan_save(
     if cur:
         close()
     return SavePlan(files=files, chunks=chunks, total_bytes=total)
+
+
+class StreamPlanner:
+    """Plan a save incrementally, array by array, as the state is walked.
+
+    Chunks go to ``max_files`` files in round-robin blocks of
+    ``block_bytes``, so writers can start on the first arrays while later
+    ones are still being prepared, and bytes stay balanced across files
+    without knowing the total in advance. Small states stay in one file.
+
+    Example:
+        >>> sp = StreamPlanner(file_prefix="data/r0", max_files=2, max_chunk_bytes=8,
+        ...                    block_bytes=8)
+        >>> [(it.file, it.offset) for it in sp.add(0, ArraySpec((4,), 4))]
+        [(0, 0), (1, 0)]
+        >>> [(f.name, f.size) for f in sp.files()]
+        [('data/r0-0.bin', 8), ('data/r0-1.bin', 8)]
+    """
+
+    def __init__(self, *, file_prefix: str, max_files: int, max_chunk_bytes: int,
+                 block_bytes: int = 16 << 20) -> None:
+        self._prefix = file_prefix
+        self._max_files = max(1, max_files)
+        self._max_chunk = max_chunk_bytes
+        self._block = max(1, block_bytes)
+        self._sizes: list[int] = [0]
+        self._file = 0
+        self._in_block = 0
+        self.chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]] = []
+        #: (array, chunk) -> (file index, offset) of every placed chunk
+        self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        self.total_bytes = 0
+
+    def add(self, array: int, spec: ArraySpec) -> list[WriteItem]:
+        """Chunk array number ``array`` (must be the next index) and place its chunks."""
+        assert array == len(self.chunks), "arrays must be added in order"
+        per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        items: list[WriteItem] = []
+        for ci, (start, cshape) in enumerate(split_chunks(spec.shape, spec.itemsize,
+                                                          self._max_chunk)):
+            nb = math.prod(cshape) * spec.itemsize
+            per.append((start, cshape, nb))
+            if nb == 0:
+                continue
+            if self._in_block >= self._block:
+                self._file = (self._file + 1) % self._max_files
+                self._in_block = 0
+                if self._file == len(self._sizes):
+                    self._sizes.append(0)
+            off = _align(self._sizes[self._file], nb)
+            items.append(WriteItem(array, ci, start, cshape, nb, self._file, off,
+                                   nb if spec.copies else 0))
+            self.offsets[(array, ci)] = (self._file, off)
+            self._sizes[self._file] = off + nb
+            self._in_block += nb
+            self.total_bytes += nb
+        self.chunks.append(per)
+        return items
+
+    def file_name(self, index: int) -> str:
+        return f"{self._prefix}-{index}.bin"
+
+    def files(self) -> list[FilePlan]:
+        """The files written so far with their final sizes (items are not kept)."""
+        return [FilePlan(self.file_name(i), size, []) for i, size in enumerate(self._sizes)
+                if size > 0]

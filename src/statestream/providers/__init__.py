@@ -41,10 +41,18 @@ _PROVIDERS: tuple[Any, ...] = (_NUMPY, TorchProvider(), JaxProvider())
 _BY_KIND = {p.kind: p for p in _PROVIDERS}
 
 
+_BY_TYPE: dict[type, Any] = {}
+
+
 def array_provider_for(obj: Any) -> Any:
     """Provider that can save ``obj``, or None if it is not an array."""
+    t = type(obj)
+    p = _BY_TYPE.get(t)
+    if p is not None:
+        return p
     for p in _PROVIDERS:
         if p.handles(obj):
+            _BY_TYPE[t] = p
             return p
     return None
 

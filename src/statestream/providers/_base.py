@@ -24,6 +24,7 @@ __all__ = [
     "PreparedArray",
     "box_slices",
     "chunk_of_host_array",
+    "row_block_chunker",
 ]
 
 
@@ -44,6 +45,32 @@ def chunk_of_host_array(
         part = part.astype(part.dtype.newbyteorder("<"))
     part = np.ascontiguousarray(part)
     return part.reshape(-1).view(np.uint8)
+
+
+def row_block_chunker(
+    flat: np.ndarray,
+    shape: tuple[int, ...],
+    itemsize: int,
+    fallback: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray],
+) -> Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray]:
+    """Chunk reader over the flat bytes of a C-contiguous array.
+
+    Boxes that are row blocks (full extent on every axis but the first) are
+    plain byte ranges of ``flat`` and come back as zero-copy slices; any
+    other box goes to ``fallback``.
+    """
+    inner = shape[1:]
+    row_bytes = math.prod(inner) * itemsize
+
+    def chunk(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+        if not shape:
+            return flat
+        if cshape[1:] == inner:
+            a = start[0] * row_bytes
+            return flat[a : a + cshape[0] * row_bytes]
+        return fallback(start, cshape)
+
+    return chunk
 
 
 @dataclasses.dataclass(slots=True)

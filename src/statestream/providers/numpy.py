@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name, dtype_name
-from statestream.providers._base import Destination, PreparedArray, chunk_of_host_array
+from statestream.providers._base import (
+    Destination,
+    PreparedArray,
+    chunk_of_host_array,
+    row_block_chunker,
+)
 from statestream.tree import KeyPath, format_keypath
 
 __all__ = ["NumpyProvider", "host_destination", "prepare_host_array"]
@@ -24,13 +30,17 @@ def prepare_host_array(arr: np.ndarray, path: KeyPath, kind: str,
             "statestream cannot store; cast it to a numeric dtype"
         )
     copies = not arr.flags.c_contiguous or arr.dtype.byteorder == ">"
+    shape = tuple(int(s) for s in arr.shape)
+
+    def general(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+        return chunk_of_host_array(arr, start, cshape)
+
+    chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray] = general
+    if not copies and arr.size:
+        flat = arr.reshape(-1).view(np.uint8)
+        chunk = row_block_chunker(flat, shape, arr.dtype.itemsize, general)
     return PreparedArray(
-        kind=kind,
-        dtype=name,
-        shape=tuple(int(s) for s in arr.shape),
-        chunk=lambda start, shape: chunk_of_host_array(arr, start, shape),
-        copies=copies,
-        attrs=attrs,
+        kind=kind, dtype=name, shape=shape, chunk=chunk, copies=copies, attrs=attrs
     )
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Union
 
+# (Union, not `str | int`: a runtime type alias must work on Python 3.10's typing.)
 __all__ = ["Key", "KeyPath", "format_keypath", "parse_keypath"]
 
-Key = Union[str, int]
+Key = Union[str, int]  # noqa: UP007
 KeyPath = tuple[Key, ...]
 
 

@@ -1,0 +1,266 @@
+"""Error behaviour of save / load: right class, key path in the message, nothing left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import statestream as ss
+
+
+class Opaque:
+    """A module-level (hence picklable) class statestream does not know."""
+
+    def __init__(self, v=0):
+        self.v = v
+
+    def __eq__(self, other):
+        return type(other) is Opaque and other.v == self.v
+
+
+def _unsupported_values(tmp_path):
+    f = open(tmp_path / "some_file.txt", "w")  # noqa: SIM115 - closed by the caller
+    return f, {
+        "lambda": lambda x: x,
+        "file": f,
+        "object": Opaque(3),
+        "set": {1, 2, 3},
+        "frozenset": frozenset({1}),
+        "lock": threading.Lock(),
+        "bytearray": bytearray(b"ab"),
+        "complex": 1 + 2j,
+        "object_array": np.array([1, "a"], dtype=object),
+        "structured": np.zeros(2, dtype=[("a", "i4"), ("b", "f4")]),
+        "string_array": np.array(["abc"]),
+        "datetime_array": np.array(["2020-01-01"], dtype="datetime64[D]"),
+        "type": int,
+        "stringio": io.StringIO("x"),
+    }
+
+
+@pytest.mark.parametrize("name", [
+    "lambda", "file", "object", "set", "frozenset", "lock", "bytearray", "complex",
+    "object_array", "structured", "string_array", "datetime_array", "type", "stringio"])
+def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, name):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    f, values = _unsupported_values(tmp_path)
+    try:
+        state = {"model": {"w": np.ones(3)}, "extra": {"deep/er": [0, values[name]]}}
+        with pytest.raises(ss.UnsupportedTypeError) as ei:
+            ss.save(parent / "ckpt", state)
+    finally:
+        f.close()
+    err = ei.value
+    assert isinstance(err, TypeError) and isinstance(err, ss.CheckpointError)
+    assert "extra/deep~1er/1" in str(err), str(err)
+    assert os.listdir(parent) == []
+
+
+def test_unsupported_dict_key(tmp_path):
+    with pytest.raises(ss.UnsupportedTypeError) as ei:
+        ss.save(tmp_path / "c", {"a": {(1, 2): 3}})
+    assert "'a'" in str(ei.value) or "a" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unsupported_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    cases = {
+        "sparse": torch.eye(3).to_sparse(),
+        "meta": torch.empty(3, device="meta"),
+    }
+    for name, t in cases.items():
+        with pytest.raises(ss.UnsupportedTypeError) as ei:
+            ss.save(tmp_path / name, {"m": {name: t}})
+        assert f"m/{name}" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failing_state_dict_names_key_path(tmp_path):
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("boom")
+
+        def load_state_dict(self, sd):
+            pass
+
+    with pytest.raises(ss.UnsupportedTypeError) as ei:
+        ss.save(tmp_path / "c", {"a": {"b": Broken()}})
+    assert "a/b" in str(ei.value) and "boom" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_reference_cycles(tmp_path):
+    d = {"x": 1}
+    d["self"] = d
+    with pytest.raises(ss.UnsupportedTypeError) as ei:
+        ss.save(tmp_path / "c", {"a": d})
+    assert "a/self" in str(ei.value)
+    lst = [1]
+    lst.append([lst])
+    with pytest.raises(ss.UnsupportedTypeError):
+        ss.save(tmp_path / "c", {"a": lst})
+    assert os.listdir(tmp_path) == []
+    # shared (non-cyclic) references are fine: saved twice
+    shared = np.arange(3)
+    ss.save(tmp_path / "ok", {"a": shared, "b": shared, "c": [shared, shared]})
+    out = ss.load(tmp_path / "ok")
+    np.testing.assert_array_equal(out["c"][1], shared)
+
+
+def test_too_deep_state(tmp_path):
+    x = 1
+    for _ in range(300):
+        x = [x]
+    with pytest.raises(ss.UnsupportedTypeError):
+        ss.save(tmp_path / "c", {"a": x})
+    assert os.listdir(tmp_path) == []
+
+
+def test_pickle_opt_in(tmp_path):
+    c = tmp_path / "c"
+    state = {"extra": {"obj": Opaque(7), "n": 1}, "w": np.ones(2)}
+    ss.save(c, state, pickle_paths=["extra/obj"])
+    with pytest.raises(ss.PickleNotAllowedError) as ei:
+        ss.load(c)
+    assert "extra/obj" in str(ei.value)
+    assert isinstance(ei.value, PermissionError) and isinstance(ei.value, ss.CheckpointError)
+    with pytest.raises(ss.PickleNotAllowedError):
+        ss.load(c, items=["extra"])
+    # other items load without allow_pickle
+    np.testing.assert_array_equal(ss.load(c, items=["w"])["w"], np.ones(2))
+    out = ss.load(c, allow_pickle=True)
+    assert out["extra"]["obj"] == Opaque(7) and out["extra"]["n"] == 1
+    assert ss.metadata(c).tree["extra"]["obj"].kind == "pickle"
+
+
+def test_pickle_paths_prefix_covers_subtree(tmp_path):
+    c = tmp_path / "c"
+    ss.save(c, {"extra": {"a": Opaque(1), "b": [Opaque(2)]}}, pickle_paths=["extra"])
+    out = ss.load(c, allow_pickle=True)
+    assert out["extra"]["a"] == Opaque(1) and out["extra"]["b"][0] == Opaque(2)
+
+
+def test_pickle_path_not_listed_still_fails(tmp_path):
+    with pytest.raises(ss.UnsupportedTypeError) as ei:
+        ss.save(tmp_path / "c", {"extra": {"obj": Opaque(), "other": Opaque()}},
+                pickle_paths=["extra/obj"])
+    assert "extra/other" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unpicklable_in_pickle_path(tmp_path):
+    with pytest.raises(ss.UnsupportedTypeError) as ei:
+        ss.save(tmp_path / "c", {"extra": {"fn": lambda: 1}}, pickle_paths=["extra/fn"])
+    assert "extra/fn" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_key(tmp_path):
+    c = tmp_path / "c"
+    ss.save(c, {"params": {"w": np.ones(2)}, "step": 3})
+    with pytest.raises(ss.MissingKeyError) as ei:
+        ss.load(c, {"params": {"w": np.zeros(2), "bias": np.zeros(2)}})
+    assert isinstance(ei.value, KeyError) and isinstance(ei.value, ss.CheckpointError)
+    assert "params/bias" in str(ei.value)
+    with pytest.raises(ss.MissingKeyError) as ei:
+        ss.load(c, items=["nope"])
+    assert "nope" in str(ei.value)
+    with pytest.raises(ss.MissingKeyError):
+        ss.load(c, {"other": 1})
+
+
+def test_shape_and_structure_mismatch(tmp_path):
+    c = tmp_path / "c"
+    ss.save(c, {"params": {"w": np.ones((2, 3))}, "lst": [1, 2], "step": 3})
+    with pytest.raises(ss.TargetMismatchError) as ei:
+        ss.load(c, {"params": {"w": np.zeros((3, 2))}})
+    assert isinstance(ei.value, ValueError)
+    assert "params/w" in str(ei.value) and "(2, 3)" in str(ei.value)
+    with pytest.raises(ss.TargetMismatchError) as ei:
+        ss.load(c, {"lst": [1, 2, 3]})
+    assert "lst" in str(ei.value)
+    with pytest.raises(ss.TargetMismatchError) as ei:
+        ss.load(c, {"step": np.zeros(())})  # array target, int saved
+    assert "step" in str(ei.value)
+    with pytest.raises(ss.TargetMismatchError) as ei:
+        ss.load(c, {"params": {"w": "a string"}})
+    assert "params/w" in str(ei.value)
+    with pytest.raises(ss.TargetMismatchError):
+        ss.load(c, {"params": np.zeros(3)})
+
+
+def test_torch_target_mismatch(tmp_path):
+    torch = pytest.importorskip("torch")
+    c = tmp_path / "c"
+    ss.save(c, {"w": torch.ones(4, 4)})
+    with pytest.raises(ss.TargetMismatchError) as ei:
+        ss.load(c, {"w": torch.zeros(4)})
+    assert "'w'" in str(ei.value)
+    # a module whose load_state_dict rejects the state
+    with pytest.raises((ss.TargetMismatchError, ss.MissingKeyError)):
+        ss.load(c, {"w": torch.nn.Linear(2, 2)})
+
+
+def test_not_found(tmp_path):
+    with pytest.raises(ss.CheckpointNotFoundError) as ei:
+        ss.load(tmp_path / "nope")
+    assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, ss.CheckpointError)
+    assert "nope" in str(ei.value)
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.metadata(tmp_path / "nope")
+    assert not ss.verify(tmp_path / "nope").ok
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.load(tmp_path / "file")
+
+
+def test_uncommitted_directory_does_not_load(tmp_path):
+    c = tmp_path / "c"
+    ss.save(c, {"a": np.ones(3)})
+    os.unlink(c / "COMMITTED")
+    with pytest.raises(ss.CheckpointNotFoundError) as ei:
+        ss.load(c)
+    assert "COMMITTED" in str(ei.value)
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.metadata(c)
+    assert not ss.verify(c).ok
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.load(empty)
+
+
+def test_unknown_url_scheme(tmp_path):
+    with pytest.raises(ss.StorageError):
+        ss.save("nosuch://bucket/x", {"a": 1})
+    with pytest.raises(ss.StorageError):
+        ss.load("nosuch://bucket/x")
+
+
+def test_error_hierarchy():
+    subclasses = {
+        ss.CheckpointNotFoundError: FileNotFoundError,
+        ss.CheckpointExistsError: FileExistsError,
+        ss.CheckpointCorruptError: ValueError,
+        ss.ChecksumMismatchError: ss.CheckpointCorruptError,
+        ss.TruncatedFileError: ss.CheckpointCorruptError,
+        ss.UnsafeCheckpointError: ss.CheckpointCorruptError,
+        ss.FormatVersionError: ValueError,
+        ss.UnsupportedTypeError: TypeError,
+        ss.PickleNotAllowedError: PermissionError,
+        ss.TargetMismatchError: ValueError,
+        ss.MissingKeyError: KeyError,
+        ss.StorageError: OSError,
+    }
+    for cls, base in subclasses.items():
+        assert issubclass(cls, ss.CheckpointError), cls
+        assert issubclass(cls, base), cls
+        # messages print as given, even for KeyError / OSError
+        assert str(cls("some message")) == "some message"
+    assert issubclass(ss.CheckpointError, Exception)

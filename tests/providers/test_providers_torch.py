@@ -1,0 +1,175 @@
+"""Tests for statestream.providers.torch (TorchProvider)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from statestream.errors import TargetMismatchError, UnsupportedTypeError
+from statestream.format import dtype_from_name
+from statestream.providers import (
+    PreparedArray,
+    TorchProvider,
+    array_provider_for,
+    box_slices,
+    provider_by_kind,
+    target_provider_for,
+)
+from statestream.providers.torch import _NAMES
+
+torch = pytest.importorskip("torch")
+
+P = TorchProvider()
+PATH = ("model", "layer/0", "w")
+WHERE = "model/layer~10/w"
+
+
+def raw_bytes(t: "torch.Tensor") -> bytes:
+    """C-order little-endian bytes of a tensor's values (x86/ARM hosts are LE)."""
+    t = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    t = t.clone(memory_format=torch.contiguous_format)  # fresh strides
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def check_chunks(prep: PreparedArray, t: "torch.Tensor") -> None:
+    shape = tuple(t.shape)
+    assert prep.chunk((0,) * len(shape), shape).tobytes() == raw_bytes(t)
+    if len(shape) >= 1 and shape[0] > 1:
+        rows = prep.chunk((1,) + (0,) * (len(shape) - 1), (shape[0] - 1,) + shape[1:])
+        assert rows.tobytes() == raw_bytes(t[1:])
+        if len(shape) > 1 and shape[1] > 1:
+            box = ((0, 1) + (0,) * (len(shape) - 2), (shape[0], shape[1] - 1) + shape[2:])
+            assert prep.chunk(*box).tobytes() == raw_bytes(t[box_slices(*box)])
+
+
+BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6) * 1.5
+
+
+@pytest.mark.parametrize(
+    ("name", "t", "copies"),
+    [
+        ("contiguous", BASE, False),
+        ("transposed", BASE.t(), True),
+        ("strided", BASE[::2, ::3], True),
+        ("column slice", BASE[:, 1:4], True),
+        ("row slice", BASE[1:3], False),
+        ("expanded", torch.ones(1, 3).expand(4, 3), True),
+        ("0-d", torch.tensor(3.25, dtype=torch.float64), False),
+        ("empty", torch.zeros(0, 3), False),
+        ("requires grad", torch.ones(2, 2, requires_grad=True), False),
+        ("parameter", torch.nn.Parameter(torch.arange(4.0)), False),
+        ("bfloat16", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), False),
+        ("conj view", torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj(), False),
+        ("neg view", torch.tensor([1 + 2j, 3j], dtype=torch.complex128).conj().imag, False),
+        ("one element, odd stride", torch.arange(4.0)[::2][:1], False),
+        ("size-1 neg view", torch.tensor([1 + 2j], dtype=torch.complex128).conj().imag, False),
+    ],
+)
+def test_prepare_bytes(name: str, t: "torch.Tensor", copies: bool) -> None:
+    prep = P.prepare(t, PATH)
+    assert prep.kind == "torch"
+    assert prep.shape == tuple(t.shape)
+    assert prep.copies is copies
+    assert prep.nbytes == t.numel() * t.element_size()
+    check_chunks(prep, t)
+
+
+def test_conj_view_saves_conjugated_values() -> None:
+    t = torch.tensor([1 + 2j], dtype=torch.complex64)
+    got = np.frombuffer(P.prepare(t.conj(), PATH).chunk((0,), (1,)).tobytes(), np.complex64)
+    assert got.tolist() == [1 - 2j]
+
+
+TORCH_NAMES = [n for n in _NAMES if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("name", TORCH_NAMES)
+def test_every_dtype_round_trips(name: str) -> None:
+    dt = getattr(torch, name)
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = (src > 5) if dt == torch.bool else src.to(dt)
+    prep = P.prepare(t, PATH)
+    assert prep.dtype == name
+    data = prep.chunk((0, 0), (3, 4))
+    assert data.nbytes == t.numel() * t.element_size()
+    dest = P.restore(name, (3, 4), None, PATH)
+    ((start, buf),) = dest.boxes
+    assert start == (0, 0) and buf.dtype == dtype_from_name(name) and buf.shape == (3, 4)
+    buf.reshape(-1).view(np.uint8)[...] = data
+    out = dest.finish()
+    assert out.dtype == dt and out.device.type == "cpu" and tuple(out.shape) == (3, 4)
+    assert raw_bytes(out) == raw_bytes(t)
+
+
+def test_restore_casts_to_target_dtype_and_keeps_parameter() -> None:
+    like = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
+    dest = P.restore("float32", (3,), like, PATH)
+    dest.boxes[0][1][...] = [1.0, 2.0, 3.0]
+    out = dest.finish()
+    assert isinstance(out, torch.nn.Parameter) and not out.requires_grad
+    assert out.dtype == torch.float64 and out.tolist() == [1.0, 2.0, 3.0]
+    like = torch.nn.Parameter(torch.zeros(3))
+    out = P.restore("float32", (3,), like, PATH).finish()
+    assert isinstance(out, torch.nn.Parameter) and out.requires_grad
+
+
+def test_restore_plain_tensor_target() -> None:
+    dest = P.restore("int32", (2, 2), torch.zeros(2, 2, dtype=torch.int64), PATH)
+    dest.boxes[0][1][...] = [[1, 2], [3, 4]]
+    out = dest.finish()
+    assert type(out) is torch.Tensor and out.dtype == torch.int64
+    assert out.tolist() == [[1, 2], [3, 4]]
+
+
+def test_restore_moves_to_target_device() -> None:
+    like = torch.empty(2, device="meta")
+    out = P.restore("float32", (2,), like, PATH).finish()
+    assert out.device.type == "meta"
+
+
+def test_restore_scalar_and_empty() -> None:
+    dest = P.restore("float64", (), None, PATH)
+    dest.boxes[0][1][...] = 2.5
+    out = dest.finish()
+    assert out.dim() == 0 and out.item() == 2.5
+    out = P.restore("float32", (0, 5), None, PATH).finish()
+    assert tuple(out.shape) == (0, 5) and out.dtype == torch.float32
+
+
+def test_restore_dtype_torch_lacks() -> None:
+    with pytest.raises(TargetMismatchError, match=r"key path 'model/layer~10/w'.*float8_e3m4"):
+        P.restore("float8_e3m4", (2,), None, PATH)
+
+
+def _quantized() -> "torch.Tensor":
+    return torch.quantize_per_tensor(torch.rand(3), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "layout"),
+        pytest.param(lambda: torch.eye(3).to_sparse_csr(), "layout",
+                     marks=pytest.mark.filterwarnings("ignore:Sparse CSR")),
+        (_quantized, "quantized"),
+        (lambda: torch.empty(3, device="meta"), "meta device"),
+        (lambda: torch.zeros(2, dtype=torch.complex32), "dtype"),
+        (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "dtype"),
+    ],
+)
+def test_unsupported_tensors_name_key_path(make: object, match: str) -> None:
+    t = make()  # type: ignore[operator]
+    with pytest.raises(UnsupportedTypeError, match=match) as ei:
+        P.prepare(t, PATH)
+    assert f"key path '{WHERE}'" in str(ei.value)
+    assert isinstance(ei.value, TypeError)
+
+
+def test_handles_and_registry() -> None:
+    t = torch.zeros(2, 3)
+    assert P.handles(t) and P.handles(torch.nn.Parameter(t))
+    assert not P.handles(np.zeros(2))
+    assert P.is_target(t) and P.target_shape(t) == (2, 3)
+    assert isinstance(array_provider_for(t), TorchProvider)
+    assert isinstance(target_provider_for(t), TorchProvider)
+    assert isinstance(provider_by_kind("torch"), TorchProvider)
