@@ -15,7 +15,7 @@ import statestream as ss
 from statestream.format import DTYPE_NAMES, dtype_name
 from statestream.testing import strategies as sst
 
-_SETTINGS = settings(max_examples=40, deadline=None, derandomize=False,
+_SETTINGS = settings(max_examples=25, deadline=None, derandomize=False,
                      suppress_health_check=[HealthCheck.too_slow,
                                             HealthCheck.function_scoped_fixture])
 _counter = itertools.count()
@@ -32,7 +32,7 @@ def _path(workdir):
     return f"{workdir}/c{next(_counter)}"
 
 
-@_SETTINGS
+@settings(_SETTINGS, max_examples=40)
 @given(state=sst.trees())
 def test_roundtrip_random_trees(workdir, state):
     p = _path(workdir)

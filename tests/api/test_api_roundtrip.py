@@ -164,7 +164,9 @@ def _torch_sample(dtype, shape, seed=0):
     raw = np.random.default_rng(seed).bytes(n * dtype.itemsize)
     if dtype == torch.bool:
         return torch.from_numpy(np.frombuffer(raw, np.uint8) % 2 == 1).reshape(shape).clone()
-    u8 = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    if not n:
+        return torch.empty(shape, dtype=dtype)
+    u8 = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return u8.view(dtype).reshape(shape).clone()
 
 
@@ -261,8 +263,9 @@ def test_jax_arrays(tmp_path):
     state = {"x": x, "y": y, "bf": bf, "s": jnp.float32(7.0)}
     ss.save(tmp_path / "c", state)
 
-    out = ss.load(tmp_path / "c", {"x": jnp.zeros((3, 4), jnp.float32), "y": jnp.zeros(3, jnp.int32),
-                                   "bf": jnp.zeros(3, jnp.bfloat16), "s": jnp.zeros((), jnp.float32)})
+    like = {"x": jnp.zeros((3, 4), jnp.float32), "y": jnp.zeros(3, jnp.int32),
+            "bf": jnp.zeros(3, jnp.bfloat16), "s": jnp.zeros((), jnp.float32)}
+    out = ss.load(tmp_path / "c", like)
     for k in state:
         assert isinstance(out[k], jax.Array), k
         assert out[k].dtype == state[k].dtype and out[k].shape == state[k].shape
@@ -671,3 +674,47 @@ def test_save_accepts_str_and_pathlike(tmp_path):
     ss.save(str(tmp_path / "s"), {"a": 1})
     assert ss.load(str(tmp_path / "s")) == {"a": 1}
     assert ss.load(tmp_path / "s") == {"a": 1}
+
+
+def test_concurrent_saves_to_one_path(tmp_path):
+    """Two saves racing for one new path: exactly one wins, the other is told, nothing leaks."""
+    import threading
+
+    results = []
+    states = [{"who": i, "a": np.full(1 << 18, i, dtype=np.float64)} for i in range(2)]
+
+    def go(i):
+        try:
+            ss.save(tmp_path / "race", states[i])
+            results.append(("ok", i))
+        except ss.CheckpointExistsError:
+            results.append(("exists", i))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r for r, _ in results) == ["exists", "ok"]
+    winner = next(i for r, i in results if r == "ok")
+    assert_tree_equal(ss.load(tmp_path / "race"), states[winner])
+    assert os.listdir(tmp_path) == ["race"]
+
+
+@pytest.mark.parametrize("state", [
+    {}, [], (), np.arange(3.0), [1, "two", np.int8(3)], 5, None, b"raw", "text",
+], ids=lambda s: type(s).__name__)
+def test_non_dict_roots(tmp_path, state):
+    c = tmp_path / "c"
+    ss.save(c, state)
+    assert_tree_equal(ss.load(c), state)
+    assert ss.verify(c).ok
+
+
+def test_stateful_root(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    ss.save(tmp_path / "c", m)
+    m2 = torch.nn.Linear(3, 2)
+    assert ss.load(tmp_path / "c", m2) is m2
+    _assert_state_dict_equal(m2.state_dict(), m.state_dict())
+    assert list(ss.load(tmp_path / "c", items=["bias"])) == ["bias"]

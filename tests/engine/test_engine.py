@@ -18,10 +18,18 @@ from statestream.engine import (
     read_requests,
     write_files,
 )
-from statestream.errors import ChecksumMismatchError, CheckpointCorruptError, TruncatedFileError
+from statestream.errors import CheckpointCorruptError, ChecksumMismatchError, TruncatedFileError
 from statestream.format import COMMIT_NAME, ArrayEntry, ChunkEntry, checksum, dtype_name
-from statestream.plan import ArraySpec, ReadPiece, SavePlan, Wanted, WriteItem, plan_load, \
-    plan_save, plan_verify
+from statestream.plan import (
+    ArraySpec,
+    ReadPiece,
+    SavePlan,
+    Wanted,
+    WriteItem,
+    plan_load,
+    plan_save,
+    plan_verify,
+)
 from statestream.storage import LocalStorage
 
 # ----------------------------------------------------------------------------- options

@@ -351,7 +351,9 @@ def test_chunk_with_wrong_ndim() -> None:
             "array 0 chunk 0 .*dimensions")
 
 
-@pytest.mark.parametrize("chunk", [[0, 0, 32, 11, [0, 0]], "chunk", [0, 0, 32, 11, [0, 0], [2, 4], 0]])
+@pytest.mark.parametrize(
+    "chunk", [[0, 0, 32, 11, [0, 0]], "chunk", [0, 0, 32, 11, [0, 0], [2, 4], 0]]
+)
 def test_malformed_chunk(chunk: Any) -> None:
     corrupt(lambda d: d["arrays"][0]["chunks"].__setitem__(0, chunk), "chunk 0")
 

@@ -43,7 +43,7 @@ def test_prepare_bytes(arr: Any) -> None:
     assert prep.kind == "jax"
     assert prep.shape == tuple(arr.shape)
     assert prep.copies is False
-    assert prep.dtype == (("bfloat16" if host.dtype == ml_dtypes.bfloat16 else host.dtype.name))
+    assert prep.dtype == ("bfloat16" if host.dtype == ml_dtypes.bfloat16 else host.dtype.name)
     assert prep.chunk((0,) * host.ndim, host.shape).tobytes() == host.tobytes()
     if host.ndim == 2 and host.shape[0] > 1:
         assert prep.chunk((1, 0), (host.shape[0] - 1, host.shape[1])).tobytes() == \

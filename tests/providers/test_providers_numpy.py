@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from statestream.errors import TargetMismatchError, UnsupportedTypeError
+from statestream.errors import UnsupportedTypeError
 from statestream.providers import (
     NumpyProvider,
     PreparedArray,

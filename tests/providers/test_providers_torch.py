@@ -24,14 +24,14 @@ PATH = ("model", "layer/0", "w")
 WHERE = "model/layer~10/w"
 
 
-def raw_bytes(t: "torch.Tensor") -> bytes:
+def raw_bytes(t: torch.Tensor) -> bytes:
     """C-order little-endian bytes of a tensor's values (x86/ARM hosts are LE)."""
     t = t.detach().resolve_conj().resolve_neg().reshape(-1)
     t = t.clone(memory_format=torch.contiguous_format)  # fresh strides
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def check_chunks(prep: PreparedArray, t: "torch.Tensor") -> None:
+def check_chunks(prep: PreparedArray, t: torch.Tensor) -> None:
     shape = tuple(t.shape)
     assert prep.chunk((0,) * len(shape), shape).tobytes() == raw_bytes(t)
     if len(shape) >= 1 and shape[0] > 1:
@@ -65,7 +65,7 @@ BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6) * 1.5
         ("size-1 neg view", torch.tensor([1 + 2j], dtype=torch.complex128).conj().imag, False),
     ],
 )
-def test_prepare_bytes(name: str, t: "torch.Tensor", copies: bool) -> None:
+def test_prepare_bytes(name: str, t: torch.Tensor, copies: bool) -> None:
     prep = P.prepare(t, PATH)
     assert prep.kind == "torch"
     assert prep.shape == tuple(t.shape)
@@ -141,7 +141,7 @@ def test_restore_dtype_torch_lacks() -> None:
         P.restore("float8_e3m4", (2,), None, PATH)
 
 
-def _quantized() -> "torch.Tensor":
+def _quantized() -> torch.Tensor:
     return torch.quantize_per_tensor(torch.rand(3), 0.1, 0, torch.quint8)
 
 
@@ -151,9 +151,11 @@ def _quantized() -> "torch.Tensor":
         (lambda: torch.eye(3).to_sparse(), "layout"),
         pytest.param(lambda: torch.eye(3).to_sparse_csr(), "layout",
                      marks=pytest.mark.filterwarnings("ignore:Sparse CSR")),
-        (_quantized, "quantized"),
+        pytest.param(_quantized, "quantized",
+                     marks=pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")),
         (lambda: torch.empty(3, device="meta"), "meta device"),
-        (lambda: torch.zeros(2, dtype=torch.complex32), "dtype"),
+        pytest.param(lambda: torch.zeros(2, dtype=torch.complex32), "dtype",
+                     marks=pytest.mark.filterwarnings("ignore:ComplexHalf")),
         (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "dtype"),
     ],
 )

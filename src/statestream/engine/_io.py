@@ -40,6 +40,9 @@ __all__ = [
 #: Bytes handed to one vectored write call (many small chunks coalesce up to this).
 _WRITE_BATCH_BYTES = 16 << 20
 _ZEROS = bytes(4096)
+#: The walking thread hands a writer this much work at a time.
+_HANDOFF_BYTES = 8 << 20
+_HANDOFF_ITEMS = 256
 
 Progress = Callable[[int, int], None]
 
@@ -387,6 +390,8 @@ class StreamWriter:
         self._errors: list[BaseException] = []
         self._sums: dict[tuple[int, int], int] = {}
         self._failed = threading.Event()
+        self._pending: list[list[WriteItem]] = []
+        self._pending_bytes: list[int] = []
         self.total_bytes = 0
 
     def submit(self, items: Sequence[WriteItem]) -> None:
@@ -401,11 +406,28 @@ class StreamWriter:
                 self._queues.append(q)
                 self._threads.append(t)
                 t.start()
-            self._queues[it.file].put(it)
+            while it.file >= len(self._pending):
+                self._pending.append([])
+                self._pending_bytes.append(0)
+            pend = self._pending[it.file]
+            pend.append(it)
+            self._pending_bytes[it.file] += it.nbytes
             self.total_bytes += it.nbytes
+            # Hand work over in batches: waking a writer per small item would make
+            # it fight the walking thread for the GIL on every chunk.
+            if self._pending_bytes[it.file] >= _HANDOFF_BYTES or len(pend) >= _HANDOFF_ITEMS:
+                self._handoff(it.file)
+
+    def _handoff(self, index: int) -> None:
+        if self._pending[index]:
+            self._queues[index].put(self._pending[index])
+            self._pending[index] = []
+            self._pending_bytes[index] = 0
 
     def close(self) -> dict[tuple[int, int], int]:
         """Finish every file (fsync) and return the chunk checksums."""
+        for i in range(len(self._pending)):
+            self._handoff(i)
         for q in self._queues:
             q.put(self._STOP)
         for t in self._threads:
@@ -432,22 +454,27 @@ class StreamWriter:
         sums: dict[tuple[int, int], int] = {}
         try:
             w = self._txn.create_file(self._name(index), 0)
-            stop = False
-            pending: Any = None
-            while not stop:
-                it = pending if pending is not None else q.get()
-                pending = None
-                if it is self._STOP or self._failed.is_set():
+            while not self._failed.is_set():
+                work = q.get()
+                if work is self._STOP:
                     break
                 batch: list[Any] = []
-                batch_off = it.offset
-                end = it.offset
-                while True:
-                    got = budget.try_acquire(it.staging_bytes)
+                batch_off = end = work[0].offset
+                for it in work:
+                    if self._failed.is_set():
+                        break
+                    flush = batch and (
+                        it.offset - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900
+                    )
+                    got = None if flush else budget.try_acquire(it.staging_bytes)
                     if got is None:
-                        if batch:  # never wait while holding staged bytes
-                            pending = it
-                            break
+                        if batch:  # never wait while holding staged bytes: write first
+                            w.write_at(batch, batch_off)
+                            self._advance(end - batch_off)
+                            budget.release(held)
+                            held = 0
+                            batch = []
+                            batch_off = end = it.offset
                         got = budget.acquire(it.staging_bytes)
                     held += got
                     data = self._source(it)
@@ -459,24 +486,11 @@ class StreamWriter:
                         pad -= z
                     batch.append(data)
                     end = it.offset + it.nbytes
-                    if end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900:
-                        break
-                    try:
-                        nxt = q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is self._STOP:
-                        stop = True
-                        break
-                    it = nxt
-                w.write_at(batch, batch_off)
+                if batch:
+                    w.write_at(batch, batch_off)
+                    self._advance(end - batch_off)
                 budget.release(held)
                 held = 0
-                if self._progress is not None:
-                    with self._lock:
-                        self._done += end - batch_off
-                        done = self._done
-                    self._progress(done, self.total_bytes)
             if not self._failed.is_set():
                 w.finish()
                 w = None
@@ -490,3 +504,10 @@ class StreamWriter:
             budget.release(held)
             if w is not None:
                 w.abort()
+
+    def _advance(self, n: int) -> None:
+        if self._progress is not None:
+            with self._lock:
+                self._done += n
+                done = self._done
+            self._progress(done, self.total_bytes)

@@ -101,7 +101,7 @@ def arrays(
     shape: st.SearchStrategy[tuple[int, ...]] | None = None,
     *,
     layouts: bool = True,
-) -> np.ndarray:
+) -> Any:
     """NumPy arrays of supported dtypes and random shapes.
 
     With ``layouts`` the array may be a strided view (a step-sliced part of
@@ -129,7 +129,7 @@ def arrays(
 
 
 @st.composite
-def _numpy_scalars(draw: Any) -> np.generic:
+def _numpy_scalars(draw: Any) -> Any:
     a = draw(arrays(shape=st.just(()), layouts=False))
     return a[()]
 

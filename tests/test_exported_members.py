@@ -1,0 +1,115 @@
+"""Pin the public API: ``__all__`` of statestream and of every subpackage.
+
+Changing a public name is an API change; update this list on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+EXPECTED: dict[str, list[str]] = {
+    "statestream": [
+        "ArrayMetadata", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
+        "CheckpointMetadata", "CheckpointNotFoundError", "ChecksumMismatchError",
+        "FormatVersionError", "IOOptions", "MemoryOptions", "MissingKeyError",
+        "PickleNotAllowedError", "StorageError", "TargetMismatchError", "TruncatedFileError",
+        "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
+        "load", "metadata", "save", "verify",
+    ],
+    "statestream.tree": [
+        "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
+        "Stateful", "flatten", "format_keypath", "is_stateful", "parse_keypath",
+        "rebuild_container", "type_name",
+    ],
+    "statestream.format": [
+        "CHECKSUM_ALGORITHM", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
+        "FORMAT_VERSION", "MANIFEST_NAME", "MAX_ARRAY_BYTES", "MAX_COMMIT_BYTES", "MAX_DIM",
+        "MAX_FILES", "MAX_MANIFEST_BYTES", "MAX_NDIM", "ArrayEntry", "ChunkEntry", "FileEntry",
+        "Manifest", "checksum", "decode_commit", "decode_manifest", "dtype_from_name",
+        "dtype_name", "encode_commit", "encode_manifest", "itemsize_of", "validate_file_name",
+    ],
+    "statestream.storage": [
+        "Buffer", "CheckpointReader", "FileWriter", "LocalStorage", "Storage",
+        "StorageCapabilities", "WriteTransaction", "storage_for",
+    ],
+    "statestream.plan": [
+        "ArraySpec", "FilePlan", "ReadPiece", "ReadRequest", "SavePlan", "StreamPlanner", "Wanted",
+        "WriteItem",
+        "coalesce", "plan_load", "plan_save", "plan_verify", "split_chunks",
+    ],
+    "statestream.engine": [
+        "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "StreamWriter",
+        "default_memory_budget_bytes",
+        "read_requests", "write_files",
+    ],
+    "statestream.providers": [
+        "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
+        "TorchProvider", "array_provider_for", "box_slices", "chunk_of_host_array",
+        "expand_pytree", "provider_by_kind", "rebuild_pytree", "target_provider_for",
+    ],
+    "statestream.distributed": ["Collective", "SingleProcess"],
+    "statestream.api": [
+        "ArrayMetadata", "CheckpointMetadata", "VerifyReport", "load", "metadata", "save",
+        "verify",
+    ],
+    "statestream.cli": ["main"],
+    "statestream.errors": [
+        "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
+        "CheckpointNotFoundError", "ChecksumMismatchError", "FormatVersionError",
+        "MissingKeyError", "PickleNotAllowedError", "StorageError", "TargetMismatchError",
+        "TruncatedFileError", "UnsafeCheckpointError", "UnsupportedTypeError",
+    ],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(EXPECTED))
+def test_all_is_pinned(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == sorted(EXPECTED[module_name])
+    assert len(set(module.__all__)) == len(module.__all__), "duplicate names in __all__"
+
+
+@pytest.mark.parametrize("module_name", sorted(EXPECTED))
+def test_every_exported_name_is_importable(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    namespace: dict[str, object] = {}
+    exec(f"from {module_name} import *", namespace)  # noqa: S102
+    for name in module.__all__:
+        assert hasattr(module, name), f"{module_name}.{name} is in __all__ but missing"
+        if name != "__version__":
+            assert name in namespace
+
+
+def test_top_level_errors_are_the_errors_module_classes() -> None:
+    import statestream
+    import statestream.errors as errors
+
+    for name in errors.__all__:
+        assert getattr(statestream, name) is getattr(errors, name)
+        assert issubclass(getattr(errors, name), errors.CheckpointError)
+
+
+def test_error_builtin_bases() -> None:
+    import statestream.errors as e
+
+    pairs = {
+        e.CheckpointNotFoundError: FileNotFoundError,
+        e.CheckpointExistsError: FileExistsError,
+        e.CheckpointCorruptError: ValueError,
+        e.ChecksumMismatchError: e.CheckpointCorruptError,
+        e.TruncatedFileError: e.CheckpointCorruptError,
+        e.UnsafeCheckpointError: e.CheckpointCorruptError,
+        e.FormatVersionError: ValueError,
+        e.UnsupportedTypeError: TypeError,
+        e.PickleNotAllowedError: PermissionError,
+        e.TargetMismatchError: ValueError,
+        e.MissingKeyError: KeyError,
+        e.StorageError: OSError,
+    }
+    for cls, base in pairs.items():
+        assert issubclass(cls, base), (cls, base)
+    assert str(e.MissingKeyError("key 'a' is missing")) == "key 'a' is missing"
+    assert str(e.StorageError("disk full")) == "disk full"
+    assert str(e.CheckpointError()) == "CheckpointError"
