@@ -12,10 +12,13 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax,bench]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax]'
 	touch $(STAMP)
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax,bench]'
+	touch $@
 
 demo: venv
 	$(PY) examples/demo.py
@@ -29,10 +32,10 @@ typecheck: venv
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
-bench: venv
+bench: $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_core.py
 
-bench-quick: venv
+bench-quick: $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_core.py --quick
 
 clean:
