@@ -330,7 +330,7 @@ def test_plain_values(tmp_path):
     state = {
         "none": None, "t": True, "f": False,
         "zero": 0, "neg": -17, "big": 10**5000, "bigneg": -(2**4000), "i64": 2**63,
-        "nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"), "nzero": -0.0,
+        "nan": float("nan"), "negnan": -float("nan"), "inf": float("inf"), "ninf": float("-inf"), "nzero": -0.0,
         "tiny": 5e-324, "pi": math.pi,
         "s": "héllo wörld \U0001f600 \u4e2d\u6587", "surrogate": "a\ud800b", "empty_s": "",
         "nul": "a\x00b",
@@ -339,7 +339,7 @@ def test_plain_values(tmp_path):
     out = _roundtrip(tmp_path, state)
     assert_tree_equal(out, state)
     assert out["big"] == 10**5000 and out["bigneg"] == -(2**4000)
-    assert math.isnan(out["nan"])
+    assert math.isnan(out["nan"]) and math.isnan(out["negnan"])  # plain NaN: no sign kept
     assert math.copysign(1.0, out["nzero"]) == -1.0
     assert out["inf"] == math.inf and out["ninf"] == -math.inf
     assert out["t"] is True and out["f"] is False and out["none"] is None

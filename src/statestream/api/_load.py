@@ -19,6 +19,7 @@ from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     MAX_COMMIT_BYTES,
+    MAX_MANIFEST_BYTES,
     Manifest,
     checksum,
     decode_commit,
@@ -64,7 +65,7 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
     size, crc = decode_commit(
         reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
     )
-    data = reader.read_bytes(MANIFEST_NAME, size)
+    data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     if len(data) != size or checksum(data) != crc:
         raise CheckpointCorruptError(
             f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "

@@ -208,7 +208,9 @@ def assert_tree_equal(actual: Any, expected: Any, *, path: str = "") -> None:
 
     NumPy arrays compare by dtype (byte order ignored: big-endian arrays load
     back little-endian), shape and bytes, so NaN payloads and -0.0 count.
-    Floats compare by bits. torch tensors and JAX arrays compare the same way
+    Python floats compare by bits too, except that any NaN matches any NaN
+    (format v1 stores a plain float NaN as ``nan``, without sign or payload;
+    NaNs inside arrays keep every bit). torch tensors and JAX arrays compare the same way
     (type, dtype, shape, bytes).
     """
     torch = sys.modules.get("torch")
@@ -257,7 +259,12 @@ def assert_tree_equal(actual: Any, expected: Any, *, path: str = "") -> None:
             _fail(path, f"{actual!r:.200} != {expected!r:.200}")
         return
     if isinstance(expected, float):
-        if type(actual) is not float or struct.pack("<d", actual) != struct.pack("<d", expected):
+        if type(actual) is not float:
+            _fail(path, f"expected a float, got {type(actual).__name__}")
+        if math.isnan(expected):  # format v1 stores a plain float NaN as "nan": no sign/payload
+            if not math.isnan(actual):
+                _fail(path, f"{actual!r} != nan")
+        elif struct.pack("<d", actual) != struct.pack("<d", expected):
             _fail(path, f"{actual!r} != {expected!r} (bitwise)")
         return
     if isinstance(expected, dict):
