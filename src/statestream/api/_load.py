@@ -8,6 +8,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from statestream._gc import gc_paused
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
@@ -357,8 +358,20 @@ def load(
         >>> ss.load(d, items=["params"])
         {'params': {'w': array([1., 1.])}}
     """
-    io = io or IOOptions()
-    memory = memory or MemoryOptions()
+    with gc_paused():
+        return _load(path, target, items, allow_pickle, io or IOOptions(),
+                     memory or MemoryOptions(), progress)
+
+
+def _load(
+    path: str | os.PathLike[str],
+    target: Any,
+    items: Sequence[str] | None,
+    allow_pickle: bool,
+    io: IOOptions,
+    memory: MemoryOptions,
+    progress: Progress | None,
+) -> Any:
     reader, m = open_checkpoint(path)
     try:
         root = m.tree

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from statestream import __version__
+from statestream._gc import gc_paused
 from statestream.distributed import Collective, SingleProcess
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
 from statestream.errors import CheckpointError, UnsupportedTypeError
@@ -142,9 +143,21 @@ def save(
         >>> ss.load(d)["step"]
         7
     """
-    io = io or IOOptions()
-    memory = memory or MemoryOptions()
-    coll = collective or SingleProcess()
+    with gc_paused():
+        _save(path, state, overwrite, pickle_paths, io or IOOptions(), memory or MemoryOptions(),
+              collective or SingleProcess(), progress)
+
+
+def _save(
+    path: str | os.PathLike[str],
+    state: Any,
+    overwrite: bool,
+    pickle_paths: Collection[str],
+    io: IOOptions,
+    memory: MemoryOptions,
+    coll: Collective,
+    progress: Progress | None,
+) -> None:
     storage, spath = storage_for(path)
     txn = storage.begin_write(spath, overwrite=overwrite)
     planner = StreamPlanner(file_prefix=f"data/r{coll.rank}", max_files=io.num_threads,

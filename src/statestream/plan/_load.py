@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -67,6 +68,12 @@ def _intersect(
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
+def _row_blocks(entry: ArrayEntry) -> bool:
+    """True if every chunk spans the full extent of all axes but the first."""
+    inner = entry.shape[1:]
+    return all(c.shape[1:] == inner and not any(c.start[1:]) for c in entry.chunks)
+
+
 def plan_load(
     arrays: Sequence[ArrayEntry],
     wanted: Sequence[Wanted],
@@ -86,6 +93,26 @@ def plan_load(
         entry = arrays[w.array]
         dt = dtype_from_name(entry.dtype)
         dshape = tuple(w.dest.shape)
+        if (
+            dshape == entry.shape
+            and not any(w.start)
+            and w.dest.flags.c_contiguous
+            and not any((w.array, ci) in pieces for ci in range(len(entry.chunks)))
+            and _row_blocks(entry)
+        ):
+            # Fast path (the common single-process case): the destination is the
+            # whole array and every chunk is a row block, i.e. a byte range of it.
+            flat = w.dest.reshape(-1).view(np.uint8)
+            row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
+            for ci, c in enumerate(entry.chunks):
+                if c.nbytes == 0:
+                    continue
+                a = c.start[0] * row_bytes if c.start else 0
+                pieces[(w.array, ci)] = ReadPiece(
+                    w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
+                    direct=flat[a : a + c.nbytes],
+                )
+            continue
         for ci, c in enumerate(entry.chunks):
             if c.nbytes == 0:
                 continue

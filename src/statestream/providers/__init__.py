@@ -57,12 +57,22 @@ def array_provider_for(obj: Any) -> Any:
     return None
 
 
+_TARGET_BY_TYPE: dict[type, Any] = {}
+
+
 def target_provider_for(like: Any) -> Any:
     """Provider whose type the target leaf ``like`` asks for, or None."""
+    t = type(like)
+    if t in _TARGET_BY_TYPE:
+        return _TARGET_BY_TYPE[t]
+    found = None
     for p in _PROVIDERS:
         if p.is_target(like):
-            return p
-    return None
+            found = p
+            break
+    if found is not None or t in (dict, list, tuple, int, float, str, bool, type(None)):
+        _TARGET_BY_TYPE[t] = found
+    return found
 
 
 def provider_by_kind(kind: str) -> Any:
