@@ -68,7 +68,7 @@ _CONTAINERS = ("dict", "list", "tuple", "namedtuple", "dataclass", "pytree")
 _KEYED = ("dict", "namedtuple", "dataclass", "pytree")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: built 1000s of times per load
 class ChunkEntry:
     """A box of an array stored contiguously (C order) in one data file."""
 

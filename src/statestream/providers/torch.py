@@ -68,6 +68,32 @@ def _byte_view(t: Any) -> np.ndarray:
     return out
 
 
+class _HostMemory:
+    """Exposes a CPU tensor's bytes to NumPy and keeps the tensor alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        n = tensor.numel() * tensor.element_size()
+        self.__array_interface__ = {
+            "data": (tensor.data_ptr(), False),
+            "shape": (n,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def _host_bytes(t: Any) -> np.ndarray:
+    """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
+    return np.asarray(_HostMemory(t))
+
+
+def _slow_chunk(t: Any, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+    part = t.detach()[box_slices(start, cshape)] if t.dim() else t.detach()
+    return _byte_view(part.contiguous())
+
+
 class TorchProvider:
     """Provider for ``torch.Tensor`` (and ``nn.Parameter``)."""
 
@@ -118,6 +144,23 @@ class TorchProvider:
         return self._prepare_dense(obj, name)
 
     def _prepare_dense(self, obj: Any, name: str) -> PreparedArray:
+        if (
+            obj.device.type == "cpu"
+            and obj.is_contiguous()
+            # conj/neg bits live only on views; is_conj() is itself a torch op
+            and (obj._base is None or not (obj.is_conj() or obj.is_neg()))
+            and obj.numel()
+        ):
+            # Fast path, no torch op: torch ops release the GIL, and on a busy
+            # process each one can wait a whole switch interval to get it back
+            # while writer threads run; 20,000 small tensors paid seconds for that.
+            shape = tuple(obj.shape)
+            flat = _host_bytes(obj)
+            return PreparedArray(
+                kind=self.kind, dtype=name, shape=shape, copies=False,
+                chunk=row_block_chunker(flat, shape, obj.element_size(),
+                                        lambda s, c: _slow_chunk(obj, s, c)),
+            )
         t = obj.detach()
         if t.is_conj():
             t = t.resolve_conj()
