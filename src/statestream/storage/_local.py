@@ -65,7 +65,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> None:
+def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> int:
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if v.nbytes]
     while views:
@@ -84,12 +84,31 @@ def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> 
             else:
                 views[0] = v[n:]
                 n = 0
+    return offset
+
+
+def _sync_file_range_fn() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _sync_file_range_fn()
+_SYNC_FILE_RANGE_WRITE = 2
+#: Start writeback every this many written bytes (the final fsync then has little left).
+_WRITEBACK_BYTES = 16 << 20
 
 
 class _LocalFileWriter:
     def __init__(self, path: str, size_hint: int) -> None:
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._dirty_lo = -1
+        self._dirty_hi = 0
         if size_hint > 0:
             try:
                 os.posix_fallocate(self._fd, 0, size_hint)
@@ -97,7 +116,18 @@ class _LocalFileWriter:
                 pass  # not supported by this file system; writes extend the file
 
     def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
-        _pwrite_all(self._fd, buffers, offset, self._path)
+        end = _pwrite_all(self._fd, buffers, offset, self._path)
+        # Start writeback of what was just written, asynchronously, so the disk
+        # works while we prepare the next bytes instead of all at the final fsync.
+        if _sync_file_range is None:
+            return
+        self._dirty_lo = offset if self._dirty_lo < 0 else min(self._dirty_lo, offset)
+        self._dirty_hi = max(self._dirty_hi, end)
+        if self._dirty_hi - self._dirty_lo >= _WRITEBACK_BYTES:
+            _sync_file_range(self._fd, self._dirty_lo, self._dirty_hi - self._dirty_lo,
+                             _SYNC_FILE_RANGE_WRITE)
+            self._dirty_lo = -1
+            self._dirty_hi = 0
 
     def finish(self) -> None:
         try:
