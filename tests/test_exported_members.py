@@ -13,8 +13,10 @@ EXPECTED: dict[str, list[str]] = {
     "statestream": [
         "ArrayMetadata", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
         "CheckpointMetadata", "CheckpointNotFoundError", "ChecksumMismatchError",
-        "FormatVersionError", "IOOptions", "MemoryOptions", "MissingKeyError",
-        "PickleNotAllowedError", "StorageError", "TargetMismatchError", "TruncatedFileError",
+        "CollectiveTimeoutError", "DistributedError",
+        "FormatVersionError", "IOOptions", "JaxCollective", "MemoryOptions", "MissingKeyError",
+        "PickleNotAllowedError", "SingleProcess", "StorageError", "TargetMismatchError",
+        "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
         "load", "metadata", "save", "verify",
     ],
@@ -27,8 +29,9 @@ EXPECTED: dict[str, list[str]] = {
         "CHECKSUM_ALGORITHM", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
         "FORMAT_VERSION", "MANIFEST_NAME", "MAX_ARRAY_BYTES", "MAX_COMMIT_BYTES", "MAX_DIM",
         "MAX_FILES", "MAX_MANIFEST_BYTES", "MAX_NDIM", "ArrayEntry", "ChunkEntry", "FileEntry",
-        "Manifest", "checksum", "decode_commit", "decode_manifest", "dtype_from_name",
-        "dtype_name", "encode_commit", "encode_manifest", "itemsize_of", "validate_file_name",
+        "Manifest", "checksum", "decode_commit", "decode_manifest", "decode_tree",
+        "dtype_from_name", "dtype_name", "encode_commit", "encode_manifest", "encode_tree",
+        "itemsize_of", "validate_file_name",
     ],
     "statestream.storage": [
         "Buffer", "CheckpointReader", "FileWriter", "LocalStorage", "Storage",
@@ -36,20 +39,23 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.plan": [
         "ArraySpec", "FilePlan", "ReadPiece", "ReadRequest", "SavePlan", "StreamPlanner", "Wanted",
-        "WriteItem",
+        "WriteItem", "assign_writers", "block_rows_for",
         "coalesce", "plan_load", "plan_save", "plan_verify", "split_chunks",
     ],
     "statestream.engine": [
         "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "StreamWriter",
-        "default_memory_budget_bytes",
+        "chunk_checksums", "default_memory_budget_bytes",
         "read_requests", "write_files",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
-        "TorchProvider", "array_provider_for", "box_slices", "chunk_of_host_array",
+        "TorchProvider", "array_provider_for", "box_slices", "chunk_of_host_array", "find_box",
         "expand_pytree", "provider_by_kind", "rebuild_pytree", "target_provider_for",
     ],
-    "statestream.distributed": ["Collective", "SingleProcess"],
+    "statestream.distributed": [
+        "Collective", "JaxCollective", "SingleProcess", "TorchCollective", "agree",
+        "default_collective",
+    ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "VerifyReport", "load", "metadata", "save",
         "verify",
@@ -57,7 +63,8 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.cli": ["main"],
     "statestream.errors": [
         "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
-        "CheckpointNotFoundError", "ChecksumMismatchError", "FormatVersionError",
+        "CheckpointNotFoundError", "ChecksumMismatchError", "CollectiveTimeoutError",
+        "DistributedError", "FormatVersionError",
         "MissingKeyError", "PickleNotAllowedError", "StorageError", "TargetMismatchError",
         "TruncatedFileError", "UnsafeCheckpointError", "UnsupportedTypeError",
     ],

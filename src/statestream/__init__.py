@@ -18,6 +18,7 @@ from statestream.api import (
     save,
     verify,
 )
+from statestream.distributed import JaxCollective, SingleProcess, TorchCollective
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import (
     CheckpointCorruptError,
@@ -25,6 +26,8 @@ from statestream.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
     FormatVersionError,
     MissingKeyError,
     PickleNotAllowedError,
@@ -43,13 +46,18 @@ __all__ = [
     "CheckpointMetadata",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedError",
     "FormatVersionError",
     "IOOptions",
     "MemoryOptions",
     "MissingKeyError",
+    "JaxCollective",
     "PickleNotAllowedError",
+    "SingleProcess",
     "StorageError",
     "TargetMismatchError",
+    "TorchCollective",
     "TruncatedFileError",
     "UnsafeCheckpointError",
     "UnsupportedTypeError",

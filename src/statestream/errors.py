@@ -15,7 +15,9 @@ refines, so ``except FileNotFoundError`` keeps working::
     ├── PickleNotAllowedError (PermissionError)        a pickled leaf loaded without allow_pickle
     ├── TargetMismatchError (ValueError)               target shape/structure differs from saved
     ├── MissingKeyError (KeyError)                     target asks for a key the checkpoint lacks
-    └── StorageError (OSError)                         the storage backend failed
+    ├── StorageError (OSError)                         the storage backend failed
+    └── DistributedError (RuntimeError)                another rank failed; names it
+        └── CollectiveTimeoutError (TimeoutError)      a rank never reached a collective
 
 Every message says what failed, where (key path and/or file) and what to do.
 """
@@ -28,6 +30,8 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedError",
     "FormatVersionError",
     "MissingKeyError",
     "PickleNotAllowedError",
@@ -93,3 +97,11 @@ class MissingKeyError(CheckpointError, KeyError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed to read, write, list or commit."""
+
+
+class DistributedError(CheckpointError, RuntimeError):
+    """A collective save/load failed on some rank; the message names which."""
+
+
+class CollectiveTimeoutError(DistributedError, TimeoutError):
+    """A rank did not reach a collective step within the configured timeout."""

@@ -330,7 +330,8 @@ def test_plain_values(tmp_path):
     state = {
         "none": None, "t": True, "f": False,
         "zero": 0, "neg": -17, "big": 10**5000, "bigneg": -(2**4000), "i64": 2**63,
-        "nan": float("nan"), "negnan": -float("nan"), "inf": float("inf"), "ninf": float("-inf"), "nzero": -0.0,
+        "nan": float("nan"), "negnan": -float("nan"), "inf": float("inf"),
+        "ninf": float("-inf"), "nzero": -0.0,
         "tiny": 5e-324, "pi": math.pi,
         "s": "héllo wörld \U0001f600 \u4e2d\u6587", "surrogate": "a\ud800b", "empty_s": "",
         "nul": "a\x00b",

@@ -12,7 +12,7 @@ import numpy as np
 
 from statestream import __version__
 from statestream._gc import gc_paused
-from statestream.distributed import Collective, SingleProcess
+from statestream.distributed import Collective, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
 from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import (
@@ -26,7 +26,7 @@ from statestream.format import (
     encode_manifest,
     itemsize_of,
 )
-from statestream.plan import ArraySpec, StreamPlanner, WriteItem
+from statestream.plan import ArraySpec, StreamPlanner, WriteItem, block_rows_for
 from statestream.providers import (
     PreparedArray,
     array_provider_for,
@@ -127,7 +127,9 @@ def save(
             values may be pickled; loading them needs ``allow_pickle=True``.
         io: thread count and chunk sizes.
         memory: the host staging budget.
-        collective: how processes agree (single process by default).
+        collective: how processes agree; by default torch.distributed when a
+            process group is initialised, multi-process JAX when running, else
+            one process. Every process of the collective must call ``save``.
         progress: called as ``progress(bytes_done, bytes_total)`` while writing.
 
     Raises:
@@ -143,9 +145,16 @@ def save(
         >>> ss.load(d)["step"]
         7
     """
+    coll = collective if collective is not None else default_collective()
     with gc_paused():
+        if coll.world_size > 1:
+            from statestream.api._multi import save_collective
+
+            save_collective(path, state, overwrite, pickle_paths, io or IOOptions(),
+                            memory or MemoryOptions(), coll, progress, _Collector(pickle_paths))
+            return
         _save(path, state, overwrite, pickle_paths, io or IOOptions(), memory or MemoryOptions(),
-              collective or SingleProcess(), progress)
+              coll, progress)
 
 
 def _save(
@@ -182,7 +191,7 @@ def _save(
     def on_array(index: int, prepared: PreparedArray) -> None:
         # Writers start on this array while the walk goes on to the next.
         writer.submit(planner.add(index, ArraySpec(prepared.shape, itemsize_of(prepared.dtype),
-                                                   prepared.copies)))
+                                                   prepared.copies), prepared.boxes))
 
     collector.on_array = on_array
     try:
@@ -202,7 +211,9 @@ def _save(
                 if nb == 0:
                     continue
                 f, off = offsets[(ai, ci)]
-                chunks.append(ChunkEntry(f, off, nb, sums[(ai, ci)], start, cshape))
+                crc, blocks = sums[(ai, ci)]
+                chunks.append(ChunkEntry(f, off, nb, crc, start, cshape,
+                                         block_rows_for(cshape, itemsize_of(a.dtype)), blocks))
             entries.append(ArrayEntry(a.dtype, a.shape, tuple(chunks)))
         manifest = Manifest(
             tree=tree,

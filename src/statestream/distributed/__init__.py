@@ -1,5 +1,20 @@
-"""How processes agree: the Collective protocol and its implementations."""
+"""How processes agree: the Collective protocol and its implementations.
 
+``default_collective()`` picks torch.distributed when a process group is
+initialised, multi-process JAX when ``jax.process_count() > 1``, and a
+single process otherwise. Implementations import their framework lazily.
+"""
+
+from statestream.distributed._agree import agree, default_collective
 from statestream.distributed._base import Collective, SingleProcess
+from statestream.distributed._jax import JaxCollective
+from statestream.distributed._torch import TorchCollective
 
-__all__ = ["Collective", "SingleProcess"]
+__all__ = [
+    "Collective",
+    "JaxCollective",
+    "SingleProcess",
+    "TorchCollective",
+    "agree",
+    "default_collective",
+]

@@ -32,6 +32,7 @@ __all__ = [
     "MemoryOptions",
     "Progress",
     "StreamWriter",
+    "chunk_checksums",
     "default_memory_budget_bytes",
     "read_requests",
     "write_files",
@@ -330,15 +331,19 @@ def read_requests(
                 names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
                 raise type(exc)(f"{exc} (affects {names})") from None
             for p, buf in zip(req.pieces, views):
-                got = checksum(buf)
-                if got != p.checksum:
-                    err = ChecksumMismatchError(
-                        f"checksum mismatch in {describe(p)}: chunk {p.chunk} at bytes "
-                        f"[{p.offset}, {p.offset + p.nbytes}) of "
-                        f"{reader.location}/{file_names[p.file]} has CRC-32C {got:08x}, the "
-                        f"manifest says {p.checksum:08x}; the checkpoint is corrupt, restore "
-                        "it from another copy"
-                    )
+                err = None
+                for a, b, want in p.checks():
+                    got = checksum(buf[a:b])
+                    if got != want:
+                        err = ChecksumMismatchError(
+                            f"checksum mismatch in {describe(p)}: chunk {p.chunk}, bytes "
+                            f"[{p.offset + a}, {p.offset + b}) of "
+                            f"{reader.location}/{file_names[p.file]} have CRC-32C {got:08x}, "
+                            f"the manifest says {want:08x}; the checkpoint is corrupt, "
+                            "restore it from another copy"
+                        )
+                        break
+                if err is not None:
                     if collect is None:
                         raise err
                     with lock:
@@ -354,6 +359,19 @@ def read_requests(
 
     n = max(1, min(options.num_threads, len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+def chunk_checksums(item: WriteItem, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
+    """The chunk's CRC-32C, and its block CRCs when ``item.block_rows`` is set.
+
+    With blocks, the chunk checksum is the CRC-32C of the block CRCs as
+    little-endian uint32 (docs/format.md), so each byte is hashed once.
+    """
+    if not item.block_rows:
+        return checksum(data), ()
+    step = (item.nbytes // item.shape[0]) * item.block_rows
+    blocks = tuple(checksum(data[a : a + step]) for a in range(0, item.nbytes, step))
+    return checksum(np.array(blocks, dtype="<u4").tobytes()), blocks
 
 
 class StreamWriter:
@@ -388,7 +406,7 @@ class StreamWriter:
         self._queues: list[queue.SimpleQueue[Any]] = []
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
-        self._sums: dict[tuple[int, int], int] = {}
+        self._sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self._failed = threading.Event()
         self._pending: list[list[WriteItem]] = []
         self._pending_bytes: list[int] = []
@@ -424,8 +442,8 @@ class StreamWriter:
             self._pending[index] = []
             self._pending_bytes[index] = 0
 
-    def close(self) -> dict[tuple[int, int], int]:
-        """Finish every file (fsync) and return the chunk checksums."""
+    def close(self) -> dict[tuple[int, int], tuple[int, tuple[int, ...]]]:
+        """Finish every file (fsync); return each chunk's (CRC, block CRCs)."""
         for i in range(len(self._pending)):
             self._handoff(i)
         for q in self._queues:
@@ -451,7 +469,7 @@ class StreamWriter:
         budget = self._budget
         w = None
         held = 0
-        sums: dict[tuple[int, int], int] = {}
+        sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         try:
             w = self._txn.create_file(self._name(index), 0)
             while not self._failed.is_set():
@@ -478,7 +496,7 @@ class StreamWriter:
                         got = budget.acquire(it.staging_bytes)
                     held += got
                     data = self._source(it)
-                    sums[(it.array, it.chunk)] = checksum(data)
+                    sums[(it.array, it.chunk)] = chunk_checksums(it, data)
                     pad = it.offset - end
                     while pad > 0:
                         z = min(pad, len(_ZEROS))

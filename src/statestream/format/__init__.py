@@ -23,8 +23,10 @@ from statestream.format._manifest import (
     Manifest,
     decode_commit,
     decode_manifest,
+    decode_tree,
     encode_commit,
     encode_manifest,
+    encode_tree,
     validate_file_name,
 )
 
@@ -49,10 +51,12 @@ __all__ = [
     "checksum",
     "decode_commit",
     "decode_manifest",
+    "decode_tree",
     "dtype_from_name",
     "dtype_name",
     "encode_commit",
     "encode_manifest",
+    "encode_tree",
     "itemsize_of",
     "validate_file_name",
 ]

@@ -40,8 +40,10 @@ __all__ = [
     "Manifest",
     "decode_commit",
     "decode_manifest",
+    "decode_tree",
     "encode_commit",
     "encode_manifest",
+    "encode_tree",
     "validate_file_name",
 ]
 
@@ -78,6 +80,10 @@ class ChunkEntry:
     checksum: int
     start: tuple[int, ...]
     shape: tuple[int, ...]
+    #: Optional finer checksums so partial (row-range) reads can be verified:
+    #: the chunk's rows (axis 0) in groups of ``block_rows``, one CRC-32C each.
+    block_rows: int = 0
+    block_checksums: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,6 +152,19 @@ def _encode_node(node: Node) -> dict[str, Any]:
     return out
 
 
+def encode_tree(node: Node) -> dict[str, Any]:
+    """The manifest (JSON) form of a tree, as plain data."""
+    return _encode_node(node)
+
+
+def decode_tree(doc: Any, n_arrays: int) -> Node:
+    """Parse and validate the JSON form of a tree whose leaves index ``n_arrays`` arrays."""
+    try:
+        return _decode_node(doc, 0, n_arrays, set())
+    except _Bad as exc:
+        raise CheckpointCorruptError(f"malformed tree: {exc}") from None
+
+
 def encode_manifest(m: Manifest) -> bytes:
     """Serialize a manifest to canonical JSON bytes (UTF-8, ASCII-escaped)."""
     doc = {
@@ -160,6 +179,7 @@ def encode_manifest(m: Manifest) -> bytes:
                 "shape": list(a.shape),
                 "chunks": [
                     [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape)]
+                    + ([[c.block_rows, list(c.block_checksums)]] if c.block_rows else [])
                     for c in a.chunks
                 ],
             }
@@ -327,9 +347,9 @@ def _decode_array(d: Any, i: int, files: list[FileEntry]) -> ArrayEntry:
     n_files = len(files)
     chunk_list = _list(d.get("chunks"), f"array {i} chunks")
     for j, c in enumerate(chunk_list):
-        if type(c) is not list or len(c) != 6:
-            raise _Bad(f"array {i} chunk {j} must be a list of 6 fields")
-        f, off, nb, crc, start_l, shape_l2 = c
+        if type(c) is not list or len(c) not in (6, 7):
+            raise _Bad(f"array {i} chunk {j} must be a list of 6 or 7 fields")
+        f, off, nb, crc, start_l, shape_l2 = c[:6]
         if type(f) is not int or not 0 <= f < n_files:
             raise _Bad(f"array {i} chunk {j} refers to file {f!r:.40}, not one of {n_files}")
         if type(off) is not int or not 0 <= off <= MAX_FILE_BYTES:
@@ -365,7 +385,19 @@ def _decode_array(d: Any, i: int, files: list[FileEntry]) -> ArrayEntry:
                 f"which the manifest says has only {fe.size} bytes"
             )
         covered += vol
-        chunks.append(ChunkEntry(f, off, nb, crc, tuple(start_l), cshape))
+        block_rows, block_sums = 0, ()
+        if len(c) == 7:
+            blk = c[6]
+            if (
+                type(blk) is not list or len(blk) != 2 or type(blk[0]) is not int
+                or blk[0] < 1 or nd == 0 or type(blk[1]) is not list
+                or len(blk[1]) != -(-cshape[0] // blk[0])
+                or not all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blk[1])
+            ):
+                raise _Bad(f"array {i} chunk {j} has a malformed block checksum table")
+            block_rows, block_sums = blk[0], tuple(blk[1])
+        chunks.append(ChunkEntry(f, off, nb, crc, tuple(start_l), cshape, block_rows,
+                                 block_sums))
     if covered != total:
         raise _Bad(f"array {i}'s chunks cover {covered} of its {total} elements")
     live = [c for c in chunks if math.prod(c.shape) > 0]

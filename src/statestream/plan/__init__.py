@@ -14,6 +14,8 @@ from statestream.plan._save import (
     SavePlan,
     StreamPlanner,
     WriteItem,
+    assign_writers,
+    block_rows_for,
     plan_save,
     split_chunks,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "StreamPlanner",
     "Wanted",
     "WriteItem",
+    "assign_writers",
+    "block_rows_for",
     "coalesce",
     "plan_load",
     "plan_save",

@@ -41,6 +41,15 @@ class ReadPiece:
     dtype: np.dtype  # type: ignore[type-arg]
     direct: np.ndarray | None = None
     scatter: list[tuple[np.ndarray, tuple[slice, ...]]] = dataclasses.field(default_factory=list)
+    #: (start, end, crc) byte ranges of this piece to verify; default: all of it
+    #: against ``checksum``.
+    verify: list[tuple[int, int, int]] | None = None
+
+    def checks(self) -> list[tuple[int, int, int]]:
+        """Byte ranges of the piece and the CRC-32C each must have."""
+        if self.verify is not None:
+            return self.verify
+        return [(0, self.nbytes, self.checksum)]
 
     @property
     def staging_bytes(self) -> int:
@@ -88,8 +97,11 @@ def plan_load(
     it; others are read into scratch and copied. Nearby pieces of a file
     merge into one request (gaps up to ``max_gap_bytes`` are read and dropped).
     """
-    pieces: dict[tuple[int, int], ReadPiece] = {}
+    pieces: dict[tuple[int, ...], ReadPiece] = {}
+    touched: set[int] = set()
     for w in wanted:
+        first = w.array not in touched
+        touched.add(w.array)
         entry = arrays[w.array]
         dt = dtype_from_name(entry.dtype)
         dshape = tuple(w.dest.shape)
@@ -97,7 +109,7 @@ def plan_load(
             dshape == entry.shape
             and not any(w.start)
             and w.dest.flags.c_contiguous
-            and not any((w.array, ci) in pieces for ci in range(len(entry.chunks)))
+            and first
             and _row_blocks(entry)
         ):
             # Fast path (the common single-process case): the destination is the
@@ -108,32 +120,58 @@ def plan_load(
                 if c.nbytes == 0:
                     continue
                 a = c.start[0] * row_bytes if c.start else 0
-                pieces[(w.array, ci)] = ReadPiece(
+                piece = ReadPiece(
                     w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
                     direct=flat[a : a + c.nbytes],
                 )
+                if c.block_rows:
+                    step = c.block_rows * (c.nbytes // c.shape[0])
+                    piece.verify = [
+                        (b, min(b + step, c.nbytes), c.block_checksums[k])
+                        for k, b in enumerate(range(0, c.nbytes, step))
+                    ]
+                pieces[(w.array, ci, 0, c.shape[0] if c.shape else 1)] = piece
             continue
         for ci, c in enumerate(entry.chunks):
             if c.nbytes == 0:
                 continue
-            box = _intersect(c.start, c.shape, w.start, dshape) if c.shape else ((), ())
+            box = _intersect(c.start, c.shape, w.start, dshape)
             if box is None:
                 continue
             lo, sh = box
+            # Which rows of the chunk to read: all of them, or (when the chunk has
+            # block checksums) just the blocks covering the rows this box needs.
+            r0, r1 = 0, (c.shape[0] if c.shape else 1)
+            if c.block_rows and c.shape:
+                need0 = lo[0] - c.start[0]
+                need1 = need0 + sh[0]
+                r0 = (need0 // c.block_rows) * c.block_rows
+                r1 = min(c.shape[0], -(-need1 // c.block_rows) * c.block_rows)
+            pstart = ((c.start[0] + r0,) + tuple(c.start[1:])) if c.shape else ()
+            pshape = ((r1 - r0,) + tuple(c.shape[1:])) if c.shape else ()
+            row_bytes = (c.nbytes // c.shape[0]) if c.shape and c.shape[0] else 0
             dsl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, w.start, sh))
-            csl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, c.start, sh))
+            psl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, pstart, sh))
             dview = w.dest[dsl] if dsl else w.dest
-            key = (w.array, ci)
+            key = (w.array, ci, r0, r1)
             piece = pieces.get(key)
             if piece is None:
-                piece = ReadPiece(w.array, ci, c.file, c.offset, c.nbytes, c.checksum,
-                                  c.shape, dt)
+                piece = ReadPiece(w.array, ci, c.file, c.offset + r0 * row_bytes,
+                                  (r1 - r0) * row_bytes if c.shape else c.nbytes,
+                                  c.checksum, pshape, dt)
+                if c.block_rows:
+                    step = c.block_rows * row_bytes
+                    b0 = r0 // c.block_rows
+                    piece.verify = [
+                        (a, min(a + step, piece.nbytes), c.block_checksums[b0 + k])
+                        for k, a in enumerate(range(0, piece.nbytes, step))
+                    ]
                 pieces[key] = piece
-            whole = sh == c.shape
+            whole = sh == pshape
             if whole and piece.direct is None and dview.flags.c_contiguous:
                 piece.direct = dview.reshape(-1).view(np.uint8)
             else:
-                piece.scatter.append((dview, csl))
+                piece.scatter.append((dview, psl))
     return coalesce(pieces.values(), max_request_bytes=max_request_bytes,
                     max_gap_bytes=max_gap_bytes, max_pieces_per_request=max_pieces_per_request)
 
@@ -141,13 +179,18 @@ def plan_load(
 def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 20
                 ) -> list[ReadRequest]:
     """Read every chunk of every array (into scratch) so its checksum can be checked."""
-    pieces = [
-        ReadPiece(ai, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape,
-                  dtype_from_name(a.dtype))
-        for ai, a in enumerate(arrays)
-        for ci, c in enumerate(a.chunks)
-        if c.nbytes
-    ]
+    pieces = []
+    for ai, a in enumerate(arrays):
+        for ci, c in enumerate(a.chunks):
+            if not c.nbytes:
+                continue
+            p = ReadPiece(ai, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape,
+                          dtype_from_name(a.dtype))
+            if c.block_rows:
+                step = c.block_rows * (c.nbytes // c.shape[0])
+                p.verify = [(b, min(b + step, c.nbytes), c.block_checksums[k])
+                            for k, b in enumerate(range(0, c.nbytes, step))]
+            pieces.append(p)
     return coalesce(pieces, max_request_bytes=max_request_bytes)
 
 

@@ -15,6 +15,8 @@ __all__ = [
     "SavePlan",
     "StreamPlanner",
     "WriteItem",
+    "assign_writers",
+    "block_rows_for",
     "plan_save",
     "split_chunks",
 ]
@@ -48,6 +50,8 @@ class WriteItem:
     offset: int
     #: Host bytes the engine must stage (copy) to write this item; 0 if zero-copy.
     staging_bytes: int
+    #: Rows (axis 0) per checksum block; 0 = one checksum for the whole chunk.
+    block_rows: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,6 +96,27 @@ def split_chunks(
         n = min(rows, shape[0] - r)
         out.append(((r,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:])))
     return out
+
+
+#: Chunks larger than this get a checksum per block of rows of about this size,
+#: so a load that needs only some rows of a chunk (resharding) can verify them.
+CHECKSUM_BLOCK_BYTES = 1 << 20
+
+
+def block_rows_for(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows per checksum block for a chunk of ``shape`` (0: a single checksum).
+
+    Example:
+        >>> block_rows_for((4096, 1024), 4), block_rows_for((10, 10), 4)
+        (256, 0)
+    """
+    if not shape or shape[0] < 2:
+        return 0
+    row_bytes = math.prod(shape[1:]) * itemsize
+    if row_bytes * shape[0] <= CHECKSUM_BLOCK_BYTES or row_bytes == 0:
+        return 0
+    rows = max(1, CHECKSUM_BLOCK_BYTES // row_bytes)
+    return rows if rows < shape[0] else 0
 
 
 def _align(offset: int, nbytes: int) -> int:
@@ -185,18 +210,32 @@ class StreamPlanner:
         self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         self.total_bytes = 0
 
-    def add(self, array: int, spec: ArraySpec) -> list[WriteItem]:
-        """Chunk array number ``array`` (must be the next index) and place its chunks."""
+    def add(self, array: int, spec: ArraySpec,
+            boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+            ) -> list[WriteItem]:
+        """Chunk array number ``array`` (must be the next index) and place its chunks.
+
+        ``boxes`` are the parts of the array this process writes (default:
+        all of it); each is split into row-block chunks.
+        """
         assert array == len(self.chunks), "arrays must be added in order"
         per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         items: list[WriteItem] = []
         shape = spec.shape
-        whole = math.prod(shape) * spec.itemsize
-        if 0 < whole <= self._max_chunk:  # the common case: one chunk
-            boxes = [((0,) * len(shape), shape)]
+        if boxes is None:
+            whole = math.prod(shape) * spec.itemsize
+            if 0 < whole <= self._max_chunk:  # the common case: one chunk
+                chunk_boxes = [((0,) * len(shape), shape)]
+            else:
+                chunk_boxes = split_chunks(shape, spec.itemsize, self._max_chunk)
         else:
-            boxes = split_chunks(shape, spec.itemsize, self._max_chunk)
-        for ci, (start, cshape) in enumerate(boxes):
+            chunk_boxes = []
+            for bstart, bshape in boxes:
+                for rstart, rshape in split_chunks(bshape, spec.itemsize, self._max_chunk):
+                    chunk_boxes.append(
+                        (tuple(a + b for a, b in zip(bstart, rstart)), rshape)
+                    )
+        for ci, (start, cshape) in enumerate(chunk_boxes):
             nb = math.prod(cshape) * spec.itemsize
             per.append((start, cshape, nb))
             if nb == 0:
@@ -207,8 +246,10 @@ class StreamPlanner:
                 if self._file == len(self._sizes):
                     self._sizes.append(0)
             off = _align(self._sizes[self._file], nb)
-            items.append(WriteItem(array, ci, start, cshape, nb, self._file, off,
-                                   nb if spec.copies else 0))
+            item = WriteItem(array, ci, start, cshape, nb, self._file, off,
+                             nb if spec.copies else 0)
+            item.block_rows = block_rows_for(cshape, spec.itemsize)
+            items.append(item)
             self.offsets[(array, ci)] = (self._file, off)
             self._sizes[self._file] = off + nb
             self._in_block += nb
@@ -223,3 +264,55 @@ class StreamPlanner:
         """The files written so far with their final sizes (items are not kept)."""
         return [FilePlan(self.file_name(i), size, []) for i, size in enumerate(self._sizes)
                 if size > 0]
+
+
+#: One process's description of an array: (key path, dtype, shape, held boxes).
+ArrayDesc = tuple[str, str, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]
+
+
+def assign_writers(
+    per_rank: Sequence[Sequence[ArrayDesc]], itemsize: dict[str, int]
+) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+    """Choose exactly one writing process for every distinct box of every array.
+
+    Every process runs this on the same gathered input and gets the same
+    answer, so no second round of messages is needed. Boxes held by several
+    processes (replicas) go to the holder with the fewest bytes assigned so
+    far, biggest boxes first, so writing work is spread evenly.
+
+    Raises:
+        ValueError: two processes disagree on an array's dtype or shape.
+
+    Example:
+        >>> a = [("w", "float32", (4,), [((0,), (4,))])]
+        >>> assign_writers([a, a], {"float32": 4})
+        {('w', (0,), (4,)): 0}
+        >>> b = [("w", "float32", (4,), [((0,), (4,))]), ("v", "float32", (4,), [((0,), (4,))])]
+        >>> sorted(assign_writers([b, b], {"float32": 4}).values())
+        [0, 1]
+    """
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for rank, arrays in enumerate(per_rank):
+        for key, dtype, shape, boxes in arrays:
+            shape = tuple(shape)
+            seen = meta.setdefault(key, (dtype, shape))
+            if seen != (dtype, shape):
+                raise ValueError(
+                    f"processes disagree about the array at key path '{key}': "
+                    f"{seen[0]}{list(seen[1])} on one, {dtype}{list(shape)} on rank {rank}"
+                )
+            for start, bshape in boxes:
+                holders.setdefault((key, tuple(start), tuple(bshape)), []).append(rank)
+    load = [0] * len(per_rank)
+    owners: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+
+    def cost(k: tuple[str, tuple[int, ...], tuple[int, ...]]) -> int:
+        return math.prod(k[2]) * itemsize[meta[k[0]][0]]
+
+    for k in sorted(holders, key=lambda k: (-cost(k), k[0], k[1])):
+        ranks = holders[k]
+        best = min(ranks, key=lambda r: (load[r], r))
+        owners[k] = best
+        load[best] += cost(k)
+    return owners

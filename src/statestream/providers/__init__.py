@@ -15,6 +15,7 @@ from statestream.providers._base import (
     PreparedArray,
     box_slices,
     chunk_of_host_array,
+    find_box,
 )
 from statestream.providers.jax import JaxProvider, expand_pytree, rebuild_pytree
 from statestream.providers.numpy import NumpyProvider
@@ -31,6 +32,7 @@ __all__ = [
     "box_slices",
     "chunk_of_host_array",
     "expand_pytree",
+    "find_box",
     "provider_by_kind",
     "rebuild_pytree",
     "target_provider_for",

@@ -23,9 +23,21 @@ __all__ = [
     "Destination",
     "PreparedArray",
     "box_slices",
+    "find_box",
     "chunk_of_host_array",
     "row_block_chunker",
 ]
+
+
+def find_box(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], start: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> tuple[int, ...]:
+    """Start of the held box containing box ``(start, shape)``."""
+    for bstart, bshape in boxes:
+        if all(b <= s and s + n <= b + m for b, m, s, n in zip(bstart, bshape, start, shape)):
+            return bstart
+    raise ValueError(f"box {start}+{shape} is not held by this process")
 
 
 def box_slices(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -89,6 +101,12 @@ class PreparedArray:
     chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray]
     copies: bool
     attrs: dict[str, Any] | None = None
+    #: Boxes (start, shape) of the global array this process holds; None means
+    #: all of it. ``chunk`` accepts any box inside one of them.
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    #: True when the array is sharded/replicated by its framework (DTensor,
+    #: sharded jax.Array), so several processes hold parts of one global array.
+    distributed: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -5,13 +5,19 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
 import numpy as np
 
 from statestream.errors import TargetMismatchError
-from statestream.providers._base import Destination, PreparedArray
+from statestream.providers._base import (
+    Destination,
+    PreparedArray,
+    chunk_of_host_array,
+    find_box,
+)
 from statestream.providers.numpy import host_destination, prepare_host_array
 from statestream.tree import KeyPath, PytreeExpansion, format_keypath, type_name
 
@@ -60,10 +66,38 @@ class JaxProvider:
         return jax is not None and isinstance(obj, jax.Array)
 
     def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
-        # On the CPU this is a zero-copy view of the device buffer; holding the
-        # reference keeps the (immutable) array alive until the save is done.
-        host = np.asarray(obj)
-        return prepare_host_array(host, path, self.kind)
+        jax = _jax()
+        shards = getattr(obj, "addressable_shards", None)
+        shape = tuple(int(x) for x in obj.shape)
+        if not shards or (len(shards) == 1 and jax.process_count() == 1):
+            # On the CPU this is a zero-copy view of the device buffer; holding the
+            # reference keeps the (immutable) array alive until the save is done.
+            return prepare_host_array(np.asarray(obj), path, self.kind)
+        # Sharded or replicated: one host view per distinct box this process holds
+        # (the lowest replica of each), never the whole gathered array.
+        held: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        order = sorted(shards, key=lambda sh: sh.replica_id)
+        for sh in order:
+            box = _index_box(sh.index, shape)
+            if box not in held and math.prod(box[1]) > 0:
+                held[box] = sh
+        host: dict[tuple[int, ...], np.ndarray] = {}
+        first = prepare_host_array(np.asarray(order[0].data), path, self.kind)
+        boxes = list(held)
+        by_start = {b[0]: sh for b, sh in held.items()}
+
+        def chunk(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+            bstart = find_box(boxes, start, cshape)
+            arr = host.get(bstart)
+            if arr is None:
+                arr = host.setdefault(bstart, np.asarray(by_start[bstart].data))
+            rel = tuple(a - b for a, b in zip(start, bstart))
+            return chunk_of_host_array(arr, rel, cshape)
+
+        return PreparedArray(
+            kind=self.kind, dtype=first.dtype, shape=shape, chunk=chunk, copies=False,
+            boxes=boxes, distributed=True,
+        )
 
     def is_target(self, like: Any) -> bool:
         jax = _jax()
@@ -75,6 +109,9 @@ class JaxProvider:
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath) -> Destination:
         import jax
 
+        sharding = getattr(like, "sharding", None) if like is not None else None
+        if sharding is not None and not _single_device(sharding):
+            return self._restore_sharded(dtype, shape, like, sharding, path)
         dest = host_destination(dtype, shape)
 
         def finish() -> Any:
@@ -95,3 +132,49 @@ class JaxProvider:
             return jax.device_put(out)
 
         return Destination(boxes=[((0,) * len(shape), dest)], finish=finish)
+
+    def _restore_sharded(self, dtype: str, shape: tuple[int, ...], like: Any, sharding: Any,
+                         path: KeyPath) -> Destination:
+        import jax
+
+        index_map = sharding.addressable_devices_indices_map(shape)
+        bufs: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
+        per_device = []
+        for device, index in index_map.items():
+            box = _index_box(index, shape)
+            if box not in bufs:
+                bufs[box] = host_destination(dtype, box[1])
+            per_device.append((device, box))
+        want = np.dtype(like.dtype)
+
+        def finish() -> Any:
+            arrays = []
+            for device, box in per_device:
+                host = bufs[box]
+                if host.dtype != want:
+                    host = host.astype(want)
+                arrays.append(jax.device_put(host, device))
+            return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+        return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
+
+
+def _single_device(sharding: Any) -> bool:
+    try:
+        return len(sharding.device_set) == 1
+    except Exception:  # pragma: no cover - unusual sharding types
+        return False
+
+
+def _index_box(index: Any, shape: tuple[int, ...]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(start, shape) of the box a shard's index (tuple of slices) selects."""
+    start, size = [], []
+    for sl, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape):
+        a, b, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {index} is not supported")
+        start.append(a)
+        size.append(max(0, b - a))
+    return tuple(start), tuple(size)
+

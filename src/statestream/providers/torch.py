@@ -126,11 +126,8 @@ class TorchProvider:
                 f"tensor at key path '{where}' is quantized ({obj.dtype}); save its "
                 "int_repr() and quantization parameters instead"
             )
-        if type(obj).__name__ == "DTensor":
-            raise UnsupportedTypeError(
-                f"tensor at key path '{where}' is a DTensor; distributed tensors are not "
-                "supported by this statestream version"
-            )
+        if _is_dtensor(obj):
+            return self._prepare_dtensor(obj, path)
         if obj.device.type == "meta":
             raise UnsupportedTypeError(
                 f"tensor at key path '{where}' lives on the meta device and holds no data"
@@ -180,6 +177,43 @@ class TorchProvider:
             chunk = row_block_chunker(_byte_view(t), shape, t.element_size(), general)
         return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies)
 
+    def _prepare_dtensor(self, obj: Any, path: KeyPath) -> PreparedArray:
+        from torch.distributed.tensor import Replicate, Shard
+
+        to_name, _ = _tables()
+        where = format_keypath(path)
+        for pl in obj.placements:
+            if not isinstance(pl, (Shard, Replicate)):
+                raise UnsupportedTypeError(
+                    f"DTensor at key path '{where}' has placement {pl}; only Shard and "
+                    "Replicate are supported (redistribute a Partial tensor first)"
+                )
+        name = to_name.get(obj.dtype)
+        if name is None:
+            raise UnsupportedTypeError(
+                f"DTensor at key path '{where}' has dtype {obj.dtype}, which statestream "
+                "cannot store"
+            )
+        lshape, offset = _local_box(obj.shape, obj.device_mesh, obj.placements)
+        local = obj.to_local().detach()
+        if tuple(local.shape) != lshape:  # padded local shards: keep the real part
+            local = local[tuple(slice(0, n) for n in lshape)]
+        shape = tuple(int(x) for x in obj.shape)
+        boxes = [(offset, lshape)] if math.prod(lshape) else []
+
+        def chunk(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+            rel = tuple(s - o for s, o in zip(start, offset))
+            part = local[box_slices(rel, cshape)] if local.dim() else local
+            if part.device.type != "cpu":
+                part = part.to("cpu")
+            return _byte_view(part.contiguous())
+
+        return PreparedArray(
+            kind=self.kind, dtype=name, shape=shape, chunk=chunk,
+            copies=not local.is_contiguous() or local.device.type != "cpu",
+            boxes=boxes, distributed=True, attrs={"dtensor": True},
+        )
+
     def is_target(self, like: Any) -> bool:
         return self.handles(like)
 
@@ -188,6 +222,9 @@ class TorchProvider:
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath) -> Destination:
         import torch
+
+        if like is not None and _is_dtensor(like):
+            return self._restore_dtensor(dtype, shape, like, path)
 
         _, from_name = _tables()
         saved = from_name.get(dtype)
@@ -222,3 +259,39 @@ class TorchProvider:
             return out
 
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
+
+    def _restore_dtensor(self, dtype: str, shape: tuple[int, ...], like: Any,
+                         path: KeyPath) -> Destination:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        lshape, offset = _local_box(like.shape, like.device_mesh, like.placements)
+        inner = self.restore(dtype, lshape, None, path)
+        like_local = like.to_local()
+
+        def finish() -> Any:
+            local = inner.finish()
+            if local.dtype != like.dtype or local.device != like_local.device:
+                local = local.to(device=like_local.device, dtype=like.dtype)
+            out = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                     shape=like.shape, stride=like.stride())
+            if isinstance(like, torch.nn.Parameter):
+                out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
+            return out
+
+        boxes = [(offset, buf) for _, buf in inner.boxes]
+        return Destination(boxes=boxes, finish=finish)
+
+
+def _is_dtensor(obj: Any) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(obj, mod.DTensor)
+
+
+def _local_box(global_shape: Any, mesh: Any, placements: Any
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of a DTensor layout."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lshape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(int(x) for x in lshape), tuple(int(x) for x in offset)

@@ -57,6 +57,11 @@ class WriteTransaction(Protocol):
 
     location: str
 
+    @property
+    def token(self) -> str:
+        """Plain string other processes pass to ``Storage.join_write``."""
+        ...
+
     def create_file(self, name: str, size_hint: int) -> FileWriter:
         """Create data file ``name`` (``data/...``) of about ``size_hint`` bytes."""
         ...
@@ -108,6 +113,10 @@ class Storage(Protocol):
             CheckpointExistsError: ``path`` exists and ``overwrite`` is false
                 (or it exists and is not a checkpoint).
         """
+        ...
+
+    def join_write(self, path: str, token: str) -> WriteTransaction:
+        """Join a save begun by another process (it alone commits or aborts)."""
         ...
 
     def open_read(self, path: str) -> CheckpointReader:

@@ -144,16 +144,28 @@ class _LocalFileWriter:
 
 
 class _LocalWriteTransaction:
-    def __init__(self, path: str, overwrite: bool) -> None:
+    def __init__(self, path: str, overwrite: bool, join: str | None = None) -> None:
         self.location = path
         self._final = path
         self._overwrite = overwrite
         parent, name = os.path.split(path)
-        os.makedirs(parent, exist_ok=True)
-        self._tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        os.mkdir(self._tmp)
-        os.mkdir(os.path.join(self._tmp, DATA_DIR))
+        self._owner = join is None
+        if join is None:
+            os.makedirs(parent, exist_ok=True)
+            self._tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+            os.mkdir(self._tmp)
+            os.mkdir(os.path.join(self._tmp, DATA_DIR))
+        else:
+            expected = os.path.join(parent, f".{name}.tmp-")
+            if not join.startswith(expected) or not os.path.isdir(join):
+                raise StorageError(f"cannot join write of {path}: {join!r} is not its staging dir")
+            self._tmp = join
         self._done = False
+
+    @property
+    def token(self) -> str:
+        """Identifies the staging area so other processes can write into it."""
+        return self._tmp
 
     def _tmp_path(self, name: str) -> str:
         if name.startswith(DATA_DIR + "/"):
@@ -175,6 +187,8 @@ class _LocalWriteTransaction:
             raise
 
     def commit(self) -> None:
+        if not self._owner:
+            raise StorageError("only the process that began a write may commit it")
         try:
             _fsync_dir(os.path.join(self._tmp, DATA_DIR))
             _fsync_dir(self._tmp)
@@ -212,7 +226,8 @@ class _LocalWriteTransaction:
 
     def abort(self) -> None:
         if not self._done:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            if self._owner:
+                shutil.rmtree(self._tmp, ignore_errors=True)
             self._done = True
 
 
@@ -380,6 +395,10 @@ class LocalStorage:
             return _LocalWriteTransaction(path, overwrite)
         except OSError as exc:
             raise StorageError(f"cannot create a checkpoint under {path}: {exc}") from exc
+
+    def join_write(self, path: str, token: str) -> _LocalWriteTransaction:
+        """Write data files into a save another process began (its ``txn.token``)."""
+        return _LocalWriteTransaction(os.path.abspath(path), False, join=token)
 
     def open_read(self, path: str) -> _LocalReader:
         return _LocalReader(os.path.abspath(path))

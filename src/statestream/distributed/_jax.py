@@ -1,0 +1,92 @@
+"""Multi-process JAX as a Collective, through JAX's own coordination service."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+from typing import Any
+
+from statestream.errors import CollectiveTimeoutError, DistributedError
+
+__all__ = ["JaxCollective"]
+
+_SEQ = itertools.count()
+
+
+class JaxCollective:
+    """Agreement through the key-value store and barriers of ``jax.distributed``.
+
+    Objects are JSON-encoded plain data. Every operation gets a fresh key
+    prefix (all processes call statestream functions in the same order).
+
+    Args:
+        timeout_s: how long any process waits for the others at each step.
+    """
+
+    def __init__(self, *, timeout_s: float = 600.0) -> None:
+        import jax
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise DistributedError(
+                "JAX runs several processes but jax.distributed.initialize() was not called"
+            )
+        self._client = client
+        self._rank = int(jax.process_index())
+        self._world = int(jax.process_count())
+        self._timeout_ms = int(timeout_s * 1000)
+        self._timeout_s = timeout_s
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _key(self, name: str) -> str:
+        return f"statestream/{next(_SEQ)}/{name}"
+
+    def _fail(self, what: str, exc: BaseException) -> BaseException:
+        text = str(exc)
+        if "deadline" in text.lower() or "timed out" in text.lower() or "timeout" in text.lower():
+            return CollectiveTimeoutError(
+                f"process {self._rank} waited more than {self._timeout_s:g}s for the other "
+                f"processes at {what}. A process crashed or never called the same "
+                "statestream function; raise timeout_s if processes are just slow"
+            )
+        return DistributedError(f"process {self._rank}: {what} failed: {exc}")
+
+    def barrier(self, name: str) -> None:
+        key = self._key(f"barrier/{name}")
+        try:
+            self._client.wait_at_barrier(key, self._timeout_ms)
+        except Exception as exc:
+            raise self._fail(f"barrier '{name}'", exc) from exc
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        key = self._key("gather")
+        data = base64.b64encode(json.dumps(obj).encode()).decode()
+        try:
+            self._client.key_value_set(f"{key}/{self._rank}", data)
+            out = []
+            for r in range(self._world):
+                raw = self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)
+                out.append(json.loads(base64.b64decode(raw)))
+        except Exception as exc:
+            raise self._fail("all_gather", exc) from exc
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        key = self._key("bcast")
+        try:
+            if self._rank == src:
+                self._client.key_value_set(key, base64.b64encode(json.dumps(obj).encode()).decode())
+                return obj
+            raw = self._client.blocking_key_value_get(key, self._timeout_ms)
+            return json.loads(base64.b64decode(raw))
+        except Exception as exc:
+            raise self._fail("broadcast", exc) from exc

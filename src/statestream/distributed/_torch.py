@@ -1,0 +1,89 @@
+"""torch.distributed as a Collective (object collectives on a gloo group)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from statestream.errors import CollectiveTimeoutError, DistributedError
+
+__all__ = ["TorchCollective"]
+
+_GROUPS: dict[tuple[Any, float], Any] = {}
+
+
+class TorchCollective:
+    """Agreement through torch.distributed.
+
+    Object collectives run on a gloo group created once per (group,
+    timeout) — so they work beside NCCL — with ``timeout_s`` as its
+    timeout: a rank that never arrives makes the others fail with
+    :class:`CollectiveTimeoutError` instead of hanging. Barriers use
+    ``monitored_barrier`` so the error names the missing ranks.
+
+    Args:
+        group: the process group of the ranks that save together (default: world).
+        timeout_s: how long any rank waits for the others at each step.
+    """
+
+    def __init__(self, group: Any = None, *, timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._timeout_s = float(timeout_s)
+        key = (group, self._timeout_s)
+        pg = _GROUPS.get(key)
+        if pg is None:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            pg = dist.new_group(
+                ranks=ranks, backend="gloo",
+                timeout=datetime.timedelta(seconds=self._timeout_s),
+            )
+            _GROUPS[key] = pg
+        self._pg = pg
+        self._rank = dist.get_rank(pg)
+        self._world = dist.get_world_size(pg)
+        self._global_ranks = dist.get_process_group_ranks(pg)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _wrap(self, what: str, exc: BaseException) -> BaseException:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return CollectiveTimeoutError(
+                f"rank {self._rank} waited more than {self._timeout_s:g}s for the other ranks "
+                f"at {what}: {text.splitlines()[0] if text else exc!r}. A rank crashed or never "
+                "called the same statestream function; raise timeout_s if ranks are just slow"
+            )
+        return DistributedError(f"rank {self._rank}: {what} failed: {exc}")
+
+    def barrier(self, name: str) -> None:
+        try:
+            self._dist.monitored_barrier(
+                group=self._pg, timeout=datetime.timedelta(seconds=self._timeout_s),
+                wait_all_ranks=True,
+            )
+        except RuntimeError as exc:
+            raise self._wrap(f"barrier '{name}'", exc) from exc
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._world
+        try:
+            self._dist.all_gather_object(out, obj, group=self._pg)
+        except RuntimeError as exc:
+            raise self._wrap("all_gather", exc) from exc
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj if self._rank == src else None]
+        try:
+            self._dist.broadcast_object_list(box, src=self._global_ranks[src], group=self._pg)
+        except RuntimeError as exc:
+            raise self._wrap("broadcast", exc) from exc
+        return box[0]
