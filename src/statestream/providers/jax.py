@@ -68,11 +68,11 @@ class JaxProvider:
     def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
         jax = _jax()
         shards = getattr(obj, "addressable_shards", None)
-        shape = tuple(int(x) for x in obj.shape)
         if not shards or (len(shards) == 1 and jax.process_count() == 1):
             # On the CPU this is a zero-copy view of the device buffer; holding the
             # reference keeps the (immutable) array alive until the save is done.
             return prepare_host_array(np.asarray(obj), path, self.kind)
+        shape = tuple(int(x) for x in obj.shape)
         # Sharded or replicated: one host view per distinct box this process holds
         # (the lowest replica of each), never the whole gathered array.
         held: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
