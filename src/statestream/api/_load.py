@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from statestream._gc import gc_paused
+from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
@@ -323,6 +324,7 @@ def load(
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
+    collective: Collective | None = None,
 ) -> Any:
     """Load a checkpoint, verifying every chunk's checksum.
 
@@ -339,6 +341,10 @@ def load(
         io: thread count and request sizes.
         memory: the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
+        collective: in a multi-process job every process loads (each reads
+            only the bytes its target's shards need) and an error on any of
+            them is raised on all, naming it. Defaults like :func:`save`; pass
+            ``SingleProcess()`` to load on one process of a running job.
 
     Returns:
         The restored state.
@@ -358,9 +364,19 @@ def load(
         >>> ss.load(d, items=["params"])
         {'params': {'w': array([1., 1.])}}
     """
+    coll = collective if collective is not None else default_collective()
+    result: Any = None
+    err: BaseException | None = None
     with gc_paused():
-        return _load(path, target, items, allow_pickle, io or IOOptions(),
-                     memory or MemoryOptions(), progress)
+        try:
+            result = _load(path, target, items, allow_pickle, io or IOOptions(),
+                           memory or MemoryOptions(), progress)
+        except BaseException as exc:
+            if coll.world_size == 1:
+                raise
+            err = exc
+    agree(coll, "loading", err)
+    return result
 
 
 def _load(
