@@ -15,10 +15,10 @@ EXPECTED: dict[str, list[str]] = {
         "CheckpointMetadata", "CheckpointNotFoundError", "ChecksumMismatchError",
         "CollectiveTimeoutError", "DistributedError",
         "FormatVersionError", "IOOptions", "JaxCollective", "MemoryOptions", "MissingKeyError",
-        "PickleNotAllowedError", "SingleProcess", "StorageError", "TargetMismatchError",
+        "PickleNotAllowedError", "SaveHandle", "SingleProcess", "StorageError", "TargetMismatchError",
         "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
-        "load", "metadata", "save", "verify",
+        "guard_optimizer", "load", "metadata", "save", "save_async", "verify",
     ],
     "statestream.tree": [
         "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
@@ -57,8 +57,8 @@ EXPECTED: dict[str, list[str]] = {
         "default_collective",
     ],
     "statestream.api": [
-        "ArrayMetadata", "CheckpointMetadata", "VerifyReport", "load", "metadata", "save",
-        "verify",
+        "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_optimizer",
+        "load", "metadata", "save", "save_async", "verify",
     ],
     "statestream.cli": ["main"],
     "statestream.errors": [

@@ -12,10 +12,13 @@ from statestream._version import __version__
 from statestream.api import (
     ArrayMetadata,
     CheckpointMetadata,
+    SaveHandle,
     VerifyReport,
+    guard_optimizer,
     load,
     metadata,
     save,
+    save_async,
     verify,
 )
 from statestream.distributed import JaxCollective, SingleProcess, TorchCollective
@@ -54,6 +57,7 @@ __all__ = [
     "MissingKeyError",
     "JaxCollective",
     "PickleNotAllowedError",
+    "SaveHandle",
     "SingleProcess",
     "StorageError",
     "TargetMismatchError",
@@ -63,8 +67,10 @@ __all__ = [
     "UnsupportedTypeError",
     "VerifyReport",
     "__version__",
+    "guard_optimizer",
     "load",
     "metadata",
     "save",
+    "save_async",
     "verify",
 ]

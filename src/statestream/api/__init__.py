@@ -1,5 +1,6 @@
 """The public, synchronous API: save, load, metadata, verify."""
 
+from statestream.api._async import SaveHandle, guard_optimizer, save_async
 from statestream.api._inspect import (
     ArrayMetadata,
     CheckpointMetadata,
@@ -13,9 +14,12 @@ from statestream.api._save import save
 __all__ = [
     "ArrayMetadata",
     "CheckpointMetadata",
+    "SaveHandle",
     "VerifyReport",
+    "guard_optimizer",
     "load",
     "metadata",
     "save",
+    "save_async",
     "verify",
 ]

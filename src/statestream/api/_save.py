@@ -50,6 +50,9 @@ class _Collector:
         self.paths: list[KeyPath] = []
         self._pickle = {parse_keypath(p) for p in pickle_paths}
         self.on_array: Callable[[int, PreparedArray], None] | None = None
+        #: async saves map tensor memory (data_ptr) to array indices for hooks
+        self.track_ptrs = False
+        self.ptrs: dict[int, list[int]] = {}
 
     def _add(self, prepared: PreparedArray, path: KeyPath) -> int:
         self.arrays.append(prepared)
@@ -83,7 +86,11 @@ class _Collector:
         attrs = {"kind": prepared.kind}
         if prepared.attrs:
             attrs.update(prepared.attrs)
-        return Node("array", array=self._add(prepared, path), attrs=attrs)
+        index = self._add(prepared, path)
+        if self.track_ptrs and prepared.kind == "torch":
+            local = x.to_local() if hasattr(x, "to_local") else x
+            self.ptrs.setdefault(index, []).append(int(local.data_ptr()))
+        return Node("array", array=index, attrs=attrs)
 
     def fallback(self, path: KeyPath, x: Any) -> Node | None:
         spath = tuple(str(k) for k in path)
@@ -202,37 +209,40 @@ def _save(
             writer.abort()
             raise
         sums = writer.close()
-        files = planner.files()
-        entries: list[ArrayEntry] = []
-        offsets = planner.offsets
-        for ai, a in enumerate(arrays):
-            chunks = []
-            for ci, (start, cshape, nb) in enumerate(planner.chunks[ai]):
-                if nb == 0:
-                    continue
-                f, off = offsets[(ai, ci)]
-                crc, blocks = sums[(ai, ci)]
-                chunks.append(ChunkEntry(f, off, nb, crc, start, cshape,
-                                         block_rows_for(cshape, itemsize_of(a.dtype)), blocks))
-            entries.append(ArrayEntry(a.dtype, a.shape, tuple(chunks)))
-        manifest = Manifest(
-            tree=tree,
-            arrays=entries,
-            files=[FileEntry(fp.name, fp.size) for fp in files],
-            meta={
-                "library": f"statestream {__version__}",
-                "created_unix": time.time(),
-                "world_size": coll.world_size,
-                "total_bytes": planner.total_bytes,
-            },
-        )
-        coll.barrier("statestream.save.written")
-        if coll.rank == 0:
-            mbytes = encode_manifest(manifest)
-            txn.write_bytes(MANIFEST_NAME, mbytes)
-            txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
-            txn.commit()
-        coll.barrier("statestream.save.committed")
+        commit_single(txn, tree, arrays, planner, sums)
     except BaseException:
         txn.abort()
         raise
+
+
+def commit_single(txn: Any, tree: Node, arrays: list[PreparedArray], planner: StreamPlanner,
+                  sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]]) -> None:
+    """Write the manifest of a one-process save and commit it."""
+    files = planner.files()
+    entries: list[ArrayEntry] = []
+    offsets = planner.offsets
+    for ai, a in enumerate(arrays):
+        chunks = []
+        for ci, (start, cshape, nb) in enumerate(planner.chunks[ai]):
+            if nb == 0:
+                continue
+            f, off = offsets[(ai, ci)]
+            crc, blocks = sums[(ai, ci)]
+            chunks.append(ChunkEntry(f, off, nb, crc, start, cshape,
+                                     block_rows_for(cshape, itemsize_of(a.dtype)), blocks))
+        entries.append(ArrayEntry(a.dtype, a.shape, tuple(chunks)))
+    manifest = Manifest(
+        tree=tree,
+        arrays=entries,
+        files=[FileEntry(fp.name, fp.size) for fp in files],
+        meta={
+            "library": f"statestream {__version__}",
+            "created_unix": time.time(),
+            "world_size": 1,
+            "total_bytes": planner.total_bytes,
+        },
+    )
+    mbytes = encode_manifest(manifest)
+    txn.write_bytes(MANIFEST_NAME, mbytes)
+    txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
+    txn.commit()

@@ -395,7 +395,9 @@ class StreamWriter:
         *,
         budget: ByteBudget,
         progress: Progress | None = None,
+        after_write: Callable[[Sequence[WriteItem]], None] | None = None,
     ) -> None:
+        self._after_write = after_write
         self._txn = txn
         self._name = file_name
         self._source = source
@@ -435,6 +437,11 @@ class StreamWriter:
             # it fight the walking thread for the GIL on every chunk.
             if self._pending_bytes[it.file] >= _HANDOFF_BYTES or len(pend) >= _HANDOFF_ITEMS:
                 self._handoff(it.file)
+
+    def flush(self) -> None:
+        """Hand every queued item to its writer now (before waiting on the budget)."""
+        for i in range(len(self._pending)):
+            self._handoff(i)
 
     def _handoff(self, index: int) -> None:
         if self._pending[index]:
@@ -477,6 +484,7 @@ class StreamWriter:
                 if work is self._STOP:
                     break
                 batch: list[Any] = []
+                done_items: list[WriteItem] = []
                 batch_off = end = work[0].offset
                 for it in work:
                     if self._failed.is_set():
@@ -489,9 +497,11 @@ class StreamWriter:
                         if batch:  # never wait while holding staged bytes: write first
                             w.write_at(batch, batch_off)
                             self._advance(end - batch_off)
+                            self._written(done_items)
                             budget.release(held)
                             held = 0
                             batch = []
+                            done_items = []
                             batch_off = end = it.offset
                         got = budget.acquire(it.staging_bytes)
                     held += got
@@ -503,10 +513,12 @@ class StreamWriter:
                         batch.append(_ZEROS[:z])
                         pad -= z
                     batch.append(data)
+                    done_items.append(it)
                     end = it.offset + it.nbytes
                 if batch:
                     w.write_at(batch, batch_off)
                     self._advance(end - batch_off)
+                    self._written(done_items)
                 budget.release(held)
                 held = 0
             if not self._failed.is_set():
@@ -522,6 +534,10 @@ class StreamWriter:
             budget.release(held)
             if w is not None:
                 w.abort()
+
+    def _written(self, items: Sequence[WriteItem]) -> None:
+        if self._after_write is not None and items:
+            self._after_write(items)
 
     def _advance(self, n: int) -> None:
         if self._progress is not None:

@@ -1,0 +1,352 @@
+"""``save_async``: a short blocking phase, then write/fsync/commit in the background.
+
+Blocking phase (the caller's thread): walk the state, plan, and *snapshot*
+every chunk into staging buffers drawn from the memory budget. Writers
+start on staged chunks at once and give their buffers back as they go, so
+a state larger than the budget streams through it (the blocking phase then
+lasts until all but the last budget's worth is written). With
+``lazy=True`` the snapshot itself runs on a background thread and
+``save_async`` returns at once; ``wait_snapshot()`` (or an optimizer
+guarded with :func:`guard_optimizer`) waits only for copies still pending.
+
+Saves are serialised: a new ``save_async`` first waits for the previous one
+to finish, so an in-flight save is never disturbed. Pending saves are
+completed at interpreter exit, and failures are printed then — never
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import numpy as np
+
+from statestream._gc import gc_paused
+from statestream.api._save import _Collector, commit_single
+from statestream.distributed import Collective, default_collective
+from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
+from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.format import itemsize_of
+from statestream.plan import ArraySpec, StreamPlanner, WriteItem
+from statestream.providers import expand_pytree
+from statestream.storage import storage_for
+from statestream.tree import flatten, format_keypath
+
+__all__ = ["SaveHandle", "guard_optimizer", "save_async"]
+
+_LOCK = threading.Lock()
+_LAST: SaveHandle | None = None
+_PENDING: set[SaveHandle] = set()
+_ATEXIT = False
+
+
+class SaveHandle:
+    """A save in flight. ``result()`` waits for the commit and raises its error.
+
+    Example:
+        >>> import numpy as np, tempfile, os, statestream as ss
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> h = ss.save_async(d, {"w": np.ones(3)})
+        >>> h.result(); h.done()
+        True
+    """
+
+    def __init__(self, path: str, n_arrays: int) -> None:
+        self.path = path
+        self._snapshot = threading.Event()
+        self._finished = threading.Event()
+        self._array_ready = [threading.Event() for _ in range(n_arrays)]
+        self._error: BaseException | None = None
+        self._ptrs: dict[int, list[int]] = {}
+        self.bytes_total = 0
+        self.bytes_written = 0
+
+    # -- progress ---------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the save is committed (or has failed)."""
+        return self._finished.is_set()
+
+    def snapshot_done(self) -> bool:
+        """True once every byte has been copied out of the state."""
+        return self._snapshot.is_set()
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes written, bytes total) so far."""
+        return self.bytes_written, self.bytes_total
+
+    # -- waiting ----------------------------------------------------------------
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state may be mutated (every chunk copied).
+
+        Raises:
+            TimeoutError: the snapshot did not finish within ``timeout`` seconds.
+            CheckpointError: the snapshot failed (the save is abandoned).
+        """
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
+        if self._error is not None and not self._all_ready():
+            raise self._error
+
+    def wait_for(self, tensors: Iterable[Any]) -> None:
+        """Block until the arrays backed by these tensors' memory are copied."""
+        if self._snapshot.is_set():
+            return
+        ptrs = set()
+        for t in tensors:
+            p = _data_ptr(t)
+            if p:
+                ptrs.add(p)
+        for ptr in ptrs:
+            for ai in self._ptrs.get(ptr, ()):
+                self._array_ready[ai].wait()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint is durable and committed; raise any error.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+            CheckpointError (or the original error): the background phase failed;
+                nothing was committed.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def _all_ready(self) -> bool:
+        return all(e.is_set() for e in self._array_ready)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        for e in self._array_ready:
+            e.set()
+        self._snapshot.set()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._finished.set()
+        with _LOCK:
+            _PENDING.discard(self)
+
+
+def _data_ptr(t: Any) -> int:
+    local = getattr(t, "to_local", None)
+    if local is not None:
+        t = local()
+    ptr = getattr(t, "data_ptr", None)
+    if ptr is None:
+        return 0
+    try:
+        return int(ptr())
+    except Exception:
+        return 0
+
+
+def _drain_at_exit() -> None:
+    with _LOCK:
+        pending = list(_PENDING)
+    for h in pending:
+        try:
+            h.result()
+        except BaseException as exc:  # report, never drop silently
+            print(f"statestream: background save to {h.path} failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def save_async(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    lazy: bool = False,
+    overwrite: bool = False,
+    pickle_paths: Collection[str] = (),
+    io: IOOptions | None = None,
+    memory: MemoryOptions | None = None,
+    collective: Collective | None = None,
+    progress: Progress | None = None,
+) -> SaveHandle:
+    """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
+
+    Args:
+        path, state, overwrite, pickle_paths, io, memory, progress: as for
+            :func:`save`. ``memory`` bounds the staging buffers.
+        lazy: return immediately and copy in the background; call
+            ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
+            mutating the state. In-place changes outside a guarded optimizer
+            (``p.add_(...)`` under ``no_grad``) must wait for ``wait_snapshot()``.
+        collective: only one process is supported by ``save_async`` for now.
+
+    Returns:
+        A :class:`SaveHandle`; ``result()`` raises any background error.
+
+    Raises:
+        UnsupportedTypeError, CheckpointExistsError: from the blocking phase,
+            before anything runs in the background.
+    """
+    global _LAST, _ATEXIT
+    coll = collective if collective is not None else default_collective()
+    if coll.world_size > 1:
+        raise CheckpointError(
+            "save_async across several processes is not supported in this version; "
+            "use save() (collective), or save_async on a single process"
+        )
+    io = io or IOOptions()
+    memory = memory or MemoryOptions()
+    with _LOCK:
+        previous = _LAST
+        if not _ATEXIT:
+            atexit.register(_drain_at_exit)
+            _ATEXIT = True
+    if previous is not None:
+        try:  # one save at a time; the previous one's error stays on its handle
+            previous.result()
+        except BaseException:
+            pass
+
+    storage, spath = storage_for(path)
+    collector = _Collector(pickle_paths)
+    collector.track_ptrs = True
+    with gc_paused():
+        txn = storage.begin_write(spath, overwrite=overwrite)
+        try:
+            jax_copies = lazy
+
+            def leaf(p: Any, x: Any) -> Any:
+                if jax_copies and _is_jax_array(x):
+                    # A donated buffer is freed by the step that donates it; a lazy
+                    # snapshot reads a private device copy instead, never the original.
+                    x = x.copy()
+                return collector.leaf(p, x)
+
+            tree = flatten(state, leaf, pytree_fn=expand_pytree, fallback_fn=collector.fallback)
+        except BaseException:
+            txn.abort()
+            raise
+    arrays = collector.arrays
+    planner = StreamPlanner(file_prefix="data/r0", max_files=io.num_threads,
+                            max_chunk_bytes=io.max_chunk_bytes)
+    items: list[list[WriteItem]] = []
+    for i, a in enumerate(arrays):
+        its = planner.add(i, ArraySpec(a.shape, itemsize_of(a.dtype), False), a.boxes)
+        items.append(its)
+    handle = SaveHandle(spath, len(arrays))
+    handle.bytes_total = planner.total_bytes
+    for i in range(len(arrays)):
+        for obj_ptr in collector.ptrs.get(i, ()):
+            handle._ptrs.setdefault(obj_ptr, []).append(i)
+    budget = ByteBudget(memory.resolved())
+    staged: dict[tuple[int, int], np.ndarray] = {}
+    staged_lock = threading.Lock()
+
+    def source(it: WriteItem) -> np.ndarray:
+        with staged_lock:
+            return staged.pop((it.array, it.chunk))
+
+    held: dict[tuple[int, int], int] = {}
+
+    def after_write(done: Any) -> None:
+        n = sum(it.nbytes for it in done)
+        handle.bytes_written += n
+        with staged_lock:
+            back = sum(held.pop((it.array, it.chunk), 0) for it in done)
+        budget.release(back)
+        if progress is not None:
+            progress(handle.bytes_written, handle.bytes_total)
+
+    writer = StreamWriter(txn, planner.file_name, source, budget=ByteBudget(1 << 62),
+                          after_write=after_write)
+
+    def snapshot() -> None:
+        for ai, its in enumerate(items):
+            a = arrays[ai]
+            for it in its:
+                got = budget.try_acquire(it.nbytes)
+                if got is None:
+                    writer.flush()  # let writers free buffers before we wait for one
+                    got = budget.acquire(it.nbytes)
+                try:
+                    src = a.chunk(it.start, it.shape)
+                except Exception as exc:
+                    raise UnsupportedTypeError(
+                        f"copying the value at key path "
+                        f"'{format_keypath(collector.paths[ai])}' failed: {exc}"
+                    ) from exc
+                buf = np.empty(it.nbytes, dtype=np.uint8)
+                np.copyto(buf, src)
+                with staged_lock:
+                    staged[(it.array, it.chunk)] = buf
+                    held[(it.array, it.chunk)] = got
+                writer.submit([it])
+            handle._array_ready[ai].set()
+        writer.flush()
+        handle._snapshot.set()
+
+    def background(run_snapshot: bool) -> None:
+        try:
+            if run_snapshot:
+                snapshot()
+            sums = writer.close()
+            commit_single(txn, tree, arrays, planner, sums)
+            handle._finish()
+        except BaseException as exc:
+            writer.abort()
+            txn.abort()
+            handle._fail(exc)
+
+    with _LOCK:
+        _PENDING.add(handle)
+        _LAST = handle
+    if lazy:
+        threading.Thread(target=background, args=(True,), name="statestream-save",
+                         daemon=True).start()
+        return handle
+    try:
+        snapshot()
+    except BaseException as exc:
+        writer.abort()
+        txn.abort()
+        handle._fail(exc)
+        raise
+    threading.Thread(target=background, args=(False,), name="statestream-save",
+                     daemon=True).start()
+    return handle
+
+
+def _is_jax_array(x: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:
+    """Make ``optimizer.step()`` wait for a lazy snapshot of what it will change.
+
+    Registers a pre-step hook that waits only for the parameters and
+    optimizer-state tensors still being copied, then removes itself once the
+    snapshot is complete.
+
+    Returns:
+        The hook's removable handle.
+    """
+    import torch
+
+    box: list[Any] = []
+
+    def hook(opt: Any, args: Any, kwargs: Any) -> None:
+        if not handle.snapshot_done():
+            tensors: list[Any] = [p for g in opt.param_groups for p in g["params"]]
+            for st in opt.state.values():
+                tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+            handle.wait_for(tensors)
+        if handle.snapshot_done() and box:
+            box[0].remove()
+            box.clear()
+
+    box.append(optimizer.register_step_pre_hook(hook))
+    return box[0]
+
