@@ -11,6 +11,9 @@ import pytest
 
 EXPECTED: dict[str, list[str]] = {
     "statestream": [
+        "AllOf", "AnyOf", "AtSteps", "CheckpointManager", "EveryNSeconds", "EveryNSteps",
+        "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepUnion", "ManagerLockedError",
+        "OnPreemption",
         "ArrayMetadata", "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
         "CheckpointMetadata", "CheckpointNotFoundError", "ChecksumMismatchError",
         "CollectiveTimeoutError", "DistributedError",
@@ -61,6 +64,11 @@ EXPECTED: dict[str, list[str]] = {
         "load", "metadata", "save", "save_async", "verify",
     ],
     "statestream.cli": ["main"],
+    "statestream.manager": [
+        "AllOf", "AnyOf", "AtSteps", "CheckpointManager", "EveryNSeconds", "EveryNSteps",
+        "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepPolicy", "KeepUnion",
+        "ManagerLockedError", "OnPreemption", "SaveContext", "SavePolicy", "StepInfo",
+    ],
     "statestream.errors": [
         "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
         "CheckpointNotFoundError", "ChecksumMismatchError", "CollectiveTimeoutError",

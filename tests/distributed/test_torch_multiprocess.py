@@ -70,7 +70,9 @@ def _run_checks(ctx: Context, checks: list[tuple[str, Any]]) -> dict[str, Any]:
     import torch.distributed as dist
 
     out: dict[str, Any] = {}
+    t0 = time.monotonic()
     for name, fn in checks:
+        t = time.monotonic()
         try:
             out[name] = {"ok": True, "value": fn()}
         except BaseException:  # noqa: BLE001
@@ -78,6 +80,8 @@ def _run_checks(ctx: Context, checks: list[tuple[str, Any]]) -> dict[str, Any]:
             print(f"[rank {ctx.rank}] check {name} failed:\n{tb}", file=sys.stderr, flush=True)
             out[name] = {"ok": False, "error": tb}
         dist.barrier()
+        out[name]["seconds"] = round(time.monotonic() - t, 2)  # for reports only
+    out["_total_seconds"] = round(time.monotonic() - t0, 2)
     return out
 
 
@@ -336,10 +340,26 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return _expect_distributed_error(
             lambda: ss.load(root / "mixed", target={"plain": {"vec": torch.zeros(n)}}))
 
+    def fsdp_fresh_optimizer() -> Any:
+        # An optimizer that never stepped has no state to take placements from.
+        model, opt = _build_fsdp(77)
+        ss.load(root / "fsdp", target={"model": model, "optim": opt})
+        from torch.distributed.tensor import DTensor
+
+        kinds = sorted({type(v).__name__ for s in opt.state_dict()["state"].values()
+                        for k, v in s.items() if k != "step"})
+        try:
+            _train_step(model, opt, rank, 4)
+            step = None
+        except Exception as exc:  # noqa: BLE001
+            step = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return {"kinds": kinds, "dtensor": kinds == [DTensor.__name__], "step_error": step}
+
     return _run_checks(ctx, [
         ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
         ("fail_plan", fail_plan), ("fail_load", fail_load),
+        ("fsdp_fresh_optimizer", fsdp_fresh_optimizer),  # last: may leave ranks uneven
     ])
 
 
@@ -689,8 +709,23 @@ def test_load_failure_on_one_rank_raises_on_all(runs: _Runs, world: int) -> None
     for rank, v in enumerate(_values(per_rank, "fail_load")):
         assert v["distributed"], (rank, v)
         assert f"rank {culprit}" in v["message"] and "plain/vec" in v["message"], v["message"]
+        assert "nothing was committed" not in v["message"], v["message"]
         if rank == culprit:
             assert v["cause"] == "TargetMismatchError", v
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp2_load_into_optimizer_that_never_stepped(runs: _Runs, world: int) -> None:
+    """A fresh Adam has no state; the loaded state must still match the parameters."""
+    values = _values(runs.get_main(world)[1], "fsdp_fresh_optimizer")
+    bad = [v for v in values if not v["dtensor"] or v["step_error"]]
+    if bad:
+        pytest.xfail(
+            "known limitation: loading into an optimizer without state restores its "
+            f"DTensor state as plain full tensors ({bad[0]['kinds']}); the next step fails: "
+            f"{bad[0]['step_error']}. Take one optimizer step (or initialise its state) "
+            "before loading.")
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)

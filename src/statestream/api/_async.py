@@ -21,13 +21,14 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from statestream import _hooks
 from statestream._gc import gc_paused
-from statestream.api._save import _Collector, commit_single
+from statestream.api._save import _Collector, check_user_meta, commit_single
 from statestream.distributed import Collective, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
 from statestream.errors import CheckpointError, UnsupportedTypeError
@@ -170,11 +171,12 @@ def save_async(
     memory: MemoryOptions | None = None,
     collective: Collective | None = None,
     progress: Progress | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
     """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
 
     Args:
-        path, state, overwrite, pickle_paths, io, memory, progress: as for
+        path, state, overwrite, pickle_paths, io, memory, progress, meta: as for
             :func:`save`. ``memory`` bounds the staging buffers.
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
@@ -198,6 +200,7 @@ def save_async(
         )
     io = io or IOOptions()
     memory = memory or MemoryOptions()
+    user = check_user_meta(meta)
     with _LOCK:
         previous = _LAST
         if not _ATEXIT:
@@ -283,6 +286,7 @@ def save_async(
                     staged[(it.array, it.chunk)] = buf
                     held[(it.array, it.chunk)] = got
                 writer.submit([it])
+                _hooks.fire("async.snapshot_chunk")
             handle._array_ready[ai].set()
         writer.flush()
         handle._snapshot.set()
@@ -291,8 +295,10 @@ def save_async(
         try:
             if run_snapshot:
                 snapshot()
+            _hooks.fire("save.planned")
             sums = writer.close()
-            commit_single(txn, tree, arrays, planner, sums)
+            _hooks.fire("save.data_synced")
+            commit_single(txn, tree, arrays, planner, sums, user)
             handle._finish()
         except BaseException as exc:
             writer.abort()

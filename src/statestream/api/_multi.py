@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream import __version__
+from statestream import __version__, _hooks
 from statestream.distributed import Collective, agree
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
 from statestream.errors import CheckpointError, UnsupportedTypeError
@@ -109,6 +109,7 @@ def save_collective(
     coll: Collective,
     progress: Progress | None,
     collector: Any,
+    user_meta: dict[str, Any] | None = None,
 ) -> None:
     """The multi-process save (see module docstring)."""
     rank, world = coll.rank, coll.world_size
@@ -174,11 +175,13 @@ def save_collective(
                               budget=ByteBudget(memory.resolved()), progress=progress)
         err = None
         sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        _hooks.fire("save.planned")
         try:
             for i, a in enumerate(arrays):
                 spec = ArraySpec(a.shape, itemsize_of(a.dtype), a.copies)
                 writer.submit(planner.add(i, spec, mine[i]))
             sums = writer.close()
+            _hooks.fire("save.data_synced")
         except BaseException as exc:
             writer.abort()
             err = exc
@@ -201,7 +204,7 @@ def save_collective(
         err = None
         if rank == 0:
             try:
-                _commit(txn, gathered, tables, world, planner.total_bytes)
+                _commit(txn, gathered, tables, world, user_meta)
             except BaseException as exc:
                 err = exc
         agree(coll, "committing", err)
@@ -212,7 +215,7 @@ def save_collective(
 
 
 def _commit(txn: Any, gathered: list[Any], tables: list[Any], world: int,
-            local_total: int) -> None:
+            user_meta: dict[str, Any] | None) -> None:
     merged = gathered[0]["tree"]
     for g in gathered[1:]:
         merged = _merge(merged, g["tree"], "")
@@ -244,13 +247,16 @@ def _commit(txn: Any, gathered: list[Any], tables: list[Any], world: int,
     manifest = Manifest(
         tree=tree, arrays=arrays, files=files,
         meta={"library": f"statestream {__version__}", "created_unix": time.time(),
-              "world_size": world, "total_bytes": sum(a.nbytes for a in arrays)},
+              "world_size": world, "total_bytes": sum(a.nbytes for a in arrays),
+              **({"user": user_meta} if user_meta is not None else {})},
     )
     mbytes = encode_manifest(manifest)
     # Check the merged manifest exactly as a reader will (coverage, overlaps, sizes)
     # before it becomes visible: a planning bug must fail the save, not the load.
     decode_manifest(mbytes, f"{txn.location}/{MANIFEST_NAME} (being committed)")
     txn.write_bytes(MANIFEST_NAME, mbytes)
+    _hooks.fire("commit.manifest_written")
     txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
+    _hooks.fire("commit.marker_written")
     txn.commit()
-    del local_total
+    _hooks.fire("commit.renamed")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
 
-from statestream import __version__
+from statestream import __version__, _hooks
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
@@ -119,6 +120,7 @@ def save(
     memory: MemoryOptions | None = None,
     collective: Collective | None = None,
     progress: Progress | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
@@ -138,6 +140,8 @@ def save(
             process group is initialised, multi-process JAX when running, else
             one process. Every process of the collective must call ``save``.
         progress: called as ``progress(bytes_done, bytes_total)`` while writing.
+        meta: small JSON-able user metadata, stored in the manifest
+            (``metadata(path).meta["user"]``).
 
     Raises:
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
@@ -153,15 +157,17 @@ def save(
         7
     """
     coll = collective if collective is not None else default_collective()
+    user = check_user_meta(meta)
     with gc_paused():
         if coll.world_size > 1:
             from statestream.api._multi import save_collective
 
             save_collective(path, state, overwrite, pickle_paths, io or IOOptions(),
-                            memory or MemoryOptions(), coll, progress, _Collector(pickle_paths))
+                            memory or MemoryOptions(), coll, progress, _Collector(pickle_paths),
+                            user)
             return
         _save(path, state, overwrite, pickle_paths, io or IOOptions(), memory or MemoryOptions(),
-              coll, progress)
+              coll, progress, user)
 
 
 def _save(
@@ -173,6 +179,7 @@ def _save(
     memory: MemoryOptions,
     coll: Collective,
     progress: Progress | None,
+    user_meta: dict[str, Any] | None = None,
 ) -> None:
     storage, spath = storage_for(path)
     txn = storage.begin_write(spath, overwrite=overwrite)
@@ -208,15 +215,34 @@ def _save(
         except BaseException:
             writer.abort()
             raise
+        _hooks.fire("save.planned")
         sums = writer.close()
-        commit_single(txn, tree, arrays, planner, sums)
+        _hooks.fire("save.data_synced")
+        commit_single(txn, tree, arrays, planner, sums, user_meta)
     except BaseException:
         txn.abort()
         raise
 
 
+def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Validate user metadata: a JSON-able mapping of at most 1 MiB."""
+    if meta is None:
+        return None
+    try:
+        text = json.dumps(dict(meta), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedTypeError(
+            f"meta must be a JSON-able mapping (str keys; numbers, strings, lists, dicts): {exc}"
+        ) from exc
+    if len(text) > 1 << 20:
+        raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
+    out: dict[str, Any] = json.loads(text)
+    return out
+
+
 def commit_single(txn: Any, tree: Node, arrays: list[PreparedArray], planner: StreamPlanner,
-                  sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]]) -> None:
+                  sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]],
+                  user_meta: dict[str, Any] | None = None) -> None:
     """Write the manifest of a one-process save and commit it."""
     files = planner.files()
     entries: list[ArrayEntry] = []
@@ -240,9 +266,13 @@ def commit_single(txn: Any, tree: Node, arrays: list[PreparedArray], planner: St
             "created_unix": time.time(),
             "world_size": 1,
             "total_bytes": planner.total_bytes,
+            **({"user": user_meta} if user_meta is not None else {}),
         },
     )
     mbytes = encode_manifest(manifest)
     txn.write_bytes(MANIFEST_NAME, mbytes)
+    _hooks.fire("commit.manifest_written")
     txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
+    _hooks.fire("commit.marker_written")
     txn.commit()
+    _hooks.fire("commit.renamed")

@@ -11,8 +11,11 @@ from statestream.errors import CheckpointError, DistributedError
 __all__ = ["agree", "default_collective"]
 
 
-def agree(coll: Collective, phase: str, error: BaseException | None) -> None:
+def agree(coll: Collective, phase: str, error: BaseException | None, *,
+          outcome: str = "nothing was committed") -> None:
     """Every process reports how ``phase`` went; all raise if any failed.
+
+    ``outcome`` ends the message (what the failure means for the caller).
 
     Raises:
         DistributedError: naming each failing rank and its error; the local
@@ -32,10 +35,10 @@ def agree(coll: Collective, phase: str, error: BaseException | None) -> None:
     if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
         # Keep the precise error type on the failing rank, naming the rank.
         raise DistributedError(
-            f"rank {coll.rank} failed during {phase}: {failed[0][1]}; nothing was committed"
+            f"rank {coll.rank} failed during {phase}: {failed[0][1]}; {outcome}"
         ) from error
     text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s in failed)
-    exc = DistributedError(f"{text}; nothing was committed")
+    exc = DistributedError(f"{text}; {outcome}")
     if error is not None:
         raise exc from error
     raise exc

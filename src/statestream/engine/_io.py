@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream import _hooks
 from statestream.errors import (
     CheckpointCorruptError,
     ChecksumMismatchError,
@@ -536,6 +537,7 @@ class StreamWriter:
                 w.abort()
 
     def _written(self, items: Sequence[WriteItem]) -> None:
+        _hooks.fire("save.chunk_written")
         if self._after_write is not None and items:
             self._after_write(items)
 

@@ -1,0 +1,221 @@
+"""Save and keep policies: small objects the manager composes.
+
+A save policy answers "save at this step?"; a keep policy answers "which
+committed steps must stay?". Both are plain objects with one method, so
+users can write their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "AtSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "KeepPolicy",
+    "KeepUnion",
+    "OnPreemption",
+    "SaveContext",
+    "SavePolicy",
+    "StepInfo",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveContext:
+    """What a save policy may look at."""
+
+    step: int
+    last_saved_step: int | None
+    last_saved_time: float | None
+    preempted: bool
+    now: float
+
+
+class SavePolicy(Protocol):
+    """Decides whether to save at a step."""
+
+    def should_save(self, ctx: SaveContext) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSteps:
+    """Save when ``step % n == 0``.
+
+    Example:
+        >>> p = EveryNSteps(10)
+        >>> [s for s in range(25) if p.should_save(SaveContext(s, None, None, False, 0.0))]
+        [0, 10, 20]
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"EveryNSteps needs n >= 1, got {self.n}")
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % self.n == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AtSteps:
+    """Save at exactly these steps."""
+
+    steps: Collection[int]
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step in self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSeconds:
+    """Save when at least ``seconds`` passed since the last save (and at the first call)."""
+
+    seconds: float
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.last_saved_time is None or ctx.now - ctx.last_saved_time >= self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPreemption:
+    """Save once the job has been told to stop (SIGTERM with ``preemption=True``)."""
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.preempted
+
+
+class AnyOf:
+    """Save when any of the policies says so.
+
+    Example:
+        >>> p = AnyOf(EveryNSteps(100), AtSteps({7}))
+        >>> p.should_save(SaveContext(7, None, None, False, 0.0))
+        True
+    """
+
+    def __init__(self, *policies: SavePolicy) -> None:
+        self.policies = policies
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return any(p.should_save(ctx) for p in self.policies)
+
+
+class AllOf:
+    """Save when all of the policies say so."""
+
+    def __init__(self, *policies: SavePolicy) -> None:
+        self.policies = policies
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return all(p.should_save(ctx) for p in self.policies)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """A committed step as keep policies see it."""
+
+    step: int
+    time: float
+    metrics: dict[str, float]
+    nbytes: int
+
+
+class KeepPolicy(Protocol):
+    """Decides which committed steps to keep (the rest may be deleted)."""
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]: ...
+
+
+class KeepAll:
+    """Never delete anything."""
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {s.step for s in steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatest:
+    """Keep the ``n`` most recent steps.
+
+    Example:
+        >>> KeepLatest(2).keep([StepInfo(s, 0.0, {}, 0) for s in (1, 5, 3)])
+        {3, 5}
+    """
+
+    n: int
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return set(sorted(s.step for s in steps)[-self.n:]) if self.n > 0 else set()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery:
+    """Keep every step that is a multiple of ``k`` forever."""
+
+    k: int
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {s.step for s in steps if s.step % self.k == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``n`` best steps by ``metric`` (``mode`` "min" or "max").
+
+    Steps without the metric are never counted as best.
+
+    Example:
+        >>> steps = [StepInfo(s, 0.0, {"loss": l}, 0) for s, l in [(1, .9), (2, .5), (3, .7)]]
+        >>> sorted(KeepBest(2, "loss").keep(steps))
+        [2, 3]
+    """
+
+    n: int
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        scored = [
+            s for s in steps
+            if isinstance(s.metrics.get(self.metric), (int, float))
+            and not math.isnan(float(s.metrics[self.metric]))
+        ]
+        scored.sort(key=lambda s: float(s.metrics[self.metric]), reverse=self.mode == "max")
+        return {s.step for s in scored[: self.n]}
+
+
+class KeepUnion:
+    """Keep a step if any of the policies keeps it.
+
+    Example:
+        >>> p = KeepUnion(KeepLatest(1), KeepEvery(10))
+        >>> sorted(p.keep([StepInfo(s, 0.0, {}, 0) for s in (10, 15, 20, 25)]))
+        [10, 20, 25]
+    """
+
+    def __init__(self, *policies: KeepPolicy) -> None:
+        self.policies = policies
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep(steps)
+        return out
+
+
