@@ -163,7 +163,8 @@ def save_collective(
 
         def source(item: WriteItem) -> np.ndarray:
             try:
-                return arrays[item.array].chunk(item.start, item.shape)
+                data: np.ndarray = arrays[item.array].chunk(item.start, item.shape)
+                return data
             except CheckpointError:
                 raise
             except Exception as exc:

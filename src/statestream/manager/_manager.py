@@ -28,7 +28,7 @@ from statestream.manager._policies import (
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
 
-_STEP_RE = re.compile(r"^step_(\d{1,18})$")
+_STEP_RE = re.compile(r"^step_(0\d{9}|[1-9]\d{9,17})$")  # exactly what step_path writes
 _TMP_RE = re.compile(r"^\.step_\d{1,18}\.tmp-[0-9a-f]+(\.old)?$")
 _LOCK_NAME = ".statestream.lock"
 
@@ -92,6 +92,9 @@ class CheckpointManager:
         self._old_handler: Any = None
         self._lock_fd: int | None = None
         self._closed = False
+        #: (step, preempted) as seen by the last save decision; keeps
+        #: reached_preemption(step) consistent with save(step) (see there).
+        self._decided: tuple[int, bool] | None = None
         err: BaseException | None = None
         if self._coll.rank == 0:
             try:
@@ -100,7 +103,11 @@ class CheckpointManager:
                 self._cleanup_leftovers()
             except BaseException as exc:
                 err = exc
-        agree(self._coll, "opening the checkpoint manager", err)
+        try:
+            agree(self._coll, "opening the checkpoint manager", err)
+        except BaseException:
+            self._release_lock()
+            raise
         latest = self.latest_step()
         self._last_saved_step = latest
         if preemption:
@@ -125,9 +132,12 @@ class CheckpointManager:
             if self._old_handler is not None:
                 signal.signal(signal.SIGTERM, self._old_handler)
                 self._old_handler = None
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _acquire_lock(self) -> None:
         path = os.path.join(self.directory, _LOCK_NAME)
@@ -194,35 +204,56 @@ class CheckpointManager:
         }
 
     # ------------------------------------------------------------------ policies
-    def _context(self, step: int) -> SaveContext:
+    def _context(self, step: int, preempted: bool) -> SaveContext:
         return SaveContext(step, self._last_saved_step, self._last_saved_time,
-                           self._preempted.is_set(), time.time())
+                           preempted, time.time())
+
+    def _decide(self, step: int, preempted: bool) -> bool:
+        if step == self._last_saved_step or step in self._pending_steps():
+            return False
+        if self._save_policy is None:
+            return True
+        return bool(self._save_policy.should_save(self._context(step, preempted)))
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` at ``step`` would save (decided by rank 0, shared)."""
-        decision = None
-        if self._coll.rank == 0:
-            if self._save_policy is None:
-                decision = True
-            else:
-                decision = bool(self._save_policy.should_save(self._context(step)))
-            if step == self._last_saved_step or step in self._pending_steps():
-                decision = False
+        """Whether :meth:`save` at ``step`` would save (decided by rank 0, shared).
+
+        Every rank's preemption flag counts: a SIGTERM seen by any rank fires
+        ``OnPreemption`` on all of them.
+        """
+        flag = self._preempted.is_set()
+        choices = None
+        if self._coll.rank == 0:  # rank 0 decides, for either answer about preemption
+            choices = (self._decide(step, False), self._decide(step, True))
         if self._coll.world_size > 1:
-            decision = self._coll.broadcast_object(decision, src=0)
-        return bool(decision)
+            got = self._coll.all_gather_object((flag, choices))
+            flag = any(f for f, _ in got)
+            choices = got[0][1]
+            if flag:
+                self._preempted.set()
+        assert choices is not None
+        self._decided = (step, flag)
+        return bool(choices[1] if flag else choices[0])
 
     def _pending_steps(self) -> set[int]:
         return {self._inflight_step} if self._inflight_step is not None else set()
 
     def reached_preemption(self, step: int) -> bool:
-        """True (on every rank) once SIGTERM arrived; save and exit at this boundary."""
+        """True (on every rank) once SIGTERM arrived; save and exit at this boundary.
+
+        Consistent with :meth:`save`: if ``save(step)`` decided without seeing the
+        preemption (the signal came just after), this returns False at ``step``
+        so that the next ``save(step + 1)`` saves and this returns True there.
+        Call ``save`` on every step, as in the example loop.
+        """
         flag = self._preempted.is_set()
         if self._coll.world_size > 1:
             flags = self._coll.all_gather_object(flag)
             flag = any(flags)
             if flag:
                 self._preempted.set()
+        if flag and self._decided is not None and self._decided == (step, False):
+            return False
         return flag
 
     def _install_sigterm(self) -> None:
@@ -253,7 +284,9 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if not force and not self.should_save(step):
+        if force:
+            self._decided = (step, True)  # a save of this step happens whatever the signal
+        elif not self.should_save(step):
             return False
         self.wait()
         path = self.step_path(step)

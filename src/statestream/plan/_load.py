@@ -154,8 +154,10 @@ def plan_load(
             psl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, pstart, sh))
             dview = w.dest[dsl] if dsl else w.dest
             key = (w.array, ci, r0, r1)
-            piece = pieces.get(key)
-            if piece is None:
+            found = pieces.get(key)
+            if found is not None:
+                piece = found
+            else:
                 piece = ReadPiece(w.array, ci, c.file, c.offset + r0 * row_bytes,
                                   (r1 - r0) * row_bytes if c.shape else c.nbytes,
                                   c.checksum, pshape, dt)

@@ -273,8 +273,8 @@ class TorchProvider:
             local = inner.finish()
             if local.dtype != like.dtype or local.device != like_local.device:
                 local = local.to(device=like_local.device, dtype=like.dtype)
-            out = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                     shape=like.shape, stride=like.stride())
+            out: Any = DTensor.from_local(local, like.device_mesh, like.placements,
+                                          run_check=False, shape=like.shape, stride=like.stride())
             if isinstance(like, torch.nn.Parameter):
                 out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
             return out
