@@ -24,6 +24,7 @@ demo: venv
 	$(PY) examples/demo.py
 
 test: venv
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests src/statestream
 
 typecheck: venv
