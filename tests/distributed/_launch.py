@@ -65,6 +65,16 @@ class WorkerFailed(AssertionError):
     pass
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGKILL if the pytest process dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _tail(path: Path, n: int = 6000) -> str:
     try:
         data = path.read_bytes()
@@ -84,8 +94,12 @@ def launch(
     env: dict[str, str] | None = None,
     check: bool = True,
     tag: str | None = None,
+    fail_grace_s: float = 20.0,
 ) -> list[RankResult]:
     """Run ``worker`` of ``module_file`` in ``world`` processes; return their results.
+
+    All processes are killed after ``timeout_s``, or ``fail_grace_s`` after the
+    first one exits with an error (its peers are then usually stuck waiting).
 
     With ``check`` (default) raise :class:`WorkerFailed` — with every failing
     rank's traceback and stderr tail — unless every rank returned normally.
@@ -108,6 +122,8 @@ def launch(
         "OPENBLAS_NUM_THREADS": "1",
         "TF_CPP_MIN_LOG_LEVEL": "3",
         "PYTHONFAULTHANDLER": "1",
+        # lets test modules skip pytest-only imports (e.g. jax in a torch worker)
+        "STATESTREAM_TEST_WORKER": "1",
     })
     if env:
         base_env.update(env)
@@ -123,11 +139,17 @@ def launch(
                  str(world), str(port), str(run_dir), json.dumps(args)],
                 env=e, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=str(run_dir),
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             ))
         deadline = time.monotonic() + timeout_s
         timed_out = False
+        first_failure: float | None = None
         while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+                first_failure = now
+                deadline = min(deadline, now + fail_grace_s)
+            if now > deadline:
                 timed_out = True
                 break
             time.sleep(0.05)
@@ -157,9 +179,10 @@ def launch(
         results.append(RankResult(rank, p.returncode, value, error,
                                   _tail(run_dir / f"stderr-{rank}.txt")))
     if timed_out:
-        raise WorkerFailed(
-            f"{worker} on {world} processes did not finish within {timeout_s:g}s; killed.\n"
-            + _describe(results, only_failed=False))
+        why = (f"did not finish within {timeout_s:g}s" if first_failure is None else
+               f"had a rank fail and the others did not finish within {fail_grace_s:g}s of it")
+        raise WorkerFailed(f"{worker} on {world} processes {why}; killed.\n"
+                           + _describe(results, only_failed=False))
     if check and any(r.returncode != 0 or r.error for r in results):
         raise WorkerFailed(f"{worker} failed on some rank:\n" + _describe(results, True))
     return results

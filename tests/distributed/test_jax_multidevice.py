@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import Context, launch  # noqa: E402
 
-pytest.importorskip("jax")
+if not os.environ.get("STATESTREAM_TEST_WORKER"):
+    pytest.importorskip("jax")
 
 import statestream as ss  # noqa: E402
 from statestream.api._load import open_checkpoint  # noqa: E402

@@ -262,8 +262,10 @@ def save_async(
         if progress is not None:
             progress(handle.bytes_written, handle.bytes_total)
 
+    # A failed writer never gives its staged bytes back: wake the snapshot instead
+    # of letting it wait for them forever.
     writer = StreamWriter(txn, planner.file_name, source, budget=ByteBudget(1 << 62),
-                          after_write=after_write)
+                          after_write=after_write, on_error=budget.abort)
 
     def snapshot() -> None:
         for ai, its in enumerate(items):

@@ -375,7 +375,7 @@ def load(
             if coll.world_size == 1:
                 raise
             err = exc
-    agree(coll, "loading", err, outcome="the load failed on every process")
+    agree(coll, "loading", err, outcome="no process returns a result")
     return result
 
 

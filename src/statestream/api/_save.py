@@ -28,6 +28,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.plan import ArraySpec, StreamPlanner, WriteItem, block_rows_for
+from statestream.providers import _BY_TYPE as _provider_cache
 from statestream.providers import (
     PreparedArray,
     array_provider_for,
@@ -41,6 +42,7 @@ __all__ = ["save"]
 
 
 _CONTAINER_TYPES = frozenset({dict, list, tuple})
+_PROVIDER_BY_TYPE = _provider_cache
 
 
 class _Collector:
@@ -67,6 +69,9 @@ class _Collector:
         t = type(x)
         if t in _CONTAINER_TYPES:
             return None
+        p = _PROVIDER_BY_TYPE.get(t)
+        if p is not None:  # the common case first: an array of a known type
+            return self._array(p, path, x)
         if x is None:
             return Node("none")
         if t is bool:
@@ -83,6 +88,9 @@ class _Collector:
         p = array_provider_for(x)
         if p is None:
             return None
+        return self._array(p, path, x)
+
+    def _array(self, p: Any, path: KeyPath, x: Any) -> Node:
         prepared = p.prepare(x, path)
         attrs = {"kind": prepared.kind}
         if prepared.attrs:

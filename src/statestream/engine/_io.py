@@ -42,6 +42,7 @@ __all__ = [
 #: Bytes handed to one vectored write call (many small chunks coalesce up to this).
 _WRITE_BATCH_BYTES = 16 << 20
 _ZEROS = bytes(4096)
+_NO_DATA = np.empty(0, dtype=np.uint8)
 #: The walking thread hands a writer this much work at a time.
 _HANDOFF_BYTES = 8 << 20
 _HANDOFF_ITEMS = 256
@@ -116,6 +117,7 @@ class ByteBudget:
         self.capacity = capacity
         self.in_use = 0
         self.peak = 0
+        self._error: BaseException | None = None
         self._cv = threading.Condition()
 
     def acquire(self, n: int) -> int:
@@ -124,6 +126,8 @@ class ByteBudget:
             return 0
         with self._cv:
             while self.in_use + n > self.capacity:
+                if self._error is not None:
+                    raise self._error
                 self._cv.wait()
             self.in_use += n
             self.peak = max(self.peak, self.in_use)
@@ -146,6 +150,16 @@ class ByteBudget:
             return
         with self._cv:
             self.in_use -= n
+            self._cv.notify_all()
+
+    def abort(self, exc: BaseException) -> None:
+        """Make every waiting (and later blocking) ``acquire`` raise ``exc``.
+
+        For when whoever would release the bytes has failed.
+        """
+        with self._cv:
+            if self._error is None:
+                self._error = exc
             self._cv.notify_all()
 
 
@@ -397,8 +411,10 @@ class StreamWriter:
         budget: ByteBudget,
         progress: Progress | None = None,
         after_write: Callable[[Sequence[WriteItem]], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._after_write = after_write
+        self._on_error = on_error
         self._txn = txn
         self._name = file_name
         self._source = source
@@ -497,11 +513,12 @@ class StreamWriter:
                     if got is None:
                         if batch:  # never wait while holding staged bytes: write first
                             w.write_at(batch, batch_off)
+                            batch = []
+                            data = _NO_DATA
                             self._advance(end - batch_off)
                             self._written(done_items)
                             budget.release(held)
                             held = 0
-                            batch = []
                             done_items = []
                             batch_off = end = it.offset
                         got = budget.acquire(it.staging_bytes)
@@ -518,6 +535,8 @@ class StreamWriter:
                     end = it.offset + it.nbytes
                 if batch:
                     w.write_at(batch, batch_off)
+                    batch = []
+                    data = _NO_DATA  # the buffers are freed before their budget is
                     self._advance(end - batch_off)
                     self._written(done_items)
                 budget.release(held)
@@ -531,6 +550,8 @@ class StreamWriter:
             with self._lock:
                 self._errors.append(exc)
             self._failed.set()
+            if self._on_error is not None:
+                self._on_error(exc)
         finally:
             budget.release(held)
             if w is not None:

@@ -219,9 +219,29 @@ class StreamPlanner:
         all of it); each is split into row-block chunks.
         """
         assert array == len(self.chunks), "arrays must be added in order"
+        shape = spec.shape
+        if boxes is None:
+            nb = math.prod(shape) * spec.itemsize
+            if 0 < nb <= CHECKSUM_BLOCK_BYTES and nb <= self._max_chunk:
+                # Fast path for small arrays (most leaves of a big state): one
+                # chunk, no block checksums.
+                start = (0,) * len(shape)
+                self.chunks.append([(start, shape, nb)])
+                if self._in_block >= self._block:
+                    self._file = (self._file + 1) % self._max_files
+                    self._in_block = 0
+                    if self._file == len(self._sizes):
+                        self._sizes.append(0)
+                f = self._file
+                off = _align(self._sizes[f], nb)
+                self.offsets[(array, 0)] = (f, off)
+                self._sizes[f] = off + nb
+                self._in_block += nb
+                self.total_bytes += nb
+                return [WriteItem(array, 0, start, shape, nb, f, off,
+                                  nb if spec.copies else 0)]
         per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         items: list[WriteItem] = []
-        shape = spec.shape
         if boxes is None:
             whole = math.prod(shape) * spec.itemsize
             if 0 < whole <= self._max_chunk:  # the common case: one chunk

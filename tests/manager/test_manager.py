@@ -1,0 +1,476 @@
+"""CheckpointManager: when it saves, what it lists, keeps and cleans, locking, preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.manager import _manager
+from statestream.testing import faults
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX flock and signals"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    faults.clear()
+    yield
+    faults.clear()
+
+
+def state_at(step: int) -> dict:
+    return {"step": step, "w": np.arange(64, dtype=np.float32) + step, "name": f"s{step}"}
+
+
+def check_step(mgr: ss.CheckpointManager, step: int) -> None:
+    got = mgr.load(step)
+    assert got["step"] == step and got["name"] == f"s{step}"
+    np.testing.assert_array_equal(got["w"], state_at(step)["w"])
+
+
+def run_child(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- when to save
+@pytest.mark.parametrize("async_save", [True, False])
+def test_save_every_step_returns_whether_it_saved(tmp_path, async_save):
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(3),
+                              async_save=async_save) as mgr:
+        saved = [s for s in range(10) if mgr.save(s, state_at(s))]
+        assert saved == [0, 3, 6, 9]
+        mgr.wait()
+        assert mgr.steps() == [0, 3, 6, 9]
+        assert mgr.latest_step() == 9
+        for s in saved:
+            check_step(mgr, s)
+
+
+def test_should_save_agrees_with_save(tmp_path):
+    with ss.CheckpointManager(tmp_path, save_policy=ss.AtSteps({2, 5})) as mgr:
+        for s in range(7):
+            expect = mgr.should_save(s)
+            assert mgr.save(s, state_at(s)) == expect == (s in (2, 5))
+        assert not mgr.should_save(5)  # already saved: never twice
+
+
+def test_force_overrides_the_policy(tmp_path):
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(100)) as mgr:
+        assert mgr.save(0, state_at(0))
+        assert not mgr.save(7, state_at(7))
+        assert mgr.save(7, state_at(7), force=True)
+        assert not mgr.save(8, state_at(8))
+        mgr.wait()
+        assert mgr.steps() == [0, 7]
+        check_step(mgr, 7)
+
+
+def test_no_policy_saves_every_call_but_never_a_step_twice(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert all(mgr.save(s, state_at(s)) for s in (1, 2, 5, 6))
+        assert not mgr.save(6, state_at(6))
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 5, 6]
+        # force rewrites a committed step atomically
+        assert mgr.save(6, {**state_at(6), "name": "again"}, force=True)
+        mgr.wait()
+        assert mgr.load(6)["name"] == "again"
+
+
+def test_every_n_seconds_with_injected_clock(tmp_path, monkeypatch):
+    now = [1000.0]
+
+    class Clock:
+        @staticmethod
+        def time() -> float:
+            return now[0]
+
+    monkeypatch.setattr(_manager, "time", Clock)
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSeconds(60)) as mgr:
+        saved = []
+        for step, t in enumerate([1000, 1010, 1059, 1060, 1070, 1200, 1201]):
+            now[0] = float(t)
+            if mgr.save(step, state_at(step)):
+                saved.append(step)
+        assert saved == [0, 3, 5]
+        mgr.wait()
+        assert mgr.step_info(3)["time"] == 1060.0
+
+
+def test_reopening_does_not_resave_the_latest_step(tmp_path):
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(2)) as mgr:
+        for s in range(5):
+            mgr.save(s, state_at(s))
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(2)) as mgr:
+        assert mgr.latest_step() == 4
+        assert not mgr.save(4, state_at(4))  # resuming at the saved step: no rewrite
+        assert mgr.save(6, state_at(6))
+
+
+def test_save_validates(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            mgr.save(-1, state_at(0))
+        with pytest.raises(ss.UnsupportedTypeError):
+            mgr.save(1, {"x": object()})
+        assert mgr.steps() == []
+        assert mgr.save(1, state_at(1))
+    with pytest.raises(ss.CheckpointError, match="closed"):
+        mgr.save(2, state_at(2))
+
+
+# ---------------------------------------------------------------- one save in flight
+def test_one_save_in_flight_the_next_waits(tmp_path):
+    gate = threading.Event()
+    reached = threading.Event()
+
+    def hold():
+        reached.set()
+        assert gate.wait(60)
+
+    faults.on("commit.manifest_written", hold, nth=1)
+    mgr = ss.CheckpointManager(tmp_path)
+    try:
+        assert mgr.save(1, state_at(1))
+        h1 = mgr.in_flight
+        assert h1 is not None
+        assert reached.wait(60)  # save 1 is stuck before its commit
+        assert not h1.done() and mgr.steps() == []
+        # steps() never lists a step being written
+        assert mgr.latest_step() is None
+
+        second = threading.Thread(target=mgr.save, args=(2, state_at(2)))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "the second save did not wait for the first"
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".step_0000000002")]
+        gate.set()
+        second.join(60)
+        assert not second.is_alive()
+        assert h1.done()
+        h1.result()
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+    finally:
+        gate.set()
+        mgr.close()
+
+
+def test_failed_background_save_is_reported_by_wait(tmp_path):
+    def boom():
+        raise OSError("disk on fire")
+
+    faults.on("save.data_synced", boom, nth=1)
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(1, state_at(1))
+        with pytest.raises(OSError, match="disk on fire"):
+            mgr.wait()
+        assert mgr.steps() == []
+        assert mgr.save(2, state_at(2))
+        mgr.wait()
+        assert mgr.steps() == [2]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".step_")]
+
+
+# ---------------------------------------------------------------- listing, cleanup
+def test_leftovers_of_crashed_saves_are_cleaned_at_start(tmp_path):
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))
+    d = str(tmp_path)
+    # a staging dir of a save that never committed, one of an overwrite, a step
+    # without its marker, and things the manager does not own
+    os.makedirs(os.path.join(d, ".step_0000000003.tmp-0123456789ab", "data"))
+    open(os.path.join(d, ".step_0000000003.tmp-0123456789ab", "data", "r0-0"), "wb").close()
+    os.makedirs(os.path.join(d, ".step_0000000002.tmp-abcdefabcdef.old"))
+    os.makedirs(os.path.join(d, "step_0000000004", "data"))
+    os.makedirs(os.path.join(d, "notes"))
+    open(os.path.join(d, "README.txt"), "w").close()
+    os.makedirs(os.path.join(d, "step_5"))
+    # a copy of a committed step with its marker removed
+    import shutil
+
+    shutil.copytree(os.path.join(d, "step_0000000002"), os.path.join(d, "step_0000000006"))
+    os.unlink(os.path.join(d, "step_0000000006", "COMMITTED"))
+
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [1, 2]
+        assert sorted(os.listdir(d)) == sorted(
+            [".statestream.lock", "README.txt", "notes", "step_0000000001",
+             "step_0000000002", "step_5"])
+        check_step(mgr, 2)
+        assert mgr.save(3, state_at(3))
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+
+
+def test_step_dirs_without_marker_are_not_listed_by_a_reader(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        os.makedirs(mgr.step_path(9))
+        assert mgr.steps() == [1] and mgr.latest_step() == 1
+        assert mgr.step_path(9).endswith("step_0000000009")
+
+
+def test_load_latest_and_errors(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ss.CheckpointNotFoundError, match="no committed checkpoint"):
+            mgr.load()
+        for s in (3, 10, 7):
+            mgr.save(s, state_at(s))
+        mgr.wait()
+        assert mgr.steps() == [3, 7, 10]
+        assert mgr.load()["step"] == 10  # the largest step, not the last written
+        like = {"step": 0, "w": np.zeros(64, np.float32), "name": ""}
+        got = mgr.load(target=like)
+        np.testing.assert_array_equal(got["w"], state_at(10)["w"])
+        assert mgr.load(3, items=["w"]).keys() == {"w"}
+        with pytest.raises(ss.CheckpointNotFoundError):
+            mgr.load(4)
+
+
+def test_step_metadata(tmp_path):
+    t0 = time.time()
+    st = {"w": np.ones((100, 10), np.float64), "b": np.zeros(6, np.int32), "step": 3}
+    with ss.CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, st, metrics={"loss": 0.25, "acc": 0.5},
+                 metadata={"run": "r1", "tags": ["a", "b"]})
+        mgr.save(4, st)
+        mgr.wait()
+        info = mgr.step_info(3)
+        assert info["step"] == 3
+        assert t0 <= info["time"] <= time.time()
+        assert info["metrics"] == {"loss": 0.25, "acc": 0.5}
+        assert info["metadata"] == {"run": "r1", "tags": ["a", "b"]}
+        assert info["nbytes"] == 100 * 10 * 8 + 6 * 4
+        assert mgr.step_info(4)["metrics"] == {} and mgr.step_info(4)["metadata"] == {}
+        with pytest.raises(ss.UnsupportedTypeError):
+            mgr.save(5, st, metadata={"bad": object()})
+
+
+# ---------------------------------------------------------------- keep policies
+@pytest.mark.parametrize("async_save", [True, False])
+def test_keep_latest(tmp_path, async_save):
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(2),
+                              async_save=async_save) as mgr:
+        for s in range(6):
+            mgr.save(s, state_at(s))
+            mgr.wait()
+            assert mgr.steps() == list(range(max(0, s - 1), s + 1))
+    assert ss.CheckpointManager(tmp_path).steps() == [4, 5]
+
+
+def test_keep_every_best_union(tmp_path):
+    losses = {0: 0.9, 1: 0.2, 2: 0.8, 3: 0.1, 4: 0.7, 5: 0.6, 6: 0.95}
+    keep = ss.KeepUnion(ss.KeepEvery(4), ss.KeepBest(2, "loss"), ss.KeepLatest(1))
+    with ss.CheckpointManager(tmp_path, keep_policy=keep) as mgr:
+        for s, loss in losses.items():
+            mgr.save(s, state_at(s), metrics={"loss": loss})
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [0, 1, 3, 4, 6]
+
+
+def test_keep_best_max(tmp_path):
+    acc = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.1}
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepBest(1, "acc", mode="max")) as mgr:
+        for s, a in acc.items():
+            mgr.save(s, state_at(s), metrics={"acc": a})
+        mgr.wait()
+        assert mgr.steps() == [2, 4]  # the best, and the latest (never deleted)
+
+
+def test_keep_all_is_the_default(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        for s in range(5):
+            mgr.save(s, state_at(s))
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepAll()) as mgr:
+        assert mgr.steps() == [0, 1, 2, 3, 4]
+
+
+class KeepNothing:
+    def __init__(self):
+        self.seen: list[list[int]] = []
+
+    def keep(self, steps):
+        self.seen.append([s.step for s in steps])
+        return set()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_keep_policy_never_deletes_the_latest(tmp_path, async_save):
+    pol = KeepNothing()
+    with ss.CheckpointManager(tmp_path, keep_policy=pol, async_save=async_save) as mgr:
+        for s in range(4):
+            mgr.save(s, state_at(s))
+            mgr.wait()
+            assert mgr.steps() == [s]
+            check_step(mgr, s)
+    assert pol.seen and all(seen == sorted(seen) for seen in pol.seen)
+
+
+def test_keep_policy_never_deletes_the_step_being_written(tmp_path):
+    gate = threading.Event()
+    reached = threading.Event()
+
+    def hold():
+        reached.set()
+        assert gate.wait(60)
+
+    faults.on("save.data_synced", hold, nth=3)
+    mgr = ss.CheckpointManager(tmp_path, keep_policy=KeepNothing())
+    try:
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))  # waits for 1, applies the policy: only 1 stays
+        assert mgr.steps() == [1]
+        mgr.save(3, state_at(3))  # waits for 2; 3 is now in flight, stuck before commit
+        assert reached.wait(60)
+        # a keep pass while 3 is in flight (white box: what wait()/close() run)
+        mgr._inflight_step = 3
+        mgr._apply_keep_policy()
+        staging = [n for n in os.listdir(tmp_path) if n.startswith(".step_0000000003.tmp-")]
+        assert len(staging) == 1 and mgr.steps() == [2]
+        gate.set()
+        mgr.wait()
+        assert mgr.steps() == [3]
+        check_step(mgr, 3)
+    finally:
+        gate.set()
+        mgr.close()
+
+
+# ---------------------------------------------------------------- lock
+def test_second_manager_in_the_same_process_is_refused(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ss.ManagerLockedError, match="already managed") as ei:
+            ss.CheckpointManager(tmp_path)
+        assert f"pid {os.getpid()}" in str(ei.value)
+        assert isinstance(ei.value, ss.CheckpointError)
+        mgr.save(1, state_at(1))
+    # closed (by the with block): the directory is free again
+    with ss.CheckpointManager(tmp_path) as again:
+        assert again.steps() == [1]
+
+
+def test_close_releases_the_lock_and_is_idempotent(tmp_path):
+    mgr = ss.CheckpointManager(tmp_path)
+    mgr.save(1, state_at(1))
+    mgr.close()
+    mgr.close()
+    assert mgr.steps() == [1]  # reading still works after close
+    other = ss.CheckpointManager(tmp_path)
+    other.close()
+
+
+_LOCK_CHILD = """
+import sys
+import statestream as ss
+try:
+    with ss.CheckpointManager(sys.argv[1]) as mgr:
+        print("OPEN", mgr.steps())
+except ss.ManagerLockedError as exc:
+    print("LOCKED", exc)
+"""
+
+
+def test_second_manager_in_another_process_is_refused(tmp_path):
+    with ss.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        r = run_child(_LOCK_CHILD, str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("LOCKED"), r.stdout
+        assert f"pid {os.getpid()}" in r.stdout
+    r = run_child(_LOCK_CHILD, str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "OPEN [1]"
+
+
+# ---------------------------------------------------------------- preemption
+_PREEMPT_CHILD = """
+import sys, time
+import numpy as np
+import statestream as ss
+
+policy = ss.AnyOf(ss.EveryNSteps(1000), ss.OnPreemption())
+with ss.CheckpointManager(sys.argv[1], preemption=True, save_policy=policy) as mgr:
+    print("READY", flush=True)
+    step = 0
+    while True:
+        step += 1
+        state = {"step": step, "w": np.full(4096, step, dtype=np.float64)}
+        mgr.save(step, state)
+        if mgr.reached_preemption(step):
+            mgr.wait()
+            break
+        if step >= 5_000_000:
+            sys.exit(3)
+        time.sleep(0.0005)
+print("STOPPED", step, flush=True)
+"""
+
+
+def test_preemption_saves_at_the_step_and_exits_cleanly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_PREEMPT_CHILD), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        time.sleep(0.3)  # let it run some steps (any moment works)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    stopped = int(out.split()[-1])
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() == stopped
+        assert all(s % 1000 == 0 for s in mgr.steps()[:-1])
+        like = {"step": 0, "w": np.zeros(4096, np.float64)}
+        got = mgr.load(step=None, target=like)
+        assert got["step"] == stopped
+        np.testing.assert_array_equal(got["w"], np.full(4096, stopped, np.float64))
+        assert ss.verify(mgr.step_path(stopped)).ok
+
+
+def test_reached_preemption_is_consistent_with_the_save_decision(tmp_path):
+    policy = ss.AnyOf(ss.EveryNSteps(1000), ss.OnPreemption())
+    before = signal.getsignal(signal.SIGTERM)
+    with ss.CheckpointManager(tmp_path, save_policy=policy, preemption=True) as mgr:
+        assert signal.getsignal(signal.SIGTERM) is not before
+        assert not mgr.save(1, state_at(1))
+        # SIGTERM lands between save(2) and reached_preemption(2) ...
+        assert not mgr.save(2, state_at(2))
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the Python handler runs at the next bytecode boundary
+            if mgr._preempted.is_set():
+                break
+            time.sleep(0.01)
+        # ... so step 2 was not saved: not the exit point yet
+        assert not mgr.reached_preemption(2)
+        assert mgr.save(3, state_at(3))
+        assert mgr.reached_preemption(3)
+        mgr.wait()
+        assert mgr.steps() == [3]
+    assert signal.getsignal(signal.SIGTERM) is before  # restored on close
+
+
+def test_without_sigterm_never_preempted(tmp_path):
+    with ss.CheckpointManager(tmp_path, save_policy=ss.OnPreemption(), preemption=True) as mgr:
+        for s in range(3):
+            assert not mgr.save(s, state_at(s))
+            assert not mgr.reached_preemption(s)
