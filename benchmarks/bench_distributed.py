@@ -188,7 +188,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             dist.barrier()
         dist.barrier()
         prof = None
-        if rank == 0 and profile_op and profile_op == f"{system}:{op}" and repeat == 0:
+        if rank == 0 and profile_op and f"{system}:{op}" in profile_op.split(",") and repeat == 0:
             prof = cProfile.Profile()
             prof.enable()
         t0 = time.perf_counter()
@@ -197,7 +197,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         dt = time.perf_counter() - t0
         if prof is not None:
             prof.disable()
-            path = base / f"profile-{system}-{op}-{world}p.txt"
+            path = base.parent / f"profile-{system}-{op.replace(' ', '_')}-{world}p.txt"
             with open(path, "w") as f:
                 pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
             print(f"[bench] profile written to {path}", file=sys.stderr, flush=True)
@@ -394,7 +394,8 @@ def main() -> None:
     ap.add_argument("--dir", default=str(REPO / "bench-data-dist"), help="scratch directory")
     ap.add_argument("--keep-data", action="store_true")
     ap.add_argument("--profile", default=None,
-                    help="cProfile rank 0 for one op of repeat 0, e.g. 'statestream:save'")
+                    help="cProfile rank 0 in repeat 0 for these system:op pairs, e.g. "
+                         "'statestream:save,statestream:load (hot)'; the report goes next to --dir")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args()
 

@@ -58,7 +58,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, D_MODEL)
         self.pos = nn.Parameter(torch.randn(SEQ, D_MODEL) * 0.02)
-        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, 4 * D_MODEL, dropout=0.1,
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, 2 * D_MODEL, dropout=0.1,
                                            batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(D_MODEL)
@@ -286,12 +286,16 @@ def orchestrate(args: argparse.Namespace) -> int:
           f"({t_ref / T * 1e3:.0f} ms/step), loss {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}")
 
     # 2. train with checkpoints, SIGKILL part-way ----------------------------------
-    rng = random.Random(args.seed * 7919 + T)
+    rng = random.Random(f"statestream-demo/{args.seed}/{T}")
     kill_step = rng.randint(T // 2, (3 * T) // 4)
-    if rng.random() < 0.6:  # most often right as a save starts, so it is likely in flight
+    mid_save = rng.random() < 0.85  # most often just as a save starts: likely in flight
+    if mid_save:
         kill_step = max(N, kill_step - kill_step % N)
-    print(f"[2/4] training in a child process; it gets SIGKILL once it reports step "
-          f"{kill_step} (seeded choice)")
+        when = f"as soon as it reports starting the save of step {kill_step}"
+    else:
+        when = f"once it reports step {kill_step} done"
+    print(f"[2/4] training with checkpoints in a child process; SIGKILL {when} "
+          f"(seeded random choice)")
     saves: dict[int, dict[str, float]] = {}
     last_step = 0
     t0 = time.perf_counter()
@@ -305,8 +309,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                 saves.setdefault(int(parts[1]), {})["total_ms"] = float(parts[2])
             elif kind == "step":
                 last_step = int(parts[1])
-                if last_step >= kill_step and proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGKILL)
+            if (kind == ("save" if mid_save else "step") and int(parts[1]) >= kill_step
+                    and proc.poll() is None):
+                os.kill(proc.pid, signal.SIGKILL)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -326,7 +331,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                   f"{info['block_ms']:.1f} ms, {total}")
     where = (f"while the save of step {inflight[0]} was in flight (its staging dir is left)"
              if inflight else "between saves (no save in flight)")
-    print(f"      SIGKILL after step {last_step} reported, {t_child:.1f} s in; it landed {where}")
+    print(f"      SIGKILL after {t_child:.1f} s (last step reported: {last_step}); "
+          f"it landed {where}")
 
     with ss.CheckpointManager(ckpt) as mgr:  # opening it cleans what the crash left
         committed = mgr.steps()
@@ -396,7 +402,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200, help="total training steps T")
+    ap.add_argument("--steps", type=int, default=150, help="total training steps T")
     ap.add_argument("--save-every", type=int, default=None,
                     help="checkpoint interval (default: T/10)")
     ap.add_argument("--seed", type=int, default=0)

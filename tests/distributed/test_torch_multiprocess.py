@@ -340,6 +340,20 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return _expect_distributed_error(
             lambda: ss.load(root / "mixed", target={"plain": {"vec": torch.zeros(n)}}))
 
+    def sparse() -> Any:
+        # only rank 0 has arrays to write; the others hold an empty stage
+        state = {"a": torch.arange(4.0), f"stage{rank}": {"x": torch.ones(2)} if rank == 0 else {}}
+        ss.save(root / "sparse", state)
+        return True
+
+    def overwrite() -> Any:
+        for gen in (1, 2):
+            ss.save(root / "ow", {"gen": gen, "w": torch.full((8,), float(gen))},
+                    overwrite=gen > 1)
+        out = ss.load(root / "ow")
+        again = _expect_distributed_error(lambda: ss.save(root / "ow", {"gen": 3}))
+        return {"gen": out["gen"], "w": out["w"].tolist(), "again": again}
+
     def fsdp_fresh_optimizer() -> Any:
         # An optimizer that never stepped has no state to take placements from.
         model, opt = _build_fsdp(77)
@@ -358,7 +372,8 @@ def worker_main(ctx: Context) -> dict[str, Any]:
     return _run_checks(ctx, [
         ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
-        ("fail_plan", fail_plan), ("fail_load", fail_load),
+        ("fail_plan", fail_plan), ("fail_load", fail_load), ("sparse", sparse),
+        ("overwrite", overwrite),
         ("fsdp_fresh_optimizer", fsdp_fresh_optimizer),  # last: may leave ranks uneven
     ])
 
@@ -436,7 +451,7 @@ def worker_timeout(ctx: Context) -> dict[str, Any]:
 
     import statestream as ss
 
-    coll = ss.TorchCollective(timeout_s=5)  # creating it is collective: every rank does
+    coll = ss.TorchCollective(timeout_s=3)  # creating it is collective: every rank does
     done = Path(ctx.tmp) / "rank0-done"
     if ctx.rank == 1:
         deadline = time.monotonic() + 60
@@ -712,6 +727,32 @@ def test_load_failure_on_one_rank_raises_on_all(runs: _Runs, world: int) -> None
         assert "nothing was committed" not in v["message"], v["message"]
         if rank == culprit:
             assert v["cause"] == "TargetMismatchError", v
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_without_arrays_to_write(runs: _Runs, world: int) -> None:
+    tmp, per_rank = runs.get_main(world)
+    _values(per_rank, "sparse")
+    out = ss.load(tmp / "sparse", collective=ss.SingleProcess())
+    np.testing.assert_array_equal(out["a"], np.arange(4.0, dtype=np.float32))
+    np.testing.assert_array_equal(out["stage0"]["x"], np.ones(2, np.float32))
+    assert all(out[f"stage{r}"] == {} for r in range(1, world))
+    assert {n.split("-")[0] for n, _ in ss.metadata(tmp / "sparse").files} == {"data/r0"}
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_collective_overwrite_and_exists_error(runs: _Runs, world: int) -> None:
+    tmp, per_rank = runs.get_main(world)
+    for rank, v in enumerate(_values(per_rank, "overwrite")):
+        assert v["gen"] == 2 and v["w"] == [2.0] * 8, v
+        assert v["again"]["distributed"], v["again"]
+        assert "rank 0" in v["again"]["message"] and "starting the save" in v["again"]["message"]
+        if rank == 0:
+            assert v["again"]["cause"] == "CheckpointExistsError", v["again"]
+    assert ss.load(tmp / "ow", collective=ss.SingleProcess())["gen"] == 2
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".ow")) == []
 
 
 @timeout_mark

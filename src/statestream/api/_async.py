@@ -63,6 +63,7 @@ class SaveHandle:
         self._finished = threading.Event()
         self._array_ready = [threading.Event() for _ in range(n_arrays)]
         self._error: BaseException | None = None
+        self._snapshot_failed = False
         self._ptrs: dict[int, list[int]] = {}
         self.bytes_total = 0
         self.bytes_written = 0
@@ -90,7 +91,7 @@ class SaveHandle:
         """
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
-        if self._error is not None and not self._all_ready():
+        if self._snapshot_failed and self._error is not None:
             raise self._error
 
     def wait_for(self, tensors: Iterable[Any]) -> None:
@@ -119,12 +120,11 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
 
-    def _all_ready(self) -> bool:
-        return all(e.is_set() for e in self._array_ready)
-
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
+        if not self._snapshot.is_set():
+            self._snapshot_failed = True
         for e in self._array_ready:
             e.set()
         self._snapshot.set()
