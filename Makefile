@@ -1,4 +1,4 @@
-# Two entry points: `make demo` and `make test`. Both create the venv and install.
+# Entry points: `make demo` (and `make demo-basics`) and `make test`. Both create the venv and install.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 CONSTRAINTS := requirements/dev-constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test typecheck lint bench bench-quick clean
+.PHONY: venv demo demo-basics test typecheck lint bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,12 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax,bench]'
 	touch $@
 
+# The main demo: train, kill -9 mid-run, resume, compare bit for bit with an uninterrupted run.
 demo: venv
+	$(PY) examples/train_resume.py
+
+# A tour of the basics: save, inspect, verify, load, partial load, corruption caught.
+demo-basics: venv
 	$(PY) examples/demo.py
 
 test: venv

@@ -1,6 +1,6 @@
 """End-to-end demo: save a training state, inspect it, verify it, load it, resume exactly.
 
-Run with ``make demo``.
+Run with ``make demo-basics`` (``make demo`` runs examples/train_resume.py).
 """
 
 from __future__ import annotations

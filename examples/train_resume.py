@@ -157,9 +157,20 @@ def job_state(step: int, model: nn.Module, opt: Any, sched: Any,
         "sched": sched,
         "loader": loader,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                "python": random.getstate()},
+                "python": python_rng_state()},
         "step": step,
     }
+
+
+def python_rng_state() -> dict[str, Any]:
+    """``random.getstate()`` with its 625 words as one array (one leaf, not 625)."""
+    version, words, gauss = random.getstate()
+    return {"version": version, "words": np.array(words, dtype=np.uint64), "gauss": gauss}
+
+
+def set_python_rng_state(st: dict[str, Any]) -> None:
+    words = tuple(int(w) for w in np.asarray(st["words"]))
+    random.setstate((int(st["version"]), words, st["gauss"]))
 
 
 # ---------------------------------------------------------------------- child roles
@@ -177,7 +188,7 @@ def run_training(args: argparse.Namespace) -> None:
         got = mgr.load(latest, target=like)
         torch.set_rng_state(torch.from_numpy(np.asarray(got["rng"]["torch"])))
         np.random.set_state(got["rng"]["numpy"])
-        random.setstate(got["rng"]["python"])
+        set_python_rng_state(got["rng"]["python"])
         start = int(got["step"])
         print(f"resumed {start} {loader.index} {(time.perf_counter() - t0) * 1e3:.1f}",
               flush=True)
@@ -255,7 +266,8 @@ def _compare(name: str, ref: Any, got: Any, problems: list[str]) -> int:
         if len(ref) != len(got):
             problems.append(f"{name}: length {len(ref)} != {len(got)}")
             return 0
-        return sum(_compare(f"{name}/{i}", r, g, problems) for i, (r, g) in enumerate(zip(ref, got)))
+        return sum(_compare(f"{name}/{i}", r, g, problems)
+                   for i, (r, g) in enumerate(zip(ref, got)))
     if ref != got and not (isinstance(ref, float) and math.isnan(ref) and math.isnan(got)):
         problems.append(f"{name}: {ref!r} != {got!r}")
     return 0

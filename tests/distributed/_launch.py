@@ -104,8 +104,23 @@ def launch(
     With ``check`` (default) raise :class:`WorkerFailed` — with every failing
     rank's traceback and stderr tail — unless every rank returned normally.
     """
-    tmp = Path(tmp)
-    run_dir = tmp / (tag or f"run-{worker}-{world}")
+    for attempt in range(3):
+        try:
+            return _launch_once(module_file, worker, world, Path(tmp), args, timeout_s, env,
+                                check, (tag or f"run-{worker}-{world}") + f"-{attempt}",
+                                fail_grace_s)
+        except WorkerFailed as exc:
+            # free_port() is racy: another program may take the port before rank 0
+            # listens on it. Nothing ran yet in that case, so start again.
+            if "already in use" not in str(exc).lower() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(module_file: str | os.PathLike[str], worker: str, world: int, tmp: Path,
+                 args: Any, timeout_s: float, env: dict[str, str] | None, check: bool,
+                 tag: str, fail_grace_s: float) -> list[RankResult]:
+    run_dir = tmp / tag
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base_env = dict(os.environ)

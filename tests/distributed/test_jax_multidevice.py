@@ -299,7 +299,8 @@ def cross_run(jax_run: tuple[Path, list[Any]], tmp_path_factory: pytest.TempPath
               ) -> tuple[list[Any], list[Any] | None]:
     pytest.importorskip("torch")
     tmp = tmp_path_factory.mktemp("cross-torch")
-    torch_res = launch(THIS, "worker_torch_cross", 2, tmp, args={"jax_dir": str(jax_run[0]), "out": str(tmp)},
+    torch_res = launch(THIS, "worker_torch_cross", 2, tmp,
+                       args={"jax_dir": str(jax_run[0]), "out": str(tmp)},
                        timeout_s=LAUNCH_TIMEOUT_S)
     jax_res = None
     if all(r.value["save_torch"]["ok"] for r in torch_res):

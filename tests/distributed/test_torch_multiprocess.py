@@ -180,8 +180,10 @@ def _fsdp_snapshot(model: Any, opt: Any) -> dict[str, Any]:
         str(i): {k: _full_of(v).tolist() if hasattr(v, "shape") else v for k, v in s.items()}
         for i, s in opt.state_dict()["state"].items()
     }
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
-    return {"params": params, "state": state, "groups": json.loads(json.dumps(groups, default=repr))}
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in opt.state_dict()["param_groups"]]
+    groups = json.loads(json.dumps(groups, default=repr))
+    return {"params": params, "state": state, "groups": groups}
 
 
 def _compare_snapshots(got: dict[str, Any], want: dict[str, Any], problems: list[str]) -> None:
@@ -480,21 +482,41 @@ class _Runs:
         self.main: dict[int, tuple[Path, list[Any]]] = {}
         self.load: dict[tuple[int, int], list[Any]] = {}
 
+        self.failed: dict[Any, BaseException] = {}
+
+    def _once(self, key: Any, fn: Any) -> Any:
+        # a launch that failed is not retried by every test that needs it
+        if key in self.failed:
+            raise self.failed[key]
+        try:
+            return fn()
+        except BaseException as exc:
+            self.failed[key] = exc
+            raise
+
     def get_main(self, world: int) -> tuple[Path, list[Any]]:
         if world not in self.main:
-            tmp = self.factory.mktemp(f"torch-main-{world}")
-            res = launch(THIS, "worker_main", world, tmp, args={"dir": str(tmp)},
-                         timeout_s=LAUNCH_TIMEOUT_S)
-            self.main[world] = (tmp, [r.value for r in res])
+            def run() -> tuple[Path, list[Any]]:
+                tmp = self.factory.mktemp(f"torch-main-{world}")
+                res = launch(THIS, "worker_main", world, tmp, args={"dir": str(tmp)},
+                             timeout_s=LAUNCH_TIMEOUT_S)
+                return tmp, [r.value for r in res]
+
+            self.main[world] = self._once(("main", world), run)
         return self.main[world]
 
     def get_load(self, saved: int, world: int) -> list[Any]:
         if (saved, world) not in self.load:
             src, _ = self.get_main(saved)
-            tmp = self.factory.mktemp(f"torch-load-{saved}-{world}")
-            res = launch(THIS, "worker_load", world, tmp,
-                         args={"src": str(src), "saved_world": saved}, timeout_s=LAUNCH_TIMEOUT_S)
-            self.load[(saved, world)] = [r.value for r in res]
+
+            def run() -> list[Any]:
+                tmp = self.factory.mktemp(f"torch-load-{saved}-{world}")
+                res = launch(THIS, "worker_load", world, tmp,
+                             args={"src": str(src), "saved_world": saved},
+                             timeout_s=LAUNCH_TIMEOUT_S)
+                return [r.value for r in res]
+
+            self.load[(saved, world)] = self._once(("load", saved, world), run)
         return self.load[(saved, world)]
 
 
@@ -645,7 +667,8 @@ def test_fsdp2_checkpoint_loads_as_numpy_in_one_process(runs: _Runs, world: int)
     assert set(state) == set(ref["state"])
     for i, s in ref["state"].items():
         for k, v in s.items():
-            np.testing.assert_array_equal(np.asarray(state[i][k]), np.asarray(v), err_msg=f"{i}/{k}")
+            np.testing.assert_array_equal(np.asarray(state[i][k]), np.asarray(v),
+                                          err_msg=f"{i}/{k}")
     assert out["optim"]["param_groups"][0]["lr"] == pytest.approx(1e-2)
 
 

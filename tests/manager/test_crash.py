@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -52,7 +51,7 @@ _ns: dict = {}
 exec(STATE_SRC, _ns)
 state_at = _ns["state_at"]
 
-_CHILD = STATE_SRC + """
+_CHILD = STATE_SRC + f"CHUNK, N_STEPS = {CHUNK}, {N_STEPS}\n" + """
 import sys
 import statestream as ss
 from statestream.testing import faults
@@ -60,14 +59,14 @@ from statestream.testing import faults
 directory, mode, point, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 faults.kill_at(point, nth=nth)
 with ss.CheckpointManager(directory, async_save=mode == "async",
-                          io=ss.IOOptions(max_chunk_bytes=%d),
-                          memory=ss.MemoryOptions(memory_budget_bytes=%d)) as mgr:
-    for step in range(1, %d + 1):
+                          io=ss.IOOptions(max_chunk_bytes=CHUNK),
+                          memory=ss.MemoryOptions(memory_budget_bytes=3 * CHUNK)) as mgr:
+    for step in range(1, N_STEPS + 1):
         print("begin", step, flush=True)
         mgr.save(step, state_at(step))
     mgr.wait()
 print("DONE", flush=True)
-""" % (CHUNK, 3 * CHUNK, N_STEPS)
+"""
 
 
 def _assert_tree_equal(got, want, path="") -> None:
@@ -156,7 +155,8 @@ def test_sigkill_at_fault_point(tmp_path, case, chunks_per_save):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, f"child not killed at {point}: rc={proc.returncode}\n{err}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"child not killed at {point}: rc={proc.returncode}\n{err}")
     begun = [int(line.split()[1]) for line in out.splitlines() if line.startswith("begin")]
     last = begun[-1]
 
@@ -203,7 +203,7 @@ def test_sigkill_at_fault_point(tmp_path, case, chunks_per_save):
 
 
 # ---------------------------------------------------------------- two processes
-_DIST_CHILD = STATE_SRC + """
+_DIST_CHILD = STATE_SRC + f"CHUNK = {CHUNK}\n" + """
 import datetime, sys
 import torch.distributed as dist
 import statestream as ss
@@ -217,12 +217,12 @@ coll = ss.TorchCollective(timeout_s=10)
 if rank == kill_rank:
     faults.kill_at(point, nth=nth)
 with ss.CheckpointManager(directory, async_save=False, collective=coll,
-                          io=ss.IOOptions(max_chunk_bytes=%d)) as mgr:
+                          io=ss.IOOptions(max_chunk_bytes=CHUNK)) as mgr:
     for step in range(1, 4):
         print("begin", step, flush=True)
         mgr.save(step, state_at(step))
 print("DONE", flush=True)
-""" % CHUNK
+"""
 
 
 def _free_port() -> int:

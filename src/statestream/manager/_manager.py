@@ -95,6 +95,8 @@ class CheckpointManager:
         #: (step, preempted) as seen by the last save decision; keeps
         #: reached_preemption(step) consistent with save(step) (see there).
         self._decided: tuple[int, bool] | None = None
+        #: keep-policy view of committed steps (a committed step only changes by our own saves)
+        self._infos: dict[int, StepInfo] = {}
         err: BaseException | None = None
         if self._coll.rank == 0:
             try:
@@ -289,6 +291,7 @@ class CheckpointManager:
         elif not self.should_save(step):
             return False
         self.wait()
+        self._infos.pop(step, None)  # an overwrite changes what the keep policy sees
         path = self.step_path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": dict(metrics or {}), "metadata": dict(metadata or {})}
@@ -331,17 +334,22 @@ class CheckpointManager:
             return
         infos = []
         for s in steps:
-            try:
-                info = self.step_info(s)
-            except CheckpointError:
-                continue
-            infos.append(StepInfo(s, float(info["time"] or 0.0), dict(info["metrics"]),
-                                  int(info["nbytes"])))
+            si = self._infos.get(s)
+            if si is None:
+                try:
+                    info = self.step_info(s)
+                except CheckpointError:
+                    continue
+                si = StepInfo(s, float(info["time"] or 0.0), dict(info["metrics"]),
+                              int(info["nbytes"]))
+                self._infos[s] = si
+            infos.append(si)
         keep = set(self._keep_policy.keep(infos))
         keep.add(steps[-1])  # never the last good step
         keep |= self._pending_steps()
         for s in steps:
             if s not in keep:
+                self._infos.pop(s, None)
                 _delete_step(self.step_path(s))
 
     def load(

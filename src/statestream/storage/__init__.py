@@ -13,15 +13,19 @@ from statestream.storage._base import (
     WriteTransaction,
 )
 from statestream.storage._local import LocalStorage
-from statestream.storage._resolve import storage_for
+from statestream.storage._resolve import set_backend, storage_for
+from statestream.storage._s3 import S3Options, S3Storage
 
 __all__ = [
     "Buffer",
     "CheckpointReader",
     "FileWriter",
     "LocalStorage",
+    "S3Options",
+    "S3Storage",
     "Storage",
     "StorageCapabilities",
     "WriteTransaction",
+    "set_backend",
     "storage_for",
 ]

@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any
 
 from statestream.errors import StorageError
 from statestream.storage._base import Storage
 from statestream.storage._local import LocalStorage
 
-__all__ = ["storage_for"]
+__all__ = ["set_backend", "storage_for"]
+
+_LOCK = threading.Lock()
+_BACKENDS: dict[str, Any] = {}
+
+
+def set_backend(scheme: str, backend: Storage | None) -> None:
+    """Use ``backend`` for ``scheme://`` URLs (``None`` restores the default).
+
+    Example:
+        >>> from statestream.storage import S3Storage, S3Options
+        >>> set_backend("s3", S3Storage(S3Options(endpoint="http://127.0.0.1:9000")))
+        >>> set_backend("s3", None)
+    """
+    with _LOCK:
+        if backend is None:
+            _BACKENDS.pop(scheme, None)
+        else:
+            _BACKENDS[scheme] = backend
 
 
 def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
     """Return ``(backend, path_within_backend)`` for a local path or URL.
+
+    ``s3://bucket/prefix`` uses :class:`S3Storage` configured from the
+    ``AWS_*`` environment unless :func:`set_backend` installed another.
 
     Example:
         >>> backend, p = storage_for("/tmp/ckpt")
@@ -24,8 +47,16 @@ def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
         scheme, _, rest = text.partition("://")
         if scheme == "file":
             return LocalStorage(), os.path.abspath(rest)
-        raise StorageError(
-            f"no storage backend for {scheme}:// URLs in this statestream version "
-            f"(path {text!r}); use a local path"
-        )
+        with _LOCK:
+            backend = _BACKENDS.get(scheme)
+            if backend is None and scheme == "s3":
+                from statestream.storage._s3 import S3Storage
+
+                backend = _BACKENDS["s3"] = S3Storage()
+        if backend is None:
+            raise StorageError(
+                f"no storage backend for {scheme}:// URLs (path {text!r}); use a local path, "
+                "s3://, or register one with statestream.storage.set_backend"
+            )
+        return backend, text.rstrip("/")
     return LocalStorage(), os.path.abspath(text)

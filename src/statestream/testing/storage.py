@@ -1,0 +1,107 @@
+"""A conformance suite every Storage backend must pass.
+
+Subclass :class:`StorageTests` in a pytest module and provide two fixtures:
+``storage`` (the backend) and ``base_url`` (a fresh, empty location under
+which the tests create checkpoints: a directory path or an ``s3://`` URL).
+Runs with pytest; needs no other dependency.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.format import COMMIT_NAME, MANIFEST_NAME, encode_commit
+
+__all__ = ["StorageTests"]
+
+
+def _url(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+class StorageTests:
+    """Behaviour shared by every backend (local disk, object stores, ...)."""
+
+    def _write(self, storage: Any, url: str, payload: bytes, overwrite: bool = False) -> Any:
+        txn = storage.begin_write(url, overwrite=overwrite)
+        w = txn.create_file("data/r0-0.bin", len(payload))
+        w.write_at([payload[:3], payload[3:]], 0)
+        w.finish()
+        txn.write_bytes(MANIFEST_NAME, b"{}")
+        txn.write_bytes(COMMIT_NAME, encode_commit(b"{}"))
+        return txn
+
+    def test_invisible_until_commit(self, storage: Any, base_url: str) -> None:
+        url = _url(base_url, "a")
+        txn = self._write(storage, url, b"hello world")
+        assert not storage.is_committed(url)
+        with pytest.raises(ss.CheckpointNotFoundError):
+            storage.open_read(url)
+        txn.commit()
+        assert storage.is_committed(url)
+        r = storage.open_read(url)
+        try:
+            assert r.file_size("data/r0-0.bin") == 11
+            buf = bytearray(5)
+            r.read_into("data/r0-0.bin", 6, [buf])
+            assert bytes(buf) == b"world"
+            with pytest.raises(ss.TruncatedFileError):
+                r.read_into("data/r0-0.bin", 8, [bytearray(10)])
+        finally:
+            r.close()
+
+    def test_abort_leaves_nothing(self, storage: Any, base_url: str) -> None:
+        url = _url(base_url, "b")
+        txn = self._write(storage, url, b"x" * 100)
+        txn.abort()
+        assert not storage.is_committed(url)
+        assert "b" not in storage.list(base_url)
+
+    def test_exists_and_overwrite(self, storage: Any, base_url: str) -> None:
+        url = _url(base_url, "c")
+        self._write(storage, url, b"old").commit()
+        with pytest.raises(ss.CheckpointExistsError):
+            storage.begin_write(url, overwrite=False)
+        self._write(storage, url, b"new!", overwrite=True).commit()
+        r = storage.open_read(url)
+        try:
+            assert r.file_size("data/r0-0.bin") == 4
+        finally:
+            r.close()
+
+    def test_rejects_escaping_names(self, storage: Any, base_url: str) -> None:
+        txn = storage.begin_write(_url(base_url, "d"), overwrite=False)
+        try:
+            with pytest.raises(ss.UnsafeCheckpointError):
+                txn.create_file("data/../../x.bin", 1)
+        finally:
+            txn.abort()
+
+    def test_delete_uncommits(self, storage: Any, base_url: str) -> None:
+        url = _url(base_url, "e")
+        self._write(storage, url, b"abc").commit()
+        storage.delete(url)
+        assert not storage.is_committed(url)
+        with pytest.raises(ss.CheckpointNotFoundError):
+            storage.open_read(url)
+
+    def test_api_round_trip(self, storage: Any, base_url: str) -> None:
+        url = _url(base_url, "f")
+        w = np.arange(100_000, dtype=np.float32).reshape(1000, 100)
+        state: dict[str, Any] = {"w": w,
+                 "small": [np.int8(3), b"bytes", "text", 2**80]}
+        ss.save(url, state, io=ss.IOOptions(max_chunk_bytes=64 << 10))
+        out = ss.load(url)
+        np.testing.assert_array_equal(out["w"], state["w"])
+        assert out["small"][1:] == [b"bytes", "text", 2**80]
+        assert ss.metadata(url).tree["w"].shape == (1000, 100)
+        assert ss.verify(url).ok
+        assert ss.load(url, items=["w"])["w"].sum() == w.sum()
+        h = ss.save_async(url, {"w": w + 1}, overwrite=True)
+        h.result()
+        np.testing.assert_array_equal(ss.load(url)["w"], w + 1)

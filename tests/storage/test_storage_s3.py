@@ -1,0 +1,89 @@
+"""S3 storage against a real S3-compatible server (moto, loopback), plus faults."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.testing.storage import StorageTests
+
+
+def _options(srv: dict[str, Any], **kw: Any) -> S3Options:
+    base = dict(endpoint=srv["endpoint"], region="us-east-1",
+                access_key_id=srv["aws_access_key_id"],
+                secret_access_key=srv["aws_secret_access_key"])
+    base.update(kw)
+    return S3Options(**base)
+
+
+@pytest.fixture
+def storage(s3_server: dict[str, Any]) -> Iterator[S3Storage]:
+    st = S3Storage(_options(s3_server))
+    set_backend("s3", st)
+    try:
+        yield st
+    finally:
+        set_backend("s3", None)
+
+
+@pytest.fixture
+def base_url(s3_server: dict[str, Any]) -> str:
+    return f"s3://{s3_server['bucket']}/t-{uuid.uuid4().hex[:8]}"
+
+
+class TestS3Conformance(StorageTests):
+    pass
+
+
+def test_wrong_bucket_is_a_clear_error(storage: S3Storage) -> None:
+    with pytest.raises(ss.StorageError, match="does not exist"):
+        ss.save("s3://no-such-bucket-here/x", {"a": np.ones(3)})
+    with pytest.raises(ss.StorageError, match="does not exist"):
+        ss.load("s3://no-such-bucket-here/x")
+
+
+def test_missing_credentials_are_a_clear_error(s3_server: dict[str, Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                "AWS_PROFILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    st = S3Storage(S3Options(endpoint=s3_server["endpoint"], region="us-east-1"))
+    with pytest.raises(ss.StorageError) as ei:
+        st.check_bucket(s3_server["bucket"])
+    assert "testing-secret" not in str(ei.value)
+
+
+def test_credentials_never_in_repr_or_errors(s3_server: dict[str, Any]) -> None:
+    opts = _options(s3_server)
+    assert "testing-secret" not in repr(opts)
+    assert "testing-secret" not in repr(S3Storage(opts))
+
+
+def test_server_stops_mid_save(s3_server: dict[str, Any], storage: S3Storage,
+                               base_url: str) -> None:
+    good = f"{base_url}/step1"
+    ss.save(good, {"w": np.arange(1000.0)})
+    srv = s3_server["server"]
+    stopped = []
+
+    def progress(done: int, total: int) -> None:
+        if not stopped:
+            stopped.append(True)
+            srv.stop()
+
+    try:
+        with pytest.raises(ss.CheckpointError):
+            ss.save(f"{base_url}/step2", {"w": np.ones((2000, 1000))}, progress=progress,
+                    io=ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=1))
+    finally:
+        if stopped:
+            srv.start()  # same port, same in-process state
+    assert not storage.is_committed(f"{base_url}/step2")
+    np.testing.assert_array_equal(ss.load(good)["w"], np.arange(1000.0))
