@@ -784,12 +784,7 @@ def test_fsdp2_load_into_optimizer_that_never_stepped(runs: _Runs, world: int) -
     """A fresh Adam has no state; the loaded state must still match the parameters."""
     values = _values(runs.get_main(world)[1], "fsdp_fresh_optimizer")
     bad = [v for v in values if not v["dtensor"] or v["step_error"]]
-    if bad:
-        pytest.xfail(
-            "known limitation: loading into an optimizer without state restores its "
-            f"DTensor state as plain full tensors ({bad[0]['kinds']}); the next step fails: "
-            f"{bad[0]['step_error']}. Take one optimizer step (or initialise its state) "
-            "before loading.")
+    assert not bad, bad[0]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)

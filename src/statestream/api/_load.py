@@ -178,6 +178,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if like is not NO_TARGET and is_stateful(like) and target_provider_for(like) is None:
         inner = node.children[0] if k == "stateful" and node.children else node
         sub_like = like.state_dict()
+        _hint_optimizer_state(like, sub_like, inner, m)
         build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
 
         def build_stateful() -> Any:
@@ -247,6 +248,38 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             if (type(key), key) not in seen:
                 builds.append((key, _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)))
     return _finish_build(rebuild, builds)
+
+
+def _hint_optimizer_state(opt: Any, sub_like: Any, node: Node, m: Manifest) -> None:
+    """Give a never-stepped optimizer's missing state the layout of its parameters.
+
+    A fresh optimizer has no per-parameter state yet, so nothing says that a
+    saved ``exp_avg`` should come back sharded like its (FSDP2/DTensor)
+    parameter. Each saved state tensor with its parameter's shape gets that
+    parameter as its target: same type, dtype, device and placements.
+    """
+    groups = getattr(opt, "param_groups", None)
+    if not isinstance(sub_like, dict) or not isinstance(sub_like.get("state"), dict) or not groups:
+        return
+    params = [p for g in groups for p in g.get("params", [])]
+    state_node = node.child("state")
+    if state_node is None or state_node.keys is None:
+        return
+    hints = sub_like["state"]
+    for idx, per_param in zip(state_node.keys, state_node.children or []):
+        if type(idx) is not int or not 0 <= idx < len(params) or idx in hints:
+            continue
+        if per_param.keys is None:
+            continue
+        p = params[idx]
+        shape = tuple(getattr(p, "shape", ()))
+        entry: dict[Any, Any] = {}
+        for name, leaf in zip(per_param.keys, per_param.children or []):
+            if leaf.kind == "array" and leaf.array is not None and shape:
+                if m.arrays[leaf.array].shape == shape:
+                    entry[name] = p.detach() if hasattr(p, "detach") else p
+        if entry:
+            hints[idx] = entry
 
 
 def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]:
