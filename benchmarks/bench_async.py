@@ -196,8 +196,7 @@ class Saver:
 
     def __init__(self, config: str, base: str, model, opt):
         self.config, self.base, self.model, self.opt = config, base, model, opt
-        self.pending = None  # (record, waiter)
-        self.guard_t0 = 0.0
+        self.pending = None  # (record, waiter, event)
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -233,14 +232,8 @@ class Saver:
             info["jax_convert_s"] = time.perf_counter() - t0
             info["jax_tree_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.jtree)))
             info["jax_devices"] = str(jax.devices())
-        if self.opt is not None and c == "ss-lazy":
-            # runs before any guard hook (hooks run in registration order)
-            self.opt.register_step_pre_hook(self._pre_first)
         self._warmup()
         return info
-
-    def _pre_first(self, opt, args, kwargs):
-        self.guard_t0 = time.perf_counter()
 
     def _warmup(self) -> None:
         """Tiny untimed save so lazy imports / thread pools are not billed."""
@@ -278,8 +271,8 @@ class Saver:
         if c in ("ss-async", "ss-lazy"):
             h = self.ss.save_async(path, state_of(self.model, self.opt, step), lazy=(c == "ss-lazy"))
             if c == "ss-lazy":
-                self.ss.guard_optimizer(self.opt, h)
-                self._add_guard_probe(h, rec)
+                rh = self.ss.guard_optimizer(self.opt, h)
+                self._time_guard(rh, rec)
             t1 = time.perf_counter()
             ev: dict[str, Any] = {}
 
@@ -342,17 +335,25 @@ class Saver:
         self.pending = (rec, waiter, ev)
         return rec
 
-    def _add_guard_probe(self, h, rec) -> None:
-        box: list = []
+    def _time_guard(self, rh, rec) -> None:
+        """Time the guard's pre-step hook by wrapping it in place (outside any step).
 
-        def probe(opt, args, kwargs):  # registered after the guard's hook: runs after it
-            rec["guard_wait_s"] += time.perf_counter() - self.guard_t0
-            rec["guarded_steps"] = rec.get("guarded_steps", 0) + 1
-            if h.snapshot_done() and box:
-                box[0].remove()
-                box.clear()
+        Not done with an extra pre-hook registered after the guard: the guard's hook
+        removes itself during the optimizer's iteration over its pre-hooks, which raises
+        "OrderedDict mutated during iteration" whenever another pre-hook follows it.
+        """
+        hooks = self.opt._optimizer_step_pre_hooks
+        inner = hooks[rh.id]
 
-        box.append(self.opt.register_step_pre_hook(probe))
+        def timed(opt, args, kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(opt, args, kwargs)
+            finally:
+                rec["guard_wait_s"] += time.perf_counter() - t0
+                rec["guarded_steps"] = rec.get("guarded_steps", 0) + 1
+
+        hooks[rh.id] = timed  # same key: not a size/order change
 
     def wait(self) -> float:
         """Wait for the pending save to commit; return how long this call blocked."""

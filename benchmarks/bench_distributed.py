@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,10 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     def ss_load(path, like):
         return ss.load(str(path), target=like)
 
+    def dcp_save(path, k):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True,
+                                                             thread_count=k))
+
     def dcp_load(path, like):
         dcp.load(like, storage_reader=dcp.FileSystemReader(str(path)))
         return like
@@ -229,14 +234,13 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     for r in range(cfg["repeats"]):
         # ---- save ------------------------------------------------------------------------
         ss_path = base / f"ss-{world}p-r{r}"
-        timed("save", "statestream", "default", lambda: ss.save(str(ss_path), state), False, r)
+        timed("save", "statestream", "default", partial(ss.save, str(ss_path), state), False, r)
         dcp_paths = {}
         for k in threads:
             p = base / f"dcp-{world}p-t{k}-r{r}"
             dcp_paths[k] = p
             timed("save", "DCP", f"thread_count={k}",
-                  lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
-                      str(p), sync_files=True, thread_count=k)), False, r)
+                  partial(dcp_save, p, k), False, r)
         if rank == 0 and r == 0:
             results.append({"procs": world, "op": "disk_bytes", "statestream": _du(str(ss_path)),
                             **{f"DCP t{k}": _du(str(p)) for k, p in dcp_paths.items()}})
@@ -245,14 +249,14 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         for cold in colds:
             op = "load (cold)" if cold else "load (hot)"
             like = make_state(zero=True)
-            out = timed(op, "statestream", "default", lambda: ss_load(ss_path, like), cold, r)
+            out = timed(op, "statestream", "default", partial(ss_load, ss_path, like), cold, r)
             if r == 0:
                 check(out, f"statestream {op}")
             del out
             for k in threads:
                 like = make_state(zero=True)
                 out = timed(op, "DCP", f"ckpt thread_count={k}",
-                            lambda: dcp_load(dcp_paths[k], like), cold, r)
+                            partial(dcp_load, dcp_paths[k], like), cold, r)
                 if r == 0:
                     check(out, f"DCP {op} t{k}")
                 del out, like
@@ -264,7 +268,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             for cold in colds:
                 op = f"reshard {nsrc}->{world} " + ("(cold)" if cold else "(hot)")
                 like = make_state(zero=True)
-                out = timed(op, "statestream", "default", lambda: ss_load(src / "ss", like),
+                out = timed(op, "statestream", "default", partial(ss_load, src / "ss", like),
                             cold, r)
                 if r == 0:
                     check(out, f"statestream {op}")
@@ -272,7 +276,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                 for k in threads:
                     like = make_state(zero=True)
                     out = timed(op, "DCP", f"ckpt thread_count={k}",
-                                lambda: dcp_load(src / f"dcp-t{k}", like), cold, r)
+                                partial(dcp_load, src / f"dcp-t{k}", like), cold, r)
                     if r == 0:
                         check(out, f"DCP {op} t{k}")
                     del out, like
@@ -389,7 +393,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="~64 MiB state, 1 repeat")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     ap.add_argument("--procs", default="2,4", help="process counts (comma list)")
-    ap.add_argument("--dcp-threads", default="1,2,4", help="DCP FileSystemWriter thread_count values")
+    ap.add_argument("--dcp-threads", default="1,2,4",
+                    help="DCP FileSystemWriter thread_count values")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache loads")
     ap.add_argument("--dir", default=str(REPO / "bench-data-dist"), help="scratch directory")
     ap.add_argument("--keep-data", action="store_true")

@@ -87,3 +87,25 @@ def test_server_stops_mid_save(s3_server: dict[str, Any], storage: S3Storage,
             srv.start()  # same port, same in-process state
     assert not storage.is_committed(f"{base_url}/step2")
     np.testing.assert_array_equal(ss.load(good)["w"], np.arange(1000.0))
+
+
+def test_manager_on_s3(storage: S3Storage, base_url: str) -> None:
+    url = f"{base_url}/run"
+    with ss.CheckpointManager(url, save_policy=ss.EveryNSteps(2),
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in range(7):
+            mgr.save(step, {"w": np.full(4, step, dtype=np.int64)}, metrics={"s": step})
+        mgr.wait()
+        assert mgr.steps() == [4, 6]
+        assert int(mgr.load()["w"][0]) == 6
+        assert mgr.step_info(6)["metrics"] == {"s": 6}
+        with pytest.raises(ss.ManagerLockedError):
+            ss.CheckpointManager(url)
+    # the lock is released; uncommitted leftovers are cleaned at start
+    txn = storage.begin_write(f"{url}/step_{9:010d}", overwrite=False)
+    w = txn.create_file("data/r0-0.bin", 3)
+    w.write_at([b"abc"], 0)
+    w.finish()
+    with ss.CheckpointManager(url) as mgr:
+        assert mgr.steps() == [4, 6]
+        assert mgr.latest_step() == 6

@@ -25,6 +25,7 @@ from statestream.manager._policies import (
     SavePolicy,
     StepInfo,
 )
+from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
 
@@ -76,7 +77,14 @@ class CheckpointManager:
         io: IOOptions | None = None,
         memory: MemoryOptions | None = None,
     ) -> None:
-        self.directory = os.path.abspath(os.fspath(directory))
+        text = os.fspath(directory)
+        #: object-store directories (s3://...) go through the Storage backend
+        self._remote = "://" in text and not text.startswith("file://")
+        self._storage: Any = None
+        if self._remote:
+            self._storage, self.directory = storage_for(text)
+        else:
+            self.directory = os.path.abspath(text.removeprefix("file://"))
         self._save_policy = save_policy
         self._keep_policy: KeepPolicy = keep_policy or KeepAll()
         self._coll = collective if collective is not None else default_collective()
@@ -97,10 +105,12 @@ class CheckpointManager:
         self._decided: tuple[int, bool] | None = None
         #: keep-policy view of committed steps (a committed step only changes by our own saves)
         self._infos: dict[int, StepInfo] = {}
+        self._remote_lock = False
         err: BaseException | None = None
         if self._coll.rank == 0:
             try:
-                os.makedirs(self.directory, exist_ok=True)
+                if not self._remote:
+                    os.makedirs(self.directory, exist_ok=True)
                 self._acquire_lock()
                 self._cleanup_leftovers()
             except BaseException as exc:
@@ -137,11 +147,27 @@ class CheckpointManager:
             self._release_lock()
 
     def _release_lock(self) -> None:
+        if self._remote_lock:
+            self._remote_lock = False
+            assert self._storage is not None
+            self._storage.release_lock(f"{self.directory}/{_LOCK_NAME}")
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def _acquire_lock(self) -> None:
+        if self._remote:
+            assert self._storage is not None
+            owner = f"pid {os.getpid()} on {os.uname().nodename}"
+            held_by = self._storage.try_lock(f"{self.directory}/{_LOCK_NAME}", owner)
+            if held_by is not None:
+                raise ManagerLockedError(
+                    f"{self.directory} is already managed by another CheckpointManager "
+                    f"({held_by}); close it first, or delete {self.directory}/{_LOCK_NAME} if "
+                    "that manager crashed"
+                )
+            self._remote_lock = True
+            return
         path = os.path.join(self.directory, _LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -161,6 +187,15 @@ class CheckpointManager:
 
     def _cleanup_leftovers(self) -> None:
         """Remove staging dirs of crashed saves and steps that never committed."""
+        if self._remote:
+            assert self._storage is not None
+            for name in self._storage.list(self.directory):
+                m = _STEP_RE.match(name)
+                if m and name == f"step_{int(m.group(1)):010d}":
+                    full = f"{self.directory}/{name}"
+                    if not self._storage.is_committed(full):
+                        self._storage.delete(full)
+            return
         for name in os.listdir(self.directory):
             full = os.path.join(self.directory, name)
             if _TMP_RE.match(name):
@@ -172,19 +207,31 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ discovery
     def step_path(self, step: int) -> str:
-        """Directory of ``step``."""
+        """Directory (or URL) of ``step``."""
+        if self._remote:
+            return f"{self.directory}/step_{step:010d}"
         return os.path.join(self.directory, f"step_{step:010d}")
+
+    def _committed(self, path: str) -> bool:
+        if self._storage is not None:
+            return bool(self._storage.is_committed(path))
+        return os.path.exists(os.path.join(path, COMMIT_NAME))
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written)."""
         out = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
+        if self._storage is not None:
+            names = self._storage.list(self.directory)
+        else:
+            try:
+                names = os.listdir(self.directory)
+            except FileNotFoundError:
+                return []
         for name in names:
             m = _STEP_RE.match(name)
-            if m and os.path.exists(os.path.join(self.directory, name, COMMIT_NAME)):
+            if m and name == f"step_{int(m.group(1)):010d}" and self._committed(
+                self.step_path(int(m.group(1)))
+            ):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -295,7 +342,7 @@ class CheckpointManager:
         path = self.step_path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": dict(metrics or {}), "metadata": dict(metadata or {})}
-        overwrite = os.path.exists(os.path.join(path, COMMIT_NAME))
+        overwrite = self._committed(path)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
@@ -350,7 +397,10 @@ class CheckpointManager:
         for s in steps:
             if s not in keep:
                 self._infos.pop(s, None)
-                _delete_step(self.step_path(s))
+                if self._storage is not None:
+                    self._storage.delete(self.step_path(s))  # marker first, then data
+                else:
+                    _delete_step(self.step_path(s))
 
     def load(
         self,

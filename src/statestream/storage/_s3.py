@@ -406,6 +406,31 @@ class S3Storage:
         except Exception as exc:
             raise _map_error(exc, f"deleting s3://{bucket}/{prefix}") from exc
 
+    # -- manager support ---------------------------------------------------------------
+    def try_lock(self, url: str, owner: str) -> str | None:
+        """Create the lock object ``url`` if absent; else return who holds it."""
+        import obstore
+
+        bucket, key = split_url(url)
+        try:
+            obstore.put(self._store(bucket), key, owner.encode(), mode="create")
+            return None
+        except Exception as exc:
+            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
+                held = self._get_small(bucket, key, 4096, missing_ok=True)
+                return (held or b"unknown holder").decode(errors="replace")
+            raise _map_error(exc, f"locking {url}") from exc
+
+    def release_lock(self, url: str) -> None:
+        """Delete the lock object ``url`` (ignores a missing one)."""
+        import obstore
+
+        bucket, key = split_url(url)
+        try:
+            obstore.delete(self._store(bucket), key)
+        except Exception:
+            pass
+
     # -- Storage protocol ------------------------------------------------------------
     def begin_write(self, path: str, *, overwrite: bool) -> _S3Txn:
         bucket, prefix = split_url(path)
