@@ -109,3 +109,44 @@ def test_manager_on_s3(storage: S3Storage, base_url: str) -> None:
     with ss.CheckpointManager(url) as mgr:
         assert mgr.steps() == [4, 6]
         assert mgr.latest_step() == 6
+
+
+@pytest.mark.timeout(120)
+def test_403_from_a_server_that_checks_credentials() -> None:
+    """A second moto server with authentication on answers 403 to unknown keys."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto server with authentication did not start")
+                time.sleep(0.1)
+        st = S3Storage(S3Options(endpoint=f"http://127.0.0.1:{port}", region="us-east-1",
+                                 access_key_id="AKIAUNKNOWNKEY", secret_access_key="top-secret"))
+        set_backend("s3", st)
+        with pytest.raises(ss.StorageError, match="403") as ei:
+            ss.save("s3://denied-bucket/p", {"a": np.ones(3)})
+        assert "top-secret" not in str(ei.value)
+        with pytest.raises(ss.StorageError, match="403"):
+            ss.load("s3://denied-bucket/p")
+    finally:
+        set_backend("s3", None)
+        proc.kill()
+        proc.wait()
