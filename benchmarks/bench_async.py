@@ -207,6 +207,11 @@ class Saver:
 
             self.ss = ss
             info["statestream"] = getattr(ss, "__version__", "?")
+            if c != "ss-sync":  # where the snapshot time goes: one timestamp per copied chunk
+                from statestream import _hooks
+
+                self.chunk_ts: list[float] = []
+                _hooks.register("async.snapshot_chunk", lambda: self.chunk_ts.append(time.perf_counter()))
         elif c == "dcp-async":
             import torch.distributed as dist
             import torch.distributed.checkpoint as dcp
@@ -269,6 +274,7 @@ class Saver:
             rec.update(call_s=t1 - t0, total_s=t1 - t0)
             return rec
         if c in ("ss-async", "ss-lazy"):
+            self.chunk_ts.clear()
             h = self.ss.save_async(path, state_of(self.model, self.opt, step), lazy=(c == "ss-lazy"))
             if c == "ss-lazy":
                 rh = self.ss.guard_optimizer(self.opt, h)
@@ -365,7 +371,13 @@ class Saver:
         waiter()
         dt = time.perf_counter() - t0
         t_done = ev.get("t", time.perf_counter())
-        rec["total_s"] = t_done - rec.pop("_t0")
+        t0 = rec.pop("_t0")
+        rec["total_s"] = t_done - t0
+        ts = getattr(self, "chunk_ts", None)
+        if ts:  # walk + plan (+ first chunk), then the copies of all chunks
+            rec["snap_first_chunk_s"] = ts[0] - t0
+            rec["snap_chunks_s"] = ts[-1] - ts[0]
+            rec["snap_n_chunks"] = len(ts)
         if ev.get("error"):
             rec["error"] = ev["error"]
         return dt
@@ -661,6 +673,7 @@ def summarize(results: dict) -> None:
             "all_committed": all(s.get("committed") for s in saves),
             "save_errors": [s["error"] for s in saves if s.get("error")],
             "loadavg_before": [r.get("loadavg_before") for r in ok],
+            "saves": saves,
         }
     bmean = mean(base_steps)
     for c, row in rows.items():
@@ -772,6 +785,9 @@ def render_md(results: dict) -> str:
             L.append(f"  - blocking {_l(r['blocking_s_samples'], 4)} = call {_l(r['call_s_samples'], 4)} + guard wait "
                      f"{_l(r['guard_wait_s_samples'], 4)} + wait before next save {_l(r['stall_after_s_samples'], 4)}; "
                      f"total {_l(r['total_s_samples'])}" + (f"; lazy snapshot done after {_l(r['snapshot_s_samples'])}" if r["snapshot_s_samples"] else "")
+                     + (f"; snapshot: walk+plan+1st chunk {_l([x.get('snap_first_chunk_s') for x in r['saves']], 4)}, "
+                        f"remaining {r['saves'][0].get('snap_n_chunks', 0) - 1} chunk copies {_l([x.get('snap_chunks_s') for x in r['saves']], 4)}"
+                        if r['saves'] and 'snap_chunks_s' in r['saves'][0] else "")
                      + f"; end-of-run wait {_l(r['final_wait_s'])}; checkpoint size {r['disk_bytes_median']} bytes")
     L.append("\n## Settings\n")
     for c, n in results["notes"].items():

@@ -36,7 +36,8 @@ def test_broadcast_returns_object() -> None:
 
 def test_implements_every_collective_member() -> None:
     members = {n for n in vars(Collective) if not n.startswith("_")}
-    assert members == {"rank", "world_size", "barrier", "all_gather_object", "broadcast_object"}
+    assert members == {"rank", "world_size", "barrier", "all_gather_object", "broadcast_object",
+                       "fork"}
     for name in members:
         assert hasattr(SingleProcess, name)
         proto, impl = getattr(Collective, name), getattr(SingleProcess, name)

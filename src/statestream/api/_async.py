@@ -28,10 +28,11 @@ import numpy as np
 
 from statestream import _hooks
 from statestream._gc import gc_paused
+from statestream.api._multi import CollectiveSave
 from statestream.api._save import _Collector, check_user_meta, commit_single
 from statestream.distributed import Collective, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
-from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.errors import UnsupportedTypeError
 from statestream.format import itemsize_of
 from statestream.plan import ArraySpec, StreamPlanner, WriteItem
 from statestream.providers import expand_pytree
@@ -182,7 +183,10 @@ def save_async(
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
             mutating the state. In-place changes outside a guarded optimizer
             (``p.add_(...)`` under ``no_grad``) must wait for ``wait_snapshot()``.
-        collective: only one process is supported by ``save_async`` for now.
+        collective: in a multi-process job every rank calls ``save_async``; the
+            plan is agreed in the blocking phase, each rank snapshots and writes
+            only the chunks it owns, and the background phase agrees and commits
+            (``result()`` raises on every rank if any rank failed).
 
     Returns:
         A :class:`SaveHandle`; ``result()`` raises any background error.
@@ -193,11 +197,7 @@ def save_async(
     """
     global _LAST, _ATEXIT
     coll = collective if collective is not None else default_collective()
-    if coll.world_size > 1:
-        raise CheckpointError(
-            "save_async across several processes is not supported in this version; "
-            "use save() (collective), or save_async on a single process"
-        )
+    multi = coll.world_size > 1
     io = io or IOOptions()
     memory = memory or MemoryOptions()
     user = check_user_meta(meta)
@@ -215,29 +215,44 @@ def save_async(
     storage, spath = storage_for(path)
     collector = _Collector(pickle_paths)
     collector.track_ptrs = True
-    with gc_paused():
-        txn = storage.begin_write(spath, overwrite=overwrite)
-        try:
-            jax_copies = lazy
+    jax_copies = lazy
 
-            def leaf(p: Any, x: Any) -> Any:
-                if jax_copies and _is_jax_array(x):
-                    # A donated buffer is freed by the step that donates it; a lazy
-                    # snapshot reads a private device copy instead, never the original.
-                    x = x.copy()
-                return collector.leaf(p, x)
+    def leaf(p: Any, x: Any) -> Any:
+        if jax_copies and _is_jax_array(x):
+            # A donated buffer is freed by the step that donates it; a lazy
+            # snapshot reads a private device copy instead, never the original.
+            x = x.copy()
+        return collector.leaf(p, x)
 
-            tree = flatten(state, leaf, pytree_fn=expand_pytree, fallback_fn=collector.fallback)
-        except BaseException:
-            txn.abort()
-            raise
-    arrays = collector.arrays
-    planner = StreamPlanner(file_prefix="data/r0", max_files=io.num_threads,
-                            max_chunk_bytes=io.max_chunk_bytes)
-    items: list[list[WriteItem]] = []
-    for i, a in enumerate(arrays):
-        its = planner.add(i, ArraySpec(a.shape, itemsize_of(a.dtype), False), a.boxes)
-        items.append(its)
+    job: CollectiveSave | None = None
+    tree: Any = None
+    if multi:
+        # Collective blocking phase: walk, agree on the plan, open the shared
+        # staging area; every rank then copies and writes only what it owns.
+        job = CollectiveSave(path, state, overwrite, io, coll, collector, user, leaf=leaf)
+        job.finish_coll = coll.fork("statestream-async")
+        with gc_paused():
+            job.begin()
+        assert job.planner is not None
+        txn, planner = job.txn, job.planner
+        arrays = job.arrays
+        items = job.items(copies=False)
+    else:
+        with gc_paused():
+            txn = storage.begin_write(spath, overwrite=overwrite)
+            try:
+                tree = flatten(state, leaf, pytree_fn=expand_pytree,
+                               fallback_fn=collector.fallback)
+            except BaseException:
+                txn.abort()
+                raise
+        arrays = collector.arrays
+        planner = StreamPlanner(file_prefix="data/r0", max_files=io.num_threads,
+                                max_chunk_bytes=io.max_chunk_bytes)
+        items = []
+        for i, a in enumerate(arrays):
+            its = planner.add(i, ArraySpec(a.shape, itemsize_of(a.dtype), False), a.boxes)
+            items.append(its)
     handle = SaveHandle(spath, len(arrays))
     handle.bytes_total = planner.total_bytes
     for i in range(len(arrays)):
@@ -293,18 +308,33 @@ def save_async(
         writer.flush()
         handle._snapshot.set()
 
-    def background(run_snapshot: bool) -> None:
+    def background(run_snapshot: bool, early: BaseException | None = None) -> None:
+        agreed = False
         try:
+            if early is not None:
+                raise early
             if run_snapshot:
                 snapshot()
             _hooks.fire("save.planned")
             sums = writer.close()
             _hooks.fire("save.data_synced")
-            commit_single(txn, tree, arrays, planner, sums, user)
+            if job is not None:
+                agreed = True
+                job.finish(sums, None)
+            else:
+                commit_single(txn, tree, arrays, planner, sums, user)
             handle._finish()
         except BaseException as exc:
             writer.abort()
-            txn.abort()
+            if job is not None and not agreed:
+                try:  # the other ranks wait for this rank's verdict: give it
+                    job.finish({}, exc)
+                except BaseException as agreed_exc:
+                    exc = agreed_exc
+            if job is not None:
+                job.abort()
+            else:
+                txn.abort()
             handle._fail(exc)
 
     with _LOCK:
@@ -317,6 +347,9 @@ def save_async(
     try:
         snapshot()
     except BaseException as exc:
+        if job is not None:  # still agree with the other ranks, then report
+            background(False, exc)
+            handle.result()
         writer.abort()
         txn.abort()
         handle._fail(exc)

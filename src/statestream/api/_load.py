@@ -243,10 +243,15 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             )
         seen.add((type(key), key))
         builds.append((key, _walk(c, t, path + (key,), m, job, default_kind, merge)))
-    if merge:  # inside a stateful object, keep what the target does not mention
+    if merge:  # inside a stateful object, keep what the target does not mention,
+        # in the order the checkpoint has it (a state_dict's order can matter)
+        by_key = {(type(k), k): b for k, b in builds}
+        builds = []
         for key, c in kids:
-            if (type(key), key) not in seen:
-                builds.append((key, _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)))
+            b = by_key.get((type(key), key))
+            if b is None:
+                b = _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)
+            builds.append((key, b))
     return _finish_build(rebuild, builds)
 
 

@@ -99,6 +99,138 @@ def _number(doc: Any, order: dict[str, int]) -> Any:
     return doc
 
 
+class CollectiveSave:
+    """The phases of a multi-process save, so sync and async saves share them.
+
+    ``begin()`` (collective, on the caller's thread) walks the state, agrees
+    on the plan and opens the shared staging area; ``items()`` are this
+    rank's chunks to write; ``finish(sums, error)`` (collective) agrees that
+    every rank wrote its part, merges and commits on rank 0.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], state: Any, overwrite: bool,
+                 io: IOOptions, coll: Collective, collector: Any,
+                 user_meta: dict[str, Any] | None, leaf: Any = None) -> None:
+        self.path, self.state, self.overwrite = path, state, overwrite
+        self.io, self.coll, self.collector, self.user_meta = io, coll, collector, user_meta
+        self._leaf = leaf or collector.leaf
+        #: collective used by finish(); async saves run it on a forked channel so
+        #: their background messages never interleave with the training thread's
+        self.finish_coll: Collective = coll
+        self.txn: Any = None
+        self.planner: StreamPlanner | None = None
+
+    def begin(self) -> None:
+        coll = self.coll
+        rank = coll.rank
+        tree = None
+        err: BaseException | None = None
+        try:
+            tree = flatten(self.state, self._leaf, pytree_fn=expand_pytree,
+                           fallback_fn=self.collector.fallback)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "walking the state", err)
+        assert tree is not None
+        self.tree = tree
+        arrays = self.arrays = self.collector.arrays
+        keys = self.keys = [format_keypath(p) for p in self.collector.paths]
+        descs = []
+        for key, a in zip(keys, arrays):
+            boxes = a.boxes if a.boxes is not None else [((0,) * len(a.shape), a.shape)]
+            descs.append([key, a.dtype, list(a.shape),
+                          [[list(s), list(sh)] for s, sh in boxes]])
+        self.gathered = coll.all_gather_object(
+            {"arrays": descs, "tree": _keyed_tree(encode_tree(tree), keys)})
+        err = None
+        mine: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+        try:
+            per_rank = [
+                [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
+                 for k, dt, sh, boxes in g["arrays"]]
+                for g in self.gathered
+            ]
+            owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
+            for key, (_, _, _, boxes) in zip(keys, per_rank[rank]):
+                mine.append([b for b in boxes if owners[(key, b[0], b[1])] == rank])
+        except BaseException as exc:
+            err = exc
+        agree(coll, "planning", err)
+        self.mine = mine
+        storage, spath = storage_for(self.path)
+        err = None
+        if rank == 0:
+            try:
+                self.txn = storage.begin_write(spath, overwrite=self.overwrite)
+            except BaseException as exc:
+                err = exc
+        agree(coll, "starting the save", err)
+        token = coll.broadcast_object(self.txn.token if self.txn is not None else None, src=0)
+        try:
+            if self.txn is None:
+                self.txn = storage.join_write(spath, token)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "joining the save", err)
+        self.planner = StreamPlanner(file_prefix=f"data/r{rank}", max_files=self.io.num_threads,
+                                     max_chunk_bytes=self.io.max_chunk_bytes)
+
+    def items(self, copies: bool) -> list[list[WriteItem]]:
+        """This rank's chunks, per array (``copies``: charge staging to the writer)."""
+        assert self.planner is not None
+        out = []
+        for i, a in enumerate(self.arrays):
+            spec = ArraySpec(a.shape, itemsize_of(a.dtype), a.copies and copies)
+            out.append(self.planner.add(i, spec, self.mine[i]))
+        return out
+
+    def source(self, item: WriteItem) -> np.ndarray:
+        try:
+            data: np.ndarray = self.arrays[item.array].chunk(item.start, item.shape)
+            return data
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise UnsupportedTypeError(
+                f"reading the value at key path '{self.keys[item.array]}' failed: {exc}"
+            ) from exc
+
+    def finish(self, sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]],
+               error: BaseException | None) -> None:
+        coll, planner = self.finish_coll, self.planner
+        assert planner is not None
+        try:
+            agree(coll, "writing data", error)
+            files = planner.files()
+            table: dict[str, list[Any]] = {}
+            for i in range(len(self.arrays)):
+                rows = table.setdefault(self.keys[i], [])
+                for ci, (start, cshape, nb) in enumerate(planner.chunks[i]):
+                    if nb == 0:
+                        continue
+                    f, off = planner.offsets[(i, ci)]
+                    crc, blocks = sums[(i, ci)]
+                    rows.append([planner.file_name(f), off, nb, crc,
+                                 list(start), list(cshape), list(blocks)])
+            tables = coll.all_gather_object({
+                "files": [[fp.name, fp.size] for fp in files], "arrays": table,
+            })
+            err = None
+            if coll.rank == 0:
+                try:
+                    _commit(self.txn, self.gathered, tables, coll.world_size, self.user_meta)
+                except BaseException as exc:
+                    err = exc
+            agree(coll, "committing", err)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if self.coll.rank == 0 and self.txn is not None:
+            self.txn.abort()
+
+
 def save_collective(
     path: str | os.PathLike[str],
     state: Any,
@@ -112,107 +244,27 @@ def save_collective(
     user_meta: dict[str, Any] | None = None,
 ) -> None:
     """The multi-process save (see module docstring)."""
-    rank, world = coll.rank, coll.world_size
-    tree = None
-    err: BaseException | None = None
+    job = CollectiveSave(path, state, overwrite, io, coll, collector, user_meta)
+    job.begin()
+    assert job.planner is not None
     try:
-        tree = flatten(state, collector.leaf, pytree_fn=expand_pytree,
-                       fallback_fn=collector.fallback)
-    except BaseException as exc:
-        err = exc
-    agree(coll, "walking the state", err)
-    assert tree is not None
-    arrays = collector.arrays
-    keys = [format_keypath(p) for p in collector.paths]
-    descs = []
-    for key, a in zip(keys, arrays):
-        boxes = a.boxes if a.boxes is not None else [((0,) * len(a.shape), a.shape)]
-        descs.append([key, a.dtype, list(a.shape), [[list(s), list(sh)] for s, sh in boxes]])
-    gathered = coll.all_gather_object({"arrays": descs, "tree": _keyed_tree(
-        encode_tree(tree), keys)})
-    err = None
-    mine: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
-    try:
-        per_rank = [
-            [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
-             for k, dt, sh, boxes in g["arrays"]]
-            for g in gathered
-        ]
-        owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
-        for key, (_, _, _, boxes) in zip(keys, per_rank[rank]):
-            mine.append([b for b in boxes if owners[(key, b[0], b[1])] == rank])
-    except BaseException as exc:
-        err = exc
-    agree(coll, "planning", err)
-
-    storage, spath = storage_for(path)
-    txn = None
-    err = None
-    if rank == 0:
-        try:
-            txn = storage.begin_write(spath, overwrite=overwrite)
-        except BaseException as exc:
-            err = exc
-    agree(coll, "starting the save", err)
-    token = coll.broadcast_object(txn.token if txn is not None else None, src=0)
-    try:
-        if txn is None:
-            txn = storage.join_write(spath, token)
-        planner = StreamPlanner(file_prefix=f"data/r{rank}", max_files=io.num_threads,
-                                max_chunk_bytes=io.max_chunk_bytes)
-
-        def source(item: WriteItem) -> np.ndarray:
-            try:
-                data: np.ndarray = arrays[item.array].chunk(item.start, item.shape)
-                return data
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise UnsupportedTypeError(
-                    f"reading the value at key path '{keys[item.array]}' failed: {exc}"
-                ) from exc
-
-        writer = StreamWriter(txn, planner.file_name, source,
+        writer = StreamWriter(job.txn, job.planner.file_name, job.source,
                               budget=ByteBudget(memory.resolved()), progress=progress)
-        err = None
-        sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
-        _hooks.fire("save.planned")
-        try:
-            for i, a in enumerate(arrays):
-                spec = ArraySpec(a.shape, itemsize_of(a.dtype), a.copies)
-                writer.submit(planner.add(i, spec, mine[i]))
-            sums = writer.close()
-            _hooks.fire("save.data_synced")
-        except BaseException as exc:
-            writer.abort()
-            err = exc
-        agree(coll, "writing data", err)
-
-        files = planner.files()
-        table: dict[str, list[Any]] = {}
-        for i in range(len(arrays)):
-            rows = table.setdefault(keys[i], [])
-            for ci, (start, cshape, nb) in enumerate(planner.chunks[i]):
-                if nb == 0:
-                    continue
-                f, off = planner.offsets[(i, ci)]
-                crc, blocks = sums[(i, ci)]
-                rows.append([planner.file_name(f), off, nb, crc,
-                             list(start), list(cshape), list(blocks)])
-        tables = coll.all_gather_object({
-            "files": [[fp.name, fp.size] for fp in files], "arrays": table,
-        })
-        err = None
-        if rank == 0:
-            try:
-                _commit(txn, gathered, tables, world, user_meta)
-            except BaseException as exc:
-                err = exc
-        agree(coll, "committing", err)
     except BaseException:
-        if rank == 0 and txn is not None:
-            txn.abort()
+        job.abort()
         raise
+    err: BaseException | None = None
+    sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+    _hooks.fire("save.planned")
+    try:
+        for its in job.items(copies=True):
+            writer.submit(its)
+        sums = writer.close()
+        _hooks.fire("save.data_synced")
+    except BaseException as exc:
+        writer.abort()
+        err = exc
+    job.finish(sums, err)
 
 
 def _commit(txn: Any, gathered: list[Any], tables: list[Any], world: int,

@@ -34,6 +34,10 @@ class Collective(Protocol):
         """``obj`` from process ``src`` on every process."""
         ...
 
+    def fork(self, channel: str) -> Collective:
+        """The same processes on a separate message channel (collective call)."""
+        ...
+
 
 class SingleProcess:
     """The trivial collective of one process.
@@ -60,3 +64,6 @@ class SingleProcess:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def fork(self, channel: str) -> SingleProcess:
+        return self

@@ -11,7 +11,7 @@ from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["JaxCollective"]
 
-_SEQ = itertools.count()
+_SEQS: dict[str, itertools.count[int]] = {}
 
 
 class JaxCollective:
@@ -24,7 +24,7 @@ class JaxCollective:
         timeout_s: how long any process waits for the others at each step.
     """
 
-    def __init__(self, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, *, timeout_s: float = 600.0, channel: str = "") -> None:
         import jax
         from jax._src import distributed
 
@@ -38,6 +38,8 @@ class JaxCollective:
         self._world = int(jax.process_count())
         self._timeout_ms = int(timeout_s * 1000)
         self._timeout_s = timeout_s
+        self._channel = channel
+        self._seq = _SEQS.setdefault(channel, itertools.count())
 
     @property
     def rank(self) -> int:
@@ -47,8 +49,12 @@ class JaxCollective:
     def world_size(self) -> int:
         return self._world
 
+    def fork(self, channel: str) -> JaxCollective:
+        """The same processes with their own key sequence (for a background save)."""
+        return JaxCollective(timeout_s=self._timeout_s, channel=channel)
+
     def _key(self, name: str) -> str:
-        return f"statestream/{next(_SEQ)}/{name}"
+        return f"statestream/{self._channel}/{next(self._seq)}/{name}"
 
     def _fail(self, what: str, exc: BaseException) -> BaseException:
         text = str(exc)

@@ -9,7 +9,7 @@ from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["TorchCollective"]
 
-_GROUPS: dict[tuple[Any, float], Any] = {}
+_GROUPS: dict[tuple[Any, float, str], Any] = {}
 
 
 class TorchCollective:
@@ -26,12 +26,15 @@ class TorchCollective:
         timeout_s: how long any rank waits for the others at each step.
     """
 
-    def __init__(self, group: Any = None, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, group: Any = None, *, timeout_s: float = 600.0,
+                 channel: str = "") -> None:
         import torch.distributed as dist
 
         self._dist = dist
+        self._group = group
+        self._channel = channel
         self._timeout_s = float(timeout_s)
-        key = (group, self._timeout_s)
+        key = (group, self._timeout_s, channel)
         pg = _GROUPS.get(key)
         if pg is None:
             ranks = None if group is None else dist.get_process_group_ranks(group)
@@ -44,6 +47,13 @@ class TorchCollective:
         self._rank = dist.get_rank(pg)
         self._world = dist.get_world_size(pg)
         self._global_ranks = dist.get_process_group_ranks(pg)
+
+    def fork(self, channel: str) -> TorchCollective:
+        """The same ranks on a separate gloo group (for a background save's messages).
+
+        Collective: every rank must fork the same channel at the same point.
+        """
+        return TorchCollective(self._group, timeout_s=self._timeout_s, channel=channel)
 
     @property
     def rank(self) -> int:

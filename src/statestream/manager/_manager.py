@@ -88,7 +88,7 @@ class CheckpointManager:
         self._save_policy = save_policy
         self._keep_policy: KeepPolicy = keep_policy or KeepAll()
         self._coll = collective if collective is not None else default_collective()
-        self._async = async_save and self._coll.world_size == 1
+        self._async = async_save
         self._lazy = lazy
         self._io = io
         self._memory = memory

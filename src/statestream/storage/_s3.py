@@ -473,6 +473,8 @@ class S3Storage:
         st = self._store(bucket)
         try:  # uncommit first: a half-deleted checkpoint never loads
             obstore.delete(st, f"{prefix}/{COMMIT_NAME}")
-        except Exception:
-            pass
+        except Exception as exc:  # only "already gone" may pass; else data would go first
+            err = _map_error(exc, f"uncommitting {path}")
+            if not isinstance(err, CheckpointNotFoundError):
+                raise err from exc
         self._delete_prefix(bucket, prefix + "/")
