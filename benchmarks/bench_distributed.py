@@ -221,7 +221,8 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     colds = [False, True] if cfg["cold"] else [False]
 
     def ss_load(path, like):
-        return ss.load(str(path), target=like)
+        # in_place=True: fill the given DTensors, as dcp.load does (apples to apples)
+        return ss.load(str(path), target=like, in_place=True)
 
     def dcp_save(path, k):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True,

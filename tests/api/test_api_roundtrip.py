@@ -719,3 +719,24 @@ def test_stateful_root(tmp_path):
     assert ss.load(tmp_path / "c", m2) is m2
     _assert_state_dict_equal(m2.state_dict(), m.state_dict())
     assert list(ss.load(tmp_path / "c", items=["bias"])) == ["bias"]
+
+
+def test_load_in_place_fills_the_target_objects(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "ck"
+    ss.save(path, {"a": torch.arange(10.0), "n": np.arange(5), "b": torch.ones(3).bfloat16(),
+                   "other_dtype": torch.arange(4.0)})
+    target = {"a": torch.zeros(10), "n": np.zeros(5, np.int64),
+              "b": torch.zeros(3).bfloat16(), "other_dtype": torch.zeros(4, dtype=torch.float64)}
+    out = ss.load(path, target=target, in_place=True)
+    assert out["a"] is target["a"] and torch.equal(target["a"], torch.arange(10.0))
+    assert out["n"] is target["n"] and np.array_equal(target["n"], np.arange(5))
+    assert out["b"] is target["b"] and torch.equal(target["b"], torch.ones(3).bfloat16())
+    # a dtype change cannot be done in place: a new tensor, the target untouched
+    assert out["other_dtype"] is not target["other_dtype"]
+    assert torch.equal(target["other_dtype"], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(out["other_dtype"], torch.arange(4.0, dtype=torch.float64))
+    # without in_place the target is never modified
+    fresh = {"a": torch.zeros(10)}
+    out2 = ss.load(path, target=fresh)
+    assert out2["a"] is not fresh["a"] and torch.equal(fresh["a"], torch.zeros(10))

@@ -92,6 +92,7 @@ class _Job:
     """Everything the walk of manifest + target asks the engine to read."""
 
     allow_pickle: bool
+    in_place: bool = False
     wanted: list[Wanted] = dataclasses.field(default_factory=list)
     paths: dict[int, KeyPath] = dataclasses.field(default_factory=dict)
 
@@ -124,7 +125,9 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 f"shape mismatch at key path '{format_keypath(path)}': the checkpoint has "
                 f"{entry.shape} ({entry.dtype}), the target has {want}"
             )
-        dest = prov.restore(entry.dtype, entry.shape, like, path)
+        into = getattr(prov, "restore_into", None) if job.in_place else None
+        found = into(entry.dtype, entry.shape, like, path) if into is not None else None
+        dest = found if found is not None else prov.restore(entry.dtype, entry.shape, like, path)
     for start, buf in dest.boxes:
         job.wanted.append(Wanted(node.array, start, buf))
     job.paths[node.array] = path
@@ -359,6 +362,7 @@ def load(
     *,
     items: Sequence[str] | None = None,
     allow_pickle: bool = False,
+    in_place: bool = False,
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
@@ -376,6 +380,12 @@ def load(
             Without a target: NumPy arrays and plain dicts/lists/tuples.
         items: top-level keys (checkpointables) to load; others are not read.
         allow_pickle: permit unpickling leaves saved with ``pickle_paths``.
+        in_place: read straight into the target's own CPU tensors/arrays (and
+            DTensor local shards) when their dtype matches and they are
+            contiguous, and return those same objects — as DCP does. Faster
+            (no fresh memory to fault in) and no extra memory, but a load that
+            fails part-way (a corrupt chunk) leaves the target partly
+            overwritten. Without it, targets are never modified.
         io: thread count and request sizes.
         memory: the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
@@ -407,7 +417,7 @@ def load(
     err: BaseException | None = None
     with gc_paused():
         try:
-            result = _load(path, target, items, allow_pickle, io or IOOptions(),
+            result = _load(path, target, items, allow_pickle, in_place, io or IOOptions(),
                            memory or MemoryOptions(), progress)
         except BaseException as exc:
             if coll.world_size == 1:
@@ -422,6 +432,7 @@ def _load(
     target: Any,
     items: Sequence[str] | None,
     allow_pickle: bool,
+    in_place: bool,
     io: IOOptions,
     memory: MemoryOptions,
     progress: Progress | None,
@@ -442,7 +453,7 @@ def _load(
                 if missing:  # items without a target entry load with defaults
                     full = {k: like.get(k, NO_TARGET) for k in items}
                     like = full
-        job = _Job(allow_pickle=allow_pickle)
+        job = _Job(allow_pickle=allow_pickle, in_place=in_place)
         build = _walk(root, like, (), m, job, "numpy", False)
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
         names = [f.name for f in m.files]

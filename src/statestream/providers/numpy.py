@@ -73,6 +73,19 @@ class NumpyProvider:
     def target_shape(self, like: Any) -> tuple[int, ...]:
         return tuple(int(s) for s in np.shape(like))
 
+    def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
+                     path: KeyPath) -> Destination | None:
+        """Destinations in ``like``'s own memory (None when that is not possible)."""
+        if (
+            not isinstance(like, np.ndarray)
+            or like.dtype != dtype_from_name(dtype)
+            or not like.flags.c_contiguous
+            or not like.flags.writeable
+            or like.size == 0
+        ):
+            return None
+        return Destination(boxes=[((0,) * len(shape), like)], finish=lambda: like)
+
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
         dest = host_destination(dtype, shape)

@@ -260,6 +260,27 @@ class TorchProvider:
 
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
+    def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
+                     path: KeyPath) -> Destination | None:
+        """Destinations in ``like``'s own memory (None when that is not possible)."""
+        _, from_name = _tables()
+        saved = from_name.get(dtype)
+        if saved is None or like.dtype != saved:
+            return None
+        offset: tuple[int, ...] = (0,) * len(shape)
+        local = like
+        if _is_dtensor(like):
+            lshape, offset = _local_box(like.shape, like.device_mesh, like.placements)
+            local = like.to_local()
+            if tuple(local.shape) != lshape:
+                return None
+        if local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0:
+            return None
+        if getattr(local, "is_conj", lambda: False)() or local.is_neg():
+            return None
+        view = _host_bytes(local).view(dtype_from_name(dtype)).reshape(tuple(local.shape))
+        return Destination(boxes=[(offset, view)], finish=lambda: like)
+
     def _restore_dtensor(self, dtype: str, shape: tuple[int, ...], like: Any,
                          path: KeyPath) -> Destination:
         import torch
