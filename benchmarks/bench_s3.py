@@ -437,6 +437,10 @@ def main() -> int:
     ap.add_argument("--object-mib", type=int, default=None,
                     help="object size for the client comparison (default 256; 64 with --quick)")
     ap.add_argument("--phases", default="sweep,main,clients")
+    ap.add_argument("--tuned", action="append", default=[],
+                    metavar="PART_MIB,CONC,THREADS,REQUEST_MIB",
+                    help="also run the main state with these settings (row 'statestream "
+                         "(tuned ...)'), e.g. 64,8,8,256; repeatable")
     ap.add_argument("--s3fs-python", default=None,
                     help="python of a separate venv that has s3fs (default: /tmp/s3fs-venv if "
                          "present); 'none' to skip")
@@ -533,7 +537,7 @@ def main() -> int:
             blob = b"".join(t.numpy().tobytes() for t in state.values())
             concat_s = time.perf_counter() - t0
             main_info = {"state": state_name, "tensors": len(spec), "nbytes": nb,
-                         "concat_s": concat_s}
+                         "concat_s": concat_s, "tuned": args.tuned, "best": best}
             log(f"main state {state_name}: {len(spec)} tensors, {nb / GiB:.3f} GiB "
                 f"(concat for naive {concat_s:.2f}s, untimed)")
             for r in range(repeats):
@@ -545,6 +549,11 @@ def main() -> int:
                                  part_bytes=best["part_bytes"],
                                  max_concurrency=best["max_concurrency"],
                                  num_threads=best["save_num_threads"], rep=r)
+                for tuned in args.tuned:
+                    pm, mc, nt, rq = (int(x) for x in tuned.split(","))
+                    ss_save_load(stats, f"statestream (tuned {tuned})", spec, state, like,
+                                 part_bytes=pm * MiB, max_concurrency=mc, num_threads=nt,
+                                 max_request_bytes=rq * MiB, rep=r)
             del state, like, blob
             gc.collect()
 
@@ -606,6 +615,13 @@ def dataclass_dict(x: Any) -> dict:
     return dataclasses.asdict(x)
 
 
+def _fmt_best(best: dict | None) -> str:
+    if not best:
+        return ""
+    return "(" + ", ".join(f"{k}={v // MiB if 'bytes' in k else v}"
+                           f"{' MiB' if 'bytes' in k else ''}" for k, v in best.items()) + ")"
+
+
 def render_md(doc: dict, stats: Stats) -> str:
     L: list[str] = []
     started = _dt.datetime.fromtimestamp(doc["started"]).isoformat(timespec="seconds")
@@ -631,7 +647,8 @@ def render_md(doc: dict, stats: Stats) -> str:
         L.append(f"## Main: Llama-like fp32 state `{mi['state']}` ({mi['tensors']} tensors, "
                  f"{nb / GiB:.3f} GiB)\n")
         L.append("| system | op " + hdr + "|---|---|---|---|---|---|---|")
-        for sysname in ("statestream (defaults)", "statestream (sweep best)",
+        tuned = [f"statestream (tuned {t})" for t in (mi.get("tuned") or [])]
+        for sysname in ("statestream (defaults)", "statestream (sweep best)", *tuned,
                         "naive boto3 put/get"):
             for op in ("save", "load"):
                 if f"{sysname}|{op}" in stats.samples:
@@ -648,10 +665,15 @@ def render_md(doc: dict, stats: Stats) -> str:
                  f"**{'met' if ss_s <= nv_s else 'NOT met'}** (speed-up {nv_s / ss_s:.2f}x); "
                  f"load {ss_l:.2f} s vs get {nv_l:.2f} s -> "
                  f"**{'met' if ss_l <= nv_l else 'NOT met'}** (speed-up {nv_l / ss_l:.2f}x)")
-        if stats.median("statestream (sweep best)|save"):
-            b = stats.median("statestream (sweep best)|save")
-            L.append(f"- With the sweep's best settings: save {b:.2f} s "
-                     f"(speed-up over put {nv_s / b:.2f}x)")
+        for name, what in (("statestream (sweep best)", "the sweep's best settings "
+                            f"{_fmt_best(mi.get('best') or (doc['sweep'] or {}).get('best'))}"),
+                           *((f"statestream (tuned {t})", f"--tuned {t} (part_bytes MiB, "
+                              "max_concurrency, num_threads, max_request_bytes MiB)")
+                             for t in (mi.get("tuned") or []))):
+            b, lo = stats.median(f"{name}|save"), stats.median(f"{name}|load")
+            if b:
+                L.append(f"- With {what}: save {b:.2f} s (speed-up over put {nv_s / b:.2f}x), "
+                         f"load {lo:.2f} s (speed-up over get {nv_l / lo:.2f}x)")
         L.append("")
     if doc["sweep"]:
         sw = doc["sweep"]
