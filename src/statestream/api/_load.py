@@ -417,7 +417,7 @@ def load(
     err: BaseException | None = None
     with gc_paused():
         try:
-            result = _load(path, target, items, allow_pickle, in_place, io or IOOptions(),
+            result = _load(path, target, items, allow_pickle, in_place, io or _default_io(path),
                            memory or MemoryOptions(), progress)
         except BaseException as exc:
             if coll.world_size == 1:
@@ -425,6 +425,17 @@ def load(
             err = exc
     agree(coll, "loading", err, outcome="no process returns a result")
     return result
+
+
+def _default_io(path: str | os.PathLike[str]) -> IOOptions:
+    """Engine options when the caller gives none: the backend's read preferences."""
+    caps = storage_for(path)[0].capabilities
+    kw: dict[str, int] = {}
+    if caps.read_request_bytes:
+        kw["max_request_bytes"] = caps.read_request_bytes
+    if caps.read_threads:
+        kw["num_threads"] = caps.read_threads
+    return IOOptions(**kw)
 
 
 def _load(

@@ -34,6 +34,10 @@ class StorageCapabilities:
     random_write: bool
     #: Reads of byte ranges are cheap (local, object-store ranged GET).
     ranged_read: bool = True
+    #: Preferred size of one read request and number of parallel readers when
+    #: the caller gives no IOOptions (object stores want few, large GETs).
+    read_request_bytes: int | None = None
+    read_threads: int | None = None
 
 
 class FileWriter(Protocol):

@@ -297,7 +297,10 @@ class S3Storage:
         False
     """
 
-    capabilities = StorageCapabilities(atomic_rename=False, random_write=False)
+    # Measured on a local S3-compatible server: 256 MiB GETs with 8 readers
+    # loaded ~3x faster than 32 MiB with 4 (benchmarks/results/s3-*).
+    capabilities = StorageCapabilities(atomic_rename=False, random_write=False,
+                                       read_request_bytes=256 << 20, read_threads=8)
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options()
