@@ -555,10 +555,20 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes next to it)")
     ap.add_argument("--keep-data", action="store_true")
+    ap.add_argument("--render", default=None, metavar="JSON", help="re-summarize a results JSON (rewrites it and its .md)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child_main(args.child)
+        return
+    if args.render:
+        rp = Path(args.render)
+        results = json.loads(rp.read_text())
+        summarize(results)
+        rp.write_text(json.dumps(results, indent=1, default=str))
+        md = render_md(results)
+        rp.with_suffix(".md").write_text(md)
+        print(md)
         return
     steps = args.steps or (6 if args.quick else 12)
     every = args.every or (2 if args.quick else 4)
@@ -675,10 +685,15 @@ def summarize(results: dict) -> None:
             "loadavg_before": [r.get("loadavg_before") for r in ok],
             "saves": saves,
         }
-    bmean = mean(base_steps)
+    # Reference: the FASTER of the baseline runs (start/end), so noise from other users' load
+    # on one baseline run cannot hide checkpoint overhead (conservative for the configs).
+    bruns_ok = [r for r in results["runs"].get("baseline", []) if r.get("ok")]
+    bmean = min((mean(r["step_s"]) for r in bruns_ok), default=None)
+    bmed = min((med(r["step_s"]) for r in bruns_ok), default=None)
     for c, row in rows.items():
         if "step_s_mean" in row and bmean:
             row["overhead_vs_baseline"] = row["step_s_mean"] / bmean - 1
+            row["overhead_median_vs_baseline"] = row["step_s_median"] / bmed - 1
     mc = {"prealloc_s_median": med(memcpy["prealloc_s"]), "fresh_s_median": med(memcpy["fresh_s"]),
           "prealloc_s_samples": memcpy["prealloc_s"], "fresh_s_samples": memcpy["fresh_s"]}
 
@@ -710,8 +725,10 @@ def summarize(results: dict) -> None:
                    f"DCP {b_dcp:.3f}s / {c} {b:.4f}s = {b_dcp / b if b else float('inf'):.1f}x")
     ov = g("ss-lazy", "overhead_vs_baseline")
     if ov is not None:
-        target("ss-lazy training overhead <= 5%", ov, 0.05, ov <= 0.05,
-               f"mean step {g('ss-lazy', 'step_s_mean'):.3f}s vs baseline {bmean:.3f}s: {100 * ov:+.1f}%")
+        ovm = g("ss-lazy", "overhead_median_vs_baseline")
+        target("ss-lazy training overhead <= 5% (mean step vs the faster baseline run)", ov, 0.05, ov <= 0.05,
+               f"mean step {g('ss-lazy', 'step_s_mean'):.3f}s vs baseline {bmean:.3f}s: {100 * ov:+.1f}% "
+               f"(median step: {100 * ovm:+.1f}%)")
     # noise estimate: two baseline runs
     bruns = [r for r in results["runs"].get("baseline", []) if r.get("ok")]
     noise = None
@@ -757,6 +774,7 @@ def render_md(results: dict) -> str:
     L.append("- blocking = save call + guarded optimizer.step wait (lazy) + wait for the commit before the next save; "
              "total = save call -> durable commit\n")
     L.append("## Results (medians; all samples below and in the JSON)\n")
+    L.append("Overhead is relative to the faster of the two baseline runs: mean step (median step in brackets).\n")
     L.append("| config | mean step s | median step s | overhead vs baseline | saves | blocking s (median) | total s (median) | blocking / sync save | blocking / memcpy (fresh) |")
     L.append("|---|---|---|---|---|---|---|---|---|")
     sync_s = (s["rows"].get("ss-sync") or {}).get("total_s_median")
@@ -766,8 +784,9 @@ def render_md(results: dict) -> str:
             L.append(f"| {c} | ERROR: {r['error']} |||||||| ")
             continue
         ov = r.get("overhead_vs_baseline")
+        ovs = "n/a" if ov is None else f"{100 * ov:+.1f}% ({100 * r['overhead_median_vs_baseline']:+.1f}%)"
         b = r.get("blocking_s_median")
-        L.append(f"| {c} | {_f(r['step_s_mean'])} | {_f(r['step_s_median'])} | {'n/a' if ov is None else f'{100 * ov:+.1f}%'} | "
+        L.append(f"| {c} | {_f(r['step_s_mean'])} | {_f(r['step_s_median'])} | {ovs} | "
                  f"{r['n_saves']} | {_f(b, 4)} | {_f(r['total_s_median'])} | "
                  f"{'n/a' if b is None or not sync_s else f'{100 * b / sync_s:.1f}%'} | "
                  f"{'n/a' if b is None or not fresh else f'{b / fresh:.2f}x'} |"

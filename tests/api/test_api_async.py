@@ -213,10 +213,14 @@ def test_guarded_optimizer_step_right_after_lazy_save(tmp_path):
         for k, v in st.items():
             _assert_bitwise(got["optim"]["state"][i][k], v, f"state {i}/{k}")
 
-    # the hook removes itself once the snapshot is complete
+    # one persistent hook per optimizer; idle once the snapshot is complete, and
+    # other hooks registered after it keep working
     assert h.snapshot_done()
+    opt.register_step_pre_hook(lambda o, a, k: None)
     opt.step()
-    assert len(opt._optimizer_step_pre_hooks) == 0
+    assert len(opt._optimizer_step_pre_hooks) == 2
+    ss.guard_optimizer(opt, h)  # guarding again reuses the hook
+    assert len(opt._optimizer_step_pre_hooks) == 2
 
 
 # ----------------------------------------------------------------------------- 3. non-lazy

@@ -21,6 +21,7 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -364,30 +365,40 @@ def _is_jax_array(x: Any) -> bool:
     return jax is not None and isinstance(x, jax.Array)
 
 
+_GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:
     """Make ``optimizer.step()`` wait for a lazy snapshot of what it will change.
 
-    Registers a pre-step hook that waits only for the parameters and
-    optimizer-state tensors still being copied, then removes itself once the
-    snapshot is complete.
+    The first call registers one pre-step hook on the optimizer; later calls
+    (one per save) just point it at the newest handle. Before each step it
+    waits only for the parameters and optimizer-state tensors of pending
+    snapshots that are still being copied, and costs nothing otherwise. (It
+    never removes itself while torch iterates over the hooks.)
 
     Returns:
-        The hook's removable handle.
+        The hook's removable handle (removing it ends the guarding).
     """
     import torch
 
-    box: list[Any] = []
+    entry = _GUARDS.get(optimizer)
+    if entry is not None:
+        entry[1].append(handle)
+        return entry[0]
+    pending: list[SaveHandle] = [handle]
 
     def hook(opt: Any, args: Any, kwargs: Any) -> None:
-        if not handle.snapshot_done():
-            tensors: list[Any] = [p for g in opt.param_groups for p in g["params"]]
-            for st in opt.state.values():
-                tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-            handle.wait_for(tensors)
-        if handle.snapshot_done() and box:
-            box[0].remove()
-            box.clear()
+        live = [h for h in pending if not h.snapshot_done()]
+        pending[:] = live
+        if not live:
+            return
+        tensors: list[Any] = [p for g in opt.param_groups for p in g["params"]]
+        for st in opt.state.values():
+            tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        for h in live:
+            h.wait_for(tensors)
 
-    box.append(optimizer.register_step_pre_hook(hook))
-    return box[0]
-
+    removable = optimizer.register_step_pre_hook(hook)
+    _GUARDS[optimizer] = [removable, pending]
+    return removable
