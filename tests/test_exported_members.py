@@ -47,7 +47,7 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.engine": [
         "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "StreamWriter",
-        "chunk_checksums", "default_memory_budget_bytes",
+        "chunk_checksums", "default_memory_budget_bytes", "parallel_for",
         "read_requests", "write_files",
     ],
     "statestream.providers": [

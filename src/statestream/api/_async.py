@@ -32,7 +32,14 @@ from statestream._gc import gc_paused
 from statestream.api._multi import CollectiveSave
 from statestream.api._save import _Collector, check_user_meta, commit_single
 from statestream.distributed import Collective, default_collective
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
+from statestream.engine import (
+    ByteBudget,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    StreamWriter,
+    parallel_for,
+)
 from statestream.errors import UnsupportedTypeError
 from statestream.format import itemsize_of
 from statestream.plan import ArraySpec, StreamPlanner, WriteItem
@@ -283,23 +290,51 @@ def save_async(
     writer = StreamWriter(txn, planner.file_name, source, budget=ByteBudget(1 << 62),
                           after_write=after_write, on_error=budget.abort)
 
-    def snapshot() -> None:
+    def copy_out(ai: int, it: WriteItem) -> np.ndarray:
+        try:
+            src = arrays[ai].chunk(it.start, it.shape)
+        except Exception as exc:
+            raise UnsupportedTypeError(
+                f"copying the value at key path "
+                f"'{format_keypath(collector.paths[ai])}' failed: {exc}"
+            ) from exc
+        buf = np.empty(it.nbytes, dtype=np.uint8)
+        np.copyto(buf, src)
+        return buf
+
+    def snapshot_at_once() -> None:
+        # The whole state fits in the budget: copy it with every core first, and
+        # only then let the writers start, so checksums and page-cache writes do
+        # not compete with the copy the caller is waiting for.
+        jobs = [(ai, it) for ai, its in enumerate(items) for it in its]
+
+        def one(job: tuple[int, WriteItem]) -> None:
+            ai, it = job
+            got = budget.acquire(it.nbytes)
+            buf = copy_out(ai, it)
+            with staged_lock:
+                staged[(it.array, it.chunk)] = buf
+                held[(it.array, it.chunk)] = got
+            _hooks.fire("async.snapshot_chunk")
+
+        parallel_for(one, jobs, max(2, os.cpu_count() or 2))
         for ai, its in enumerate(items):
-            a = arrays[ai]
+            writer.submit(its)
+            handle._array_ready[ai].set()
+        writer.flush()
+        handle._snapshot.set()
+
+    def snapshot() -> None:
+        if not lazy and planner.total_bytes <= budget.capacity:
+            snapshot_at_once()
+            return
+        for ai, its in enumerate(items):
             for it in its:
                 got = budget.try_acquire(it.nbytes)
                 if got is None:
                     writer.flush()  # let writers free buffers before we wait for one
                     got = budget.acquire(it.nbytes)
-                try:
-                    src = a.chunk(it.start, it.shape)
-                except Exception as exc:
-                    raise UnsupportedTypeError(
-                        f"copying the value at key path "
-                        f"'{format_keypath(collector.paths[ai])}' failed: {exc}"
-                    ) from exc
-                buf = np.empty(it.nbytes, dtype=np.uint8)
-                np.copyto(buf, src)
+                buf = copy_out(ai, it)
                 with staged_lock:
                     staged[(it.array, it.chunk)] = buf
                     held[(it.array, it.chunk)] = got

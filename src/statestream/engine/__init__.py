@@ -8,6 +8,7 @@ from statestream.engine._io import (
     StreamWriter,
     chunk_checksums,
     default_memory_budget_bytes,
+    parallel_for,
     read_requests,
     write_files,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "StreamWriter",
     "chunk_checksums",
     "default_memory_budget_bytes",
+    "parallel_for",
     "read_requests",
     "write_files",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "StreamWriter",
     "chunk_checksums",
     "default_memory_budget_bytes",
+    "parallel_for",
     "read_requests",
     "write_files",
 ]
@@ -175,6 +176,32 @@ class _Progress:
             self.done += n
             done = self.done
         self._cb(done, self.total)
+
+
+def parallel_for(fn: Callable[[Any], None], items: Sequence[Any], num_threads: int) -> None:
+    """Call ``fn(item)`` for every item on up to ``num_threads`` threads (in order per thread).
+
+    Used for bulk host copies (``np.copyto`` releases the GIL), so a snapshot
+    uses every core. Re-raises the first error.
+    """
+    n = max(1, min(num_threads, len(items)))
+    if n == 1:
+        for it in items:
+            fn(it)
+        return
+    lock = threading.Lock()
+    pos = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = pos[0]
+                pos[0] += 1
+            if i >= len(items):
+                return
+            fn(items[i])
+
+    _run_all(n, [worker] * n)
 
 
 def _run_all(n_threads: int, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
