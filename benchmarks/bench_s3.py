@@ -251,14 +251,16 @@ def ss_save_load(stats: Stats, label: str, spec, state, like, *, part_bytes=None
         io_kw["num_threads"] = num_threads
     url = f"s3://{BUCKET}/ss/{label.replace(' ', '_')}-r{rep}"
     try:
-        rec, _ = timed(lambda: ss.save(url, state, io=ss.IOOptions(**io_kw)))
+        rec, _ = timed(lambda: ss.save(url, state, io=ss.IOOptions(**io_kw) if io_kw else None))
         stats.add(f"{label}|save", rec)
         log(f"  {label} save {rec['s']:.2f}s")
         if do_load:
             lkw = dict(io_kw)
             if max_request_bytes:
                 lkw["max_request_bytes"] = max_request_bytes
-            rec, out = timed(lambda: ss.load(url, target=like, io=ss.IOOptions(**lkw)))
+            # no IOOptions -> the backend's read preferences (few large parallel GETs)
+            rec, out = timed(lambda: ss.load(url, target=like,
+                                             io=ss.IOOptions(**lkw) if lkw else None))
             rec["verify"] = verify_state(out, spec)
             stats.add(f"{label}|load", rec)
             log(f"  {label} load {rec['s']:.2f}s verify={rec['verify']}")
