@@ -646,7 +646,6 @@ def main() -> None:
 
 def summarize(results: dict) -> None:
     rows: dict[str, Any] = {}
-    base_steps: list[float] = []
     state_bytes = None
     memcpy = {"prealloc_s": [], "fresh_s": []}
     for c, runs in results["runs"].items():
@@ -658,7 +657,7 @@ def summarize(results: dict) -> None:
         saves = [s for r in ok for s in r.get("saves", [])]
         state_bytes = state_bytes or ok[0]["state_bytes"]
         if c == "baseline":
-            base_steps = all_steps
+            pass  # the baseline rows are read from `rows` below
             for r in ok:
                 for k in memcpy:
                     memcpy[k] += (r.get("memcpy") or {}).get(k, [])
@@ -690,7 +689,7 @@ def summarize(results: dict) -> None:
     bruns_ok = [r for r in results["runs"].get("baseline", []) if r.get("ok")]
     bmean = min((mean(r["step_s"]) for r in bruns_ok), default=None)
     bmed = min((med(r["step_s"]) for r in bruns_ok), default=None)
-    for c, row in rows.items():
+    for row in rows.values():
         if "step_s_mean" in row and bmean:
             row["overhead_vs_baseline"] = row["step_s_mean"] / bmean - 1
             row["overhead_median_vs_baseline"] = row["step_s_median"] / bmed - 1

@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -672,7 +673,7 @@ def child_raw(a: dict) -> dict:
             while off < per:
                 n = os.preadv(fd, [m[off : off + chunk]], off)
                 if n <= 0:
-                    raise IOError("short read")
+                    raise OSError("short read")
                 off += n
         finally:
             os.close(fd)
