@@ -29,6 +29,7 @@ demo-basics: venv
 	$(PY) examples/demo.py
 
 test: venv
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests src/statestream
 
