@@ -60,19 +60,29 @@ def default_memory_budget_bytes() -> int:
     return int(min(ram // 4, 4 << 30))
 
 
+def default_num_threads() -> int:
+    """One I/O thread per core, between 2 and 8.
+
+    Measured on a 2-core machine: 2 threads saved and cold-loaded as fast as 4,
+    and hot-loaded into fresh memory 1.5x faster (4 threads contend on page
+    faults).
+    """
+    return max(2, min(8, os.cpu_count() or 2))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IOOptions:
     """How the engine does I/O.
 
     Attributes:
         num_threads: worker threads for writes and reads (also the most data
-            files one process writes).
+            files one process writes); default: one per core, 2 to 8.
         max_chunk_bytes: arrays are split into chunks of at most this size;
             each chunk has its own checksum.
         max_request_bytes: the largest single coalesced read.
     """
 
-    num_threads: int = 4
+    num_threads: int = dataclasses.field(default_factory=lambda: default_num_threads())
     max_chunk_bytes: int = 64 << 20
     max_request_bytes: int = 32 << 20
 
