@@ -36,7 +36,7 @@ from statestream.storage import LocalStorage
 
 
 def test_options_validate() -> None:
-    assert IOOptions().num_threads >= 1
+    assert IOOptions().read_threads() >= 1 and IOOptions().write_threads() >= 4
     for bad in ({"num_threads": 0}, {"max_chunk_bytes": 0}, {"max_request_bytes": -1}):
         with pytest.raises(ValueError, match="must be positive"):
             IOOptions(**bad)

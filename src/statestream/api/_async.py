@@ -255,7 +255,7 @@ def save_async(
                 txn.abort()
                 raise
         arrays = collector.arrays
-        planner = StreamPlanner(file_prefix="data/r0", max_files=io.num_threads,
+        planner = StreamPlanner(file_prefix="data/r0", max_files=io.write_threads(),
                                 max_chunk_bytes=io.max_chunk_bytes)
         items = []
         for i, a in enumerate(arrays):

@@ -172,7 +172,7 @@ class CollectiveSave:
         except BaseException as exc:
             err = exc
         agree(coll, "joining the save", err)
-        self.planner = StreamPlanner(file_prefix=f"data/r{rank}", max_files=self.io.num_threads,
+        self.planner = StreamPlanner(file_prefix=f"data/r{rank}", max_files=self.io.write_threads(),
                                      max_chunk_bytes=self.io.max_chunk_bytes)
 
     def items(self, copies: bool) -> list[list[WriteItem]]:

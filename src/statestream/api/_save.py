@@ -191,7 +191,7 @@ def _save(
 ) -> None:
     storage, spath = storage_for(path)
     txn = storage.begin_write(spath, overwrite=overwrite)
-    planner = StreamPlanner(file_prefix=f"data/r{coll.rank}", max_files=io.num_threads,
+    planner = StreamPlanner(file_prefix=f"data/r{coll.rank}", max_files=io.write_threads(),
                             max_chunk_bytes=io.max_chunk_bytes)
     collector = _Collector(pickle_paths)
     arrays = collector.arrays

@@ -60,6 +60,14 @@ def default_memory_budget_bytes() -> int:
     return int(min(ram // 4, 4 << 30))
 
 
+def _write_threads(options: IOOptions) -> int:
+    return options.num_threads or max(4, default_num_threads())
+
+
+def _read_threads(options: IOOptions) -> int:
+    return options.num_threads or default_num_threads()
+
+
 def default_num_threads() -> int:
     """One I/O thread per core, between 2 and 8.
 
@@ -76,18 +84,30 @@ class IOOptions:
 
     Attributes:
         num_threads: worker threads for writes and reads (also the most data
-            files one process writes); default: one per core, 2 to 8.
+            files one process writes). Default: loads use one per core (2 to 8);
+            saves use at least 4 (more outstanding writes keep the disk busy,
+            while loads into fresh memory contend on page faults).
         max_chunk_bytes: arrays are split into chunks of at most this size;
             each chunk has its own checksum.
         max_request_bytes: the largest single coalesced read.
     """
 
-    num_threads: int = dataclasses.field(default_factory=lambda: default_num_threads())
+    num_threads: int | None = None
     max_chunk_bytes: int = 64 << 20
     max_request_bytes: int = 32 << 20
 
+    def write_threads(self) -> int:
+        """Threads (and at most data files per process) a save uses."""
+        return _write_threads(self)
+
+    def read_threads(self) -> int:
+        """Threads a load uses."""
+        return _read_threads(self)
+
     def __post_init__(self) -> None:
-        if self.num_threads < 1 or self.max_chunk_bytes < 1 or self.max_request_bytes < 1:
+        if (self.num_threads is not None and self.num_threads < 1) or (
+            self.max_chunk_bytes < 1 or self.max_request_bytes < 1
+        ):
             raise ValueError(f"IOOptions values must be positive: {self}")
 
 
@@ -310,7 +330,7 @@ def write_files(
             sums.update(local)
 
     jobs: list[Callable[[], None]] = [functools.partial(write_one, fp) for fp in files]
-    _run_all(options.num_threads, jobs)
+    _run_all(_write_threads(options), jobs)
     return sums
 
 
@@ -409,7 +429,7 @@ def read_requests(
         finally:
             budget.release(held)
 
-    n = max(1, min(options.num_threads, len(requests)))
+    n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
 
 
