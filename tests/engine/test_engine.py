@@ -1,4 +1,4 @@
-"""Tests for statestream.engine._io: ByteBudget, write_files and read_requests."""
+"""Tests for statestream.engine: ByteBudget, write_files and read_requests."""
 
 from __future__ import annotations
 

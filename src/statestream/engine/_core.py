@@ -1,0 +1,224 @@
+"""Engine options, the staging budget, progress and the worker-thread helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
+
+__all__ = [
+    "ByteBudget",
+    "IOOptions",
+    "MemoryOptions",
+    "Progress",
+    "default_memory_budget_bytes",
+    "default_num_threads",
+    "parallel_for",
+]
+
+Progress = Callable[[int, int], None]
+
+
+def default_memory_budget_bytes() -> int:
+    """min(25% of physical RAM, 4 GiB): the staging budget when none is given."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return int(min(ram // 4, 4 << 30))
+
+
+def _write_threads(options: IOOptions) -> int:
+    return options.num_threads or max(4, default_num_threads())
+
+
+def _read_threads(options: IOOptions) -> int:
+    return options.num_threads or default_num_threads()
+
+
+def default_num_threads() -> int:
+    """One I/O thread per core, between 2 and 8.
+
+    Measured on a 2-core machine: 2 threads saved and cold-loaded as fast as 4,
+    and hot-loaded into fresh memory 1.5x faster (4 threads contend on page
+    faults).
+    """
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IOOptions:
+    """How the engine does I/O.
+
+    Attributes:
+        num_threads: worker threads for writes and reads (also the most data
+            files one process writes). Default: loads use one per core (2 to 8);
+            saves use at least 4 (more outstanding writes keep the disk busy,
+            while loads into fresh memory contend on page faults).
+        max_chunk_bytes: arrays are split into chunks of at most this size;
+            each chunk has its own checksum.
+        max_request_bytes: the largest single coalesced read.
+    """
+
+    num_threads: int | None = None
+    max_chunk_bytes: int = 64 << 20
+    max_request_bytes: int = 32 << 20
+
+    def write_threads(self) -> int:
+        """Threads (and at most data files per process) a save uses."""
+        return _write_threads(self)
+
+    def read_threads(self) -> int:
+        """Threads a load uses."""
+        return _read_threads(self)
+
+    def __post_init__(self) -> None:
+        if (self.num_threads is not None and self.num_threads < 1) or (
+            self.max_chunk_bytes < 1 or self.max_request_bytes < 1
+        ):
+            raise ValueError(f"IOOptions values must be positive: {self}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """Host memory the engine may use for staging copies and scratch reads.
+
+    Attributes:
+        memory_budget_bytes: upper bound on bytes staged at once (copies of
+            non-contiguous/byte-swapped/device arrays on save, scratch for
+            chunks that do not land in place on load). ``None`` picks
+            :func:`default_memory_budget_bytes`.
+    """
+
+    memory_budget_bytes: int | None = None
+
+    def resolved(self) -> int:
+        b = self.memory_budget_bytes
+        return default_memory_budget_bytes() if b is None else max(1, int(b))
+
+
+class ByteBudget:
+    """A counting semaphore over bytes: the staging pool's ceiling.
+
+    A request larger than the whole budget waits until the pool is empty
+    and then takes all of it, so progress is always possible.
+
+    Example:
+        >>> b = ByteBudget(100)
+        >>> b.acquire(60)
+        60
+        >>> b.release(60)
+        >>> b.in_use, b.peak
+        (0, 60)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.peak = 0
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        if n <= 0:
+            return 0
+        with self._cv:
+            while self.in_use + n > self.capacity:
+                if self._error is not None:
+                    raise self._error
+                self._cv.wait()
+            self.in_use += n
+            self.peak = max(self.peak, self.in_use)
+        return n
+
+    def try_acquire(self, n: int) -> int | None:
+        """Take ``n`` bytes if available now; None (and nothing taken) otherwise."""
+        n = min(n, self.capacity)
+        if n <= 0:
+            return 0
+        with self._cv:
+            if self.in_use + n > self.capacity:
+                return None
+            self.in_use += n
+            self.peak = max(self.peak, self.in_use)
+        return n
+
+    def release(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._cv:
+            self.in_use -= n
+            self._cv.notify_all()
+
+    def abort(self, exc: BaseException) -> None:
+        """Make every waiting (and later blocking) ``acquire`` raise ``exc``.
+
+        For when whoever would release the bytes has failed.
+        """
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+
+
+class _Progress:
+    def __init__(self, total: int, cb: Progress | None) -> None:
+        self.total, self.done, self._cb = total, 0, cb
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self._cb is None:
+            return
+        with self._lock:
+            self.done += n
+            done = self.done
+        self._cb(done, self.total)
+
+
+def parallel_for(fn: Callable[[Any], None], items: Sequence[Any], num_threads: int) -> None:
+    """Call ``fn(item)`` for every item on up to ``num_threads`` threads (in order per thread).
+
+    Used for bulk host copies (``np.copyto`` releases the GIL), so a snapshot
+    uses every core. Re-raises the first error.
+    """
+    n = max(1, min(num_threads, len(items)))
+    if n == 1:
+        for it in items:
+            fn(it)
+        return
+    lock = threading.Lock()
+    pos = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = pos[0]
+                pos[0] += 1
+            if i >= len(items):
+                return
+            fn(items[i])
+
+    _run_all(n, [worker] * n)
+
+
+def _run_all(n_threads: int, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run jobs on a pool; re-raise the first failure after cancelling the rest."""
+    if not jobs:
+        return []
+    if n_threads <= 1 or len(jobs) == 1:
+        return [j() for j in jobs]
+    with ThreadPoolExecutor(
+        max_workers=min(n_threads, len(jobs)), thread_name_prefix="statestream-io"
+    ) as pool:
+        futs = [pool.submit(j) for j in jobs]
+        done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futs]

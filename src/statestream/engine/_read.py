@@ -1,0 +1,124 @@
+"""Read pipeline: coalesced requests on worker threads, every chunk verified."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from statestream.engine._core import (
+    ByteBudget,
+    IOOptions,
+    Progress,
+    _Progress,
+    _read_threads,
+    _run_all,
+)
+from statestream.errors import (
+    CheckpointCorruptError,
+    ChecksumMismatchError,
+)
+from statestream.format import checksum
+from statestream.plan import ReadPiece, ReadRequest
+from statestream.storage import CheckpointReader
+
+__all__ = ["read_requests"]
+# ----------------------------------------------------------------------------- read
+
+
+def read_requests(
+    reader: CheckpointReader,
+    file_names: Sequence[str],
+    requests: Sequence[ReadRequest],
+    *,
+    options: IOOptions,
+    budget: ByteBudget,
+    describe: Callable[[ReadPiece], str],
+    progress: Progress | None = None,
+    collect: list[CheckpointCorruptError] | None = None,
+) -> None:
+    """Execute read requests on worker threads, verifying every chunk's CRC-32C.
+
+    Pieces with a ``direct`` destination are read in place; the rest go
+    through scratch buffers charged to ``budget`` and are scattered.
+
+    With ``collect``, corruption is appended there and reading goes on
+    (``verify``); otherwise the first problem is raised.
+
+    Raises:
+        ChecksumMismatchError: naming the array (via ``describe``) and file.
+        TruncatedFileError: a file ends early or is missing.
+    """
+    prog = _Progress(sum(r.nbytes for r in requests), progress)
+    lock = threading.Lock()
+    queue = list(requests)
+    queue.reverse()
+
+    def next_request() -> ReadRequest | None:
+        with lock:
+            return queue.pop() if queue else None
+
+    def worker() -> None:
+        while True:
+            req = next_request()
+            if req is None:
+                return
+            if collect is None:
+                _read_one(req)
+                continue
+            try:
+                _read_one(req)
+            except CheckpointCorruptError as exc:
+                with lock:
+                    collect.append(exc)
+
+    def _read_one(req: ReadRequest) -> None:
+        need = sum(p.staging_bytes for p in req.pieces)
+        held = budget.acquire(need)
+        try:
+            bufs: list[Any] = []
+            views: list[np.ndarray] = []
+            pos = req.offset
+            for p in req.pieces:
+                if p.offset > pos:
+                    bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
+                buf = p.direct if p.direct is not None else np.empty(p.nbytes, dtype=np.uint8)
+                bufs.append(buf)
+                views.append(buf)
+                pos = p.offset + p.nbytes
+            try:
+                reader.read_into(file_names[req.file], req.offset, bufs)
+            except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
+                names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
+                raise type(exc)(f"{exc} (affects {names})") from None
+            for p, buf in zip(req.pieces, views):
+                err = None
+                for a, b, want in p.checks():
+                    got = checksum(buf[a:b])
+                    if got != want:
+                        err = ChecksumMismatchError(
+                            f"checksum mismatch in {describe(p)}: chunk {p.chunk}, bytes "
+                            f"[{p.offset + a}, {p.offset + b}) of "
+                            f"{reader.location}/{file_names[p.file]} have CRC-32C {got:08x}, "
+                            f"the manifest says {want:08x}; the checkpoint is corrupt, "
+                            "restore it from another copy"
+                        )
+                        break
+                if err is not None:
+                    if collect is None:
+                        raise err
+                    with lock:
+                        collect.append(err)
+                    continue
+                if p.scatter:
+                    src = buf.view(p.dtype).reshape(p.chunk_shape)
+                    for dview, csl in p.scatter:
+                        dview[...] = src[csl] if csl else src
+            prog.add(req.nbytes)
+        finally:
+            budget.release(held)
+
+    n = max(1, min(_read_threads(options), len(requests)))
+    _run_all(n, [worker for _ in range(n)])
