@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from statestream.format import ArrayEntry, dtype_from_name
+from statestream.format import ArrayEntry, ChunkEntry, dtype_from_name
 
 __all__ = ["ReadPiece", "ReadRequest", "Wanted", "coalesce", "plan_load", "plan_verify"]
 
@@ -77,6 +77,15 @@ def _intersect(
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
+def _block_checks(c: ChunkEntry, first_row: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """(start, end, crc) of the checksum blocks of chunk ``c`` covered by a read of
+    ``nbytes`` starting at row ``first_row`` (a block boundary)."""
+    step = c.block_rows * (c.nbytes // c.shape[0])
+    b0 = first_row // c.block_rows
+    return [(a, min(a + step, nbytes), c.block_checksums[b0 + k])
+            for k, a in enumerate(range(0, nbytes, step))]
+
+
 def _row_blocks(entry: ArrayEntry) -> bool:
     """True if every chunk spans the full extent of all axes but the first."""
     inner = entry.shape[1:]
@@ -125,11 +134,7 @@ def plan_load(
                     direct=flat[a : a + c.nbytes],
                 )
                 if c.block_rows:
-                    step = c.block_rows * (c.nbytes // c.shape[0])
-                    piece.verify = [
-                        (b, min(b + step, c.nbytes), c.block_checksums[k])
-                        for k, b in enumerate(range(0, c.nbytes, step))
-                    ]
+                    piece.verify = _block_checks(c, 0, c.nbytes)
                 pieces[(w.array, ci, 0, c.shape[0] if c.shape else 1)] = piece
             continue
         for ci, c in enumerate(entry.chunks):
@@ -162,12 +167,7 @@ def plan_load(
                                   (r1 - r0) * row_bytes if c.shape else c.nbytes,
                                   c.checksum, pshape, dt)
                 if c.block_rows:
-                    step = c.block_rows * row_bytes
-                    b0 = r0 // c.block_rows
-                    piece.verify = [
-                        (a, min(a + step, piece.nbytes), c.block_checksums[b0 + k])
-                        for k, a in enumerate(range(0, piece.nbytes, step))
-                    ]
+                    piece.verify = _block_checks(c, r0, piece.nbytes)
                 pieces[key] = piece
             whole = sh == pshape
             if whole and piece.direct is None and dview.flags.c_contiguous:
@@ -189,9 +189,7 @@ def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 
             p = ReadPiece(ai, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape,
                           dtype_from_name(a.dtype))
             if c.block_rows:
-                step = c.block_rows * (c.nbytes // c.shape[0])
-                p.verify = [(b, min(b + step, c.nbytes), c.block_checksums[k])
-                            for k, b in enumerate(range(0, c.nbytes, step))]
+                p.verify = _block_checks(c, 0, c.nbytes)
             pieces.append(p)
     return coalesce(pieces, max_request_bytes=max_request_bytes)
 
