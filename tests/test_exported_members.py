@@ -22,7 +22,8 @@ EXPECTED: dict[str, list[str]] = {
         "TargetMismatchError",
         "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
-        "guard_optimizer", "load", "metadata", "save", "save_async", "verify",
+        "guard_optimizer", "load", "metadata", "release_staging", "save", "save_async",
+        "verify",
     ],
     "statestream.tree": [
         "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
@@ -47,9 +48,10 @@ EXPECTED: dict[str, list[str]] = {
         "coalesce", "plan_load", "plan_save", "plan_verify", "split_chunks",
     ],
     "statestream.engine": [
-        "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "StreamWriter",
-        "chunk_checksums", "default_memory_budget_bytes", "parallel_for",
-        "read_requests", "write_files",
+        "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "StagingPool", "StreamWriter",
+        "chunk_checksums", "default_memory_budget_bytes", "host_pool", "lower_thread_priority",
+        "parallel_for",
+        "pinned_pool", "read_requests", "release_staging", "write_files",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",

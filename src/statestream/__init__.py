@@ -22,7 +22,7 @@ from statestream.api import (
     verify,
 )
 from statestream.distributed import JaxCollective, SingleProcess, TorchCollective
-from statestream.engine import IOOptions, MemoryOptions
+from statestream.engine import IOOptions, MemoryOptions, release_staging
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -98,6 +98,7 @@ __all__ = [
     "guard_optimizer",
     "load",
     "metadata",
+    "release_staging",
     "save",
     "save_async",
     "verify",

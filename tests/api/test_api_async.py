@@ -280,6 +280,9 @@ def test_background_write_failure_reaches_result(tmp_path, tiny_fs, lazy, budget
     _assert_nothing_committed(path)
     assert not os.path.exists(path)
     assert os.listdir(tiny_fs) == []
+    # every staging buffer of the failed save went back to (or left) the pool
+    from statestream.engine import host_pool
+    assert host_pool().lent_bytes == 0
     # a later save elsewhere works
     ok = tmp_path / "ok"
     ss.save_async(ok, state, lazy=lazy).result(timeout=_WAIT_S)

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,10 @@ from statestream.engine import (
     MemoryOptions,
     Progress,
     StreamWriter,
+    host_pool,
+    lower_thread_priority,
     parallel_for,
+    pinned_pool,
 )
 from statestream.errors import UnsupportedTypeError
 from statestream.format import itemsize_of
@@ -267,6 +270,12 @@ def save_async(
         for obj_ptr in collector.ptrs.get(i, ()):
             handle._ptrs.setdefault(obj_ptr, []).append(i)
     budget = ByteBudget(memory.resolved())
+    # Staging buffers come from the process's pools and go back after writing,
+    # so the next save copies into memory that is already mapped (or pinned).
+    pools = (host_pool(), pinned_pool())
+    for pool in pools:
+        pool.set_capacity(budget.capacity)
+    keep = memory.keep_staging
     staged: dict[tuple[int, int], np.ndarray] = {}
     staged_lock = threading.Lock()
 
@@ -275,49 +284,79 @@ def save_async(
             return staged.pop((it.array, it.chunk))
 
     held: dict[tuple[int, int], int] = {}
+    lent: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
 
     def after_write(done: Any) -> None:
         n = sum(it.nbytes for it in done)
         handle.bytes_written += n
         with staged_lock:
             back = sum(held.pop((it.array, it.chunk), 0) for it in done)
+            bufs = [lent.pop((it.array, it.chunk), None) for it in done]
+        for b in bufs:
+            if b is not None:
+                pools[b[1]].give(b[0], keep=keep)
         budget.release(back)
         if progress is not None:
             progress(handle.bytes_written, handle.bytes_total)
 
+    def reclaim(keep_bufs: bool) -> None:
+        # After the writers have stopped: buffers never written go back (or are
+        # dropped after a failure, when a device copy may still be landing).
+        with staged_lock:
+            left = list(lent.values())
+            lent.clear()
+            staged.clear()
+        for buf, which in left:
+            pools[which].give(buf, keep=keep and keep_bufs)
+
     # A failed writer never gives its staged bytes back: wake the snapshot instead
     # of letting it wait for them forever.
     writer = StreamWriter(txn, planner.file_name, source, budget=ByteBudget(1 << 62),
-                          after_write=after_write, on_error=budget.abort)
+                          after_write=after_write, on_error=budget.abort,
+                          nice=io.background_nice)
 
-    def copy_out(ai: int, it: WriteItem) -> np.ndarray:
+    def copy_out(ai: int, it: WriteItem, got: int) -> Callable[[], None] | None:
+        """Copy one chunk into a staging buffer; return the wait for a device copy."""
+        a = arrays[ai]
+        which = 0 if a.stage is None else 1
+        buf = pools[which].take(it.nbytes)
+        key = (it.array, it.chunk)
+        with staged_lock:
+            held[key] = got
+            lent[key] = (buf, which)
         try:
-            src = arrays[ai].chunk(it.start, it.shape)
+            if a.stage is not None:
+                wait: Callable[[], None] | None = a.stage(it.start, it.shape, buf)
+            else:
+                np.copyto(buf, a.chunk(it.start, it.shape))
+                wait = None
         except Exception as exc:
             raise UnsupportedTypeError(
                 f"copying the value at key path "
                 f"'{format_keypath(collector.paths[ai])}' failed: {exc}"
             ) from exc
-        buf = np.empty(it.nbytes, dtype=np.uint8)
-        np.copyto(buf, src)
-        return buf
+        with staged_lock:
+            staged[key] = buf
+        return wait
 
     def snapshot_at_once() -> None:
         # The whole state fits in the budget: copy it with every core first, and
         # only then let the writers start, so checksums and page-cache writes do
-        # not compete with the copy the caller is waiting for.
+        # not compete with the copy the caller is waiting for. Device copies are
+        # all queued first and waited for together.
         jobs = [(ai, it) for ai, its in enumerate(items) for it in its]
+        waits: list[Callable[[], None]] = []
 
         def one(job: tuple[int, WriteItem]) -> None:
             ai, it = job
-            got = budget.acquire(it.nbytes)
-            buf = copy_out(ai, it)
-            with staged_lock:
-                staged[(it.array, it.chunk)] = buf
-                held[(it.array, it.chunk)] = got
+            wait = copy_out(ai, it, budget.acquire(it.nbytes))
+            if wait is not None:
+                waits.append(wait)
             _hooks.fire("async.snapshot_chunk")
 
         parallel_for(one, jobs, max(2, os.cpu_count() or 2))
+        for wait in waits:
+            wait()
         for ai, its in enumerate(items):
             writer.submit(its)
             handle._array_ready[ai].set()
@@ -328,18 +367,29 @@ def save_async(
         if not lazy and planner.total_bytes <= budget.capacity:
             snapshot_at_once()
             return
+        queued: list[tuple[WriteItem, Callable[[], None] | None]] = []
+
+        def hand_over() -> None:
+            # Host copies are done on return; device copies land when waited for.
+            for _, wait in queued:
+                if wait is not None:
+                    wait()
+            writer.submit([it for it, _ in queued])
+            queued.clear()
+
         for ai, its in enumerate(items):
             for it in its:
                 got = budget.try_acquire(it.nbytes)
                 if got is None:
+                    hand_over()
                     writer.flush()  # let writers free buffers before we wait for one
                     got = budget.acquire(it.nbytes)
-                buf = copy_out(ai, it)
-                with staged_lock:
-                    staged[(it.array, it.chunk)] = buf
-                    held[(it.array, it.chunk)] = got
-                writer.submit([it])
+                wait = copy_out(ai, it, got)
+                queued.append((it, wait))
+                if wait is None:
+                    hand_over()
                 _hooks.fire("async.snapshot_chunk")
+            hand_over()
             handle._array_ready[ai].set()
         writer.flush()
         handle._snapshot.set()
@@ -350,7 +400,10 @@ def save_async(
             if early is not None:
                 raise early
             if run_snapshot:
+                # A lazy snapshot races the training step's optimizer.step(): it
+                # runs at normal priority; everything after it yields to training.
                 snapshot()
+            lower_thread_priority(io.background_nice)
             _hooks.fire("save.planned")
             sums = writer.close()
             _hooks.fire("save.data_synced")
@@ -359,9 +412,11 @@ def save_async(
                 job.finish(sums, None)
             else:
                 commit_single(txn, tree, arrays, planner, sums, user)
+            reclaim(True)
             handle._finish()
         except BaseException as exc:
             writer.abort()
+            reclaim(False)
             if job is not None and not agreed:
                 try:  # the other ranks wait for this rank's verdict: give it
                     job.finish({}, exc)
@@ -387,6 +442,7 @@ def save_async(
             background(False, exc)
             handle.result()
         writer.abort()
+        reclaim(False)
         txn.abort()
         handle._fail(exc)
         raise

@@ -15,12 +15,11 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
-
 from statestream import __version__, _hooks
+from statestream.api._save import ChunkSource
 from statestream.distributed import Collective, agree
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
-from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.errors import CheckpointError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -184,17 +183,6 @@ class CollectiveSave:
             out.append(self.planner.add(i, spec, self.mine[i]))
         return out
 
-    def source(self, item: WriteItem) -> np.ndarray:
-        try:
-            data: np.ndarray = self.arrays[item.array].chunk(item.start, item.shape)
-            return data
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise UnsupportedTypeError(
-                f"reading the value at key path '{self.keys[item.array]}' failed: {exc}"
-            ) from exc
-
     def finish(self, sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]],
                error: BaseException | None) -> None:
         coll, planner = self.finish_coll, self.planner
@@ -248,8 +236,10 @@ def save_collective(
     job.begin()
     assert job.planner is not None
     try:
-        writer = StreamWriter(job.txn, job.planner.file_name, job.source,
-                              budget=ByteBudget(memory.resolved()), progress=progress)
+        source = ChunkSource(job.arrays, lambda i: job.keys[i], memory)
+        writer = StreamWriter(job.txn, job.planner.file_name, source,
+                              budget=ByteBudget(memory.resolved()), progress=progress,
+                              after_write=source.after_write)
     except BaseException:
         job.abort()
         raise

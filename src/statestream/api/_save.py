@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,14 @@ import numpy as np
 from statestream import __version__, _hooks
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, default_collective
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
+from statestream.engine import (
+    ByteBudget,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    StreamWriter,
+    pinned_pool,
+)
 from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import (
     COMMIT_NAME,
@@ -195,20 +203,10 @@ def _save(
                             max_chunk_bytes=io.max_chunk_bytes)
     collector = _Collector(pickle_paths)
     arrays = collector.arrays
-
-    def source(item: WriteItem) -> np.ndarray:
-        try:
-            return arrays[item.array].chunk(item.start, item.shape)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise UnsupportedTypeError(
-                f"reading the value at key path "
-                f"'{format_keypath(collector.paths[item.array])}' failed: {exc}"
-            ) from exc
-
+    source = ChunkSource(arrays, lambda i: format_keypath(collector.paths[i]), memory)
     writer = StreamWriter(txn, planner.file_name, source,
-                          budget=ByteBudget(memory.resolved()), progress=progress)
+                          budget=ByteBudget(memory.resolved()), progress=progress,
+                          after_write=source.after_write)
 
     def on_array(index: int, prepared: PreparedArray) -> None:
         # Writers start on this array while the walk goes on to the next.
@@ -230,6 +228,57 @@ def _save(
     except BaseException:
         txn.abort()
         raise
+
+
+class ChunkSource:
+    """The bytes of each planned chunk, for the writers (any thread).
+
+    Host arrays hand out views or copies from their provider. Device arrays
+    (``PreparedArray.stage``) are copied into page-locked staging buffers from
+    the pinned pool, which go back to the pool once written
+    (:meth:`after_write`), so later chunks and later saves reuse them.
+    """
+
+    def __init__(self, arrays: list[PreparedArray], key_of: Callable[[int], str],
+                 memory: MemoryOptions) -> None:
+        self._arrays = arrays
+        self._key_of = key_of
+        self._keep = memory.keep_staging
+        self._pool = pinned_pool()
+        self._lent: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._capacity = memory.resolved()
+
+    def __call__(self, item: WriteItem) -> np.ndarray:
+        a = self._arrays[item.array]
+        try:
+            if a.stage is None:
+                data: np.ndarray = a.chunk(item.start, item.shape)
+                return data
+            with self._lock:
+                if not self._lent:
+                    self._pool.set_capacity(self._capacity)
+            buf = self._pool.take(item.nbytes)
+            with self._lock:
+                self._lent[(item.array, item.chunk)] = buf
+            a.stage(item.start, item.shape, buf)()
+            return buf
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise UnsupportedTypeError(
+                f"reading the value at key path '{self._key_of(item.array)}' failed: {exc}"
+            ) from exc
+
+    def after_write(self, items: Sequence[WriteItem]) -> None:
+        """Give the staging buffers of written items back to the pool."""
+        if not self._lent:
+            return
+        with self._lock:
+            bufs = [self._lent.pop((it.array, it.chunk), None) for it in items]
+        for b in bufs:
+            if b is not None:
+                self._pool.give(b, keep=self._keep)
 
 
 def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:

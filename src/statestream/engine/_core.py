@@ -61,11 +61,19 @@ class IOOptions:
         max_chunk_bytes: arrays are split into chunks of at most this size;
             each chunk has its own checksum.
         max_request_bytes: the largest single coalesced read.
+        background_nice: how much ``save_async`` raises the niceness of its
+            background threads (writes, checksums, commit; Linux, per thread) so
+            they yield the cores to training. 0 keeps normal priority. Measured
+            with CPU training on 2 cores: step overhead of lazy saves every 8
+            steps fell from +8% to +1% at 19, while the time to commit rose from
+            0.8 s to 2-3 s (docs/async.md). A lazy snapshot's copies are not
+            deprioritised: ``optimizer.step()`` may be waiting for them.
     """
 
     num_threads: int | None = None
     max_chunk_bytes: int = 64 << 20
     max_request_bytes: int = 32 << 20
+    background_nice: int = 19
 
     def write_threads(self) -> int:
         """Threads (and at most data files per process) a save uses."""
@@ -78,7 +86,7 @@ class IOOptions:
     def __post_init__(self) -> None:
         if (self.num_threads is not None and self.num_threads < 1) or (
             self.max_chunk_bytes < 1 or self.max_request_bytes < 1
-        ):
+        ) or not 0 <= self.background_nice <= 39:
             raise ValueError(f"IOOptions values must be positive: {self}")
 
 
@@ -91,9 +99,14 @@ class MemoryOptions:
             non-contiguous/byte-swapped/device arrays on save, scratch for
             chunks that do not land in place on load). ``None`` picks
             :func:`default_memory_budget_bytes`.
+        keep_staging: keep ``save_async``'s staging buffers (up to the budget)
+            for the next save, which then copies into memory that is already
+            mapped (or pinned, for CUDA tensors) -- about 2x faster than into
+            fresh pages. :func:`statestream.release_staging` frees them.
     """
 
     memory_budget_bytes: int | None = None
+    keep_staging: bool = True
 
     def resolved(self) -> int:
         b = self.memory_budget_bytes
@@ -163,6 +176,21 @@ class ByteBudget:
             if self._error is None:
                 self._error = exc
             self._cv.notify_all()
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Give the calling thread (only) a ``nice`` value; no-op where unsupported.
+
+    Linux schedules threads as tasks, so ``setpriority`` on the thread id
+    changes this thread alone. Raising niceness needs no privilege.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 class _Progress:

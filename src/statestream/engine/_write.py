@@ -18,6 +18,7 @@ from statestream.engine._core import (
     _Progress,
     _run_all,
     _write_threads,
+    lower_thread_priority,
 )
 from statestream.format import checksum
 from statestream.plan import FilePlan, WriteItem
@@ -150,7 +151,9 @@ class StreamWriter:
         progress: Progress | None = None,
         after_write: Callable[[Sequence[WriteItem]], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        nice: int = 0,
     ) -> None:
+        self._nice = nice
         self._after_write = after_write
         self._on_error = on_error
         self._txn = txn
@@ -232,6 +235,7 @@ class StreamWriter:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
 
     def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
+        lower_thread_priority(self._nice)
         budget = self._budget
         w = None
         held = 0

@@ -107,6 +107,15 @@ class PreparedArray:
     #: True when the array is sharded/replicated by its framework (DTensor,
     #: sharded jax.Array), so several processes hold parts of one global array.
     distributed: bool = False
+    #: Where the array lives ("cpu", or e.g. "cuda:0"); device arrays are
+    #: staged through page-locked buffers.
+    device: str = "cpu"
+    #: For device arrays: ``stage(start, shape, out)`` starts copying the box's
+    #: bytes into ``out`` (1-D uint8 of exactly its size, page-locked when
+    #: possible) and returns a function that blocks until they have landed.
+    #: None: the engine copies ``chunk(start, shape)`` into ``out`` itself.
+    stage: Callable[[tuple[int, ...], tuple[int, ...], np.ndarray],
+                    Callable[[], None]] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -175,7 +175,8 @@ class TorchProvider:
         chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray] = general
         if not copies and t.numel():
             chunk = row_block_chunker(_byte_view(t), shape, t.element_size(), general)
-        return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies)
+        return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies,
+                             **_device_staging(t, (0,) * len(shape)))
 
     def _prepare_dtensor(self, obj: Any, path: KeyPath) -> PreparedArray:
         from torch.distributed.tensor import Replicate, Shard
@@ -212,6 +213,7 @@ class TorchProvider:
             kind=self.kind, dtype=name, shape=shape, chunk=chunk,
             copies=not local.is_contiguous() or local.device.type != "cpu",
             boxes=boxes, distributed=True, attrs={"dtensor": True},
+            **_device_staging(local, offset),
         )
 
     def is_target(self, like: Any) -> bool:
@@ -302,6 +304,53 @@ class TorchProvider:
 
         boxes = [(offset, buf) for _, buf in inner.boxes]
         return Destination(boxes=boxes, finish=finish)
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    """One copy stream per CUDA device, shared by every save in the process."""
+    import torch
+
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    return s
+
+
+def _device_staging(t: Any, offset: tuple[int, ...]) -> dict[str, Any]:
+    """PreparedArray fields for a CUDA tensor: its device and an async stager.
+
+    ``stage`` copies a box device-to-host on a side stream into the engine's
+    (page-locked, reused) staging buffer and returns the wait for its event.
+    The side stream first waits for the stream that was current when the
+    save began (captured here, on the caller's thread), so the copy sees every
+    kernel the caller had queued; the source's memory is marked as used by
+    the side stream so the caching allocator cannot hand it out before the
+    copy has run. Non-CUDA tensors get no stager.
+    """
+    if t.device.type != "cuda":
+        return {}
+    import torch
+
+    producer = torch.cuda.current_stream(t.device)
+
+    def stage(start: tuple[int, ...], cshape: tuple[int, ...],
+              out: np.ndarray) -> Callable[[], None]:
+        rel = tuple(a - b for a, b in zip(start, offset))
+        part = t[box_slices(rel, cshape)] if t.dim() else t
+        side = _side_stream(t.device)
+        side.wait_stream(producer)
+        with torch.cuda.stream(side):
+            src = part.contiguous().reshape(-1).view(torch.uint8)
+            torch.from_numpy(out).copy_(src, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+        t.record_stream(side)
+        return done.synchronize  # type: ignore[no-any-return]
+
+    return {"device": str(t.device), "stage": stage}
 
 
 def _is_dtensor(obj: Any) -> bool:

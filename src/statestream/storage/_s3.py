@@ -127,7 +127,10 @@ class _S3FileWriter:
             for b in buffers:
                 mv = memoryview(b).cast("B")
                 if mv.nbytes:
-                    self._w.write(mv)
+                    # obstore keeps a reference to the buffer until its part is
+                    # uploaded, and callers (save_async's staging pool) reuse
+                    # buffers once write_at returns: hand it a copy.
+                    self._w.write(mv.tobytes())
                     offset += mv.nbytes
         except Exception as exc:
             raise _map_error(exc, f"uploading {self._where}") from exc
@@ -179,16 +182,22 @@ class _S3Txn:
             raise StorageError("only the process that began a write may commit it")
         if self._marker is None:
             raise StorageError("commit() before the commit marker was written")
-        old = self._owner._live_root(self._bucket, self._prefix)
-        if old is not None and not self._overwrite:
-            self.abort()
-            raise CheckpointExistsError(
-                f"{self.location} already holds a checkpoint; pass overwrite=True"
-            )
         doc = json.loads(self._marker)
         doc["root"] = self._root
-        self._owner._put(self._bucket, f"{self._prefix}/{COMMIT_NAME}",
-                         json.dumps(doc, separators=(",", ":")).encode())
+        marker = json.dumps(doc, separators=(",", ":")).encode()
+        key = f"{self._prefix}/{COMMIT_NAME}"
+        if not self._overwrite:
+            # Create-only (a conditional PUT): of two writers racing to the same
+            # path, exactly one commits; the other fails here and cleans up.
+            if not self._owner._put_new(self._bucket, key, marker):
+                self.abort()
+                raise CheckpointExistsError(
+                    f"{self.location} already holds a checkpoint; pass overwrite=True"
+                )
+            self._done = True
+            return
+        old = self._owner._live_root(self._bucket, self._prefix)
+        self._owner._put(self._bucket, key, marker)
         self._done = True
         if old is not None and old != self._root:
             self._owner._delete_prefix(self._bucket, f"{self._prefix}/{old}/")
@@ -347,6 +356,18 @@ class S3Storage:
         except Exception as exc:
             raise _map_error(exc, f"writing s3://{bucket}/{key}") from exc
 
+    def _put_new(self, bucket: str, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent; False when it already exists."""
+        import obstore
+
+        try:
+            obstore.put(self._store(bucket), key, data, mode="create")
+            return True
+        except Exception as exc:
+            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
+                return False
+            raise _map_error(exc, f"writing s3://{bucket}/{key}") from exc
+
     def _get_small(self, bucket: str, key: str, max_bytes: int, missing_ok: bool = False
                    ) -> bytes | None:
         import obstore
@@ -412,17 +433,12 @@ class S3Storage:
     # -- manager support ---------------------------------------------------------------
     def try_lock(self, url: str, owner: str) -> str | None:
         """Create the lock object ``url`` if absent; else return who holds it."""
-        import obstore
 
         bucket, key = split_url(url)
-        try:
-            obstore.put(self._store(bucket), key, owner.encode(), mode="create")
+        if self._put_new(bucket, key, owner.encode()):
             return None
-        except Exception as exc:
-            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
-                held = self._get_small(bucket, key, 4096, missing_ok=True)
-                return (held or b"unknown holder").decode(errors="replace")
-            raise _map_error(exc, f"locking {url}") from exc
+        held = self._get_small(bucket, key, 4096, missing_ok=True)
+        return (held or b"unknown holder").decode(errors="replace")
 
     def release_lock(self, url: str) -> None:
         """Delete the lock object ``url`` (ignores a missing one)."""

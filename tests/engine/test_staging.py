@@ -1,0 +1,206 @@
+"""The staging pool: exact-size reuse, its memory ceiling, and its use by save_async."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.engine import MemoryOptions, StagingPool, host_pool
+
+
+def test_exact_size_reuse_and_counts() -> None:
+    p = StagingPool(capacity=1 << 20)
+    a = p.take(1000)
+    b = p.take(2000)
+    assert (a.nbytes, b.nbytes, a.dtype) == (1000, 2000, np.uint8)
+    assert p.lent_bytes == 3000 and p.idle_bytes == 0
+    p.give(a)
+    p.give(b)
+    assert p.idle_bytes == 3000 and p.lent_bytes == 0
+    assert p.take(2000) is b
+    assert p.take(1000) is a
+    c = p.take(1500)  # no buffer of that size: a new one
+    assert c is not a and c is not b
+    assert (p.allocations, p.reuses) == (3, 2)
+
+
+def test_never_holds_more_than_capacity() -> None:
+    p = StagingPool(capacity=10_000)
+    bufs = [p.take(3000) for _ in range(3)]
+    for b in bufs:
+        p.give(b)
+    assert p.idle_bytes == 9000
+    # A new size evicts the oldest idle buffers until idle + lent + new fits.
+    d = p.take(4000)
+    assert p.idle_bytes + p.lent_bytes <= 10_000
+    assert p.idle_bytes == 6000
+    assert p.take(3000) is bufs[2] or p.idle_bytes == 3000
+    p.give(d)
+    assert p.idle_bytes + p.lent_bytes <= 10_000
+
+
+def test_oversized_buffer_is_not_kept_and_keep_false_drops() -> None:
+    p = StagingPool(capacity=1000)
+    big = p.take(5000)  # allowed (a single chunk may exceed the budget) ...
+    p.give(big)
+    assert p.idle_bytes == 0  # ... but never retained
+    small = p.take(100)
+    p.give(small, keep=False)
+    assert p.idle_bytes == 0 and p.lent_bytes == 0
+
+
+def test_shrinking_capacity_and_release() -> None:
+    p = StagingPool(capacity=1 << 20)
+    for b in [p.take(1000) for _ in range(4)]:
+        p.give(b)
+    p.set_capacity(2500)
+    assert p.idle_bytes == 2000
+    assert p.release() == 2000
+    assert p.idle_bytes == 0
+
+
+def test_thread_safe_under_contention() -> None:
+    p = StagingPool(capacity=64 * 1024)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(500):
+                n = int(rng.choice([512, 1024, 4096]))
+                b = p.take(n)
+                b[:] = seed  # a buffer is never lent to two takers at once
+                assert (b == seed).all()
+                p.give(b)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    assert p.lent_bytes == 0
+    assert p.idle_bytes <= 64 * 1024
+
+
+def _state(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "a": rng.standard_normal((512, 256)).astype(np.float32),
+        "b": rng.integers(0, 1 << 30, size=(3, 1000), dtype=np.int64),
+        "c": rng.standard_normal(7),
+    }
+
+
+def test_second_save_reuses_every_buffer_and_data_stays_right(tmp_path: os.PathLike[str]) -> None:
+    ss.release_staging()
+    pool = host_pool()
+    s1 = _state(1)
+    ss.save_async(os.path.join(tmp_path, "one"), s1).result()
+    allocated = pool.allocations
+    assert pool.idle_bytes == sum(v.nbytes for v in s1.values())
+    s2 = _state(2)  # same shapes, other values: copied into the same buffers
+    h = ss.save_async(os.path.join(tmp_path, "two"), s2)
+    for v in s2.values():  # mutate right after the blocking phase
+        v += 1
+    h.result()
+    assert pool.allocations == allocated
+    got1 = ss.load(os.path.join(tmp_path, "one"))
+    got2 = ss.load(os.path.join(tmp_path, "two"))
+    for k, v in s1.items():
+        np.testing.assert_array_equal(got1[k], v)
+    for k, v in _state(2).items():
+        np.testing.assert_array_equal(got2[k], v)
+    assert ss.verify(os.path.join(tmp_path, "two")).ok
+
+
+def test_lazy_streaming_save_reuses_buffers_within_the_budget(
+        tmp_path: os.PathLike[str]) -> None:
+    ss.release_staging()
+    pool = host_pool()
+    state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(8)}  # 8 x 1 MiB
+    mem = MemoryOptions(memory_budget_bytes=3 << 20)
+    io = ss.IOOptions(max_chunk_bytes=1 << 20)
+    h = ss.save_async(os.path.join(tmp_path, "s"), state, lazy=True, memory=mem, io=io)
+    h.result()
+    # 8 chunks went through a 3 MiB budget: buffers were recycled within the save,
+    # and what the pool keeps afterwards stays inside the budget.
+    assert pool.allocations <= 3 + pool.reuses
+    assert pool.reuses >= 5
+    assert pool.idle_bytes <= 3 << 20 and pool.lent_bytes == 0
+    got = ss.load(os.path.join(tmp_path, "s"))
+    for k, v in state.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_keep_staging_false_and_release_staging(tmp_path: os.PathLike[str]) -> None:
+    ss.release_staging()
+    pool = host_pool()
+    state = _state(3)
+    ss.save_async(os.path.join(tmp_path, "a"), state,
+                  memory=MemoryOptions(keep_staging=False)).result()
+    assert pool.idle_bytes == 0 and pool.lent_bytes == 0
+    ss.save_async(os.path.join(tmp_path, "b"), state).result()
+    kept = pool.idle_bytes
+    assert kept > 0
+    assert ss.release_staging() == kept
+    assert pool.idle_bytes == 0
+
+
+def test_failed_save_returns_no_buffer_and_leaks_no_accounting(
+        tmp_path: os.PathLike[str]) -> None:
+    ss.release_staging()
+    pool = host_pool()
+    os.makedirs(os.path.join(tmp_path, "exists"))
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.save_async(os.path.join(tmp_path, "exists"), _state(4))
+    assert pool.lent_bytes == 0
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_lower_thread_priority_changes_only_the_calling_thread() -> None:
+    from statestream.engine import lower_thread_priority
+
+    before = _nice()
+    seen: list[int] = []
+
+    def run() -> None:
+        lower_thread_priority(5)
+        seen.append(_nice())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [min(19, before + 5)]
+    assert _nice() == before
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_background_writers_run_at_raised_niceness(tmp_path: os.PathLike[str],
+                                                   lazy: bool) -> None:
+    main = _nice()
+    if main >= 19:
+        pytest.skip("this process already runs at the lowest priority")
+    seen: list[int] = []
+    state = {f"w{i}": np.ones(1 << 18) for i in range(4)}
+    h = ss.save_async(os.path.join(tmp_path, "c"), state, lazy=lazy,
+                      progress=lambda done, total: seen.append(_nice()),
+                      io=ss.IOOptions(background_nice=7))
+    h.result()
+    assert seen and all(n == min(19, main + 7) for n in seen), (main, seen)
+    seen.clear()
+    h = ss.save_async(os.path.join(tmp_path, "d"), state, lazy=lazy,
+                      progress=lambda done, total: seen.append(_nice()),
+                      io=ss.IOOptions(background_nice=0))
+    h.result()
+    assert seen and all(n == main for n in seen)
+    assert _nice() == main
