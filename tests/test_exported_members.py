@@ -131,3 +131,13 @@ def test_error_builtin_bases() -> None:
     assert str(e.MissingKeyError("key 'a' is missing")) == "key 'a' is missing"
     assert str(e.StorageError("disk full")) == "disk full"
     assert str(e.CheckpointError()) == "CheckpointError"
+
+
+def test_testing_package_imports_hypothesis_only_for_strategies() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, statestream.testing, statestream.testing.faults; "
+            "assert 'hypothesis' not in sys.modules; "
+            "statestream.testing.dtypes; assert 'hypothesis' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
