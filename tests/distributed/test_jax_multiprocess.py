@@ -227,6 +227,7 @@ def test_load_failure_on_one_process_raises_on_both(run: tuple[Path, list[Any]])
 def test_process_that_never_saves_makes_the_other_time_out(run: tuple[Path, list[Any]]) -> None:
     v0, v1 = _values(run[1], "timeout")
     assert v0["type"] == "CollectiveTimeoutError", v0
+    assert "process 1 never arrived" in v0["message"], v0
     assert v1 == {"skipped": True}
     with pytest.raises(ss.CheckpointNotFoundError):
         ss.load(run[0] / "never", collective=ss.SingleProcess())

@@ -794,6 +794,8 @@ def test_rank_that_never_saves_makes_others_time_out(tmp_path: Path) -> None:
     v = res[0].value
     assert v["timeout_error"] and v["distributed"], v
     assert "rank 0" in v["message"], v["message"]
+    # the message names the rank that never came (from the arrival marks)
+    assert "rank 1 never reached a statestream collective" in v["message"], v["message"]
     assert res[1].value == {"skipped_save": True}
     with pytest.raises(ss.CheckpointNotFoundError):
         ss.load(tmp_path / "out" / "ck", collective=ss.SingleProcess())

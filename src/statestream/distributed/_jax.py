@@ -56,12 +56,17 @@ class JaxCollective:
     def _key(self, name: str) -> str:
         return f"statestream/{self._channel}/{next(self._seq)}/{name}"
 
-    def _fail(self, what: str, exc: BaseException) -> BaseException:
+    def _fail(self, what: str, exc: BaseException,
+              missing: list[int] | None = None) -> BaseException:
         text = str(exc)
         if "deadline" in text.lower() or "timed out" in text.lower() or "timeout" in text.lower():
+            who = ""
+            if missing:
+                names = ", ".join(str(r) for r in missing)
+                who = f" (process{'es' if len(missing) > 1 else ''} {names} never arrived)"
             return CollectiveTimeoutError(
                 f"process {self._rank} waited more than {self._timeout_s:g}s for the other "
-                f"processes at {what}. A process crashed or never called the same "
+                f"processes at {what}{who}. A process crashed or never called the same "
                 "statestream function; raise timeout_s if processes are just slow"
             )
         return DistributedError(f"process {self._rank}: {what} failed: {exc}")
@@ -76,6 +81,7 @@ class JaxCollective:
     def all_gather_object(self, obj: Any) -> list[Any]:
         key = self._key("gather")
         data = base64.b64encode(json.dumps(obj).encode()).decode()
+        r = self._rank
         try:
             self._client.key_value_set(f"{key}/{self._rank}", data)
             out = []
@@ -83,8 +89,18 @@ class JaxCollective:
                 raw = self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)
                 out.append(json.loads(base64.b64decode(raw)))
         except Exception as exc:
-            raise self._fail("all_gather", exc) from exc
+            raise self._fail("all_gather", exc, self._absent(key, r)) from exc
         return out
+
+    def _absent(self, key: str, first: int) -> list[int]:
+        """Processes whose all_gather entry is missing (``first`` timed out already)."""
+        missing = [first]
+        for r in range(first + 1, self._world):
+            try:  # the wait already expired: give each of the others a moment only
+                self._client.blocking_key_value_get(f"{key}/{r}", 100)
+            except Exception:
+                missing.append(r)
+        return missing
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         key = self._key("bcast")
@@ -95,4 +111,4 @@ class JaxCollective:
             raw = self._client.blocking_key_value_get(key, self._timeout_ms)
             return json.loads(base64.b64decode(raw))
         except Exception as exc:
-            raise self._fail("broadcast", exc) from exc
+            raise self._fail("broadcast", exc, [src] if self._rank != src else None) from exc
