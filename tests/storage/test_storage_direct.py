@@ -42,7 +42,7 @@ def _batches() -> tuple[list[tuple[list[object], int]], bytes]:
     small = b"x" * 100
     big = _aligned(2 * MiB + 123, 0x5A)   # aligned start, unaligned tail
     exact = _aligned(MiB, 0x33)           # aligned start and length
-    unaligned = _aligned(MiB + 8, 0x11)[8:]  # large but not page-aligned: buffered
+    unaligned = _aligned(MiB + 8, 0x11)[8:]  # large, not page-aligned: bounced
     pad = bytes(4096 - 100)
     # one batch: small, padding to a page, big (direct prefix + buffered tail), 5 bytes;
     # then a page-aligned exact buffer on its own, then an unaligned large one.
@@ -69,6 +69,20 @@ def test_direct_and_buffered_writes_give_identical_files(tmp_path: os.PathLike[s
     if dfd == -1:
         pytest.skip("this file system refuses O_DIRECT (the buffered fallback was used)")
     assert dfd >= 0  # the direct path really ran
+
+
+def test_large_buffer_at_unaligned_offset_and_bounce_pieces(tmp_path: os.PathLike[str]) -> None:
+    # 20 MiB of unaligned memory crosses several 8 MiB bounce pieces; a large
+    # buffer at an unaligned file offset goes through the page cache.
+    src = _aligned(20 * MiB + 4096 + 3, 0x77)[3:]
+    odd = _aligned(2 * MiB, 0x44)
+    batches = [([src], 0), ([odd], src.nbytes + 100)]
+    want = bytearray(src.nbytes + 100 + odd.nbytes)
+    want[:src.nbytes] = src.tobytes()
+    want[src.nbytes + 100:] = odd.tobytes()
+    for direct in (True, False):
+        got, _ = _write(str(tmp_path), direct, batches)
+        assert got == bytes(want)
 
 
 def test_falls_back_where_o_direct_is_refused(tmp_path: os.PathLike[str]) -> None:

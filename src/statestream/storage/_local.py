@@ -109,6 +109,9 @@ _DIRECT_ALIGN = 4096
 #: Smaller buffers go through the page cache (the saving would not pay the syscall).
 _DIRECT_MIN_BYTES = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Unaligned large buffers (tensor memory) are copied through a page-aligned
+#: buffer of this size per file and written direct.
+_BOUNCE = 8 << 20
 
 
 def _address(view: memoryview) -> int:
@@ -126,6 +129,7 @@ class _LocalFileWriter:
         self._dirty_hi = 0
         # None: not tried yet; -1: this file system refuses O_DIRECT.
         self._dfd: int | None = None if direct_io and _O_DIRECT else -1
+        self._bounce: Any = None
         if size_hint > 0:
             try:
                 os.posix_fallocate(self._fd, 0, size_hint)
@@ -136,24 +140,27 @@ class _LocalFileWriter:
         if self._dfd == -1:
             self._write_buffered(buffers, offset)
             return
-        # Page-aligned runs of large buffers (the engine's staging buffers) bypass
-        # the page cache: the kernel then copies nothing (measured here: 0.05 s of
-        # CPU per 1.2 GB instead of 0.5-1.2 s, and no writeback left for fsync),
-        # which is what lets background saves stay out of training's way. Their
-        # unaligned tails, and everything else, take the buffered path; the two
-        # never share a page, so they cannot overwrite each other.
+        # Large buffers at page-aligned file offsets bypass the page cache: the
+        # kernel then copies nothing (measured here: 0.05 s of CPU per 1.2 GB
+        # instead of 0.5-1.2 s, and no writeback left for fsync), which is what
+        # lets background saves stay out of training's way. Page-aligned buffers
+        # (the engine's staging buffers) go as they are; others (tensor memory)
+        # through an 8 MiB aligned bounce buffer, a copy that costs less than the
+        # kernel's. Unaligned tails and everything else take the buffered path;
+        # the two never share a page, so they cannot overwrite each other.
         pending: list[Buffer] = []
         pend_off = pos = offset
         for b in buffers:
             v = memoryview(b).cast("B")
             n = v.nbytes
             k = n - n % _DIRECT_ALIGN
-            if (n >= _DIRECT_MIN_BYTES and pos % _DIRECT_ALIGN == 0
-                    and _address(v) % _DIRECT_ALIGN == 0):
+            if n >= _DIRECT_MIN_BYTES and pos % _DIRECT_ALIGN == 0:
                 if pending:
                     self._write_buffered(pending, pend_off)
                     pending = []
-                if self._write_direct(v[:k], pos):
+                ok = (self._write_direct(v[:k], pos) if _address(v) % _DIRECT_ALIGN == 0
+                      else self._write_bounced(v[:k], pos))
+                if ok:
                     pos += k
                     v = v[k:]
                 pend_off = pos
@@ -164,6 +171,25 @@ class _LocalFileWriter:
                 pos += v.nbytes
         if pending:
             self._write_buffered(pending, pend_off)
+
+    def _write_bounced(self, view: memoryview, offset: int) -> bool:
+        """Copy through the aligned bounce buffer, writing each piece direct."""
+        import numpy as np
+
+        if self._bounce is None:
+            raw = np.empty(_BOUNCE + _DIRECT_ALIGN, dtype=np.uint8)
+            skip = -raw.__array_interface__["data"][0] % _DIRECT_ALIGN
+            self._bounce = raw[skip:skip + _BOUNCE]
+        b = self._bounce
+        src = np.frombuffer(view, dtype=np.uint8)
+        for a in range(0, view.nbytes, _BOUNCE):
+            m = min(_BOUNCE, view.nbytes - a)
+            b[:m] = src[a:a + m]
+            if not self._write_direct(memoryview(b[:m]), offset + a):
+                if a == 0:
+                    return False
+                raise StorageError(f"direct I/O to {self._path} stopped working mid-file")
+        return True
 
     def _write_direct(self, view: memoryview, offset: int) -> bool:
         """Write with O_DIRECT; False (nothing written) if the file system refuses it."""
@@ -464,9 +490,9 @@ class LocalStorage:
     capabilities = StorageCapabilities(atomic_rename=True, random_write=True)
 
     def __init__(self, *, direct_io: bool = True) -> None:
-        #: Write page-aligned buffers of 1 MiB or more with O_DIRECT where the
-        #: file system allows it (the staging buffers of ``save_async`` are
-        #: page-aligned); everything else goes through the page cache.
+        #: Write buffers of 1 MiB or more at page-aligned offsets with O_DIRECT
+        #: where the file system allows it (unaligned memory through an 8 MiB
+        #: bounce buffer); everything else goes through the page cache.
         self.direct_io = direct_io
 
     def begin_write(self, path: str, *, overwrite: bool) -> _LocalWriteTransaction:
