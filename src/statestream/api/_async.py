@@ -275,7 +275,9 @@ def save_async(
     pools = (host_pool(), pinned_pool())
     for pool in pools:
         pool.set_capacity(budget.capacity)
-    keep = memory.keep_staging
+    # A backend that keeps referencing written buffers (S3 uploads parts in the
+    # background) must not see them recycled: they are then dropped, not kept.
+    keep = memory.keep_staging and not storage.capabilities.retains_buffers
     staged: dict[tuple[int, int], np.ndarray] = {}
     staged_lock = threading.Lock()
 

@@ -236,7 +236,8 @@ def save_collective(
     job.begin()
     assert job.planner is not None
     try:
-        source = ChunkSource(job.arrays, lambda i: job.keys[i], memory)
+        source = ChunkSource(job.arrays, lambda i: job.keys[i], memory,
+                             reuse=not storage_for(path)[0].capabilities.retains_buffers)
         writer = StreamWriter(job.txn, job.planner.file_name, source,
                               budget=ByteBudget(memory.resolved()), progress=progress,
                               after_write=source.after_write)

@@ -203,7 +203,8 @@ def _save(
                             max_chunk_bytes=io.max_chunk_bytes)
     collector = _Collector(pickle_paths)
     arrays = collector.arrays
-    source = ChunkSource(arrays, lambda i: format_keypath(collector.paths[i]), memory)
+    source = ChunkSource(arrays, lambda i: format_keypath(collector.paths[i]), memory,
+                         reuse=not storage.capabilities.retains_buffers)
     writer = StreamWriter(txn, planner.file_name, source,
                           budget=ByteBudget(memory.resolved()), progress=progress,
                           after_write=source.after_write)
@@ -240,10 +241,10 @@ class ChunkSource:
     """
 
     def __init__(self, arrays: list[PreparedArray], key_of: Callable[[int], str],
-                 memory: MemoryOptions) -> None:
+                 memory: MemoryOptions, *, reuse: bool = True) -> None:
         self._arrays = arrays
         self._key_of = key_of
-        self._keep = memory.keep_staging
+        self._keep = memory.keep_staging and reuse
         self._pool = pinned_pool()
         self._lent: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()

@@ -38,6 +38,11 @@ class StorageCapabilities:
     #: the caller gives no IOOptions (object stores want few, large GETs).
     read_request_bytes: int | None = None
     read_threads: int | None = None
+    #: ``FileWriter.write_at`` may keep referencing the buffers it was given
+    #: after it returns (until ``finish``), so callers must not reuse them:
+    #: an object-store client that uploads parts in the background without
+    #: copying. Staging buffers are then not recycled.
+    retains_buffers: bool = False
 
 
 class FileWriter(Protocol):
