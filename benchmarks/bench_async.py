@@ -45,7 +45,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import free_port, med, run_child
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -157,12 +157,6 @@ def state_tensors(model, opt) -> list:
 
 def dir_bytes(p: str) -> int:
     return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file()) if os.path.isdir(p) else 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_memcpy(tensors: list, repeats: int = 3) -> dict:
@@ -492,32 +486,6 @@ def child_main(arg: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def run_child(task: dict, timeout: float) -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(task)]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timeout after {timeout:.0f}s", "wall_s": time.perf_counter() - t0}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT:"):
-            r = json.loads(line[len("RESULT:") :])
-            r["wall_s"] = time.perf_counter() - t0
-            if not r.get("ok"):
-                r["stderr"] = p.stderr[-3000:]
-            return r
-    return {"ok": False, "error": f"child exited rc={p.returncode} without result", "stderr": p.stderr[-3000:]}
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -622,7 +590,7 @@ def main() -> None:
             task = {"config": c, "cfg": cfg, "steps": steps, "every": every, "warmup_steps": args.warmup_steps,
                     "dir": base, "seed": args.seed, "pythonpath": str(SRC)}
             la = loadavg()
-            res = run_child(task, args.timeout)
+            res = run_child(__file__, SRC, task, args.timeout, stderr_on_failure=True)
             res["loadavg_before"] = la
             results["runs"].setdefault(c, []).append(res)
             if not res.get("ok"):

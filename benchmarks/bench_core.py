@@ -21,7 +21,6 @@ import os
 import platform
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import drop_caches, llama_shapes, med, run_child
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -74,25 +74,8 @@ def _fill(n: int, idx: int) -> np.ndarray:
 
 def llama_param_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     if quick:
-        hidden, inter, layers, vocab = 256, 704, 4, 4000
-    else:
-        hidden, inter, layers, vocab = 1024, 2816, 16, 32000
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes += [
-            (f"{p}.input_layernorm.weight", (hidden,)),
-            (f"{p}.self_attn.q_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.k_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.v_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
-            (f"{p}.post_attention_layernorm.weight", (hidden,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.up_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.down_proj.weight", (hidden, inter)),
-        ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return shapes
+        return llama_shapes(256, 704, 4, 4000)
+    return llama_shapes(1024, 2816, 16, 32000)
 
 
 def workload_spec(workload: str, quick: bool, seed: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -165,17 +148,6 @@ def fsync_tree(p: str | Path) -> None:
             fsync_path(os.path.join(root, f))
         fsync_path(root)
     fsync_path(p.parent)
-
-
-def drop_caches() -> str | None:
-    """Returns None on success, else an error string."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:  # not root / read-only procfs (containers)
-        return f"drop_caches failed: {e!r}"
 
 
 def _status_kib(field: str) -> int:
@@ -730,30 +702,6 @@ def child_main(arg: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def run_child(task: dict, timeout: float) -> dict:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(task)]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timeout after {timeout:.0f}s", "wall_s": time.perf_counter() - t0}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT:"):
-            r = json.loads(line[len("RESULT:") :])
-            r["wall_s"] = time.perf_counter() - t0
-            return r
-    return {"ok": False, "error": f"child exited rc={p.returncode} without result", "stderr": p.stderr[-3000:]}
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def gbps(nbytes, secs):
     return nbytes / secs / 1e9 if secs else None
 
@@ -863,7 +811,7 @@ def main() -> None:
     # 1. raw bandwidths (same total size as workload 1)
     raw_bytes = spec_nbytes(specs.get("llama") or workload_spec("llama", args.quick, args.seed))
     log("raw bandwidth ...")
-    raw = run_child({"task": "raw", "dir": base, "nbytes": raw_bytes, "repeats": args.repeats}, args.timeout)
+    raw = run_child(__file__, SRC, {"task": "raw", "dir": base, "nbytes": raw_bytes, "repeats": args.repeats}, args.timeout)
     results["raw"] = raw
     if not raw.get("ok"):
         log(f"raw failed: {raw.get('error')}")
@@ -889,7 +837,7 @@ def main() -> None:
             results["runs"][key] = run
             for r in range(args.repeats):
                 task = dict(common, task="save", system=sname, workload=w)
-                sres = run_child(task, args.timeout)
+                sres = run_child(__file__, SRC, task, args.timeout)
                 run["save"].append(sres)
                 if not sres.get("ok"):
                     log(f"{key} save #{r} FAILED: {sres.get('error')}")
@@ -899,7 +847,7 @@ def main() -> None:
                 log(f"{key} save #{r}: {sres['seconds']:.3f}s {gbps(nb, sres['seconds']):.2f} GB/s  peak RSS +{sres['rss_peak_over_baseline'] / MiB:.0f} MiB")
                 loads = [sname, "statestream-np"] if sname == "statestream" else [sname]
                 for lname in loads:
-                    lres = run_child(dict(common, task="load", system=lname, workload=w, path=sres["path"]), args.timeout)
+                    lres = run_child(__file__, SRC, dict(common, task="load", system=lname, workload=w, path=sres["path"]), args.timeout)
                     lres["variant"] = lname
                     run["load"].append(lres)
                     if not lres.get("ok"):
@@ -914,7 +862,7 @@ def main() -> None:
     # raw bandwidth again at the end: the machine is shared/noisy and a VM's first touches of
     # guest memory can be slow, so the ratios use the better (faster) of the two raw runs.
     log("raw bandwidth (end) ...")
-    results["raw_end"] = run_child({"task": "raw", "dir": base, "nbytes": raw_bytes, "repeats": args.repeats}, args.timeout)
+    results["raw_end"] = run_child(__file__, SRC, {"task": "raw", "dir": base, "nbytes": raw_bytes, "repeats": args.repeats}, args.timeout)
     if not args.keep_data:
         shutil.rmtree(base, ignore_errors=True)
     results["elapsed_s"] = time.time() - started

@@ -35,7 +35,6 @@ import platform
 import pstats
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import drop_caches, free_port
+from _common import llama_shapes as _llama
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -86,25 +87,8 @@ def fill(tensor_index: int, flat_start: int, n: int) -> np.ndarray:
 def llama_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     """Llama-like parameters (float32): ~1.01 GiB full, ~63 MiB quick."""
     if quick:
-        hidden, inter, layers, vocab = 512, 1408, 3, 8000
-    else:
-        hidden, inter, layers, vocab = 1024, 2816, 16, 32000
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        out += [
-            (f"{p}.input_layernorm.weight", (hidden,)),
-            (f"{p}.self_attn.q_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.k_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.v_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
-            (f"{p}.post_attention_layernorm.weight", (hidden,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.up_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.down_proj.weight", (hidden, inter)),
-        ]
-    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return out
+        return _llama(512, 1408, 3, 8000)
+    return _llama(1024, 2816, 16, 32000)
 
 
 def nbytes_of(shapes) -> int:
@@ -123,16 +107,6 @@ def _read_all(root: Path) -> None:
             with open(os.path.join(dirpath, n), "rb") as f:
                 while f.read(64 << 20):
                     pass
-
-
-def _drop_caches() -> str | None:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as exc:
-        return str(exc)
 
 
 def _du(path: str) -> int:
@@ -195,7 +169,7 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         note = None
         if cold:
             if rank == 0:
-                note = _drop_caches()
+                note = drop_caches()
             dist.barrier()
         elif warm is not None:
             # "hot" = the checkpoint is in the page cache. A save does not leave it
@@ -326,12 +300,6 @@ def worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------
 # Driver
 # ----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:

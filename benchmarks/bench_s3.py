@@ -52,6 +52,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(HERE))
 
+from _common import llama_shapes  # noqa: E402
 from bench_core import RssSampler, _fill  # noqa: E402  (same deterministic tensor data)
 
 MiB = 1 << 20
@@ -74,21 +75,7 @@ def log(*a: Any) -> None:
 
 def llama_spec(hidden: int, inter: int, layers: int, vocab: int,
                optim: bool = True) -> list[tuple[str, tuple[int, ...]]]:
-    params: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        params += [
-            (f"{p}.input_layernorm.weight", (hidden,)),
-            (f"{p}.self_attn.q_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.k_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.v_proj.weight", (hidden, hidden)),
-            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
-            (f"{p}.post_attention_layernorm.weight", (hidden,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.up_proj.weight", (inter, hidden)),
-            (f"{p}.mlp.down_proj.weight", (hidden, inter)),
-        ]
-    params += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    params = llama_shapes(hidden, inter, layers, vocab)
     if not optim:
         return params
     return (params + [(f"optim.exp_avg.{k}", s) for k, s in params]
