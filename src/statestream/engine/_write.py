@@ -33,6 +33,14 @@ _HANDOFF_BYTES = 8 << 20
 _HANDOFF_ITEMS = 256
 
 __all__ = ["StreamWriter", "chunk_checksums", "write_files"]
+
+
+def _pad(batch: list[Any], gap: int) -> None:
+    """Append ``gap`` zero bytes (the alignment gap before the next chunk)."""
+    while gap > 0:
+        z = min(gap, len(_ZEROS))
+        batch.append(_ZEROS[:z])
+        gap -= z
 # ----------------------------------------------------------------------------- write
 
 
@@ -94,11 +102,7 @@ def write_files(
                         f"planned {it.nbytes}"
                     )
                 local[(it.array, it.chunk)] = checksum(data)
-                pad = it.offset - batch_end
-                while pad > 0:
-                    z = min(pad, len(_ZEROS))
-                    batch.append(_ZEROS[:z])
-                    pad -= z
+                _pad(batch, it.offset - batch_end)
                 batch.append(data)
                 batch_end = it.offset + it.nbytes
             flush()
@@ -271,11 +275,7 @@ class StreamWriter:
                     held += got
                     data = self._source(it)
                     sums[(it.array, it.chunk)] = chunk_checksums(it, data)
-                    pad = it.offset - end
-                    while pad > 0:
-                        z = min(pad, len(_ZEROS))
-                        batch.append(_ZEROS[:z])
-                        pad -= z
+                    _pad(batch, it.offset - end)
                     batch.append(data)
                     done_items.append(it)
                     end = it.offset + it.nbytes

@@ -11,6 +11,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from statestream.errors import UnsafeCheckpointError
+from statestream.format import DATA_DIR, validate_file_name
+
 __all__ = [
     "Buffer",
     "CheckpointReader",
@@ -18,6 +21,7 @@ __all__ = [
     "Storage",
     "StorageCapabilities",
     "WriteTransaction",
+    "check_member_name",
 ]
 
 #: Anything exposing the buffer protocol (bytes, memoryview, numpy arrays).
@@ -147,3 +151,16 @@ class Storage(Protocol):
     def delete(self, path: str) -> None:
         """Remove the checkpoint at ``path`` (uncommit first, then data)."""
         ...
+
+
+def check_member_name(name: str) -> str:
+    """Reject a name a write transaction must not create (escapes, nesting).
+
+    ``data/<file>`` names go through the format's file-name rules; anything
+    else must be a plain top-level name (``manifest.json``, ``COMMITTED``).
+    """
+    if name.startswith(DATA_DIR + "/"):
+        validate_file_name(name)
+    elif "/" in name or name in ("", ".", ".."):
+        raise UnsafeCheckpointError(f"refusing to write {name!r} outside the checkpoint")
+    return name

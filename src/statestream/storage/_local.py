@@ -20,7 +20,7 @@ from statestream.errors import (
     UnsafeCheckpointError,
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
-from statestream.storage._base import Buffer, StorageCapabilities
+from statestream.storage._base import Buffer, StorageCapabilities, check_member_name
 
 __all__ = ["LocalStorage"]
 
@@ -275,11 +275,7 @@ class _LocalWriteTransaction:
         return self._tmp
 
     def _tmp_path(self, name: str) -> str:
-        if name.startswith(DATA_DIR + "/"):
-            validate_file_name(name)
-        elif "/" in name or name in ("", ".", ".."):
-            raise UnsafeCheckpointError(f"refusing to write {name!r} outside the checkpoint")
-        return os.path.join(self._tmp, name)
+        return os.path.join(self._tmp, check_member_name(name))
 
     def create_file(self, name: str, size_hint: int) -> _LocalFileWriter:
         return _LocalFileWriter(self._tmp_path(name), size_hint, self._direct_io)

@@ -33,7 +33,7 @@ from statestream.errors import (
     UnsafeCheckpointError,
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
-from statestream.storage._base import Buffer, StorageCapabilities
+from statestream.storage._base import Buffer, StorageCapabilities, check_member_name
 
 __all__ = ["S3Options", "S3Storage"]
 
@@ -162,11 +162,7 @@ class _S3Txn:
         return self._root
 
     def _key(self, name: str) -> str:
-        if name.startswith(DATA_DIR + "/"):
-            validate_file_name(name)
-        elif "/" in name or name in ("", ".", ".."):
-            raise UnsafeCheckpointError(f"refusing to write {name!r} outside the checkpoint")
-        return f"{self._prefix}/{self._root}/{name}"
+        return f"{self._prefix}/{self._root}/{check_member_name(name)}"
 
     def create_file(self, name: str, size_hint: int) -> _S3FileWriter:
         return _S3FileWriter(self._owner, self._bucket, self._key(name))
