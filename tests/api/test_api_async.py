@@ -114,21 +114,9 @@ def _run_child(script, *args, timeout=_WAIT_S):
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
+def tiny_fs(mount_tmpfs):
     """A 1 MiB tmpfs: writes of several MB fail with ENOSPC for real."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "tiny"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    return mount_tmpfs("1m")
 
 
 # ----------------------------------------------------------------------------- 1. lazy
