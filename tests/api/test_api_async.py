@@ -445,6 +445,35 @@ def test_failure_at_exit_is_printed(tmp_path, tiny_fs, lazy, budget):
     assert os.listdir(tiny_fs) == []
 
 
+_FAILED_EARLY_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import statestream as ss
+
+    bad, good = sys.argv[1], sys.argv[2]
+    h = ss.save_async(bad, {"n": np.arange(2 << 20, dtype=np.float64)}, lazy=True)
+    while not h.done():  # the background failure happens long before exit
+        time.sleep(0.01)
+    # a later save queues behind the failed one without consuming its error
+    ss.save_async(good, {"n": np.arange(10)}).result()
+    print("RETURNED", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_failure_nobody_asked_about_is_printed_at_exit(tmp_path, tiny_fs):
+    path = tiny_fs / "early"
+    proc = _run_child(_FAILED_EARLY_CHILD, path, tmp_path / "good")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RETURNED" in proc.stdout
+    assert "statestream: background save" in proc.stderr, proc.stderr[-3000:]
+    assert str(path) in proc.stderr and "StorageError" in proc.stderr, proc.stderr[-3000:]
+    _assert_nothing_committed(path)
+    assert ss.load(tmp_path / "good")["n"].tolist() == list(range(10))
+
+
 # ----------------------------------------------------------------------------- 8. memory
 
 _MEM_CHILD = textwrap.dedent(

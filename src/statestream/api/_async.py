@@ -104,6 +104,7 @@ class SaveHandle:
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
         if self._snapshot_failed and self._error is not None:
+            self._reported()
             raise self._error
 
     def wait_for(self, tensors: Iterable[Any]) -> None:
@@ -130,6 +131,7 @@ class SaveHandle:
         if not self._finished.wait(timeout):
             raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
         if self._error is not None:
+            self._reported()
             raise self._error
 
     def _fail(self, exc: BaseException) -> None:
@@ -140,10 +142,15 @@ class SaveHandle:
         for e in self._array_ready:
             e.set()
         self._snapshot.set()
-        self._finish()
+        # A failed save stays pending until the caller has seen its error, so one
+        # that nobody asked about is still reported at interpreter exit.
+        self._finished.set()
 
     def _finish(self) -> None:
         self._finished.set()
+        self._reported()
+
+    def _reported(self) -> None:
         with _LOCK:
             _PENDING.discard(self)
 
@@ -218,10 +225,9 @@ def save_async(
             atexit.register(_drain_at_exit)
             _ATEXIT = True
     if previous is not None:
-        try:  # one save at a time; the previous one's error stays on its handle
-            previous.result()
-        except BaseException:
-            pass
+        # One save at a time. The previous one's error stays on its handle (and is
+        # reported at exit unless its caller asks for it).
+        previous._finished.wait()
 
     storage, spath = storage_for(path)
     collector = _Collector(pickle_paths)
@@ -447,6 +453,7 @@ def save_async(
         reclaim(False)
         txn.abort()
         handle._fail(exc)
+        handle._reported()  # raised to the caller right here
         raise
     threading.Thread(target=background, args=(False,), name="statestream-save",
                      daemon=True).start()
