@@ -246,9 +246,9 @@ class ChunkSource:
         self._key_of = key_of
         self._keep = memory.keep_staging and reuse
         self._pool = pinned_pool()
+        self._pool.set_capacity(memory.resolved())
         self._lent: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()
-        self._capacity = memory.resolved()
 
     def __call__(self, item: WriteItem) -> np.ndarray:
         a = self._arrays[item.array]
@@ -256,13 +256,14 @@ class ChunkSource:
             if a.stage is None:
                 data: np.ndarray = a.chunk(item.start, item.shape)
                 return data
-            with self._lock:
-                if not self._lent:
-                    self._pool.set_capacity(self._capacity)
             buf = self._pool.take(item.nbytes)
+            try:
+                a.stage(item.start, item.shape, buf)()
+            except BaseException:
+                self._pool.give(buf, keep=False)
+                raise
             with self._lock:
                 self._lent[(item.array, item.chunk)] = buf
-            a.stage(item.start, item.shape, buf)()
             return buf
         except CheckpointError:
             raise
