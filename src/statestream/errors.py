@@ -12,7 +12,7 @@ refines, so ``except FileNotFoundError`` keeps working::
     │   └── UnsafeCheckpointError                      a manifest points outside the checkpoint
     ├── FormatVersionError (ValueError)                written by a newer, unknown format version
     ├── UnsupportedTypeError (TypeError)               a leaf statestream cannot save
-    ├── PickleNotAllowedError (PermissionError)        a pickled leaf loaded without allow_pickle
+    ├── PickleNotAllowedError (PermissionError)        a pickled leaf allow_pickle does not trust
     ├── TargetMismatchError (ValueError)               target shape/structure differs from saved
     ├── MissingKeyError (KeyError)                     target asks for a key the checkpoint lacks
     ├── StorageError (OSError)                         the storage backend failed
@@ -84,7 +84,7 @@ class UnsupportedTypeError(CheckpointError, TypeError):
 
 
 class PickleNotAllowedError(CheckpointError, PermissionError):
-    """A pickled leaf was found but the caller did not pass ``allow_pickle=True``."""
+    """A pickled leaf sits at a key path that the caller's ``allow_pickle`` does not trust."""
 
 
 class TargetMismatchError(CheckpointError, ValueError):

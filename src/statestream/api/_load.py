@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Union
 
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, agree, default_collective
@@ -43,6 +43,7 @@ from statestream.tree import (
     Node,
     format_keypath,
     is_stateful,
+    parse_keypath,
     rebuild_container,
     type_name,
 )
@@ -59,6 +60,56 @@ class _NoTarget:
 
 
 NO_TARGET: Any = _NoTarget()
+
+#: ``load``'s ``allow_pickle``: ``True`` (every pickle leaf), ``False`` (none), or the
+#: key paths trusted to hold pickles (each covers its whole subtree, as ``pickle_paths``
+#: does on save). A Union, not ``|``: a runtime alias must work on Python 3.10.
+AllowPickle = Union[bool, Collection[str]]  # noqa: UP007
+
+
+class _PickleTrust:
+    """Which pickle leaves a load may unpickle, and the ones it refused."""
+
+    def __init__(self, allow: AllowPickle) -> None:
+        paths: list[str] = []
+        if not isinstance(allow, bool):
+            paths = [allow] if isinstance(allow, str) else list(allow)
+            if not all(isinstance(p, str) for p in paths):
+                raise TypeError(
+                    "allow_pickle takes True, False or a collection of key paths (str), "
+                    f"not {allow!r}"
+                )
+        self.all = allow is True
+        self.paths = paths
+        self.prefixes = [parse_keypath(p) for p in paths]
+        self.refused: list[tuple[KeyPath, str]] = []
+
+    def trusts(self, path: KeyPath) -> bool:
+        """Whether ``path`` is at or under a trusted key path (save's ``pickle_paths`` rule)."""
+        if self.all:
+            return True
+        spath = tuple(str(k) for k in path)
+        return any(spath[: len(p)] == p for p in self.prefixes)
+
+    def check(self) -> None:
+        """Raise naming every refused pickle leaf; called before anything is read."""
+        if not self.refused:
+            return
+        n = len(self.refused)
+        shown = ", ".join(f"'{format_keypath(p)}' ({t[:200]})" for p, t in self.refused[:10])
+        more = f" and {n - 10} more" if n > 10 else ""
+        first = format_keypath(self.refused[0][0])
+        how = (
+            f"pass allow_pickle=['{first}'] (or allow_pickle=True for every pickle leaf)"
+            if not self.paths
+            else f"allow_pickle={self.paths!r} does not cover {'them' if n > 1 else 'it'}; "
+            "add the key paths you trust"
+        )
+        raise PickleNotAllowedError(
+            f"key path{'s' if n > 1 else ''} {shown}{more} hold{'' if n > 1 else 's'} pickled "
+            "data; unpickling can run arbitrary code, so nothing was unpickled. Only if you "
+            f"trust this checkpoint, {how}"
+        )
 
 
 def read_manifest(reader: CheckpointReader) -> Manifest:
@@ -91,7 +142,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[CheckpointReader, Man
 class _Job:
     """Everything the walk of manifest + target asks the engine to read."""
 
-    allow_pickle: bool
+    pickles: _PickleTrust
     in_place: bool = False
     wanted: list[Wanted] = dataclasses.field(default_factory=list)
     paths: dict[int, KeyPath] = dataclasses.field(default_factory=dict)
@@ -136,12 +187,10 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
 
 def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
     assert node.array is not None
-    if node.kind == "pickle" and not job.allow_pickle:
-        t = (node.attrs or {}).get("type", "?")
-        raise PickleNotAllowedError(
-            f"key path '{format_keypath(path)}' holds a pickled {t}; unpickling can run "
-            "arbitrary code, so pass allow_pickle=True only if you trust this checkpoint"
-        )
+    if node.kind == "pickle" and not job.pickles.trusts(path):
+        # refused: remembered (the walk goes on to name them all), never read
+        job.pickles.refused.append((path, str((node.attrs or {}).get("type", "?"))))
+        return lambda: None
     entry = m.arrays[node.array]
     dest = _NUMPY.restore(entry.dtype, entry.shape, None, path)
     for start, buf in dest.boxes:
@@ -361,7 +410,7 @@ def load(
     target: Any = None,
     *,
     items: Sequence[str] | None = None,
-    allow_pickle: bool = False,
+    allow_pickle: AllowPickle = False,
     in_place: bool = False,
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
@@ -379,7 +428,13 @@ def load(
             target covering part of the checkpoint loads only that part.
             Without a target: NumPy arrays and plain dicts/lists/tuples.
         items: top-level keys (checkpointables) to load; others are not read.
-        allow_pickle: permit unpickling leaves saved with ``pickle_paths``.
+        allow_pickle: which pickled leaves (saved with ``pickle_paths``) may be
+            unpickled — unpickling runs code, so only a checkpoint you trust.
+            ``False`` (default): none. A collection of key paths (``["extra/tok"]``):
+            the pickle leaves at or under those paths, as ``pickle_paths`` matches
+            on save. ``True``: every pickle leaf, wherever the checkpoint puts one.
+            A pickle leaf that is not allowed raises before anything is read or
+            unpickled.
         in_place: read straight into the target's own CPU tensors/arrays (and
             DTensor local shards) when their dtype matches and they are
             contiguous, and return those same objects — as DCP does. Faster
@@ -403,7 +458,8 @@ def load(
             (the message names the key path and file).
         MissingKeyError: the target or ``items`` names a key not saved.
         TargetMismatchError: a shape or structure differs from the target.
-        PickleNotAllowedError: a pickled leaf and ``allow_pickle`` is false.
+        PickleNotAllowedError: a pickled leaf that ``allow_pickle`` does not
+            allow (the message names every such key path).
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -442,7 +498,7 @@ def _load(
     path: str | os.PathLike[str],
     target: Any,
     items: Sequence[str] | None,
-    allow_pickle: bool,
+    allow_pickle: AllowPickle,
     in_place: bool,
     io: IOOptions,
     memory: MemoryOptions,
@@ -464,8 +520,9 @@ def _load(
                 if missing:  # items without a target entry load with defaults
                     full = {k: like.get(k, NO_TARGET) for k in items}
                     like = full
-        job = _Job(allow_pickle=allow_pickle, in_place=in_place)
+        job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place)
         build = _walk(root, like, (), m, job, "numpy", False)
+        job.pickles.check()  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
         names = [f.name for f in m.files]
 

@@ -14,6 +14,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from statestream.api import SaveHandle, load, metadata, save, save_async
+from statestream.api._load import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import CheckpointError, CheckpointNotFoundError
@@ -408,9 +409,12 @@ class CheckpointManager:
         target: Any = None,
         *,
         items: Sequence[str] | None = None,
-        allow_pickle: bool = False,
+        allow_pickle: AllowPickle = False,
     ) -> Any:
         """Load ``step`` (default: the latest committed one).
+
+        ``allow_pickle`` is :func:`statestream.load`'s: ``True``, ``False`` or the
+        key paths whose pickle leaves may be unpickled.
 
         Raises:
             CheckpointNotFoundError: no committed step (or not that one).
