@@ -16,6 +16,7 @@ from collections.abc import Collection
 from typing import Any
 
 from statestream import __version__, _hooks
+from statestream.api._committed import committed_as_saved
 from statestream.api._save import ChunkSource
 from statestream.distributed import Collective, agree
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, StreamWriter
@@ -209,7 +210,9 @@ class CollectiveSave:
                     _commit(self.txn, self.gathered, tables, coll.world_size, self.user_meta)
                 except BaseException as exc:
                     err = exc
-            agree(coll, "committing", err)
+            # a rank lost right after rank 0 committed must not fail a committed save
+            agree(coll, "committing", err,
+                  committed=lambda: committed_as_saved(self.path, self.gathered, tables))
         except BaseException:
             self.abort()
             raise

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from statestream.distributed._base import Collective, SingleProcess
@@ -12,14 +14,23 @@ __all__ = ["agree", "default_collective"]
 
 
 def agree(coll: Collective, phase: str, error: BaseException | None, *,
-          outcome: str = "nothing was committed") -> None:
+          outcome: str = "nothing was committed",
+          committed: Callable[[], bool] | None = None) -> None:
     """Every process reports how ``phase`` went; all raise if any failed.
 
     ``outcome`` ends the message (what the failure means for the caller).
 
+    ``committed`` is for the agreement after a commit: when the collective
+    itself fails (a peer died or hung, so its status never came) and this
+    rank did not fail, ``committed()`` says whether the checkpoint was
+    committed anyway; if so the save succeeded and ``agree`` returns (with a
+    RuntimeWarning naming the lost peer) instead of reporting a failed save.
+
     Raises:
         DistributedError: naming each failing rank and its error; the local
-            error is chained when this rank is one of them.
+            error is chained when this rank is one of them. When the
+            collective itself fails (a rank died), its error, which names
+            the dead rank, with ``phase`` and ``outcome`` added.
     """
     if coll.world_size == 1:
         if error is not None:
@@ -28,7 +39,14 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
     mine: Any = None
     if error is not None:
         mine = f"{type(error).__name__}: {error}"
-    statuses = coll.all_gather_object(mine)
+    try:
+        statuses = coll.all_gather_object(mine)
+    except DistributedError as exc:
+        if error is None and committed is not None and _check(committed):
+            warnings.warn(f"the checkpoint was committed, but the ranks could not confirm it "
+                          f"to each other: {exc}", RuntimeWarning, stacklevel=2)
+            return
+        raise type(exc)(f"{exc}; while agreeing on {phase}; {outcome}") from (error or exc)
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not failed:
         return
@@ -38,10 +56,17 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
             f"rank {coll.rank} failed during {phase}: {failed[0][1]}; {outcome}"
         ) from error
     text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s in failed)
-    exc = DistributedError(f"{text}; {outcome}")
+    failure = DistributedError(f"{text}; {outcome}")
     if error is not None:
-        raise exc from error
-    raise exc
+        raise failure from error
+    raise failure
+
+
+def _check(committed: Callable[[], bool]) -> bool:
+    try:
+        return bool(committed())
+    except Exception:  # cannot tell: the save is not known to be committed
+        return False
 
 
 def default_collective() -> Collective:

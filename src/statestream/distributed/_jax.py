@@ -5,13 +5,44 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import threading
+import time
 from typing import Any
 
+from statestream.distributed._liveness import Heartbeat, Watch, describe_ranks
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["JaxCollective"]
 
 _SEQS: dict[str, itertools.count[int]] = {}
+#: One heartbeat per coordination-service client (by id; kept alive with it).
+_BEATS: dict[int, tuple[Any, Heartbeat]] = {}
+_BEATS_LOCK = threading.Lock()
+#: A wait checks the peers' heartbeats this often (seconds).
+POLL_S = 1.0
+
+
+def _alive_key(process: int) -> str:
+    return f"statestream/alive/{process}"
+
+
+def _start_heartbeat(client: Any, process: int) -> None:
+    """Bump this process's counter in the coordination service every second."""
+    from jax._src import distributed
+
+    with _BEATS_LOCK:
+        if id(client) in _BEATS and _BEATS[id(client)][1].alive():
+            return
+        key = _alive_key(process)
+        beat = Heartbeat(lambda: client.key_value_increment(key, 1),
+                         lambda: distributed.global_state.client is client,
+                         name="statestream-jax-heartbeat")
+        _BEATS[id(client)] = (client, beat)
+
+
+def _is_deadline(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "deadline" in text or "timed out" in text or "timeout" in text
 
 
 class JaxCollective:
@@ -20,11 +51,22 @@ class JaxCollective:
     Objects are JSON-encoded plain data. Every operation gets a fresh key
     prefix (all processes call statestream functions in the same order).
 
+    Each process bumps a heartbeat counter in the coordination service every
+    second; a process waiting for a peer whose heartbeat has not moved for
+    ``dead_after_s`` stops waiting and names it as dead (JAX itself notices a
+    dead process only after its ``heartbeat_timeout_seconds``, 100 by default,
+    and then terminates every process).
+
     Args:
         timeout_s: how long any process waits for the others at each step.
+        dead_after_s: how long a peer's heartbeat may stand still before a
+            process waiting for it gives up, naming it. Keep it well above
+            any pause of a live process (a stopped process, a thread holding
+            the GIL that long) and below JAX's own heartbeat timeout.
     """
 
-    def __init__(self, *, timeout_s: float = 600.0, channel: str = "") -> None:
+    def __init__(self, *, timeout_s: float = 600.0, channel: str = "",
+                 dead_after_s: float = 30.0) -> None:
         import jax
         from jax._src import distributed
 
@@ -40,6 +82,12 @@ class JaxCollective:
         self._timeout_s = timeout_s
         self._channel = channel
         self._seq = _SEQS.setdefault(channel, itertools.count())
+        self._dead_after_s = dead_after_s
+        if self._world > 1:
+            try:  # liveness, so a wait can name the process that died
+                _start_heartbeat(client, self._rank)
+            except Exception:  # diagnostics only
+                pass
 
     @property
     def rank(self) -> int:
@@ -51,25 +99,80 @@ class JaxCollective:
 
     def fork(self, channel: str) -> JaxCollective:
         """The same processes with their own key sequence (for a background save)."""
-        return JaxCollective(timeout_s=self._timeout_s, channel=channel)
+        return JaxCollective(timeout_s=self._timeout_s, channel=channel,
+                             dead_after_s=self._dead_after_s)
 
     def _key(self, name: str) -> str:
         return f"statestream/{self._channel}/{next(self._seq)}/{name}"
 
     def _fail(self, what: str, exc: BaseException,
-              missing: list[int] | None = None) -> BaseException:
-        text = str(exc)
-        if "deadline" in text.lower() or "timed out" in text.lower() or "timeout" in text.lower():
+              missing: list[int] | None = None, dead: list[int] | None = None) -> BaseException:
+        if _is_deadline(exc):
             who = ""
-            if missing:
-                names = ", ".join(str(r) for r in missing)
-                who = f" (process{'es' if len(missing) > 1 else ''} {names} never arrived)"
+            gone = [r for r in missing or [] if r in (dead or [])]
+            late = [r for r in missing or [] if r not in gone]
+            parts = []
+            if gone:
+                parts.append(f"{describe_ranks(gone, 'process')} died or disconnected "
+                             f"(heartbeat stopped)")
+            if late:
+                parts.append(f"{describe_ranks(late, 'process')} never arrived")
+            if parts:
+                who = f" ({'; '.join(parts)})"
             return CollectiveTimeoutError(
                 f"process {self._rank} waited more than {self._timeout_s:g}s for the other "
                 f"processes at {what}{who}. A process crashed or never called the same "
                 "statestream function; raise timeout_s if processes are just slow"
             )
+        if self._rank != 0 and "unavailable" in str(exc).lower():
+            # the coordination service runs in process 0: unreachable means it is gone
+            return DistributedError(
+                f"process 0 died or disconnected during {what} (seen from process "
+                f"{self._rank}; the coordination service it hosts is unreachable): {exc}"
+            )
         return DistributedError(f"process {self._rank}: {what} failed: {exc}")
+
+    def _peer_beat(self, process: int) -> int:
+        return int(self._client.key_value_increment(_alive_key(process), 0))
+
+    def _missing(self, key: str) -> bool:
+        try:
+            self._client.key_value_try_get(key)
+            return False
+        except Exception:
+            return True
+
+    def _wait(self, key: str, what: str, pending: dict[int, str], deadline: float,
+              watch: list[Watch]) -> str:
+        """The value of ``key``, waiting until ``deadline``; fail early if a peer in
+        ``pending`` (process -> the key it has to set) stopped beating before it
+        set its key.
+
+        ``watch`` holds the heartbeat watch of this operation, created the first
+        time a wait runs longer than :data:`POLL_S` (fast waits cost one request).
+        """
+        while True:
+            left = deadline - time.monotonic()
+            step = max(0.001, min(left, POLL_S))
+            try:
+                return str(self._client.blocking_key_value_get(key, int(step * 1000)))
+            except Exception as exc:
+                if not _is_deadline(exc) or time.monotonic() >= deadline:
+                    raise
+            peers = [r for r in pending if r != self._rank]
+            if not watch:
+                watch.append(Watch(self._peer_beat, peers))
+                continue
+            watch[0].update()
+            dead = [r for r in watch[0].stalled(self._dead_after_s)
+                    if r in pending and self._missing(pending[r])]
+            if dead:
+                raise DistributedError(
+                    f"{describe_ranks(dead, 'process')} "
+                    f"died or disconnected during {what} (seen from process {self._rank}; "
+                    f"{'their' if len(dead) > 1 else 'its'} heartbeat stopped "
+                    f"{self._dead_after_s:g}s ago)"
+                )
 
     def barrier(self, name: str) -> None:
         key = self._key(f"barrier/{name}")
@@ -81,15 +184,21 @@ class JaxCollective:
     def all_gather_object(self, obj: Any) -> list[Any]:
         key = self._key("gather")
         data = base64.b64encode(json.dumps(obj).encode()).decode()
+        deadline = time.monotonic() + self._timeout_s
+        watch: list[Watch] = []
         r = self._rank
         try:
             self._client.key_value_set(f"{key}/{self._rank}", data)
             out = []
             for r in range(self._world):
-                raw = self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)
+                pending = {q: f"{key}/{q}" for q in range(r, self._world)}
+                raw = self._wait(f"{key}/{r}", "all_gather", pending, deadline, watch)
                 out.append(json.loads(base64.b64decode(raw)))
+        except DistributedError:
+            raise
         except Exception as exc:
-            raise self._fail("all_gather", exc, self._absent(key, r)) from exc
+            dead = watch[0].stalled(self._dead_after_s) if watch else []
+            raise self._fail("all_gather", exc, self._absent(key, r), dead) from exc
         return out
 
     def _absent(self, key: str, first: int) -> list[int]:
@@ -104,11 +213,17 @@ class JaxCollective:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         key = self._key("bcast")
+        watch: list[Watch] = []
         try:
             if self._rank == src:
                 self._client.key_value_set(key, base64.b64encode(json.dumps(obj).encode()).decode())
                 return obj
-            raw = self._client.blocking_key_value_get(key, self._timeout_ms)
+            raw = self._wait(key, "broadcast", {src: key}, time.monotonic() + self._timeout_s,
+                             watch)
             return json.loads(base64.b64decode(raw))
+        except DistributedError:
+            raise
         except Exception as exc:
-            raise self._fail("broadcast", exc, [src] if self._rank != src else None) from exc
+            dead = watch[0].stalled(self._dead_after_s) if watch else []
+            raise self._fail("broadcast", exc, [src] if self._rank != src else None,
+                             dead) from exc

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import re
+import threading
 from typing import Any
 
+from statestream.distributed._liveness import INTERVAL_S, Heartbeat, describe_ranks, find_stalled
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["TorchCollective"]
@@ -12,6 +15,34 @@ __all__ = ["TorchCollective"]
 _GROUPS: dict[tuple[Any, float, str], Any] = {}
 #: Collectives entered so far per group (same order on every rank).
 _SEQ: dict[tuple[Any, float, str], int] = {}
+#: One heartbeat per rendezvous store (by id; the store is kept alive with it).
+_BEATS: dict[int, tuple[Any, Heartbeat]] = {}
+_BEATS_LOCK = threading.Lock()
+#: How long a failed collective watches the peers' heartbeats to find the dead ones.
+DEAD_WINDOW_S = 3 * INTERVAL_S + 0.5
+
+
+def _alive_key(global_rank: int) -> str:
+    return f"statestream/alive/{global_rank}"
+
+
+def _start_heartbeat(dist: Any, store: Any) -> None:
+    """Bump this rank's counter in ``store`` every second (one thread per process and store)."""
+    with _BEATS_LOCK:
+        if id(store) in _BEATS and _BEATS[id(store)][1].alive():
+            return
+        own = store.clone()  # its own connection: never waits behind the main thread's calls
+        key = _alive_key(dist.get_rank())
+        beat = Heartbeat(lambda: own.add(key, 1), dist.is_initialized,
+                         name="statestream-torch-heartbeat")
+        _BEATS[id(store)] = (store, beat)
+
+
+def _first_words(exc: BaseException) -> str:
+    """The gist of a backend error (gloo's start with a source location and end in a hint)."""
+    text = str(exc).splitlines()[0] if str(exc) else repr(exc)
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(" This is typically caused", 1)[0].rstrip(". ")
 
 
 def _default_store() -> Any:
@@ -66,6 +97,11 @@ class TorchCollective:
         self._store = _default_store()
         self._prefix = (f"statestream/arrive/{channel}/{self._timeout_s:g}/"
                         + "-".join(str(r) for r in self._global_ranks))
+        if self._store is not None and self._world > 1:
+            try:  # liveness, so a failed collective can name the rank that died
+                _start_heartbeat(dist, self._store)
+            except Exception:  # diagnostics only
+                pass
 
     def fork(self, channel: str) -> TorchCollective:
         """The same ranks on a separate gloo group (for a background save's messages).
@@ -93,7 +129,7 @@ class TorchCollective:
                 self._store = None
         return seq
 
-    def _laggards(self, seq: int) -> list[str]:
+    def _laggards(self, seq: int, dead: list[int]) -> list[str]:
         """Ranks that have not entered collective number ``seq`` (best effort)."""
         if self._store is None:
             return []
@@ -109,22 +145,60 @@ class TorchCollective:
                 n, _, last = self._store.get(k).decode().partition(":")
             except Exception:
                 return []
-            if int(n) < seq:
+            if local in dead:
+                out.append(f"rank {local} died or disconnected after entering {last} "
+                           f"(call #{n}); its heartbeat stopped")
+            elif int(n) < seq:
                 out.append(f"rank {local} is still at {last} (call #{n})")
         return out
 
+    def _read_beat(self, local: int) -> int:
+        assert self._store is not None
+        return int(self._store.add(_alive_key(self._global_ranks[local]), 0))
+
+    def _dead(self) -> tuple[list[int], bool]:
+        """Peers whose heartbeat stopped (group ranks), and whether the store is gone."""
+        if self._store is None:
+            return [], False
+        peers = [r for r in range(self._world) if r != self._rank]
+        try:
+            return find_stalled(self._read_beat, peers, window_s=DEAD_WINDOW_S), False
+        except Exception:  # the rendezvous store itself is unreachable
+            return [], True
+
+    def _store_host(self) -> int | None:
+        """The group rank of global rank 0 (which hosts the store unless a launcher does)."""
+        return self._global_ranks.index(0) if 0 in self._global_ranks else None
+
     def _wrap(self, what: str, exc: BaseException, seq: int = 0) -> BaseException:
         text = str(exc)
+        where = f"{what} (call #{seq})" if seq else what
         if "timed out" in text.lower() or "timeout" in text.lower():
-            behind = self._laggards(seq) if seq else []
+            dead, _ = self._dead()
+            behind = self._laggards(seq, dead) if seq else []
             who = f" ({'; '.join(behind)})" if behind else ""
             return CollectiveTimeoutError(
                 f"rank {self._rank} waited more than {self._timeout_s:g}s for the other ranks "
-                f"at {what} (call #{seq}){who}: {text.splitlines()[0] if text else exc!r}. "
+                f"at {where}{who}: {_first_words(exc)}. "
                 "A rank crashed or never called the same statestream function; raise "
                 "timeout_s if ranks are just slow"
             )
-        return DistributedError(f"rank {self._rank}: {what} failed: {exc}")
+        dead, store_gone = self._dead()
+        if dead:
+            return DistributedError(
+                f"{describe_ranks(dead)} died or disconnected during {where} (seen from rank "
+                f"{self._rank}; {'their' if len(dead) > 1 else 'its'} heartbeat stopped): "
+                f"{_first_words(exc)}"
+            )
+        host_rank = self._store_host()
+        if store_gone and host_rank != self._rank:
+            host = "global rank 0" if host_rank is None else f"rank {host_rank}"
+            return DistributedError(
+                f"{host} died or disconnected during {where} (seen from rank {self._rank}; "
+                f"the rendezvous store, which {host} hosts unless a launcher such as torchrun "
+                f"does, is unreachable too): {_first_words(exc)}"
+            )
+        return DistributedError(f"rank {self._rank}: {where} failed: {exc}")
 
     def barrier(self, name: str) -> None:
         seq = self._arrive(f"barrier '{name}'")

@@ -1,0 +1,117 @@
+"""Which ranks are still alive: heartbeats in the job's own key-value store.
+
+A collective that fails because a peer died says little (gloo: "connection
+reset by peer", from whichever socket broke first) or nothing (a JAX
+key-value wait just waits). So every process that uses a multi-process
+collective runs one daemon thread that bumps its own counter in the job's
+key-value store (torch.distributed's rendezvous store, JAX's coordination
+service) every ``interval_s``. A rank whose counter stops moving while the
+others' move has died or lost its connection; the collectives name it.
+
+Nothing here decides whether a collective failed — only who is to blame.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["Heartbeat", "Watch", "describe_ranks", "find_stalled"]
+
+#: Seconds between two beats of one process. One tiny store write each.
+INTERVAL_S = 1.0
+
+
+class Heartbeat:
+    """A daemon thread that calls ``beat()`` every ``interval_s`` until it fails.
+
+    ``alive()`` says whether the thread still runs; it stops for good when a
+    beat raises (the store is gone) or ``keep_going()`` turns false (the
+    framework's runtime was shut down).
+    """
+
+    def __init__(self, beat: Callable[[], object], keep_going: Callable[[], bool], *,
+                 interval_s: float = INTERVAL_S, name: str = "statestream-heartbeat") -> None:
+        self._beat = beat
+        self._keep_going = keep_going
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        beat()  # the first beat on the caller's thread: a broken store fails loudly here
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                if not self._keep_going():
+                    return
+                self._beat()
+            except BaseException as exc:  # noqa: BLE001 - the store is gone; stop beating
+                self.error = exc
+                return
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Watch:
+    """Observes other processes' beat counters over time (clock-free: local time only).
+
+    ``read(rank)`` returns a rank's counter (0 or None: it never beat). A rank
+    is *stalled* once its counter has not moved for ``dead_after_s`` seconds
+    of this watch's own observation.
+    """
+
+    def __init__(self, read: Callable[[int], int | None], ranks: Sequence[int]) -> None:
+        self._read = read
+        self.start = time.monotonic()
+        #: rank -> (last counter value, when it last changed, whether it moved at all)
+        self._seen: dict[int, tuple[int | None, float, bool]] = {
+            r: (read(r), self.start, False) for r in ranks
+        }
+
+    def update(self) -> None:
+        now = time.monotonic()
+        for r, (old, since, moved) in list(self._seen.items()):
+            v = self._read(r)
+            self._seen[r] = (v, now, True) if v != old else (old, since, moved)
+
+    def stalled(self, dead_after_s: float) -> list[int]:
+        """Ranks that beat at some point but not during the last ``dead_after_s`` seconds."""
+        now = time.monotonic()
+        return [r for r, (v, since, _) in sorted(self._seen.items())
+                if v and now - since >= dead_after_s]
+
+    def unmoved(self) -> list[int]:
+        """Ranks that beat before this watch began but not since."""
+        return [r for r, (v, _, moved) in sorted(self._seen.items()) if v and not moved]
+
+
+def find_stalled(read: Callable[[int], int | None], ranks: Sequence[int], *,
+                 window_s: float, poll_s: float = 0.25) -> list[int]:
+    """Ranks among ``ranks`` that beat before but not within the next ``window_s``.
+
+    Returns as soon as every such rank has beaten again, so healthy peers cost
+    about one beat interval and a dead one ``window_s``. Ranks that never beat
+    (no statestream collective yet, or a store without them) are not named.
+    """
+    watch = Watch(read, ranks)
+    deadline = watch.start + window_s
+    while True:
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        watch.update()
+        pending = watch.unmoved()
+        if not pending or time.monotonic() >= deadline:
+            return pending
+
+
+def describe_ranks(ranks: Sequence[int], word: str = "rank") -> str:
+    """``rank 1`` / ``ranks 1, 3`` (``processes 1, 3``)."""
+    if len(ranks) != 1:
+        word += "es" if word.endswith("s") else "s"
+    return f"{word} {', '.join(str(r) for r in ranks)}"
