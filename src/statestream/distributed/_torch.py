@@ -64,6 +64,10 @@ class TorchCollective:
     :class:`CollectiveTimeoutError` instead of hanging. Barriers use
     ``monitored_barrier`` so the error names the missing ranks.
 
+    Each process also runs one daemon thread that bumps its counter in the
+    rendezvous store once a second (over a connection of its own); when a
+    collective fails, the ranks whose counter stopped are named as dead.
+
     Args:
         group: the process group of the ranks that save together (default: world).
         timeout_s: how long any rank waits for the others at each step.
