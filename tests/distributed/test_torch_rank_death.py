@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,47 @@ def test_an_older_checkpoint_is_not_taken_for_the_uncommitted_save(tmp_path: Pat
     _assert_names_the_dead(values, 0)
     out = ss.load(tmp_path / "ck", collective=ss.SingleProcess())
     assert out["step"] == 3
+
+
+def worker_reinit(ctx: Context) -> dict[str, Any]:
+    """Save, destroy the process group, init it again on the same port, save again."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    import statestream as ss
+
+    def beats() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "statestream-torch-heartbeat"]
+
+    out: dict[str, Any] = {}
+    for gen in range(2):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}",
+                                rank=ctx.rank, world_size=ctx.world,
+                                timeout=datetime.timedelta(seconds=60))
+        ss.save(Path(ctx.args["dir"]) / f"ck{gen}", _state(ctx.rank, gen))
+        out[f"beating{gen}"] = len(beats())
+        dist.destroy_process_group()
+        for t in beats():  # the heartbeat of a destroyed group stops by itself
+            t.join(timeout=30)
+        out[f"after_destroy{gen}"] = len(beats())
+        # rank 0's store server must be gone (nothing may keep it) before anyone
+        # connects to the port again: rank 0 binds it anew
+        gone = Path(ctx.tmp) / f"rank0-destroyed-{gen}"
+        if ctx.rank == 0:
+            gone.touch()
+        deadline = time.monotonic() + 60
+        while not gone.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return out
+
+
+def test_save_after_the_process_group_is_initialised_again(tmp_path: Path) -> None:
+    res = launch(THIS, "worker_reinit", 2, tmp_path, args={"dir": str(tmp_path)},
+                 timeout_s=LAUNCH_TIMEOUT_S)
+    for r in res:
+        assert r.value == {"beating0": 1, "after_destroy0": 0,
+                           "beating1": 1, "after_destroy1": 0}, r.value
+    for gen in range(2):
+        assert ss.load(tmp_path / f"ck{gen}", collective=ss.SingleProcess())["step"] == gen

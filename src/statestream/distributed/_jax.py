@@ -15,8 +15,9 @@ from statestream.errors import CollectiveTimeoutError, DistributedError
 __all__ = ["JaxCollective"]
 
 _SEQS: dict[str, itertools.count[int]] = {}
-#: One heartbeat per coordination-service client (by id; kept alive with it).
-_BEATS: dict[int, tuple[Any, Heartbeat]] = {}
+#: One heartbeat per coordination-service client, by the client's id (the thread
+#: holds the client until jax.distributed.shutdown() replaces it).
+_BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
 #: A wait checks the peers' heartbeats this often (seconds).
 POLL_S = 1.0
@@ -31,13 +32,13 @@ def _start_heartbeat(client: Any, process: int) -> None:
     from jax._src import distributed
 
     with _BEATS_LOCK:
-        if id(client) in _BEATS and _BEATS[id(client)][1].alive():
+        if id(client) in _BEATS and _BEATS[id(client)].alive():
             return
         key = _alive_key(process)
         beat = Heartbeat(lambda: client.key_value_increment(key, 1),
                          lambda: distributed.global_state.client is client,
                          name="statestream-jax-heartbeat")
-        _BEATS[id(client)] = (client, beat)
+        _BEATS[id(client)] = beat
 
 
 def _is_deadline(exc: BaseException) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import weakref
 from typing import Any
 
 from statestream.distributed._liveness import INTERVAL_S, Heartbeat, describe_ranks, find_stalled
@@ -12,11 +13,16 @@ from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["TorchCollective"]
 
-_GROUPS: dict[tuple[Any, float, str], Any] = {}
+#: The gloo group made for each (id of the user's group, timeout, channel), held
+#: weakly: torch holds it while it is registered, and a group kept after
+#: destroy_process_group() would keep rank 0's store server (and its port) alive.
+_GROUPS: dict[tuple[int | None, float, str], weakref.ref[Any]] = {}
 #: Collectives entered so far per group (same order on every rank).
-_SEQ: dict[tuple[Any, float, str], int] = {}
-#: One heartbeat per rendezvous store (by id; the store is kept alive with it).
-_BEATS: dict[int, tuple[Any, Heartbeat]] = {}
+_SEQ: dict[tuple[int | None, float, str], int] = {}
+#: One heartbeat per rendezvous store, by the store's id. The store itself is not
+#: kept: holding it would keep rank 0's store server (and its port) alive after
+#: destroy_process_group().
+_BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
 #: How long a failed collective watches the peers' heartbeats to find the dead ones.
 DEAD_WINDOW_S = 3 * INTERVAL_S + 0.5
@@ -27,15 +33,31 @@ def _alive_key(global_rank: int) -> str:
 
 
 def _start_heartbeat(dist: Any, store: Any) -> None:
-    """Bump this rank's counter in ``store`` every second (one thread per process and store)."""
+    """Bump this rank's counter in ``store`` every second (one thread per process and store).
+
+    The thread stops when the process group is destroyed or replaced, or the
+    store becomes unreachable.
+    """
+    sid = id(store)
     with _BEATS_LOCK:
-        if id(store) in _BEATS and _BEATS[id(store)][1].alive():
+        if sid in _BEATS and _BEATS[sid].alive():
             return
         own = store.clone()  # its own connection: never waits behind the main thread's calls
         key = _alive_key(dist.get_rank())
-        beat = Heartbeat(lambda: own.add(key, 1), dist.is_initialized,
-                         name="statestream-torch-heartbeat")
-        _BEATS[id(store)] = (store, beat)
+
+        def current() -> bool:
+            return bool(dist.is_initialized()) and id(_default_store()) == sid
+
+        _BEATS[sid] = Heartbeat(lambda: own.add(key, 1), current,
+                                name="statestream-torch-heartbeat")
+
+
+def _registered(dist: Any, pg: Any) -> bool:
+    try:
+        dist.get_rank(pg)
+        return True
+    except (ValueError, RuntimeError):
+        return False
 
 
 def _first_words(exc: BaseException) -> str:
@@ -81,15 +103,19 @@ class TorchCollective:
         self._group = group
         self._channel = channel
         self._timeout_s = float(timeout_s)
-        key = (group, self._timeout_s, channel)
-        pg = _GROUPS.get(key)
+        key = (None if group is None else id(group), self._timeout_s, channel)
+        ref = _GROUPS.get(key)
+        pg = ref() if ref is not None else None
+        if pg is not None and not _registered(dist, pg):
+            pg = None  # destroy_process_group() since: a group of the old job
         if pg is None:
             ranks = None if group is None else dist.get_process_group_ranks(group)
             pg = dist.new_group(
                 ranks=ranks, backend="gloo",
                 timeout=datetime.timedelta(seconds=self._timeout_s),
             )
-            _GROUPS[key] = pg
+            _GROUPS[key] = weakref.ref(pg)
+            _SEQ.pop(key, None)  # a new group: every rank counts from the start again
         self._pg = pg
         self._rank = dist.get_rank(pg)
         self._world = dist.get_world_size(pg)
