@@ -91,23 +91,24 @@ class _PickleTrust:
         spath = tuple(str(k) for k in path)
         return any(spath[: len(p)] == p for p in self.prefixes)
 
-    def check(self) -> None:
-        """Raise naming every refused pickle leaf; called before anything is read."""
+    def check(self, where: str) -> None:
+        """Raise naming every refused pickle leaf of checkpoint ``where``; called
+        before anything is read."""
         if not self.refused:
             return
         n = len(self.refused)
         shown = ", ".join(f"'{format_keypath(p)}' ({t[:200]})" for p, t in self.refused[:10])
         more = f" and {n - 10} more" if n > 10 else ""
-        first = format_keypath(self.refused[0][0])
+        named = [format_keypath(p) for p, _ in self.refused[:10]]
         how = (
-            f"pass allow_pickle=['{first}'] (or allow_pickle=True for every pickle leaf)"
+            f"pass allow_pickle={named!r} (or allow_pickle=True for every pickle leaf)"
             if not self.paths
             else f"allow_pickle={self.paths!r} does not cover {'them' if n > 1 else 'it'}; "
             "add the key paths you trust"
         )
         raise PickleNotAllowedError(
-            f"key path{'s' if n > 1 else ''} {shown}{more} hold{'' if n > 1 else 's'} pickled "
-            "data; unpickling can run arbitrary code, so nothing was unpickled. Only if you "
+            f"key path{'s' if n > 1 else ''} {shown}{more} of {where} hold{'' if n > 1 else 's'} "
+            "pickled data; unpickling can run arbitrary code, so nothing was unpickled. Only if you "
             f"trust this checkpoint, {how}"
         )
 
@@ -522,7 +523,7 @@ def _load(
                     like = full
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place)
         build = _walk(root, like, (), m, job, "numpy", False)
-        job.pickles.check()  # every leaf was seen, nothing read or unpickled yet
+        job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
         names = [f.name for f in m.files]
 

@@ -149,8 +149,7 @@ def save(
         overwrite: replace an existing checkpoint atomically (the old one
             stays loadable until the new one is committed).
         pickle_paths: key paths (``"a/b"``) whose otherwise unsupported
-            values may be pickled; loading them needs ``allow_pickle`` to
-            name those key paths (or be ``True``).
+            values may be pickled; loading them needs ``allow_pickle=True``.
         io: thread count and chunk sizes.
         memory: the host staging budget.
         collective: how processes agree; by default torch.distributed when a
