@@ -107,9 +107,9 @@ class _PickleTrust:
             "add the key paths you trust"
         )
         raise PickleNotAllowedError(
-            f"key path{'s' if n > 1 else ''} {shown}{more} of {where} hold{'' if n > 1 else 's'} "
-            "pickled data; unpickling can run arbitrary code, so nothing was unpickled. Only if you "
-            f"trust this checkpoint, {how}"
+            f"key path{'s' if n > 1 else ''} {shown}{more} of {where} "
+            f"hold{'' if n > 1 else 's'} pickled data; unpickling can run arbitrary code, so "
+            f"nothing was unpickled. Only if you trust this checkpoint, {how}"
         )
 
 
