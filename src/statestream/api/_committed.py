@@ -5,8 +5,8 @@ rank) dies right then, the others' collective fails although the checkpoint
 is complete. They read what is committed at the path and compare it with what
 this save's ranks told each other (every rank holds all of it after the last
 all-gather before the commit): the same tree, plain values and arrays, the
-same data files with the same sizes, and every chunk at the same place with
-the same checksum. Only then is the save reported as done. An older
+same data files with the same sizes, every chunk at the same place with the
+same checksum, and the same user metadata. Only then is the save reported as done. An older
 checkpoint left at the path (``overwrite=True``, commit never reached) differs
 in some of that unless it holds exactly this state, byte for byte.
 """
@@ -28,7 +28,7 @@ _Place = tuple[tuple[Any, ...], ...]
 
 
 def committed_as_saved(path: str | os.PathLike[str], gathered: list[Any],
-                       tables: list[Any]) -> bool:
+                       tables: list[Any], user_meta: Any = None) -> bool:
     """Whether ``path`` holds a committed checkpoint that is exactly this save's.
 
     Args:
@@ -38,13 +38,20 @@ def committed_as_saved(path: str | os.PathLike[str], gathered: list[Any],
         tables: every rank's ``{"files": [[name, size]...], "arrays": {key:
             [[file, offset, nbytes, crc, start, shape, blocks]...]}}``, in rank
             order (the all-gather just before the commit).
+        user_meta: the save's user metadata (``meta["user"]`` of the manifest).
     """
     try:
         reader, m = open_checkpoint(path)
     except Exception:  # not committed (or unreadable): not known to be this save
         return False
     reader.close()
+    if _canonical(m.meta.get("user")) != _canonical(user_meta):
+        return False
     return _matches(m, gathered, tables)
+
+
+def _canonical(doc: Any) -> str:
+    return json.dumps(doc, sort_keys=True, default=repr)
 
 
 def _matches(m: Manifest, gathered: list[Any], tables: list[Any]) -> bool:

@@ -212,7 +212,8 @@ class CollectiveSave:
                     err = exc
             # a rank lost right after rank 0 committed must not fail a committed save
             agree(coll, "committing", err,
-                  committed=lambda: committed_as_saved(self.path, self.gathered, tables))
+                  committed=lambda: committed_as_saved(self.path, self.gathered, tables,
+                                                       self.user_meta))
         except BaseException:
             self.abort()
             raise
