@@ -19,7 +19,7 @@ EXPECTED: dict[str, list[str]] = {
         "CollectiveTimeoutError", "DistributedError",
         "FormatVersionError", "IOOptions", "JaxCollective", "MemoryOptions", "MissingKeyError",
         "PickleNotAllowedError", "SaveHandle", "SingleProcess", "StorageError",
-        "TargetMismatchError",
+        "StoragePermissionError", "StorageTimeoutError", "TargetMismatchError",
         "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
         "guard_optimizer", "load", "metadata", "release_staging", "save", "save_async",
@@ -75,8 +75,9 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.errors": [
         "CheckpointCorruptError", "CheckpointError", "CheckpointExistsError",
         "CheckpointNotFoundError", "ChecksumMismatchError", "CollectiveTimeoutError",
-        "DistributedError", "FormatVersionError",
-        "MissingKeyError", "PickleNotAllowedError", "StorageError", "TargetMismatchError",
+        "DistributedError", "FormatVersionError", "ManagerLockedError",
+        "MissingKeyError", "PickleNotAllowedError", "StorageError", "StoragePermissionError",
+        "StorageTimeoutError", "TargetMismatchError",
         "TruncatedFileError", "UnsafeCheckpointError", "UnsupportedTypeError",
     ],
 }
