@@ -39,8 +39,9 @@ EXPECTED: dict[str, list[str]] = {
         "itemsize_of", "validate_file_name",
     ],
     "statestream.storage": [
-        "Buffer", "CheckpointReader", "FileWriter", "LocalStorage", "S3Options", "S3Storage",
-        "Storage", "StorageCapabilities", "WriteTransaction", "set_backend", "storage_for",
+        "Buffer", "CheckpointReader", "FileWriter", "Lease", "Leftover", "LocalStorage",
+        "S3Options", "S3Storage", "Storage", "StorageCapabilities", "WriteTransaction",
+        "WriterId", "collect_garbage", "set_backend", "storage_for",
     ],
     "statestream.plan": [
         "ArraySpec", "FilePlan", "ReadPiece", "ReadRequest", "SavePlan", "StreamPlanner", "Wanted",

@@ -28,7 +28,6 @@ Every message says what failed, where (key path and/or file) and what to do.
 
 from __future__ import annotations
 
-import errno as _errno
 import os as _os
 
 __all__ = [
@@ -133,8 +132,9 @@ def _class_for(code: int) -> type[StorageError]:
     builtin = type(OSError(code, ""))
     cls = _BY_BUILTIN.get(builtin)
     if cls is None:  # e.g. FileExistsError: a private StorageError subclass, made once
+        doc = f"A StorageError that is a {builtin.__name__}."
         cls = type(f"Storage{builtin.__name__}", (StorageError, builtin),
-                   {"__module__": __name__, "__doc__": f"A StorageError that is a {builtin.__name__}."})
+                   {"__module__": __name__, "__doc__": doc})
         _BY_BUILTIN[builtin] = cls
     return cls
 

@@ -7,6 +7,7 @@ an async client bridges it on one long-lived loop thread.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -221,7 +222,7 @@ class Storage(Protocol):
         """
         ...
 
-    def leftovers(self, parent: str) -> list[Leftover]:
+    def leftovers(self, parent: str) -> builtins.list[Leftover]:
         """Staging areas of unfinished saves of checkpoints directly under ``parent``."""
         ...
 

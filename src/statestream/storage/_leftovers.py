@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from statestream.errors import CheckpointError
-from statestream.storage._base import Leftover, Storage, WriterId
+from statestream.storage._base import Storage, WriterId
 
 __all__ = ["DEFAULT_MAX_AGE_S", "collect_garbage", "this_writer", "writer_alive"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
@@ -654,7 +655,7 @@ class LocalStorage:
         """``flock`` on the file ``path``; ``ttl_s`` is not needed (ends with the holder)."""
         return _lock_file(os.path.abspath(path), holder)
 
-    def leftovers(self, parent: str) -> list[Leftover]:
+    def leftovers(self, parent: str) -> builtins.list[Leftover]:
         parent = os.path.abspath(parent)
         try:
             it = os.scandir(parent)
