@@ -126,7 +126,7 @@ def _map_error(exc: BaseException, what: str) -> BaseException:
     if "403" in text or "forbidden" in text or "accessdenied" in text:
         return storage_error(f"{what}: access denied (403); check the credentials and the "
                              "bucket policy", errno.EACCES)
-    if "timed out" in text or "timeout" in text:
+    if "kind: Timeout" in str(exc) or "TimedOut" in str(exc):  # obstore's error chain
         return storage_error(f"{what} timed out (S3Options.timeout_s / retry_timeout_s): "
                              f"{name}: {first[:300]}", errno.ETIMEDOUT)
     if "credential" in text or "signature" in text:
@@ -425,7 +425,9 @@ class S3Storage:
             "timeout": datetime.timedelta(seconds=o.timeout_s),
             "connect_timeout": datetime.timedelta(seconds=o.connect_timeout_s),
         }
-        if o.allow_http or (o.endpoint or "").startswith("http://"):
+        # Passing client options makes obstore ignore AWS_ALLOW_HTTP; honour it here.
+        env_http = os.environ.get("AWS_ALLOW_HTTP", "").strip().lower() == "true"
+        if o.allow_http or env_http or (o.endpoint or "").startswith("http://"):
             client["allow_http"] = True
         retry: dict[str, Any] = {
             "max_retries": o.max_retries,
