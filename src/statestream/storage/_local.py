@@ -507,7 +507,7 @@ class _LocalReader:
                         f"{os.path.join(self.location, name)} is a symbolic link or not a file; "
                         "refusing to follow it out of the checkpoint"
                     ) from None
-                raise StorageError(f"cannot open {self.location}/{name}: {exc}") from exc
+                raise storage_error(f"cannot open {self.location}/{name}: {exc}", exc) from exc
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
@@ -549,7 +549,7 @@ class _LocalReader:
             try:
                 n = os.preadv(fd, batch, offset)
             except OSError as exc:
-                raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
+                raise storage_error(f"reading {self.location}/{name} failed: {exc}", exc) from exc
             if n == 0:
                 raise TruncatedFileError(
                     f"data file {os.path.join(self.location, name)} ends at byte {offset}, "
