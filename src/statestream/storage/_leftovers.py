@@ -26,28 +26,45 @@ DEFAULT_MAX_AGE_S = 24 * 3600.0
 
 
 @functools.lru_cache(maxsize=1)
-def _host_id() -> str:
-    """This kernel instance as seen from this PID namespace (16 hex digits)."""
-    parts = [os.uname().nodename]
+def _host_id() -> str | None:
+    """This kernel boot as seen from this PID namespace (16 hex digits); None if unknown."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
+            boot = f.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        parts.append("no-boot-id")
+        return None  # pids could not be told apart from another namespace's: prove nothing
+    text = f"{os.uname().nodename}\0{boot}\0{pid_ns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_hides_pids() -> bool:
+    """/proc mounted with ``hidepid``: others' processes may look dead to a non-root user."""
     try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
     except OSError:
-        parts.append("no-pid-ns")
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+        return True
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/proc" and " - proc " in line:
+            opts = line.rsplit(" ", 1)[-1]
+            return any(o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
+                       for o in opts.split(","))
+    return True
 
 
 def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None if no such live process."""
+    """Start time of ``pid`` in clock ticks since boot; None if no such live process,
+    -1 if it exists but cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except OSError:
+        return -1
     fields = text[text.rfind(b")") + 2 :].split()
     if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # a zombie writes nothing more
         return None
@@ -58,16 +75,22 @@ def this_writer() -> WriterId | None:
     """The calling process as a writer; None where /proc cannot prove liveness later."""
     pid = os.getpid()
     start = _start_time(pid)
-    if start is None:
+    host = _host_id()
+    if start is None or start < 0 or host is None:
         return None
-    return WriterId(_host_id(), pid, start)
+    return WriterId(host, pid, start)
 
 
 def writer_alive(writer: WriterId | None) -> bool | None:
     """True: alive; False: provably dead; None: cannot tell (another host, unrecorded)."""
-    if writer is None or writer.host != _host_id() or not os.path.isdir("/proc/self"):
+    if writer is None or writer.host != _host_id():
         return None
-    return _start_time(writer.pid) == writer.start
+    if os.geteuid() != 0 and _proc_hides_pids():
+        return None
+    start = _start_time(writer.pid)
+    if start is not None and start < 0:
+        return None  # a process we may not inspect: not provably dead
+    return start == writer.start
 
 
 def collect_garbage(
