@@ -4,6 +4,13 @@ Subclass :class:`StorageTests` in a pytest module and provide two fixtures:
 ``storage`` (the backend) and ``base_url`` (a fresh, empty location under
 which the tests create checkpoints: a directory path or an ``s3://`` URL).
 Runs with pytest; needs no other dependency.
+
+Besides commit semantics, leases and garbage collection, it runs every
+backend under :class:`statestream.testing.faults.FaultyStorage`: each
+write-side call of a save fails in turn (ENOSPC, EIO, or a stall then
+ETIMEDOUT), and the backend must show the same guarantees as any other:
+nothing committed, the previous checkpoint intact, no thread or staging
+buffer left behind.
 """
 
 from __future__ import annotations
