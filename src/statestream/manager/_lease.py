@@ -68,6 +68,9 @@ class DirectoryLease:
                 return
             except CheckpointError:
                 continue  # a transient store failure: try again before the lease expires
+            except Exception as exc:  # a bug, not the store: we can no longer vouch for it
+                self._lost = exc
+                return
 
     def check(self) -> None:
         """Raise unless this manager may write (holds a live lease).
