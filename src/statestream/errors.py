@@ -127,16 +127,27 @@ _BY_BUILTIN: dict[type[OSError], type[StorageError]] = {
 }
 
 
+def _refine(builtin: type[OSError]) -> type[StorageError]:
+    name = f"Storage{builtin.__name__}"
+    cls = type(name, (StorageError, builtin), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"A StorageError that is a {builtin.__name__} (made by storage_error).",
+    })
+    globals()[name] = cls  # importable by name, so it pickles
+    return cls
+
+
+# The other builtin OSError subclasses an errno maps to, refined once at import.
+for _builtin in (BlockingIOError, ChildProcessError, BrokenPipeError, ConnectionAbortedError,
+                 ConnectionRefusedError, ConnectionResetError, FileExistsError,
+                 FileNotFoundError, InterruptedError, IsADirectoryError, NotADirectoryError,
+                 ProcessLookupError):
+    _BY_BUILTIN[_builtin] = _refine(_builtin)
+
+
 def _class_for(code: int) -> type[StorageError]:
     """StorageError refined by the builtin Python maps ``code`` to (EEXIST: FileExistsError)."""
-    builtin = type(OSError(code, ""))
-    cls = _BY_BUILTIN.get(builtin)
-    if cls is None:  # e.g. FileExistsError: a private StorageError subclass, made once
-        doc = f"A StorageError that is a {builtin.__name__}."
-        cls = type(f"Storage{builtin.__name__}", (StorageError, builtin),
-                   {"__module__": __name__, "__doc__": doc})
-        _BY_BUILTIN[builtin] = cls
-    return cls
+    return _BY_BUILTIN.get(type(OSError(code, "")), StorageError)
 
 
 def storage_error(message: str, err: int | OSError | None) -> StorageError:
