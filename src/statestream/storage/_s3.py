@@ -134,6 +134,26 @@ def _map_error(exc: BaseException, what: str) -> BaseException:
     return StorageError(f"{what} failed: {name}: {first[:300]}")
 
 
+#: Client options obstore reads from ``AWS_<NAME>`` only when given none explicitly.
+_ENV_CLIENT_BOOLS = ("allow_http", "allow_invalid_certificates", "http1_only", "http2_only")
+_ENV_CLIENT_STRINGS = ("proxy_url", "proxy_ca_certificate", "proxy_excludes", "user_agent")
+
+
+def _env_client_options() -> dict[str, Any]:
+    """``AWS_ALLOW_HTTP`` & co.: passing client options (for the timeouts) makes obstore
+    ignore these variables, so they are read here."""
+    out: dict[str, Any] = {}
+    for name in _ENV_CLIENT_BOOLS:
+        value = os.environ.get(f"AWS_{name.upper()}")
+        if value is not None:
+            out[name] = value.strip().lower() == "true"
+    for name in _ENV_CLIENT_STRINGS:
+        value = os.environ.get(f"AWS_{name.upper()}")
+        if value:
+            out[name] = value
+    return out
+
+
 def _config_key(options: S3Options) -> tuple[Any, ...]:
     """What a client is built from: the options and every ``AWS_*`` variable.
 
@@ -421,13 +441,10 @@ class S3Storage:
         kw: dict[str, Any] = {name: getattr(o, name) for name in (
             "endpoint", "region", "access_key_id", "secret_access_key", "session_token")
             if getattr(o, name)}
-        client: dict[str, Any] = {
-            "timeout": datetime.timedelta(seconds=o.timeout_s),
-            "connect_timeout": datetime.timedelta(seconds=o.connect_timeout_s),
-        }
-        # Passing client options makes obstore ignore AWS_ALLOW_HTTP; honour it here.
-        env_http = os.environ.get("AWS_ALLOW_HTTP", "").strip().lower() == "true"
-        if o.allow_http or env_http or (o.endpoint or "").startswith("http://"):
+        client = _env_client_options()
+        client["timeout"] = datetime.timedelta(seconds=o.timeout_s)
+        client["connect_timeout"] = datetime.timedelta(seconds=o.connect_timeout_s)
+        if o.allow_http or (o.endpoint or "").startswith("http://"):
             client["allow_http"] = True
         retry: dict[str, Any] = {
             "max_retries": o.max_retries,
