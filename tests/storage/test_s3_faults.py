@@ -289,3 +289,40 @@ def test_a_lease_taken_over_stops_the_manager(storage: S3Storage, base_url: str)
         with pytest.raises(ss.ManagerLockedError):
             mgr.close()
 
+
+
+# ----------------------------------------------------------------------------- garbage
+def test_gc_removes_unreferenced_roots_once_stale(storage: S3Storage, base_url: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from statestream.cli import main
+    from statestream.storage import collect_garbage
+
+    ss.save(f"{base_url}/a", {"x": np.arange(3)})
+    for name, overwrite in (("a", True), ("b", False)):  # two saves killed before commit
+        txn = storage.begin_write(f"{base_url}/{name}", overwrite=overwrite)
+        w = txn.create_file("data/r0-0.bin", 3)
+        w.write_at([b"abc"], 0)
+        w.finish()
+    left = storage.leftovers(base_url)
+    assert sorted(x.target for x in left) == ["a", "b"] and all(x.writer is None for x in left)
+    assert collect_garbage(storage, base_url) == []  # writers unverifiable, roots fresh
+    assert main(["gc", base_url, "--max-age-hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "2 leftover staging directories removed" in out
+    assert storage.leftovers(base_url) == []
+    np.testing.assert_array_equal(ss.load(f"{base_url}/a")["x"], np.arange(3))
+    assert storage.list(f"{base_url}/b") == []
+
+
+def test_manager_removes_its_unreferenced_roots_when_it_opens(storage: S3Storage,
+                                                               base_url: str) -> None:
+    url = f"{base_url}/run"
+    with ss.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.arange(3)})
+    txn = storage.begin_write(f"{url}/step_{1:010d}", overwrite=True)  # killed overwrite
+    txn.write_bytes("manifest.json", b"{}")
+    assert len(storage.leftovers(url)) == 1
+    with ss.CheckpointManager(url) as mgr:
+        assert storage.leftovers(url) == []
+        assert mgr.steps() == [1]
+        np.testing.assert_array_equal(mgr.load()["w"], np.arange(3))

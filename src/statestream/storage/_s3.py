@@ -581,12 +581,38 @@ class S3Storage:
         return self._put_if(bucket, key, body, {"e_tag": meta["e_tag"]})
 
     def leftovers(self, parent: str) -> builtins.list[Leftover]:
-        """None listed: an unfinished save leaves an unreferenced root inside its own
-        prefix, removed with the checkpoint (see docs/storage.md)."""
-        return []
+        """Roots of the checkpoints directly under ``parent`` that no marker names.
+
+        Root names cannot record a writer (readers accept 32 hex digits only),
+        so every leftover here has an unverifiable writer: removed after the
+        age limit, or by the lease holder of ``parent``. An unfinished multipart
+        upload is invisible until it completes (see docs/storage.md).
+        """
+        import obstore
+
+        bucket, prefix = split_url(parent)
+        roots: dict[tuple[str, str], float] = {}
+        try:
+            for batch in obstore.list(self._store(bucket), prefix=prefix + "/"):
+                for m in batch:
+                    parts = m["path"][len(prefix) + 1 :].split("/")
+                    if len(parts) >= 3 and _ROOT_RE.match(parts[1]):
+                        when = m["last_modified"].timestamp()
+                        roots[parts[0], parts[1]] = max(roots.get((parts[0], parts[1]), 0), when)
+        except Exception as exc:
+            raise _map_error(exc, f"listing {parent}") from exc
+        live = {name: self._live_root(bucket, f"{prefix}/{name}") for name, _ in roots}
+        return [Leftover(f"s3://{bucket}/{prefix}/{name}/{root}", name, None, when)
+                for (name, root), when in sorted(roots.items()) if live[name] != root]
 
     def remove_leftover(self, leftover: Leftover) -> None:
-        raise StorageError(f"S3Storage lists no leftovers; cannot remove {leftover.path}")
+        bucket, key = split_url(leftover.path)
+        checkpoint, _, root = key.rpartition("/")
+        if not _ROOT_RE.match(root) or not checkpoint:
+            raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
+        if self._live_root(bucket, checkpoint) == root:
+            raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
+        self._delete_prefix(bucket, key + "/")
 
     # -- Storage protocol ------------------------------------------------------------
     def begin_write(self, path: str, *, overwrite: bool) -> _S3Txn:
