@@ -260,10 +260,10 @@ def test_lease_of_a_killed_manager_is_taken_over_after_expiry(
 @pytest.mark.timeout(120)
 def test_a_live_holder_keeps_its_lease_past_the_ttl(storage: S3Storage, base_url: str) -> None:
     url = f"{base_url}/run"
-    with ss.CheckpointManager(url, lease_ttl_s=2) as mgr:
-        time.sleep(8)  # several ttls: only renewals keep it
+    with ss.CheckpointManager(url, lease_ttl_s=3) as mgr:
+        time.sleep(10)  # several ttls: only renewals keep it
         with pytest.raises(ss.ManagerLockedError, match="already managed"):
-            ss.CheckpointManager(url, lease_ttl_s=2)
+            ss.CheckpointManager(url, lease_ttl_s=3)
         mgr.save(1, {"w": np.arange(3)})
     with ss.CheckpointManager(url) as again:  # released on close
         assert again.steps() == [1]
