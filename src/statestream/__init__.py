@@ -55,6 +55,7 @@ from statestream.manager import (
     ManagerLockedError,
     OnPreemption,
 )
+from statestream.providers import register_provider
 
 __all__ = [
     "AllOf",
@@ -98,6 +99,7 @@ __all__ = [
     "guard_optimizer",
     "load",
     "metadata",
+    "register_provider",
     "release_staging",
     "save",
     "save_async",
