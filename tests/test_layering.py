@@ -33,7 +33,8 @@ LAYERS: list[set[str]] = [
 LEVEL = {pkg: i for i, level in enumerate(LAYERS) for pkg in level}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "optax")
 FRAMEWORK_HOMES = {"providers", "distributed", "integrations", "testing"}
-_LOOKUP = re.compile(r"""sys\.modules(?:\.get\(|\[)\s*["'](%s)\b""" % "|".join(FRAMEWORKS))
+_NAMES = "|".join(FRAMEWORKS)
+_LOOKUP = re.compile(r"""sys\.modules(?:\.get\(|\[)\s*["'](""" + _NAMES + r""")\b""")
 
 
 def _modules() -> list[tuple[str, Path]]:

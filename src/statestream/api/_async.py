@@ -42,7 +42,10 @@ def save_async(
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
             mutating the state. In-place changes outside a guarded optimizer
-            (``p.add_(...)`` under ``no_grad``) must wait for ``wait_snapshot()``.
+            (``p.add_(...)`` under ``no_grad``) must wait for ``wait_snapshot()``;
+            a torch tensor changed in place before its copy fails the save
+            (``result()`` raises CheckpointError naming its key path) rather
+            than committing a torn snapshot.
         collective: in a multi-process job every rank calls ``save_async``; the
             plan is agreed in the blocking phase, each rank snapshots and writes
             only the chunks it owns, and the background phase agrees and commits

@@ -92,7 +92,7 @@ def array_provider_for(obj: Any) -> ArrayProvider | None:
     t = type(obj)
     try:
         return _BY_TYPE[t]
-    except KeyError:
+    except KeyError:  # not cached yet: ask the providers below
         pass
     found = None
     for p in _PROVIDERS:
@@ -109,7 +109,7 @@ def target_provider_for(like: Any) -> ArrayProvider | None:
     t = type(like)
     try:
         return _TARGET_BY_TYPE[t]
-    except KeyError:
+    except KeyError:  # not cached yet: ask the providers below
         pass
     found = None
     for p in _PROVIDERS:
