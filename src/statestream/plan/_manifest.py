@@ -247,10 +247,8 @@ def build_manifest(merged: MergedTree, parts: Sequence[RankPart],
         base = len(files)
         files.extend(part.files)
         for ai, cs in part.chunks.items():
-            out = chunks[ai]
             if base:
-                for c in cs:
-                    c.file += base
-            out.extend(cs)
+                cs = [dataclasses.replace(c, file=c.file + base) for c in cs]
+            chunks[ai].extend(cs)
     arrays = [ArrayEntry(a.dtype, a.shape, tuple(cs)) for a, cs in zip(merged.arrays, chunks)]
     return Manifest(tree=merged.tree, arrays=arrays, files=files, meta=meta)
