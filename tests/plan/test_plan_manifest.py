@@ -85,8 +85,9 @@ def test_chunk_types_have_room_for_codecs_and_references_that_v1_refuses() -> No
     assert plain.codec is None and plain.ref is None
     ok = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [plain]})], {})
     assert b"codec" not in encode_manifest(ok)  # v1 JSON unchanged
+    ref = ChunkRef("../step_1", "data/r0-0.bin", 0)
     for chunk in (ChunkEntry(0, 0, 3, 1, (0,), (4,), codec="zstd"),
-                  ChunkEntry(0, 0, 4, 1, (0,), (4,), ref=ChunkRef("../step_1", "data/r0-0.bin", 0))):
+                  ChunkEntry(0, 0, 4, 1, (0,), (4,), ref=ref)):
         man = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [chunk]})], {})
         with pytest.raises(FormatVersionError, match="cannot record"):
             encode_manifest(man)
