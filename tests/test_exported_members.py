@@ -44,10 +44,11 @@ EXPECTED: dict[str, list[str]] = {
         "Storage", "StorageCapabilities", "WriteTransaction", "set_backend", "storage_for",
     ],
     "statestream.plan": [
-        "ArrayDecl", "ArraySpec", "FilePlan", "MergedTree", "RankPart", "RankTree", "ReadPiece",
+        "ArrayDecl", "ArrayShape", "ArraySpec", "FilePlan", "MergedTree", "RankPart", "RankTree",
+        "ReadPiece",
         "ReadRequest", "StreamPlanner", "Wanted", "WriteItem", "assign_writers",
         "block_rows_for", "build_manifest", "coalesce", "merge_trees", "plan_load", "plan_verify",
-        "split_chunks",
+        "single_tree", "split_chunks",
     ],
     "statestream.engine": [
         "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "SaveHandle", "SaveJob",

@@ -25,18 +25,20 @@ class Collector:
     Args:
         pickle_paths: key paths whose unsupported values may be pickled.
         track: remember, per array, which memory it uses (for guarded
-            optimizer steps) and how to read its modification counter (to
-            detect a change before a lazy snapshot copied it).
+            optimizer steps).
+        versions: remember how to read each array's modification counter and
+            its value now (to detect a change before a lazy snapshot copied it).
         private_copies: snapshot providers' private copies of values that
             need one (a lazy snapshot must not read donated JAX buffers).
     """
 
     def __init__(self, pickle_paths: Collection[str], *, track: bool = False,
-                 private_copies: bool = False) -> None:
+                 versions: bool = False, private_copies: bool = False) -> None:
         self.arrays: list[PreparedArray] = []
         self.paths: list[KeyPath] = []
         self._pickle = {parse_keypath(p) for p in pickle_paths}
         self._track = track
+        self._versions = versions
         self._private = private_copies
         #: called with each new array's index as the walk finds it
         self.on_array: Callable[[int, PreparedArray], None] | None = None
@@ -100,7 +102,7 @@ class Collector:
             mid = p.memory_id(x)
             if mid is not None:
                 self.memory.setdefault(mid, []).append(index)
-            read = p.version(x)
+            read = p.version(x) if self._versions else None
             if read is not None:
                 self.versions[index] = (read, read())
         return Node("array", array=index, attrs=attrs)

@@ -24,6 +24,7 @@ nothing). The phases:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -69,6 +70,7 @@ from statestream.plan import (
     assign_writers,
     build_manifest,
     merge_trees,
+    single_tree,
 )
 from statestream.storage import WriteTransaction, storage_for
 
@@ -113,7 +115,10 @@ class SaveJob:
         self.lazy = lazy
         self.multi = self.coll.world_size > 1
         self.storage, self.spath = storage_for(path)
-        self.collector = Collector(options.pickle_paths, track=snapshot, private_copies=lazy)
+        # Which memory each array uses matters to guarded optimizer steps (async
+        # saves); whether it changed before its copy, only to lazy snapshots.
+        self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
+                                   private_copies=lazy)
         io = options.io
         self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",
                                      max_files=io.write_threads(),
@@ -154,7 +159,7 @@ class SaveJob:
             tree = self.collector.walk(self.state)
             if self.snapshot_mode:
                 self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
-            self.merged = merge_trees([RankTree(tree, self.collector.decls())])
+            self.merged = single_tree(tree, self.collector.arrays)
         except BaseException:
             self._abort_local()
             raise
@@ -184,8 +189,8 @@ class SaveJob:
         except BaseException as exc:
             err = exc
         agree(coll, "planning", err)
-        self._open_transaction()
         try:
+            self._open_transaction()  # rank 0's may exist when a join fails
             self._open_writer()
             if self.snapshot_mode:
                 self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
@@ -414,7 +419,7 @@ class SaveJob:
             "library": f"statestream {__version__}",
             "created_unix": time.time(),
             "world_size": self.coll.world_size,
-            "total_bytes": sum(a.nbytes for a in merged.arrays),
+            "total_bytes": sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays),
             **({"user": user} if user is not None else {}),
         }
         mbytes = encode_manifest(build_manifest(merged, parts, meta))

@@ -10,11 +10,13 @@ from statestream.plan._load import (
 )
 from statestream.plan._manifest import (
     ArrayDecl,
+    ArrayShape,
     MergedTree,
     RankPart,
     RankTree,
     build_manifest,
     merge_trees,
+    single_tree,
 )
 from statestream.plan._save import (
     ArraySpec,
@@ -28,11 +30,13 @@ from statestream.plan._save import (
 
 __all__ = [
     "ArrayDecl",
+    "ArrayShape",
     "MergedTree",
     "RankPart",
     "RankTree",
     "build_manifest",
     "merge_trees",
+    "single_tree",
     "ArraySpec",
     "FilePlan",
     "ReadPiece",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from statestream.errors import TargetMismatchError
 from statestream.format import ArrayEntry, ChunkEntry, FileEntry, Manifest, itemsize_of
@@ -24,11 +24,13 @@ from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = [
     "ArrayDecl",
+    "ArrayShape",
     "MergedTree",
     "RankPart",
     "RankTree",
     "build_manifest",
     "merge_trees",
+    "single_tree",
 ]
 
 
@@ -53,13 +55,24 @@ class RankTree:
     arrays: list[ArrayDecl]
 
 
+class ArrayShape(Protocol):
+    """What the manifest needs of an array: dtype and global shape."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 @dataclasses.dataclass(slots=True)
 class MergedTree:
     """The checkpoint's tree with global array indices, and its array table."""
 
     tree: Node
-    arrays: list[ArrayDecl]
-    #: key path -> global array index
+    arrays: Sequence[ArrayShape]
+    #: key path -> global array index (empty for one process, whose indices are
+    #: already global)
     index: dict[str, int]
 
 
@@ -200,9 +213,7 @@ def merge_trees(ranks: Sequence[RankTree]) -> MergedTree:
         ({'w': 0}, (2,))
     """
     if len(ranks) == 1:  # one process: its tree is the checkpoint's, as it is
-        only = ranks[0]
-        return MergedTree(only.tree, list(only.arrays),
-                          {a.key: i for i, a in enumerate(only.arrays)})
+        return single_tree(ranks[0].tree, ranks[0].arrays)
     keys = [[a.key for a in rt.arrays] for rt in ranks]
     merged = _keyed(ranks[0].tree, keys[0])
     for r in range(1, len(ranks)):
@@ -222,6 +233,12 @@ def merge_trees(ranks: Sequence[RankTree]) -> MergedTree:
                     "nothing was written"
                 )
     return MergedTree(tree, [decls[k] for k in order], order)
+
+
+def single_tree(tree: Node, arrays: Sequence[ArrayShape]) -> MergedTree:
+    """The checkpoint's tree when one process saved it: its own tree, as it is
+    (no key paths needed: the local array indices are the global ones)."""
+    return MergedTree(tree, arrays, {})
 
 
 # ----------------------------------------------------------------------------- manifest

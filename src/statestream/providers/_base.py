@@ -227,8 +227,8 @@ class ArrayProvider(abc.ABC):
         return obj
 
     def memory_id(self, obj: Any) -> int | None:
-        """Identity of the memory ``obj`` uses (``mutable_values``), None if it is not
-        a value of this provider."""
+        """Identity of the memory ``obj`` (a value this provider handles) uses
+        (``mutable_values``), None if it cannot tell."""
         return None
 
     def version(self, obj: Any) -> Callable[[], int] | None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import weakref
@@ -317,20 +318,15 @@ class TorchProvider(ArrayProvider):
 
     # -- capabilities used by saves ---------------------------------------------------
     def memory_id(self, obj: Any) -> int | None:
-        """The address of the tensor's (local shard's) memory; None for non-tensors."""
-        if not self.handles(obj):
-            return None
-        local = obj.to_local() if _is_dtensor(obj) else obj
+        """The address of the tensor's (local shard's) memory."""
+        local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
         return int(local.data_ptr())
 
     def version(self, obj: Any) -> Callable[[], int] | None:
         """Reader of the tensor's version counter (bumped by every in-place change;
         views share their base's counter)."""
-        local = obj.to_local() if _is_dtensor(obj) else obj
-
-        def read() -> int:
-            return int(local._version)
-
+        local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
+        read: Callable[[], int] = functools.partial(getattr, local, "_version")
         return read
 
     def pinned_alloc(self, nbytes: int) -> np.ndarray | None:
@@ -399,6 +395,22 @@ class TorchProvider(ArrayProvider):
 
 
 _GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+class _PlainTensors:
+    """``torch.Tensor`` and ``nn.Parameter`` (looked up once torch is loaded)."""
+
+    def __contains__(self, t: type) -> bool:
+        torch = _torch()
+        return torch is not None and (t is torch.Tensor or t is torch.nn.Parameter)
+
+
+_PLAIN_TENSORS = _PlainTensors()
+
+
+def _local(obj: Any) -> Any:
+    """A DTensor's local shard; any other tensor as it is."""
+    return obj.to_local() if _is_dtensor(obj) else obj
 
 
 def _optimizer_tensors(opt: Any) -> list[Any]:
