@@ -143,7 +143,13 @@ class SaveJob:
 
     # ----------------------------------------------------------------------- begin
     def begin(self) -> None:
-        """Walk, agree, plan and open the transaction (collective)."""
+        """Walk, agree, plan and open the transaction (collective).
+
+        One process has nothing to agree on, so it opens its transaction
+        *before* the walk and (writing straight from the state) starts its
+        writers on each array as the walk finds it; everything after the begin
+        is the same for one process and many.
+        """
         if self.multi:
             self._begin_collective()
         else:
