@@ -57,6 +57,7 @@ from statestream.manager import (
     ManagerLockedError,
     OnPreemption,
 )
+from statestream.providers import register_provider
 
 __all__ = [
     "AllOf",
@@ -102,6 +103,7 @@ __all__ = [
     "guard_optimizer",
     "load",
     "metadata",
+    "register_provider",
     "release_staging",
     "save",
     "save_async",

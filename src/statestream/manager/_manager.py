@@ -11,6 +11,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
+from statestream.api._async import guard_optimizers_in
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import CheckpointError, CheckpointNotFoundError, ManagerLockedError
@@ -32,7 +33,8 @@ class CheckpointManager:
         keep_policy: which committed steps to keep (default: all). The latest
             committed step and the step being written are never deleted.
         async_save: save in the background (one save in flight at most).
-        lazy: lazy snapshots (see ``save_async``); guard optimizers yourself.
+        lazy: lazy snapshots (see ``save_async``); the optimizers in the saved
+            state are guarded (``guard_optimizer``) by the manager itself.
         preemption: install a SIGTERM handler; after SIGTERM,
             :meth:`reached_preemption` turns true and ``OnPreemption`` policies fire.
         collective: processes that save together (default: detected).
@@ -274,6 +276,8 @@ class CheckpointManager:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
                                         collective=self._coll, meta=meta)
+            if self._lazy:  # an optimizer.step() must not race the lazy snapshot
+                guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
