@@ -35,6 +35,8 @@ from statestream.errors import (
     MissingKeyError,
     PickleNotAllowedError,
     StorageError,
+    StoragePermissionError,
+    StorageTimeoutError,
     TargetMismatchError,
     TruncatedFileError,
     UnsafeCheckpointError,
@@ -55,6 +57,7 @@ from statestream.manager import (
     ManagerLockedError,
     OnPreemption,
 )
+from statestream.providers import register_provider
 
 __all__ = [
     "AllOf",
@@ -88,6 +91,8 @@ __all__ = [
     "SaveHandle",
     "SingleProcess",
     "StorageError",
+    "StoragePermissionError",
+    "StorageTimeoutError",
     "TargetMismatchError",
     "TorchCollective",
     "TruncatedFileError",
@@ -98,6 +103,7 @@ __all__ = [
     "guard_optimizer",
     "load",
     "metadata",
+    "register_provider",
     "release_staging",
     "save",
     "save_async",

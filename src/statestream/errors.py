@@ -15,7 +15,11 @@ refines, so ``except FileNotFoundError`` keeps working::
     ├── PickleNotAllowedError (PermissionError)        a pickled leaf allow_pickle does not trust
     ├── TargetMismatchError (ValueError)               target shape/structure differs from saved
     ├── MissingKeyError (KeyError)                     target asks for a key the checkpoint lacks
-    ├── StorageError (OSError)                         the storage backend failed
+    ├── StorageError (OSError)                         the storage backend failed; carries
+    │   │                                              the OS error's errno (EROFS, ENOSPC, ...)
+    │   ├── StoragePermissionError (PermissionError)   EACCES / EPERM / HTTP 403
+    │   ├── StorageTimeoutError (TimeoutError)         ETIMEDOUT / a request timed out
+    │   └── ManagerLockedError (BlockingIOError)       another manager holds the directory's lease
     └── DistributedError (RuntimeError)                another rank failed; names it
         └── CollectiveTimeoutError (TimeoutError)      a rank never reached a collective
 
@@ -23,6 +27,8 @@ Every message says what failed, where (key path and/or file) and what to do.
 """
 
 from __future__ import annotations
+
+import os as _os
 
 __all__ = [
     "CheckpointCorruptError",
@@ -33,9 +39,12 @@ __all__ = [
     "CollectiveTimeoutError",
     "DistributedError",
     "FormatVersionError",
+    "ManagerLockedError",
     "MissingKeyError",
     "PickleNotAllowedError",
     "StorageError",
+    "StoragePermissionError",
+    "StorageTimeoutError",
     "TargetMismatchError",
     "TruncatedFileError",
     "UnsafeCheckpointError",
@@ -97,6 +106,72 @@ class MissingKeyError(CheckpointError, KeyError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed to read, write, list or commit."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The backend refused access (EACCES, EPERM, an HTTP 403)."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage request did not complete in time (ETIMEDOUT, a client timeout)."""
+
+
+class ManagerLockedError(StorageError, BlockingIOError):
+    """Another CheckpointManager holds the lease on this directory."""
+
+
+_BY_BUILTIN: dict[type[OSError], type[StorageError]] = {
+    OSError: StorageError,
+    PermissionError: StoragePermissionError,
+    TimeoutError: StorageTimeoutError,
+}
+
+
+def _refine(builtin: type[OSError]) -> type[StorageError]:
+    name = f"Storage{builtin.__name__}"
+    cls = type(name, (StorageError, builtin), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"A StorageError that is a {builtin.__name__} (made by storage_error).",
+    })
+    globals()[name] = cls  # importable by name, so it pickles
+    return cls
+
+
+# The other builtin OSError subclasses an errno maps to, refined once at import.
+for _builtin in (BlockingIOError, ChildProcessError, BrokenPipeError, ConnectionAbortedError,
+                 ConnectionRefusedError, ConnectionResetError, FileExistsError,
+                 FileNotFoundError, InterruptedError, IsADirectoryError, NotADirectoryError,
+                 ProcessLookupError):
+    _BY_BUILTIN[_builtin] = _refine(_builtin)
+
+
+def _class_for(code: int) -> type[StorageError]:
+    """StorageError refined by the builtin Python maps ``code`` to (EEXIST: FileExistsError)."""
+    return _BY_BUILTIN.get(type(OSError(code, "")), StorageError)
+
+
+def storage_error(message: str, err: int | OSError | None) -> StorageError:
+    """A StorageError for an OS-level failure, carrying its ``errno`` and builtin class.
+
+    ``err`` is the errno or the OSError that caused it. The result is an instance
+    of the builtin Python maps the errno to (EACCES: PermissionError, EEXIST:
+    FileExistsError, ETIMEDOUT: TimeoutError, EROFS/ENOSPC/EIO: OSError) and has
+    ``.errno``/``.strerror`` set, so ``exc.errno == errno.EROFS`` works as for any
+    OSError.
+
+    Example:
+        >>> import errno
+        >>> e = storage_error("writing /ro/ckpt failed", errno.EACCES)
+        >>> isinstance(e, PermissionError), e.errno == errno.EACCES, str(e)
+        (True, True, 'writing /ro/ckpt failed')
+    """
+    code = err.errno if isinstance(err, OSError) else err
+    if code is None:
+        return StorageError(message)
+    exc = _class_for(code)(message)
+    exc.errno = code
+    exc.strerror = _os.strerror(code)
+    return exc
 
 
 class DistributedError(CheckpointError, RuntimeError):

@@ -313,7 +313,7 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return _expect_distributed_error(lambda: ss.save(target, state))
 
     def fail_write() -> Any:
-        import statestream.api._multi as multi
+        import statestream.engine._job as multi
 
         target = root / "fail_write" / "ck"
         target.parent.mkdir(exist_ok=True)

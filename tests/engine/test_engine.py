@@ -1,4 +1,4 @@
-"""Tests for statestream.engine: ByteBudget, write_files and read_requests."""
+"""Tests for statestream.engine: ByteBudget, StreamWriter and read_requests."""
 
 from __future__ import annotations
 
@@ -14,20 +14,19 @@ from statestream.engine import (
     ByteBudget,
     IOOptions,
     MemoryOptions,
+    StreamWriter,
     default_memory_budget_bytes,
     read_requests,
-    write_files,
 )
 from statestream.errors import CheckpointCorruptError, ChecksumMismatchError, TruncatedFileError
-from statestream.format import COMMIT_NAME, ArrayEntry, ChunkEntry, checksum, dtype_name
+from statestream.format import COMMIT_NAME, ArrayEntry, FileEntry, checksum, dtype_name
 from statestream.plan import (
     ArraySpec,
     ReadPiece,
-    SavePlan,
+    StreamPlanner,
     Wanted,
     WriteItem,
     plan_load,
-    plan_save,
     plan_verify,
 )
 from statestream.storage import LocalStorage
@@ -175,28 +174,28 @@ def needs_copy(a: np.ndarray) -> bool:
 
 
 def save_arrays(path: Path, arrays: list[np.ndarray], *, threads: int, budget: ByteBudget,
-                progress: Any = None) -> tuple[SavePlan, list[ArrayEntry], list[str]]:
+                progress: Any = None) -> tuple[list[FileEntry], list[ArrayEntry], list[str]]:
+    """Write arrays with the streaming writer (three files); ``threads`` is for reads."""
     st = LocalStorage()
-    plan = plan_save([ArraySpec(a.shape, a.itemsize, needs_copy(a)) for a in arrays],
-                     file_prefix="data/r0", max_files=3, max_chunk_bytes=256,
-                     min_file_bytes=1)
+    planner = StreamPlanner(file_prefix="data/r0", max_files=3, max_chunk_bytes=256,
+                            block_bytes=256)
     txn = st.begin_write(str(path), overwrite=False)
-    sums = write_files(txn, plan.files, source_for(arrays),
-                       options=IOOptions(num_threads=threads), budget=budget,
-                       progress=progress)
+    writer = StreamWriter(txn, planner.file_name, source_for(arrays), budget=budget,
+                          progress=progress)
+    for ai, a in enumerate(arrays):
+        writer.submit(planner.add(ai, ArraySpec(a.shape, a.itemsize, needs_copy(a))))
+    written = writer.close()
+    files = writer.files()
     txn.write_bytes(COMMIT_NAME, b"x")
     txn.commit()
-    where = {(it.array, it.chunk): (it.file, it.offset) for f in plan.files for it in f.items}
     entries = []
     for ai, a in enumerate(arrays):
-        chunks = tuple(
-            ChunkEntry(*where[(ai, ci)], nb, sums[(ai, ci)], s, sh)
-            for ci, (s, sh, nb) in enumerate(plan.chunks[ai])
-        )
+        chunks = tuple(written[(ai, ci)] for ci, (_, _, nb) in enumerate(planner.chunks[ai])
+                       if nb)
         name = dtype_name(a.dtype)
         assert name is not None
         entries.append(ArrayEntry(name, a.shape, chunks))
-    return plan, entries, [f.name for f in plan.files]
+    return files, entries, [f.name for f in files]
 
 
 def describe(p: ReadPiece) -> str:
@@ -209,9 +208,9 @@ def describe(p: ReadPiece) -> str:
 def test_round_trip(tmp_path: Path, threads: int, budget_bytes: int) -> None:
     arrays = make_arrays()
     wbudget = ByteBudget(budget_bytes)
-    plan, entries, names = save_arrays(tmp_path / "c", arrays, threads=threads, budget=wbudget)
+    files, entries, names = save_arrays(tmp_path / "c", arrays, threads=threads, budget=wbudget)
     assert wbudget.in_use == 0 and wbudget.peak <= budget_bytes
-    assert len(plan.files) == 3
+    assert len(files) == 3
     # checksums are of the little-endian C-order chunk bytes
     for ai, e in enumerate(entries):
         for c in e.chunks:
@@ -248,9 +247,9 @@ def test_progress_reaches_total(tmp_path: Path) -> None:
         with lock:
             wcalls.append((done, total))
 
-    plan, entries, names = save_arrays(tmp_path / "c", arrays, threads=3, budget=ByteBudget(64),
-                                       progress=wprog)
-    total = sum(f.size for f in plan.files)
+    _, entries, names = save_arrays(tmp_path / "c", arrays, threads=3, budget=ByteBudget(64),
+                                    progress=wprog)
+    total = sum(a.nbytes for a in arrays)
     assert wcalls and {t for _, t in wcalls} == {total}
     assert max(d for d, _ in wcalls) == total
     rcalls: list[tuple[int, int]] = []
@@ -327,8 +326,6 @@ def test_truncated_file_raises_naming_array(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_write_failure_propagates_and_releases_budget(tmp_path: Path) -> None:
     arrays = make_arrays()
-    plan = plan_save([ArraySpec(a.shape, a.itemsize, True) for a in arrays],
-                     file_prefix="data/r0", max_files=3, max_chunk_bytes=256, min_file_bytes=1)
     good = source_for(arrays)
 
     def source(it: WriteItem) -> np.ndarray:
@@ -337,15 +334,15 @@ def test_write_failure_propagates_and_releases_budget(tmp_path: Path) -> None:
         return good(it)  # type: ignore[no-any-return]
 
     budget = ByteBudget(1 << 20)
+    planner = StreamPlanner(file_prefix="data/r0", max_files=3, max_chunk_bytes=256,
+                            block_bytes=256)
     txn = LocalStorage().begin_write(str(tmp_path / "c"), overwrite=False)
+    writer = StreamWriter(txn, planner.file_name, source, budget=budget)
     with pytest.raises(RuntimeError, match="provider exploded"):
-        write_files(txn, plan.files, source, options=IOOptions(num_threads=3), budget=budget)
+        for ai, a in enumerate(arrays):
+            writer.submit(planner.add(ai, ArraySpec(a.shape, a.itemsize, True)))
+        writer.close()
+    writer.abort()
     txn.abort()
     assert budget.in_use == 0
     assert list(tmp_path.iterdir()) == []
-
-
-def test_no_files_no_work(tmp_path: Path) -> None:
-    txn = LocalStorage().begin_write(str(tmp_path / "c"), overwrite=False)
-    assert write_files(txn, [], source_for([]), options=IOOptions(), budget=ByteBudget(1)) == {}
-    txn.abort()

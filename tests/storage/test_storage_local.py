@@ -176,6 +176,29 @@ def test_commit_over_path_created_meanwhile(st: LocalStorage, tmp_path: Path) ->
     assert entries(tmp_path) == ["ckpt"]  # our temp dir is gone
 
 
+def test_overwrite_replaces_a_path_created_just_before_the_rename(
+        st: LocalStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overwrite=True the last writer wins, even in the window between the
+    commit's existence check and its rename (there it used to raise)."""
+    final = tmp_path / "ckpt"
+    txn = write_checkpoint(st, final, b"mine", overwrite=True, commit=False)
+    real = os.path.lexists
+    raced: list[bool] = []
+
+    def lexists_then_race(p: Any) -> bool:
+        if os.fspath(p) == str(final) and not raced:
+            raced.append(True)
+            write_checkpoint(st, final, b"theirs")  # commits right after our check
+            return False
+        return real(p)
+
+    monkeypatch.setattr(os.path, "lexists", lexists_then_race)
+    txn.commit()
+    monkeypatch.undo()
+    assert raced and read_all(st, final) == b"mine"
+    assert entries(tmp_path) == ["ckpt"]
+
+
 def test_overwrite_swaps_atomically(st: LocalStorage, tmp_path: Path) -> None:
     final = tmp_path / "ckpt"
     write_checkpoint(st, final, b"version one")

@@ -33,6 +33,7 @@ from statestream.providers import (
     NumpyProvider,
     expand_pytree,
     provider_by_kind,
+    providers,
     rebuild_pytree,
     target_provider_for,
 )
@@ -157,12 +158,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     scalar = bool(attrs.get("scalar"))
     if like is NO_TARGET:
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
-        prov = provider_by_kind(kind)
-        dest: Destination = (
-            _NUMPY.restore(entry.dtype, entry.shape, None, path, scalar=scalar)
-            if isinstance(prov, NumpyProvider)
-            else prov.restore(entry.dtype, entry.shape, None, path)
-        )
+        dest: Destination = provider_by_kind(kind).restore(entry.dtype, entry.shape, None, path,
+                                                           scalar=scalar)
     else:
         prov = target_provider_for(like)
         if prov is None:
@@ -177,8 +174,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 f"shape mismatch at key path '{format_keypath(path)}': the checkpoint has "
                 f"{entry.shape} ({entry.dtype}), the target has {want}"
             )
-        into = getattr(prov, "restore_into", None) if job.in_place else None
-        found = into(entry.dtype, entry.shape, like, path) if into is not None else None
+        found = (prov.restore_into(entry.dtype, entry.shape, like, path)
+                 if job.in_place and prov.capabilities.in_place_restore else None)
         dest = found if found is not None else prov.restore(entry.dtype, entry.shape, like, path)
     for start, buf in dest.boxes:
         job.wanted.append(Wanted(node.array, start, buf))
@@ -231,7 +228,9 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if like is not NO_TARGET and is_stateful(like) and target_provider_for(like) is None:
         inner = node.children[0] if k == "stateful" and node.children else node
         sub_like = like.state_dict()
-        _hint_optimizer_state(like, sub_like, inner, m)
+        for prov in providers():
+            if prov.capabilities.state_hints:
+                prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
         build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
 
         def build_stateful() -> Any:
@@ -306,38 +305,6 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 b = _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)
             builds.append((key, b))
     return _finish_build(rebuild, builds)
-
-
-def _hint_optimizer_state(opt: Any, sub_like: Any, node: Node, m: Manifest) -> None:
-    """Give a never-stepped optimizer's missing state the layout of its parameters.
-
-    A fresh optimizer has no per-parameter state yet, so nothing says that a
-    saved ``exp_avg`` should come back sharded like its (FSDP2/DTensor)
-    parameter. Each saved state tensor with its parameter's shape gets that
-    parameter as its target: same type, dtype, device and placements.
-    """
-    groups = getattr(opt, "param_groups", None)
-    if not isinstance(sub_like, dict) or not isinstance(sub_like.get("state"), dict) or not groups:
-        return
-    params = [p for g in groups for p in g.get("params", [])]
-    state_node = node.child("state")
-    if state_node is None or state_node.keys is None:
-        return
-    hints = sub_like["state"]
-    for idx, per_param in zip(state_node.keys, state_node.children or []):
-        if type(idx) is not int or not 0 <= idx < len(params) or idx in hints:
-            continue
-        if per_param.keys is None:
-            continue
-        p = params[idx]
-        shape = tuple(getattr(p, "shape", ()))
-        entry: dict[Any, Any] = {}
-        for name, leaf in zip(per_param.keys, per_param.children or []):
-            if leaf.kind == "array" and leaf.array is not None and shape:
-                if m.arrays[leaf.array].shape == shape:
-                    entry[name] = p.detach() if hasattr(p, "detach") else p
-        if entry:
-            hints[idx] = entry
 
 
 def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]:

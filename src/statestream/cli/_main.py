@@ -112,6 +112,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from statestream.storage import collect_garbage, storage_for
+
+    storage, path = storage_for(args.directory)
+    removed = collect_garbage(storage, path, max_age_s=args.max_age_hours * 3600)
+    for p in removed:
+        print(f"removed {p if p.isprintable() else ascii(p)}")
+    print(f"{len(removed)} leftover staging director{'y' if len(removed) == 1 else 'ies'} "
+          "removed")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``statestream`` command.
 
@@ -131,6 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("verify", help="re-read every chunk and check its checksum")
     p.add_argument("path")
     p.set_defaults(fn=_cmd_verify)
+    p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY")
+    p.add_argument("directory")
+    p.add_argument("--max-age-hours", type=float, default=24.0,
+                   help="remove leftovers whose writer cannot be checked (another host) "
+                        "once unchanged this long (default 24)")
+    p.set_defaults(fn=_cmd_gc)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

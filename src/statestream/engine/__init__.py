@@ -1,4 +1,4 @@
-"""The engine: the only layer that owns threads, queues and buffers."""
+"""The engine: the only layer that owns threads, queues, buffers and the save job."""
 
 from statestream.engine._core import (
     ByteBudget,
@@ -9,15 +9,20 @@ from statestream.engine._core import (
     lower_thread_priority,
     parallel_for,
 )
+from statestream.engine._handle import SaveHandle
+from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
 from statestream.engine._read import read_requests
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
-from statestream.engine._write import StreamWriter, chunk_checksums, write_files
+from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
     "ByteBudget",
     "IOOptions",
     "MemoryOptions",
     "Progress",
+    "SaveHandle",
+    "SaveJob",
+    "SaveOptions",
     "StagingPool",
     "StreamWriter",
     "chunk_checksums",
@@ -28,5 +33,6 @@ __all__ = [
     "pinned_pool",
     "read_requests",
     "release_staging",
-    "write_files",
+    "run_save",
+    "start_save",
 ]

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
+from statestream.errors import TargetMismatchError
+
 __all__ = [
     "ByteBudget",
     "IOOptions",
@@ -68,6 +70,9 @@ class IOOptions:
             steps fell from +8% to +1% at 19, while the time to commit rose from
             0.8 s to 2-3 s (docs/async.md). A lazy snapshot's copies are not
             deprioritised: ``optimizer.step()`` may be waiting for them.
+
+    Raises:
+        TargetMismatchError: (a ``ValueError``) a count or size is not positive.
     """
 
     num_threads: int | None = None
@@ -87,7 +92,7 @@ class IOOptions:
         if (self.num_threads is not None and self.num_threads < 1) or (
             self.max_chunk_bytes < 1 or self.max_request_bytes < 1
         ) or not 0 <= self.background_nice <= 39:
-            raise ValueError(f"IOOptions values must be positive: {self}")
+            raise TargetMismatchError(f"IOOptions values must be positive: {self}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,6 +195,8 @@ def lower_thread_priority(nice: int) -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
+        # Best effort by design: a sandbox may forbid setpriority; the save is then
+        # only less polite to training, never wrong.
         pass
 
 

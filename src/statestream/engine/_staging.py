@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from statestream.providers import pinned_alloc
+
 __all__ = ["StagingPool", "host_pool", "pinned_pool", "release_staging"]
 
 
@@ -41,18 +43,13 @@ def _host_alloc(nbytes: int) -> np.ndarray:
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:
-    """Page-locked host memory (through torch's CUDA host allocator).
+    """Page-locked host memory from a provider that can pin (torch's CUDA allocator).
 
-    Falls back to ordinary memory when CUDA is not usable, so a save never
-    fails for want of pinning; the copy is then merely synchronous.
+    Falls back to ordinary memory when none can, so a save never fails for
+    want of pinning; the copy is then merely synchronous.
     """
-    import torch
-
-    if not torch.cuda.is_available():
-        return _host_alloc(nbytes)
-    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out: np.ndarray = t.numpy()  # shares t's memory and keeps t alive
-    return out
+    buf = pinned_alloc(nbytes)
+    return buf if buf is not None else _host_alloc(nbytes)
 
 
 class StagingPool:

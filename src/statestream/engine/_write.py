@@ -1,8 +1,7 @@
-"""Write pipelines: whole-plan writes and the streaming writer (one thread per file)."""
+"""The streaming writer: one thread and queue per data file."""
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -11,17 +10,9 @@ from typing import Any
 import numpy as np
 
 from statestream import _hooks
-from statestream.engine._core import (
-    ByteBudget,
-    IOOptions,
-    Progress,
-    _Progress,
-    _run_all,
-    _write_threads,
-    lower_thread_priority,
-)
-from statestream.format import checksum
-from statestream.plan import FilePlan, WriteItem
+from statestream.engine._core import ByteBudget, Progress, lower_thread_priority
+from statestream.format import ChunkEntry, FileEntry, checksum
+from statestream.plan import WriteItem
 from statestream.storage import WriteTransaction
 
 #: Bytes handed to one vectored write call (many small chunks coalesce up to this).
@@ -32,7 +23,7 @@ _NO_DATA = np.empty(0, dtype=np.uint8)
 _HANDOFF_BYTES = 8 << 20
 _HANDOFF_ITEMS = 256
 
-__all__ = ["StreamWriter", "chunk_checksums", "write_files"]
+__all__ = ["StreamWriter", "chunk_checksums"]
 
 
 def _pad(batch: list[Any], gap: int) -> None:
@@ -41,82 +32,6 @@ def _pad(batch: list[Any], gap: int) -> None:
         z = min(gap, len(_ZEROS))
         batch.append(_ZEROS[:z])
         gap -= z
-# ----------------------------------------------------------------------------- write
-
-
-def write_files(
-    txn: WriteTransaction,
-    files: Sequence[FilePlan],
-    source: Callable[[WriteItem], np.ndarray],
-    *,
-    options: IOOptions,
-    budget: ByteBudget,
-    progress: Progress | None = None,
-) -> dict[tuple[int, int], int]:
-    """Write every planned file in parallel (one thread per file), fsync each.
-
-    ``source(item)`` returns the item's bytes (1-D uint8, C order); it is
-    called on the worker thread, after ``item.staging_bytes`` has been
-    reserved from ``budget``. Returns the CRC-32C of every (array, chunk).
-    """
-    prog = _Progress(sum(f.size for f in files), progress)
-    sums: dict[tuple[int, int], int] = {}
-    lock = threading.Lock()
-
-    def write_one(fp: FilePlan) -> None:
-        w = txn.create_file(fp.name, fp.size)
-        try:
-            batch: list[Any] = []
-            batch_off = 0
-            batch_end = 0
-            held = 0
-            reported = 0  # progress counts alignment gaps between batches too
-            local: dict[tuple[int, int], int] = {}
-
-            def flush() -> None:
-                nonlocal batch, held, reported
-                if batch:
-                    w.write_at(batch, batch_off)
-                    prog.add(batch_end - reported)
-                    reported = batch_end
-                batch = []
-                budget.release(held)
-                held = 0
-
-            for it in fp.items:
-                if batch and (it.offset - batch_off > _WRITE_BATCH_BYTES or len(batch) > 900):
-                    flush()
-                if not batch:
-                    batch_off = batch_end = it.offset
-                got = budget.try_acquire(it.staging_bytes)
-                if got is None:
-                    # never wait while holding staged bytes: write them out first
-                    flush()
-                    batch_off = batch_end = it.offset
-                    got = budget.acquire(it.staging_bytes)
-                held += got
-                data = source(it)
-                if data.nbytes != it.nbytes:  # pragma: no cover - provider bug guard
-                    raise AssertionError(
-                        f"chunk {it.array}/{it.chunk} produced {data.nbytes} bytes, "
-                        f"planned {it.nbytes}"
-                    )
-                local[(it.array, it.chunk)] = checksum(data)
-                _pad(batch, it.offset - batch_end)
-                batch.append(data)
-                batch_end = it.offset + it.nbytes
-            flush()
-            w.finish()
-        except BaseException:
-            budget.release(held)
-            w.abort()
-            raise
-        with lock:
-            sums.update(local)
-
-    jobs: list[Callable[[], None]] = [functools.partial(write_one, fp) for fp in files]
-    _run_all(_write_threads(options), jobs)
-    return sums
 
 
 def chunk_checksums(item: WriteItem, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -139,8 +54,10 @@ class StreamWriter:
     file's thread writes them in order, coalescing queued neighbours into
     vectored writes of up to 16 MiB, charging copies to ``budget``. So
     preparing later arrays overlaps writing earlier ones. ``close()`` waits,
-    fsyncs every file, and returns the CRC-32C of every (array, chunk).
-
+    fsyncs every file, and returns what was written: a
+    :class:`~statestream.format.ChunkEntry` per (array, chunk), made once its
+    bytes are in the file (offset, stored size, CRC-32C and block CRCs), and
+    :meth:`files` the files with their final sizes.
     """
 
     _STOP = object()
@@ -153,7 +70,7 @@ class StreamWriter:
         *,
         budget: ByteBudget,
         progress: Progress | None = None,
-        after_write: Callable[[Sequence[WriteItem]], None] | None = None,
+        after_write: Callable[[Sequence[WriteItem]], object] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         nice: int = 0,
     ) -> None:
@@ -170,7 +87,8 @@ class StreamWriter:
         self._queues: list[queue.SimpleQueue[Any]] = []
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
-        self._sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        self._records: dict[tuple[int, int], ChunkEntry] = {}
+        self._sizes: dict[int, int] = {}
         self._failed = threading.Event()
         self._pending: list[list[WriteItem]] = []
         self._pending_bytes: list[int] = []
@@ -215,8 +133,12 @@ class StreamWriter:
             self._pending[index] = []
             self._pending_bytes[index] = 0
 
-    def close(self) -> dict[tuple[int, int], tuple[int, tuple[int, ...]]]:
-        """Finish every file (fsync); return each chunk's (CRC, block CRCs)."""
+    def close(self) -> dict[tuple[int, int], ChunkEntry]:
+        """Finish every file (fsync); return the record of every written chunk.
+
+        A record's ``file`` is the writer's file index, which is also its
+        position in :meth:`files`.
+        """
         for i in range(len(self._pending)):
             self._handoff(i)
         for q in self._queues:
@@ -225,7 +147,11 @@ class StreamWriter:
             t.join()
         if self._errors:
             self._raise()
-        return self._sums
+        return self._records
+
+    def files(self) -> list[FileEntry]:
+        """The data files written (after :meth:`close`), in file-index order."""
+        return [FileEntry(self._name(i), self._sizes.get(i, 0)) for i in range(len(self._queues))]
 
     def abort(self) -> None:
         """Stop writers as soon as possible (after an error elsewhere)."""
@@ -243,7 +169,7 @@ class StreamWriter:
         budget = self._budget
         w = None
         held = 0
-        sums: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        written: dict[tuple[int, int], ChunkEntry] = {}
         try:
             w = self._txn.create_file(self._name(index), 0)
             while not self._failed.is_set():
@@ -265,7 +191,6 @@ class StreamWriter:
                             w.write_at(batch, batch_off)
                             batch = []
                             data = _NO_DATA
-                            self._advance(end - batch_off)
                             self._written(done_items)
                             budget.release(held)
                             held = 0
@@ -274,7 +199,10 @@ class StreamWriter:
                         got = budget.acquire(it.staging_bytes)
                     held += got
                     data = self._source(it)
-                    sums[(it.array, it.chunk)] = chunk_checksums(it, data)
+                    crc, blocks = chunk_checksums(it, data)
+                    written[(it.array, it.chunk)] = ChunkEntry(
+                        it.file, it.offset, it.nbytes, crc, it.start, it.shape, it.block_rows,
+                        blocks)
                     _pad(batch, it.offset - end)
                     batch.append(data)
                     done_items.append(it)
@@ -283,7 +211,6 @@ class StreamWriter:
                     w.write_at(batch, batch_off)
                     batch = []
                     data = _NO_DATA  # the buffers are freed before their budget is
-                    self._advance(end - batch_off)
                     self._written(done_items)
                 budget.release(held)
                 held = 0
@@ -291,7 +218,9 @@ class StreamWriter:
                 w.finish()
                 w = None
             with self._lock:
-                self._sums.update(sums)
+                self._records.update(written)
+                self._sizes[index] = max((c.offset + c.nbytes for c in written.values()),
+                                         default=0)
         except BaseException as exc:  # reported by submit()/close()
             with self._lock:
                 self._errors.append(exc)
@@ -304,6 +233,8 @@ class StreamWriter:
                 w.abort()
 
     def _written(self, items: Sequence[WriteItem]) -> None:
+        # Progress counts chunk bytes (as ``total_bytes`` does), not alignment gaps.
+        self._advance(sum(it.nbytes for it in items))
         _hooks.fire("save.chunk_written")
         if self._after_write is not None and items:
             self._after_write(items)

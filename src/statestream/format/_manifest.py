@@ -36,6 +36,7 @@ __all__ = [
     "MAX_NDIM",
     "ArrayEntry",
     "ChunkEntry",
+    "ChunkRef",
     "FileEntry",
     "Manifest",
     "decode_commit",
@@ -70,9 +71,29 @@ _CONTAINERS = ("dict", "list", "tuple", "namedtuple", "dataclass", "pytree")
 _KEYED = ("dict", "namedtuple", "dataclass", "pytree")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Where a chunk's bytes live in *another* checkpoint (incremental saves).
+
+    Room in the types only: format v1 cannot record it, and
+    :func:`encode_manifest` refuses a chunk that carries one.
+    """
+
+    checkpoint: str
+    file: str
+    offset: int
+
+
 @dataclasses.dataclass(slots=True)  # not frozen: built 1000s of times per load
 class ChunkEntry:
-    """A box of an array stored contiguously (C order) in one data file."""
+    """A box of an array stored contiguously (C order) in one data file.
+
+    ``nbytes`` is the number of bytes *stored* in the file; the raw size is
+    ``prod(shape) * itemsize``. They are equal unless ``codec`` names an
+    encoding (compression). ``ref`` points at the bytes in another
+    checkpoint instead of this one's files. Both are ``None`` in format v1
+    (the JSON of a v1 chunk has no field for them).
+    """
 
     file: int
     offset: int
@@ -84,6 +105,8 @@ class ChunkEntry:
     #: the chunk's rows (axis 0) in groups of ``block_rows``, one CRC-32C each.
     block_rows: int = 0
     block_checksums: tuple[int, ...] = ()
+    codec: str | None = None
+    ref: ChunkRef | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,8 +188,23 @@ def decode_tree(doc: Any, n_arrays: int) -> Node:
         raise CheckpointCorruptError(f"malformed tree: {exc}") from None
 
 
+def _v1_chunk(c: ChunkEntry) -> list[Any]:
+    if c.codec is not None or c.ref is not None:
+        raise FormatVersionError(
+            f"a chunk at offset {c.offset} of data file {c.file} carries a codec or a reference "
+            f"to another checkpoint, which format version {FORMAT_VERSION} cannot record"
+        )
+    return [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape)] + (
+        [[c.block_rows, list(c.block_checksums)]] if c.block_rows else [])
+
+
 def encode_manifest(m: Manifest) -> bytes:
-    """Serialize a manifest to canonical JSON bytes (UTF-8, ASCII-escaped)."""
+    """Serialize a manifest to canonical JSON bytes (UTF-8, ASCII-escaped).
+
+    Raises:
+        FormatVersionError: a chunk needs a field format v1 does not have
+            (``codec``, ``ref``).
+    """
     doc = {
         "format": FORMAT_NAME,
         "version": m.version,
@@ -177,11 +215,7 @@ def encode_manifest(m: Manifest) -> bytes:
             {
                 "dtype": a.dtype,
                 "shape": list(a.shape),
-                "chunks": [
-                    [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape)]
-                    + ([[c.block_rows, list(c.block_checksums)]] if c.block_rows else [])
-                    for c in a.chunks
-                ],
+                "chunks": [_v1_chunk(c) for c in a.chunks],
             }
             for a in m.arrays
         ],

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import re
-import shutil
 import signal
 import threading
 import time
@@ -13,30 +10,19 @@ from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-from statestream.api import SaveHandle, load, metadata, save, save_async
+from statestream.api import SaveHandle, load, save, save_async
+from statestream.api._async import guard_optimizers_in
 from statestream.api._load import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
-from statestream.errors import CheckpointError, CheckpointNotFoundError
-from statestream.format import COMMIT_NAME
-from statestream.manager._policies import (
-    KeepAll,
-    KeepPolicy,
-    SaveContext,
-    SavePolicy,
-    StepInfo,
-)
+from statestream.errors import CheckpointError, CheckpointNotFoundError, ManagerLockedError
+from statestream.manager._lease import DirectoryLease
+from statestream.manager._policies import KeepAll, KeepPolicy, SaveContext, SavePolicy
+from statestream.manager._retention import Retention, step_info
+from statestream.manager._steps import StepDirectory
 from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
-
-_STEP_RE = re.compile(r"^step_(0\d{9}|[1-9]\d{9,17})$")  # exactly what step_path writes
-_TMP_RE = re.compile(r"^\.step_\d{1,18}\.tmp-[0-9a-f]+(\.old)?$")
-_LOCK_NAME = ".statestream.lock"
-
-
-class ManagerLockedError(CheckpointError, BlockingIOError):
-    """Another CheckpointManager already writes to this directory."""
 
 
 class CheckpointManager:
@@ -48,11 +34,21 @@ class CheckpointManager:
         keep_policy: which committed steps to keep (default: all). The latest
             committed step and the step being written are never deleted.
         async_save: save in the background (one save in flight at most).
-        lazy: lazy snapshots (see ``save_async``); guard optimizers yourself.
+        lazy: lazy snapshots (see ``save_async``); the optimizers in the saved
+            state are guarded (``guard_optimizer``) by the manager itself.
         preemption: install a SIGTERM handler; after SIGTERM,
             :meth:`reached_preemption` turns true and ``OnPreemption`` policies fire.
         collective: processes that save together (default: detected).
         io, memory: engine options for every save and load.
+        lease_ttl_s: how long the directory's lease lasts without renewal where
+            the store needs one (object stores; renewed every third of it in the
+            background). A crashed manager's directory can be taken over this
+            long after its last renewal. Local directories use ``flock``, which
+            ends with the holder's process.
+
+    A directory the manager cannot write (a read-only mount, no permission)
+    opens read-only: :attr:`read_only` is true, steps list and load, and
+    :meth:`save` raises a StorageError carrying the ``errno`` (EROFS, EACCES).
 
     Example:
         >>> import numpy as np, tempfile, statestream as ss
@@ -77,17 +73,12 @@ class CheckpointManager:
         collective: Collective | None = None,
         io: IOOptions | None = None,
         memory: MemoryOptions | None = None,
+        lease_ttl_s: float = 60.0,
     ) -> None:
-        text = os.fspath(directory)
-        #: object-store directories (s3://...) go through the Storage backend
-        self._remote = "://" in text and not text.startswith("file://")
-        self._storage: Any = None
-        if self._remote:
-            self._storage, self.directory = storage_for(text)
-        else:
-            self.directory = os.path.abspath(text.removeprefix("file://"))
+        storage, self.directory = storage_for(os.fspath(directory))
+        self._dir = StepDirectory(storage, self.directory)
         self._save_policy = save_policy
-        self._keep_policy: KeepPolicy = keep_policy or KeepAll()
+        self._retention = Retention(keep_policy or KeepAll(), self._dir)
         self._coll = collective if collective is not None else default_collective()
         self._async = async_save
         self._lazy = lazy
@@ -95,36 +86,47 @@ class CheckpointManager:
         self._memory = memory
         self._inflight: SaveHandle | None = None
         self._inflight_step: int | None = None
-        self._last_saved_step: int | None = None
         self._last_saved_time: float | None = None
         self._preempted = threading.Event()
         self._old_handler: Any = None
-        self._lock_fd: int | None = None
         self._closed = False
         #: (step, preempted) as seen by the last save decision; keeps
         #: reached_preemption(step) consistent with save(step) (see there).
         self._decided: tuple[int, bool] | None = None
-        #: keep-policy view of committed steps (a committed step only changes by our own saves)
-        self._infos: dict[int, StepInfo] = {}
-        self._remote_lock = False
+        self._lease = self._open(lease_ttl_s)
+        self._last_saved_step = self.latest_step()
+        if preemption:
+            self._install_sigterm()
+
+    def _open(self, lease_ttl_s: float) -> DirectoryLease | None:
+        """Rank 0 takes the lease and cleans up; every rank learns the outcome."""
+        lease: DirectoryLease | None = None
         err: BaseException | None = None
+        read_only: str | None = None
         if self._coll.rank == 0:
             try:
-                if not self._remote:
-                    os.makedirs(self.directory, exist_ok=True)
-                self._acquire_lock()
-                self._cleanup_leftovers()
+                lease = DirectoryLease(self._dir.storage, self.directory,
+                                       self._dir.lease_path(), lease_ttl_s)
+                read_only = lease.read_only
+                if read_only is None:
+                    self._dir.remove_leftovers()
             except BaseException as exc:
                 err = exc
         try:
             agree(self._coll, "opening the checkpoint manager", err)
         except BaseException:
-            self._release_lock()
+            if lease is not None:
+                lease.release()
             raise
-        latest = self.latest_step()
-        self._last_saved_step = latest
-        if preemption:
-            self._install_sigterm()
+        if self._coll.world_size > 1:
+            read_only = self._coll.all_gather_object(read_only)[0]
+        self._read_only = read_only
+        return lease
+
+    @property
+    def read_only(self) -> bool:
+        """True if the directory could not be written when the manager opened it."""
+        return self._read_only is not None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> CheckpointManager:
@@ -145,96 +147,30 @@ class CheckpointManager:
             if self._old_handler is not None:
                 signal.signal(signal.SIGTERM, self._old_handler)
                 self._old_handler = None
-            self._release_lock()
+            if self._lease is not None:
+                self._lease.release()
 
-    def _release_lock(self) -> None:
-        if self._remote_lock:
-            self._remote_lock = False
-            assert self._storage is not None
-            self._storage.release_lock(f"{self.directory}/{_LOCK_NAME}")
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _acquire_lock(self) -> None:
-        if self._remote:
-            assert self._storage is not None
-            owner = f"pid {os.getpid()} on {os.uname().nodename}"
-            held_by = self._storage.try_lock(f"{self.directory}/{_LOCK_NAME}", owner)
-            if held_by is not None:
-                raise ManagerLockedError(
-                    f"{self.directory} is already managed by another CheckpointManager "
-                    f"({held_by}); close it first, or delete {self.directory}/{_LOCK_NAME} if "
-                    "that manager crashed"
-                )
-            self._remote_lock = True
-            return
-        path = os.path.join(self.directory, _LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    def _check_writable(self) -> None:
+        """Raise (on every rank) unless rank 0 still holds the lease."""
+        err: BaseException | None = None
+        if self._read_only is not None or self._lease is not None:
             try:
-                owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            finally:
-                os.close(fd)
-            raise ManagerLockedError(
-                f"{self.directory} is already managed by another CheckpointManager "
-                f"({owner or 'unknown process'}); close it first or use another directory"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self._lock_fd = fd
-
-    def _cleanup_leftovers(self) -> None:
-        """Remove staging dirs of crashed saves and steps that never committed."""
-        if self._remote:
-            assert self._storage is not None
-            for name in self._storage.list(self.directory):
-                m = _STEP_RE.match(name)
-                if m and name == f"step_{int(m.group(1)):010d}":
-                    full = f"{self.directory}/{name}"
-                    if not self._storage.is_committed(full):
-                        self._storage.delete(full)
-            return
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            if _TMP_RE.match(name):
-                shutil.rmtree(full, ignore_errors=True)
-            elif _STEP_RE.match(name) and os.path.isdir(full) and not os.path.exists(
-                os.path.join(full, COMMIT_NAME)
-            ):
-                shutil.rmtree(full, ignore_errors=True)
+                if self._lease is not None:
+                    self._lease.check()
+                else:  # another rank's view: rank 0 found the directory read-only
+                    raise CheckpointError(f"{self.directory} is read-only: {self._read_only}")
+            except CheckpointError as exc:
+                err = exc
+        agree(self._coll, "checking the manager's lease", err)
 
     # ------------------------------------------------------------------ discovery
     def step_path(self, step: int) -> str:
         """Directory (or URL) of ``step``."""
-        if self._remote:
-            return f"{self.directory}/step_{step:010d}"
-        return os.path.join(self.directory, f"step_{step:010d}")
-
-    def _committed(self, path: str) -> bool:
-        if self._storage is not None:
-            return bool(self._storage.is_committed(path))
-        return os.path.exists(os.path.join(path, COMMIT_NAME))
+        return self._dir.path(step)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written)."""
-        out = []
-        if self._storage is not None:
-            names = self._storage.list(self.directory)
-        else:
-            try:
-                names = os.listdir(self.directory)
-            except FileNotFoundError:
-                return []
-        for name in names:
-            m = _STEP_RE.match(name)
-            if m and name == f"step_{int(m.group(1)):010d}" and self._committed(
-                self.step_path(int(m.group(1)))
-            ):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return self._dir.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -243,15 +179,7 @@ class CheckpointManager:
 
     def step_info(self, step: int) -> dict[str, Any]:
         """Recorded metadata of a step: wall time, metrics, size, user metadata."""
-        md = metadata(self.step_path(step))
-        user = md.meta.get("user", {})
-        return {
-            "step": step,
-            "time": user.get("time", md.meta.get("created_unix")),
-            "metrics": user.get("metrics", {}),
-            "metadata": user.get("metadata", {}),
-            "nbytes": md.total_bytes,
-        }
+        return step_info(self.step_path(step), step)
 
     # ------------------------------------------------------------------ policies
     def _context(self, step: int, preempted: bool) -> SaveContext:
@@ -339,15 +267,18 @@ class CheckpointManager:
         elif not self.should_save(step):
             return False
         self.wait()
-        self._infos.pop(step, None)  # an overwrite changes what the keep policy sees
+        self._check_writable()
+        self._retention.forget(step)  # an overwrite changes what the keep policy sees
         path = self.step_path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": dict(metrics or {}), "metadata": dict(metadata or {})}
-        overwrite = self._committed(path)
+        overwrite = self._dir.is_committed(step)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
                                         collective=self._coll, meta=meta)
+            if self._lazy:  # an optimizer.step() must not race the lazy snapshot
+                guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
@@ -375,33 +306,11 @@ class CheckpointManager:
         self._apply_keep_policy()
 
     def _apply_keep_policy(self) -> None:
-        if self._coll.rank != 0:
+        # Only the lease holder deletes; a read-only or lost lease deletes nothing.
+        if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
             return
-        steps = self.steps()
-        if len(steps) <= 1:
-            return
-        infos = []
-        for s in steps:
-            si = self._infos.get(s)
-            if si is None:
-                try:
-                    info = self.step_info(s)
-                except CheckpointError:
-                    continue
-                si = StepInfo(s, float(info["time"] or 0.0), dict(info["metrics"]),
-                              int(info["nbytes"]))
-                self._infos[s] = si
-            infos.append(si)
-        keep = set(self._keep_policy.keep(infos))
-        keep.add(steps[-1])  # never the last good step
-        keep |= self._pending_steps()
-        for s in steps:
-            if s not in keep:
-                self._infos.pop(s, None)
-                if self._storage is not None:
-                    self._storage.delete(self.step_path(s))  # marker first, then data
-                else:
-                    _delete_step(self.step_path(s))
+        self._lease.check()
+        self._retention.apply(self._pending_steps())
 
     def load(
         self,
@@ -428,17 +337,3 @@ class CheckpointManager:
         return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
                     io=self._io, memory=self._memory, collective=self._coll)
 
-
-def _delete_step(path: str) -> None:
-    """Uncommit first (remove the marker, fsync), then remove the data."""
-    marker = os.path.join(path, COMMIT_NAME)
-    try:
-        os.unlink(marker)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)

@@ -8,24 +8,41 @@ from statestream.plan._load import (
     plan_load,
     plan_verify,
 )
+from statestream.plan._manifest import (
+    ArrayDecl,
+    ArrayShape,
+    MergedTree,
+    RankPart,
+    RankTree,
+    build_manifest,
+    manifest_matches,
+    merge_trees,
+    single_tree,
+)
 from statestream.plan._save import (
     ArraySpec,
     FilePlan,
-    SavePlan,
     StreamPlanner,
     WriteItem,
     assign_writers,
     block_rows_for,
-    plan_save,
     split_chunks,
 )
 
 __all__ = [
+    "ArrayDecl",
+    "ArrayShape",
+    "MergedTree",
+    "RankPart",
+    "RankTree",
+    "build_manifest",
+    "manifest_matches",
+    "merge_trees",
+    "single_tree",
     "ArraySpec",
     "FilePlan",
     "ReadPiece",
     "ReadRequest",
-    "SavePlan",
     "StreamPlanner",
     "Wanted",
     "WriteItem",
@@ -33,7 +50,6 @@ __all__ = [
     "block_rows_for",
     "coalesce",
     "plan_load",
-    "plan_save",
     "plan_verify",
     "split_chunks",
 ]

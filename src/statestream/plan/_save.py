@@ -9,15 +9,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from statestream.errors import TargetMismatchError
+
 __all__ = [
     "ArraySpec",
     "FilePlan",
-    "SavePlan",
     "StreamPlanner",
     "WriteItem",
     "assign_writers",
     "block_rows_for",
-    "plan_save",
     "split_chunks",
 ]
 
@@ -61,16 +61,6 @@ class FilePlan:
     name: str
     size: int
     items: list[WriteItem]
-
-
-@dataclasses.dataclass(slots=True)
-class SavePlan:
-    """Everything the engine writes, and each array's chunk list for the manifest."""
-
-    files: list[FilePlan]
-    #: per array: list of (start, shape, nbytes) in chunk order
-    chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]]
-    total_bytes: int
 
 
 def split_chunks(
@@ -122,61 +112,6 @@ def block_rows_for(shape: tuple[int, ...], itemsize: int) -> int:
 def _align(offset: int, nbytes: int) -> int:
     a = PAGE_ALIGN if nbytes >= PAGE_ALIGN_MIN_BYTES else SMALL_ALIGN
     return -(-offset // a) * a
-
-
-def plan_save(
-    arrays: Sequence[ArraySpec],
-    *,
-    file_prefix: str,
-    max_files: int,
-    max_chunk_bytes: int,
-    min_file_bytes: int = 32 << 20,
-) -> SavePlan:
-    """Chunk every array and pack the chunks, in array order, into balanced files.
-
-    Files are contiguous runs of chunks so that arrays saved together are
-    read together; their count grows with the state up to ``max_files``
-    (one per writer thread).
-
-    Example:
-        >>> p = plan_save([ArraySpec((4,), 4), ArraySpec((), 8)], file_prefix="data/r0",
-        ...               max_files=4, max_chunk_bytes=1 << 20)
-        >>> [(f.name, f.size, len(f.items)) for f in p.files]
-        [('data/r0-0.bin', 72, 2)]
-    """
-    chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]] = []
-    flat: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int, bool]] = []
-    total = 0
-    for ai, a in enumerate(arrays):
-        per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        for ci, (start, cshape) in enumerate(split_chunks(a.shape, a.itemsize, max_chunk_bytes)):
-            nb = math.prod(cshape) * a.itemsize
-            per.append((start, cshape, nb))
-            flat.append((ai, ci, start, cshape, nb, a.copies))
-            total += nb
-        chunks.append(per)
-    n_files = max(1, min(max_files, -(-total // max(min_file_bytes, 1))))
-    target = -(-total // n_files) if total else 0
-    files: list[FilePlan] = []
-    cur: list[WriteItem] = []
-    offset = 0
-    filled = 0
-
-    def close() -> None:
-        nonlocal cur, offset
-        files.append(FilePlan(f"{file_prefix}-{len(files)}.bin", offset, cur))
-        cur, offset = [], 0
-
-    for ai, ci, start, cshape, nb, copies in flat:
-        if cur and len(files) < n_files - 1 and filled >= target * (len(files) + 1):
-            close()
-        off = _align(offset, nb)
-        cur.append(WriteItem(ai, ci, start, cshape, nb, len(files), off, nb if copies else 0))
-        offset = off + nb
-        filled += nb
-    if cur:
-        close()
-    return SavePlan(files=files, chunks=chunks, total_bytes=total)
 
 
 class StreamPlanner:
@@ -301,7 +236,7 @@ def assign_writers(
     far, biggest boxes first, so writing work is spread evenly.
 
     Raises:
-        ValueError: two processes disagree on an array's dtype or shape.
+        TargetMismatchError: two processes disagree on an array's dtype or shape.
 
     Example:
         >>> a = [("w", "float32", (4,), [((0,), (4,))])]
@@ -318,7 +253,7 @@ def assign_writers(
             shape = tuple(shape)
             seen = meta.setdefault(key, (dtype, shape))
             if seen != (dtype, shape):
-                raise ValueError(
+                raise TargetMismatchError(
                     f"processes disagree about the array at key path '{key}': "
                     f"{seen[0]}{list(seen[1])} on one, {dtype}{list(shape)} on rank {rank}"
                 )

@@ -9,19 +9,23 @@ framework object.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 
-from statestream.tree import KeyPath
+from statestream.errors import TargetMismatchError, UnsupportedTypeError
+from statestream.tree import KeyPath, Node
 
 __all__ = [
     "ArrayProvider",
     "Destination",
     "PreparedArray",
+    "ProviderCapabilities",
+    "SnapshotWaiter",
     "box_slices",
     "find_box",
     "chunk_of_host_array",
@@ -37,7 +41,8 @@ def find_box(
     for bstart, bshape in boxes:
         if all(b <= s and s + n <= b + m for b, m, s, n in zip(bstart, bshape, start, shape)):
             return bstart
-    raise ValueError(f"box {start}+{shape} is not held by this process")
+    # Engine bug, not bad input: the engine asks only for boxes this process owns.
+    raise TargetMismatchError(f"box {start}+{shape} is not held by this process")
 
 
 def box_slices(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -137,29 +142,117 @@ class Destination:
     finish: Callable[[], Any]
 
 
-class ArrayProvider(Protocol):
-    """Same shape for every framework (numpy, torch, jax)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProviderCapabilities:
+    """What a provider can do beyond the required methods (asked, never probed).
 
-    kind: str
+    Attributes:
+        in_place_restore: :meth:`ArrayProvider.restore_into` may load into the
+            target's own memory.
+        mutable_values: values can change in place after a lazy snapshot
+            started; :meth:`ArrayProvider.memory_id` and
+            :meth:`ArrayProvider.version` say which memory a value uses and
+            whether it changed.
+        lazy_private_copy: a lazy snapshot must snapshot
+            :meth:`ArrayProvider.private_copy` of a value, not the value (JAX:
+            a donated buffer is freed by the step that donates it).
+        pinned_memory: :meth:`ArrayProvider.pinned_alloc` gives page-locked
+            host buffers for device-to-host staging copies.
+        step_guards: :meth:`ArrayProvider.guard_step` can make an optimizer's
+            step wait for a lazy snapshot of what it will change.
+        state_hints: :meth:`ArrayProvider.state_hints` can type the missing
+            entries of a stateful target (a never-stepped optimizer).
+    """
 
+    in_place_restore: bool = False
+    mutable_values: bool = False
+    lazy_private_copy: bool = False
+    pinned_memory: bool = False
+    step_guards: bool = False
+    state_hints: bool = False
+
+
+class SnapshotWaiter(Protocol):
+    """A save in flight, as a step guard sees it (a ``SaveHandle``)."""
+
+    def snapshot_done(self) -> bool: ...
+
+    def wait_for(self, values: Iterable[Any]) -> None: ...
+
+
+class ArrayProvider(abc.ABC):
+    """One kind of array state (numpy, torch, jax, ...): the same shape for each.
+
+    A new framework is one subclass, registered with
+    :func:`statestream.register_provider`. The abstract methods are required;
+    the others are asked for only when :attr:`capabilities` says so.
+    """
+
+    #: recorded in the manifest as the leaf's ``kind``
+    kind: str = ""
+    capabilities: ProviderCapabilities = ProviderCapabilities()
+
+    @abc.abstractmethod
     def handles(self, obj: Any) -> bool:
         """True if ``obj`` is a value of this provider's framework."""
-        ...
 
+    @abc.abstractmethod
     def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
         """Describe ``obj`` and snapshot it for writing."""
-        ...
 
+    @abc.abstractmethod
     def is_target(self, like: Any) -> bool:
         """True if ``like`` (a target leaf) asks for this framework's type."""
-        ...
 
+    @abc.abstractmethod
     def target_shape(self, like: Any) -> tuple[int, ...]:
         """Global shape the target expects."""
-        ...
 
-    def restore(
-        self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath
-    ) -> Destination:
-        """Allocate destinations for a saved array, typed after ``like`` (or defaults)."""
-        ...
+    @abc.abstractmethod
+    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                scalar: bool = False) -> Destination:
+        """Allocate destinations for a saved array, typed after ``like`` (or defaults).
+
+        ``scalar``: the array was saved from a scalar (0-d) value.
+        """
+
+    # -- capabilities ---------------------------------------------------------------
+    def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
+                     path: KeyPath) -> Destination | None:
+        """Destinations in ``like``'s own memory, or None (``in_place_restore``)."""
+        return None
+
+    def private_copy(self, obj: Any) -> Any:
+        """A copy of ``obj`` that nothing else can free or change (``lazy_private_copy``)."""
+        return obj
+
+    def memory_id(self, obj: Any) -> int | None:
+        """Identity of the memory ``obj`` (a value this provider handles) uses
+        (``mutable_values``), None if it cannot tell."""
+        return None
+
+    def version(self, obj: Any) -> Callable[[], int] | None:
+        """A reader of ``obj``'s in-place modification counter (``mutable_values``)."""
+        return None
+
+    def pinned_alloc(self, nbytes: int) -> np.ndarray | None:
+        """A page-locked 1-D uint8 host buffer, or None when none can be had."""
+        return None
+
+    def guard_step(self, optimizer: Any, save: SnapshotWaiter) -> Any:
+        """Before each step of ``optimizer``, wait for ``save``'s snapshot of the values
+        the step changes (``step_guards``).
+
+        Returns a removable handle; one hook per optimizer, however often it
+        is called (later calls add the save to the existing hook).
+        """
+        raise UnsupportedTypeError(f"{type(self).__qualname__} cannot guard optimizer steps")
+
+    def is_optimizer(self, obj: Any) -> bool:
+        """True if ``obj`` is an optimizer :meth:`guard_step` can guard."""
+        return False
+
+    def state_hints(self, obj: Any, sub_like: Any, saved: Node,
+                    shape_of: Callable[[int], tuple[int, ...]]) -> None:
+        """Fill in the target ``sub_like`` of stateful ``obj`` from what was saved."""
+        return None

@@ -13,8 +13,10 @@ import numpy as np
 
 from statestream.errors import TargetMismatchError
 from statestream.providers._base import (
+    ArrayProvider,
     Destination,
     PreparedArray,
+    ProviderCapabilities,
     chunk_of_host_array,
     find_box,
 )
@@ -56,10 +58,11 @@ def rebuild_pytree(like: Any, values: list[Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-class JaxProvider:
+class JaxProvider(ArrayProvider):
     """Provider for ``jax.Array`` values and ``jax.ShapeDtypeStruct`` targets."""
 
     kind = "jax"
+    capabilities = ProviderCapabilities(lazy_private_copy=True)
 
     def handles(self, obj: Any) -> bool:
         jax = _jax()
@@ -99,6 +102,11 @@ class JaxProvider:
             boxes=boxes, distributed=True,
         )
 
+    def private_copy(self, obj: Any) -> Any:
+        """A private device copy: a donated buffer is freed by the step that donates
+        it, so a lazy snapshot reads this copy, never the original."""
+        return obj.copy()
+
     def is_target(self, like: Any) -> bool:
         jax = _jax()
         return jax is not None and isinstance(like, (jax.Array, jax.ShapeDtypeStruct))
@@ -106,7 +114,8 @@ class JaxProvider:
     def target_shape(self, like: Any) -> tuple[int, ...]:
         return tuple(int(s) for s in like.shape)
 
-    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath) -> Destination:
+    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                scalar: bool = False) -> Destination:
         import jax
 
         sharding = getattr(like, "sharding", None) if like is not None else None
@@ -163,6 +172,8 @@ def _single_device(sharding: Any) -> bool:
     try:
         return len(sharding.device_set) == 1
     except Exception:  # pragma: no cover - unusual sharding types
+        # A sharding without a device set is treated as multi-device: the sharded
+        # path then asks it for its index map and raises if it cannot say.
         return False
 
 
@@ -173,7 +184,7 @@ def _index_box(index: Any, shape: tuple[int, ...]
     for sl, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape):
         a, b, step = sl.indices(n)
         if step != 1:
-            raise ValueError(f"strided shard index {index} is not supported")
+            raise TargetMismatchError(f"strided shard index {index} is not supported")
         start.append(a)
         size.append(max(0, b - a))
     return tuple(start), tuple(size)

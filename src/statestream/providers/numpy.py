@@ -10,8 +10,10 @@ import numpy as np
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name, dtype_name
 from statestream.providers._base import (
+    ArrayProvider,
     Destination,
     PreparedArray,
+    ProviderCapabilities,
     chunk_of_host_array,
     row_block_chunker,
 )
@@ -49,10 +51,11 @@ def host_destination(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, dtype=dtype_from_name(dtype))
 
 
-class NumpyProvider:
+class NumpyProvider(ArrayProvider):
     """Provider for ``numpy.ndarray`` and NumPy scalars."""
 
     kind = "numpy"
+    capabilities = ProviderCapabilities(in_place_restore=True)
 
     def handles(self, obj: Any) -> bool:
         return isinstance(obj, (np.ndarray, np.generic))

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,12 +18,15 @@ import numpy as np
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name
 from statestream.providers._base import (
+    ArrayProvider,
     Destination,
     PreparedArray,
+    ProviderCapabilities,
+    SnapshotWaiter,
     box_slices,
     row_block_chunker,
 )
-from statestream.tree import KeyPath, format_keypath
+from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["TorchProvider"]
 
@@ -94,10 +99,14 @@ def _slow_chunk(t: Any, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.n
     return _byte_view(part.contiguous())
 
 
-class TorchProvider:
-    """Provider for ``torch.Tensor`` (and ``nn.Parameter``)."""
+class TorchProvider(ArrayProvider):
+    """Provider for ``torch.Tensor`` (and ``nn.Parameter``, DTensor, CUDA tensors)."""
 
     kind = "torch"
+    capabilities = ProviderCapabilities(
+        in_place_restore=True, mutable_values=True, pinned_memory=True, step_guards=True,
+        state_hints=True,
+    )
 
     def handles(self, obj: Any) -> bool:
         torch = _torch()
@@ -222,7 +231,8 @@ class TorchProvider:
     def target_shape(self, like: Any) -> tuple[int, ...]:
         return tuple(int(s) for s in like.shape)
 
-    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath) -> Destination:
+    def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                scalar: bool = False) -> Destination:
         import torch
 
         if like is not None and _is_dtensor(like):
@@ -304,6 +314,112 @@ class TorchProvider:
 
         boxes = [(offset, buf) for _, buf in inner.boxes]
         return Destination(boxes=boxes, finish=finish)
+
+
+    # -- capabilities used by saves ---------------------------------------------------
+    def memory_id(self, obj: Any) -> int | None:
+        """The address of the tensor's (local shard's) memory."""
+        local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
+        return int(local.data_ptr())
+
+    def version(self, obj: Any) -> Callable[[], int] | None:
+        """Reader of the tensor's version counter (bumped by every in-place change;
+        views share their base's counter)."""
+        local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
+        read: Callable[[], int] = functools.partial(getattr, local, "_version")
+        return read
+
+    def pinned_alloc(self, nbytes: int) -> np.ndarray | None:
+        """Page-locked host memory through torch's CUDA host allocator (None without CUDA)."""
+        torch = _torch()
+        if torch is None or not torch.cuda.is_available():
+            return None
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out: np.ndarray = t.numpy()  # shares t's memory and keeps t alive
+        return out
+
+    def is_optimizer(self, obj: Any) -> bool:
+        torch = _torch()
+        return torch is not None and isinstance(obj, torch.optim.Optimizer)
+
+    def guard_step(self, optimizer: Any, save: SnapshotWaiter) -> Any:
+        """One persistent pre-step hook per optimizer; it never removes itself while
+        torch iterates over the hooks, and costs nothing once snapshots are done."""
+        entry = _GUARDS.get(optimizer)
+        if entry is not None:
+            entry[1].append(save)
+            return entry[0]
+        pending: list[SnapshotWaiter] = [save]
+
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            live = [h for h in pending if not h.snapshot_done()]
+            pending[:] = live
+            if not live:
+                return
+            tensors = _optimizer_tensors(opt)
+            for h in live:
+                h.wait_for(tensors)
+
+        removable = optimizer.register_step_pre_hook(hook)
+        _GUARDS[optimizer] = [removable, pending]
+        return removable
+
+    def state_hints(self, obj: Any, sub_like: Any, saved: Node,
+                    shape_of: Callable[[int], tuple[int, ...]]) -> None:
+        """Give a never-stepped optimizer's missing state the layout of its parameters.
+
+        A fresh optimizer has no per-parameter state yet, so nothing says that a
+        saved ``exp_avg`` should come back sharded like its (FSDP2/DTensor)
+        parameter. Each saved state tensor with its parameter's shape gets that
+        parameter as its target: same type, dtype, device and placements.
+        """
+        if not self.is_optimizer(obj) or not isinstance(sub_like, dict):
+            return
+        hints = sub_like.get("state")
+        state_node = saved.child("state")
+        params = [p for g in obj.param_groups for p in g.get("params", [])]
+        if not isinstance(hints, dict) or not params or state_node is None:
+            return
+        for idx, per_param in zip(state_node.keys or [], state_node.children or []):
+            if type(idx) is not int or not 0 <= idx < len(params) or idx in hints:
+                continue
+            p = params[idx]
+            shape = tuple(p.shape)
+            entry: dict[Any, Any] = {}
+            for name, leaf in zip(per_param.keys or [], per_param.children or []):
+                if leaf.kind == "array" and leaf.array is not None and shape:
+                    if shape_of(leaf.array) == shape:
+                        entry[name] = p.detach()
+            if entry:
+                hints[idx] = entry
+
+
+_GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+class _PlainTensors:
+    """``torch.Tensor`` and ``nn.Parameter`` (looked up once torch is loaded)."""
+
+    def __contains__(self, t: type) -> bool:
+        torch = _torch()
+        return torch is not None and (t is torch.Tensor or t is torch.nn.Parameter)
+
+
+_PLAIN_TENSORS = _PlainTensors()
+
+
+def _local(obj: Any) -> Any:
+    """A DTensor's local shard; any other tensor as it is."""
+    return obj.to_local() if _is_dtensor(obj) else obj
+
+
+def _optimizer_tensors(opt: Any) -> list[Any]:
+    """The parameters and state tensors an optimizer step changes in place."""
+    torch = _torch()
+    tensors: list[Any] = [p for g in opt.param_groups for p in g["params"]]
+    for st in opt.state.values():
+        tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return tensors
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}

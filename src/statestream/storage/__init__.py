@@ -1,17 +1,22 @@
 """Storage backends: where checkpoint bytes live.
 
 ``Storage`` is the protocol; ``LocalStorage`` is the POSIX fast path.
-``storage_for(path)`` picks the backend for a path or URL.
+``storage_for(path)`` picks the backend for a path or URL; ``collect_garbage``
+removes the staging areas of saves whose writers died.
 """
 
 from statestream.storage._base import (
     Buffer,
     CheckpointReader,
     FileWriter,
+    Lease,
+    Leftover,
     Storage,
     StorageCapabilities,
+    WriterId,
     WriteTransaction,
 )
+from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
 from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
@@ -20,12 +25,16 @@ __all__ = [
     "Buffer",
     "CheckpointReader",
     "FileWriter",
+    "Lease",
+    "Leftover",
     "LocalStorage",
     "S3Options",
     "S3Storage",
     "Storage",
     "StorageCapabilities",
     "WriteTransaction",
+    "WriterId",
+    "collect_garbage",
     "set_backend",
     "storage_for",
 ]

@@ -7,6 +7,7 @@ an async client bridges it on one long-lived loop thread.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -18,9 +19,12 @@ __all__ = [
     "Buffer",
     "CheckpointReader",
     "FileWriter",
+    "Lease",
+    "Leftover",
     "Storage",
     "StorageCapabilities",
     "WriteTransaction",
+    "WriterId",
     "check_member_name",
 ]
 
@@ -114,6 +118,62 @@ class CheckpointReader(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class WriterId:
+    """Who wrote a staging area: enough to prove, on its host, that it is dead.
+
+    ``host`` identifies the machine *and* PID namespace and boot (a hash), so a
+    pid is only ever compared with processes of the same kernel instance;
+    ``start`` is the process's start time in clock ticks since boot (Linux
+    ``/proc/<pid>/stat`` field 22), so a recycled pid is not mistaken for it.
+    """
+
+    host: str
+    pid: int
+    start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+    """The staging area of a save that did not finish (or has not yet)."""
+
+    #: Full path or URL of the staging area (what ``remove_leftover`` removes).
+    path: str
+    #: Name (last path component) of the checkpoint it was writing.
+    target: str
+    #: Its writer, when recorded; None for staging areas of older versions.
+    writer: WriterId | None
+    #: Last time anything in it changed (Unix seconds): a live writer keeps it recent.
+    modified: float
+
+
+class Lease(Protocol):
+    """Exclusive, renewable ownership of a directory (``CheckpointManager``'s lock).
+
+    A lease that is not renewed expires after its ``ttl_s``; another holder may
+    then take it over. Backends where the holder's death ends it by itself
+    (``flock`` on a local file system) may ignore ``ttl_s``.
+    """
+
+    #: Who holds it (``pid N on HOST``), for messages.
+    holder: str
+    #: Seconds it lasts without renewal; None: it lasts as long as its holder
+    #: lives (no renewal needed).
+    ttl_s: float | None
+
+    def renew(self) -> None:
+        """Extend the lease by its ttl.
+
+        Raises:
+            ManagerLockedError: it expired and someone else took it over.
+        """
+        ...
+
+    def release(self) -> None:
+        """Give the lease up (idempotent); others may take it at once."""
+        ...
+
+
 class Storage(Protocol):
     """A place checkpoints live: a local file system, an object store, ..."""
 
@@ -150,6 +210,24 @@ class Storage(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove the checkpoint at ``path`` (uncommit first, then data)."""
+        ...
+
+    def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> Lease:
+        """Take the lease named ``path`` (creating its parent directory if needed).
+
+        Raises:
+            ManagerLockedError: someone else holds it and it has not expired.
+            StorageError: the location cannot be written (read-only mount, no
+                permission: ``errno`` EROFS / EACCES).
+        """
+        ...
+
+    def leftovers(self, parent: str) -> builtins.list[Leftover]:
+        """Staging areas of unfinished saves of checkpoints directly under ``parent``."""
+        ...
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        """Remove one staging area listed by :meth:`leftovers` (a missing one is fine)."""
         ...
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -13,14 +17,24 @@ from typing import Any
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ManagerLockedError,
     StorageError,
     TruncatedFileError,
     UnsafeCheckpointError,
+    storage_error,
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
-from statestream.storage._base import Buffer, StorageCapabilities, check_member_name
+from statestream.storage._base import (
+    Buffer,
+    Leftover,
+    StorageCapabilities,
+    WriterId,
+    check_member_name,
+)
+from statestream.storage._leftovers import collect_garbage, this_writer
 
 __all__ = ["LocalStorage"]
 
@@ -73,7 +87,7 @@ def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> 
         try:
             n = os.pwritev(fd, batch, offset)
         except OSError as exc:
-            raise StorageError(f"writing {where} at offset {offset} failed: {exc}") from exc
+            raise storage_error(f"writing {where} at offset {offset} failed: {exc}", exc) from exc
         offset += n
         # drop fully written views; trim a partially written one
         while n and views:
@@ -209,8 +223,8 @@ class _LocalFileWriter:
                     os.close(self._dfd)  # alignment this file system will not take
                     self._dfd = -1
                     return False
-                raise StorageError(
-                    f"writing {self._path} at offset {offset + done} failed: {exc}"
+                raise storage_error(
+                    f"writing {self._path} at offset {offset + done} failed: {exc}", exc
                 ) from exc
             if n <= 0:  # pragma: no cover - a zero-length direct write
                 raise StorageError(f"writing {self._path} at offset {offset + done}: no progress")
@@ -235,7 +249,7 @@ class _LocalFileWriter:
         try:
             os.fsync(self._fd)
         except OSError as exc:
-            raise StorageError(f"fsync of {self._path} failed: {exc}") from exc
+            raise storage_error(f"fsync of {self._path} failed: {exc}", exc) from exc
         finally:
             self.abort()
 
@@ -259,7 +273,7 @@ class _LocalWriteTransaction:
         self._owner = join is None
         if join is None:
             os.makedirs(parent, exist_ok=True)
-            self._tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+            self._tmp = os.path.join(parent, _staging_name(name))
             os.mkdir(self._tmp)
             os.mkdir(os.path.join(self._tmp, DATA_DIR))
         else:
@@ -278,10 +292,14 @@ class _LocalWriteTransaction:
         return os.path.join(self._tmp, check_member_name(name))
 
     def create_file(self, name: str, size_hint: int) -> _LocalFileWriter:
-        return _LocalFileWriter(self._tmp_path(name), size_hint, self._direct_io)
+        path = self._tmp_path(name)
+        try:
+            return _LocalFileWriter(path, size_hint, self._direct_io)
+        except OSError as exc:
+            raise storage_error(f"cannot create {path}: {exc}", exc) from exc
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        w = _LocalFileWriter(self._tmp_path(name), 0)
+        w = self.create_file(name, 0)
         try:
             w.write_at([data], 0)
             w.finish()
@@ -295,7 +313,23 @@ class _LocalWriteTransaction:
         try:
             _fsync_dir(os.path.join(self._tmp, DATA_DIR))
             _fsync_dir(self._tmp)
-            final = self._final
+            self._publish()
+            _fsync_dir(os.path.dirname(self._final) or ".")
+            self._done = True
+        except CheckpointError:
+            self.abort()
+            raise
+        except OSError as exc:
+            self.abort()
+            raise storage_error(f"committing {self._final} failed: {exc}", exc) from exc
+        except BaseException:
+            self.abort()
+            raise
+
+    def _publish(self) -> None:
+        """Rename the staging dir to the final path; with overwrite, the last writer wins."""
+        final = self._final
+        for _ in range(_PUBLISH_ATTEMPTS):
             if os.path.lexists(final):
                 if not self._overwrite:
                     raise CheckpointExistsError(
@@ -303,29 +337,37 @@ class _LocalWriteTransaction:
                         "or choose another path"
                     )
                 _check_replaceable(final)
-                if _rename2(self._tmp, final, _RENAME_EXCHANGE):
-                    # self._tmp now holds the previous checkpoint
-                    shutil.rmtree(self._tmp, ignore_errors=True)
-                else:
-                    old = self._tmp + ".old"
-                    os.rename(final, old)
-                    os.rename(self._tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
-            else:
-                try:
-                    ok = _rename2(self._tmp, final, _RENAME_NOREPLACE)
-                except FileExistsError:
-                    raise CheckpointExistsError(
-                        f"{final} was created by someone else while this save ran; "
-                        "nothing was replaced"
-                    ) from None
-                if not ok:
-                    os.rename(self._tmp, final)
-            _fsync_dir(os.path.dirname(final) or ".")
-            self._done = True
-        except BaseException:
-            self.abort()
-            raise
+                if self._replace(final):
+                    return
+                continue  # it vanished meanwhile: publish as new
+            try:
+                ok = _rename2(self._tmp, final, _RENAME_NOREPLACE)
+            except FileExistsError:
+                if self._overwrite:
+                    continue  # created by another writer meanwhile: replace it
+                raise CheckpointExistsError(
+                    f"{final} was created by someone else while this save ran; "
+                    "nothing was replaced"
+                ) from None
+            if not ok:
+                os.rename(self._tmp, final)
+            return
+        raise StorageError(f"{final} kept changing while this save tried to commit; gave up")
+
+    def _replace(self, final: str) -> bool:
+        """Swap the staging dir with ``final``; False if ``final`` disappeared first."""
+        try:
+            if _rename2(self._tmp, final, _RENAME_EXCHANGE):
+                # self._tmp now holds the previous checkpoint
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                return True
+            old = self._tmp + ".old"
+            os.rename(final, old)
+        except FileNotFoundError:
+            return False
+        os.rename(self._tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return True
 
     def abort(self) -> None:
         if not self._done:
@@ -343,6 +385,75 @@ def _check_replaceable(path: str) -> None:
         f"{path} exists and is not a statestream checkpoint; refusing to replace it even with "
         "overwrite=True. Remove it yourself or choose another path"
     )
+
+
+#: Staging directories: ``.<name>.tmp-<12 hex>[-w<host>-<pid>-<start>][.old]``.
+_STAGING_RE = re.compile(
+    r"^\.(?P<target>.+)\.tmp-[0-9a-f]{12}"
+    r"(?:-w(?P<host>[0-9a-f]{16})-(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20}))?(?:\.old)?$"
+)
+_PUBLISH_ATTEMPTS = 100
+
+
+def _staging_name(name: str) -> str:
+    """A fresh staging directory name for checkpoint ``name``, recording its writer."""
+    w = this_writer()
+    tag = f"-w{w.host}-{w.pid}-{w.start}" if w is not None else ""
+    return f".{name}.tmp-{uuid.uuid4().hex[:12]}{tag}"
+
+
+def _last_change(path: str) -> float | None:
+    """Newest mtime of a staging dir, its entries and its data files (None if gone)."""
+    try:
+        newest = os.lstat(path).st_mtime
+        for sub in (path, os.path.join(path, DATA_DIR)):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(sub) as it:
+                for e in it:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    except FileNotFoundError:
+        return None
+    return newest
+
+
+class _LocalLease:
+    """A lease by ``flock``: the kernel ends it when the holder dies, so it needs no ttl."""
+
+    ttl_s: float | None = None
+
+    def __init__(self, fd: int, holder: str) -> None:
+        self._fd = fd
+        self.holder = holder
+
+    def renew(self) -> None:
+        pass  # an flock lasts as long as its holder
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _lock_file(path: str, holder: str) -> _LocalLease:
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise storage_error(f"cannot create the lock {path}: {exc}", exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+        raise ManagerLockedError(f"{path} is held by {owner or 'an unknown process'}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise storage_error(f"cannot write the lock {path}: {exc}", exc) from exc
+    return _LocalLease(fd, holder)
 
 
 class _LocalReader:
@@ -396,7 +507,7 @@ class _LocalReader:
                         f"{os.path.join(self.location, name)} is a symbolic link or not a file; "
                         "refusing to follow it out of the checkpoint"
                     ) from None
-                raise StorageError(f"cannot open {self.location}/{name}: {exc}") from exc
+                raise storage_error(f"cannot open {self.location}/{name}: {exc}", exc) from exc
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
@@ -438,7 +549,7 @@ class _LocalReader:
             try:
                 n = os.preadv(fd, batch, offset)
             except OSError as exc:
-                raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
+                raise storage_error(f"reading {self.location}/{name} failed: {exc}", exc) from exc
             if n == 0:
                 raise TruncatedFileError(
                     f"data file {os.path.join(self.location, name)} ends at byte {offset}, "
@@ -501,9 +612,14 @@ class LocalStorage:
                 )
             _check_replaceable(path)
         try:
-            return _LocalWriteTransaction(path, overwrite, direct_io=self.direct_io)
+            txn = _LocalWriteTransaction(path, overwrite, direct_io=self.direct_io)
         except OSError as exc:
-            raise StorageError(f"cannot create a checkpoint under {path}: {exc}") from exc
+            raise storage_error(f"cannot create a checkpoint under {path}: {exc}", exc) from exc
+        try:
+            collect_garbage(self, os.path.dirname(path))
+        except (OSError, CheckpointError):
+            pass  # removing others' garbage is a courtesy; it must not fail this save
+        return txn
 
     def join_write(self, path: str, token: str) -> _LocalWriteTransaction:
         """Write data files into a save another process began (its ``txn.token``)."""
@@ -521,11 +637,53 @@ class LocalStorage:
             return sorted(os.listdir(path))
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise storage_error(f"listing {path} failed: {exc}", exc) from exc
 
     def delete(self, path: str) -> None:
         marker = os.path.join(path, COMMIT_NAME)
         try:
             os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
+            _fsync_dir(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            raise storage_error(f"deleting {path} failed: {exc}", exc) from exc
         shutil.rmtree(path, ignore_errors=True)
+
+    def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> _LocalLease:
+        """``flock`` on the file ``path``; ``ttl_s`` is not needed (ends with the holder)."""
+        return _lock_file(os.path.abspath(path), holder)
+
+    def leftovers(self, parent: str) -> builtins.list[Leftover]:
+        parent = os.path.abspath(parent)
+        try:
+            it = os.scandir(parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise storage_error(f"listing {parent} failed: {exc}", exc) from exc
+        out = []
+        with it:
+            for e in it:
+                m = _STAGING_RE.match(e.name)
+                if m is None or not e.is_dir(follow_symlinks=False):
+                    continue
+                changed = _last_change(e.path)
+                if changed is None:
+                    continue
+                writer = (WriterId(m["host"], int(m["pid"]), int(m["start"]))
+                          if m["host"] else None)
+                out.append(Leftover(e.path, m["target"], writer, changed))
+        return out
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        path = leftover.path
+        if not _STAGING_RE.match(os.path.basename(path)) or os.path.islink(path):
+            raise StorageError(f"{path} is not a statestream staging directory; not removing it")
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise storage_error(f"removing {path} failed: {exc}", exc) from exc

@@ -10,7 +10,7 @@ from statestream.errors import StorageError
 from statestream.storage._base import Storage
 from statestream.storage._local import LocalStorage
 
-__all__ = ["set_backend", "storage_for"]
+__all__ = ["registered_backend", "set_backend", "storage_for"]
 
 _LOCK = threading.Lock()
 _BACKENDS: dict[str, Any] = {}
@@ -29,6 +29,13 @@ def set_backend(scheme: str, backend: Storage | None) -> None:
             _BACKENDS.pop(scheme, None)
         else:
             _BACKENDS[scheme] = backend
+
+
+def registered_backend(scheme: str) -> Storage | None:
+    """The backend :func:`set_backend` installed for ``scheme``, if any."""
+    with _LOCK:
+        backend: Storage | None = _BACKENDS.get(scheme)
+        return backend
 
 
 def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:

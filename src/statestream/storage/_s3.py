@@ -16,24 +16,33 @@ messages or reprs.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import datetime
+import errno
+import hashlib
 import json
+import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ManagerLockedError,
     StorageError,
     TruncatedFileError,
     UnsafeCheckpointError,
+    storage_error,
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
-from statestream.storage._base import Buffer, StorageCapabilities, check_member_name
+from statestream.storage._base import Buffer, Leftover, StorageCapabilities, check_member_name
 
 __all__ = ["S3Options", "S3Storage"]
 
@@ -51,6 +60,12 @@ class S3Options:
         allow_http: permit plain-HTTP endpoints (local test servers).
         part_bytes: multipart upload part size.
         max_concurrency: parts uploaded in parallel per object.
+        timeout_s: limit on one request, from connecting to the end of the response.
+        connect_timeout_s: limit on establishing a connection.
+        max_retries: retries of a failed request (server errors, dropped
+            connections, timeouts of read-only requests), with exponential backoff.
+        retry_timeout_s: no retry starts this long after a request's first attempt.
+            A request thus fails within about ``retry_timeout_s + timeout_s``.
     """
 
     endpoint: str | None = None
@@ -61,6 +76,17 @@ class S3Options:
     allow_http: bool = False
     part_bytes: int = 16 << 20
     max_concurrency: int = 8
+    timeout_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    max_retries: int = 5
+    retry_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "retry_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise StorageError(f"S3Options.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise StorageError(f"S3Options.max_retries must be >= 0, got {self.max_retries}")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -91,18 +117,51 @@ def _map_error(exc: BaseException, what: str) -> BaseException:
     if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):
         return CheckpointNotFoundError(f"{what}: not found")
     if isinstance(exc, (oe.PermissionDeniedError, PermissionError)):
-        return StorageError(f"{what}: access denied (403); check the credentials and the "
-                            "bucket policy")
+        return storage_error(f"{what}: access denied (403); check the credentials and the "
+                             "bucket policy", errno.EACCES)
     if isinstance(exc, oe.UnauthenticatedError):
         return StorageError(f"{what}: not authenticated; set AWS_ACCESS_KEY_ID and "
                             "AWS_SECRET_ACCESS_KEY (or pass S3Options)")
     text = first.lower()
     if "403" in text or "forbidden" in text or "accessdenied" in text:
-        return StorageError(f"{what}: access denied (403); check the credentials and the "
-                            "bucket policy")
+        return storage_error(f"{what}: access denied (403); check the credentials and the "
+                             "bucket policy", errno.EACCES)
+    if "kind: Timeout" in str(exc) or "TimedOut" in str(exc):  # obstore's error chain
+        return storage_error(f"{what} timed out (S3Options.timeout_s / retry_timeout_s): "
+                             f"{name}: {first[:300]}", errno.ETIMEDOUT)
     if "credential" in text or "signature" in text:
         return StorageError(f"{what}: credentials missing or invalid")
     return StorageError(f"{what} failed: {name}: {first[:300]}")
+
+
+#: Client options obstore reads from ``AWS_<NAME>`` only when given none explicitly.
+_ENV_CLIENT_BOOLS = ("allow_http", "allow_invalid_certificates", "http1_only", "http2_only")
+_ENV_CLIENT_STRINGS = ("proxy_url", "proxy_ca_certificate", "proxy_excludes", "user_agent")
+
+
+def _env_client_options() -> dict[str, Any]:
+    """``AWS_ALLOW_HTTP`` & co.: passing client options (for the timeouts) makes obstore
+    ignore these variables, so they are read here."""
+    out: dict[str, Any] = {}
+    for name in _ENV_CLIENT_BOOLS:
+        value = os.environ.get(f"AWS_{name.upper()}")
+        if value is not None:
+            out[name] = value.strip().lower() == "true"
+    for name in _ENV_CLIENT_STRINGS:
+        value = os.environ.get(f"AWS_{name.upper()}")
+        if value:
+            out[name] = value
+    return out
+
+
+def _config_key(options: S3Options) -> tuple[Any, ...]:
+    """What a client is built from: the options and every ``AWS_*`` variable.
+
+    Values are hashed so that the key holds no secret in clear.
+    """
+    env = tuple(sorted((k, hashlib.sha256(v.encode()).hexdigest())
+                       for k, v in os.environ.items() if k.startswith("AWS_")))
+    return (options, env)
 
 
 class _S3FileWriter:
@@ -200,7 +259,14 @@ class _S3Txn:
 
     def abort(self) -> None:
         if not self._done and self._is_owner:
-            self._owner._delete_prefix(self._bucket, f"{self._prefix}/{self._root}/")
+            self._done = True
+            try:
+                self._owner._delete_prefix(self._bucket, f"{self._prefix}/{self._root}/")
+            except CheckpointError:
+                # abort runs while the save's own failure propagates: reporting the
+                # cleanup's failure instead would hide it. The root is unreferenced
+                # (nothing loads it); `delete` of the checkpoint removes it later.
+                pass
         self._done = True
 
 
@@ -294,6 +360,49 @@ class _S3Reader:
         pass
 
 
+#: Last-Modified has a resolution of one second; a lease is expired only past this slack.
+_LEASE_SLACK_S = 2.0
+
+
+def _parse_lease(data: bytes, default_ttl: float) -> tuple[str, float]:
+    """(holder, ttl_s) of a lease object; a plain-text lock of older versions has ours."""
+    try:
+        doc = json.loads(data)
+        return str(doc["holder"])[:200], float(doc["ttl_s"])
+    except (ValueError, KeyError, TypeError):
+        return data.decode(errors="replace")[:200] or "an unknown holder", default_ttl
+
+
+class _S3Lease:
+    """A lease object, renewed by a conditional PUT on the ETag we last wrote."""
+
+    def __init__(self, owner: S3Storage, bucket: str, key: str, holder: str, ttl_s: float,
+                 body: bytes, etag: str) -> None:
+        self._owner, self._bucket, self._key = owner, bucket, key
+        self.holder = holder
+        self.ttl_s: float | None = ttl_s
+        self._body = body
+        self._etag = etag
+
+    def renew(self) -> None:
+        etag = self._owner._put_if(self._bucket, self._key, self._body, {"e_tag": self._etag})
+        if etag is None:
+            raise ManagerLockedError(
+                f"s3://{self._bucket}/{self._key} expired and was taken over by another holder"
+            )
+        self._etag = etag
+
+    def release(self) -> None:
+        import obstore
+
+        st = self._owner._store(self._bucket)
+        try:
+            if obstore.head(st, self._key)["e_tag"] == self._etag:  # still ours
+                obstore.delete(st, self._key)
+        except Exception:
+            pass  # best effort: a lease not released expires after its ttl_s anyway
+
+
 class S3Storage:
     """Checkpoints in an S3-compatible object store (AWS S3, MinIO, ...).
 
@@ -310,40 +419,42 @@ class S3Storage:
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options()
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"S3Storage({self.options!r})"
 
     def _store(self, bucket: str) -> Any:
+        """The client for ``bucket``, rebuilt whenever its configuration changed."""
+        key = _config_key(self.options)
         with self._lock:
-            st = self._stores.get(bucket)
-            if st is None:
-                from obstore.store import S3Store
+            cached = self._stores.get(bucket)
+            if cached is None or cached[0] != key:
+                cached = self._stores[bucket] = (key, self._new_store(bucket))
+            return cached[1]
 
-                kw: dict[str, Any] = {}
-                o = self.options
-                if o.endpoint:
-                    kw["endpoint"] = o.endpoint
-                if o.region:
-                    kw["region"] = o.region
-                if o.access_key_id:
-                    kw["access_key_id"] = o.access_key_id
-                if o.secret_access_key:
-                    kw["secret_access_key"] = o.secret_access_key
-                if o.session_token:
-                    kw["session_token"] = o.session_token
-                client: dict[str, Any] = {}
-                if o.allow_http or (o.endpoint or "").startswith("http://"):
-                    client["allow_http"] = True
-                try:
-                    st = S3Store(bucket, client_options=client or None,  # type: ignore[arg-type]
-                                 **kw)
-                except Exception as exc:
-                    raise _map_error(exc, f"configuring access to s3://{bucket}") from exc
-                self._stores[bucket] = st
-            return st
+    def _new_store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        o = self.options
+        kw: dict[str, Any] = {name: getattr(o, name) for name in (
+            "endpoint", "region", "access_key_id", "secret_access_key", "session_token")
+            if getattr(o, name)}
+        client = _env_client_options()
+        client["timeout"] = datetime.timedelta(seconds=o.timeout_s)
+        client["connect_timeout"] = datetime.timedelta(seconds=o.connect_timeout_s)
+        if o.allow_http or (o.endpoint or "").startswith("http://"):
+            client["allow_http"] = True
+        retry: dict[str, Any] = {
+            "max_retries": o.max_retries,
+            "retry_timeout": datetime.timedelta(seconds=o.retry_timeout_s),
+        }
+        try:
+            return S3Store(bucket, client_options=client,  # type: ignore[arg-type]
+                           retry_config=retry, **kw)  # type: ignore[arg-type]
+        except Exception as exc:
+            raise _map_error(exc, f"configuring access to s3://{bucket}") from exc
 
     def _put(self, bucket: str, key: str, data: bytes) -> None:
         import obstore
@@ -355,15 +466,7 @@ class S3Storage:
 
     def _put_new(self, bucket: str, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent; False when it already exists."""
-        import obstore
-
-        try:
-            obstore.put(self._store(bucket), key, data, mode="create")
-            return True
-        except Exception as exc:
-            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
-                return False
-            raise _map_error(exc, f"writing s3://{bucket}/{key}") from exc
+        return self._put_if(bucket, key, data, "create") is not None
 
     def _get_small(self, bucket: str, key: str, max_bytes: int, missing_ok: bool = False
                    ) -> bytes | None:
@@ -427,25 +530,89 @@ class S3Storage:
         except Exception as exc:
             raise _map_error(exc, f"deleting s3://{bucket}/{prefix}") from exc
 
-    # -- manager support ---------------------------------------------------------------
-    def try_lock(self, url: str, owner: str) -> str | None:
-        """Create the lock object ``url`` if absent; else return who holds it."""
-
-        bucket, key = split_url(url)
-        if self._put_new(bucket, key, owner.encode()):
-            return None
-        held = self._get_small(bucket, key, 4096, missing_ok=True)
-        return (held or b"unknown holder").decode(errors="replace")
-
-    def release_lock(self, url: str) -> None:
-        """Delete the lock object ``url`` (ignores a missing one)."""
+    # -- leases --------------------------------------------------------------------
+    def _put_if(self, bucket: str, key: str, data: bytes, mode: Any) -> str | None:
+        """Conditional PUT (``"create"`` or ``{"e_tag": ...}``); its ETag, None if refused."""
         import obstore
 
-        bucket, key = split_url(url)
         try:
-            obstore.delete(self._store(bucket), key)
-        except Exception:
-            pass
+            res = obstore.put(self._store(bucket), key, data, mode=mode)
+        except Exception as exc:
+            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
+                return None
+            raise _map_error(exc, f"writing s3://{bucket}/{key}") from exc
+        return str(res["e_tag"])
+
+    def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> _S3Lease:
+        """The lease object ``path``: created if absent, taken over once expired.
+
+        Expiry compares the object's Last-Modified (the store's clock) with this
+        host's clock, so clocks must agree to within a few seconds.
+        """
+        bucket, key = split_url(path)
+        body = json.dumps({"holder": holder, "ttl_s": ttl_s}).encode()
+        for _ in range(3):
+            etag = self._put_if(bucket, key, body, "create")
+            if etag is None:
+                etag = self._take_expired(bucket, key, body, ttl_s)
+            if etag is not None:
+                return _S3Lease(self, bucket, key, holder, ttl_s, body, etag)
+        raise ManagerLockedError(f"{path} is contended: it changed hands while being taken")
+
+    def _take_expired(self, bucket: str, key: str, body: bytes, ttl_s: float) -> str | None:
+        """Take the existing lease ``key`` over if it expired; None if it vanished meanwhile."""
+        import obstore
+
+        try:
+            meta = obstore.head(self._store(bucket), key)
+            held = bytes(obstore.get(self._store(bucket), key).bytes())[:4096]
+        except Exception as exc:
+            err = _map_error(exc, f"reading s3://{bucket}/{key}")
+            if isinstance(err, CheckpointNotFoundError):
+                return None  # released meanwhile: try to create it again
+            raise err from exc
+        holder, held_ttl = _parse_lease(held, ttl_s)
+        age = time.time() - meta["last_modified"].timestamp()
+        if age <= held_ttl + _LEASE_SLACK_S:
+            raise ManagerLockedError(
+                f"s3://{bucket}/{key} is held by {holder}, renewed {max(age, 0):.0f} s ago "
+                f"(lease of {held_ttl:g} s)"
+            )
+        return self._put_if(bucket, key, body, {"e_tag": meta["e_tag"]})
+
+    def leftovers(self, parent: str) -> builtins.list[Leftover]:
+        """Roots of the checkpoints directly under ``parent`` that no marker names.
+
+        Root names cannot record a writer (readers accept 32 hex digits only),
+        so every leftover here has an unverifiable writer: removed after the
+        age limit, or by the lease holder of ``parent``. An unfinished multipart
+        upload is invisible until it completes (see docs/storage.md).
+        """
+        import obstore
+
+        bucket, prefix = split_url(parent)
+        roots: dict[tuple[str, str], float] = {}
+        try:
+            for batch in obstore.list(self._store(bucket), prefix=prefix + "/"):
+                for m in batch:
+                    parts = m["path"][len(prefix) + 1 :].split("/")
+                    if len(parts) >= 3 and _ROOT_RE.match(parts[1]):
+                        when = m["last_modified"].timestamp()
+                        roots[parts[0], parts[1]] = max(roots.get((parts[0], parts[1]), 0), when)
+        except Exception as exc:
+            raise _map_error(exc, f"listing {parent}") from exc
+        live = {name: self._live_root(bucket, f"{prefix}/{name}") for name, _ in roots}
+        return [Leftover(f"s3://{bucket}/{prefix}/{name}/{root}", name, None, when)
+                for (name, root), when in sorted(roots.items()) if live[name] != root]
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        bucket, key = split_url(leftover.path)
+        checkpoint, _, root = key.rpartition("/")
+        if not _ROOT_RE.match(root) or not checkpoint:
+            raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
+        if self._live_root(bucket, checkpoint) == root:
+            raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
+        self._delete_prefix(bucket, key + "/")
 
     # -- Storage protocol ------------------------------------------------------------
     def begin_write(self, path: str, *, overwrite: bool) -> _S3Txn:

@@ -4,11 +4,21 @@ Subclass :class:`StorageTests` in a pytest module and provide two fixtures:
 ``storage`` (the backend) and ``base_url`` (a fresh, empty location under
 which the tests create checkpoints: a directory path or an ``s3://`` URL).
 Runs with pytest; needs no other dependency.
+
+Besides commit semantics, leases and garbage collection, it runs every
+backend under :class:`statestream.testing.faults.FaultyStorage`: each
+write-side call of a save fails in turn (ENOSPC, EIO, or a stall then
+ETIMEDOUT), and the backend must show the same guarantees as any other:
+nothing committed, the previous checkpoint intact, no thread or staging
+buffer left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -169,3 +179,101 @@ class StorageTests:
         h = ss.save_async(url, {"w": w + 1}, overwrite=True)
         h.result()
         np.testing.assert_array_equal(ss.load(url)["w"], w + 1)
+
+    def test_overwrite_replaces_a_path_created_meanwhile(self, storage: Any,
+                                                         base_url: str) -> None:
+        # With overwrite=True the last writer wins, even over a checkpoint that
+        # appeared after this save began.
+        url = _url(base_url, "lww")
+        mine = self._write(storage, url, b"last writer", overwrite=True)
+        self._write(storage, url, b"came first", overwrite=True).commit()
+        mine.commit()
+        r = storage.open_read(url)
+        try:
+            got = bytearray(11)
+            r.read_into("data/r0-0.bin", 0, [got])
+            assert bytes(got) == b"last writer"
+        finally:
+            r.close()
+
+    def test_lease_is_exclusive_until_released(self, storage: Any, base_url: str) -> None:
+        path = _url(base_url, "lease")
+        lease = storage.acquire_lease(path, holder="pid 1 on a", ttl_s=60)
+        try:
+            with pytest.raises(ss.ManagerLockedError, match="pid 1 on a"):
+                storage.acquire_lease(path, holder="pid 2 on b", ttl_s=60)
+            lease.renew()
+            with pytest.raises(ss.ManagerLockedError):
+                storage.acquire_lease(path, holder="pid 2 on b", ttl_s=60)
+        finally:
+            lease.release()
+        lease.release()  # idempotent
+        storage.acquire_lease(path, holder="pid 2 on b", ttl_s=60).release()
+
+    def test_garbage_collection_spares_a_save_in_progress(self, storage: Any,
+                                                           base_url: str) -> None:
+        from statestream.storage import collect_garbage
+
+        url = _url(base_url, "busy")
+        txn = self._write(storage, url, b"in progress")
+        collect_garbage(storage, base_url, max_age_s=3600)
+        ss.save(_url(base_url, "other"), {"x": np.arange(3)})  # a save collects too
+        txn.commit()
+        assert storage.is_committed(url)
+
+    @pytest.mark.parametrize("mode", ["save", "save_async", "lazy"])
+    @pytest.mark.parametrize("kind", ["enospc", "eio", "stall"])
+    def test_a_fault_at_any_storage_call_commits_nothing(
+            self, storage: Any, base_url: str, kind: str, mode: str) -> None:
+        """Every write-side call of a save fails in turn: the save raises a
+        StorageError carrying the errno, nothing is committed, the previous
+        checkpoint still loads, and no thread or staging buffer is left behind."""
+        from statestream.engine import host_pool, pinned_pool
+        from statestream.testing.faults import StorageFault, faulty_backend
+
+        url = _url(base_url, f"faulty-{kind}-{mode}")
+        old = {"a": np.arange(3000, dtype=np.float32), "b": np.full(700, 7, np.int64)}
+        ss.save(url, old)
+        new = {"a": np.ones(3000, np.float32), "b": np.zeros(700, np.int64)}
+        io = ss.IOOptions(max_chunk_bytes=4 << 10, num_threads=2)
+
+        def attempt(fault: StorageFault) -> None:
+            with faulty_backend(url, fault):
+                if mode == "save":
+                    ss.save(url, new, overwrite=True, io=io)
+                else:
+                    ss.save_async(url, new, overwrite=True, io=io,
+                                  lazy=mode == "lazy").result()
+
+        counting = StorageFault(kind)
+        attempt(counting)  # counts the calls (and overwrites with `new`)
+        assert counting.calls >= 5, counting
+        ss.save(url, old, overwrite=True)
+        threads = set(threading.enumerate())
+        lent = (host_pool().lent_bytes, pinned_pool().lent_bytes)
+        for k in range(1, counting.calls + 1):
+            fault = StorageFault(kind, at=k, stall_s=0.05)
+            with pytest.raises(ss.StorageError) as ei:
+                attempt(fault)
+            assert fault.fired is not None, k
+            assert ei.value.errno == _FAULT_ERRNO[kind], (k, fault.fired, ei.value)
+            got = ss.load(url)
+            np.testing.assert_array_equal(got["a"], old["a"], err_msg=f"{k}: {fault.fired}")
+            np.testing.assert_array_equal(got["b"], old["b"])
+            assert not [n for n in storage.list(base_url) if n.startswith(".faulty")], k
+        _wait_for_threads(threads)
+        assert (host_pool().lent_bytes, pinned_pool().lent_bytes) == lent
+
+
+_FAULT_ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "stall": errno.ETIMEDOUT}
+
+
+def _wait_for_threads(before: set[threading.Thread]) -> None:
+    """Threads a failed save started must end (they may take a moment to wind down)."""
+    deadline = time.monotonic() + 60
+    while True:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra:
+            return
+        assert time.monotonic() < deadline, f"threads left behind: {extra}"
+        time.sleep(0.05)

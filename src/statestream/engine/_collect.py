@@ -1,0 +1,129 @@
+"""Walking a state: leaves to manifest nodes, arrays to their providers."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Collection
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import UnsupportedTypeError
+from statestream.plan import ArrayDecl
+from statestream.providers import ArrayProvider, PreparedArray, array_provider_for, expand_pytree
+from statestream.providers.numpy import prepare_host_array
+from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypath
+
+__all__ = ["Collector"]
+
+_CONTAINER_TYPES = frozenset({dict, list, tuple})
+
+
+class Collector:
+    """Turns leaves into manifest nodes and remembers the arrays to write.
+
+    Args:
+        pickle_paths: key paths whose unsupported values may be pickled.
+        track: remember, per array, which memory it uses (for guarded
+            optimizer steps).
+        versions: remember how to read each array's modification counter and
+            its value now (to detect a change before a lazy snapshot copied it).
+        private_copies: snapshot providers' private copies of values that
+            need one (a lazy snapshot must not read donated JAX buffers).
+    """
+
+    def __init__(self, pickle_paths: Collection[str], *, track: bool = False,
+                 versions: bool = False, private_copies: bool = False) -> None:
+        self.arrays: list[PreparedArray] = []
+        self.paths: list[KeyPath] = []
+        self._pickle = {parse_keypath(p) for p in pickle_paths}
+        self._track = track
+        self._versions = versions
+        self._private = private_copies
+        #: called with each new array's index as the walk finds it
+        self.on_array: Callable[[int, PreparedArray], None] | None = None
+        #: memory id -> indices of the arrays using that memory (``track``)
+        self.memory: dict[int, list[int]] = {}
+        #: array index -> (read the modification counter, its value when prepared)
+        self.versions: dict[int, tuple[Callable[[], int], int]] = {}
+
+    def walk(self, state: Any) -> Node:
+        """Flatten ``state`` (raises UnsupportedTypeError naming the key path)."""
+        return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback)
+
+    def key(self, index: int) -> str:
+        return format_keypath(self.paths[index])
+
+    def decls(self) -> list[ArrayDecl]:
+        """The arrays found, as the manifest builder sees them."""
+        return [ArrayDecl(format_keypath(p), a.dtype, a.shape)
+                for p, a in zip(self.paths, self.arrays)]
+
+    def _add(self, prepared: PreparedArray, path: KeyPath) -> int:
+        self.arrays.append(prepared)
+        self.paths.append(path)
+        index = len(self.arrays) - 1
+        if self.on_array is not None:
+            self.on_array(index, prepared)
+        return index
+
+    def leaf(self, path: KeyPath, x: Any) -> Node | None:
+        t = type(x)
+        if t in _CONTAINER_TYPES:
+            return None
+        p = array_provider_for(x)
+        if p is not None:  # the common case first: an array of a known type
+            return self._array(p, path, x)
+        if x is None:
+            return Node("none")
+        if t is bool:
+            return Node("bool", value=x)
+        if t is int:
+            return Node("int", value=x)
+        if t is float:
+            return Node("float", value=x)
+        if t is str:
+            return Node("str", value=x)
+        if t is bytes:
+            blob = np.frombuffer(x, dtype=np.uint8)
+            return Node("bytes", array=self._add(prepare_host_array(blob, path, "bytes"), path))
+        return None
+
+    def _array(self, p: ArrayProvider, path: KeyPath, x: Any) -> Node:
+        caps = p.capabilities
+        if self._private and caps.lazy_private_copy:
+            x = p.private_copy(x)
+        prepared = p.prepare(x, path)
+        attrs = {"kind": prepared.kind}
+        if prepared.attrs:
+            attrs.update(prepared.attrs)
+        index = self._add(prepared, path)
+        if self._track and caps.mutable_values:
+            mid = p.memory_id(x)
+            if mid is not None:
+                self.memory.setdefault(mid, []).append(index)
+            read = p.version(x) if self._versions else None
+            if read is not None:
+                self.versions[index] = (read, read())
+        return Node("array", array=index, attrs=attrs)
+
+    def fallback(self, path: KeyPath, x: Any) -> Node | None:
+        spath = tuple(str(k) for k in path)
+        if not any(spath[: len(p)] == p for p in self._pickle):
+            return None
+        try:
+            data = pickle.dumps(x, protocol=5)
+        except Exception as exc:
+            raise UnsupportedTypeError(
+                f"pickling the value at key path '{format_keypath(path)}' failed: {exc}"
+            ) from exc
+        blob = np.frombuffer(data, dtype=np.uint8)
+        return Node(
+            "pickle", array=self._add(prepare_host_array(blob, path, "pickle"), path),
+            attrs={"type": f"{type(x).__module__}.{type(x).__qualname__}"},
+        )
+
+    def changed(self, index: int) -> bool:
+        """True if array ``index`` was modified in place since it was prepared."""
+        v = self.versions.get(index)
+        return v is not None and v[0]() != v[1]

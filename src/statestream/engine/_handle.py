@@ -1,0 +1,165 @@
+"""Save handles and the process's queue of saves in flight.
+
+Saves are serialised: a new asynchronous save first waits for the previous
+one to finish, so an in-flight save is never disturbed. Pending saves are
+completed at interpreter exit, and failures nobody asked about are printed
+then -- never silently dropped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from statestream.providers import array_provider_for
+
+__all__ = ["SaveHandle", "enqueue", "previous_save"]
+
+_LOCK = threading.Lock()
+_LAST: SaveHandle | None = None
+_PENDING: set[SaveHandle] = set()
+_ATEXIT = False
+
+
+class SaveHandle:
+    """A save in flight. ``result()`` waits for the commit and raises its error.
+
+    Example:
+        >>> import numpy as np, tempfile, os, statestream as ss
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> h = ss.save_async(d, {"w": np.ones(3)})
+        >>> h.result(); h.done()
+        True
+    """
+
+    def __init__(self, path: str, n_arrays: int) -> None:
+        self.path = path
+        self._snapshot = threading.Event()
+        self._finished = threading.Event()
+        self._array_ready = [threading.Event() for _ in range(n_arrays)]
+        self._error: BaseException | None = None
+        self._snapshot_failed = False
+        #: memory id -> indices of the arrays that use it (see ``wait_for``)
+        self._memory: dict[int, list[int]] = {}
+        self.bytes_total = 0
+        self.bytes_written = 0
+
+    # -- progress ---------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the save is committed (or has failed)."""
+        return self._finished.is_set()
+
+    def snapshot_done(self) -> bool:
+        """True once every byte has been copied out of the state."""
+        return self._snapshot.is_set()
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes written, bytes total) so far."""
+        return self.bytes_written, self.bytes_total
+
+    # -- waiting ----------------------------------------------------------------
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state may be mutated (every chunk copied).
+
+        Raises:
+            TimeoutError: the snapshot did not finish within ``timeout`` seconds.
+            CheckpointError: the snapshot failed (the save is abandoned).
+        """
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
+        if self._snapshot_failed and self._error is not None:
+            self._reported()
+            raise self._error
+
+    def wait_for(self, values: Iterable[Any]) -> None:
+        """Block until the arrays backed by these values' memory are copied.
+
+        A value whose memory cannot be told (no provider knows it) waits for
+        the whole snapshot: never too little.
+        """
+        if self._snapshot.is_set():
+            return
+        ids: set[int] = set()
+        for v in values:
+            p = array_provider_for(v)
+            mid = p.memory_id(v) if p is not None and p.capabilities.mutable_values else None
+            if mid is None:
+                self._snapshot.wait()
+                return
+            ids.add(mid)
+        for mid in ids:
+            for ai in self._memory.get(mid, ()):
+                self._array_ready[ai].wait()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint is durable and committed; raise any error.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+            CheckpointError (or the original error): the background phase failed;
+                nothing was committed.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
+        if self._error is not None:
+            self._reported()
+            raise self._error
+
+    # -- the job's side -----------------------------------------------------------
+    def array_ready(self, index: int) -> None:
+        self._array_ready[index].set()
+
+    def snapshot_finished(self) -> None:
+        self._snapshot.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        if not self._snapshot.is_set():
+            self._snapshot_failed = True
+        for e in self._array_ready:
+            e.set()
+        self._snapshot.set()
+        # A failed save stays pending until the caller has seen its error, so one
+        # that nobody asked about is still reported at interpreter exit.
+        self._finished.set()
+
+    def finish(self) -> None:
+        self._finished.set()
+        self._reported()
+
+    def _reported(self) -> None:
+        with _LOCK:
+            _PENDING.discard(self)
+
+
+def _drain_at_exit() -> None:
+    with _LOCK:
+        pending = list(_PENDING)
+    for h in pending:
+        try:
+            h.result()
+        except BaseException as exc:  # report, never drop silently
+            print(f"statestream: background save to {h.path} failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def previous_save() -> SaveHandle | None:
+    """The last save started (registering the exit drain on first use)."""
+    global _ATEXIT
+    with _LOCK:
+        if not _ATEXIT:
+            atexit.register(_drain_at_exit)
+            _ATEXIT = True
+        return _LAST
+
+
+def enqueue(handle: SaveHandle) -> None:
+    """Make ``handle`` the save the next one waits for, pending until reported."""
+    global _LAST
+    with _LOCK:
+        _PENDING.add(handle)
+        _LAST = handle

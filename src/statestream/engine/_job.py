@@ -1,0 +1,547 @@
+"""The save job: walk -> agree -> stage -> write -> commit, for one process or many.
+
+``ss.save`` and ``ss.save_async`` run the same :class:`SaveJob`; one process
+is the collective case with a collective of one (whose agreements cost
+nothing). The phases:
+
+1. **begin** (caller's thread): walk the state into a tree and prepared
+   arrays; with several processes, gather every process's tree and array
+   descriptions, agree on the checkpoint's tree (differences are named by
+   rank and key path before any data is written), choose one writer per
+   distinct box and open the shared transaction.
+2. **stage**: a synchronous save writes straight from the state (zero-copy
+   views, device arrays through pinned buffers); one process starts writing
+   while the walk goes on. An asynchronous save *snapshots* every chunk it
+   writes into staging buffers under the memory budget (on the caller's
+   thread, or in the background when lazy), checking that nothing it copied
+   was modified in place before the copy landed.
+3. **write**: one writer thread per data file; records of what was written
+   (offset, stored size, checksums) are made after the bytes exist.
+4. **commit**: every process agrees its part is durable; rank 0 joins the
+   parts into the manifest, writes it and the commit marker, and commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from statestream import __version__, _hooks
+from statestream._gc import gc_paused
+from statestream.distributed import Collective, SingleProcess, agree
+from statestream.engine._collect import Collector
+from statestream.engine._committed import committed_as_saved
+from statestream.engine._core import (
+    ByteBudget,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    lower_thread_priority,
+    parallel_for,
+)
+from statestream.engine._handle import SaveHandle, enqueue, previous_save
+from statestream.engine._ledger import StagingLedger
+from statestream.engine._write import StreamWriter
+from statestream.errors import CheckpointError, DistributedError, TargetMismatchError
+from statestream.format import (
+    COMMIT_NAME,
+    DTYPE_NAMES,
+    MANIFEST_NAME,
+    ChunkEntry,
+    decode_manifest,
+    decode_tree,
+    encode_commit,
+    encode_manifest,
+    encode_tree,
+    itemsize_of,
+)
+from statestream.plan import (
+    ArrayDecl,
+    ArraySpec,
+    MergedTree,
+    RankPart,
+    RankTree,
+    StreamPlanner,
+    WriteItem,
+    assign_writers,
+    build_manifest,
+    merge_trees,
+    single_tree,
+)
+from statestream.storage import WriteTransaction, storage_for
+
+__all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]
+#: Most key paths a torn-snapshot error lists.
+_MAX_NAMED = 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """Everything a save is asked besides what and where (see ``ss.save``)."""
+
+    overwrite: bool = False
+    pickle_paths: Collection[str] = ()
+    io: IOOptions = dataclasses.field(default_factory=IOOptions)
+    memory: MemoryOptions = dataclasses.field(default_factory=MemoryOptions)
+    collective: Collective = dataclasses.field(default_factory=SingleProcess)
+    progress: Progress | None = None
+    user_meta: dict[str, Any] | None = None
+
+
+class SaveJob:
+    """One save of ``state`` to ``path`` (see the module docstring).
+
+    ``snapshot``: copy the state into staging buffers before writing (an
+    asynchronous save) instead of writing straight from it; ``lazy``: the
+    snapshot runs in the background, reading private copies where a
+    provider needs them.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], state: Any, options: SaveOptions, *,
+                 snapshot: bool, lazy: bool = False) -> None:
+        self.state = state
+        self.options = options
+        self.coll = options.collective
+        #: the collective of the commit phase (async saves: a forked channel, so
+        #: background messages never interleave with the training thread's)
+        self.finish_coll = self.coll
+        self.snapshot_mode = snapshot
+        self.lazy = lazy
+        self.multi = self.coll.world_size > 1
+        self.storage, self.spath = storage_for(path)
+        # Which memory each array uses matters to guarded optimizer steps (async
+        # saves); whether it changed before its copy, only to lazy snapshots.
+        self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
+                                   private_copies=lazy)
+        io = options.io
+        self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",
+                                     max_files=io.write_threads(),
+                                     max_chunk_bytes=io.max_chunk_bytes)
+        self.txn: WriteTransaction | None = None
+        self.merged: MergedTree | None = None
+        #: per local array: the boxes this process writes (None: one process, all)
+        self.mine: list[list[_Box]] | None = None
+        self.items: list[list[WriteItem]] = []
+        self.ledger = StagingLedger(
+            self.collector.arrays, self.collector.key, options.memory,
+            retains_buffers=self.storage.capabilities.retains_buffers, snapshot=snapshot)
+        self.budget = ByteBudget(options.memory.resolved())
+        self.handle: SaveHandle | None = None
+        self._writer: StreamWriter | None = None
+        self._decls: list[ArrayDecl] = []
+
+    @property
+    def writer(self) -> StreamWriter:
+        assert self._writer is not None, "the save job has not begun"
+        return self._writer
+
+    # ----------------------------------------------------------------------- begin
+    def begin(self) -> None:
+        """Walk, agree, plan and open the transaction (collective).
+
+        One process has nothing to agree on, so it opens its transaction
+        *before* the walk and (writing straight from the state) starts its
+        writers on each array as the walk finds it; everything after the begin
+        is the same for one process and many.
+        """
+        if self.multi:
+            self._begin_collective()
+        else:
+            self._begin_single()
+
+    def _begin_single(self) -> None:
+        self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+        try:
+            self._open_writer()
+            if not self.snapshot_mode:
+                # Writers start on each array while the walk goes on to the next.
+                self.collector.on_array = lambda i, _: self.writer.submit(self._plan(i))
+            tree = self.collector.walk(self.state)
+            if self.snapshot_mode:
+                self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
+            self.merged = single_tree(tree, self.collector.arrays)
+        except BaseException:
+            self._abort_local()
+            raise
+
+    def _begin_collective(self) -> None:
+        coll = self.coll
+        tree = None
+        err: BaseException | None = None
+        try:
+            tree = self.collector.walk(self.state)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "walking the state", err)
+        assert tree is not None
+        decls = self._decls = self.collector.decls()
+        boxes = [a.boxes if a.boxes is not None else [((0,) * len(a.shape), a.shape)]
+                 for a in self.collector.arrays]
+        gathered = coll.all_gather_object({
+            "tree": encode_tree(tree),
+            "arrays": [[d.key, d.dtype, list(d.shape), [[list(s), list(b)] for s, b in bx]]
+                       for d, bx in zip(decls, boxes)],
+        })
+        self.merged = _agree_on_tree(gathered)
+        err = None
+        try:
+            self.mine = _my_boxes(gathered, coll.rank)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "planning", err)
+        try:
+            self._open_transaction()  # rank 0's may exist when a join fails
+            self._open_writer()
+            if self.snapshot_mode:
+                self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
+        except BaseException:
+            self._abort_txn()
+            raise
+
+    def _open_transaction(self) -> None:
+        coll = self.coll
+        err: BaseException | None = None
+        if coll.rank == 0:
+            try:
+                self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+            except BaseException as exc:
+                err = exc
+        agree(coll, "starting the save", err)
+        token = coll.broadcast_object(self.txn.token if self.txn is not None else None, src=0)
+        try:
+            if self.txn is None:
+                self.txn = self.storage.join_write(self.spath, token)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "joining the save", err)
+
+    def _open_writer(self) -> None:
+        assert self.txn is not None
+        if self.snapshot_mode:
+            # A failed writer never gives its staged bytes back: wake the snapshot
+            # instead of letting it wait for them forever.
+            self._writer = StreamWriter(
+                self.txn, self.planner.file_name, self.ledger.take, budget=ByteBudget(1 << 62),
+                after_write=self._snapshot_written, on_error=self.budget.abort,
+                nice=self.options.io.background_nice)
+        else:
+            self._writer = StreamWriter(
+                self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
+                progress=self.options.progress, after_write=self.ledger.after_write)
+
+    def _plan(self, i: int) -> list[WriteItem]:
+        a = self.collector.arrays[i]
+        boxes = a.boxes if self.mine is None else self.mine[i]
+        spec = ArraySpec(a.shape, itemsize_of(a.dtype), a.copies and not self.snapshot_mode)
+        return self.planner.add(i, spec, boxes)
+
+    # ----------------------------------------------------------------------- sync
+    def run(self) -> None:
+        """The whole save on the caller's thread, writing straight from the state."""
+        self.begin()
+        err: BaseException | None = None
+        written: dict[tuple[int, int], ChunkEntry] = {}
+        _hooks.fire("save.planned")
+        try:
+            if self.multi:
+                for i in range(len(self.collector.arrays)):
+                    self.writer.submit(self._plan(i))
+            written = self.writer.close()
+            _hooks.fire("save.data_synced")
+        except BaseException as exc:
+            self.writer.abort()
+            self.ledger.reclaim(False)
+            err = exc
+        self.finish(written, err)
+
+    # ----------------------------------------------------------------------- async
+    def make_handle(self) -> SaveHandle:
+        h = self.handle = SaveHandle(self.spath, len(self.collector.arrays))
+        h.bytes_total = self.planner.total_bytes
+        h._memory = self.collector.memory
+        return h
+
+    def _snapshot_written(self, items: Sequence[WriteItem]) -> None:
+        h = self.handle
+        assert h is not None
+        h.bytes_written += sum(it.nbytes for it in items)
+        self.budget.release(self.ledger.after_write(items))
+        if self.options.progress is not None:
+            self.options.progress(h.bytes_written, h.bytes_total)
+
+    def snapshot(self) -> None:
+        """Copy every chunk this process writes into staging buffers; writers follow.
+
+        Raises:
+            CheckpointError: a value was modified in place before its copy landed
+                (a lazy snapshot raced an unguarded ``optimizer.step()``), naming
+                the key paths; nothing is committed.
+        """
+        torn: set[int] = set()
+        if not self.lazy and self.planner.total_bytes <= self.budget.capacity:
+            self._snapshot_at_once(torn)
+        else:
+            self._snapshot_streaming(torn)
+        if torn:
+            raise CheckpointError(_torn_message([self.collector.key(i) for i in sorted(torn)]))
+        self.writer.flush()
+        assert self.handle is not None
+        self.handle.snapshot_finished()
+
+    def _check_copied(self, items: Sequence[WriteItem], torn: set[int]) -> None:
+        # Right after a chunk's copy landed: if its value changed since the walk,
+        # the copy may hold new bytes. A change after this point is allowed.
+        if self.collector.versions:
+            torn.update(it.array for it in items if self.collector.changed(it.array))
+
+    def _snapshot_at_once(self, torn: set[int]) -> None:
+        # The whole state fits in the budget: copy it with every core first, and
+        # only then let the writers start, so checksums and page-cache writes do
+        # not compete with the copy the caller is waiting for. Device copies are
+        # all queued first and waited for together.
+        jobs = [it for its in self.items for it in its]
+        waits: list[Callable[[], None]] = []
+
+        def one(it: WriteItem) -> None:
+            wait = self.ledger.copy_out(it, self.budget.acquire(it.nbytes))
+            if wait is not None:
+                waits.append(wait)
+            _hooks.fire("async.snapshot_chunk")
+
+        parallel_for(one, jobs, max(2, os.cpu_count() or 2))
+        for wait in waits:
+            wait()
+        self._check_copied(jobs, torn)
+        assert self.handle is not None
+        for ai, its in enumerate(self.items):
+            self.writer.submit(its)
+            self.handle.array_ready(ai)
+
+    def _snapshot_streaming(self, torn: set[int]) -> None:
+        queued: list[tuple[WriteItem, Callable[[], None] | None]] = []
+
+        def hand_over() -> None:
+            # Host copies are done on return; device copies land when waited for.
+            for _, wait in queued:
+                if wait is not None:
+                    wait()
+            items = [it for it, _ in queued]
+            self._check_copied(items, torn)
+            self.writer.submit(items)
+            queued.clear()
+
+        assert self.handle is not None
+        for ai, its in enumerate(self.items):
+            for it in its:
+                got = self.budget.try_acquire(it.nbytes)
+                if got is None:
+                    hand_over()
+                    self.writer.flush()  # let writers free buffers before we wait for one
+                    got = self.budget.acquire(it.nbytes)
+                wait = self.ledger.copy_out(it, got)
+                queued.append((it, wait))
+                if wait is None:
+                    hand_over()
+                _hooks.fire("async.snapshot_chunk")
+            hand_over()
+            self.handle.array_ready(ai)
+
+    def background(self, run_snapshot: bool, early: BaseException | None = None) -> None:
+        """The background phase: (lazy) snapshot, write, agree, commit; never raises."""
+        h = self.handle
+        assert h is not None
+        agreed = False
+        try:
+            if early is not None:
+                raise early
+            if run_snapshot:
+                # A lazy snapshot races the training step's optimizer.step(): it
+                # runs at normal priority; everything after it yields to training.
+                self.snapshot()
+            lower_thread_priority(self.options.io.background_nice)
+            _hooks.fire("save.planned")
+            written = self.writer.close()
+            _hooks.fire("save.data_synced")
+            agreed = True
+            self.finish(written, None)
+            self.ledger.reclaim(True)
+            h.finish()
+        except BaseException as exc:
+            self.writer.abort()
+            self.ledger.reclaim(False)
+            if self.multi and not agreed:
+                try:  # the other ranks wait for this rank's verdict: give it
+                    self.finish({}, exc)
+                except BaseException as agreed_exc:
+                    exc = agreed_exc
+            self._abort_txn()
+            h.fail(exc)
+
+    # ----------------------------------------------------------------------- commit
+    def finish(self, written: dict[tuple[int, int], ChunkEntry],
+               error: BaseException | None) -> None:
+        """Agree that every process wrote its part; rank 0 commits (collective)."""
+        coll = self.finish_coll
+        try:
+            agree(coll, "writing data", error)
+            part = self._part(written)
+            parts = ([part] if not self.multi else
+                     [RankPart.from_wire(w) for w in coll.all_gather_object(part.to_wire())])
+            err = None
+            if coll.rank == 0:
+                try:
+                    self._commit(parts)
+                except BaseException as exc:
+                    err = exc
+            # A process lost right after rank 0 committed must not fail a committed
+            # save: the survivors check that what is committed is this save's.
+            merged = self.merged
+            assert merged is not None
+            agree(coll, "committing", err,
+                  committed=lambda: committed_as_saved(self.storage, self.spath, merged,
+                                                       parts, self._meta()))
+        except BaseException:
+            self._abort_txn()
+            raise
+
+    def _part(self, written: dict[tuple[int, int], ChunkEntry]) -> RankPart:
+        merged = self.merged
+        assert merged is not None
+        glob: Sequence[int] = range(len(self.collector.arrays))
+        if self.multi:
+            glob = [merged.index[d.key] for d in self._decls]
+        chunks: dict[int, list[ChunkEntry]] = {}
+        for ai, per in enumerate(self.planner.chunks):
+            out = [written[(ai, ci)] for ci, (_, _, nb) in enumerate(per) if nb]
+            if out:
+                chunks[glob[ai]] = out
+        return RankPart(self.writer.files(), chunks)
+
+    def _meta(self) -> dict[str, Any]:
+        """The manifest's metadata (stamped now)."""
+        merged = self.merged
+        assert merged is not None
+        user = self.options.user_meta
+        return {
+            "library": f"statestream {__version__}",
+            "created_unix": time.time(),
+            "world_size": self.coll.world_size,
+            "total_bytes": sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays),
+            **({"user": user} if user is not None else {}),
+        }
+
+    def _commit(self, parts: list[RankPart]) -> None:
+        merged, txn = self.merged, self.txn
+        assert merged is not None and txn is not None
+        mbytes = encode_manifest(build_manifest(merged, parts, self._meta()))
+        if self.multi:
+            # Check the merged manifest exactly as a reader will (coverage, overlaps,
+            # sizes) before it becomes visible: a planning bug must fail the save.
+            decode_manifest(mbytes, f"{txn.location}/{MANIFEST_NAME} (being committed)")
+        txn.write_bytes(MANIFEST_NAME, mbytes)
+        _hooks.fire("commit.manifest_written")
+        txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
+        _hooks.fire("commit.marker_written")
+        txn.commit()
+        _hooks.fire("commit.renamed")
+
+    # ----------------------------------------------------------------------- failure
+    def _abort_local(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        self.ledger.reclaim(False)
+        self._abort_txn()
+
+    def _abort_txn(self) -> None:
+        # With several processes, rank 0 owns the transaction; the others joined it.
+        if self.txn is not None and (not self.multi or self.coll.rank == 0):
+            self.txn.abort()
+
+
+def _agree_on_tree(gathered: list[Any]) -> MergedTree:
+    """The checkpoint's tree from every rank's (the same on every rank, so every
+    rank raises the same error, naming what each rank holds where)."""
+    try:
+        ranks = [RankTree(decode_tree(g["tree"], len(g["arrays"])),
+                          [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
+                 for g in gathered]
+        return merge_trees(ranks)
+    except TargetMismatchError as exc:
+        raise DistributedError(f"planning failed: {exc}; nothing was committed") from exc
+
+
+def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
+    """The boxes of each of this rank's arrays that this rank writes."""
+    per_rank = [
+        [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
+         for k, dt, sh, boxes in g["arrays"]]
+        for g in gathered
+    ]
+    owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
+    return [[b for b in boxes if owners[(key, b[0], b[1])] == rank]
+            for key, _, _, boxes in per_rank[rank]]
+
+
+def _torn_message(keys: list[str]) -> str:
+    named = ", ".join(f"'{k}'" for k in keys[:_MAX_NAMED])
+    more = f" and {len(keys) - _MAX_NAMED} more" if len(keys) > _MAX_NAMED else ""
+    return (
+        f"a lazy snapshot was modified before it was copied: {len(keys)} tensor(s) changed "
+        f"in place after save_async() returned ({named}{more}); the checkpoint would mix "
+        "old and new values, so nothing was committed. Guard the optimizer with "
+        "ss.guard_optimizer(optimizer, handle), or call handle.wait_snapshot() before "
+        "changing the state"
+    )
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
+    """A synchronous save (the caller blocks until it is committed)."""
+    with gc_paused():
+        SaveJob(path, state, options, snapshot=False).run()
+
+
+def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *,
+               lazy: bool) -> SaveHandle:
+    """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
+    previous = previous_save()
+    if previous is not None:
+        # One save at a time. The previous one's error stays on its handle (and is
+        # reported at exit unless its caller asks for it).
+        previous._finished.wait()
+    job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
+    if job.multi:
+        job.finish_coll = job.coll.fork("statestream-async")
+    with gc_paused():
+        job.begin()
+    handle = job.make_handle()
+    enqueue(handle)
+    if lazy:
+        _spawn(job, run_snapshot=True)
+        return handle
+    try:
+        job.snapshot()
+    except BaseException as exc:
+        if job.multi:  # still agree with the other ranks, then report
+            job.background(False, exc)
+            handle.result()
+        job._abort_local()
+        handle.fail(exc)
+        handle._reported()  # raised to the caller right here
+        raise
+    _spawn(job, run_snapshot=False)
+    return handle
+
+
+def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
+    threading.Thread(target=job.background, args=(run_snapshot,), name="statestream-save",
+                     daemon=True).start()

@@ -1,0 +1,64 @@
+"""Step discovery and cleanup of a manager's directory, on the Storage protocol only."""
+
+from __future__ import annotations
+
+import re
+
+from statestream.storage import Storage
+from statestream.storage._leftovers import collect_garbage
+
+__all__ = ["LEASE_NAME", "StepDirectory", "parse_step"]
+
+_STEP_RE = re.compile(r"^step_(0\d{9}|[1-9]\d{9,17})$")  # exactly what step names look like
+#: The manager's lease (lock) inside its directory.
+LEASE_NAME = ".statestream.lock"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a directory entry names (``step_0000000042`` -> 42), else None."""
+    m = _STEP_RE.match(name)
+    if m is None or name != f"step_{int(m.group(1)):010d}":
+        return None
+    return int(m.group(1))
+
+
+class StepDirectory:
+    """The ``step_<N>`` checkpoints under one directory or URL prefix."""
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        self.storage = storage
+        self.directory = directory
+
+    def path(self, step: int) -> str:
+        """Path (or URL) of ``step``."""
+        return f"{self.directory}/step_{step:010d}"
+
+    def lease_path(self) -> str:
+        return f"{self.directory}/{LEASE_NAME}"
+
+    def is_committed(self, step: int) -> bool:
+        return bool(self.storage.is_committed(self.path(step)))
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (never a step still being written)."""
+        found = (parse_step(name) for name in self.storage.list(self.directory))
+        return sorted(s for s in found if s is not None and self.is_committed(s))
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove what crashed saves left: staging areas and steps that never committed.
+
+        Only for the lease holder: no one else writes steps here, so a step's
+        staging area whose writer is not provably alive is garbage.
+        """
+        removed = collect_garbage(self.storage, self.directory,
+                                  lease_held=lambda target: parse_step(target) is not None)
+        for name in self.storage.list(self.directory):
+            step = parse_step(name)
+            if step is not None and not self.is_committed(step):
+                self.storage.delete(self.path(step))
+                removed.append(self.path(step))
+        return removed
+
+    def delete(self, step: int) -> None:
+        """Delete ``step`` (the backend uncommits first, then removes the data)."""
+        self.storage.delete(self.path(step))

@@ -1,0 +1,326 @@
+"""Building a save's manifest, for one process or many, from typed records.
+
+Every process describes what it walked (:class:`RankTree`: its tree and the
+key path, dtype and shape of each of its arrays). Before any data is
+written, :func:`merge_trees` unites those descriptions into the one tree of
+the checkpoint -- the same answer on every process -- or names which rank
+holds what at the first key path where they disagree. After the writers
+have finished, each process reports the chunks it wrote (:class:`RankPart`:
+records made *after* the bytes exist, so offsets and stored sizes come from
+the writer, never from a plan made in advance), and :func:`build_manifest`
+joins the parts into a :class:`~statestream.format.Manifest`. When a process
+cannot confirm a commit (a peer died right after it), :func:`manifest_matches`
+tells whether a committed manifest is the one these parts build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from statestream.errors import CheckpointError, TargetMismatchError
+from statestream.format import (
+    ArrayEntry,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    itemsize_of,
+)
+from statestream.tree import Key, KeyPath, Node, format_keypath
+
+__all__ = [
+    "ArrayDecl",
+    "ArrayShape",
+    "MergedTree",
+    "RankPart",
+    "RankTree",
+    "build_manifest",
+    "manifest_matches",
+    "merge_trees",
+    "single_tree",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayDecl:
+    """One array of the checkpoint: key path, dtype and global shape."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize_of(self.dtype)
+
+
+@dataclasses.dataclass(slots=True)
+class RankTree:
+    """What one process walked: its tree (leaves index ``arrays``)."""
+
+    tree: Node
+    arrays: list[ArrayDecl]
+
+
+class ArrayShape(Protocol):
+    """What the manifest needs of an array: dtype and global shape."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@dataclasses.dataclass(slots=True)
+class MergedTree:
+    """The checkpoint's tree with global array indices, and its array table."""
+
+    tree: Node
+    arrays: Sequence[ArrayShape]
+    #: key path -> global array index (empty for one process, whose indices are
+    #: already global)
+    index: dict[str, int]
+
+
+@dataclasses.dataclass(slots=True)
+class RankPart:
+    """The chunks one process wrote: its files and, per global array, its chunks.
+
+    A chunk's ``file`` indexes this part's ``files``.
+    """
+
+    files: list[FileEntry]
+    chunks: dict[int, list[ChunkEntry]]
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for a collective gather."""
+        return {
+            "files": [[f.name, f.size] for f in self.files],
+            "chunks": [[a, [[c.file, c.offset, c.nbytes, c.checksum, list(c.start),
+                             list(c.shape), c.block_rows, list(c.block_checksums)]
+                            for c in cs]] for a, cs in self.chunks.items()],
+        }
+
+    @staticmethod
+    def from_wire(doc: dict[str, Any]) -> RankPart:
+        files = [FileEntry(str(n), int(s)) for n, s in doc["files"]]
+        chunks = {
+            int(a): [ChunkEntry(f, off, nb, crc, tuple(st), tuple(sh), br, tuple(bl))
+                     for f, off, nb, crc, st, sh, br, bl in cs]
+            for a, cs in doc["chunks"]
+        }
+        return RankPart(files, chunks)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
+    if node is None:
+        return "nothing"
+    k = node.kind
+    if k == "array" and node.array is not None:
+        a = arrays[node.array]
+        return f"an array ({a.dtype}{list(a.shape)})"
+    if k in ("list", "tuple"):
+        return f"a {k} of {len(node.children or [])}"
+    if k in ("bytes", "pickle", "none", "bool", "int", "float", "str"):
+        return f"a value of kind {k}"
+    return f"a {k}" + (f" ({node.type_name})" if node.type_name else "")
+
+
+def _node_at(node: Node, path: KeyPath) -> Node | None:
+    for key in path:
+        found = node.child(key)
+        if found is None:
+            return None
+        node = found
+    return node
+
+
+def _mismatch(ranks: Sequence[RankTree], path: KeyPath, what: str) -> TargetMismatchError:
+    views = "; ".join(
+        f"rank {r} holds {_describe(_node_at(rt.tree, path), rt.arrays)}"
+        for r, rt in enumerate(ranks)
+    )
+    return TargetMismatchError(
+        f"processes saved {what} at key path '{format_keypath(path) or '<root>'}': {views}. "
+        "Every process must save the same structure; nothing was written"
+    )
+
+
+def _same_key(a: Key, b: Key) -> bool:
+    return a == b and type(a) is type(b)
+
+
+def _merge(a: Node, b: Node, path: KeyPath, ranks: Sequence[RankTree],
+           keys_b: list[str]) -> Node:
+    """Union of ``a`` (ranks so far, leaves hold key paths) and one more rank's ``b``."""
+    if a.kind != b.kind:
+        raise _mismatch(ranks, path, "different kinds of value")
+    if a.children is None:
+        return a
+    kids_b = b.children or []
+    if a.keys is not None:
+        keys = list(a.keys)
+        kids = list(a.children)
+        index = {(type(k), k): i for i, k in enumerate(keys)}
+        for k, c in zip(b.keys or [], kids_b):
+            i = index.get((type(k), k))
+            if i is None:
+                index[(type(k), k)] = len(keys)
+                keys.append(k)
+                kids.append(_keyed(c, keys_b))
+            else:
+                kids[i] = _merge(kids[i], c, path + (k,), ranks, keys_b)
+        return dataclasses.replace(a, keys=keys, children=kids)
+    if len(a.children) != len(kids_b):
+        raise _mismatch(ranks, path, f"{a.kind}s of different lengths")
+    return dataclasses.replace(a, children=[
+        _merge(x, y, path + (i,), ranks, keys_b)
+        for i, (x, y) in enumerate(zip(a.children, kids_b))])
+
+
+def _keyed(node: Node, keys: list[str]) -> Node:
+    """A copy of ``node`` whose array leaves hold key-path numbers (see ``_number``)."""
+    if node.children is not None:
+        return dataclasses.replace(node, children=[_keyed(c, keys) for c in node.children])
+    if node.array is not None:
+        return dataclasses.replace(node, array=None, value=keys[node.array])
+    return node
+
+
+def _number(node: Node, order: dict[str, int]) -> Node:
+    """Replace key paths held by array leaves by global indices (first seen first)."""
+    if node.children is not None:
+        return dataclasses.replace(node, children=[_number(c, order) for c in node.children])
+    if node.kind in ("array", "bytes", "pickle"):
+        key = node.value
+        return dataclasses.replace(node, value=None, array=order.setdefault(key, len(order)))
+    return node
+
+
+def merge_trees(ranks: Sequence[RankTree]) -> MergedTree:
+    """The checkpoint's tree from every process's tree (the same result everywhere).
+
+    Keyed containers are united (rank order decides plain values and key
+    order); lists, tuples and kinds of value must agree; an array's dtype and
+    shape must agree on every rank that holds it.
+
+    Raises:
+        TargetMismatchError: naming the first key path where processes disagree
+            and what each rank holds there.
+
+    Example:
+        >>> from statestream.tree import Node
+        >>> t = Node("dict", keys=["w"], children=[Node("array", array=0)])
+        >>> m = merge_trees([RankTree(t, [ArrayDecl("w", "float32", (2,))])] * 2)
+        >>> m.index, m.arrays[0].shape
+        ({'w': 0}, (2,))
+    """
+    if len(ranks) == 1:  # one process: its tree is the checkpoint's, as it is
+        return single_tree(ranks[0].tree, ranks[0].arrays)
+    keys = [[a.key for a in rt.arrays] for rt in ranks]
+    merged = _keyed(ranks[0].tree, keys[0])
+    for r in range(1, len(ranks)):
+        merged = _merge(merged, ranks[r].tree, (), ranks, keys[r])
+    order: dict[str, int] = {}
+    tree = _number(merged, order)
+    decls: dict[str, ArrayDecl] = {}
+    for rt in ranks:
+        for a in rt.arrays:
+            seen = decls.setdefault(a.key, a)
+            if (seen.dtype, seen.shape) != (a.dtype, a.shape):
+                holders = "; ".join(
+                    f"rank {q}: {b.dtype}{list(b.shape)}" for q, other in enumerate(ranks)
+                    for b in other.arrays if b.key == a.key)
+                raise TargetMismatchError(
+                    f"processes disagree about the array at key path '{a.key}' ({holders}); "
+                    "nothing was written"
+                )
+    return MergedTree(tree, [decls[k] for k in order], order)
+
+
+def single_tree(tree: Node, arrays: Sequence[ArrayShape]) -> MergedTree:
+    """The checkpoint's tree when one process saved it: its own tree, as it is
+    (no key paths needed: the local array indices are the global ones)."""
+    return MergedTree(tree, arrays, {})
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def build_manifest(merged: MergedTree, parts: Sequence[RankPart],
+                   meta: dict[str, Any]) -> Manifest:
+    """Join every process's written chunks into the manifest (parts in rank order).
+
+    Example:
+        >>> from statestream.format import ChunkEntry, FileEntry
+        >>> t = Node("array", array=0)
+        >>> m = merge_trees([RankTree(t, [ArrayDecl("", "uint8", (4,))])])
+        >>> part = RankPart([FileEntry("data/r0-0.bin", 4)],
+        ...                 {0: [ChunkEntry(0, 0, 4, 123, (0,), (4,))]})
+        >>> man = build_manifest(m, [part], {})
+        >>> man.files[0].name, man.arrays[0].chunks[0].checksum
+        ('data/r0-0.bin', 123)
+    """
+    files: list[FileEntry] = []
+    chunks: list[list[ChunkEntry]] = [[] for _ in merged.arrays]
+    for part in parts:
+        base = len(files)
+        files.extend(part.files)
+        for ai, cs in part.chunks.items():
+            if base:
+                cs = [dataclasses.replace(c, file=c.file + base) for c in cs]
+            chunks[ai].extend(cs)
+    arrays = [ArrayEntry(a.dtype, a.shape, tuple(cs)) for a, cs in zip(merged.arrays, chunks)]
+    return Manifest(tree=merged.tree, arrays=arrays, files=files, meta=meta)
+
+
+#: The one meta entry a process cannot know of another's manifest: its clock.
+_COMMIT_TIME = "created_unix"
+
+
+def _timeless(meta: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in meta.items() if k != _COMMIT_TIME},
+                      sort_keys=True, default=repr)
+
+
+def manifest_matches(data: bytes, merged: MergedTree, parts: Sequence[RankPart],
+                     meta: dict[str, Any]) -> bool:
+    """Whether manifest bytes ``data`` are exactly what these parts build.
+
+    That is the manifest :func:`build_manifest` makes of ``merged``, ``parts``
+    and ``meta``, byte for byte -- the same tree and plain values, the same
+    data files and sizes, every chunk at the same place with the same
+    checksums -- and the same metadata (user metadata included), apart from
+    the commit time, which only the committing process knows. Every process
+    of a save holds ``merged`` and ``parts``, so a survivor can check what
+    the committing process wrote. An older checkpoint differs in some of
+    that unless it holds exactly this state.
+
+    Example:
+        >>> from statestream.format import ChunkEntry, FileEntry, encode_manifest
+        >>> m = merge_trees([RankTree(Node("array", array=0), [ArrayDecl("", "uint8", (4,))])])
+        >>> part = RankPart([FileEntry("data/r0-0.bin", 4)],
+        ...                 {0: [ChunkEntry(0, 0, 4, 123, (0,), (4,))]})
+        >>> data = encode_manifest(build_manifest(m, [part], {"created_unix": 1.0}))
+        >>> manifest_matches(data, m, [part], {"created_unix": 2.0})
+        True
+        >>> manifest_matches(data, m, [part], {"user": {"step": 3}})
+        False
+    """
+    try:
+        committed = decode_manifest(data, "the committed manifest")
+    except CheckpointError:
+        return False
+    if _timeless(committed.meta) != _timeless(meta):
+        return False
+    # the committed meta (its commit time) re-encodes to the very bytes it was read from
+    return encode_manifest(build_manifest(merged, parts, committed.meta)) == data

@@ -1,0 +1,131 @@
+"""Leftovers of killed saves: who wrote a staging area, and whether it is provably dead.
+
+A staging area records its writer (:class:`WriterId`: host, pid, process start
+time). It is garbage when that writer is provably dead: same host (same kernel
+boot and PID namespace), and no process with that pid and start time exists.
+A live writer's staging area is never removed; one whose writer cannot be
+checked (another host, an older statestream that recorded no writer) only once
+nothing in it changed for ``max_age_s`` (default 24 hours).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from collections.abc import Callable
+
+from statestream.errors import CheckpointError
+from statestream.storage._base import Storage, WriterId
+
+__all__ = ["DEFAULT_MAX_AGE_S", "collect_garbage", "this_writer", "writer_alive"]
+
+#: Staging areas whose writer cannot be checked are removed after this long unchanged.
+DEFAULT_MAX_AGE_S = 24 * 3600.0
+
+
+@functools.lru_cache(maxsize=1)
+def _host_id() -> str | None:
+    """This kernel boot as seen from this PID namespace (16 hex digits); None if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None  # pids could not be told apart from another namespace's: prove nothing
+    text = f"{os.uname().nodename}\0{boot}\0{pid_ns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_hides_pids() -> bool:
+    """/proc mounted with ``hidepid``: others' processes may look dead to a non-root user."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return True
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/proc" and " - proc " in line:
+            opts = line.rsplit(" ", 1)[-1]
+            return any(o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
+                       for o in opts.split(","))
+    return True
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None if no such live process,
+    -1 if it exists but cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return -1
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # a zombie writes nothing more
+        return None
+    return int(fields[19])
+
+
+def this_writer() -> WriterId | None:
+    """The calling process as a writer; None where /proc cannot prove liveness later."""
+    pid = os.getpid()
+    start = _start_time(pid)
+    host = _host_id()
+    if start is None or start < 0 or host is None:
+        return None
+    return WriterId(host, pid, start)
+
+
+def writer_alive(writer: WriterId | None) -> bool | None:
+    """True: alive; False: provably dead; None: cannot tell (another host, unrecorded)."""
+    if writer is None or writer.host != _host_id():
+        return None
+    if os.geteuid() != 0 and _proc_hides_pids():
+        return None
+    start = _start_time(writer.pid)
+    if start is not None and start < 0:
+        return None  # a process we may not inspect: not provably dead
+    return start == writer.start
+
+
+def collect_garbage(
+    storage: Storage,
+    parent: str,
+    *,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    lease_held: Callable[[str], bool] | None = None,
+) -> list[str]:
+    """Remove the staging areas under ``parent`` whose writers are gone; return their paths.
+
+    ``lease_held(target)`` says the caller holds the lease over checkpoint
+    ``target`` (a CheckpointManager over its steps): then every staging area of
+    that target whose writer is not provably alive is garbage, since no one
+    else may write there.
+
+    Example:
+        >>> import tempfile
+        >>> from statestream.storage import LocalStorage
+        >>> collect_garbage(LocalStorage(), tempfile.mkdtemp())
+        []
+    """
+    removed = []
+    now = time.time()
+    for item in storage.leftovers(parent):
+        alive = writer_alive(item.writer)
+        if alive:
+            continue
+        owned = lease_held is not None and lease_held(item.target)
+        if alive is None and not owned and now - item.modified <= max_age_s:
+            continue
+        try:
+            storage.remove_leftover(item)
+        except (OSError, CheckpointError):
+            continue  # removed concurrently, or not ours to remove: leave it for later
+        removed.append(item.path)
+    return removed
+

@@ -1,0 +1,117 @@
+"""The manager's lease on a local directory, and what it cleans when it opens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.storage import LocalStorage, set_backend
+
+_HOLDER = """
+import sys, time
+import statestream as ss
+mgr = ss.CheckpointManager(sys.argv[1])
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+
+_WRITER = """
+import sys, time
+from statestream.storage import LocalStorage, set_backend
+txn = LocalStorage().begin_write(sys.argv[1], overwrite=False)
+txn.create_file("data/r0-0.bin", 3).write_at([b"abc"], 0)
+print("WRITING", flush=True)
+time.sleep(600)
+"""
+
+
+def _child(code: str, arg: str, ready: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), arg],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != ready:
+        proc.kill()
+        pytest.fail(f"child did not start: {line!r} {proc.communicate()[1]}")
+    return proc
+
+
+def test_a_killed_managers_local_lease_ends_with_it(tmp_path: Path) -> None:
+    proc = _child(_HOLDER, str(tmp_path), "HOLDING")
+    try:
+        with pytest.raises(ss.ManagerLockedError, match=f"pid {proc.pid}"):
+            ss.CheckpointManager(tmp_path)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    with ss.CheckpointManager(tmp_path) as mgr:  # at once: no ttl to wait out
+        assert not mgr.read_only
+        mgr.save(1, {"w": np.arange(3)})
+
+
+def test_opening_spares_a_live_writers_staging(tmp_path: Path) -> None:
+    step = tmp_path / f"step_{5:010d}"
+    proc = _child(_WRITER, str(step), "WRITING")
+    try:
+        (live,) = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+        with ss.CheckpointManager(tmp_path) as mgr:
+            assert live in os.listdir(tmp_path)
+            assert mgr.steps() == []
+    finally:
+        proc.kill()
+        proc.wait()
+    with ss.CheckpointManager(tmp_path):  # its writer is dead now
+        assert live not in os.listdir(tmp_path)
+
+
+class _Remap:
+    """A new backend for ``remap://`` URLs: another directory tree, through LocalStorage."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.inner = LocalStorage()
+        self.capabilities = self.inner.capabilities
+        self.calls: list[str] = []
+
+    def _p(self, url: str) -> str:
+        assert url.startswith("remap://"), url
+        return str(self.root / url[len("remap://"):])
+
+    def __getattr__(self, op: str) -> Any:
+        fn = getattr(self.inner, op)
+
+        def call(path: Any, *args: Any, **kw: Any) -> Any:
+            self.calls.append(op)
+            return fn(path if op == "remove_leftover" else self._p(path), *args, **kw)
+
+        return call
+
+
+def test_the_manager_works_on_a_new_backend(tmp_path: Path) -> None:
+    """The manager uses the storage protocol only: a backend for a new scheme is enough."""
+    backend = _Remap(tmp_path)
+    set_backend("remap", backend)  # type: ignore[arg-type]
+    try:
+        with ss.CheckpointManager("remap://runs/a", keep_policy=ss.KeepLatest(2)) as mgr:
+            for step in range(4):
+                mgr.save(step, {"w": np.full(3, step)})
+            mgr.wait()
+            assert mgr.steps() == [2, 3]
+            assert int(mgr.load()["w"][0]) == 3
+            with pytest.raises(ss.ManagerLockedError):
+                ss.CheckpointManager("remap://runs/a")
+    finally:
+        set_backend("remap", None)
+    assert sorted(os.listdir(tmp_path / "runs" / "a")) == [
+        ".statestream.lock", f"step_{2:010d}", f"step_{3:010d}"]
+    assert {"acquire_lease", "leftovers", "list", "is_committed", "delete",
+            "begin_write"} <= set(backend.calls)

@@ -1,0 +1,137 @@
+"""Tests for statestream.plan._manifest: tree merge across ranks, manifest building, and
+recognising a committed manifest as one's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from statestream.errors import FormatVersionError, TargetMismatchError
+from statestream.format import (
+    ChunkEntry,
+    ChunkRef,
+    FileEntry,
+    decode_manifest,
+    encode_manifest,
+)
+from statestream.plan import (
+    ArrayDecl,
+    MergedTree,
+    RankPart,
+    RankTree,
+    build_manifest,
+    manifest_matches,
+    merge_trees,
+)
+from statestream.tree import Node
+
+
+def _dict(keys: list[str], kids: list[Node]) -> Node:
+    return Node("dict", keys=list(keys), children=kids)
+
+
+def _arr(i: int) -> Node:
+    return Node("array", array=i, attrs={"kind": "numpy"})
+
+
+def test_keyed_containers_unite_in_rank_order_and_arrays_are_numbered_first_seen() -> None:
+    r0 = RankTree(_dict(["shared", "only0", "step"], [_arr(0), _arr(1), Node("int", value=7)]),
+                  [ArrayDecl("shared", "float32", (4,)), ArrayDecl("only0", "int8", (2,))])
+    r1 = RankTree(_dict(["only1", "shared", "step"], [_arr(0), _arr(1), Node("int", value=9)]),
+                  [ArrayDecl("only1", "uint8", (3,)), ArrayDecl("shared", "float32", (4,))])
+    m = merge_trees([r0, r1])
+    assert m.tree.keys == ["shared", "only0", "step", "only1"]
+    assert m.index == {"shared": 0, "only0": 1, "only1": 2}
+    assert [a.key for a in m.arrays] == ["shared", "only0", "only1"]
+    assert m.tree.children is not None and m.tree.children[2].value == 7  # rank 0 decides
+    assert [c.array for c in m.tree.children if c.kind == "array"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("other,words", [
+    (_dict(["a"], [_dict(["x"], [_arr(0)])]), ["rank 0 holds an array (float32[4])",
+                                               "rank 1 holds a dict", "'a'"]),
+    (_dict(["a"], [Node("list", children=[_arr(0)] * 2)]), ["rank 1 holds a list of 2"]),
+])
+def test_kind_mismatch_names_every_rank(other: Node, words: list[str]) -> None:
+    r0 = RankTree(_dict(["a"], [_arr(0)]), [ArrayDecl("a", "float32", (4,))])
+    r1 = RankTree(other, [ArrayDecl("a/x", "float32", (4,))])
+    with pytest.raises(TargetMismatchError) as ei:
+        merge_trees([r0, r1, r0])
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+    assert "rank 2 holds an array" in str(ei.value)
+
+
+def test_list_lengths_and_array_shapes_must_agree() -> None:
+    def lst(n: int) -> RankTree:
+        return RankTree(_dict(["l"], [Node("list", children=[Node("none")] * n)]), [])
+
+    with pytest.raises(TargetMismatchError, match="lists of different lengths at key path 'l'"):
+        merge_trees([lst(3), lst(2)])
+    a = RankTree(_dict(["w"], [_arr(0)]), [ArrayDecl("w", "float32", (4,))])
+    b = RankTree(_dict(["w"], [_arr(0)]), [ArrayDecl("w", "float32", (5,))])
+    with pytest.raises(TargetMismatchError, match=r"rank 0: float32\[4\]; rank 1: float32\[5\]"):
+        merge_trees([a, b])
+
+
+def test_parts_join_with_file_indices_remapped_and_survive_the_wire() -> None:
+    tree = RankTree(_dict(["w"], [_arr(0)]), [ArrayDecl("w", "uint8", (8,))])
+    m = merge_trees([tree, tree])
+    p0 = RankPart([FileEntry("data/r0-0.bin", 4)], {0: [ChunkEntry(0, 0, 4, 1, (0,), (4,))]})
+    p1 = RankPart([FileEntry("data/r1-0.bin", 64), FileEntry("data/r1-1.bin", 4)],
+                  {0: [ChunkEntry(1, 0, 4, 2, (4,), (4,))]})
+    p1 = RankPart.from_wire(p1.to_wire())
+    man = build_manifest(m, [p0, p1], {"world_size": 2})
+    assert [f.name for f in man.files] == ["data/r0-0.bin", "data/r1-0.bin", "data/r1-1.bin"]
+    assert [(c.file, c.start) for c in man.arrays[0].chunks] == [(0, (0,)), (2, (4,))]
+    back = decode_manifest(encode_manifest(man), "test")
+    assert back.arrays[0].chunks[1].checksum == 2
+
+
+def test_chunk_types_have_room_for_codecs_and_references_that_v1_refuses() -> None:
+    tree = RankTree(Node("array", array=0), [ArrayDecl("", "uint8", (4,))])
+    m = merge_trees([tree])
+    plain = ChunkEntry(0, 0, 4, 1, (0,), (4,))
+    assert plain.codec is None and plain.ref is None
+    ok = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [plain]})], {})
+    assert b"codec" not in encode_manifest(ok)  # v1 JSON unchanged
+    ref = ChunkRef("../step_1", "data/r0-0.bin", 0)
+    for chunk in (ChunkEntry(0, 0, 3, 1, (0,), (4,), codec="zstd"),
+                  ChunkEntry(0, 0, 4, 1, (0,), (4,), ref=ref)):
+        man = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [chunk]})], {})
+        with pytest.raises(FormatVersionError, match="cannot record"):
+            encode_manifest(man)
+
+
+def _two_ranks(step: int) -> tuple[MergedTree, list[RankPart]]:
+    trees = [RankTree(_dict(["w", "step"], [_arr(0), Node("int", value=step)]),
+                      [ArrayDecl("w", "uint8", (8,))]) for _ in range(2)]
+    parts = [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [ChunkEntry(0, 0, 4, 1, (0,), (4,))]}),
+             RankPart([FileEntry("data/r1-0.bin", 4)], {0: [ChunkEntry(0, 0, 4, 2, (4,), (4,))]})]
+    return merge_trees(trees), parts
+
+
+def test_a_committed_manifest_matches_only_the_parts_that_built_it() -> None:
+    merged, parts = _two_ranks(7)
+    meta: dict[str, Any] = {"library": "statestream x", "created_unix": 1.5, "world_size": 2,
+            "user": {"run": "a", "tags": ("x", "y")}}
+    data = encode_manifest(build_manifest(merged, parts, meta))
+    # another process's clock and a user tuple that JSON made a list: still this save
+    mine = dict(meta, created_unix=99.0)
+    assert manifest_matches(data, merged, parts, mine)
+    # an older checkpoint that differs only in a plain value
+    old, _ = _two_ranks(3)
+    older = encode_manifest(build_manifest(old, parts, meta))
+    assert not manifest_matches(older, merged, parts, mine)
+    # another chunk checksum, another file size, other user metadata, another world
+    crc = [parts[0], RankPart(parts[1].files, {0: [ChunkEntry(0, 0, 4, 3, (4,), (4,))]})]
+    size = [parts[0], RankPart([FileEntry("data/r1-0.bin", 5)], parts[1].chunks)]
+    for other_parts in (crc, size):
+        assert not manifest_matches(data, merged, other_parts, mine)
+    for other_meta in (dict(mine, user={"run": "b", "tags": ["x", "y"]}),
+                       {k: v for k, v in mine.items() if k != "user"},
+                       dict(mine, world_size=3)):
+        assert not manifest_matches(data, merged, parts, other_meta)
+    # not a manifest at all
+    assert not manifest_matches(b"{}", merged, parts, mine)

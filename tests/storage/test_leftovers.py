@@ -1,0 +1,128 @@
+"""Staging directories of killed saves: removed once their writer is provably dead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.cli import main
+from statestream.storage import LocalStorage, collect_garbage
+from statestream.storage._leftovers import this_writer, writer_alive
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+
+_KILLED_SAVE = """
+import sys
+import numpy as np
+import statestream as ss
+from statestream.testing import faults
+faults.kill_at("save.chunk_written")
+ss.save(sys.argv[1], {"w": np.ones((256, 1024))}, io=ss.IOOptions(max_chunk_bytes=64 << 10))
+"""
+
+_LIVE_WRITER = """
+import sys, time
+from statestream.storage import LocalStorage
+txn = LocalStorage().begin_write(sys.argv[1], overwrite=False)
+w = txn.create_file("data/r0-0.bin", 3)
+w.write_at([b"abc"], 0)
+print("WRITING", flush=True)
+time.sleep(600)
+"""
+
+
+def staging(d: Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if ".tmp-" in n)
+
+
+def killed_save(path: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_SAVE), str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+
+
+def test_a_killed_save_is_collected_by_the_next_save(tmp_path: Path) -> None:
+    killed_save(tmp_path / "a")
+    (left,) = staging(tmp_path)
+    assert left.startswith(".a.tmp-")
+    assert os.listdir(tmp_path / left / "data")  # it had written data
+    ss.save(tmp_path / "b", {"x": np.arange(3)})
+    assert staging(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+def test_a_live_writer_is_never_collected(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_LIVE_WRITER),
+                             str(tmp_path / "live")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "WRITING"
+        (left,) = staging(tmp_path)
+        ss.save(tmp_path / "b", {"x": np.arange(3)})
+        assert main(["gc", str(tmp_path)]) == 0
+        assert staging(tmp_path) == [left]
+        assert "0 leftover" in capsys.readouterr().out
+    finally:
+        proc.kill()
+        proc.wait()
+    # now its writer is dead (a different process may reuse the pid, never with its start time)
+    assert main(["gc", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {tmp_path / left}" in out and "1 leftover staging directory removed" in out
+    assert staging(tmp_path) == []
+
+
+def _age(path: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    for root, dirs, files in os.walk(path):
+        for n in dirs + files:
+            os.utime(os.path.join(root, n), (old, old))
+    os.utime(path, (old, old))
+
+
+@pytest.mark.parametrize("suffix", ["-w0123456789abcdef-1-1", "", "-w0123456789abcdef-7-9.old"])
+def test_unverifiable_writers_are_kept_until_stale(tmp_path: Path, suffix: str) -> None:
+    """Another host's writer (or one that recorded none) cannot be checked: age decides."""
+    d = tmp_path / f".ckpt.tmp-00112233aabb{suffix}"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "r0-0.bin").write_bytes(b"x")
+    ss.save(tmp_path / "b", {"x": np.arange(3)})
+    assert d.exists()
+    st = LocalStorage()
+    assert collect_garbage(st, str(tmp_path)) == []
+    _age(d, 3600)
+    assert collect_garbage(st, str(tmp_path)) == []  # within the default 24 h
+    assert collect_garbage(st, str(tmp_path), max_age_s=1800) == [str(d)]
+    assert not d.exists()
+
+
+def test_only_staging_directories_are_touched(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "f").write_text("keep")
+    (tmp_path / ".x.tmp-00112233aabb-w0000000000000000-1-1").symlink_to(target)
+    (tmp_path / ".y.tmp-00112233aabb").write_text("a file, not a staging dir")
+    (tmp_path / "z.tmp-00112233aabb").mkdir()  # not hidden: not ours
+    for p in tmp_path.iterdir():
+        os.utime(p, (0, 0), follow_symlinks=False)
+    assert collect_garbage(LocalStorage(), str(tmp_path), max_age_s=0) == []
+    assert (target / "f").read_text() == "keep"
+    assert len(os.listdir(tmp_path)) == 4
+
+
+def test_writer_identity() -> None:
+    me = this_writer()
+    assert me is not None and me.pid == os.getpid()
+    assert writer_alive(me) is True
+    assert writer_alive(type(me)(me.host, me.pid, me.start + 1)) is False  # a reused pid
+    assert writer_alive(type(me)("0" * 16, me.pid, me.start)) is None  # another host
+    assert writer_alive(None) is None

@@ -1,0 +1,328 @@
+"""S3 under faults: stalled servers, endpoints that change, leases of killed managers.
+
+Everything runs against real servers on loopback: moto (see conftest.py), a
+socket server that accepts connections and never answers, and a proxy in front
+of moto that stops forwarding on demand.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.storage._s3 import split_url
+
+_FAST_FAIL = dict(timeout_s=2, max_retries=1, retry_timeout_s=5)
+
+
+def _options(srv: dict[str, Any], **kw: Any) -> S3Options:
+    base: dict[str, Any] = dict(endpoint=srv["endpoint"], region="us-east-1",
+                                access_key_id=srv["aws_access_key_id"],
+                                secret_access_key=srv["aws_secret_access_key"])
+    base.update(kw)
+    return S3Options(**base)
+
+
+class _Silent:
+    """A TCP server on loopback that accepts every connection and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+class _StallingProxy:
+    """Forwards to ``upstream`` until :attr:`stalled` is set; then drops every byte."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.stalled = threading.Event()
+        self._upstream = upstream_port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if not self.stalled.is_set():
+                    dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self._open:
+            s.close()
+
+
+@pytest.fixture
+def storage(s3_server: dict[str, Any]) -> Iterator[S3Storage]:
+    st = S3Storage(_options(s3_server))
+    set_backend("s3", st)
+    try:
+        yield st
+    finally:
+        set_backend("s3", None)
+
+
+@pytest.fixture
+def base_url(s3_server: dict[str, Any]) -> str:
+    return f"s3://{s3_server['bucket']}/f-{uuid.uuid4().hex[:8]}"
+
+
+# ----------------------------------------------------------------------------- bounded time
+def test_options_reject_unbounded_values() -> None:
+    with pytest.raises(ss.StorageError, match="timeout_s"):
+        S3Options(timeout_s=0)
+    with pytest.raises(ss.StorageError, match="max_retries"):
+        S3Options(max_retries=-1)
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_server_fails_a_save_in_bounded_time() -> None:
+    silent = _Silent()
+    try:
+        set_backend("s3", S3Storage(S3Options(
+            endpoint=f"http://127.0.0.1:{silent.port}", region="us-east-1",
+            access_key_id="k", secret_access_key="s", **_FAST_FAIL)))
+        with pytest.raises(ss.StorageError) as ei:
+            ss.save("s3://silent-bucket/ckpt", {"a": np.ones(3)})
+    finally:
+        set_backend("s3", None)
+        silent.close()
+    assert isinstance(ei.value, TimeoutError) and ei.value.errno == errno.ETIMEDOUT
+    assert "timed out" in str(ei.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_mid_upload_reports_the_upload_not_the_cleanup(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    old = f"{base_url}/old"
+    ss.save(old, {"w": np.arange(1000.0)})
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    proxy = _StallingProxy(port)
+    via_proxy = S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                   **_FAST_FAIL))
+
+    def progress(done: int, total: int) -> None:
+        proxy.stalled.set()  # after the first chunk: every later request hangs
+
+    set_backend("s3", via_proxy)
+    try:
+        with pytest.raises(ss.StorageError) as ei:
+            ss.save(old, {"w": np.ones((512, 1024))}, overwrite=True, progress=progress,
+                    io=ss.IOOptions(max_chunk_bytes=256 << 10, num_threads=1))
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    text = str(ei.value)
+    assert "uploading" in text or "completing" in text or "writing" in text, text
+    assert "deleting" not in text  # not the abort's failure
+    np.testing.assert_array_equal(ss.load(old)["w"], np.arange(1000.0))
+
+
+# ----------------------------------------------------------------------------- configuration
+def _moto(port: int = 0) -> Any:
+    from moto.server import ThreadedMotoServer
+
+    if port == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    return srv
+
+
+@pytest.mark.timeout(120)
+def test_client_follows_the_endpoint_in_the_environment(
+        s3_server: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default S3Storage reads AWS_*; a changed AWS_ENDPOINT_URL is used at once."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server["aws_secret_access_key"])
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    set_backend("s3", None)
+    first, second = _moto(), _moto()
+    try:
+        host, port = first.get_host_and_port()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        url = f"s3://{s3_server['bucket']}/env-{uuid.uuid4().hex[:8]}"
+        ss.save(f"{url}/a", {"x": np.arange(3)})
+        first.stop()  # the first endpoint is dead from now on
+        host, port = second.get_host_and_port()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        # moto servers in one process share their buckets: what the first one
+        # stored is visible through the second
+        ss.save(f"{url}/b", {"x": np.arange(4)})
+        np.testing.assert_array_equal(ss.load(f"{url}/b")["x"], np.arange(4))
+        np.testing.assert_array_equal(ss.load(f"{url}/a")["x"], np.arange(3))
+    finally:
+        second.stop()
+
+
+# ----------------------------------------------------------------------------- leases
+_HOLDER = """
+import sys, time
+import statestream as ss
+from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.storage._s3 import split_url
+set_backend("s3", S3Storage(S3Options(endpoint=sys.argv[2], region="us-east-1",
+            access_key_id="testing", secret_access_key="testing-secret")))
+mgr = ss.CheckpointManager(sys.argv[1], lease_ttl_s=float(sys.argv[3]))
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+
+
+def _start_holder(url: str, endpoint: str, ttl: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), url, endpoint,
+                             str(ttl)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "HOLDING":
+        proc.kill()
+        pytest.fail(f"holder did not start: {line!r} {proc.communicate()[1]}")
+    return proc
+
+
+@pytest.mark.timeout(180)
+def test_lease_of_a_killed_manager_is_taken_over_after_expiry(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    url = f"{base_url}/run"
+    proc = _start_holder(url, s3_server["endpoint"], ttl=15)
+    try:
+        with pytest.raises(ss.ManagerLockedError, match="already managed"):
+            ss.CheckpointManager(url, lease_ttl_s=15)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    deadline = time.monotonic() + 120
+    while True:  # the dead holder renews no more: its lease expires
+        try:
+            mgr = ss.CheckpointManager(url, lease_ttl_s=15)
+            break
+        except ss.ManagerLockedError:
+            assert time.monotonic() < deadline, "the lease of a dead manager never expired"
+            time.sleep(1)
+    with mgr:
+        mgr.save(1, {"w": np.arange(3)})
+        mgr.wait()
+        assert mgr.steps() == [1]
+
+
+@pytest.mark.timeout(120)
+def test_a_live_holder_keeps_its_lease_past_the_ttl(storage: S3Storage, base_url: str) -> None:
+    url = f"{base_url}/run"
+    with ss.CheckpointManager(url, lease_ttl_s=3) as mgr:
+        time.sleep(10)  # several ttls: only renewals keep it
+        with pytest.raises(ss.ManagerLockedError, match="already managed"):
+            ss.CheckpointManager(url, lease_ttl_s=3)
+        mgr.save(1, {"w": np.arange(3)})
+    with ss.CheckpointManager(url) as again:  # released on close
+        assert again.steps() == [1]
+
+
+def test_a_lease_taken_over_stops_the_manager(storage: S3Storage, base_url: str) -> None:
+    url = f"{base_url}/run"
+    mgr = ss.CheckpointManager(url, lease_ttl_s=2)
+    try:
+        mgr.save(1, {"w": np.arange(3)})
+        mgr.wait()
+        # another holder overwrites the lease object (as a takeover after expiry does)
+        bucket, key = split_url(f"{url}/.statestream.lock")
+        storage._put(bucket, key, b'{"holder": "pid 1 on elsewhere", "ttl_s": 60}')
+        deadline = time.monotonic() + 60
+        while mgr._lease is not None and mgr._lease._lost is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with pytest.raises(ss.ManagerLockedError, match="lost its lease"):
+            mgr.save(2, {"w": np.arange(3)})
+        assert mgr.steps() == [1]
+    finally:
+        with pytest.raises(ss.ManagerLockedError):
+            mgr.close()
+
+
+
+# ----------------------------------------------------------------------------- garbage
+def test_gc_removes_unreferenced_roots_once_stale(storage: S3Storage, base_url: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from statestream.cli import main
+    from statestream.storage import collect_garbage
+
+    ss.save(f"{base_url}/a", {"x": np.arange(3)})
+    for name, overwrite in (("a", True), ("b", False)):  # two saves killed before commit
+        txn = storage.begin_write(f"{base_url}/{name}", overwrite=overwrite)
+        w = txn.create_file("data/r0-0.bin", 3)
+        w.write_at([b"abc"], 0)
+        w.finish()
+    left = storage.leftovers(base_url)
+    assert sorted(x.target for x in left) == ["a", "b"] and all(x.writer is None for x in left)
+    assert collect_garbage(storage, base_url) == []  # writers unverifiable, roots fresh
+    assert main(["gc", base_url, "--max-age-hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "2 leftover staging directories removed" in out
+    assert storage.leftovers(base_url) == []
+    np.testing.assert_array_equal(ss.load(f"{base_url}/a")["x"], np.arange(3))
+    assert storage.list(f"{base_url}/b") == []
+
+
+def test_manager_removes_its_unreferenced_roots_when_it_opens(storage: S3Storage,
+                                                               base_url: str) -> None:
+    url = f"{base_url}/run"
+    with ss.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.arange(3)})
+    txn = storage.begin_write(f"{url}/step_{1:010d}", overwrite=True)  # killed overwrite
+    txn.write_bytes("manifest.json", b"{}")
+    assert len(storage.leftovers(url)) == 1
+    with ss.CheckpointManager(url) as mgr:
+        assert storage.leftovers(url) == []
+        assert mgr.steps() == [1]
+        np.testing.assert_array_equal(mgr.load()["w"], np.arange(3))
