@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from statestream.distributed import agree
-from statestream.distributed._liveness import Heartbeat, Watch, describe_ranks, find_stalled
+from statestream.distributed._liveness import (
+    Heartbeat,
+    StoreLost,
+    Watch,
+    describe_ranks,
+    find_stalled,
+)
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
 
@@ -66,6 +72,32 @@ def test_find_stalled_names_the_ranks_that_stopped() -> None:
 def test_find_stalled_returns_early_when_everyone_beats() -> None:
     c = _Counters({1, 2}, {1: 1, 2: 1})
     assert find_stalled(c.read, [1, 2], window_s=3600, poll_s=0.01) == []
+
+
+class _VanishingStore(_Counters):
+    """Counters whose store goes away after ``reads`` reads (its host process exited)."""
+
+    def __init__(self, moving: set[int], start: dict[int, int], reads: int) -> None:
+        super().__init__(moving, start)
+        self.left = reads
+
+    def read(self, r: int) -> int | None:
+        self.left -= 1
+        if self.left < 0:
+            raise ConnectionResetError("Connection closed by peer")
+        return super().read(r)
+
+
+def test_find_stalled_names_the_stopped_ranks_seen_before_the_store_went_away() -> None:
+    # rank 0 (the store's host) beat while watched, rank 1 did not, then the store left
+    c = _VanishingStore({0}, {0: 4, 1: 7}, reads=20)
+    with pytest.raises(StoreLost) as ei:
+        find_stalled(c.read, [0, 1], window_s=3600, poll_s=0.01, min_seen_s=0.05)
+    assert ei.value.ranks == [1]
+    # watched too briefly for a live rank to have beaten: nobody can be named
+    c = _VanishingStore({0}, {0: 4, 1: 7}, reads=4)
+    with pytest.raises(ConnectionResetError):
+        find_stalled(c.read, [0, 1], window_s=3600, poll_s=0.01, min_seen_s=3600)
 
 
 def test_watch_stalled_only_after_dead_after_s() -> None:

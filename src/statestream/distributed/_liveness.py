@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["Heartbeat", "Watch", "describe_ranks", "find_stalled"]
+__all__ = ["Heartbeat", "StoreLost", "Watch", "describe_ranks", "find_stalled"]
 
 #: Seconds between two beats of one process. One tiny store write each.
 INTERVAL_S = 1.0
@@ -92,19 +92,44 @@ class Watch:
         return [r for r, (v, _, moved) in sorted(self._seen.items()) if v and not moved]
 
 
+class StoreLost(Exception):
+    """The store went away while :func:`find_stalled` watched (its host exited).
+
+    ``ranks``: those that had not beaten during the observation, which lasted
+    long enough that a live rank would have.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"the store went away; {describe_ranks(ranks)} had stopped beating")
+        self.ranks = ranks
+
+
 def find_stalled(read: Callable[[int], int | None], ranks: Sequence[int], *,
-                 window_s: float, poll_s: float = 0.25) -> list[int]:
+                 window_s: float, poll_s: float = 0.25,
+                 min_seen_s: float = 2 * INTERVAL_S) -> list[int]:
     """Ranks among ``ranks`` that beat before but not within the next ``window_s``.
 
     Returns as soon as every such rank has beaten again, so healthy peers cost
     about one beat interval and a dead one ``window_s``. Ranks that never beat
     (no statestream collective yet, or a store without them) are not named.
+
+    Raises:
+        StoreLost: ``read`` failed after at least ``min_seen_s`` of watching
+            (a peer that found the dead rank first exited, taking the store
+            with it), naming the ranks that had not beaten meanwhile.
+        Exception: ``read``'s own error otherwise (the store is unreachable).
     """
     watch = Watch(read, ranks)
     deadline = watch.start + window_s
     while True:
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-        watch.update()
+        try:
+            watch.update()
+        except Exception as exc:
+            seen = watch.unmoved()
+            if seen and time.monotonic() - watch.start >= min_seen_s:
+                raise StoreLost(seen) from exc
+            raise
         pending = watch.unmoved()
         if not pending or time.monotonic() >= deadline:
             return pending

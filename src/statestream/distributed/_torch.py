@@ -8,7 +8,13 @@ import threading
 import weakref
 from typing import Any
 
-from statestream.distributed._liveness import INTERVAL_S, Heartbeat, describe_ranks, find_stalled
+from statestream.distributed._liveness import (
+    INTERVAL_S,
+    Heartbeat,
+    StoreLost,
+    describe_ranks,
+    find_stalled,
+)
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["TorchCollective"]
@@ -193,6 +199,8 @@ class TorchCollective:
         peers = [r for r in range(self._world) if r != self._rank]
         try:
             return find_stalled(self._read_beat, peers, window_s=DEAD_WINDOW_S), False
+        except StoreLost as lost:  # the dead were seen before the store's host left
+            return lost.ranks, True
         except Exception:  # the rendezvous store itself is unreachable
             return [], True
 
@@ -215,10 +223,11 @@ class TorchCollective:
             )
         dead, store_gone = self._dead()
         if dead:
+            then = "; then the rendezvous store became unreachable" if store_gone else ""
             return DistributedError(
                 f"{describe_ranks(dead)} died or disconnected during {where} (seen from rank "
-                f"{self._rank}; {'their' if len(dead) > 1 else 'its'} heartbeat stopped): "
-                f"{_first_words(exc)}"
+                f"{self._rank}; {'their' if len(dead) > 1 else 'its'} heartbeat stopped"
+                f"{then}): {_first_words(exc)}"
             )
         host_rank = self._store_host()
         if store_gone and host_rank != self._rank:
