@@ -143,6 +143,23 @@ def test_resume_from_last_by_name(tmp_path):
     assert t.current_epoch == 2 and t.global_step == 8
 
 
+class ValNet(Net):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_validate_reads_the_checkpoint_through_the_plugin(tmp_path):
+    t = trainer(tmp_path, 1, StatestreamCheckpointIO(), [])
+    t.fit(Net(), data())
+    t.save_checkpoint(tmp_path / "one.ckpt")
+    want = {k: v.clone() for k, v in t.lightning_module.state_dict().items()}
+    model = ValNet(seed=3)
+    v = trainer(tmp_path, 1, StatestreamCheckpointIO(), [])
+    v.validate(model, data(), ckpt_path=str(tmp_path / "one.ckpt"), verbose=False)
+    assert_bitwise_equal(want, dict(model.state_dict()))
+
+
 class OddState(Callback):
     """A callback whose state has the odd keys and plain values Lightning lets through."""
 

@@ -5,8 +5,10 @@ trainer writes (``ModelCheckpoint``'s top-k and ``last.ckpt``,
 ``trainer.save_checkpoint``) a statestream checkpoint: a directory named like
 the file Lightning asked for (``epoch=3-step=40.ckpt/``), committed
 atomically, with per-chunk checksums and no pickle. ``Trainer.fit(ckpt_path=...)``
-and ``LightningModule.load_from_checkpoint`` read it back; ``ModelCheckpoint``'s
-top-k deletes old ones through :meth:`StatestreamCheckpointIO.remove_checkpoint`.
+and ``trainer.validate/test/predict(ckpt_path=...)`` read it back;
+``ModelCheckpoint``'s top-k deletes old ones through
+:meth:`StatestreamCheckpointIO.remove_checkpoint`. (``LightningModule.load_from_checkpoint``
+calls ``torch.load`` itself: use ``load_checkpoint(path)["state_dict"]`` instead.)
 
 Lightning's checkpoint dict (weights, optimizer and scheduler states, loop
 progress, callback states under keys like ``"ModelCheckpoint{'monitor': ...}"``,
