@@ -56,8 +56,7 @@ def data() -> DataLoader:
 def trainer(root, epochs: int, plugin, callbacks=()) -> L.Trainer:
     return L.Trainer(max_epochs=epochs, plugins=[plugin], callbacks=list(callbacks),
                      default_root_dir=str(root), enable_progress_bar=False, logger=False,
-                     enable_model_summary=False, accelerator="cpu", devices=1,
-                     deterministic=True)
+                     enable_model_summary=False, accelerator="cpu", devices=1)
 
 
 class CountBatches(Callback):
