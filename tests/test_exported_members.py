@@ -28,7 +28,7 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.tree": [
         "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
         "Stateful", "flatten", "format_keypath", "is_stateful", "parse_keypath",
-        "rebuild_container", "type_name",
+        "rebuild_container", "state_fields", "type_name",
     ],
     "statestream.format": [
         "CHECKSUM_ALGORITHM", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
@@ -74,6 +74,9 @@ EXPECTED: dict[str, list[str]] = {
         "load", "metadata", "save", "save_async", "verify",
     ],
     "statestream.cli": ["main"],
+    "statestream.integrations.lightning": [
+        "AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO",
+    ],
     "statestream.manager": [
         "AllOf", "AnyOf", "AtSteps", "CheckpointManager", "EveryNSeconds", "EveryNSteps",
         "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepPolicy", "KeepUnion",

@@ -8,6 +8,8 @@ import pickle
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Union
 
+import numpy as np
+
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
@@ -26,6 +28,7 @@ from statestream.format import (
     checksum,
     decode_commit,
     decode_manifest,
+    dtype_from_name,
 )
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
@@ -46,6 +49,7 @@ from statestream.tree import (
     is_stateful,
     parse_keypath,
     rebuild_container,
+    state_fields,
     type_name,
 )
 
@@ -160,6 +164,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
         dest: Destination = provider_by_kind(kind).restore(entry.dtype, entry.shape, None, path,
                                                            scalar=scalar)
+    elif type(like) in (bool, int, float) and entry.shape == ():
+        dest = _python_scalar(entry.dtype, like, path)
     else:
         prov = target_provider_for(like)
         if prov is None:
@@ -181,6 +187,23 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         job.wanted.append(Wanted(node.array, start, buf))
     job.paths[node.array] = path
     return dest.finish
+
+
+def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
+    """A saved 0-d array into a Python number target (a fresh flax TrainState's ``step=0``).
+
+    Only where no value changes: an integer or bool array into an int, a bool
+    into a bool, any real number into a float.
+    """
+    want = type(like)
+    kind = np.dtype(dtype_from_name(dtype)).kind
+    if kind not in {bool: "b", int: "biu", float: "biuf"}[want]:
+        raise TargetMismatchError(
+            f"the checkpoint holds a 0-d {dtype} array at key path '{format_keypath(path)}' "
+            f"but the target has a Python {want.__name__}; pass an array there"
+        )
+    dest = _NUMPY.restore(dtype, (), None, path)
+    return Destination(boxes=dest.boxes, finish=lambda: want(dest.finish().item()))
 
 
 def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
@@ -315,7 +338,8 @@ def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]
         fields: tuple[str, ...] = type(like)._fields  # type: ignore[attr-defined]
         return list(zip(fields, like)), ("container", like)
     if dataclasses.is_dataclass(like) and not isinstance(like, type):
-        return [(f.name, getattr(like, f.name)) for f in dataclasses.fields(like)], (
+        # static fields (flax's pytree_node=False) are not state: the target's stay
+        return [(f.name, getattr(like, f.name)) for f in state_fields(like)], (
             "container", like)
     exp = expand_pytree(like)
     if exp is not None:

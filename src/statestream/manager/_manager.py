@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
@@ -17,8 +18,15 @@ from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import CheckpointError, CheckpointNotFoundError, ManagerLockedError
 from statestream.manager._lease import DirectoryLease
-from statestream.manager._policies import KeepAll, KeepPolicy, SaveContext, SavePolicy
-from statestream.manager._retention import Retention, step_info
+from statestream.manager._policies import (
+    KeepAll,
+    KeepPolicy,
+    SaveContext,
+    SavePolicy,
+    best_metrics,
+    is_score,
+)
+from statestream.manager._retention import Retention, encode_metrics, step_info
 from statestream.manager._steps import StepDirectory
 from statestream.storage import storage_for
 
@@ -79,6 +87,7 @@ class CheckpointManager:
         self._dir = StepDirectory(storage, self.directory)
         self._save_policy = save_policy
         self._retention = Retention(keep_policy or KeepAll(), self._dir)
+        self._best_metrics = best_metrics(keep_policy)
         self._coll = collective if collective is not None else default_collective()
         self._async = async_save
         self._lazy = lazy
@@ -181,6 +190,31 @@ class CheckpointManager:
         """Recorded metadata of a step: wall time, metrics, size, user metadata."""
         return step_info(self.step_path(step), step)
 
+    def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The committed step with the lowest (``"min"``) or highest (``"max"``) ``metric``.
+
+        Steps saved without that metric (or with NaN) do not count; on a tie
+        the earliest step wins. None if no committed step has the metric. A
+        save still in flight is not committed yet: :meth:`wait` first to count it.
+
+        Example:
+            >>> import numpy as np, tempfile, statestream as ss
+            >>> with ss.CheckpointManager(tempfile.mkdtemp(), async_save=False) as mgr:
+            ...     for step, loss in [(1, 0.9), (2, 0.4), (3, 0.6)]:
+            ...         _ = mgr.save(step, {"w": np.zeros(2)}, metrics={"loss": loss})
+            ...     mgr.best_step("loss"), mgr.best_step("loss", mode="max")
+            (2, 1)
+        """
+        if mode not in ("min", "max"):
+            raise ValueError(f"best_step mode must be 'min' or 'max', got {mode!r}")
+        scored = [(float(si.metrics[metric]), si.step) for si in self._retention.infos()
+                  if is_score(si.metrics.get(metric))]
+        if not scored:
+            return None
+        if mode == "min":
+            return min(scored)[1]
+        return min((-v, s) for v, s in scored)[1]
+
     # ------------------------------------------------------------------ policies
     def _context(self, step: int, preempted: bool) -> SaveContext:
         return SaveContext(step, self._last_saved_step, self._last_saved_time,
@@ -255,23 +289,37 @@ class CheckpointManager:
         Waits for the previous save first (one in flight at most). With
         ``async_save`` it returns once the state is snapshotted.
 
+        Steps only go forward: a step older than the last one saved raises
+        (a resumed run that forgot to advance its step must not rewrite
+        history). The last step itself is not saved again (returns False)
+        unless ``force``, which rewrites it atomically.
+
         Returns:
             Whether a save was started.
+
+        Raises:
+            CheckpointError: ``step`` is older than the last saved step, or the
+                previous background save failed.
+
+        Warns:
+            UserWarning: ``metrics`` lacks a number for a ``KeepBest`` policy's metric.
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        self._check_step_order(step)
         if force:
             self._decided = (step, True)  # a save of this step happens whatever the signal
         elif not self.should_save(step):
             return False
         self.wait()
         self._check_writable()
+        self._warn_missing_metrics(step, metrics)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
         path = self.step_path(step)
         meta = {"step": step, "time": time.time(),
-                "metrics": dict(metrics or {}), "metadata": dict(metadata or {})}
+                "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
         overwrite = self._dir.is_committed(step)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
@@ -288,6 +336,29 @@ class CheckpointManager:
         self._last_saved_time = time.time()
         return True
 
+    def _check_step_order(self, step: int) -> None:
+        """Steps only go forward: an older step than the last saved one is an error."""
+        last = self._last_saved_step
+        if last is not None and step < last:
+            raise CheckpointError(
+                f"cannot save step {step} in {self.directory}: step {last} is already saved "
+                "there, and a manager's steps only go forward (an older step would silently "
+                f"rewrite history). A resumed run continues from step {last} + 1 "
+                "(mgr.latest_step()); to start over, use another directory"
+            )
+
+    def _warn_missing_metrics(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        missing = [m for m in self._best_metrics if not is_score((metrics or {}).get(m))]
+        if missing:
+            warnings.warn(
+                f"step {step} in {self.directory} is saved without a number for the metric "
+                f"{', '.join(repr(m) for m in missing)} of the KeepBest keep policy (metrics "
+                f"given: {sorted(metrics or {})}): it never counts as a best step, and it is "
+                "deleted once it is no longer the latest unless another policy keeps it",
+                UserWarning,
+                stacklevel=3,
+            )
+
     @property
     def in_flight(self) -> SaveHandle | None:
         """The handle of the save in progress, if any (e.g. for ``guard_optimizer``)."""
@@ -302,7 +373,12 @@ class CheckpointManager:
         h, self._inflight = self._inflight, None
         self._inflight_step = None
         if h is not None:
-            h.result()
+            try:
+                h.result()
+            except BaseException:
+                # that step never committed: it may be saved again
+                self._last_saved_step = self.latest_step()
+                raise
         self._apply_keep_policy()
 
     def _apply_keep_policy(self) -> None:

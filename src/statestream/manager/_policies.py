@@ -28,6 +28,8 @@ __all__ = [
     "SaveContext",
     "SavePolicy",
     "StepInfo",
+    "best_metrics",
+    "is_score",
 ]
 
 
@@ -191,11 +193,7 @@ class KeepBest:
             raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-        scored = [
-            s for s in steps
-            if isinstance(s.metrics.get(self.metric), (int, float))
-            and not math.isnan(float(s.metrics[self.metric]))
-        ]
+        scored = [s for s in steps if is_score(s.metrics.get(self.metric))]
         scored.sort(key=lambda s: float(s.metrics[self.metric]), reverse=self.mode == "max")
         return {s.step for s in scored[: self.n]}
 
@@ -219,3 +217,21 @@ class KeepUnion:
         return out
 
 
+def is_score(value: object) -> bool:
+    """True for a number a metric can be ranked by (not NaN)."""
+    return isinstance(value, (int, float)) and not math.isnan(float(value))
+
+
+def best_metrics(policy: object) -> list[str]:
+    """The metrics that ``KeepBest`` policies inside ``policy`` rank by (``KeepUnion`` walked).
+
+    Example:
+        >>> best_metrics(KeepUnion(KeepLatest(1), KeepBest(2, "loss"), KeepBest(1, "acc", "max")))
+        ['loss', 'acc']
+    """
+    if isinstance(policy, KeepBest):
+        return [policy.metric]
+    out: list[str] = []
+    for sub in getattr(policy, "policies", ()):
+        out += [m for m in best_metrics(sub) if m not in out]
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from statestream.api import metadata
@@ -9,7 +11,30 @@ from statestream.errors import CheckpointError
 from statestream.manager._policies import KeepPolicy, StepInfo
 from statestream.manager._steps import StepDirectory
 
-__all__ = ["Retention", "step_info"]
+__all__ = ["Retention", "decode_metrics", "encode_metrics", "step_info"]
+
+#: Non-finite metric values, which JSON cannot hold, are stored as these strings.
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Metrics as the manifest stores them (a NaN loss must not fail the save).
+
+    Example:
+        >>> encode_metrics({"loss": float("nan"), "acc": 0.5})
+        {'loss': 'nan', 'acc': 0.5}
+    """
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        out[k] = v
+    return out
+
+
+def decode_metrics(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics a step was saved with (the inverse of :func:`encode_metrics`)."""
+    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in stored.items()}
 
 
 def step_info(path: str, step: int) -> dict[str, Any]:
@@ -19,7 +44,7 @@ def step_info(path: str, step: int) -> dict[str, Any]:
     return {
         "step": step,
         "time": user.get("time", md.meta.get("created_unix")),
-        "metrics": user.get("metrics", {}),
+        "metrics": decode_metrics(user.get("metrics", {})),
         "metadata": user.get("metadata", {}),
         "nbytes": md.total_bytes,
     }
@@ -51,6 +76,10 @@ class Retention:
                           int(info["nbytes"]))
             self._infos[step] = si
         return si
+
+    def infos(self) -> list[StepInfo]:
+        """The committed steps' infos, ascending (unreadable steps left out)."""
+        return [si for si in map(self._info, self._steps.steps()) if si is not None]
 
     def apply(self, protected: set[int]) -> list[int]:
         """Delete the committed steps the policy drops; return them.

@@ -34,6 +34,7 @@ from statestream.storage._base import (
     WriterId,
     check_member_name,
 )
+from statestream.storage._hints import manager_steps_hint
 from statestream.storage._leftovers import collect_garbage, this_writer
 
 __all__ = ["LocalStorage"]
@@ -332,6 +333,7 @@ class _LocalWriteTransaction:
         for _ in range(_PUBLISH_ATTEMPTS):
             if os.path.lexists(final):
                 if not self._overwrite:
+                    _check_replaceable(final)  # overwrite=True would not help: say so
                     raise CheckpointExistsError(
                         f"{final} already exists; pass overwrite=True to replace it atomically "
                         "or choose another path"
@@ -381,9 +383,11 @@ def _check_replaceable(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         if os.path.exists(os.path.join(path, COMMIT_NAME)) or not os.listdir(path):
             return
+    what = "a file, " if os.path.isfile(path) and not os.path.islink(path) else ""
     raise CheckpointExistsError(
-        f"{path} exists and is not a statestream checkpoint; refusing to replace it even with "
-        "overwrite=True. Remove it yourself or choose another path"
+        f"{path} exists and is {what}not a statestream checkpoint; statestream never "
+        "replaces it, not even with overwrite=True (only a committed checkpoint or an empty "
+        "directory). Choose another path, or remove it yourself"
     )
 
 
@@ -456,21 +460,30 @@ def _lock_file(path: str, holder: str) -> _LocalLease:
     return _LocalLease(fd, holder)
 
 
+def _missing_reason(path: str) -> str:
+    """Why there is no checkpoint directory at ``path`` (it may be a file)."""
+    if os.path.isfile(path):
+        return (
+            f"no checkpoint at {path}: it is a file, and a statestream checkpoint is a "
+            "directory (a torch.save or safetensors file is read with its own library)"
+        )
+    return f"no checkpoint at {path}: the directory does not exist"
+
+
 class _LocalReader:
     def __init__(self, path: str) -> None:
         self.location = path
         try:
             self._root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {path}: the directory does not exist"
-            ) from None
+            raise CheckpointNotFoundError(_missing_reason(path)) from None
         try:
             os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
         except FileNotFoundError:
             os.close(self._root)
+            hint = manager_steps_hint(LocalStorage(), path)
             raise CheckpointNotFoundError(
-                f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
+                hint or f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
                 "interrupted or foreign save?); refusing to load it"
             ) from None
         self._data: int | None = None
@@ -606,6 +619,7 @@ class LocalStorage:
         path = os.path.abspath(path)
         if os.path.lexists(path):
             if not overwrite:
+                _check_replaceable(path)  # overwrite=True would not help: say so
                 raise CheckpointExistsError(
                     f"{path} already exists; pass overwrite=True to replace it atomically or "
                     "choose another path"

@@ -43,6 +43,7 @@ from statestream.errors import (
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
 from statestream.storage._base import Buffer, Leftover, StorageCapabilities, check_member_name
+from statestream.storage._hints import manager_steps_hint
 
 __all__ = ["S3Options", "S3Storage"]
 
@@ -280,7 +281,8 @@ class _S3Reader:
         if marker is None:
             owner.check_bucket(self._bucket)
             raise CheckpointNotFoundError(
-                f"no committed checkpoint at {url}: it has no {COMMIT_NAME} marker"
+                manager_steps_hint(owner, url)
+                or f"no committed checkpoint at {url}: it has no {COMMIT_NAME} marker"
             )
         self._marker = marker
         try:

@@ -9,6 +9,7 @@ from statestream.tree._flatten import (
     flatten,
     is_stateful,
     rebuild_container,
+    state_fields,
     type_name,
 )
 from statestream.tree._keypath import Key, KeyPath, format_keypath, parse_keypath
@@ -26,5 +27,6 @@ __all__ = [
     "is_stateful",
     "parse_keypath",
     "rebuild_container",
+    "state_fields",
     "type_name",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "flatten",
     "is_stateful",
     "rebuild_container",
+    "state_fields",
     "type_name",
 ]
 
@@ -96,6 +97,28 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+def state_fields(obj: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of dataclass ``obj`` that are state (saved, and loaded into a target).
+
+    A field marked static is not state: ``flax.struct.field(pytree_node=False)``
+    (a flax ``TrainState``'s ``apply_fn`` and ``tx``) or
+    ``dataclasses.field(metadata={"static": True})`` (``jax.tree_util.register_dataclass``).
+    A save skips it; a load keeps the target's value.
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class S:
+        ...     w: int
+        ...     fn: object = dataclasses.field(default=None, metadata={"pytree_node": False})
+        >>> [f.name for f in state_fields(S(1))]
+        ['w']
+    """
+    return [
+        f for f in dataclasses.fields(obj)
+        if f.metadata.get("pytree_node", True) is not False and f.metadata.get("static") is not True
+    ]
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -184,7 +207,7 @@ def flatten(
             kind = "list" if isinstance(x, list) else "tuple"
             return Node(kind, children=[walk(v, p + (i,)) for i, v in enumerate(x)])
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            names = [f.name for f in dataclasses.fields(x)]
+            names = [f.name for f in state_fields(x)]
             return Node(
                 "dataclass",
                 keys=list(names),

@@ -1,0 +1,7 @@
+"""Integrations with training frameworks.
+
+Each module imports its framework when it is imported itself, never from
+``import statestream``:
+
+- :mod:`statestream.integrations.lightning`: a PyTorch Lightning ``CheckpointIO``.
+"""

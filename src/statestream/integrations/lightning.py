@@ -1,0 +1,247 @@
+"""PyTorch Lightning: statestream checkpoints through a ``CheckpointIO`` plugin.
+
+``Trainer(plugins=[StatestreamCheckpointIO()])`` makes every checkpoint the
+trainer writes (``ModelCheckpoint``'s top-k and ``last.ckpt``,
+``trainer.save_checkpoint``) a statestream checkpoint: a directory named like
+the file Lightning asked for (``epoch=3-step=40.ckpt/``), committed
+atomically, with per-chunk checksums and no pickle. ``Trainer.fit(ckpt_path=...)``
+and ``trainer.validate/test/predict(ckpt_path=...)`` read it back;
+``ModelCheckpoint``'s top-k deletes old ones through
+:meth:`StatestreamCheckpointIO.remove_checkpoint`. (``LightningModule.load_from_checkpoint``
+calls ``torch.load`` itself: use ``load_checkpoint(path)["state_dict"]`` instead.)
+
+Lightning's checkpoint dict (weights, optimizer and scheduler states, loop
+progress, callback states under keys like ``"ModelCheckpoint{'monitor': ...}"``,
+hyper-parameters) is made of tensors, plain values, dicts, lists and tuples,
+all of which statestream stores without pickle. A value of any other type
+(an object in the hyper-parameters, a callback state holding a set) raises
+:class:`~statestream.UnsupportedTypeError` naming its key path, unless the
+plugin was built with ``pickle=True``; loading such a checkpoint then needs
+``allow_pickle=True`` too.
+
+Saves and loads run on the calling process only (Lightning saves on global
+rank 0 and loads on every rank), never as a collective.
+
+Example (``async_save=True`` saves in the background, see
+:class:`AsyncStatestreamCheckpointIO`)::
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from statestream.integrations.lightning import StatestreamCheckpointIO
+
+    trainer = L.Trainer(max_epochs=4, plugins=[StatestreamCheckpointIO()],
+                        callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)])
+    trainer.fit(model, data, ckpt_path="last")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+import statestream as ss
+from statestream.errors import CheckpointError
+from statestream.storage import storage_for
+
+__all__ = ["AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+_PATH = str | os.PathLike[str]
+
+
+class StatestreamCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes statestream checkpoints.
+
+    Args:
+        async_save: save in the background with :func:`statestream.save_async`:
+            ``save_checkpoint`` returns once the state is copied to host memory
+            (training may go on), the write and commit finish later. A later
+            save, a load or removal of the same path, and ``teardown`` wait for
+            it; a failed background save raises on the next call.
+        pickle: store values statestream has no pickle-free form for by
+            pickling them (only those); without it they raise
+            ``UnsupportedTypeError`` naming the key path.
+        allow_pickle: let :meth:`load_checkpoint` unpickle such values. Only
+            for checkpoints you trust.
+        io, memory: engine options (threads, request sizes, host memory budget).
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        pickle: bool = False,
+        allow_pickle: bool = False,
+        io: ss.IOOptions | None = None,
+        memory: ss.MemoryOptions | None = None,
+    ) -> None:
+        super().__init__()
+        self.async_save = async_save
+        self.pickle = pickle
+        self.allow_pickle = allow_pickle
+        self.io = io
+        self.memory = memory
+        self._inflight: dict[str, list[ss.SaveHandle]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH,
+                        storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` as a statestream checkpoint at ``path`` (replacing one there).
+
+        Raises:
+            TypeError: ``storage_options`` were given (this plugin has none).
+            UnsupportedTypeError: a value has no pickle-free form and ``pickle`` is off.
+            CheckpointExistsError: ``path`` is something other than a checkpoint
+                (a ``torch.save`` file, say): it is never replaced.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} takes no storage_options; pass options to its "
+                "constructor instead"
+            )
+        key = os.fspath(path)
+        self._reap(key, wait=False)
+        kwargs: dict[str, Any] = {
+            "overwrite": True,  # Lightning rewrites last.ckpt in place
+            "pickle_paths": ["<root>"] if self.pickle else (),
+            "io": self.io,
+            "memory": self.memory,
+            "collective": ss.SingleProcess(),
+        }
+        if self.async_save:
+            handle = ss.save_async(key, checkpoint, **kwargs)
+            with self._lock:
+                self._inflight.setdefault(key, []).append(handle)
+        else:
+            ss.save(key, checkpoint, **kwargs)
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the checkpoint at ``path``: tensors as torch tensors, the rest as saved.
+
+        ``map_location`` may be a device (or its name) to put the tensors on;
+        other forms (functions, dicts) load onto the CPU. ``weights_only`` is
+        accepted for Lightning's sake: nothing is unpickled unless the plugin
+        was built with ``allow_pickle=True``.
+
+        Raises:
+            FileNotFoundError: there is nothing at ``path`` (a
+                ``CheckpointNotFoundError``, as Lightning expects).
+        """
+        key = os.fspath(path)
+        self._reap(key, wait=True)
+        device = _device_of(map_location)
+        one = ss.SingleProcess()
+        meta = ss.metadata(key)
+        target = _torch_target(meta.tree, device)
+        state = ss.load(key, target, allow_pickle=self.allow_pickle, io=self.io,
+                        memory=self.memory, collective=one)
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{key} holds a {type(state).__name__} at its root, not a Lightning "
+                "checkpoint dict"
+            )
+        return state
+
+    # ------------------------------------------------------------------ remove
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete the statestream checkpoint at ``path`` (its commit marker first).
+
+        Anything else there (a ``torch.save`` file of an earlier run) is left
+        alone with a warning in the log; a missing path is not an error.
+        """
+        key = os.fspath(path)
+        self._reap(key, wait=True)
+        storage, spath = storage_for(key)
+        if storage.is_committed(spath):
+            storage.delete(spath)
+            log.debug("removed checkpoint %s", key)
+        elif "://" not in key and os.path.lexists(key):
+            log.warning("%s is not a statestream checkpoint; left alone", key)
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Wait for every background save; raise the first one's error."""
+        self._reap(None, wait=True)
+
+    def teardown(self) -> None:
+        """Called by Lightning at the end of fit/validate/test: waits for all saves."""
+        self.wait()
+
+    def _reap(self, key: str | None, *, wait: bool) -> None:
+        """Forget finished saves; with ``wait``, first wait for those of ``key`` (None: all).
+
+        Raises the error of a failed save (each handle is reaped once).
+        """
+        with self._lock:
+            pending = [(k, h) for k, hs in self._inflight.items() for h in hs]
+        first: BaseException | None = None
+        for k, h in pending:
+            if not (h.done() or (wait and key in (None, k))):
+                continue
+            try:
+                h.result()
+            except BaseException as exc:
+                first = first or exc
+            with self._lock:
+                hs = self._inflight.get(k, [])
+                if h in hs:
+                    hs.remove(h)
+                if not hs:
+                    self._inflight.pop(k, None)
+        if first is not None:
+            raise first
+
+
+class AsyncStatestreamCheckpointIO(StatestreamCheckpointIO):
+    """:class:`StatestreamCheckpointIO` with ``async_save=True``.
+
+    Unlike Lightning's ``AsyncCheckpointIO`` (a thread that clones every
+    tensor first), the copy out of the state happens in statestream's staging
+    pool, within its host memory budget, before ``save_checkpoint`` returns.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("async_save", True)
+        super().__init__(**kwargs)
+
+
+def _device_of(map_location: Any) -> torch.device:
+    if isinstance(map_location, torch.device):
+        return map_location
+    if isinstance(map_location, str):
+        return torch.device(map_location)
+    return torch.device("cpu")
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    dt = getattr(torch, name, None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def _torch_target(tree: Any, device: torch.device) -> Any:
+    """A load target from a checkpoint's metadata: torch tensors where torch ones were saved.
+
+    Each target tensor is a zero-stride view of one element (nothing the size
+    of the checkpoint is allocated for it); ``None`` elsewhere means "as saved".
+    """
+    if isinstance(tree, ss.ArrayMetadata):
+        dt = _torch_dtype(tree.dtype) if tree.kind == "torch" else None
+        if dt is None:
+            return None
+        return torch.empty((), dtype=dt, device=device).expand(tree.shape)
+    if isinstance(tree, dict):
+        return {k: _torch_target(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_torch_target(v, device) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_torch_target(v, device) for v in tree)
+    return None

@@ -1,0 +1,38 @@
+"""What a path that is not a checkpoint is instead, for error messages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["manager_steps_hint"]
+
+# the names a CheckpointManager gives its steps (see manager/_steps.py)
+_STEP_RE = re.compile(r"^step_(\d{10,18})$")
+_SHOWN = 8
+
+
+def manager_steps_hint(storage: Any, path: str) -> str | None:
+    """If ``path`` is a CheckpointManager's directory, say so and list its committed steps.
+
+    ``storage`` is the path's backend (its ``list`` and ``is_committed``); None
+    when ``path`` holds no step checkpoints (or cannot be listed).
+    """
+    try:
+        names = storage.list(path)
+        steps = sorted(
+            int(m.group(1)) for m in map(_STEP_RE.match, names)
+            if m is not None and storage.is_committed(f"{path.rstrip('/')}/{m.group(0)}")
+        )
+    except Exception:  # only a hint: never hide the real error behind another
+        return None
+    if not steps:
+        return None
+    shown = ", ".join(str(s) for s in steps[-_SHOWN:])
+    more = f"{len(steps) - _SHOWN} earlier and " if len(steps) > _SHOWN else ""
+    last = f"{path.rstrip('/')}/step_{steps[-1]:010d}"
+    return (
+        f"{path} is a CheckpointManager directory, not a checkpoint; its committed steps "
+        f"are {more}{shown}. Load one with CheckpointManager({path!r}).load(step) or "
+        f"statestream.load({last!r}) (`statestream inspect {last}`)"
+    )

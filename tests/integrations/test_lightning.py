@@ -1,0 +1,263 @@
+"""StatestreamCheckpointIO in real Lightning Trainers (CPU, tiny model, a few batches)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import statestream as ss  # noqa: E402
+from statestream.integrations.lightning import (  # noqa: E402
+    AsyncStatestreamCheckpointIO,
+    StatestreamCheckpointIO,
+)
+
+pytestmark = pytest.mark.timeout(240)
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+
+
+class Net(L.LightningModule):
+    def __init__(self, lr: float = 0.05, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_epoch=True, on_step=False)
+        self.log("epoch_score", float(self.current_epoch), on_epoch=True, on_step=False)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+def data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 6, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return DataLoader(TensorDataset(x, y), batch_size=6, shuffle=False)
+
+
+def trainer(root, epochs: int, plugin, callbacks=()) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, plugins=[plugin], callbacks=list(callbacks),
+                     default_root_dir=str(root), enable_progress_bar=False, logger=False,
+                     enable_model_summary=False, accelerator="cpu", devices=1)
+
+
+class CountBatches(Callback):
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.n += 1
+
+
+def snapshot(t: L.Trainer) -> dict:
+    return {"model": {k: v.clone() for k, v in t.lightning_module.state_dict().items()},
+            "opt": t.optimizers[0].state_dict(), "sched": t.lr_scheduler_configs[0]
+            .scheduler.state_dict(), "epoch": t.current_epoch, "step": t.global_step}
+
+
+def assert_bitwise_equal(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def ckpt_names(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if not n.startswith("."))
+
+
+@pytest.mark.parametrize("plugin_cls", [StatestreamCheckpointIO, AsyncStatestreamCheckpointIO],
+                         ids=["sync", "async"])
+def test_top_k_last_and_bitwise_resume(tmp_path, plugin_cls):
+    # 4 uninterrupted epochs
+    straight = trainer(tmp_path / "a", 4, plugin_cls())
+    straight.fit(Net(), data())
+    want = snapshot(straight)
+
+    # 2 epochs, keeping the best 2 by an increasing score, and last.ckpt
+    ckdir = tmp_path / "ck"
+    top = ModelCheckpoint(dirpath=ckdir, monitor="epoch_score", mode="max", save_top_k=2,
+                          save_last=True, filename="{epoch}")
+    first = trainer(tmp_path / "b", 2, plugin_cls(), [top])
+    first.fit(Net(), data())
+    assert ckpt_names(ckdir) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    for name in ckpt_names(ckdir):  # statestream checkpoints, committed, no pickle
+        md = ss.metadata(ckdir / name)
+        assert not [p for p, leaf in md.leaves()
+                    if isinstance(leaf, ss.ArrayMetadata) and leaf.kind == "pickle"]
+        assert md.tree["epoch"] == int(name[6]) if name != "last.ckpt" else 1
+
+    # resume to 4 epochs from last.ckpt: top-k removes epoch 0 and 1 on the way
+    top2 = ModelCheckpoint(dirpath=ckdir, monitor="epoch_score", mode="max", save_top_k=2,
+                           save_last=True, filename="{epoch}")
+    count = CountBatches()
+    resumed = trainer(tmp_path / "c", 4, plugin_cls(), [top2, count])
+    resumed.fit(Net(seed=5), data(), ckpt_path=str(ckdir / "last.ckpt"))
+    assert count.n == 2 * 4  # it ran epochs 2 and 3 only
+    assert ckpt_names(ckdir) == ["epoch=2.ckpt", "epoch=3.ckpt", "last.ckpt"]
+    assert_bitwise_equal(want, snapshot(resumed))
+    assert ss.load(ckdir / "last.ckpt", items=["epoch"]) == {"epoch": 3}
+
+    # the resumed run's checkpoints equal a fresh load of the straight run's weights
+    got = plugin_cls().load_checkpoint(ckdir / "last.ckpt")
+    assert_bitwise_equal(want["model"], got["state_dict"])
+
+
+def test_resume_from_last_by_name(tmp_path):
+    ckdir = tmp_path / "ck"
+    trainer(tmp_path, 1, StatestreamCheckpointIO(),
+            [ModelCheckpoint(dirpath=ckdir, save_last=True)]).fit(Net(), data())
+    t = trainer(tmp_path, 2, StatestreamCheckpointIO(),
+                [ModelCheckpoint(dirpath=ckdir, save_last=True)])
+    t.fit(Net(), data(), ckpt_path="last")  # Lightning finds last.ckpt (a directory) itself
+    assert t.current_epoch == 2 and t.global_step == 8
+
+
+class ValNet(Net):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_validate_reads_the_checkpoint_through_the_plugin(tmp_path):
+    t = trainer(tmp_path, 1, StatestreamCheckpointIO(), [])
+    t.fit(Net(), data())
+    t.save_checkpoint(tmp_path / "one.ckpt")
+    want = {k: v.clone() for k, v in t.lightning_module.state_dict().items()}
+    model = ValNet(seed=3)
+    v = trainer(tmp_path, 1, StatestreamCheckpointIO(), [])
+    v.validate(model, data(), ckpt_path=str(tmp_path / "one.ckpt"), verbose=False)
+    assert_bitwise_equal(want, dict(model.state_dict()))
+
+
+class OddState(Callback):
+    """A callback whose state has the odd keys and plain values Lightning lets through."""
+
+    def __init__(self) -> None:
+        self.state = {
+            "a/b~c {'x': 1}": 1,
+            "": "empty key",
+            7: (1, 2.5, None, "t", True),
+            "nan": float("nan"),
+            "inf": [float("-inf"), float("inf")],
+            "big": 2**70,
+            "bytes": b"\x00\xff",
+            "ordered": collections.OrderedDict([("z", 1), ("a", 2)]),
+            "tensors": [torch.arange(3), torch.tensor(0.5, dtype=torch.bfloat16)],
+            "nested": {"deeper": {"list": [[], {}, ()]}},
+        }
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state_dict):
+        self.loaded = state_dict
+
+
+def test_lightning_checkpoint_dict_round_trips_without_pickle(tmp_path):
+    odd = OddState()
+    t = trainer(tmp_path, 1, StatestreamCheckpointIO(), [odd])
+    t.fit(Net(), data())
+    ckpt = t._checkpoint_connector.dump_checkpoint()
+    assert any("{" in k for k in ckpt["callbacks"])  # ModelCheckpoint-like keys
+    io = StatestreamCheckpointIO()
+    io.save_checkpoint(ckpt, tmp_path / "x.ckpt")
+    kinds = {leaf.kind for _, leaf in ss.metadata(tmp_path / "x.ckpt").leaves()
+             if isinstance(leaf, ss.ArrayMetadata)}
+    assert kinds == {"torch", "bytes"}
+    got = io.load_checkpoint(tmp_path / "x.ckpt")
+    assert_bitwise_equal(ckpt, got)
+
+    # resuming hands the callback its state back as it was
+    t2 = trainer(tmp_path, 2, StatestreamCheckpointIO(), [odd2 := OddState()])
+    t2.fit(Net(), data(), ckpt_path=str(tmp_path / "x.ckpt"))
+    assert_bitwise_equal(odd.state, odd2.loaded)
+
+
+class Opaque:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.v == self.v
+
+
+def test_plain_objects_need_the_pickle_opt_in(tmp_path):
+    ckpt = {"epoch": 0, "hyper_parameters": {"obj": Opaque(3), "s": {1, 2}}}
+    with pytest.raises(ss.UnsupportedTypeError, match="hyper_parameters/obj"):
+        StatestreamCheckpointIO().save_checkpoint(ckpt, tmp_path / "p.ckpt")
+    assert not (tmp_path / "p.ckpt").exists()
+    StatestreamCheckpointIO(pickle=True).save_checkpoint(ckpt, tmp_path / "p.ckpt")
+    with pytest.raises(ss.PickleNotAllowedError):
+        StatestreamCheckpointIO().load_checkpoint(tmp_path / "p.ckpt")
+    got = StatestreamCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "p.ckpt")
+    assert got == ckpt
+
+
+def test_remove_load_and_errors(tmp_path):
+    io = StatestreamCheckpointIO()
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"a": 1}, tmp_path / "s.ckpt", storage_options={"x": 1})
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    io.remove_checkpoint(tmp_path / "missing.ckpt")  # nothing there: fine
+    torch.save({"a": 1}, tmp_path / "old.ckpt")  # a torch.save file is never touched
+    with pytest.raises(ss.CheckpointExistsError):
+        io.save_checkpoint({"a": 1}, tmp_path / "old.ckpt")
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt").is_file()
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "n.ckpt")
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "n.ckpt")  # last.ckpt style rewrite
+    assert torch.equal(io.load_checkpoint(tmp_path / "n.ckpt", map_location="cpu")["w"],
+                       torch.zeros(2))
+    io.remove_checkpoint(tmp_path / "n.ckpt")
+    assert not (tmp_path / "n.ckpt").exists()
+
+
+def test_async_waits_before_remove_and_reports_failures(tmp_path):
+    io = AsyncStatestreamCheckpointIO()
+    big = {"w": torch.randn(256, 1024)}
+    io.save_checkpoint(big, tmp_path / "a.ckpt")
+    big["w"].zero_()  # the snapshot was taken: mutating now changes nothing saved
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # waits for the save, then removes it
+    assert not (tmp_path / "a.ckpt").exists()
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(3))
+    (tmp_path / "c.ckpt").write_text("not a checkpoint")  # the commit will refuse to replace it
+    try:
+        io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "c.ckpt")
+    except ss.CheckpointExistsError:
+        pass  # refused at once: also fine
+    else:
+        with pytest.raises(ss.CheckpointExistsError):
+            io.teardown()
+    io.teardown()  # reported once; nothing left in flight

@@ -1,0 +1,119 @@
+"""CheckpointManager ergonomics: best_step, steps only go forward, KeepBest's metric."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.testing import faults
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX flock"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    faults.clear()
+    yield
+    faults.clear()
+
+
+def state_at(step: int) -> dict:
+    return {"step": step, "w": np.arange(8, dtype=np.float32) + step}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_best_step(tmp_path, async_save):
+    losses = {1: 0.9, 2: 0.3, 3: float("nan"), 4: 0.3, 5: 0.7}
+    with ss.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        assert mgr.best_step("loss") is None
+        for s, loss in losses.items():
+            mgr.save(s, state_at(s), metrics={"loss": loss, "acc": 1 - loss})
+        mgr.save(6, state_at(6), metrics={"acc": 0.95})  # no loss: does not count
+        mgr.wait()
+        assert mgr.best_step("loss") == 2  # the tie with step 4: the earliest
+        assert mgr.best_step("loss", mode="max") == 1  # NaN never counts
+        assert mgr.best_step("acc", mode="max") == 6
+        assert mgr.best_step("missing") is None
+        assert math.isnan(mgr.step_info(3)["metrics"]["loss"])  # a NaN loss saves
+        with pytest.raises(ValueError, match="'min' or 'max'"):
+            mgr.best_step("loss", mode="lowest")
+        assert int(mgr.load(mgr.best_step("loss"))["step"]) == 2
+    with ss.CheckpointManager(tmp_path) as mgr:  # from what is on disk
+        assert mgr.best_step("loss") == 2
+
+
+def test_best_step_follows_the_keep_policy(tmp_path):
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepBest(1, "loss"),
+                              async_save=False) as mgr:
+        for s, loss in [(1, 0.5), (2, 0.2), (3, 0.4), (4, 0.6)]:
+            mgr.save(s, state_at(s), metrics={"loss": loss})
+        assert mgr.steps() == [2, 4] and mgr.best_step("loss") == 2
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_older_step_raises(tmp_path, async_save):
+    with ss.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        for s in (0, 10, 20):
+            assert mgr.save(s, state_at(s))
+        with pytest.raises(ss.CheckpointError, match=r"cannot save step 5 .*step 20 is already"):
+            mgr.save(5, state_at(5))
+        with pytest.raises(ss.CheckpointError, match="only go forward"):
+            mgr.save(19, state_at(19), force=True)
+        assert not mgr.save(20, state_at(99))  # the last step again: not saved twice
+        assert mgr.save(21, state_at(21))
+        mgr.wait()
+        assert mgr.steps() == [0, 10, 20, 21]
+        assert int(mgr.load(20)["step"]) == 20
+
+    # a resumed run that forgot to advance its step: refused before anything is written
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(10)) as mgr:
+        with pytest.raises(ss.CheckpointError, match="mgr.latest_step"):
+            mgr.save(0, state_at(0))
+        assert mgr.steps() == [0, 10, 20, 21]
+        assert int(mgr.load(0)["step"]) == 0
+        assert mgr.save(30, state_at(30))
+
+
+def test_a_failed_async_save_does_not_block_its_step(tmp_path):
+    def boom():
+        raise OSError("disk on fire")
+
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(1, state_at(1))
+        mgr.wait()
+        faults.on("save.data_synced", boom, nth=1)
+        assert mgr.save(2, state_at(2))
+        with pytest.raises(OSError, match="disk on fire"):
+            mgr.wait()
+        assert mgr.steps() == [1]
+        assert mgr.save(2, state_at(2))  # the failed step may be saved again
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+
+
+def test_keep_best_metric_missing_warns(tmp_path):
+    keep = ss.KeepUnion(ss.KeepLatest(1), ss.KeepBest(1, "val_loss"))
+    with ss.CheckpointManager(tmp_path, keep_policy=keep, async_save=False) as mgr:
+        with pytest.warns(UserWarning, match=r"step 1 .*'val_loss' of the KeepBest .*\['loss'\]"):
+            mgr.save(1, state_at(1), metrics={"loss": 0.5})
+        with pytest.warns(UserWarning, match="step 2 .*'val_loss'"):
+            mgr.save(2, state_at(2), metrics={"val_loss": math.nan})
+        with pytest.warns(UserWarning, match="step 3 .*'val_loss'"):
+            mgr.save(3, state_at(3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.save(4, state_at(4), metrics={"val_loss": 0.1})
+            mgr.save(5, state_at(5), metrics={"val_loss": 0.2})
+        assert mgr.steps() == [4, 5]
+    with warnings.catch_warnings():  # no KeepBest: metrics are optional
+        warnings.simplefilter("error")
+        with ss.CheckpointManager(tmp_path / "b", keep_policy=ss.KeepLatest(2)) as mgr:
+            mgr.save(1, state_at(1))
