@@ -7,13 +7,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from statestream.api._load import open_checkpoint
+from statestream.api._load import array_paths, open_checkpoint
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.plan import ReadPiece, plan_verify
 from statestream.storage import CheckpointReader
-from statestream.tree import Key, KeyPath, Node, format_keypath
+from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "verify"]
 
@@ -117,19 +117,6 @@ class VerifyReport:
         return not self.problems
 
 
-def _array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
-    if node.array is not None:
-        out[node.array] = p
-    kids = node.children or []
-    if node.kind == "stateful":
-        for c in kids:
-            _array_paths(c, p, out)
-        return
-    keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
-    for k, c in zip(keys, kids):
-        _array_paths(c, p + (k,), out)
-
-
 def _unlisted(reader: CheckpointReader, m: Manifest) -> list[str]:
     """A problem for every file of the checkpoint that its manifest does not list."""
     list_files = getattr(reader, "list_files", None)
@@ -175,7 +162,7 @@ def verify(
         return report
     try:
         paths: dict[int, KeyPath] = {}
-        _array_paths(m.tree, (), paths)
+        array_paths(m.tree, (), paths)
         names = [f.name for f in m.files]
         for f in m.files:
             try:
