@@ -75,7 +75,12 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
             f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "
             "or checksum differs); the checkpoint is corrupt"
         )
-    return decode_manifest(data, where)
+    try:  # decode from text only, so the bytes are not held while decoding
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
+    del data
+    return decode_manifest(text, where)
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> tuple[CheckpointReader, Manifest]:

@@ -141,6 +141,6 @@ def _check_supply(reader: CheckpointReader, name: str, req: ReadRequest,
         names = "; ".join(sorted({describe(p) for p in bad})[:5])
         raise TruncatedFileError(
             f"data file {reader.location}/{name} is {size} bytes, but the manifest puts "
-            f"data up to byte {max(p.offset + p.nbytes for p in bad)} in it (affects "
-            f"{names}); the checkpoint is truncated or its manifest is wrong"
+            f"data up to byte {max(p.offset + p.nbytes for p in bad)} in it; it is "
+            f"truncated (affects {names})"
         )
