@@ -138,3 +138,13 @@ def test_many_chunks_check_in_near_linear_time(tmp_path: Path, rows: int, cols: 
     (c / "manifest.json").write_bytes(data)
     (c / "COMMITTED").write_bytes(encode_commit(data))
     assert not ss.verify(c).ok
+
+
+@pytest.mark.parametrize("bad", [[], {}, 1, None, ["array"], True])
+def test_unhashable_or_odd_node_types_are_corrupt(ckpt: Path, bad: Any) -> None:
+    """Found by the fuzzer: a node type that is a list escaped as a TypeError."""
+    doc = read_doc(ckpt)
+    doc["tree"]["c"][0]["t"] = bad
+    write_doc(ckpt, doc)
+    with pytest.raises(ss.CheckpointCorruptError, match="unknown tree node type"):
+        ss.metadata(ckpt)

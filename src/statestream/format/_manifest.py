@@ -255,7 +255,8 @@ _KIND_NAMES = {k: k for k in (*_CONTAINERS, "stateful", *_LEAF_VALUE_KINDS, *_AR
 
 def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
     """One validated node from its JSON object, its children already decoded."""
-    k = _KIND_NAMES.get(d.get("t"))  # type: ignore[arg-type]
+    t = d.get("t")
+    k = _KIND_NAMES.get(t) if type(t) is str else None
     if k in _CONTAINERS or k == "stateful":
         if kids is None:
             raise _Bad("children must be a list")
