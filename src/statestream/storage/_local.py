@@ -354,8 +354,8 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
 def _not_regular(mode: int, where: str) -> UnsafeCheckpointError:
     what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
     return UnsafeCheckpointError(
-        f"{where} is {what}, not a regular file; refusing to read it (the checkpoint is "
-        "damaged or hostile)"
+        f"cannot open {where} safely: it is {what}, not a regular file; refusing to read it "
+        "(the checkpoint is damaged or hostile)"
     )
 
 
