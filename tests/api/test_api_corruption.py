@@ -131,11 +131,12 @@ def test_deleted_data_dir(ckpt):
     _assert_reported(ckpt, ss.TruncatedFileError, ["bad/w"], cli=False)
 
 
-def test_extra_bytes_appended_are_harmless(ckpt):
+def test_extra_bytes_appended_load_but_verify_reports_them(ckpt):
     name, _, _ = _chunk(ckpt, ["bad", "w"])
     with open(ckpt / name, "ab") as f:
         f.write(b"junk")
-    assert ss.verify(ckpt).ok
+    rep = ss.verify(ckpt)
+    assert not rep.ok and name in rep.problems[0] and "longer" in rep.problems[0]
     np.testing.assert_array_equal(ss.load(ckpt)["bad"]["w"], _state()["bad"]["w"])
 
 

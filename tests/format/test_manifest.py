@@ -656,28 +656,58 @@ import numpy as np  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_box = st.tuples(
-    st.integers(0, 6), st.integers(0, 6), st.integers(1, 3), st.integers(1, 3)
-)
+
+@st.composite
+def _tilings(draw: st.DrawFn) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """An exact tiling of a small array by guillotine cuts, then maybe one box moved."""
+    nd = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=nd, max_size=nd)))
+    boxes = [((0,) * nd, shape)]
+    for _ in range(draw(st.integers(0, 14))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        s0, sh = boxes[i]
+        ax = draw(st.integers(0, nd - 1))
+        if sh[ax] < 2:
+            continue
+        cut = draw(st.integers(1, sh[ax] - 1))
+        a_sh = sh[:ax] + (cut,) + sh[ax + 1:]
+        b_s = s0[:ax] + (s0[ax] + cut,) + s0[ax + 1:]
+        b_sh = sh[:ax] + (sh[ax] - cut,) + sh[ax + 1:]
+        boxes[i:i + 1] = [(s0, a_sh), (b_s, b_sh)]
+    starts = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    ends = starts + np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    if draw(st.booleans()):  # move one box (same volume), staying inside the array
+        i = draw(st.integers(0, len(boxes) - 1))
+        ax = draw(st.integers(0, nd - 1))
+        room = shape[ax] - ends[i, ax]
+        delta = draw(st.integers(-int(starts[i, ax]), int(room)))
+        starts[i, ax] += delta
+        ends[i, ax] += delta
+    return shape, starts, ends
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(_box, min_size=2, max_size=12))
-def test_overlap_sweep_matches_brute_force(boxes: list[tuple[int, int, int, int]]) -> None:
-    starts = np.array([(a, b) for a, b, _, _ in boxes], dtype=np.int64)
-    ends = starts + np.array([(c, d) for _, _, c, d in boxes], dtype=np.int64)
-    brute = not any(
-        all(starts[i, k] < ends[j, k] and starts[j, k] < ends[i, k] for k in range(2))
-        for i in range(len(boxes))
-        for j in range(i + 1, len(boxes))
-    )
-    assert manifest_mod._check_no_overlap(starts, ends) == brute
+@settings(max_examples=300, deadline=None)
+@given(_tilings())
+def test_tiling_check_matches_brute_force(t: tuple[tuple[int, ...], np.ndarray, np.ndarray]
+                                          ) -> None:
+    shape, starts, ends = t
+    count = np.zeros(shape, dtype=np.int64)
+    for s0, e0 in zip(starts, ends):
+        count[tuple(slice(int(a), int(b)) for a, b in zip(s0, e0))] += 1
+    assert manifest_mod._tiles_exactly(starts, ends, shape) == bool(np.all(count == 1))
 
 
-def test_overlap_sweep_many_row_chunks() -> None:
-    n = 5000  # more boxes than one sweep block
+def test_tiling_check_many_chunks() -> None:
+    n = 5000  # row blocks, and a grid: both far past the pairwise fast path
     starts = np.stack([np.arange(n), np.zeros(n, np.int64)], axis=1)
-    ends = starts + 1
-    assert manifest_mod._check_no_overlap(starts, ends)
+    ends = starts + np.array([1, 3])
+    assert manifest_mod._tiles_exactly(starts, ends, (n, 3))
     ends[n - 2, 0] += 1  # box n-2 now reaches into box n-1
-    assert not manifest_mod._check_no_overlap(starts, ends)
+    starts[n - 1, 1] = 0
+    ends[n - 1, 1] = 2  # volumes still sum up: the overlap is what must be found
+    assert not manifest_mod._tiles_exactly(starts, ends, (n, 3))
+    g = np.array([(i, j) for i in range(70) for j in range(70)], dtype=np.int64)
+    assert manifest_mod._tiles_exactly(g, g + 1, (70, 70))
+    g2 = g.copy()
+    g2[5] = g2[6]  # a duplicate box, and one cell left uncovered
+    assert not manifest_mod._tiles_exactly(g2, g2 + 1, (70, 70))

@@ -7,12 +7,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from statestream.api._load import open_checkpoint
+from statestream.api._load import array_paths, open_checkpoint
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
-from statestream.format import Manifest
+from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.plan import ReadPiece, plan_verify
-from statestream.tree import Key, KeyPath, Node, format_keypath
+from statestream.storage import CheckpointReader
+from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "verify"]
 
@@ -116,17 +117,17 @@ class VerifyReport:
         return not self.problems
 
 
-def _array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
-    if node.array is not None:
-        out[node.array] = p
-    kids = node.children or []
-    if node.kind == "stateful":
-        for c in kids:
-            _array_paths(c, p, out)
-        return
-    keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
-    for k, c in zip(keys, kids):
-        _array_paths(c, p + (k,), out)
+def _unlisted(reader: CheckpointReader, m: Manifest) -> list[str]:
+    """A problem for every file of the checkpoint that its manifest does not list."""
+    list_files = getattr(reader, "list_files", None)
+    if list_files is None:  # a backend that cannot list: nothing to compare
+        return []
+    expected = {COMMIT_NAME, MANIFEST_NAME, DATA_DIR} | {f.name for f in m.files}
+    return [
+        f"{reader.location}/{name} is in the checkpoint but not listed in its manifest "
+        "(added after the save?)"
+        for name in sorted(set(list_files()) - expected)
+    ]
 
 
 def verify(
@@ -139,7 +140,9 @@ def verify(
     """Re-read every chunk of a checkpoint and check sizes and checksums.
 
     Damage is collected, not raised: the report lists every broken array
-    with its key path and file. A checkpoint whose manifest cannot be read
+    with its key path and file, every data file longer or shorter than the
+    manifest lists, and every file in the checkpoint the manifest does not
+    list. A checkpoint whose manifest cannot be read
     at all is reported as one problem.
 
     Example:
@@ -159,7 +162,7 @@ def verify(
         return report
     try:
         paths: dict[int, KeyPath] = {}
-        _array_paths(m.tree, (), paths)
+        array_paths(m.tree, (), paths)
         names = [f.name for f in m.files]
         for f in m.files:
             try:
@@ -172,6 +175,12 @@ def verify(
                     f"data file {reader.location}/{f.name} is {size} bytes, the manifest says "
                     f"{f.size}; it is truncated"
                 )
+            elif size > f.size:
+                report.problems.append(
+                    f"data file {reader.location}/{f.name} is {size} bytes, longer than the "
+                    f"{f.size} the manifest lists; {size - f.size} bytes were added after the save"
+                )
+        report.problems.extend(_unlisted(reader, m))
         requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
 
         def describe(p: ReadPiece) -> str:

@@ -18,12 +18,14 @@ from statestream.errors import (
     MissingKeyError,
     PickleNotAllowedError,
     TargetMismatchError,
+    TruncatedFileError,
 )
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     MAX_COMMIT_BYTES,
     MAX_MANIFEST_BYTES,
+    ArrayEntry,
     Manifest,
     checksum,
     decode_commit,
@@ -53,7 +55,7 @@ from statestream.tree import (
     type_name,
 )
 
-__all__ = ["load", "open_checkpoint", "read_manifest"]
+__all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
 Build = Callable[[], Any]
@@ -130,7 +132,12 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
             f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "
             "or checksum differs); the checkpoint is corrupt"
         )
-    return decode_manifest(data, where)
+    try:  # decode from text only, so the bytes are not held while decoding
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
+    del data
+    return decode_manifest(text, where)
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> tuple[CheckpointReader, Manifest]:
@@ -152,6 +159,53 @@ class _Job:
     in_place: bool = False
     wanted: list[Wanted] = dataclasses.field(default_factory=list)
     paths: dict[int, KeyPath] = dataclasses.field(default_factory=dict)
+    #: the open checkpoint, whose real file sizes bound what the walk allocates
+    reader: CheckpointReader | None = None
+    file_names: list[str] = dataclasses.field(default_factory=list)
+    manifest: Manifest | None = None
+
+    def check_supply(self, index: int, entry: ArrayEntry, path: KeyPath) -> None:
+        """Refuse to allocate array ``index`` unless its files really hold its bytes.
+
+        The manifest alone may claim terabytes in a 4 KB file. Chunks never
+        share bytes (the manifest decoder checks), so with every chunk of every
+        array allocated this way inside a real file, one load allocates at most
+        what its files hold.
+        """
+        if self.reader is None:
+            return
+        for c in entry.chunks:
+            if not c.nbytes:
+                continue
+            name = self.file_names[c.file]
+            try:
+                size = self.reader.file_size(name)
+            except CheckpointCorruptError as exc:
+                others = self._short_arrays(c.file, 0, index)
+                raise type(exc)(
+                    f"{exc} (affects the array at key path '{format_keypath(path)}'"
+                    + (f", and {others})" if others else ")")
+                ) from None
+            if c.offset + c.nbytes > size:
+                others = self._short_arrays(c.file, size, index)
+                raise TruncatedFileError(
+                    f"the array at key path '{format_keypath(path)}' ({entry.dtype}, shape "
+                    f"{entry.shape}) needs bytes [{c.offset}, {c.offset + c.nbytes}) of "
+                    f"{self.reader.location}/{name}, which has only {size} bytes; nothing was "
+                    "allocated for it (the checkpoint is truncated or its manifest is wrong)"
+                    + (f"; the file also lacks the data of {others}" if others else "")
+                )
+
+    def _short_arrays(self, file: int, size: int, skip: int) -> str:
+        """Key paths of (up to 5) other arrays whose data lies past ``size`` in ``file``."""
+        if self.manifest is None:
+            return ""
+        paths: dict[int, KeyPath] = {}
+        array_paths(self.manifest.tree, (), paths)
+        bad = [i for i, a in enumerate(self.manifest.arrays) if i != skip and any(
+            c.file == file and c.nbytes and c.offset + c.nbytes > size for c in a.chunks)]
+        names = [f"'{format_keypath(paths.get(i, ()))}'" for i in bad[:5]]
+        return ", ".join(names) + (", ..." if len(bad) > 5 else "")
 
 
 def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
@@ -160,7 +214,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     entry = m.arrays[node.array]
     attrs = node.attrs or {}
     scalar = bool(attrs.get("scalar"))
-    if like is NO_TARGET:
+    if like is NO_TARGET:  # the manifest alone says how much to allocate: check first
+        job.check_supply(node.array, entry, path)
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
         dest: Destination = provider_by_kind(kind).restore(entry.dtype, entry.shape, None, path,
                                                            scalar=scalar)
@@ -213,6 +268,7 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
         job.pickles.refused.append((path, str((node.attrs or {}).get("type", "?"))))
         return lambda: None
     entry = m.arrays[node.array]
+    job.check_supply(node.array, entry, path)
     dest = _NUMPY.restore(entry.dtype, entry.shape, None, path)
     for start, buf in dest.boxes:
         job.wanted.append(Wanted(node.array, start, buf))
@@ -220,6 +276,20 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
     if node.kind == "bytes":
         return lambda: dest.finish().tobytes()
     return lambda: pickle.loads(dest.finish().tobytes())
+
+
+def array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
+    """Fill ``out`` with the key path of every array leaf under ``node``."""
+    if node.array is not None:
+        out[node.array] = p
+    kids = node.children or []
+    if node.kind == "stateful":
+        for c in kids:
+            array_paths(c, p, out)
+        return
+    keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
+    for k, c in zip(keys, kids):
+        array_paths(c, p + (k,), out)
 
 
 def _children(node: Node) -> list[tuple[Key, Node]]:
@@ -512,11 +582,12 @@ def _load(
                 if missing:  # items without a target entry load with defaults
                     full = {k: like.get(k, NO_TARGET) for k in items}
                     like = full
-        job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place)
+        names = [f.name for f in m.files]
+        job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
+                   file_names=names, manifest=m)
         build = _walk(root, like, (), m, job, "numpy", False)
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
-        names = [f.name for f in m.files]
 
         def describe(p: ReadPiece) -> str:
             return f"array at key path '{format_keypath(job.paths.get(p.array, ()))}'"

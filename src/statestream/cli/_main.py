@@ -22,12 +22,56 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def safe(text: str) -> str:
+    """``text`` with everything a terminal could act on escaped.
+
+    Whatever came out of a checkpoint (keys, strings, type names, user
+    metadata, error messages quoting them) goes through here before it is
+    printed: control characters (escape sequences, newlines, carriage
+    returns), format characters (bidirectional overrides) and lone
+    surrogates become ``\\xNN`` / ``\\uNNNN`` escapes, so one printed line
+    is one line and nothing in it moves the cursor or recolours the terminal.
+
+    Example:
+        >>> safe("a\\x1b[2Jb\\nc\\ud800") == "a" + "\\\\x1b[2Jb" + "\\\\nc" + "\\\\ud800"
+        True
+    """
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        elif ch in _SHORT:
+            out.append(_SHORT[ch])
+        else:
+            o = ord(ch)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000
+                       else f"\\U{o:08x}")
+    return "".join(out)
+
+
+def _int_text(v: int) -> str:
+    """Decimal for ordinary ints; a huge one (Python refuses to print more than 4,300
+    digits by default) as its size and the ends of its hex form."""
+    if v.bit_length() <= 128:
+        return str(v)
+    h = format(abs(v), "x")
+    return f"{'-' if v < 0 else ''}0x{h[:8]}...{h[-8:]} ({v.bit_length()}-bit int)"
+
+
 def _describe(leaf: Any) -> tuple[str, str, str, int]:
     if isinstance(leaf, ss.ArrayMetadata):
         dims = ", ".join(str(s) for s in leaf.shape)
         shape = f"({dims},)" if len(leaf.shape) == 1 else f"({dims})"
         return leaf.kind, leaf.dtype, shape, leaf.nbytes
-    text = repr(leaf)
+    if isinstance(leaf, int) and not isinstance(leaf, bool):
+        text = _int_text(leaf)
+    else:  # repr escapes control characters and surrogates of a str
+        text = safe(repr(leaf[:64] if isinstance(leaf, str) else leaf))
     if len(text) > 40:
         text = text[:37] + "..."
     return "value", type(leaf).__name__, text, 0
@@ -77,15 +121,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 for k, kind, dt, sh, nb in rows
             ],
         }
-        print(json.dumps(out, indent=2))
+        # ASCII-escaped: no control character or surrogate reaches the terminal
+        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
         return 0
-    print(f"checkpoint  {md.path}")
-    print(f"format      statestream v{md.format_version}  ({md.meta.get('library', '?')})")
-    w = max([len("key path")] + [len(r[0]) for r in rows])
+    print(f"checkpoint  {safe(md.path)}")
+    print(f"format      statestream v{md.format_version}  "
+          f"({safe(str(md.meta.get('library', '?')))[:80]})")
+    w = min(80, max([len("key path")] + [len(safe(r[0])) for r in rows]))
     print(f"{'key path':<{w}}  {'kind':<7} {'dtype':<14} {'shape':<22} {'size':>10}")
     for k, kind, dt, sh, nb in rows:
         size = _human(nb) if kind not in ("value", "values") else ""
-        print(f"{k:<{w}}  {kind:<7} {dt:<14} {sh:<22} {size:>10}")
+        print(f"{safe(k):<{w}}  {safe(kind):<7} {safe(dt):<14} {sh:<22} {size:>10}")
     n_files = len(md.files)
     print(
         f"total       {md.num_arrays} arrays, {_human(md.total_bytes)} in {n_files} data "
@@ -93,6 +139,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{sum(1 for _ in md.leaves())} leaves"
     )
     return 0
+
+
+def _json_default(x: Any) -> Any:  # pragma: no cover - meta is plain JSON
+    return safe(repr(x))
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -104,11 +154,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         pass  # a damaged manifest is reported by verify below
     rep = ss.verify(args.path)
     if rep.ok:
-        print(f"OK  {rep.path}: {rep.checked_chunks} chunks, {_human(rep.checked_bytes)} verified")
+        print(f"OK  {safe(rep.path)}: {rep.checked_chunks} chunks, "
+              f"{_human(rep.checked_bytes)} verified")
         return 0
-    print(f"DAMAGED  {rep.path}: {len(rep.problems)} problem(s)", file=sys.stderr)
+    print(f"DAMAGED  {safe(rep.path)}: {len(rep.problems)} problem(s)", file=sys.stderr)
     for p in rep.problems:
-        print(f"  - {p}", file=sys.stderr)
+        print(f"  - {safe(p)}", file=sys.stderr)
     return 1
 
 
@@ -153,5 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except ss.CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {safe(str(exc))}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the path itself is unreadable (permissions, a special file, ...)
+        print(f"error: {safe(str(exc))}", file=sys.stderr)
         return 2

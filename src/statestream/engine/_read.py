@@ -19,6 +19,7 @@ from statestream.engine._core import (
 from statestream.errors import (
     CheckpointCorruptError,
     ChecksumMismatchError,
+    TruncatedFileError,
 )
 from statestream.format import checksum
 from statestream.plan import ReadPiece, ReadRequest
@@ -75,6 +76,7 @@ def read_requests(
                     collect.append(exc)
 
     def _read_one(req: ReadRequest) -> None:
+        _check_supply(reader, file_names[req.file], req, describe)
         need = sum(p.staging_bytes for p in req.pieces)
         held = budget.acquire(need)
         try:
@@ -122,3 +124,23 @@ def read_requests(
 
     n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+def _check_supply(reader: CheckpointReader, name: str, req: ReadRequest,
+                  describe: Callable[[ReadPiece], str]) -> None:
+    """Refuse a request the file cannot supply, before any scratch memory is allocated
+    for it (a manifest may claim terabytes in a file of a few bytes)."""
+    try:
+        size = reader.file_size(name)
+    except CheckpointCorruptError as exc:
+        names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
+        raise type(exc)(f"{exc} (affects {names})") from None
+    end = req.offset + req.nbytes
+    if end > size:
+        bad = [p for p in req.pieces if p.offset + p.nbytes > size]
+        names = "; ".join(sorted({describe(p) for p in bad})[:5])
+        raise TruncatedFileError(
+            f"data file {reader.location}/{name} is {size} bytes, but the manifest puts "
+            f"data up to byte {max(p.offset + p.nbytes for p in bad)} in it; it is "
+            f"truncated (affects {names})"
+        )

@@ -1,0 +1,147 @@
+"""Compact chunk tables: a decoded manifest keeps its chunks in flat integer columns.
+
+A million chunks as Python objects (a list, two tuples and a dataclass each)
+cost about 300 bytes apiece, six times their JSON. Here they cost 40-70
+bytes: one ``array('q')`` column per field for the whole manifest, read as
+:class:`ChunkEntry` objects made on demand by :class:`ChunkList`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+__all__ = ["ChunkEntry", "ChunkList", "ChunkRef", "ChunkStore"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Where a chunk's bytes live in *another* checkpoint (incremental saves).
+
+    Room in the types only: format v1 cannot record it, and
+    :func:`encode_manifest` refuses a chunk that carries one.
+    """
+
+    checkpoint: str
+    file: str
+    offset: int
+
+
+@dataclasses.dataclass(slots=True)  # not frozen: built 1000s of times per load
+class ChunkEntry:
+    """A box of an array stored contiguously (C order) in one data file.
+
+    ``nbytes`` is the number of bytes *stored* in the file; the raw size is
+    ``prod(shape) * itemsize``. They are equal unless ``codec`` names an
+    encoding (compression). ``ref`` points at the bytes in another
+    checkpoint instead of this one's files. Both are ``None`` in format v1
+    (the JSON of a v1 chunk has no field for them).
+    """
+
+    file: int
+    offset: int
+    nbytes: int
+    checksum: int
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    #: Optional finer checksums so partial (row-range) reads can be verified:
+    #: the chunk's rows (axis 0) in groups of ``block_rows``, one CRC-32C each.
+    block_rows: int = 0
+    block_checksums: tuple[int, ...] = ()
+    codec: str | None = None
+    ref: ChunkRef | None = None
+
+
+class ChunkStore:
+    """Every chunk of a manifest, column by column (appended while decoding)."""
+
+    __slots__ = ("blocks", "coords", "fields", "spans")
+
+    def __init__(self) -> None:
+        #: first chunk, end chunk, first coordinate and ndim of each array, flat (4 each)
+        self.spans = array("q")
+        #: file, offset, nbytes, crc32c of each chunk, flat (4 per chunk)
+        self.fields = array("q")
+        #: start then shape of each chunk, flat (2 x ndim per chunk)
+        self.coords = array("q")
+        #: chunk number -> (block_rows, block checksums), for the few that have them
+        self.blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.fields) // 4
+
+
+class ChunkList(Sequence[ChunkEntry]):
+    """The chunks of one array: a read-only view of a :class:`ChunkStore`."""
+
+    __slots__ = ("_k", "_store")
+
+    def __init__(self, store: ChunkStore, lo: int, hi: int, c0: int, nd: int) -> None:
+        # the span lives in the store: four ints here would cost more than the chunks
+        self._store, self._k = store, len(store.spans) // 4
+        store.spans.extend((lo, hi, c0, nd))
+
+    def span(self) -> tuple[int, int, int, int]:
+        """First chunk, end chunk, first coordinate and ndim in the store."""
+        sp, k = self._store.spans, 4 * self._k
+        return sp[k], sp[k + 1], sp[k + 2], sp[k + 3]
+
+    def __len__(self) -> int:
+        sp, k = self._store.spans, 4 * self._k
+        return sp[k + 1] - sp[k]
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(n, 4) [file, offset, nbytes, crc] and (n, 2 * ndim) [start..., shape...]."""
+        lo, hi, c0, nd = self.span()
+        n = hi - lo
+        f = np.frombuffer(self._store.fields, dtype=np.int64)[4 * lo:4 * hi]
+        c = np.frombuffer(self._store.coords, dtype=np.int64)[c0:c0 + 2 * nd * n]
+        return f.reshape(n, 4), c.reshape(n, 2 * nd)
+
+    def _entry(self, j: int) -> ChunkEntry:
+        s = self._store
+        lo, _, c0, nd = self.span()
+        g = lo + j
+        f = s.fields
+        c0 += 2 * nd * j
+        cs = s.coords
+        blk = s.blocks.get(g) if s.blocks else None
+        return ChunkEntry(f[4 * g], f[4 * g + 1], f[4 * g + 2], f[4 * g + 3],
+                          tuple(cs[c0:c0 + nd]), tuple(cs[c0 + nd:c0 + 2 * nd]),
+                          blk[0] if blk else 0, blk[1] if blk else ())
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ChunkEntry, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> ChunkEntry | tuple[ChunkEntry, ...]:
+        if isinstance(i, slice):
+            return tuple(self._entry(j) for j in range(*i.indices(len(self))))
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("chunk index out of range")
+        return self._entry(i)
+
+    def __iter__(self) -> Iterator[ChunkEntry]:
+        for j in range(len(self)):
+            yield self._entry(j)
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, (ChunkList, tuple, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple((c.file, c.offset, c.nbytes, c.checksum, c.start, c.shape)
+                          for c in self))
+
+    def __repr__(self) -> str:
+        return f"ChunkList({list(self)!r})"
