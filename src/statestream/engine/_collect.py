@@ -10,9 +10,16 @@ import numpy as np
 
 from statestream.errors import UnsupportedTypeError
 from statestream.plan import ArrayDecl
-from statestream.providers import ArrayProvider, PreparedArray, array_provider_for, expand_pytree
+from statestream.providers import (
+    ArrayProvider,
+    PreparedArray,
+    StateAdapter,
+    adapter_for,
+    array_provider_for,
+    expand_pytree,
+)
 from statestream.providers.numpy import prepare_host_array
-from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypath
+from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypath, type_name
 
 __all__ = ["Collector"]
 
@@ -49,7 +56,11 @@ class Collector:
 
     def walk(self, state: Any) -> Node:
         """Flatten ``state`` (raises UnsupportedTypeError naming the key path)."""
-        return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback)
+        return self._flatten(state, ())
+
+    def _flatten(self, state: Any, path: KeyPath) -> Node:
+        return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback,
+                       path=path)
 
     def key(self, index: int) -> str:
         return format_keypath(self.paths[index])
@@ -71,6 +82,9 @@ class Collector:
         t = type(x)
         if t in _CONTAINER_TYPES:
             return None
+        adapter = adapter_for(x)
+        if adapter is not None:  # generators, typed keys, compiled modules
+            return self._adapted(adapter, path, x)
         p = array_provider_for(x)
         if p is not None:  # the common case first: an array of a known type
             return self._array(p, path, x)
@@ -88,6 +102,17 @@ class Collector:
             blob = np.frombuffer(x, dtype=np.uint8)
             return Node("bytes", array=self._add(prepare_host_array(blob, path, "bytes"), path))
         return None
+
+    def _adapted(self, adapter: StateAdapter, path: KeyPath, x: Any) -> Node:
+        try:
+            state = adapter.get_state(x)
+        except Exception as exc:  # report where it happened
+            raise UnsupportedTypeError(
+                f"reading the state of the {type_name(x)} at key path "
+                f"'{format_keypath(path)}' raised {type(exc).__name__}: {exc}"
+            ) from exc
+        return Node("stateful", type_name=adapter.node_name(x),
+                    children=[self._flatten(state, path)])
 
     def _array(self, p: ArrayProvider, path: KeyPath, x: Any) -> Node:
         caps = p.capabilities
