@@ -62,10 +62,10 @@ class CheckpointMetadata:
 
 
 def _meta_tree(node: Node, m: Manifest) -> Any:
-    if node.kind in ("array", "bytes", "pickle"):
+    if node.kind in ("array", "alias", "bytes", "pickle"):
         assert node.array is not None
         a = m.arrays[node.array]
-        kind = node.kind if node.kind != "array" else str((node.attrs or {}).get("kind", "numpy"))
+        kind = node.kind if node.kind not in ("array", "alias") else str((node.attrs or {}).get("kind", "numpy"))
         return ArrayMetadata(a.shape, a.dtype, a.nbytes, kind, len(a.chunks))
     if node.kind in ("none", "bool", "int", "float", "str"):
         return node.value
@@ -118,7 +118,7 @@ class VerifyReport:
 
 def _array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
     if node.array is not None:
-        out[node.array] = p
+        out.setdefault(node.array, p)
     kids = node.children or []
     if node.kind == "stateful":
         for c in kids:

@@ -101,6 +101,8 @@ class _Job:
     in_place: bool = False
     wanted: list[Wanted] = dataclasses.field(default_factory=list)
     paths: dict[int, KeyPath] = dataclasses.field(default_factory=dict)
+    #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
+    shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
 
 
 def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
@@ -134,6 +136,28 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         job.wanted.append(Wanted(node.array, start, buf))
     job.paths[node.array] = path
     return dest.finish
+
+
+def _restore_shared(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
+                    default_kind: str) -> Build:
+    """Restore an array once per (array, target leaf): tied leaves loaded without a
+    target, or into the same target object, come back as one value, tied as saved."""
+    assert node.array is not None
+    kind = default_kind if default_kind != "saved" else str((node.attrs or {}).get("kind"))
+    key = (node.array, id(like), kind)
+    found = job.shared.get(key)
+    if found is not None:
+        return found
+    finish = _restore_array(node, like, path, m, job, default_kind)
+    done: list[Any] = []
+
+    def build() -> Any:
+        if not done:
+            done.append(finish())
+        return done[0]
+
+    job.shared[key] = build
+    return build
 
 
 def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
@@ -178,8 +202,8 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             )
         v = node.value
         return lambda: v
-    if k == "array":
-        return _restore_array(node, like, path, m, job, default_kind)
+    if k in ("array", "alias"):  # an alias: another leaf holding the same array
+        return _restore_shared(node, like, path, m, job, default_kind)
     if k in ("bytes", "pickle"):
         return _restore_blob(node, path, m, job)
 

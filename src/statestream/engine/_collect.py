@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,8 @@ class Collector:
         self.memory: dict[int, list[int]] = {}
         #: array index -> (read the modification counter, its value when prepared)
         self.versions: dict[int, tuple[Callable[[], int], int]] = {}
+        #: (provider kind, alias key) -> index of the array first found in that memory
+        self._aliases: dict[tuple[str, Hashable], int] = {}
 
     def walk(self, state: Any) -> Node:
         """Flatten ``state`` (raises UnsupportedTypeError naming the key path)."""
@@ -116,6 +118,14 @@ class Collector:
 
     def _array(self, p: ArrayProvider, path: KeyPath, x: Any) -> Node:
         caps = p.capabilities
+        alias = None
+        if caps.aliases:
+            key = p.alias_key(x)
+            if key is not None:
+                alias = (p.kind, key)
+                first = self._aliases.get(alias)
+                if first is not None:  # tied: the same memory, stored once
+                    return Node("alias", array=first, attrs={"kind": p.kind})
         if self._private and caps.lazy_private_copy:
             x = p.private_copy(x)
         prepared = p.prepare(x, path)
@@ -123,6 +133,8 @@ class Collector:
         if prepared.attrs:
             attrs.update(prepared.attrs)
         index = self._add(prepared, path)
+        if alias is not None:
+            self._aliases[alias] = index
         if self._track and caps.mutable_values:
             mid = p.memory_id(x)
             if mid is not None:

@@ -166,7 +166,7 @@ def _encode_node(node: Node) -> dict[str, Any]:
         out["v"] = float(node.value).hex()
     elif k == "str":
         out["v"] = str(node.value)
-    elif k in _ARRAY_KINDS:
+    elif k in _ARRAY_KINDS or k == "alias":
         out["a"] = node.array
         if node.attrs:
             out["x"] = node.attrs
@@ -330,6 +330,14 @@ def _decode_node(d: Any, depth: int, n_arrays: int, used: set[int]) -> Node:
         if idx in used:
             raise _Bad(f"array {idx} is referenced twice")
         used.add(idx)
+        attrs = d.get("x")
+        if attrs is not None and type(attrs) is not dict:
+            raise _Bad("leaf attributes must be an object")
+        return Node(k, array=idx, attrs=attrs)
+    if k == "alias":  # another leaf holding the same array (tied weights)
+        if n_arrays == 0:
+            raise _Bad("alias refers to an empty array table")
+        idx = _int(d.get("a"), "alias's array index", 0, n_arrays - 1)
         attrs = d.get("x")
         if attrs is not None and type(attrs) is not dict:
             raise _Bad("leaf attributes must be an object")
@@ -507,16 +515,27 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
 
 def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None:
     stack = [tree]
+    plain: set[int] = set()
+    aliases: set[int] = set()
     while stack:
         n = stack.pop()
         if n.children:
             stack.extend(n.children)
+        if n.kind == "alias" and n.array is not None:
+            aliases.add(n.array)
+        elif n.kind == "array" and n.array is not None:
+            plain.add(n.array)
         if n.kind in ("bytes", "pickle") and n.array is not None:
             a = arrays[n.array]
             if a.dtype != "uint8" or len(a.shape) != 1:
                 raise CheckpointCorruptError(
                     f"manifest {where} is malformed: {n.kind} leaf must be a 1-D uint8 blob"
                 )
+    if not aliases <= plain:
+        raise CheckpointCorruptError(
+            f"manifest {where} is malformed: an alias refers to array "
+            f"{min(aliases - plain)}, which no array leaf holds"
+        )
 
 
 def decode_commit(data: bytes, where: str) -> tuple[int, int]:
