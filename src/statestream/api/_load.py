@@ -297,10 +297,12 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
 def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m: Manifest,
                   job: _Job) -> Build:
     """Load a value that a state adapter restores (its saved state is a stateful node)."""
-    if node.kind != "stateful" or not node.children:
+    if node.kind != "stateful" or not node.children or (
+            adapter.name and node.type_name != adapter.name):
+        saved = node.type_name if node.kind == "stateful" else node.kind
         raise TargetMismatchError(
             f"the target has a {type_name(like)} at key path '{format_keypath(path)}' but the "
-            f"checkpoint holds a {node.kind} there"
+            f"checkpoint holds a {saved} there"
         )
     sub_like = adapter.get_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
