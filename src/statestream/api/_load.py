@@ -230,11 +230,12 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         return build_stateful
     if k == "stateful":
         assert node.children
-        inner = _walk(node.children[0], like, path, m, job, default_kind, merge)
+        build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
         rebuild = adapter_by_name(node.type_name) if like is NO_TARGET else None
         if rebuild is None or default_kind != "saved":
-            return inner
-        return _adapted_build(rebuild, None, inner, path)
+            return build_state
+        # None in the target: a generator (or key) comes back as one
+        return _adapted_build(rebuild, None, build_state, path)
 
     if like is not NO_TARGET and target_provider_for(like) is not None:
         raise TargetMismatchError(
