@@ -146,6 +146,13 @@ def test_items_select_subtrees_escapes_and_int_keys(tmp_path: Path) -> None:
         assert len(ss.load(path, items=items)["model"]) == 3
 
 
+def test_items_top_level_key_with_a_slash_stays_literal(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"a/b": {"x": 1}, "a": {"b": {"y": 2}}})
+    assert ss.load(tmp_path / "c", items=["a/b"]) == {"a/b": {"x": 1}}
+    assert ss.load(tmp_path / "c", items=["a~1b"]) == {"a/b": {"x": 1}}
+    assert ss.load(tmp_path / "c", items=["a/b/y"]) == {"a": {"b": {"y": 2}}}
+
+
 def test_items_with_a_target(tmp_path: Path) -> None:
     path = _nested(tmp_path)
     like = {"model": {"layers.0.weight": torch.zeros(4)}}

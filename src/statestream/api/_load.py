@@ -411,13 +411,16 @@ def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[No
     """Restrict the tree (and the target) to the key paths named in ``items``.
 
     Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
-    top-level checkpointable, a subtree or a leaf. Levels above a selected
-    item come back as dicts holding only what was selected.
+    top-level checkpointable, a subtree or a leaf; an item equal to a top-level
+    key is that key, as it always was. Levels above a selected item come back
+    as dicts holding only what was selected.
     """
     wanted: dict[Any, Any] = {}
+    top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
     for it in items:
         level = wanted
-        segs = parse_keypath(it)
+        # a top-level key spelled as it is (even with a '/') keeps meaning that key
+        segs = (it,) if it in top else parse_keypath(it)
         if not segs:
             raise MissingKeyError(f"items= names an empty key path {it!r}; load the whole "
                                   "checkpoint instead")
