@@ -159,6 +159,11 @@ def test_items_with_a_target(tmp_path: Path) -> None:
     out = ss.load(path, like, items=["model/layers.0.weight", "model/layers.0.bias"])
     assert isinstance(out["model"]["layers.0.weight"], torch.Tensor)
     assert type(out["model"]["layers.0.bias"]) is np.ndarray  # no target entry: default
+    got = ss.load(path, {"model": None}, items=["model/layers.0.bias"])
+    assert type(got["model"]["layers.0.bias"]) is np.ndarray
+    ss.save(tmp_path / "r", {"rng": {"rank0": torch.get_rng_state(), "rank1": torch.ones(2)}})
+    rng = ss.load(tmp_path / "r", {"rng": None}, items=["rng/rank0"])["rng"]
+    assert list(rng) == ["rank0"] and isinstance(rng["rank0"], torch.Tensor)
     mod = torch.nn.Linear(2, 4)
     ss.save(tmp_path / "m", {"model": mod})
     got = ss.load(tmp_path / "m", {"model": torch.nn.Linear(2, 4)}, items=["model/bias"])

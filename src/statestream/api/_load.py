@@ -394,7 +394,7 @@ def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
 def _target_child(like: Any, key: Key) -> Any:
     """The target's entry under ``key`` on the way to a selected item (NO_TARGET if none)."""
     if like is NO_TARGET or like is None:
-        return NO_TARGET
+        return like  # None: the saved kind, all the way down
     if is_stateful(like) and target_provider_for(like) is None:
         like = like.state_dict()  # its state's leaves type what is loaded
     if isinstance(like, dict):
