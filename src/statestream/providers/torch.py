@@ -329,7 +329,7 @@ class TorchProvider(ArrayProvider):
         if local.layout != _torch().strided or not local.numel():
             return None
         return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
-                str(local.device), extra)
+                local.device, extra)
 
     def memory_id(self, obj: Any) -> int | None:
         """The address of the tensor's (local shard's) memory."""
