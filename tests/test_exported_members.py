@@ -60,10 +60,11 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
-        "ProviderCapabilities", "TorchProvider", "array_provider_for", "box_slices",
+        "ProviderCapabilities", "StateAdapter", "TorchProvider", "adapter_by_name",
+        "adapter_for", "adapters", "array_provider_for", "box_slices",
         "chunk_of_host_array", "find_box", "expand_pytree", "optimizer_provider_for",
-        "pinned_alloc", "provider_by_kind", "providers", "rebuild_pytree", "register_provider",
-        "target_provider_for",
+        "pinned_alloc", "provider_by_kind", "providers", "rebuild_pytree", "register_adapter",
+        "register_provider", "target_provider_for",
     ],
     "statestream.distributed": [
         "Collective", "JaxCollective", "SingleProcess", "TorchCollective", "agree",

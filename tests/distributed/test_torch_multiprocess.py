@@ -356,6 +356,19 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         again = _expect_distributed_error(lambda: ss.save(root / "ow", {"gen": 3}))
         return {"gen": out["gen"], "w": out["w"].tolist(), "again": again}
 
+    def tied() -> Any:
+        # the same memory under two keys (tied weights), per rank, replicated and a
+        # DTensor: each stored once (an alias leaf), loaded tied
+        w = _full((3, 4), torch.float32, 100.0 * rank)
+        v = torch.arange(6.0)
+        dt = distribute_tensor(_full((8, 2), torch.float32), mesh, _placements("S0"))
+        ss.save(root / "tied", {f"stage{rank}": {"w": w, "w2": w}, "shared": {"v": v, "v2": v},
+                                "dt": {"a": dt, "b": dt}})
+        a = distribute_tensor(torch.zeros(8, 2), mesh, _placements("S0"))
+        out = ss.load(root / "tied", target={"dt": {"a": a, "b": a}}, in_place=True)
+        return (out["dt"]["a"] is a and out["dt"]["b"] is a
+                and torch.equal(a.full_tensor(), _full((8, 2), torch.float32)))
+
     def fsdp_fresh_optimizer() -> Any:
         # An optimizer that never stepped has no state to take placements from.
         model, opt = _build_fsdp(77)
@@ -375,7 +388,7 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
         ("fail_plan", fail_plan), ("fail_load", fail_load), ("sparse", sparse),
-        ("overwrite", overwrite),
+        ("overwrite", overwrite), ("tied", tied),
         ("fsdp_fresh_optimizer", fsdp_fresh_optimizer),  # last: may leave ranks uneven
     ])
 
@@ -703,6 +716,23 @@ def test_each_process_reads_only_its_shard(runs: _Runs, saved: int, world: int) 
         done, total = v["last"]
         assert done == total
         assert total <= 1.1 * v["local_bytes"] + 64 * 1024, (rank, total, v["local_bytes"])
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_tied_tensors_stored_once_across_processes(runs: _Runs, world: int) -> None:
+    tmp, per_rank = runs.get_main(world)
+    assert _values(per_rank, "tied") == [True] * world
+    m = _manifest(tmp / "tied")
+    assert len(m.arrays) == world + 2  # one w per rank, v, dt: no second copies
+    out = ss.load(tmp / "tied", collective=ss.SingleProcess())
+    for r in range(world):
+        want = np.arange(12, dtype=np.float32).reshape(3, 4) + 100.0 * r
+        np.testing.assert_array_equal(out[f"stage{r}"]["w"], want)
+        assert out[f"stage{r}"]["w2"] is out[f"stage{r}"]["w"]
+    np.testing.assert_array_equal(out["shared"]["v2"], np.arange(6.0, dtype=np.float32))
+    np.testing.assert_array_equal(out["dt"]["b"], _full((8, 2), torch.float32).numpy())
+    assert ss.verify(tmp / "tied").ok
 
 
 def _assert_nothing_committed(parent: Path) -> None:

@@ -711,3 +711,37 @@ def test_tiling_check_many_chunks() -> None:
     g2 = g.copy()
     g2[5] = g2[6]  # a duplicate box, and one cell left uncovered
     assert not manifest_mod._tiles_exactly(g2, g2 + 1, (70, 70))
+
+
+
+# ----------------------------------------------------------------------------- aliases
+
+
+def _with_alias(doc: dict[str, Any], index: Any) -> None:
+    doc["tree"]["k"].append("tied")
+    doc["tree"]["c"].append({"t": "alias", "a": index, "x": {"kind": "torch"}})
+
+
+def test_alias_round_trips() -> None:
+    doc = valid_doc()
+    _with_alias(doc, 0)
+    m = decode_doc(doc)
+    assert m.tree.children is not None
+    assert m.tree.children[-1] == Node("alias", array=0, attrs={"kind": "torch"})
+    assert json.loads(encode_manifest(m)) == doc
+
+
+@pytest.mark.parametrize("index, match", [
+    (9, "alias's array index"), (-1, "alias's array index"), ("0", "alias's array index"),
+    (3, "alias refers to array 3"),  # the bytes leaf's blob, not an array leaf
+])
+def test_bad_alias_is_corrupt(index: Any, match: str) -> None:
+    corrupt(lambda d: _with_alias(d, index), match)
+
+
+def test_alias_to_an_array_no_leaf_holds() -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        d["tree"]["c"][2] = {"t": "none"}  # array 2 is no longer any array leaf's
+        _with_alias(d, 2)
+
+    corrupt(mutate, "alias refers to array 2")

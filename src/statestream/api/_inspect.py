@@ -63,10 +63,11 @@ class CheckpointMetadata:
 
 
 def _meta_tree(node: Node, m: Manifest) -> Any:
-    if node.kind in ("array", "bytes", "pickle"):
+    if node.kind in ("array", "alias", "bytes", "pickle"):
         assert node.array is not None
         a = m.arrays[node.array]
-        kind = node.kind if node.kind != "array" else str((node.attrs or {}).get("kind", "numpy"))
+        kind = (node.kind if node.kind not in ("array", "alias")
+                else str((node.attrs or {}).get("kind", "numpy")))
         return ArrayMetadata(a.shape, a.dtype, a.nbytes, kind, len(a.chunks))
     if node.kind in ("none", "bool", "int", "float", "str"):
         return node.value

@@ -15,6 +15,7 @@ from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     MissingKeyError,
     PickleNotAllowedError,
     TargetMismatchError,
@@ -36,6 +37,9 @@ from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
     Destination,
     NumpyProvider,
+    StateAdapter,
+    adapter_by_name,
+    adapter_for,
     expand_pytree,
     provider_by_kind,
     providers,
@@ -163,6 +167,8 @@ class _Job:
     reader: CheckpointReader | None = None
     file_names: list[str] = dataclasses.field(default_factory=list)
     manifest: Manifest | None = None
+    #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
+    shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
 
     def check_supply(self, index: int, entry: ArrayEntry, path: KeyPath) -> None:
         """Refuse to allocate array ``index`` unless its files really hold its bytes.
@@ -261,6 +267,28 @@ def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
     return Destination(boxes=dest.boxes, finish=lambda: want(dest.finish().item()))
 
 
+def _restore_shared(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
+                    default_kind: str) -> Build:
+    """Restore an array once per (array, target leaf): tied leaves loaded without a
+    target, or into the same target object, come back as one value, tied as saved."""
+    assert node.array is not None
+    kind = default_kind if default_kind != "saved" else str((node.attrs or {}).get("kind"))
+    key = (node.array, id(like), kind)
+    found = job.shared.get(key)
+    if found is not None:
+        return found
+    finish = _restore_array(node, like, path, m, job, default_kind)
+    done: list[Any] = []
+
+    def build() -> Any:
+        if not done:
+            done.append(finish())
+        return done[0]
+
+    job.shared[key] = build
+    return build
+
+
 def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
     assert node.array is not None
     if node.kind == "pickle" and not job.pickles.trusts(path):
@@ -281,7 +309,7 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
 def array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
     """Fill ``out`` with the key path of every array leaf under ``node``."""
     if node.array is not None:
-        out[node.array] = p
+        out.setdefault(node.array, p)  # an alias (tied weights) names the same array
     kids = node.children or []
     if node.kind == "stateful":
         for c in kids:
@@ -303,7 +331,11 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
           default_kind: str, merge: bool) -> Build:
     k = node.kind
     if like is None and k != "none":
-        like = NO_TARGET  # None in a target means "whatever was saved"
+        # None in a target means "whatever was saved", of the kind it was saved as
+        like, default_kind = NO_TARGET, "saved"
+    adapter = adapter_for(like) if like is not NO_TARGET else None
+    if adapter is not None:  # a generator, typed key or compiled module as target
+        return _walk_adapted(adapter, node, like, path, m, job)
     if k in ("none", "bool", "int", "float", "str"):
         if like is not NO_TARGET and target_provider_for(like) is not None:
             raise TargetMismatchError(
@@ -312,8 +344,8 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             )
         v = node.value
         return lambda: v
-    if k == "array":
-        return _restore_array(node, like, path, m, job, default_kind)
+    if k in ("array", "alias"):  # an alias: another leaf holding the same array
+        return _restore_shared(node, like, path, m, job, default_kind)
     if k in ("bytes", "pickle"):
         return _restore_blob(node, path, m, job)
 
@@ -340,7 +372,12 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         return build_stateful
     if k == "stateful":
         assert node.children
-        return _walk(node.children[0], like, path, m, job, default_kind, merge)
+        build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
+        rebuild = adapter_by_name(node.type_name) if like is NO_TARGET else None
+        if rebuild is None or default_kind != "saved":
+            return build_state
+        # None in the target: a generator (or key) comes back as one
+        return _adapted_build(rebuild, None, build_state, path)
 
     if like is not NO_TARGET and target_provider_for(like) is not None:
         raise TargetMismatchError(
@@ -400,6 +437,42 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     return _finish_build(rebuild, builds)
 
 
+def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m: Manifest,
+                  job: _Job) -> Build:
+    """Load a value that a state adapter restores (its saved state is a stateful node)."""
+    if node.kind != "stateful" or not node.children or (
+            adapter.name and node.type_name != adapter.name):
+        saved = node.type_name if node.kind == "stateful" else node.kind
+        raise TargetMismatchError(
+            f"the target has a {type_name(like)} at key path '{format_keypath(path)}' but the "
+            f"checkpoint holds a {saved} there"
+        )
+    sub_like = adapter.get_state(like)
+    inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
+    return _adapted_build(adapter, like, inner, path)
+
+
+def _adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath) -> Build:
+    """Put the loaded state into ``like`` (or a new value when it is None)."""
+
+    def build() -> Any:
+        state = inner()
+        try:
+            if like is None:
+                return adapter.new(state, path)
+            return adapter.set_state(like, state, path)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            what = adapter.name or type_name(like)
+            raise TargetMismatchError(
+                f"restoring the {what} at key path '{format_keypath(path)}' from the "
+                f"checkpoint's state failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    return build
+
+
 def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]:
     """The target's (key, sub-target) pairs and how to rebuild it."""
     if isinstance(like, dict):
@@ -445,26 +518,88 @@ def _container_build(kind: str, like: Any, builds: list[tuple[Key, Build]],
     return build
 
 
-def _select(root: Node, items: Sequence[str], path: str) -> Node:
-    """Restrict the root to the checkpointables named in ``items``."""
-    node = root.children[0] if root.kind == "stateful" and root.children else root
-    if node.keys is None:
-        raise MissingKeyError(
-            f"items= selects top-level keys, but the state saved at {path} is a {node.kind} "
-            "without keys; load it whole"
-        )
-    by_key = {k: c for k, c in zip(node.keys, node.children or [])}
+def _unwrap(node: Node) -> Node:
+    return node.children[0] if node.kind == "stateful" and node.children else node
+
+
+def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
+    """The child of ``node`` that the key-path segment ``seg`` names (str keys first)."""
+    kids = _children(node)
+    for key, c in kids:
+        if type(key) is str and key == seg:
+            return key, c
+    for key, c in kids:
+        if type(key) is int and str(key) == seg:
+            return key, c
+    return None
+
+
+def _target_child(like: Any, key: Key) -> Any:
+    """The target's entry under ``key`` on the way to a selected item (NO_TARGET if none)."""
+    if like is NO_TARGET or like is None:
+        return like  # None: the saved kind, all the way down
+    if is_stateful(like) and target_provider_for(like) is None:
+        like = like.state_dict()  # its state's leaves type what is loaded
+    if isinstance(like, dict):
+        return like.get(key, NO_TARGET)
+    if isinstance(like, (list, tuple)) and type(key) is int:
+        return like[key] if 0 <= key < len(like) else NO_TARGET
+    raise TargetMismatchError(
+        f"with items=, the target must hold dicts (or lists, or objects with state_dict()) "
+        f"along the selected key paths; at key {key!r} it has a {type_name(like)}"
+    )
+
+
+def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[Node, Any]:
+    """Restrict the tree (and the target) to the key paths named in ``items``.
+
+    Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
+    top-level checkpointable, a subtree or a leaf; an item equal to a top-level
+    key is that key, as it always was. Levels above a selected item come back
+    as dicts holding only what was selected.
+    """
+    wanted: dict[Any, Any] = {}
+    top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
+    for it in items:
+        level = wanted
+        # a top-level key spelled as it is (even with a '/') keeps meaning that key
+        segs = (it,) if it in top else parse_keypath(it)
+        if not segs:
+            raise MissingKeyError(f"items= names an empty key path {it!r}; load the whole "
+                                  "checkpoint instead")
+        for seg in segs[:-1]:
+            nxt = level.setdefault(seg, {})
+            if nxt is None:  # an enclosing item already selects this subtree
+                break
+            level = nxt
+        else:
+            level[segs[-1]] = None
+    return _select_level(root, wanted, like, (), where)
+
+
+def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
+                  where: str) -> tuple[Node, Any]:
+    node = _unwrap(node)
     keys: list[Key] = []
     kids: list[Node] = []
-    for it in items:
-        if it not in by_key:
+    targets: dict[Key, Any] = {}
+    for seg, sub in wanted.items():
+        found = _saved_child(node, seg)
+        if found is None:
+            have = ", ".join(repr(k) for k, _ in _children(node)[:20])
             raise MissingKeyError(
-                f"checkpoint {path} has no item {it!r}; it has: "
-                + ", ".join(repr(k) for k in node.keys)
+                f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
+                + (f"at '{format_keypath(path)}' it has: {have}" if have
+                   else f"'{format_keypath(path)}' holds a {node.kind} without keys")
             )
-        keys.append(it)
-        kids.append(by_key[it])
-    return Node("dict", keys=keys, children=kids)
+        key, child = found
+        t = _target_child(like, key)
+        if sub is not None:
+            child, t = _select_level(child, sub, t, path + (key,), where)
+        keys.append(key)
+        kids.append(child)
+        targets[key] = t
+    return Node("dict", keys=keys, children=kids), targets
 
 
 def load(
@@ -489,7 +624,10 @@ def load(
             ``load_state_dict`` get their state loaded and are returned. A
             target covering part of the checkpoint loads only that part.
             Without a target: NumPy arrays and plain dicts/lists/tuples.
-        items: top-level keys (checkpointables) to load; others are not read.
+        items: key paths to load (``"model"``, ``"model/layers.0.weight"``;
+            ``~1`` stands for ``/`` inside a key): top-level checkpointables,
+            subtrees or leaves; others are not read. Levels above a selected
+            item come back as dicts holding only what was selected.
         allow_pickle: which pickled leaves (saved with ``pickle_paths``) may be
             unpickled — unpickling runs code, so only a checkpoint you trust.
             ``False`` (default): none. A collection of key paths (``["extra/tok"]``):
@@ -571,17 +709,13 @@ def _load(
         root = m.tree
         like = NO_TARGET if target is None else target
         if items is not None:
-            root = _select(root, list(items), reader.location)
-            if like is not NO_TARGET:
-                if not isinstance(like, dict):
-                    raise TargetMismatchError(
-                        "with items=, the target must be a dict keyed by those items"
-                    )
-                like = {k: like[k] for k in items if k in like}
-                missing = [k for k in items if k not in like]
-                if missing:  # items without a target entry load with defaults
-                    full = {k: like.get(k, NO_TARGET) for k in items}
-                    like = full
+            if like is not NO_TARGET and not isinstance(like, dict):
+                raise TargetMismatchError(
+                    "with items=, the target must be a dict like the saved state (keyed by "
+                    "the items' first keys)"
+                )
+            # items without a target entry load with defaults
+            root, like = _select(root, list(items), like, reader.location)
         names = [f.name for f in m.files]
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
                    file_names=names, manifest=m)

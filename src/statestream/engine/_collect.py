@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import numpy as np
 
 from statestream.errors import UnsupportedTypeError
 from statestream.plan import ArrayDecl
-from statestream.providers import ArrayProvider, PreparedArray, array_provider_for, expand_pytree
+from statestream.providers import (
+    ArrayProvider,
+    PreparedArray,
+    StateAdapter,
+    adapter_for,
+    array_provider_for,
+    expand_pytree,
+)
 from statestream.providers.numpy import prepare_host_array
-from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypath
+from statestream.tree import KeyPath, Node, flatten, format_keypath, parse_keypath, type_name
 
 __all__ = ["Collector"]
 
@@ -46,10 +53,16 @@ class Collector:
         self.memory: dict[int, list[int]] = {}
         #: array index -> (read the modification counter, its value when prepared)
         self.versions: dict[int, tuple[Callable[[], int], int]] = {}
+        #: (provider kind, alias key) -> index of the array first found in that memory
+        self._aliases: dict[tuple[str, Hashable], int] = {}
 
     def walk(self, state: Any) -> Node:
         """Flatten ``state`` (raises UnsupportedTypeError naming the key path)."""
-        return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback)
+        return self._flatten(state, ())
+
+    def _flatten(self, state: Any, path: KeyPath) -> Node:
+        return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback,
+                       path=path)
 
     def key(self, index: int) -> str:
         return format_keypath(self.paths[index])
@@ -71,6 +84,9 @@ class Collector:
         t = type(x)
         if t in _CONTAINER_TYPES:
             return None
+        adapter = adapter_for(x)
+        if adapter is not None:  # generators, typed keys, compiled modules
+            return self._adapted(adapter, path, x)
         p = array_provider_for(x)
         if p is not None:  # the common case first: an array of a known type
             return self._array(p, path, x)
@@ -89,8 +105,27 @@ class Collector:
             return Node("bytes", array=self._add(prepare_host_array(blob, path, "bytes"), path))
         return None
 
+    def _adapted(self, adapter: StateAdapter, path: KeyPath, x: Any) -> Node:
+        try:
+            state = adapter.get_state(x)
+        except Exception as exc:  # report where it happened
+            raise UnsupportedTypeError(
+                f"reading the state of the {type_name(x)} at key path "
+                f"'{format_keypath(path)}' raised {type(exc).__name__}: {exc}"
+            ) from exc
+        return Node("stateful", type_name=adapter.node_name(x),
+                    children=[self._flatten(state, path)])
+
     def _array(self, p: ArrayProvider, path: KeyPath, x: Any) -> Node:
         caps = p.capabilities
+        alias = None
+        if caps.aliases:
+            key = p.alias_key(x)
+            if key is not None:
+                alias = (p.kind, key)
+                first = self._aliases.get(alias)
+                if first is not None:  # tied: the same memory, stored once
+                    return Node("alias", array=first, attrs={"kind": p.kind})
         if self._private and caps.lazy_private_copy:
             x = p.private_copy(x)
         prepared = p.prepare(x, path)
@@ -98,6 +133,8 @@ class Collector:
         if prepared.attrs:
             attrs.update(prepared.attrs)
         index = self._add(prepared, path)
+        if alias is not None:
+            self._aliases[alias] = index
         if self._track and caps.mutable_values:
             mid = p.memory_id(x)
             if mid is not None:

@@ -132,7 +132,7 @@ def _encode_node(node: Node) -> dict[str, Any]:
         out["v"] = float(node.value).hex()
     elif k == "str":
         out["v"] = str(node.value)
-    elif k in _ARRAY_KINDS:
+    elif k in _ARRAY_KINDS or k == "alias":
         out["a"] = node.array
         if node.attrs:
             out["x"] = node.attrs
@@ -248,21 +248,29 @@ def _decode_node(d: Any, depth: int, n_arrays: int, used: set[int]) -> Node:
         kids = [_decode_node(c, depth + 1, n_arrays, used) for c in _list(d.get("c"), "children")]
     node = _make_node(d, kids)
     if node.array is not None:
-        _use_array(node.array, n_arrays, used)
+        _use_array(node, n_arrays, used)
     return node
 
 
-def _use_array(idx: int, n_arrays: int, used: set[int]) -> None:
+def _use_array(node: Node, n_arrays: int, used: set[int]) -> None:
+    """Range-check a leaf's array index; only ``alias`` leaves may share one."""
+    idx = node.array
+    assert idx is not None
+    what = "alias's array index" if node.kind == "alias" else "array index"
     if n_arrays == 0:
-        raise _Bad("array index refers to an empty array table")
+        raise _Bad(f"{what} refers to an empty array table")
     if idx >= n_arrays:
-        raise _Bad(f"array index must be an integer in [0, {n_arrays - 1}], got {idx}")
+        raise _Bad(f"{what} must be an integer in [0, {n_arrays - 1}], got {idx}")
+    if node.kind == "alias":  # _check_leaf_arrays checks that an array leaf holds it
+        return
     if idx in used:
         raise _Bad(f"array {idx} is referenced twice")
     used.add(idx)
 
 
-_KIND_NAMES = {k: k for k in (*_CONTAINERS, "stateful", *_LEAF_VALUE_KINDS, *_ARRAY_KINDS)}
+_KIND_NAMES = {
+    k: k for k in (*_CONTAINERS, "stateful", *_LEAF_VALUE_KINDS, *_ARRAY_KINDS, "alias")
+}
 
 
 def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
@@ -315,6 +323,12 @@ def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
         return Node(k, value=_str(d.get("v"), "str value"))
     if k in _ARRAY_KINDS:
         idx = _int(d.get("a"), "array index", 0, MAX_FILE_BYTES)
+        attrs = d.get("x")
+        if attrs is not None and type(attrs) is not dict:
+            raise _Bad("leaf attributes must be an object")
+        return Node(k, array=idx, attrs=attrs)
+    if k == "alias":  # another leaf holding the same array (tied weights)
+        idx = _int(d.get("a"), "alias's array index", 0, MAX_FILE_BYTES)
         attrs = d.get("x")
         if attrs is not None and type(attrs) is not dict:
             raise _Bad("leaf attributes must be an object")
@@ -376,7 +390,7 @@ def _check_tree(root: Any, n_arrays: int) -> Node:
         if depth > MAX_TREE_DEPTH + 2:
             raise _Bad(f"tree is nested deeper than {MAX_TREE_DEPTH}")
         if n.array is not None:
-            _use_array(n.array, n_arrays, used)
+            _use_array(n, n_arrays, used)
         if n.children:
             stack.extend((c, depth + 1) for c in n.children)
     return root
@@ -876,16 +890,27 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
 
 def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None:
     stack = [tree]
+    plain: set[int] = set()
+    aliases: set[int] = set()
     while stack:
         n = stack.pop()
         if n.children:
             stack.extend(n.children)
+        if n.kind == "alias" and n.array is not None:
+            aliases.add(n.array)
+        elif n.kind == "array" and n.array is not None:
+            plain.add(n.array)
         if n.kind in ("bytes", "pickle") and n.array is not None:
             a = arrays[n.array]
             if a.dtype != "uint8" or len(a.shape) != 1:
                 raise CheckpointCorruptError(
                     f"manifest {where} is malformed: {n.kind} leaf must be a 1-D uint8 blob"
                 )
+    if not aliases <= plain:
+        raise CheckpointCorruptError(
+            f"manifest {where} is malformed: an alias refers to array "
+            f"{min(aliases - plain)}, which no array leaf holds"
+        )
 
 
 def decode_commit(data: bytes, where: str) -> tuple[int, int]:

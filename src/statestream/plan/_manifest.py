@@ -125,7 +125,7 @@ def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
     if node is None:
         return "nothing"
     k = node.kind
-    if k == "array" and node.array is not None:
+    if k in ("array", "alias") and node.array is not None:
         a = arrays[node.array]
         return f"an array ({a.dtype}{list(a.shape)})"
     if k in ("list", "tuple"):
@@ -200,7 +200,7 @@ def _number(node: Node, order: dict[str, int]) -> Node:
     """Replace key paths held by array leaves by global indices (first seen first)."""
     if node.children is not None:
         return dataclasses.replace(node, children=[_number(c, order) for c in node.children])
-    if node.kind in ("array", "bytes", "pickle"):
+    if node.kind in ("array", "alias", "bytes", "pickle"):  # an alias: its array's key
         key = node.value
         return dataclasses.replace(node, value=None, array=order.setdefault(key, len(order)))
     return node

@@ -2,13 +2,22 @@
 
 ``array_provider_for(obj)`` finds the provider of a value to save,
 ``target_provider_for(like)`` the provider a target leaf asks for, and
-``provider_by_kind(kind)`` the one a checkpoint recorded. Framework code
+``provider_by_kind(kind)`` the one a checkpoint recorded. State adapters
+(:class:`StateAdapter`, :func:`register_adapter`) save values that are not
+arrays as small trees: random generators, typed JAX keys, compiled modules. Framework code
 (torch, JAX) lives only in its provider module; a new framework is one
 :class:`ArrayProvider` passed to :func:`register_provider`.
 """
 
 from __future__ import annotations
 
+from statestream.providers._adapters import (
+    StateAdapter,
+    adapter_by_name,
+    adapter_for,
+    adapters,
+    register_adapter,
+)
 from statestream.providers._base import (
     ArrayProvider,
     Destination,
@@ -29,6 +38,15 @@ from statestream.providers._registry import (
 )
 from statestream.providers.jax import JaxProvider, expand_pytree, rebuild_pytree
 from statestream.providers.numpy import NumpyProvider
+from statestream.providers.stateful import (
+    CompiledModuleAdapter,
+    JaxKeyAdapter,
+    NumpyBitGeneratorAdapter,
+    NumpyGeneratorAdapter,
+    NumpyRandomStateAdapter,
+    PythonRandomAdapter,
+    TorchGeneratorAdapter,
+)
 from statestream.providers.torch import TorchProvider
 
 __all__ = [
@@ -38,7 +56,11 @@ __all__ = [
     "NumpyProvider",
     "PreparedArray",
     "ProviderCapabilities",
+    "StateAdapter",
     "TorchProvider",
+    "adapter_by_name",
+    "adapter_for",
+    "adapters",
     "array_provider_for",
     "box_slices",
     "chunk_of_host_array",
@@ -49,6 +71,7 @@ __all__ = [
     "provider_by_kind",
     "providers",
     "rebuild_pytree",
+    "register_adapter",
     "register_provider",
     "target_provider_for",
 ]
@@ -56,3 +79,7 @@ __all__ = [
 register_provider(NumpyProvider())
 register_provider(TorchProvider(), module="torch")
 register_provider(JaxProvider(), module="jax")
+for _adapter in (NumpyGeneratorAdapter(), NumpyBitGeneratorAdapter(), NumpyRandomStateAdapter(),
+                 PythonRandomAdapter(), TorchGeneratorAdapter(), CompiledModuleAdapter(),
+                 JaxKeyAdapter()):
+    register_adapter(_adapter)

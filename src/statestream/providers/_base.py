@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -162,6 +162,8 @@ class ProviderCapabilities:
             step wait for a lazy snapshot of what it will change.
         state_hints: :meth:`ArrayProvider.state_hints` can type the missing
             entries of a stateful target (a never-stepped optimizer).
+        aliases: :meth:`ArrayProvider.alias_key` says which values are views of
+            exactly the same memory (tied weights), so they are stored once.
     """
 
     in_place_restore: bool = False
@@ -170,6 +172,7 @@ class ProviderCapabilities:
     pinned_memory: bool = False
     step_guards: bool = False
     state_hints: bool = False
+    aliases: bool = False
 
 
 class SnapshotWaiter(Protocol):
@@ -220,6 +223,11 @@ class ArrayProvider(abc.ABC):
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
                      path: KeyPath) -> Destination | None:
         """Destinations in ``like``'s own memory, or None (``in_place_restore``)."""
+        return None
+
+    def alias_key(self, obj: Any) -> Hashable | None:
+        """A key equal for two values exactly when they are the same array in the same
+        memory (same memory, offset, shape, strides and dtype), or None (``aliases``)."""
         return None
 
     def private_copy(self, obj: Any) -> Any:

@@ -10,7 +10,7 @@ import functools
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -105,7 +105,7 @@ class TorchProvider(ArrayProvider):
     kind = "torch"
     capabilities = ProviderCapabilities(
         in_place_restore=True, mutable_values=True, pinned_memory=True, step_guards=True,
-        state_hints=True,
+        state_hints=True, aliases=True,
     )
 
     def handles(self, obj: Any) -> bool:
@@ -317,6 +317,20 @@ class TorchProvider(ArrayProvider):
 
 
     # -- capabilities used by saves ---------------------------------------------------
+    def alias_key(self, obj: Any) -> Hashable | None:
+        """Tensors (or DTensors' local shards) over the same memory with the same
+        offset, shape, strides and dtype: tied weights. None for empty tensors."""
+        if type(obj) in _PLAIN_TENSORS:
+            local, extra = obj, None
+        elif _is_dtensor(obj):
+            local, extra = obj.to_local(), (tuple(obj.shape), str(obj.placements))
+        else:
+            return None
+        if local.layout != _torch().strided or not local.numel():
+            return None
+        return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
+                local.device, extra)
+
     def memory_id(self, obj: Any) -> int | None:
         """The address of the tensor's (local shard's) memory."""
         local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)

@@ -1,0 +1,115 @@
+"""State adapters: values whose state is a small tree, saved and restored without pickle.
+
+An array provider turns one array into bytes. A *state adapter* turns an
+object that is not an array and has no ``state_dict()`` -- a random number
+generator, a typed JAX key, a ``torch.compile``'d module -- into a tree of
+plain values and arrays (its *state*), and puts a loaded state back. The
+walk saves the state as a ``stateful`` node whose type name is the
+adapter's :attr:`StateAdapter.name`; loading into a target of the same
+kind calls :meth:`StateAdapter.set_state`, and loading with ``None`` in the
+target builds a fresh object with :meth:`StateAdapter.new` (only for
+adapters that have a name and whose module is loaded; a checkpoint never
+imports anything).
+
+A new kind of stateful value is one subclass passed to
+:func:`register_adapter`; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+import threading
+from typing import Any
+
+from statestream.errors import UnsupportedTypeError
+from statestream.tree import KeyPath
+
+__all__ = ["StateAdapter", "adapter_by_name", "adapter_for", "adapters", "register_adapter"]
+
+
+class StateAdapter(abc.ABC):
+    """Saves one kind of stateful value as a tree and restores it."""
+
+    #: recorded as the ``stateful`` node's type name; values saved under it are
+    #: rebuilt by :meth:`new` when loaded with ``None`` in the target. Empty: the
+    #: node takes :meth:`node_name` and is never rebuilt by name.
+    name: str = ""
+    #: a module that must already be imported before :meth:`new` is used
+    module: str | None = None
+
+    @abc.abstractmethod
+    def handles(self, obj: Any) -> bool:
+        """True if ``obj`` is a value of this kind (decided by its type alone:
+        the answer is cached per type)."""
+
+    @abc.abstractmethod
+    def get_state(self, obj: Any) -> Any:
+        """The state of ``obj``: a tree of plain values and arrays."""
+
+    @abc.abstractmethod
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        """Put a loaded ``state`` into the target ``obj``; return the restored value
+        (``obj`` itself, or a new value for immutable kinds)."""
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        """A fresh value holding ``state`` (loading with ``None`` in the target)."""
+        return state
+
+    def node_name(self, obj: Any) -> str:
+        """The type name recorded for ``obj`` (default: :attr:`name`)."""
+        return self.name
+
+
+_LOCK = threading.Lock()
+_ADAPTERS: list[StateAdapter] = []
+_BY_NAME: dict[str, StateAdapter] = {}
+_BY_TYPE: dict[type, StateAdapter | None] = {}
+
+
+def register_adapter(adapter: StateAdapter) -> None:
+    """Add an adapter for a new kind of stateful value.
+
+    Raises:
+        UnsupportedTypeError: not a StateAdapter, or its name is taken.
+    """
+    if not isinstance(adapter, StateAdapter):
+        raise UnsupportedTypeError(
+            f"{type(adapter).__qualname__} is not a statestream.providers.StateAdapter")
+    with _LOCK:
+        if adapter.name and adapter.name in _BY_NAME:
+            raise UnsupportedTypeError(
+                f"a state adapter named {adapter.name!r} is already registered")
+        _ADAPTERS.append(adapter)
+        if adapter.name:
+            _BY_NAME[adapter.name] = adapter
+        _BY_TYPE.clear()
+
+
+def adapters() -> tuple[StateAdapter, ...]:
+    """Every registered adapter, in the order they are asked."""
+    return tuple(_ADAPTERS)
+
+
+def adapter_for(obj: Any) -> StateAdapter | None:
+    """The adapter for ``obj``, or None (cached per type)."""
+    t = type(obj)
+    try:
+        return _BY_TYPE[t]
+    except KeyError:  # not cached yet: ask the adapters below
+        pass
+    found = None
+    for a in _ADAPTERS:
+        if a.handles(obj):
+            found = a
+            break
+    _BY_TYPE[t] = found
+    return found
+
+
+def adapter_by_name(name: str | None) -> StateAdapter | None:
+    """The adapter recorded as ``name`` in a manifest, if its module is loaded."""
+    a = _BY_NAME.get(name or "")
+    if a is None or (a.module is not None and a.module not in sys.modules):
+        return None
+    return a

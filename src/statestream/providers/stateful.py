@@ -1,0 +1,200 @@
+"""Built-in state adapters: random number generators, typed JAX keys, compiled modules.
+
+Each saves a value's exact state as plain values and arrays (no pickle)
+and restores it, so that the stream of numbers after a load continues
+exactly where it was saved. torch and JAX are looked up in ``sys.modules``
+only, never imported here.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import TargetMismatchError
+from statestream.providers._adapters import StateAdapter
+from statestream.tree import KeyPath, format_keypath, type_name
+
+__all__ = [
+    "CompiledModuleAdapter",
+    "JaxKeyAdapter",
+    "NumpyBitGeneratorAdapter",
+    "NumpyGeneratorAdapter",
+    "NumpyRandomStateAdapter",
+    "PythonRandomAdapter",
+    "TorchGeneratorAdapter",
+]
+
+#: NumPy bit generators a checkpoint may name (looked up in numpy.random, nothing else)
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def _bit_generator(state: Any, path: KeyPath) -> Any:
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    if name not in _BIT_GENERATORS:
+        raise TargetMismatchError(
+            f"the NumPy generator state at key path '{format_keypath(path)}' names bit "
+            f"generator {name!r:.60}, not one of {', '.join(_BIT_GENERATORS)}"
+        )
+    bg = getattr(np.random, name)()
+    bg.state = state
+    return bg
+
+
+class NumpyBitGeneratorAdapter(StateAdapter):
+    """``numpy.random.PCG64`` & co.: their ``.state`` dict."""
+
+    name = "numpy.random.BitGenerator"
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, np.random.BitGenerator)
+
+    def get_state(self, obj: Any) -> Any:
+        return obj.state
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        obj.state = state
+        return obj
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        return _bit_generator(state, path)
+
+
+class NumpyGeneratorAdapter(StateAdapter):
+    """``numpy.random.Generator``: its bit generator's state."""
+
+    name = "numpy.random.Generator"
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, np.random.Generator)
+
+    def get_state(self, obj: Any) -> Any:
+        return obj.bit_generator.state
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        obj.bit_generator.state = state
+        return obj
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        return np.random.Generator(_bit_generator(state, path))
+
+
+class NumpyRandomStateAdapter(StateAdapter):
+    """Legacy ``numpy.random.RandomState``: ``get_state(legacy=False)``."""
+
+    name = "numpy.random.RandomState"
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, np.random.RandomState)
+
+    def get_state(self, obj: Any) -> Any:
+        return obj.get_state(legacy=False)
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        obj.set_state(state)
+        return obj
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        return self.set_state(np.random.RandomState(), state, path)
+
+
+class PythonRandomAdapter(StateAdapter):
+    """``random.Random`` (not ``SystemRandom``, which has no state)."""
+
+    name = "random.Random"
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom)
+
+    def get_state(self, obj: Any) -> Any:
+        version, internal, gauss_next = obj.getstate()
+        return {"version": version, "internal": np.array(internal, dtype=np.uint32),
+                "gauss_next": gauss_next}
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        internal = tuple(int(x) for x in np.asarray(state["internal"]).reshape(-1))
+        gauss = state["gauss_next"]
+        obj.setstate((state["version"], internal, None if gauss is None else float(gauss)))
+        return obj
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        return self.set_state(random.Random(), state, path)
+
+
+class TorchGeneratorAdapter(StateAdapter):
+    """``torch.Generator``: its device and ``get_state()`` bytes."""
+
+    name = "torch.Generator"
+    module = "torch"
+
+    def handles(self, obj: Any) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and isinstance(obj, torch.Generator)
+
+    def get_state(self, obj: Any) -> Any:
+        return {"device": str(obj.device), "state": obj.get_state()}
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        import torch
+
+        obj.set_state(torch.as_tensor(np.asarray(state["state"]), dtype=torch.uint8))
+        return obj
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        import torch
+
+        return self.set_state(torch.Generator(device=str(state["device"])), state, path)
+
+
+class CompiledModuleAdapter(StateAdapter):
+    """A ``torch.compile``'d module saves and loads as the module it wraps.
+
+    Its ``state_dict()`` keys carry an ``_orig_mod.`` prefix; saving the
+    wrapped module's state instead makes a compiled and a plain module
+    interchangeable, in either direction.
+    """
+
+    module = "torch"
+
+    def handles(self, obj: Any) -> bool:
+        mod = sys.modules.get("torch._dynamo.eval_frame")
+        cls = getattr(mod, "OptimizedModule", None) if mod is not None else None
+        return cls is not None and isinstance(obj, cls)
+
+    def node_name(self, obj: Any) -> str:
+        return type_name(obj._orig_mod)
+
+    def get_state(self, obj: Any) -> Any:
+        return obj._orig_mod.state_dict()
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        obj._orig_mod.load_state_dict(state)
+        return obj
+
+
+class JaxKeyAdapter(StateAdapter):
+    """Typed JAX keys (``jax.random.key``): their key data and the impl's name."""
+
+    name = "jax.random.key"
+    module = "jax"
+
+    def handles(self, obj: Any) -> bool:
+        jax = sys.modules.get("jax")
+        return (jax is not None and isinstance(obj, jax.Array)
+                and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key))
+
+    def get_state(self, obj: Any) -> Any:
+        import jax
+
+        return {"impl": str(jax.random.key_impl(obj)), "data": jax.random.key_data(obj)}
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        return self.new(state, path)  # keys are immutable: a new one
+
+    def new(self, state: Any, path: KeyPath) -> Any:
+        import jax
+
+        return jax.random.wrap_key_data(state["data"], impl=str(state["impl"]))

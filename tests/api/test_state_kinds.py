@@ -1,0 +1,239 @@
+"""The state people have: RNG states and generators come back as what they were,
+compiled modules load either way (issue 12, items 4-6)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.errors import CheckpointError, TargetMismatchError, UnsupportedTypeError
+from statestream.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    decode_manifest,
+    encode_commit,
+    encode_manifest,
+)
+from statestream.providers import StateAdapter, register_adapter
+from statestream.tree import Node
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+
+# ----------------------------------------------------------------------------- item 4
+
+
+def test_readme_rng_example_restores_a_torch_tensor(tmp_path: Path) -> None:
+    torch.manual_seed(1234)
+    ss.save(tmp_path / "c", {"rng": torch.get_rng_state(), "step": 100})
+    expected = torch.rand(5)
+    torch.manual_seed(0)
+    out = ss.load(tmp_path / "c", target={"rng": None, "step": 0})
+    assert isinstance(out["rng"], torch.Tensor) and out["rng"].dtype == torch.uint8
+    torch.set_rng_state(out["rng"])  # rejected a NumPy array before
+    assert torch.equal(torch.rand(5), expected)
+
+
+def test_none_in_target_returns_the_saved_kind(tmp_path: Path) -> None:
+    state = {"t": torch.arange(4), "j": jax.numpy.arange(3.0), "n": np.ones(2),
+             "sub": {"t": torch.zeros(2)}}
+    ss.save(tmp_path / "c", state)
+    out = ss.load(tmp_path / "c", {"t": None, "j": None, "n": None, "sub": None})
+    assert isinstance(out["t"], torch.Tensor) and torch.equal(out["t"], state["t"])
+    assert isinstance(out["j"], jax.Array)
+    assert np.array_equal(np.asarray(out["j"]), np.arange(3.0))
+    assert type(out["n"]) is np.ndarray
+    assert isinstance(out["sub"]["t"], torch.Tensor)
+    # no target at all: NumPy, as documented
+    plain = ss.load(tmp_path / "c")
+    assert type(plain["t"]) is np.ndarray and type(plain["j"]) is np.ndarray
+
+
+def test_old_checkpoint_without_kind_loads_as_numpy(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"t": torch.arange(4)})
+    mpath = tmp_path / "c" / MANIFEST_NAME
+    m = decode_manifest(mpath.read_bytes(), "test")
+    assert m.tree.children is not None
+    m.tree.children[0] = Node("array", array=0)  # as if written without the kind
+    data = encode_manifest(m)
+    mpath.write_bytes(data)
+    (tmp_path / "c" / COMMIT_NAME).write_bytes(encode_commit(data))
+    out = ss.load(tmp_path / "c", {"t": None})
+    assert type(out["t"]) is np.ndarray and list(out["t"]) == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- item 5
+
+
+def _generators() -> dict[str, object]:
+    return {
+        "torch": torch.Generator().manual_seed(3),
+        "np": np.random.default_rng(5),
+        "np_mt": np.random.Generator(np.random.MT19937(7)),
+        "bitgen": np.random.PCG64(9),
+        "legacy": np.random.RandomState(11),
+        "py": random.Random(13),
+        "key": jax.random.key(17),
+    }
+
+
+def _draw(g: dict[str, object]) -> list[np.ndarray]:
+    return [
+        torch.rand(4, generator=g["torch"]).numpy(),  # type: ignore[arg-type]
+        g["np"].random(4),  # type: ignore[attr-defined]
+        g["np_mt"].random(4),  # type: ignore[attr-defined]
+        g["bitgen"].random_raw(4),  # type: ignore[attr-defined]
+        g["legacy"].rand(4),  # type: ignore[attr-defined]
+        np.array([g["py"].random() for _ in range(4)]),  # type: ignore[attr-defined]
+        np.asarray(jax.random.uniform(g["key"], (4,))),  # type: ignore[arg-type]
+    ]
+
+
+def _advance(g: dict[str, object]) -> None:
+    _draw(g)
+    g["py"].gauss(0, 1)  # type: ignore[attr-defined]  # leaves a cached gauss_next
+
+
+@pytest.mark.parametrize("target_kind", ["same", "none"])
+def test_generators_restore_the_exact_stream(tmp_path: Path, target_kind: str) -> None:
+    gens = _generators()
+    _advance(gens)
+    ss.save(tmp_path / "c", {"gens": gens})
+    manifest = (tmp_path / "c" / MANIFEST_NAME).read_text()
+    assert '"pickle"' not in manifest
+    expected = _draw(gens)
+    if target_kind == "same":
+        fresh = {"torch": torch.Generator(), "np": np.random.default_rng(0),
+                 "np_mt": np.random.Generator(np.random.MT19937(0)),
+                 "bitgen": np.random.PCG64(0), "legacy": np.random.RandomState(0),
+                 "py": random.Random(0), "key": jax.random.key(0)}
+        out = ss.load(tmp_path / "c", {"gens": fresh})["gens"]
+        for name in ("torch", "np", "bitgen", "legacy", "py"):
+            assert out[name] is fresh[name]  # restored in place
+    else:
+        out = ss.load(tmp_path / "c", {"gens": None})["gens"]
+        assert isinstance(out["torch"], torch.Generator)
+        assert isinstance(out["np"], np.random.Generator)
+        assert isinstance(out["py"], random.Random)
+        assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    for a, b in zip(expected, _draw(out)):
+        assert np.array_equal(a, b)
+
+
+def test_generators_without_target_load_as_plain_state(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"key": jax.random.key(3), "np": np.random.default_rng(1)})
+    out = ss.load(tmp_path / "c")
+    assert out["key"]["impl"] == "threefry2x32"
+    assert list(out["key"]["data"]) == [0, 3]
+    assert out["np"]["bit_generator"] == "PCG64"
+
+
+def test_typed_key_in_a_jax_pytree(tmp_path: Path) -> None:
+    keys = [jax.random.key(1), jax.random.split(jax.random.key(2), 3)]
+    ss.save(tmp_path / "c", {"keys": keys})
+    out = ss.load(tmp_path / "c", {"keys": [jax.random.key(0), jax.random.split(
+        jax.random.key(0), 3)]})
+    for a, b in zip(keys, out["keys"]):
+        assert np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+        assert a.shape == b.shape
+
+
+def test_generator_state_mismatch_names_the_key_path(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"g": np.random.default_rng(1)})
+    with pytest.raises(CheckpointError, match="key path 'g"):
+        ss.load(tmp_path / "c", {"g": np.random.Generator(np.random.MT19937(0))})
+    with pytest.raises(TargetMismatchError, match="key path 'g'"):
+        ss.load(tmp_path / "c", {"g": random.Random(0)})
+
+
+def test_array_saved_where_target_has_a_generator(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"g": np.zeros(3)})
+    with pytest.raises(TargetMismatchError, match="'g'"):
+        ss.load(tmp_path / "c", {"g": torch.Generator()})
+
+
+def test_hostile_bit_generator_name_is_refused(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"g": np.random.default_rng(1)})
+    mpath = tmp_path / "c" / MANIFEST_NAME
+    data = mpath.read_bytes().replace(b'"PCG64"', b'"os.system"')
+    mpath.write_bytes(data)
+    (tmp_path / "c" / COMMIT_NAME).write_bytes(encode_commit(data))
+    with pytest.raises(CheckpointError, match="'g'.*os.system"):
+        ss.load(tmp_path / "c", {"g": None})
+
+
+# ----------------------------------------------------------------------------- item 6
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("direction", ["compiled->plain", "plain->compiled",
+                                       "compiled->compiled"])
+def test_compiled_module_loads_either_way(tmp_path: Path, direction: str) -> None:
+    torch.manual_seed(0)
+    src_plain = _net()
+    src = torch.compile(src_plain, backend="eager") if direction.startswith("compiled") \
+        else src_plain
+    src(torch.ones(1, 3))  # compile it for real
+    ss.save(tmp_path / "c", {"model": src})
+    keys = list(ss.metadata(tmp_path / "c").tree["model"])
+    assert keys == ["0.weight", "0.bias", "2.weight", "2.bias"]  # no _orig_mod.
+    dst_plain = _net()
+    dst = torch.compile(dst_plain, backend="eager") if direction.endswith("compiled") \
+        else dst_plain
+    out = ss.load(tmp_path / "c", {"model": dst})
+    assert out["model"] is dst
+    for a, b in zip(src_plain.state_dict().values(), dst_plain.state_dict().values()):
+        assert torch.equal(a, b)
+    x = torch.randn(2, 3)
+    assert torch.equal(dst(x), src(x))
+
+
+# ----------------------------------------------------------------------------- new kinds
+
+
+class _Counter:
+    """A stateful value with no state_dict(): a new kind needs only an adapter."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+        self.hist = np.arange(n, dtype=np.int64)
+
+
+class _CounterAdapter(StateAdapter):
+    name = "tests.Counter"
+
+    def handles(self, obj: object) -> bool:
+        return isinstance(obj, _Counter)
+
+    def get_state(self, obj: Any) -> Any:
+        return {"n": obj.n, "hist": obj.hist}
+
+    def set_state(self, obj: Any, state: Any, path: Any) -> Any:
+        obj.n, obj.hist = state["n"], state["hist"]
+        return obj
+
+    def new(self, state: Any, path: Any) -> Any:
+        return self.set_state(_Counter(), state, path)
+
+
+def test_a_registered_adapter_saves_and_loads_a_new_kind(tmp_path: Path) -> None:
+    register_adapter(_CounterAdapter())
+    with pytest.raises(UnsupportedTypeError, match="already registered"):
+        register_adapter(_CounterAdapter())
+    ss.save(tmp_path / "c", {"c": _Counter(5)})
+    like = _Counter(5)
+    like.n, like.hist = 0, np.zeros(5, np.int64)  # its state types what is loaded
+    assert ss.load(tmp_path / "c", {"c": like})["c"] is like and like.n == 5
+    assert list(like.hist) == [0, 1, 2, 3, 4]
+    fresh = ss.load(tmp_path / "c", {"c": None})["c"]
+    assert isinstance(fresh, _Counter) and list(fresh.hist) == [0, 1, 2, 3, 4]
+    assert ss.load(tmp_path / "c")["c"]["n"] == 5
