@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"__init__", "__main__", "cli", "testing", "integrations"},
     {"manager"},
     {"api"},
+    {"interop"},
     {"engine"},
     {"plan", "providers"},
     {"storage"},

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from statestream.api._load import open_checkpoint
+from statestream.api._load import open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import Manifest
@@ -173,6 +173,7 @@ def verify(
                     f"{f.size}; it is truncated"
                 )
         requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
+        skip_missing_checksums(reader, requests)
 
         def describe(p: ReadPiece) -> str:
             return f"array at key path '{format_keypath(paths.get(p.array, ()))}'"
