@@ -72,6 +72,7 @@ class _Slabs:
             r1 = min(entry.shape[0], r0 + step)
             buf = np.empty((r1 - r0,) + entry.shape[1:], dt)
             yield r0, self._read(ai, (r0,) + (0,) * (len(entry.shape) - 1), buf)
+            del buf  # freed before the next slab is allocated
 
     def _read(self, ai: int, start: tuple[int, ...], buf: np.ndarray) -> np.ndarray:
         if buf.nbytes:

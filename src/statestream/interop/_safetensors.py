@@ -21,12 +21,12 @@ from statestream.format import (
     MAX_DIM,
     MAX_NDIM,
     ArrayEntry,
-    ChunkEntry,
     FileEntry,
     Manifest,
     decode_tree,
     itemsize_of,
 )
+from statestream.interop._chunks import row_chunks
 from statestream.interop._files import FileSetReader
 from statestream.tree import Key, Node
 
@@ -190,8 +190,8 @@ def read_header(path: str) -> SafetensorsHeader:
 def _manifest(entries: list[tuple[int, TensorInfo]], files: list[FileEntry],
               meta: dict[str, str], where: str) -> Manifest:
     """A manifest over safetensors tensors (file index, info), tree from metadata if any."""
-    arrays = [ArrayEntry(t.dtype, t.shape, (ChunkEntry(
-        fi, t.offset, t.nbytes, 0, (0,) * len(t.shape), t.shape),)) for fi, t in entries]
+    arrays = [ArrayEntry(t.dtype, t.shape, row_chunks(fi, t.offset, t.dtype, t.shape))
+              for fi, t in entries]
     user = {k: v for k, v in meta.items() if k not in (TREE_KEY, NAMES_KEY, META_KEY)}
     out_meta: dict[str, Any] = {}
     if META_KEY in meta:

@@ -126,6 +126,7 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
                 chunks.append(ChunkEntry(0, pos, flat.nbytes, checksum(flat), start,
                                          tuple(buf.shape)))
                 pos += flat.nbytes
+                del buf, flat  # before the next slab is read: one slab at a time
             arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
         fw.finish()
         full = {**meta, "library": f"statestream {__version__}", "created_unix": time.time(),
@@ -194,6 +195,7 @@ def _write_one_file(path: str, members: list[int], names: list[str],
                     w = os.pwrite(fd, view, at)
                     at += w
                     view = view[w:]
+                del buf, view  # before the next slab is read: one slab at a time
         os.fsync(fd)
     finally:
         os.close(fd)
