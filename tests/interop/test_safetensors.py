@@ -298,3 +298,16 @@ def test_progress_never_exceeds_total(tmp_path: Path) -> None:
                progress=lambda d, t: seen.append((d, t)))
     assert seen and all(d <= t for d, t in seen) and seen[-1][0] == seen[-1][1]
     assert len(seen) > 5  # many slabs under a 64 KiB budget
+
+
+def test_metadata_names_the_format_and_cli_inspects(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    f = tmp_path / "m.safetensors"
+    st_torch.save_file({"enc.w": torch.zeros(2, 3)}, f)
+    assert ss.metadata(f).format == "safetensors"
+    r = subprocess.run([sys.executable, "-m", "statestream", "inspect", str(f)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "enc.w" in r.stdout and "(2, 3)" in r.stdout

@@ -11,6 +11,7 @@ from statestream.api._load import open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import Manifest
+from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, plan_verify
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -44,6 +45,8 @@ class CheckpointMetadata:
     num_arrays: int
     files: list[tuple[str, int]]
     meta: dict[str, Any]
+    #: ``"statestream"``, or the foreign format read (docs/interop.md)
+    format: str = "statestream"
 
     def leaves(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, leaf)`` for every leaf, depth first."""
@@ -99,6 +102,7 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         num_arrays=len(m.arrays),
         files=[(f.name, f.size) for f in m.files],
         meta=dict(m.meta),
+        format=reader.format if isinstance(reader, FileSetReader) else "statestream",
     )
 
 

@@ -79,4 +79,5 @@ def open_foreign(path: str | os.PathLike[str]) -> ForeignCheckpoint | None:
         reader, m = open_sharded(index)
     else:
         return None
+    reader.format = fmt
     return ForeignCheckpoint(fmt, reader, m)

@@ -22,8 +22,10 @@ class FileSetReader:
     directory), never to a path taken from the file's contents.
     """
 
-    def __init__(self, location: str, files: Mapping[str, str]) -> None:
+    def __init__(self, location: str, files: Mapping[str, str], format: str = "") -> None:
         self.location = location
+        #: the foreign format's name (``"safetensors"``, ...), set by ``open_foreign``
+        self.format = format
         self._paths = dict(files)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
