@@ -13,7 +13,7 @@ from statestream.api._load import _select, open_checkpoint, skip_missing_checksu
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import TargetMismatchError
 from statestream.format import Manifest, dtype_from_name
-from statestream.interop import write_safetensors, write_statestream
+from statestream.interop import write_safetensors, write_statestream, write_torch
 from statestream.interop._writers import ArraySpec, array_paths
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.storage import CheckpointReader
@@ -22,8 +22,8 @@ from statestream.tree import KeyPath, Node, format_keypath
 __all__ = ["FORMATS", "convert"]
 
 #: what ``convert(to=...)`` writes
-FORMATS = ("statestream", "safetensors")
-_EXTENSIONS = {".safetensors": "safetensors"}
+FORMATS = ("statestream", "safetensors", "torch")
+_EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
 def _renumber(node: Node, old: list[int]) -> Node:
@@ -116,8 +116,9 @@ def convert(
             the root (a safetensors export holds a model's state_dict keys as
             they are).
         overwrite: replace an existing ``dst``.
-        allow_pickle: accepted for symmetry with ``load``; pickled leaves are
-            copied as bytes, never unpickled, by these formats.
+        allow_pickle: let a torch.save source's pickle name globals a
+            weights-only load refuses. Pickled leaves of a statestream
+            checkpoint are copied as bytes, never unpickled.
         max_shard_bytes: with ``to="safetensors"``, write Hugging Face shards
             of at most this many bytes (a larger tensor gets its own shard)
             and ``model.safetensors.index.json``; also chosen when ``dst`` does
@@ -143,11 +144,10 @@ def convert(
         >>> ss.load(out)
         {'w': array([0., 1., 2.]), 'step': 7}
     """
-    del allow_pickle  # nothing is unpickled when copying between these formats
     dst_s = os.fspath(dst)
     fmt = _target_format(dst_s, to)
     io = io or IOOptions()
-    reader, m = open_checkpoint(src)
+    reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
         root = m.tree
         if items is not None:
@@ -163,6 +163,8 @@ def convert(
                 if k not in ("library", "created_unix", "world_size", "total_bytes")}
         if fmt == "statestream":
             write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
+        elif fmt == "torch":
+            write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
         else:
             sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
             write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,

@@ -90,13 +90,15 @@ def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]
                 p.verify = []
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> tuple[CheckpointReader, Manifest]:
+def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False
+                    ) -> tuple[CheckpointReader, Manifest]:
     """Open the committed checkpoint at ``path`` and read its verified manifest.
 
     A foreign checkpoint (safetensors, ...; see docs/interop.md) is recognised
-    by its content and comes back as a manifest its parser built.
+    by its content and comes back as a manifest its parser built
+    (``allow_pickle``: see torch.save files there).
     """
-    foreign = open_foreign(path)
+    foreign = open_foreign(path, allow_pickle=allow_pickle)
     if foreign is not None:
         return foreign.reader, foreign.manifest
     storage, spath = storage_for(path)
@@ -455,7 +457,7 @@ def _load(
     memory: MemoryOptions,
     progress: Progress | None,
 ) -> Any:
-    reader, m = open_checkpoint(path)
+    reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
     try:
         root = m.tree
         like = NO_TARGET if target is None else target

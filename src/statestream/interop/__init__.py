@@ -8,6 +8,7 @@ unchanged. See docs/interop.md.
 
 from statestream.interop._detect import ForeignCheckpoint, detect_format, open_foreign
 from statestream.interop._files import FileSetReader
+from statestream.interop._torchwrite import write_torch
 from statestream.interop._writers import write_safetensors, write_statestream
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "open_foreign",
     "write_safetensors",
     "write_statestream",
+    "write_torch",
 ]

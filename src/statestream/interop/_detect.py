@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from statestream.errors import CheckpointError
+from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
 from statestream.interop._files import FileSetReader
 from statestream.interop._safetensors import (
@@ -14,10 +14,12 @@ from statestream.interop._safetensors import (
     open_safetensors,
     open_sharded,
 )
+from statestream.interop._torchfile import looks_like_torch_zip, open_torch_file
 
 __all__ = ["ForeignCheckpoint", "detect_format", "open_foreign"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
+_TORCH_EXTENSIONS = (".pt", ".pth", ".bin")
 
 
 @dataclasses.dataclass
@@ -40,12 +42,14 @@ def _head(path: str, n: int = 16) -> tuple[bytes, int]:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
-    """``"safetensors"``, ``"safetensors-sharded"``, or None (statestream's own, or unknown).
+    """The foreign format at ``path``, or None (statestream's own, or unknown).
 
-    Files are recognised by their first bytes: a safetensors file starts
-    with an 8-byte little-endian header length followed by ``{``. A
-    directory is sharded safetensors when it holds a
-    ``*.safetensors.index.json`` and no statestream manifest.
+    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``. Files
+    are recognised by their first bytes: a safetensors file starts with an
+    8-byte little-endian header length followed by ``{``; a torch.save file
+    is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
+    safetensors when it holds a ``*.safetensors.index.json`` and no
+    statestream manifest.
     """
     p = os.fspath(path)
     if "://" in p:
@@ -61,13 +65,23 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
         head, size = _head(p)
         if looks_like_safetensors(head, size):
             return "safetensors"
+        if head.startswith(_ZIP_MAGIC) and looks_like_torch_zip(p):
+            return "torch"
         if p.endswith(".safetensors"):
             return "safetensors"  # a damaged one: its parser says what is wrong
+        if p.endswith(_TORCH_EXTENSIONS):
+            raise CheckpointCorruptError(
+                f"{p} is neither a zip-format torch.save file nor safetensors (a legacy "
+                "torch.save file, or damaged); load it with torch and save it again")
     return None
 
 
-def open_foreign(path: str | os.PathLike[str]) -> ForeignCheckpoint | None:
-    """Open a foreign checkpoint for reading, or None when ``path`` is not one."""
+def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
+                 ) -> ForeignCheckpoint | None:
+    """Open a foreign checkpoint for reading, or None when ``path`` is not one.
+
+    ``allow_pickle`` lets a torch.save file's pickle name other globals.
+    """
     fmt = detect_format(path)
     p = os.fspath(path)
     if fmt == "safetensors":
@@ -77,6 +91,8 @@ def open_foreign(path: str | os.PathLike[str]) -> ForeignCheckpoint | None:
         if index is None:  # pragma: no cover - detect_format found it
             raise CheckpointError(f"{p}: the safetensors index disappeared")
         reader, m = open_sharded(index)
+    elif fmt == "torch":
+        reader, m = open_torch_file(p, allow_pickle=allow_pickle)
     else:
         return None
     reader.format = fmt
