@@ -92,8 +92,8 @@ def _pickle(obj: Any) -> tuple[bytes, list[_Tensor]]:
             for n in reversed(shape):
                 stride.append(acc)
                 acc *= n
-            args: tuple[Any, ...] = (_Storage(len(tensors) - 1), 0, torch.Size(shape), tuple(reversed(stride)),
-                    False, collections.OrderedDict())
+            args: tuple[Any, ...] = (_Storage(len(tensors) - 1), 0, torch.Size(shape),
+                                     tuple(reversed(stride)), False, collections.OrderedDict())
             if dtype in legacy:
                 return torch._utils._rebuild_tensor_v2, args
             tdt = getattr(torch, dtype, None)
