@@ -14,18 +14,21 @@ __all__ = ["ROW_BLOCK_BYTES", "row_chunks"]
 ROW_BLOCK_BYTES = 4 << 20
 
 
-def row_chunks(file: int, offset: int, dtype: str, shape: tuple[int, ...]
-               ) -> tuple[ChunkEntry, ...]:
-    """Chunks covering a C-contiguous tensor stored at ``offset`` of data file ``file``."""
+def row_chunks(file: int, offset: int, dtype: str, shape: tuple[int, ...],
+               origin: tuple[int, ...] = ()) -> tuple[ChunkEntry, ...]:
+    """Chunks covering a C-contiguous tensor stored at ``offset`` of data file ``file``.
+
+    ``origin`` is where the tensor starts in its array (a shard of a larger one).
+    """
     nbytes = math.prod(shape) * itemsize_of(dtype)
     if not nbytes:
         return ()
     if not shape:
         return (ChunkEntry(file, offset, nbytes, 0, (), ()),)
+    o = origin or (0,) * len(shape)
     row = nbytes // shape[0]
     step = max(1, ROW_BLOCK_BYTES // row)
-    zeros = (0,) * (len(shape) - 1)
     return tuple(
         ChunkEntry(file, offset + r0 * row, (min(shape[0], r0 + step) - r0) * row, 0,
-                   (r0,) + zeros, (min(shape[0], r0 + step) - r0,) + shape[1:])
+                   (o[0] + r0,) + o[1:], (min(shape[0], r0 + step) - r0,) + shape[1:])
         for r0 in range(0, shape[0], step))

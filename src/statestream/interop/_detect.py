@@ -7,6 +7,7 @@ import os
 
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
+from statestream.interop._dcp import looks_like_dcp, open_dcp
 from statestream.interop._files import FileSetReader
 from statestream.interop._safetensors import (
     find_index,
@@ -44,12 +45,12 @@ def _head(path: str, n: int = 16) -> tuple[bytes, int]:
 def detect_format(path: str | os.PathLike[str]) -> str | None:
     """The foreign format at ``path``, or None (statestream's own, or unknown).
 
-    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``. Files
+    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``, ``"dcp"``. Files
     are recognised by their first bytes: a safetensors file starts with an
     8-byte little-endian header length followed by ``{``; a torch.save file
     is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
-    safetensors when it holds a ``*.safetensors.index.json`` and no
-    statestream manifest.
+    safetensors when it holds a ``*.safetensors.index.json``, and DCP when it
+    holds ``.metadata`` and ``*.distcp`` files (and no statestream manifest).
     """
     p = os.fspath(path)
     if "://" in p:
@@ -60,6 +61,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return None
         if find_index(p) is not None:
             return "safetensors-sharded"
+        if looks_like_dcp(p):
+            return "dcp"
         return None
     if os.path.isfile(p):
         head, size = _head(p)
@@ -91,6 +94,8 @@ def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
         if index is None:  # pragma: no cover - detect_format found it
             raise CheckpointError(f"{p}: the safetensors index disappeared")
         reader, m = open_sharded(index)
+    elif fmt == "dcp":
+        reader, m = open_dcp(p, allow_pickle=allow_pickle)
     elif fmt == "torch":
         reader, m = open_torch_file(p, allow_pickle=allow_pickle)
     else:

@@ -195,24 +195,30 @@ def looks_like_torch_zip(path: str) -> bool:
 
 def _data_offsets(path: str, z: zipfile.ZipFile, size: int) -> dict[str, tuple[int, int]]:
     """Entry name -> (byte offset of its data in the file, length), stored entries only."""
+    with open(path, "rb") as f:
+        return _data_offsets_in(f, z, size, path)
+
+
+def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
+                     ) -> dict[str, tuple[int, int]]:
+    """As ``_data_offsets`` for an open (seekable) file object ``f`` of ``size`` bytes."""
     out = {}
     infos = z.infolist()
     if len(infos) > MAX_ZIP_ENTRIES:
-        raise CheckpointCorruptError(f"{path} has more than {MAX_ZIP_ENTRIES} zip entries")
-    with open(path, "rb") as f:
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                continue
-            f.seek(info.header_offset)
-            head = f.read(30)
-            if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                raise CheckpointCorruptError(f"{path}: bad zip local header for {info.filename}")
-            n, m = struct.unpack("<HH", head[26:30])
-            start = info.header_offset + 30 + n + m
-            if start + info.file_size > size:
-                raise CheckpointCorruptError(
-                    f"{path}: zip entry {info.filename} runs past the end of the file")
-            out[info.filename] = (start, info.file_size)
+        raise CheckpointCorruptError(f"{where} has more than {MAX_ZIP_ENTRIES} zip entries")
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            continue
+        f.seek(info.header_offset)
+        head = f.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            raise CheckpointCorruptError(f"{where}: bad zip local header for {info.filename}")
+        n, m = struct.unpack("<HH", head[26:30])
+        start = info.header_offset + 30 + n + m
+        if start + info.file_size > size:
+            raise CheckpointCorruptError(
+                f"{where}: zip entry {info.filename} runs past the end of the file")
+        out[info.filename] = (start, info.file_size)
     return out
 
 
