@@ -75,7 +75,7 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.interop": [
         "FileSetReader", "ForeignCheckpoint", "detect_format", "open_foreign",
-        "write_safetensors", "write_statestream", "write_torch",
+        "write_dcp", "write_safetensors", "write_statestream", "write_torch",
     ],
     "statestream.cli": ["main"],
     "statestream.integrations.lightning": [

@@ -111,3 +111,25 @@ def test_dcp_to_statestream_and_safetensors_exact(tmp_path: Path) -> None:
     flat = st.load_file(tmp_path / "m.safetensors")
     for k, t in state["model"].items():  # type: ignore[attr-defined]
         assert flat[k].dtype == t.dtype and _bits(flat[k]) == _bits(t)
+
+
+def test_convert_to_dcp_is_read_by_dcp_load(tmp_path: Path) -> None:
+    state = {"model": {f"t{i}": _rand(dt, (6, 3), i) for i, dt in enumerate(DTYPES)},
+             "step": 5, "opt": {"lr": 0.1, "hist": [torch.ones(2), 3]}, "blob": b"hi"}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},  # type: ignore[attr-defined]
+              "step": 0, "opt": {"lr": 0.0, "hist": [torch.zeros(2), 0]}, "blob": b""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "d"))
+    for k, v in state["model"].items():  # type: ignore[attr-defined]
+        assert target["model"][k].dtype == v.dtype and _bits(target["model"][k]) == _bits(v)  # type: ignore[index]
+    assert target["step"] == 5 and target["opt"]["lr"] == 0.1  # type: ignore[index]
+    assert target["opt"]["hist"][1] == 3 and target["blob"] == b"hi"  # type: ignore[index]
+    # and back: DCP -> statestream keeps values, lists and bytes
+    back = ss.load(tmp_path / "d")
+    assert back["opt"]["hist"][1] == 3 and back["blob"] == b"hi" and back["step"] == 5
+    assert _bits(back["opt"]["hist"][0]) == _bits(torch.ones(2))
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")

@@ -13,7 +13,7 @@ from statestream.api._load import _select, open_checkpoint, skip_missing_checksu
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import TargetMismatchError
 from statestream.format import Manifest, dtype_from_name
-from statestream.interop import write_safetensors, write_statestream, write_torch
+from statestream.interop import write_dcp, write_safetensors, write_statestream, write_torch
 from statestream.interop._writers import ArraySpec, array_paths
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.storage import CheckpointReader
@@ -22,7 +22,7 @@ from statestream.tree import KeyPath, Node, format_keypath
 __all__ = ["FORMATS", "convert"]
 
 #: what ``convert(to=...)`` writes
-FORMATS = ("statestream", "safetensors", "torch")
+FORMATS = ("statestream", "safetensors", "torch", "dcp")
 _EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
@@ -165,6 +165,8 @@ def convert(
             write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
         elif fmt == "torch":
             write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
+        elif fmt == "dcp":
+            write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
         else:
             sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
             write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,

@@ -6,6 +6,7 @@ Each format is parsed by our own code as untrusted input and exposed as a
 unchanged. See docs/interop.md.
 """
 
+from statestream.interop._dcpwrite import write_dcp
 from statestream.interop._detect import ForeignCheckpoint, detect_format, open_foreign
 from statestream.interop._files import FileSetReader
 from statestream.interop._torchwrite import write_torch
@@ -16,6 +17,7 @@ __all__ = [
     "ForeignCheckpoint",
     "detect_format",
     "open_foreign",
+    "write_dcp",
     "write_safetensors",
     "write_statestream",
     "write_torch",

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 from statestream.errors import (
@@ -52,6 +53,8 @@ MAX_METADATA_BYTES = 1 << 30
 MAX_BYTES_ITEM = 256 << 20
 _DISTCP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _DCP = "torch.distributed.checkpoint.metadata"
+#: the reader's in-memory file holding bytes values read from the metadata's items
+_MEMORY = "<bytes values>"
 
 
 class Record:
@@ -216,18 +219,28 @@ def open_dcp(directory: str, *, allow_pickle: bool = False
     sizes = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in files}
     arrays: list[ArrayEntry] = []
     values: dict[str, Node] = {}
+    memory = bytearray()
+    mem_index = len(files)
+
+    def blob(data: bytes) -> ArrayEntry:
+        memory.extend(data)
+        return ArrayEntry("uint8", (len(data),), row_chunks(
+            mem_index, len(memory) - len(data), "uint8", (len(data),)))
+
     for fqn, meta in sdm.items():
         if type(fqn) is not str:
             raise CheckpointCorruptError(f"{where}: key {fqn!r:.80} is not a string")
         ctx = _Ctx(directory, fqn, infos, files, sizes, allow_pickle, where)
         if type(meta).__name__ == "BytesStorageMetadata":
-            values[fqn] = ctx.value(arrays)
+            values[fqn] = ctx.value(arrays, blob)
         else:
             arrays.append(ctx.tensor(meta))
             values[fqn] = Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
     root = _nest(values, md.__dict__.get("planner_data"))
-    reader = FileSetReader(directory, {r: os.path.join(directory, r) for r in files})
-    return reader, Manifest(root, arrays, [FileEntry(r, sizes[r]) for r in files])
+    reader = FileSetReader(directory, {r: os.path.join(directory, r) for r in files},
+                           memory={_MEMORY: bytes(memory)})
+    return reader, Manifest(root, arrays, [FileEntry(r, sizes[r]) for r in files]
+                            + [FileEntry(_MEMORY, len(memory))])
 
 
 class _Ctx:
@@ -248,7 +261,7 @@ class _Ctx:
                 f"{self.where}: {self.fqn!r} lies outside {rel} ({self.sizes[rel]} bytes)")
         return rel, off, n
 
-    def value(self, arrays: list[ArrayEntry]) -> Node:
+    def value(self, arrays: list[ArrayEntry], blob: Callable[[bytes], ArrayEntry]) -> Node:
         rel, off, n = self._span(None)
         obj = _torch_archive(os.path.join(self.directory, rel), off, n,
                              f"{self.fqn!r} in {rel}", False, self.allow_pickle)
@@ -256,7 +269,7 @@ class _Ctx:
         def no_tensor(t: Any, p: KeyPath) -> ArrayEntry:
             raise UnsupportedTypeError(f"{self.fqn!r} holds a tensor inside a non-tensor value")
 
-        return to_node(obj, (), arrays, no_tensor)
+        return to_node(obj, (), arrays, no_tensor, blob=blob)
 
     def tensor(self, meta: Any) -> ArrayEntry:
         props = _attr(meta, "properties", self.where)
@@ -318,8 +331,11 @@ def _nest(values: dict[str, Node], planner: Any) -> Node:
 
     def build(d: dict[Key, Any]) -> Node:
         keys = list(d)
-        return Node("dict", keys=keys,
-                    children=[build(v) if isinstance(v, dict) else v for v in d.values()])
+        kids = [build(v) if isinstance(v, dict) else v for v in d.values()]
+        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+            # DCP's own unflattening makes a list where a path element is an int
+            return Node("list", children=[kids[keys.index(i)] for i in range(len(keys))])
+        return Node("dict", keys=keys, children=kids)
 
     return build(top)
 

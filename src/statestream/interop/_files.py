@@ -22,8 +22,11 @@ class FileSetReader:
     directory), never to a path taken from the file's contents.
     """
 
-    def __init__(self, location: str, files: Mapping[str, str], format: str = "") -> None:
+    def __init__(self, location: str, files: Mapping[str, str], format: str = "",
+                 memory: Mapping[str, bytes] | None = None) -> None:
         self.location = location
+        #: small values the format's metadata held (DCP's pickled bytes values), by name
+        self._memory = dict(memory or {})
         #: the foreign format's name (``"safetensors"``, ...), set by ``open_foreign``
         self.format = format
         self._paths = dict(files)
@@ -55,9 +58,20 @@ class FileSetReader:
         return bytes(buf)
 
     def file_size(self, name: str) -> int:
+        if name in self._memory:
+            return len(self._memory[name])
         return os.fstat(self._open(name)).st_size
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        if name in self._memory:
+            data = memoryview(self._memory[name])
+            for b in buffers:
+                v = memoryview(b).cast("B")
+                if offset + v.nbytes > len(data):
+                    raise TruncatedFileError(f"{self.location}: {name} is too short")
+                v[:] = data[offset:offset + v.nbytes]
+                offset += v.nbytes
+            return
         fd = self._open(name)
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         while views:

@@ -285,8 +285,12 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
 
 
 def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
-            tensor: Callable[[Any, KeyPath], ArrayEntry], depth: int = 0) -> Node:
-    """A statestream tree for an unpickled state (containers, scalars, tensor references)."""
+            tensor: Callable[[Any, KeyPath], ArrayEntry], depth: int = 0,
+            blob: Callable[[bytes], ArrayEntry] | None = None) -> Node:
+    """A statestream tree for an unpickled state (containers, scalars, tensor references).
+
+    ``blob`` stores a bytes value (without it, bytes are refused).
+    """
     if depth > 200:
         raise CheckpointCorruptError(f"state nested deeper than 200 at '{format_keypath(p)}'")
     if isinstance(obj, TensorRef) or type(obj).__name__ == "TensorStorageMetadata":
@@ -299,6 +303,9 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
             return Node(kind, value=obj)
     if isinstance(obj, DType):
         return Node("str", value=str(obj))
+    if type(obj) in (bytes, bytearray) and blob is not None:
+        arrays.append(blob(bytes(obj)))
+        return Node("bytes", array=len(arrays) - 1)
     if isinstance(obj, dict):
         keys: list[Key] = []
         for k in obj:
@@ -306,10 +313,10 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
                 raise UnsupportedTypeError(
                     f"key {k!r:.60} at key path '{format_keypath(p)}' is not a str or int")
             keys.append(k)
-        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1) for k in keys]
+        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob) for k in keys]
         return Node("dict", keys=keys, children=kids)
     if type(obj) in (list, tuple):
-        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1) for i, v in enumerate(obj)]
+        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob) for i, v in enumerate(obj)]
         return Node("list" if type(obj) is list else "tuple", children=kids)
     raise UnsupportedTypeError(
         f"key path '{format_keypath(p)}' holds a {type(obj).__name__}, which statestream "

@@ -25,7 +25,7 @@ from statestream.interop._torchfile import STORAGE_DTYPES
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["write_torch"]
+__all__ = ["pickle_state", "python_state", "small_bytes", "write_torch", "write_zip"]
 
 _PREFIX = "archive"
 _ALIGN = 64
@@ -41,7 +41,8 @@ class _Tensor:
         self.index, self.spec = index, spec
 
 
-def _state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes], p: KeyPath) -> Any:
+def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes],
+                 p: KeyPath) -> Any:
     """The Python object torch.load will return, tensors as placeholders."""
     k = node.kind
     if k in ("none", "bool", "int", "float", "str"):
@@ -56,15 +57,15 @@ def _state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes], p: K
             "weights_only=True) could not read it back, so it is not converted")
     kids = node.children or []
     if k == "stateful":
-        return _state(kids[0], specs, small, p)
+        return python_state(kids[0], specs, small, p)
     if k in ("list", "tuple"):
-        vals = [_state(c, specs, small, p + (i,)) for i, c in enumerate(kids)]
+        vals = [python_state(c, specs, small, p + (i,)) for i, c in enumerate(kids)]
         return vals if k == "list" else tuple(vals)
     keys = node.keys or []
-    return {key: _state(c, specs, small, p + (key,)) for key, c in zip(keys, kids)}
+    return {key: python_state(c, specs, small, p + (key,)) for key, c in zip(keys, kids)}
 
 
-def _pickle(obj: Any) -> tuple[bytes, list[_Tensor]]:
+def pickle_state(obj: Any) -> tuple[bytes, list[_Tensor]]:
     """Pickle as torch.save does: legacy storage classes and ``_rebuild_tensor_v2`` for the
     classic dtypes, ``UntypedStorage`` and ``_rebuild_tensor_v3`` for the newer ones."""
     import torch
@@ -112,7 +113,7 @@ def _aligned_info(z: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     info.file_size = size
     assert z.fp is not None
     zip64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0
-    at = z.fp.tell() + 30 + len(name.encode()) + zip64 + 4
+    at = z.fp.tell() + getattr(z.fp, "base", 0) + 30 + len(name.encode()) + zip64 + 4
     pad = -at % _ALIGN
     info.extra = struct.pack("<HH", 0xCAFE, pad) + b"Z" * pad
     return info
@@ -121,31 +122,73 @@ def _aligned_info(z: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
 def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                 overwrite: bool) -> None:
     """A zip-format torch.save file that ``torch.load(weights_only=True)`` reads."""
-    import numpy as np
-
-    small = {}
-    for i, (dtype, _) in enumerate(specs):  # bytes leaves become Python bytes
-        if dtype == "uint8" and _is_bytes(root, i):
-            small[i] = b"".join(bytes(b.reshape(-1).view(np.uint8)) for _, b in slabs(i))
-    data, tensors = _pickle(_state(root, specs, small, ()))
+    small = small_bytes(root, specs, slabs)
+    data, tensors = pickle_state(python_state(root, specs, small, ()))
     _claim(dst, overwrite)
     staging = _staging_path(dst)
     try:
         out = os.path.join(staging, "out.pt")
-        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-            z.writestr(f"{_PREFIX}/data.pkl", data)
-            z.writestr(f"{_PREFIX}/byteorder", "little")
-            for k, t in enumerate(tensors):
-                size = math.prod(t.spec[1]) * itemsize_of(t.spec[0])
-                with z.open(_aligned_info(z, f"{_PREFIX}/data/{k}", size), "w",
-                            force_zip64=size * 1.05 > zipfile.ZIP64_LIMIT) as w:
-                    for _, buf in slabs(t.index):
-                        w.write(memoryview(buf.reshape(-1).view(np.uint8).data))
-                        del buf
-            z.writestr(f"{_PREFIX}/version", "3\n")
+        with open(out, "wb") as f:
+            write_zip(f, data, tensors, slabs)
+            f.flush()
+            os.fsync(f.fileno())
         _publish(out, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+class _Window(io.RawIOBase):
+    """A writable file seen from ``base``: a zip written here has offsets relative to it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f: Any = f
+        self.base: int = int(f.tell())
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return int(self.f.tell()) - self.base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos += self.base
+        return int(self.f.seek(pos, whence)) - self.base
+
+    def write(self, b: Any) -> int:
+        return int(self.f.write(b))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_zip(f: Any, data: bytes, tensors: list[_Tensor], slabs: Slabs) -> None:
+    """A torch.save archive at ``f``'s position (offsets relative to it), tensors streamed."""
+    import numpy as np
+
+    with zipfile.ZipFile(_Window(f), "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{_PREFIX}/data.pkl", data)
+        z.writestr(f"{_PREFIX}/byteorder", "little")
+        for k, t in enumerate(tensors):
+            size = math.prod(t.spec[1]) * itemsize_of(t.spec[0])
+            with z.open(_aligned_info(z, f"{_PREFIX}/data/{k}", size), "w",
+                        force_zip64=size * 1.05 > zipfile.ZIP64_LIMIT) as w:
+                for _, buf in slabs(t.index):
+                    w.write(memoryview(buf.reshape(-1).view(np.uint8).data))
+                    del buf
+        z.writestr(f"{_PREFIX}/version", "3\n")
+    f.seek(0, 2)
+
+
+def small_bytes(root: Node, specs: Sequence[ArraySpec], slabs: Slabs) -> dict[int, bytes]:
+    """The contents of the tree's ``bytes`` leaves (they become Python bytes values)."""
+    import numpy as np
+
+    return {i: b"".join(bytes(b.reshape(-1).view(np.uint8)) for _, b in slabs(i))
+            for i, (dtype, _) in enumerate(specs) if dtype == "uint8" and _is_bytes(root, i)}
 
 
 def _is_bytes(node: Node, index: int) -> bool:
