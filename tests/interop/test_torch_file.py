@@ -161,3 +161,25 @@ def test_statestream_to_torch_and_safetensors_to_torch(tmp_path: Path) -> None:
     ss.convert(tmp_path / "ck", tmp_path / "ck.pt")
     back = torch.load(tmp_path / "ck.pt", weights_only=True)
     assert back["blob"] == b"xyz" and back["w"].dtype == torch.float32
+
+
+def test_missing_torch_names_the_extra_and_import_needs_only_numpy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'jax', 'safetensors', 'orbax'): sys.modules[m] = None\n"
+        "import numpy as np, statestream as ss\n"
+        f"ss.save({str(tmp_path / 'ck')!r}, {{'w': np.ones(3)}})\n"
+        f"ss.convert({str(tmp_path / 'ck')!r}, {str(tmp_path / 'x.safetensors')!r})\n"
+        "try:\n"
+        f"    ss.convert({str(tmp_path / 'ck')!r}, {str(tmp_path / 'x.pt')!r})\n"
+        "except ImportError as e:\n"
+        "    print('ERR', type(e).__name__, e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "ERR MissingDependencyError" in r.stdout and "statestream[torch]" in r.stdout
+    assert not (tmp_path / "x.pt").exists()

@@ -7,6 +7,7 @@ unchanged. See docs/interop.md.
 """
 
 from statestream.interop._dcpwrite import write_dcp
+from statestream.interop._deps import MissingDependencyError
 from statestream.interop._detect import ForeignCheckpoint, detect_format, open_foreign
 from statestream.interop._files import FileSetReader
 from statestream.interop._torchwrite import write_torch
@@ -14,6 +15,7 @@ from statestream.interop._writers import write_safetensors, write_statestream
 
 __all__ = [
     "FileSetReader",
+    "MissingDependencyError",
     "ForeignCheckpoint",
     "detect_format",
     "open_foreign",

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from statestream.errors import UnsupportedTypeError
+from statestream.interop._deps import require
 from statestream.interop._torchwrite import (
     _Tensor,
     pickle_state,
@@ -56,9 +57,10 @@ def _has_array(node: Node) -> bool:
 def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
               overwrite: bool) -> None:
     """A single-rank DCP checkpoint directory at ``dst``."""
-    import torch
-    from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    torch = require("torch", "torch", "writing DCP checkpoints")
+    md = require("torch.distributed.checkpoint.metadata", "torch", "writing DCP checkpoints")
+    storage_info = require("torch.distributed.checkpoint.filesystem", "torch",
+                           "writing DCP checkpoints")._StorageInfo
 
     items: list[tuple[KeyPath, Node]] = []
     _items(root, (), items)
@@ -99,7 +101,7 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                     f.write(buf.getbuffer())
                     sdm[fqn] = md.BytesStorageMetadata()
                     index = md.MetadataIndex(fqn)
-                storage[index] = _StorageInfo(DATA_NAME, start, f.tell() - start)
+                storage[index] = storage_info(DATA_NAME, start, f.tell() - start)
             f.flush()
             os.fsync(f.fileno())
         planner = {fqn: tuple(p) for fqn, p in fqns.items()}  # ints: list indices

@@ -21,6 +21,7 @@ from typing import Any
 
 from statestream.errors import PickleNotAllowedError, UnsupportedTypeError
 from statestream.format import itemsize_of
+from statestream.interop._deps import require
 from statestream.interop._torchfile import STORAGE_DTYPES
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
 from statestream.tree import KeyPath, Node, format_keypath
@@ -68,7 +69,7 @@ def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes]
 def pickle_state(obj: Any) -> tuple[bytes, list[_Tensor]]:
     """Pickle as torch.save does: legacy storage classes and ``_rebuild_tensor_v2`` for the
     classic dtypes, ``UntypedStorage`` and ``_rebuild_tensor_v3`` for the newer ones."""
-    import torch
+    torch = require("torch", "torch", "writing torch.save files")
 
     legacy = {d: name for name, d in STORAGE_DTYPES.items()}
     tensors: list[_Tensor] = []
