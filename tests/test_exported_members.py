@@ -74,7 +74,8 @@ EXPECTED: dict[str, list[str]] = {
         "load", "metadata", "save", "save_async", "verify", "convert",
     ],
     "statestream.interop": [
-        "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format", "open_foreign",
+        "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format",
+        "open_foreign",
         "write_dcp", "write_safetensors", "write_statestream", "write_torch",
     ],
     "statestream.cli": ["main"],
