@@ -9,6 +9,7 @@ from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
 from statestream.interop._dcp import looks_like_dcp, open_dcp
 from statestream.interop._files import FileSetReader
+from statestream.interop._orbax import looks_like_orbax, open_orbax
 from statestream.interop._safetensors import (
     find_index,
     looks_like_safetensors,
@@ -45,12 +46,14 @@ def _head(path: str, n: int = 16) -> tuple[bytes, int]:
 def detect_format(path: str | os.PathLike[str]) -> str | None:
     """The foreign format at ``path``, or None (statestream's own, or unknown).
 
-    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``, ``"dcp"``. Files
+    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``, ``"dcp"``,
+    ``"orbax"``. Files
     are recognised by their first bytes: a safetensors file starts with an
     8-byte little-endian header length followed by ``{``; a torch.save file
     is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
     safetensors when it holds a ``*.safetensors.index.json``, and DCP when it
-    holds ``.metadata`` and ``*.distcp`` files (and no statestream manifest).
+    holds ``.metadata`` and ``*.distcp`` files, Orbax when it holds
+    ``_CHECKPOINT_METADATA`` or ``_METADATA`` (and no statestream manifest).
     """
     p = os.fspath(path)
     if "://" in p:
@@ -63,6 +66,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "safetensors-sharded"
         if looks_like_dcp(p):
             return "dcp"
+        if looks_like_orbax(p):
+            return "orbax"
         return None
     if os.path.isfile(p):
         head, size = _head(p)
@@ -96,6 +101,8 @@ def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
         reader, m = open_sharded(index)
     elif fmt == "dcp":
         reader, m = open_dcp(p, allow_pickle=allow_pickle)
+    elif fmt == "orbax":
+        reader, m = open_orbax(p)
     elif fmt == "torch":
         reader, m = open_torch_file(p, allow_pickle=allow_pickle)
     else:

@@ -23,10 +23,10 @@ class FileSetReader:
     """
 
     def __init__(self, location: str, files: Mapping[str, str], format: str = "",
-                 memory: Mapping[str, bytes] | None = None) -> None:
+                 memory: Mapping[str, bytes | memoryview] | None = None) -> None:
         self.location = location
-        #: small values the format's metadata held (DCP's pickled bytes values), by name
-        self._memory = dict(memory or {})
+        #: values already in memory (DCP's bytes values, arrays a library restored), by name
+        self._memory = {k: memoryview(v).cast("B") for k, v in (memory or {}).items()}
         #: the foreign format's name (``"safetensors"``, ...), set by ``open_foreign``
         self.format = format
         self._paths = dict(files)
@@ -64,7 +64,7 @@ class FileSetReader:
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
         if name in self._memory:
-            data = memoryview(self._memory[name])
+            data = self._memory[name]
             for b in buffers:
                 v = memoryview(b).cast("B")
                 if offset + v.nbytes > len(data):
