@@ -76,7 +76,7 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.interop": [
         "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format",
         "open_foreign",
-        "write_dcp", "write_safetensors", "write_statestream", "write_torch",
+        "write_dcp", "write_orbax", "write_safetensors", "write_statestream", "write_torch",
     ],
     "statestream.cli": ["main"],
     "statestream.integrations.lightning": [

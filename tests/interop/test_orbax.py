@@ -58,3 +58,22 @@ def test_missing_orbax_names_the_extra(tmp_path: Path) -> None:
                        timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert "ERR MissingDependencyError" in r.stdout and "statestream[orbax]" in r.stdout
+
+
+def test_convert_to_orbax_restored_by_orbax(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"params": {f"a{i}": _arr(dt, 20 + i) for i, dt in enumerate(DTYPES)},
+             "step": 4, "hist": [np.ones(3), 2.5]}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "o", to="orbax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ocp.StandardCheckpointer().restore(tmp_path / "o")
+    for i, _ in enumerate(DTYPES):
+        a, b = state["params"][f"a{i}"], np.asarray(got["params"][f"a{i}"])  # type: ignore[index]
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert int(got["step"]) == 4
+    ss.save(tmp_path / "ck2", {"w": np.zeros(2), "name": "run", "none": None})
+    with pytest.raises(ss.UnsupportedTypeError, match=r"'name' \(str\), 'none' \(none\)"):
+        ss.convert(tmp_path / "ck2", tmp_path / "o2", to="orbax")
+    assert not (tmp_path / "o2").exists()

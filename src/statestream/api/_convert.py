@@ -13,7 +13,13 @@ from statestream.api._load import _select, open_checkpoint, skip_missing_checksu
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import TargetMismatchError
 from statestream.format import Manifest, dtype_from_name
-from statestream.interop import write_dcp, write_safetensors, write_statestream, write_torch
+from statestream.interop import (
+    write_dcp,
+    write_orbax,
+    write_safetensors,
+    write_statestream,
+    write_torch,
+)
 from statestream.interop._writers import ArraySpec, array_paths
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.storage import CheckpointReader
@@ -22,7 +28,7 @@ from statestream.tree import KeyPath, Node, format_keypath
 __all__ = ["FORMATS", "convert"]
 
 #: what ``convert(to=...)`` writes
-FORMATS = ("statestream", "safetensors", "torch", "dcp")
+FORMATS = ("statestream", "safetensors", "torch", "dcp", "orbax")
 _EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
@@ -107,11 +113,13 @@ def convert(
     """Convert a checkpoint to another format, streaming it through the memory budget.
 
     Args:
-        src: any checkpoint ``load`` reads (statestream, safetensors file,
-            Hugging Face sharded safetensors directory); detected by content.
+        src: any checkpoint ``load`` reads (statestream, safetensors file or
+            Hugging Face shards, torch.save file, DCP or Orbax directory);
+            detected by content. See docs/interop.md.
         dst: where to write; must not exist unless ``overwrite``.
-        to: ``"statestream"`` or ``"safetensors"``. Default: ``"safetensors"``
-            when ``dst`` ends in ``.safetensors``, else ``"statestream"``.
+        to: ``"statestream"``, ``"safetensors"``, ``"torch"``, ``"dcp"`` or
+            ``"orbax"``. Default: from ``dst``'s extension (``.safetensors``;
+            ``.pt``/``.pth``/``.bin`` for torch), else ``"statestream"``.
         items: top-level keys to convert; with exactly one, its contents become
             the root (a safetensors export holds a model's state_dict keys as
             they are).
@@ -125,7 +133,8 @@ def convert(
             not end in ``.safetensors`` (default shard size 5 GB).
         io: thread count and request sizes for reading.
         memory: the budget; one slab of at most half of it (and at most
-            ``io.max_chunk_bytes``) is held at a time.
+            ``io.max_chunk_bytes``) is held at a time (``to="orbax"`` holds the
+            whole state: orbax-checkpoint takes it at once).
         progress: called as ``progress(bytes_done, bytes_total)``.
 
     Returns:
@@ -135,6 +144,10 @@ def convert(
         UnsupportedTypeError: the target format cannot hold a dtype or a
             name (the message names the key paths).
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is false.
+        PickleNotAllowedError: a torch.save/DCP source's pickle names a
+            global a weights-only load refuses.
+        MissingDependencyError: torch (``to="torch"``/``"dcp"``) or
+            orbax-checkpoint (Orbax) is not installed; names the extra.
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -167,6 +180,8 @@ def convert(
             write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
         elif fmt == "dcp":
             write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
+        elif fmt == "orbax":
+            write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
         else:
             sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
             write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,

@@ -10,6 +10,7 @@ from statestream.interop._dcpwrite import write_dcp
 from statestream.interop._deps import MissingDependencyError
 from statestream.interop._detect import ForeignCheckpoint, detect_format, open_foreign
 from statestream.interop._files import FileSetReader
+from statestream.interop._orbaxwrite import write_orbax
 from statestream.interop._torchwrite import write_torch
 from statestream.interop._writers import write_safetensors, write_statestream
 
@@ -20,6 +21,7 @@ __all__ = [
     "detect_format",
     "open_foreign",
     "write_dcp",
+    "write_orbax",
     "write_safetensors",
     "write_statestream",
     "write_torch",
