@@ -311,3 +311,22 @@ def test_metadata_names_the_format_and_cli_inspects(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert "enc.w" in r.stdout and "(2, 3)" in r.stdout
+
+
+def test_only_the_wanted_bytes_are_read(tmp_path: Path) -> None:
+    f = tmp_path / "m.safetensors"
+    st_torch.save_file({"big": torch.zeros(2048, 1024), "small": torch.ones(4, 4)}, f)
+    seen: list[tuple[int, int]] = []
+    out = ss.load(f, items=["small"], progress=lambda d, t: seen.append((d, t)))
+    assert set(out) == {"small"} and seen[-1] == (64, 64)
+    # a target holding some rows (a shard) reads about those rows, not the 8 MiB tensor
+    from statestream.api._load import open_checkpoint
+    from statestream.plan import Wanted, plan_load
+
+    reader, m = open_checkpoint(f)
+    reader.close()
+    import numpy as np
+
+    dest = np.empty((16, 1024), np.float32)
+    reqs = plan_load(m.arrays, [Wanted(0, (1000, 0), dest)])
+    assert sum(r.nbytes for r in reqs) <= 4 << 20  # one 4 MiB row block at most
