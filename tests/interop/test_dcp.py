@@ -133,3 +133,22 @@ def test_convert_to_dcp_is_read_by_dcp_load(tmp_path: Path) -> None:
     assert _bits(back["opt"]["hist"][0]) == _bits(torch.ones(2))
     with pytest.raises(ss.CheckpointExistsError):
         ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+
+
+def test_metadata_claiming_a_huge_tensor_is_refused(tmp_path: Path) -> None:
+    """A .metadata whose size is far larger than its chunks must not make load allocate it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    _save({"w": torch.arange(8.0)}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md: Metadata = pickle.load(f)
+    md.state_dict_metadata["w"].size = torch.Size([1 << 40])
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ss.CheckpointCorruptError, match="cover 8 of"):
+        ss.load(tmp_path / "d")
+    md.state_dict_metadata["w"].size = torch.Size([4])
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ss.CheckpointCorruptError, match="outside"):
+        ss.load(tmp_path / "d")

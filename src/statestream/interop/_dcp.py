@@ -34,7 +34,7 @@ from statestream.format import (
     Manifest,
     itemsize_of,
 )
-from statestream.interop._chunks import row_chunks
+from statestream.interop._chunks import check_tiling, row_chunks
 from statestream.interop._files import FileSetReader
 from statestream.interop._torchfile import (
     DType,
@@ -286,7 +286,9 @@ class _Ctx:
             chunks.extend(self._chunk(dtype.name, origin, csize))
         if any(type(x) is not int or x < 0 for x in shape):
             raise CheckpointCorruptError(f"{self.where}: {self.fqn!r} has shape {shape!r:.80}")
-        return ArrayEntry(dtype.name, shape, tuple(chunks))
+        entry = ArrayEntry(dtype.name, shape, tuple(chunks))
+        check_tiling(entry, f"{self.where}: tensor {self.fqn!r}")
+        return entry
 
     def _chunk(self, dtype: str, origin: tuple[int, ...], size: tuple[int, ...]
                ) -> tuple[ChunkEntry, ...]:
