@@ -330,3 +330,17 @@ def test_only_the_wanted_bytes_are_read(tmp_path: Path) -> None:
     dest = np.empty((16, 1024), np.float32)
     reqs = plan_load(m.arrays, [Wanted(0, (1000, 0), dest)])
     assert sum(r.nbytes for r in reqs) <= 4 << 20  # one 4 MiB row block at most
+
+
+def test_jax_target_with_sharding(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    f = tmp_path / "m.safetensors"
+    w = torch.randn(8, 4)
+    st_torch.save_file({"w": w, "b": torch.arange(3.0).to(torch.bfloat16)}, f)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out = ss.load(f, target={"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding),
+                             "b": jnp.zeros(3, jnp.bfloat16)})
+    assert isinstance(out["w"], jax.Array) and out["w"].sharding == sharding
+    assert np.asarray(out["w"]).tobytes() == w.numpy().tobytes()
+    assert out["b"].dtype == jnp.bfloat16 and np.asarray(out["b"], np.float32).tolist() == [0, 1, 2]
