@@ -23,7 +23,7 @@ EXPECTED: dict[str, list[str]] = {
         "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
         "guard_optimizer", "load", "metadata", "register_provider", "release_staging", "save",
-        "save_async", "verify",
+        "save_async", "verify", "convert",
     ],
     "statestream.tree": [
         "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
@@ -72,7 +72,12 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_optimizer",
-        "load", "metadata", "save", "save_async", "verify",
+        "load", "metadata", "save", "save_async", "verify", "convert",
+    ],
+    "statestream.interop": [
+        "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format",
+        "open_foreign",
+        "write_dcp", "write_orbax", "write_safetensors", "write_statestream", "write_torch",
     ],
     "statestream.cli": ["main"],
     "statestream.integrations.lightning": [

@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"cli", "integrations"},
     {"manager"},
     {"api"},
+    {"interop"},
     {"engine"},
     {"plan", "providers"},
     {"storage"},
@@ -34,7 +35,8 @@ LAYERS: list[set[str]] = [
 ]
 LEVEL = {pkg: i for i, level in enumerate(LAYERS) for pkg in level}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "optax")
-FRAMEWORK_HOMES = {"providers", "distributed", "integrations", "testing"}
+# interop writes torch.save / DCP files (torch imported lazily, only by those writers)
+FRAMEWORK_HOMES = {"providers", "distributed", "integrations", "interop", "testing"}
 _NAMES = "|".join(FRAMEWORKS)
 _LOOKUP = re.compile(r"""sys\.modules(?:\.get\(|\[)\s*["'](""" + _NAMES + r""")\b""")
 

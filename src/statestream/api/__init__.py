@@ -1,6 +1,7 @@
 """The public, synchronous API: save, load, metadata, verify."""
 
 from statestream.api._async import SaveHandle, guard_optimizer, save_async
+from statestream.api._convert import convert
 from statestream.api._inspect import (
     ArrayMetadata,
     CheckpointMetadata,
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointMetadata",
     "SaveHandle",
     "VerifyReport",
+    "convert",
     "guard_optimizer",
     "load",
     "metadata",

@@ -7,10 +7,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from statestream.api._load import array_paths, open_checkpoint
+from statestream.api._load import array_paths, open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
+from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, plan_verify
 from statestream.storage import CheckpointReader
 from statestream.tree import KeyPath, Node, format_keypath
@@ -45,6 +46,8 @@ class CheckpointMetadata:
     num_arrays: int
     files: list[tuple[str, int]]
     meta: dict[str, Any]
+    #: ``"statestream"``, or the foreign format read (docs/interop.md)
+    format: str = "statestream"
 
     def leaves(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, leaf)`` for every leaf, depth first."""
@@ -101,6 +104,7 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         num_arrays=len(m.arrays),
         files=[(f.name, f.size) for f in m.files],
         meta=dict(m.meta),
+        format=reader.format if isinstance(reader, FileSetReader) else "statestream",
     )
 
 
@@ -183,6 +187,7 @@ def verify(
                 )
         report.problems.extend(_unlisted(reader, m))
         requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
+        skip_missing_checksums(reader, requests)
 
         def describe(p: ReadPiece) -> str:
             return f"array at key path '{format_keypath(paths.get(p.array, ()))}'"

@@ -33,7 +33,8 @@ from statestream.format import (
     decode_manifest,
     dtype_from_name,
 )
-from statestream.plan import ReadPiece, Wanted, plan_load
+from statestream.interop import FileSetReader, open_foreign
+from statestream.plan import ReadPiece, ReadRequest, Wanted, plan_load
 from statestream.providers import (
     Destination,
     NumpyProvider,
@@ -144,8 +145,25 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
     return decode_manifest(text, where)
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> tuple[CheckpointReader, Manifest]:
-    """Open the committed checkpoint at ``path`` and read its verified manifest."""
+def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]) -> None:
+    """Foreign formats carry no checksums: their reads check sizes and bounds only."""
+    if isinstance(reader, FileSetReader):
+        for r in requests:
+            for p in r.pieces:
+                p.verify = []
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False
+                    ) -> tuple[CheckpointReader, Manifest]:
+    """Open the committed checkpoint at ``path`` and read its verified manifest.
+
+    A foreign checkpoint (safetensors, ...; see docs/interop.md) is recognised
+    by its content and comes back as a manifest its parser built
+    (``allow_pickle``: see torch.save files there).
+    """
+    foreign = open_foreign(path, allow_pickle=allow_pickle)
+    if foreign is not None:
+        return foreign.reader, foreign.manifest
     storage, spath = storage_for(path)
     reader = storage.open_read(spath)
     try:
@@ -704,7 +722,7 @@ def _load(
     memory: MemoryOptions,
     progress: Progress | None,
 ) -> Any:
-    reader, m = open_checkpoint(path)
+    reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
     try:
         root = m.tree
         like = NO_TARGET if target is None else target
@@ -722,6 +740,7 @@ def _load(
         build = _walk(root, like, (), m, job, "numpy", False)
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
+        skip_missing_checksums(reader, requests)
 
         def describe(p: ReadPiece) -> str:
             return f"array at key path '{format_keypath(job.paths.get(p.array, ()))}'"

@@ -1,0 +1,191 @@
+"""``convert``: stream a checkpoint from one format to another under the memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from statestream.api._load import NO_TARGET, _select, open_checkpoint, skip_missing_checksums
+from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
+from statestream.errors import TargetMismatchError
+from statestream.format import Manifest, dtype_from_name
+from statestream.interop import (
+    write_dcp,
+    write_orbax,
+    write_safetensors,
+    write_statestream,
+    write_torch,
+)
+from statestream.interop._writers import ArraySpec, array_paths
+from statestream.plan import ReadPiece, Wanted, plan_load
+from statestream.storage import CheckpointReader
+from statestream.tree import KeyPath, Node, format_keypath
+
+__all__ = ["FORMATS", "convert"]
+
+#: what ``convert(to=...)`` writes
+FORMATS = ("statestream", "safetensors", "torch", "dcp", "orbax")
+_EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def _renumber(node: Node, old: list[int]) -> Node:
+    """A copy of ``node`` whose arrays are numbered 0.. in tree order (``old`` gets the map)."""
+    if node.array is not None:
+        old.append(node.array)
+        return dataclasses.replace(node, array=len(old) - 1)
+    if node.children is None:
+        return node
+    return dataclasses.replace(node, children=[_renumber(c, old) for c in node.children])
+
+
+def _target_format(dst: str, to: str | None) -> str:
+    if to is None:
+        to = _EXTENSIONS.get(os.path.splitext(dst)[1], "statestream")
+    if to not in FORMATS:
+        raise TargetMismatchError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
+    return to
+
+
+class _Slabs:
+    """Reads an array of the source as row slabs of at most ``slab_bytes`` each."""
+
+    def __init__(self, reader: CheckpointReader, m: Manifest, old: list[int], io: IOOptions,
+                 memory: MemoryOptions, progress: Progress | None, paths: dict[int, KeyPath]):
+        self.reader, self.m, self.old, self.io = reader, m, old, io
+        budget = memory.resolved()
+        self.slab_bytes = max(1, min(budget // 2, io.max_chunk_bytes))
+        self.budget = ByteBudget(max(budget - self.slab_bytes, 1 << 20))
+        self.names = [f.name for f in m.files]
+        self.total = sum(m.arrays[i].nbytes for i in old)
+        self.done = 0
+        self.progress = progress
+        self.paths = paths
+
+    def __call__(self, i: int) -> Iterator[tuple[int, np.ndarray]]:
+        ai = self.old[i]
+        entry = self.m.arrays[ai]
+        dt = dtype_from_name(entry.dtype)
+        if not entry.shape:
+            yield 0, self._read(ai, (), np.empty((), dt))
+            return
+        row = max(1, math.prod(entry.shape[1:]) * dt.itemsize)
+        step = max(1, self.slab_bytes // row)
+        for r0 in range(0, entry.shape[0], step):
+            r1 = min(entry.shape[0], r0 + step)
+            buf = np.empty((r1 - r0,) + entry.shape[1:], dt)
+            yield r0, self._read(ai, (r0,) + (0,) * (len(entry.shape) - 1), buf)
+            del buf  # freed before the next slab is allocated
+
+    def _read(self, ai: int, start: tuple[int, ...], buf: np.ndarray) -> np.ndarray:
+        if buf.nbytes:
+            reqs = plan_load(self.m.arrays, [Wanted(ai, start, buf)],
+                             max_request_bytes=self.io.max_request_bytes)
+            skip_missing_checksums(self.reader, reqs)
+
+            def describe(p: ReadPiece) -> str:
+                return f"array at key path '{format_keypath(self.paths.get(p.array, ()))}'"
+
+            read_requests(self.reader, self.names, reqs, options=self.io, budget=self.budget,
+                          describe=describe)
+            self.done += buf.nbytes
+            if self.progress is not None:
+                self.progress(min(self.done, self.total), self.total)
+        return buf
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    items: Sequence[str] | None = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    max_shard_bytes: int | None = None,
+    io: IOOptions | None = None,
+    memory: MemoryOptions | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Convert a checkpoint to another format, streaming it through the memory budget.
+
+    Args:
+        src: any checkpoint ``load`` reads (statestream, safetensors file or
+            Hugging Face shards, torch.save file, DCP or Orbax directory);
+            detected by content. See docs/interop.md.
+        dst: where to write; must not exist unless ``overwrite``.
+        to: ``"statestream"``, ``"safetensors"``, ``"torch"``, ``"dcp"`` or
+            ``"orbax"``. Default: from ``dst``'s extension (``.safetensors``;
+            ``.pt``/``.pth``/``.bin`` for torch), else ``"statestream"``.
+        items: top-level keys to convert; with exactly one, its contents become
+            the root (a safetensors export holds a model's state_dict keys as
+            they are).
+        overwrite: replace an existing ``dst``.
+        allow_pickle: let a torch.save source's pickle name globals a
+            weights-only load refuses. Pickled leaves of a statestream
+            checkpoint are copied as bytes, never unpickled.
+        max_shard_bytes: with ``to="safetensors"``, write Hugging Face shards
+            of at most this many bytes (a larger tensor gets its own shard)
+            and ``model.safetensors.index.json``; also chosen when ``dst`` does
+            not end in ``.safetensors`` (default shard size 5 GB).
+        io: thread count and request sizes for reading.
+        memory: the budget; one slab of at most half of it (and at most
+            ``io.max_chunk_bytes``) is held at a time (``to="orbax"`` holds the
+            whole state: orbax-checkpoint takes it at once).
+        progress: called as ``progress(bytes_done, bytes_total)``.
+
+    Returns:
+        ``dst`` as a string.
+
+    Raises:
+        UnsupportedTypeError: the target format cannot hold a dtype or a
+            name (the message names the key paths).
+        CheckpointExistsError: ``dst`` exists and ``overwrite`` is false.
+        PickleNotAllowedError: a torch.save/DCP source's pickle names a
+            global a weights-only load refuses.
+        MissingDependencyError: torch (``to="torch"``/``"dcp"``) or
+            orbax-checkpoint (Orbax) is not installed; names the extra.
+
+    Example:
+        >>> import numpy as np, tempfile, os, statestream as ss
+        >>> d = tempfile.mkdtemp()
+        >>> ss.save(os.path.join(d, "ck"), {"w": np.arange(3.0), "step": 7})
+        >>> out = ss.convert(os.path.join(d, "ck"), os.path.join(d, "w.safetensors"))
+        >>> ss.load(out)
+        {'w': array([0., 1., 2.]), 'step': 7}
+    """
+    dst_s = os.fspath(dst)
+    fmt = _target_format(dst_s, to)
+    io = io or IOOptions()
+    reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
+    try:
+        root = m.tree
+        if items is not None:
+            root, _ = _select(root, list(items), NO_TARGET, reader.location)
+            if len(root.keys or []) == 1 and root.children:
+                root = root.children[0]
+        old: list[int] = []
+        root = _renumber(root, old)
+        paths = {old[n.array or 0]: p for p, n in array_paths(root)}
+        specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
+        slabs = _Slabs(reader, m, old, io, memory or MemoryOptions(), progress, paths)
+        meta = {k: v for k, v in m.meta.items()
+                if k not in ("library", "created_unix", "world_size", "total_bytes")}
+        if fmt == "statestream":
+            write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
+        elif fmt == "torch":
+            write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
+        elif fmt == "dcp":
+            write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
+        elif fmt == "orbax":
+            write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
+        else:
+            sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
+            write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                              sharded=sharded, max_shard_bytes=max_shard_bytes)
+    finally:
+        reader.close()
+    return dst_s

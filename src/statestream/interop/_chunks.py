@@ -1,0 +1,75 @@
+"""Foreign tensors as statestream chunks: row blocks of one contiguous byte range."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from statestream.errors import CheckpointCorruptError
+from statestream.format import (
+    MAX_ARRAY_BYTES,
+    MAX_DIM,
+    MAX_NDIM,
+    ArrayEntry,
+    ChunkEntry,
+    itemsize_of,
+)
+
+__all__ = ["ROW_BLOCK_BYTES", "check_tiling", "row_chunks"]
+
+#: A foreign tensor is described as chunks of about this size, so that a read of
+#: some of its rows (a slab of a conversion, a shard of a resharded load) reads
+#: only those rows' bytes. Foreign formats carry no checksums to keep whole.
+ROW_BLOCK_BYTES = 4 << 20
+
+
+def row_chunks(file: int, offset: int, dtype: str, shape: tuple[int, ...],
+               origin: tuple[int, ...] = ()) -> tuple[ChunkEntry, ...]:
+    """Chunks covering a C-contiguous tensor stored at ``offset`` of data file ``file``.
+
+    ``origin`` is where the tensor starts in its array (a shard of a larger one).
+    """
+    nbytes = math.prod(shape) * itemsize_of(dtype)
+    if not nbytes:
+        return ()
+    if not shape:
+        return (ChunkEntry(file, offset, nbytes, 0, (), ()),)
+    o = origin or (0,) * len(shape)
+    row = nbytes // shape[0]
+    step = max(1, ROW_BLOCK_BYTES // row)
+    return tuple(
+        ChunkEntry(file, offset + r0 * row, (min(shape[0], r0 + step) - r0) * row, 0,
+                   (o[0] + r0,) + o[1:], (min(shape[0], r0 + step) - r0,) + shape[1:])
+        for r0 in range(0, shape[0], step))
+
+
+def check_tiling(entry: ArrayEntry, what: str) -> None:
+    """The checks a statestream manifest gets: limits, chunks inside the array, covering it
+    exactly once. A foreign format's metadata could otherwise make ``load`` allocate an
+    array far larger than the file, or return memory no chunk filled."""
+    shape = entry.shape
+    if len(shape) > MAX_NDIM or any(not 0 <= n <= MAX_DIM for n in shape) or (
+            math.prod(shape) * itemsize_of(entry.dtype) > MAX_ARRAY_BYTES):
+        raise CheckpointCorruptError(f"{what}: shape {shape} is outside statestream's limits")
+    covered = 0
+    for c in entry.chunks:
+        if len(c.start) != len(shape) or len(c.shape) != len(shape) or any(
+                x < 0 or n < 0 or x + n > s for x, n, s in zip(c.start, c.shape, shape)):
+            raise CheckpointCorruptError(
+                f"{what}: a chunk at {c.start} of shape {c.shape} lies outside {shape}")
+        covered += math.prod(c.shape)
+    if covered != math.prod(shape):
+        raise CheckpointCorruptError(
+            f"{what}: its chunks cover {covered} of its {math.prod(shape)} elements")
+    live = [c for c in entry.chunks if math.prod(c.shape)]
+    if len(live) < 2 or not shape:
+        return
+    lo = np.array([c.start for c in live], dtype=np.int64)
+    hi = lo + np.array([c.shape for c in live], dtype=np.int64)
+    for a in range(0, len(live), 512):  # pairwise, in blocks to bound memory
+        hit: np.ndarray = np.asarray(((lo[a:a + 512, None, :] < hi[None, :, :])
+                                      & (lo[None, :, :] < hi[a:a + 512, None, :])).all(axis=2))
+        hit[np.arange(hit.shape[0]), np.arange(a, a + hit.shape[0])] = False
+        if hit.any():
+            raise CheckpointCorruptError(f"{what}: two of its chunks overlap")

@@ -1,0 +1,348 @@
+"""PyTorch DCP directories (``.metadata`` + ``__<rank>_<n>.distcp``) read without torch.
+
+``.metadata`` is a pickle: it is read by the restricted unpickler, which
+admits DCP's metadata classes (as inert records), ``torch.Size``, dtypes,
+layouts and plain containers, nothing else. Each tensor chunk is a byte
+range of a ``.distcp`` file holding either the raw bytes or a small
+torch.save archive of the chunk (DCP's default); the archive's header is
+parsed here and only the tensor's bytes are read later, into destinations.
+Non-tensor values (``BytesStorageMetadata``) are torch.save archives of plain
+objects, unpickled the same restricted way.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    PickleNotAllowedError,
+    UnsafeCheckpointError,
+    UnsupportedTypeError,
+)
+from statestream.format import (
+    DTYPE_NAMES,
+    ArrayEntry,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    itemsize_of,
+)
+from statestream.interop._chunks import check_tiling, row_chunks
+from statestream.interop._files import FileSetReader
+from statestream.interop._torchfile import (
+    DType,
+    RestrictedUnpickler,
+    TensorRef,
+    _data_offsets_in,
+    _storage,
+    to_node,
+)
+from statestream.tree import Key, KeyPath, Node
+
+__all__ = ["METADATA_NAME", "looks_like_dcp", "open_dcp"]
+
+METADATA_NAME = ".metadata"
+MAX_METADATA_BYTES = 1 << 30
+MAX_BYTES_ITEM = 256 << 20
+_DISTCP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
+_DCP = "torch.distributed.checkpoint.metadata"
+#: the reader's in-memory file holding bytes values read from the metadata's items
+_MEMORY = "<bytes values>"
+
+
+class Record:
+    """An inert stand-in for one of DCP's metadata classes: just its pickled state."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots)
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+
+def _record(name: str) -> type[Record]:
+    return type(name, (Record,), {})
+
+
+def _enum(name: str) -> Any:
+    return lambda *a: f"{name}{a!r}"
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_DCP, n): _record(n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record("_StorageInfo"),
+    (_DCP, "_MEM_FORMAT_ENCODING"): _enum("_MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"): _enum("layout"),
+    ("pathlib", "PosixPath"): lambda *a: "/".join(map(str, a)),
+    ("pathlib", "WindowsPath"): lambda *a: "\\".join(map(str, a)),
+}
+
+
+def looks_like_dcp(directory: str) -> bool:
+    """A directory with ``.metadata`` and at least one ``*.distcp`` file."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return METADATA_NAME in names and any(n.endswith(".distcp") for n in names)
+
+
+def _attr(obj: Any, name: str, where: str) -> Any:
+    if not isinstance(obj, Record) or name not in obj.__dict__:
+        raise CheckpointCorruptError(f"{where}: expected a DCP record with {name!r}")
+    return obj.__dict__[name]
+
+
+def _read_range(path: str, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise CheckpointCorruptError(f"{path} ends before byte {offset + length}")
+    return data
+
+
+def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor: bool,
+                   allow_pickle: bool) -> Any:
+    """Unpickle the small torch.save archive at [offset, offset+length) of ``path``."""
+    if want_tensor:  # only the archive's directory and data.pkl are read here
+        with open(path, "rb") as f:
+            view = _Slice(f, offset, length)
+            try:
+                with zipfile.ZipFile(view) as z:
+                    pkl = [n for n in z.namelist() if n.endswith("/data.pkl")]
+                    if len(pkl) != 1 or z.getinfo(pkl[0]).file_size > MAX_BYTES_ITEM:
+                        raise CheckpointCorruptError(f"{where}: not a torch.save archive")
+                    data = z.read(pkl[0])
+                    offsets = _data_offsets_in(view, z, length, where)
+            except zipfile.BadZipFile as exc:
+                raise CheckpointCorruptError(f"{where}: bad torch.save archive: {exc}") from None
+        obj = RestrictedUnpickler(data, where, allow_pickle=allow_pickle,
+                                  persistent=_storage).load()
+        return obj, offsets, pkl[0][: -len("data.pkl")]
+    if length > MAX_BYTES_ITEM:
+        raise CheckpointCorruptError(f"{where} is {length} bytes, more than allowed")
+    raw = _read_range(path, offset, length)
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                raise CheckpointCorruptError(f"{where}: not a torch.save archive")
+            data = z.read(pkl[0])
+    except zipfile.BadZipFile as exc:
+        raise CheckpointCorruptError(f"{where}: bad torch.save archive: {exc}") from None
+    return RestrictedUnpickler(data, where, allow_pickle=allow_pickle).load()
+
+
+class _Slice(io.RawIOBase):
+    """A read-only, seekable window [start, start+length) of an open file."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _metadata(directory: str, allow_pickle: bool) -> Any:
+    path = os.path.join(directory, METADATA_NAME)
+    if os.path.getsize(path) > MAX_METADATA_BYTES:
+        raise CheckpointCorruptError(f"{path} is larger than {MAX_METADATA_BYTES} bytes")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return RestrictedUnpickler(data, path, allow_pickle=allow_pickle, extra=_ALLOWED).load()
+    except (CheckpointCorruptError, UnsupportedTypeError, PickleNotAllowedError):
+        raise
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path} cannot be read: {exc}") from None
+
+
+def open_dcp(directory: str, *, allow_pickle: bool = False
+             ) -> tuple[FileSetReader, Manifest]:
+    """A DCP checkpoint directory as a reader and a manifest."""
+    where = os.path.join(directory, METADATA_NAME)
+    md = _metadata(directory, allow_pickle)
+    sdm = _attr(md, "state_dict_metadata", where)
+    storage = _attr(md, "storage_data", where)
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise CheckpointCorruptError(f"{where}: state_dict_metadata/storage_data are not maps")
+    infos: dict[tuple[str, Any], Any] = {}
+    files: dict[str, int] = {}
+    for idx, info in storage.items():
+        fqn = _attr(idx, "fqn", where)
+        off = idx.__dict__.get("offset")
+        infos[(fqn, tuple(off) if off is not None else None)] = info
+        rel = _attr(info, "relative_path", where)
+        if type(rel) is not str or not _DISTCP_RE.fullmatch(rel) or ".." in rel:
+            raise UnsafeCheckpointError(
+                f"{where} names data file {rel!r:.120}, which is not a plain file in "
+                f"{directory}; refusing to read it")
+        if info.__dict__.get("transform_descriptors"):
+            raise UnsupportedTypeError(
+                f"{where}: {fqn!r} is stored with transforms "
+                f"{info.__dict__['transform_descriptors']!r:.80}, which statestream does not read")
+        files.setdefault(rel, len(files))
+    sizes = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in files}
+    arrays: list[ArrayEntry] = []
+    values: dict[str, Node] = {}
+    memory = bytearray()
+    mem_index = len(files)
+
+    def blob(data: bytes) -> ArrayEntry:
+        memory.extend(data)
+        return ArrayEntry("uint8", (len(data),), row_chunks(
+            mem_index, len(memory) - len(data), "uint8", (len(data),)))
+
+    for fqn, meta in sdm.items():
+        if type(fqn) is not str:
+            raise CheckpointCorruptError(f"{where}: key {fqn!r:.80} is not a string")
+        ctx = _Ctx(directory, fqn, infos, files, sizes, allow_pickle, where)
+        if type(meta).__name__ == "BytesStorageMetadata":
+            values[fqn] = ctx.value(arrays, blob)
+        else:
+            arrays.append(ctx.tensor(meta))
+            values[fqn] = Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
+    root = _nest(values, md.__dict__.get("planner_data"))
+    reader = FileSetReader(directory, {r: os.path.join(directory, r) for r in files},
+                           memory={_MEMORY: bytes(memory)})
+    return reader, Manifest(root, arrays, [FileEntry(r, sizes[r]) for r in files]
+                            + [FileEntry(_MEMORY, len(memory))])
+
+
+class _Ctx:
+    def __init__(self, directory: str, fqn: str, infos: dict[tuple[str, Any], Any],
+                 files: dict[str, int], sizes: dict[str, int], allow_pickle: bool,
+                 where: str) -> None:
+        self.directory, self.fqn, self.infos, self.files = directory, fqn, infos, files
+        self.sizes, self.allow_pickle, self.where = sizes, allow_pickle, where
+
+    def _span(self, key: Any) -> tuple[str, int, int]:
+        info = self.infos.get((self.fqn, key))
+        if info is None:
+            raise CheckpointCorruptError(f"{self.where}: no storage for {self.fqn!r} at {key}")
+        rel, off, n = (_attr(info, a, self.where) for a in ("relative_path", "offset", "length"))
+        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or (
+                off + n > self.sizes[rel]):
+            raise CheckpointCorruptError(
+                f"{self.where}: {self.fqn!r} lies outside {rel} ({self.sizes[rel]} bytes)")
+        return rel, off, n
+
+    def value(self, arrays: list[ArrayEntry], blob: Callable[[bytes], ArrayEntry]) -> Node:
+        rel, off, n = self._span(None)
+        obj = _torch_archive(os.path.join(self.directory, rel), off, n,
+                             f"{self.fqn!r} in {rel}", False, self.allow_pickle)
+
+        def no_tensor(t: Any, p: KeyPath) -> ArrayEntry:
+            raise UnsupportedTypeError(f"{self.fqn!r} holds a tensor inside a non-tensor value")
+
+        return to_node(obj, (), arrays, no_tensor, blob=blob)
+
+    def tensor(self, meta: Any) -> ArrayEntry:
+        props = _attr(meta, "properties", self.where)
+        state = props.__dict__.get("_state", props.__dict__)
+        dtype = state[0] if isinstance(state, tuple) else state.get("dtype")
+        if not isinstance(dtype, DType) or dtype.name not in DTYPE_NAMES:
+            raise UnsupportedTypeError(f"{self.where}: {self.fqn!r} has dtype {dtype!s:.40}, "
+                                       "which statestream cannot hold")
+        shape = tuple(_attr(meta, "size", self.where))
+        chunks: list[ChunkEntry] = []
+        for c in _attr(meta, "chunks", self.where):
+            origin = tuple(_attr(c, "offsets", self.where))
+            csize = tuple(_attr(c, "sizes", self.where))
+            chunks.extend(self._chunk(dtype.name, origin, csize))
+        if any(type(x) is not int or x < 0 for x in shape):
+            raise CheckpointCorruptError(f"{self.where}: {self.fqn!r} has shape {shape!r:.80}")
+        entry = ArrayEntry(dtype.name, shape, tuple(chunks))
+        check_tiling(entry, f"{self.where}: tensor {self.fqn!r}")
+        return entry
+
+    def _chunk(self, dtype: str, origin: tuple[int, ...], size: tuple[int, ...]
+               ) -> tuple[ChunkEntry, ...]:
+        rel, off, n = self._span(origin)
+        path = os.path.join(self.directory, rel)
+        nbytes = math.prod(size) * itemsize_of(dtype)
+        if n == nbytes and _read_range(path, off, min(n, 4)) != b"PK\x03\x04":
+            return row_chunks(self.files[rel], off, dtype, size, origin)  # raw bytes
+        obj, offsets, prefix = _torch_archive(path, off, n, f"{self.fqn!r} in {rel}", True,
+                                              self.allow_pickle)
+        if not isinstance(obj, TensorRef) or obj.dtype != dtype or obj.shape != size:
+            raise CheckpointCorruptError(f"{self.where}: the chunk of {self.fqn!r} at {origin} "
+                                         "does not hold the tensor its metadata describes")
+        entry = offsets.get(f"{prefix}data/{obj.storage.key}")
+        if entry is None or obj.offset * itemsize_of(dtype) + nbytes > entry[1]:
+            raise CheckpointCorruptError(f"{self.where}: the chunk of {self.fqn!r} lies outside "
+                                         "its archive")
+        return row_chunks(self.files[rel], off + entry[0] + obj.offset * itemsize_of(dtype),
+                          dtype, size, origin)
+
+
+def _nest(values: dict[str, Node], planner: Any) -> Node:
+    """Nested dicts from DCP's planner_data (fqn -> original key path), else flat keys."""
+    paths: dict[str, tuple[Key, ...]] = {}
+    if isinstance(planner, dict) and all(
+            isinstance(planner.get(f), tuple) and planner[f]
+            and all(type(k) in (str, int) for k in planner[f]) for f in values):
+        paths = {f: planner[f] for f in values}
+    else:
+        paths = {f: (f,) for f in values}
+    top: dict[Key, Any] = {}
+    for f, p in paths.items():
+        d = top
+        for k in p[:-1]:
+            nxt = d.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                return _flat(values)
+            d = nxt
+        if p[-1] in d:
+            return _flat(values)
+        d[p[-1]] = values[f]
+
+    def build(d: dict[Key, Any]) -> Node:
+        keys = list(d)
+        kids = [build(v) if isinstance(v, dict) else v for v in d.values()]
+        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+            # DCP's own unflattening makes a list where a path element is an int
+            return Node("list", children=[kids[keys.index(i)] for i in range(len(keys))])
+        return Node("dict", keys=keys, children=kids)
+
+    return build(top)
+
+
+def _flat(values: dict[str, Node]) -> Node:
+    keys: list[Key] = list(values)
+    return Node("dict", keys=keys, children=list(values.values()))
+

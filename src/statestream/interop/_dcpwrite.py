@@ -1,0 +1,119 @@
+"""Write a PyTorch DCP directory that ``torch.distributed.checkpoint.load`` reads.
+
+One data file ``__0_0.distcp``: each tensor is a small torch.save archive
+(what DCP's FileSystemReader hands to ``torch.load``) streamed slab by slab;
+each non-tensor value a torch.save of the plain value. ``.metadata`` is
+DCP's own ``Metadata`` with ``planner_data`` giving every key's path, written
+last, so a directory without it is not a checkpoint. torch is imported here
+only, when this writer runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+from statestream.errors import UnsupportedTypeError
+from statestream.interop._deps import require
+from statestream.interop._torchwrite import (
+    _Tensor,
+    pickle_state,
+    python_state,
+    small_bytes,
+    write_zip,
+)
+from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
+from statestream.tree import KeyPath, Node, format_keypath
+
+__all__ = ["write_dcp"]
+
+DATA_NAME = "__0_0.distcp"
+
+
+def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]]) -> None:
+    """DCP's flattening: dicts and lists are walked, anything else is one item."""
+    if node.kind == "stateful":
+        _items((node.children or [])[0], p, out)
+        return
+    kids = node.children or []
+    if node.kind == "list":
+        for i, c in enumerate(kids):
+            _items(c, p + (i,), out)
+    elif node.kind in ("dict", "namedtuple", "dataclass", "pytree"):
+        for k, c in zip(node.keys or [], kids):
+            _items(c, p + (k,), out)
+    else:
+        out.append((p, node))
+
+
+def _has_array(node: Node) -> bool:
+    return node.array is not None or any(_has_array(c) for c in node.children or [])
+
+
+def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
+              overwrite: bool) -> None:
+    """A single-rank DCP checkpoint directory at ``dst``."""
+    torch = require("torch", "torch", "writing DCP checkpoints")
+    md = require("torch.distributed.checkpoint.metadata", "torch", "writing DCP checkpoints")
+    storage_info = require("torch.distributed.checkpoint.filesystem", "torch",
+                           "writing DCP checkpoints")._StorageInfo
+
+    items: list[tuple[KeyPath, Node]] = []
+    _items(root, (), items)
+    fqns: dict[str, KeyPath] = {}
+    for p, node in items:
+        fqn = ".".join(str(k) for k in p)
+        if fqn in fqns:
+            raise UnsupportedTypeError(
+                f"key paths '{format_keypath(fqns[fqn])}' and '{format_keypath(p)}' both "
+                f"become the DCP key {fqn!r}; rename one to convert")
+        if node.kind not in ("array", "bytes", "pickle") and _has_array(node):
+            raise UnsupportedTypeError(
+                f"key path '{format_keypath(p)}' is a {node.kind} holding arrays, which DCP "
+                "stores only inside dicts and lists")
+        fqns[fqn] = p
+    small = small_bytes(root, specs, slabs)
+    _claim(dst, overwrite)
+    staging = _staging_path(dst)
+    try:
+        sdm: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        with open(os.path.join(staging, DATA_NAME), "wb") as f:
+            for fqn, (p, node) in zip(fqns, items):
+                start = f.tell()
+                if node.kind == "array":
+                    dtype, shape = specs[node.array or 0]
+                    data, tensors = pickle_state(_Tensor(node.array or 0, (dtype, shape)))
+                    write_zip(f, data, tensors, slabs)
+                    zeros = torch.Size([0] * len(shape))
+                    sdm[fqn] = md.TensorStorageMetadata(
+                        properties=md.TensorProperties(dtype=getattr(torch, dtype)),
+                        size=torch.Size(shape),
+                        chunks=[md.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
+                    index = md.MetadataIndex(fqn, zeros, 0)
+                else:
+                    buf = io.BytesIO()
+                    torch.save(python_state(node, specs, small, p), buf)
+                    f.write(buf.getbuffer())
+                    sdm[fqn] = md.BytesStorageMetadata()
+                    index = md.MetadataIndex(fqn)
+                storage[index] = storage_info(DATA_NAME, start, f.tell() - start)
+            f.flush()
+            os.fsync(f.fileno())
+        planner = {fqn: tuple(p) for fqn, p in fqns.items()}  # ints: list indices
+        meta = md.Metadata(state_dict_metadata=sdm, planner_data=planner,
+                           storage_data=storage, storage_meta=md.StorageMeta())
+        with open(os.path.join(staging, ".metadata"), "wb") as f:
+            pickle.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(staging, dst)
+        staging = ""
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+

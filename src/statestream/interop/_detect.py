@@ -1,0 +1,111 @@
+"""Which format a path holds, decided by content (extensions only break ties)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from statestream.errors import CheckpointCorruptError, CheckpointError
+from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
+from statestream.interop._dcp import looks_like_dcp, open_dcp
+from statestream.interop._files import FileSetReader
+from statestream.interop._orbax import looks_like_orbax, open_orbax
+from statestream.interop._safetensors import (
+    find_index,
+    looks_like_safetensors,
+    open_safetensors,
+    open_sharded,
+)
+from statestream.interop._torchfile import looks_like_torch_zip, open_torch_file
+
+__all__ = ["ForeignCheckpoint", "detect_format", "open_foreign"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_TORCH_EXTENSIONS = (".pt", ".pth", ".bin")
+
+
+@dataclasses.dataclass
+class ForeignCheckpoint:
+    """A checkpoint in another library's format, read through the load pipeline.
+
+    ``checksums`` is False: these formats carry none, so reads check sizes
+    and bounds only.
+    """
+
+    format: str
+    reader: FileSetReader
+    manifest: Manifest
+    checksums: bool = False
+
+
+def _head(path: str, n: int = 16) -> tuple[bytes, int]:
+    with open(path, "rb") as f:
+        return f.read(n), os.fstat(f.fileno()).st_size
+
+
+def detect_format(path: str | os.PathLike[str]) -> str | None:
+    """The foreign format at ``path``, or None (statestream's own, or unknown).
+
+    One of ``"safetensors"``, ``"safetensors-sharded"``, ``"torch"``, ``"dcp"``,
+    ``"orbax"``. Files
+    are recognised by their first bytes: a safetensors file starts with an
+    8-byte little-endian header length followed by ``{``; a torch.save file
+    is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
+    safetensors when it holds a ``*.safetensors.index.json``, and DCP when it
+    holds ``.metadata`` and ``*.distcp`` files, Orbax when it holds
+    ``_CHECKPOINT_METADATA`` or ``_METADATA`` (and no statestream manifest).
+    """
+    p = os.fspath(path)
+    if "://" in p:
+        return None
+    if os.path.isdir(p):
+        if os.path.exists(os.path.join(p, MANIFEST_NAME)) or os.path.exists(
+                os.path.join(p, COMMIT_NAME)):
+            return None
+        if find_index(p) is not None:
+            return "safetensors-sharded"
+        if looks_like_dcp(p):
+            return "dcp"
+        if looks_like_orbax(p):
+            return "orbax"
+        return None
+    if os.path.isfile(p):
+        head, size = _head(p)
+        if looks_like_safetensors(head, size):
+            return "safetensors"
+        if head.startswith(_ZIP_MAGIC) and looks_like_torch_zip(p):
+            return "torch"
+        if p.endswith(".safetensors"):
+            return "safetensors"  # a damaged one: its parser says what is wrong
+        if p.endswith(_TORCH_EXTENSIONS):
+            raise CheckpointCorruptError(
+                f"{p} is neither a zip-format torch.save file nor safetensors (a legacy "
+                "torch.save file, or damaged); load it with torch and save it again")
+    return None
+
+
+def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
+                 ) -> ForeignCheckpoint | None:
+    """Open a foreign checkpoint for reading, or None when ``path`` is not one.
+
+    ``allow_pickle`` lets a torch.save file's pickle name other globals.
+    """
+    fmt = detect_format(path)
+    p = os.fspath(path)
+    if fmt == "safetensors":
+        reader, m = open_safetensors(p)
+    elif fmt == "safetensors-sharded":
+        index = find_index(p)
+        if index is None:  # pragma: no cover - detect_format found it
+            raise CheckpointError(f"{p}: the safetensors index disappeared")
+        reader, m = open_sharded(index)
+    elif fmt == "dcp":
+        reader, m = open_dcp(p, allow_pickle=allow_pickle)
+    elif fmt == "orbax":
+        reader, m = open_orbax(p)
+    elif fmt == "torch":
+        reader, m = open_torch_file(p, allow_pickle=allow_pickle)
+    else:
+        return None
+    reader.format = fmt
+    return ForeignCheckpoint(fmt, reader, m)

@@ -1,0 +1,77 @@
+"""Orbax checkpoints, read through orbax-checkpoint (the optional extra ``statestream[orbax]``).
+
+Orbax stores arrays through tensorstore (OCDBT or not), whose layout is
+orbax's own business: the checkpoint is restored by orbax itself, as NumPy,
+and served from memory. Unlike the other formats this holds the whole state
+in memory while it is read or converted.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import UnsupportedTypeError
+from statestream.format import ArrayEntry, FileEntry, Manifest, dtype_name
+from statestream.interop._chunks import row_chunks
+from statestream.interop._deps import require
+from statestream.interop._files import FileSetReader
+from statestream.tree import Key, KeyPath, Node, format_keypath
+
+__all__ = ["looks_like_orbax", "open_orbax"]
+
+_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+
+
+def looks_like_orbax(directory: str) -> bool:
+    """A directory with orbax's ``_CHECKPOINT_METADATA`` or ``_METADATA`` file."""
+    return any(os.path.isfile(os.path.join(directory, m)) for m in _MARKERS)
+
+
+def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
+    """Restore an Orbax checkpoint with orbax-checkpoint and describe it as a manifest."""
+    ocp = require("orbax.checkpoint", "orbax", "reading Orbax checkpoints")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = ocp.PyTreeCheckpointer().restore(os.path.abspath(directory))
+    arrays: list[ArrayEntry] = []
+    memory: dict[str, memoryview] = {}
+    files: list[FileEntry] = []
+    root = _node(state, (), arrays, memory, files)
+    return FileSetReader(directory, {}, memory=memory), Manifest(root, arrays, files)
+
+
+def _node(x: Any, p: KeyPath, arrays: list[ArrayEntry], memory: dict[str, memoryview],
+          files: list[FileEntry]) -> Node:
+    if x is None:
+        return Node("none")
+    for t, kind in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
+        if type(x) is t:
+            return Node(kind, value=x)
+    if isinstance(x, dict):
+        keys: list[Key] = [k for k in x if type(k) in (str, int)]
+        if len(keys) != len(x):
+            raise UnsupportedTypeError(f"a key at key path '{format_keypath(p)}' is not str/int")
+        return Node("dict", keys=keys,
+                    children=[_node(x[k], p + (k,), arrays, memory, files) for k in keys])
+    if isinstance(x, (list, tuple)):
+        kids = [_node(v, p + (i,), arrays, memory, files) for i, v in enumerate(x)]
+        return Node("list" if isinstance(x, list) else "tuple", children=kids)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise UnsupportedTypeError(
+            f"key path '{format_keypath(p)}' holds a {type(x).__name__} restored by orbax, "
+            "which statestream cannot represent")
+    a = np.ascontiguousarray(np.asarray(x))
+    name = dtype_name(a.dtype)
+    if name is None:
+        raise UnsupportedTypeError(f"key path '{format_keypath(p)}' has dtype {a.dtype}, "
+                                   "which statestream cannot hold")
+    fname = f"<array {len(files)}>"
+    memory[fname] = memoryview(a.reshape(-1).view(np.uint8).data)
+    files.append(FileEntry(fname, a.nbytes))
+    arrays.append(ArrayEntry(name, tuple(a.shape), row_chunks(len(files) - 1, 0, name,
+                                                              tuple(a.shape))))
+    return Node("array", array=len(arrays) - 1)

@@ -1,0 +1,323 @@
+"""torch.save files (zip format) read without torch: a restricted unpickler, byte ranges.
+
+``data.pkl`` is unpickled by :class:`RestrictedUnpickler`, which resolves
+only the globals ``torch.load(weights_only=True)`` admits for plain state
+(tensor rebuild functions, storage and dtype names, ``OrderedDict``,
+``torch.Size``, ``torch.device``, a few builtins) -- and resolves them to
+our own inert stand-ins, never to torch. Tensors become byte ranges of the
+zip's ``data/<key>`` entries (stored, not compressed), read straight into
+destination buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    PickleNotAllowedError,
+    UnsupportedTypeError,
+)
+from statestream.format import DTYPE_NAMES, ArrayEntry, FileEntry, Manifest, itemsize_of
+from statestream.interop._chunks import row_chunks
+from statestream.interop._files import FileSetReader
+from statestream.tree import Key, KeyPath, Node, format_keypath
+
+__all__ = ["RestrictedUnpickler", "looks_like_torch_zip", "open_torch_file", "to_node"]
+
+MAX_PICKLE_BYTES = 1 << 30
+MAX_ZIP_ENTRIES = 1 << 22
+
+#: torch's legacy storage classes -> dtype names
+STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+}
+#: torch dtype attribute names -> dtype names (aliases included)
+TORCH_DTYPES = {n: n for n in DTYPE_NAMES} | {
+    "float": "float32", "double": "float64", "half": "float16", "long": "int64",
+    "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageType:
+    """Stand-in for a torch storage class (or a dtype: ``dtype`` is its element type)."""
+
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """Stand-in for a ``torch.dtype`` value."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: str
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor of the file: a view of a storage (element offset, shape, strides)."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+def _ints(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, (tuple, list)) or any(type(v) is not int or v < 0 for v in x):
+        raise CheckpointCorruptError(f"tensor {what} {x!r:.80} is not a tuple of integers")
+    return tuple(x)
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+        raise CheckpointCorruptError("a tensor is rebuilt from something that is not a storage")
+    return TensorRef(storage, offset, _ints(size, "size"), _ints(stride, "stride"),
+                     storage.dtype)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                hooks: Any, dtype: Any, *rest: Any) -> TensorRef:
+    t = _rebuild_v2(storage, offset, size, stride)
+    if not isinstance(dtype, DType):
+        raise CheckpointCorruptError(f"tensor dtype {dtype!r:.80} is not a torch dtype")
+    return dataclasses.replace(t, dtype=dtype.name)
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data
+
+
+def _device(kind: Any, index: Any = None) -> str:
+    return str(kind) if index is None else f"{kind}:{index}"
+
+
+def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise PickleNotAllowedError(f"_codecs.encode with encoding {encoding!r:.40} refused")
+    return text.encode(encoding)
+
+
+_SAFE: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): _device,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): _encode,
+    ("torch.storage", "UntypedStorage"): StorageType("uint8"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Admits only what ``torch.load(weights_only=True)`` admits for plain state.
+
+    Anything else raises :class:`PickleNotAllowedError` before it is
+    imported or called, unless ``allow_pickle`` (then Python's own lookup).
+    """
+
+    def __init__(self, data: bytes, where: str, *, allow_pickle: bool = False,
+                 extra: dict[tuple[str, str], Any] | None = None,
+                 persistent: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.allow_pickle = allow_pickle
+        self.extra = extra or {}
+        self.persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _SAFE.get((module, name), self.extra.get((module, name)))
+        if found is not None:
+            return found
+        if module == "torch" and name in STORAGE_DTYPES:
+            return StorageType(STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_DTYPES:
+            return DType(TORCH_DTYPES[name])
+        if self.allow_pickle:
+            return super().find_class(module, name)
+        raise PickleNotAllowedError(
+            f"{self.where} refers to {module}.{name}, which a weights-only load does not "
+            "admit (unpickling it could run arbitrary code); pass allow_pickle=True only if "
+            "you trust this file")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self.persistent is None:
+            raise PickleNotAllowedError(f"{self.where}: unexpected persistent id {pid!r:.80}")
+        return self.persistent(pid)
+
+
+def _storage(pid: Any) -> StorageRef:
+    if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+            or not isinstance(pid[1], StorageType) or type(pid[2]) is not str
+            or type(pid[4]) is not int or pid[4] < 0):
+        raise CheckpointCorruptError(f"persistent id {pid!r:.120} is not a tensor storage")
+    return StorageRef(pid[2], pid[1].dtype, pid[4])
+
+
+def looks_like_torch_zip(path: str) -> bool:
+    """A zip archive with a ``<name>/data.pkl`` entry (what torch.save writes)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/data.pkl") and n.count("/") == 1 for n in z.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def _data_offsets(path: str, z: zipfile.ZipFile, size: int) -> dict[str, tuple[int, int]]:
+    """Entry name -> (byte offset of its data in the file, length), stored entries only."""
+    with open(path, "rb") as f:
+        return _data_offsets_in(f, z, size, path)
+
+
+def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
+                     ) -> dict[str, tuple[int, int]]:
+    """As ``_data_offsets`` for an open (seekable) file object ``f`` of ``size`` bytes."""
+    out = {}
+    infos = z.infolist()
+    if len(infos) > MAX_ZIP_ENTRIES:
+        raise CheckpointCorruptError(f"{where} has more than {MAX_ZIP_ENTRIES} zip entries")
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            continue
+        f.seek(info.header_offset)
+        head = f.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            raise CheckpointCorruptError(f"{where}: bad zip local header for {info.filename}")
+        n, m = struct.unpack("<HH", head[26:30])
+        start = info.header_offset + 30 + n + m
+        if start + info.file_size > size:
+            raise CheckpointCorruptError(
+                f"{where}: zip entry {info.filename} runs past the end of the file")
+        out[info.filename] = (start, info.file_size)
+    return out
+
+
+def open_torch_file(path: str, *, allow_pickle: bool = False
+                    ) -> tuple[FileSetReader, Manifest]:
+    """A torch.save zip file as a reader and a manifest (weights-only semantics)."""
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                raise CheckpointCorruptError(f"{path} is a zip file but not a torch.save file")
+            info = z.getinfo(pkl[0])
+            if info.file_size > MAX_PICKLE_BYTES:
+                raise CheckpointCorruptError(f"{path}: data.pkl is larger than allowed")
+            data = z.read(info)
+            offsets = _data_offsets(path, z, size)
+    except zipfile.BadZipFile as exc:
+        raise CheckpointCorruptError(f"{path} is not a valid zip archive: {exc}") from None
+    prefix = pkl[0][: -len("data.pkl")]
+    try:
+        obj = RestrictedUnpickler(data, f"{path} ({pkl[0]})", allow_pickle=allow_pickle,
+                                  persistent=_storage).load()
+    except (PickleNotAllowedError, CheckpointCorruptError):
+        raise
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path}: data.pkl cannot be read: {exc}") from None
+    arrays: list[ArrayEntry] = []
+
+    def tensor(t: TensorRef, p: KeyPath) -> ArrayEntry:
+        return _tensor_entry(t, offsets, prefix, path, p)
+
+    root = to_node(obj, (), arrays, tensor)
+    name = os.path.basename(path)
+    return FileSetReader(path, {name: path}), Manifest(root, arrays, [FileEntry(name, size)])
+
+
+def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str,
+                  path: str, p: KeyPath) -> ArrayEntry:
+    where = f"tensor at key path '{format_keypath(p)}' of {path}"
+    if t.dtype not in DTYPE_NAMES:
+        raise UnsupportedTypeError(f"{where} has dtype {t.dtype}, which statestream cannot hold")
+    entry = offsets.get(f"{prefix}data/{t.storage.key}")
+    if entry is None:
+        raise CheckpointCorruptError(f"{where}: storage {t.storage.key!r:.40} is not in the "
+                                     "archive (or is compressed)")
+    start, length = entry
+    item = itemsize_of(t.dtype)
+    if len(t.shape) != len(t.stride):
+        raise CheckpointCorruptError(f"{where}: size and stride differ in length")
+    expect, acc = [], 1
+    for n in reversed(t.shape):
+        expect.append(acc)
+        acc *= n
+    if any(n > 1 and s != e for n, s, e in zip(t.shape, t.stride, reversed(expect))):
+        raise UnsupportedTypeError(
+            f"{where} is a non-contiguous view (size {t.shape}, stride {t.stride}); "
+            "save tensor.contiguous() to convert it")
+    nbytes = math.prod(t.shape) * item
+    off = t.offset * item
+    if off + nbytes > min(length, t.storage.numel * itemsize_of(t.storage.dtype)):
+        raise CheckpointCorruptError(f"{where} lies outside its storage's {length} bytes")
+    return ArrayEntry(t.dtype, t.shape, row_chunks(0, start + off, t.dtype, t.shape))
+
+
+def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
+            tensor: Callable[[Any, KeyPath], ArrayEntry], depth: int = 0,
+            blob: Callable[[bytes], ArrayEntry] | None = None) -> Node:
+    """A statestream tree for an unpickled state (containers, scalars, tensor references).
+
+    ``blob`` stores a bytes value (without it, bytes are refused).
+    """
+    if depth > 200:
+        raise CheckpointCorruptError(f"state nested deeper than 200 at '{format_keypath(p)}'")
+    if isinstance(obj, TensorRef) or type(obj).__name__ == "TensorStorageMetadata":
+        arrays.append(tensor(obj, p))
+        return Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
+    if obj is None:
+        return Node("none")
+    for t, kind in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
+        if type(obj) is t:
+            return Node(kind, value=obj)
+    if isinstance(obj, DType):
+        return Node("str", value=str(obj))
+    if type(obj) in (bytes, bytearray) and blob is not None:
+        arrays.append(blob(bytes(obj)))
+        return Node("bytes", array=len(arrays) - 1)
+    if isinstance(obj, dict):
+        keys: list[Key] = []
+        for k in obj:
+            if type(k) not in (str, int):
+                raise UnsupportedTypeError(
+                    f"key {k!r:.60} at key path '{format_keypath(p)}' is not a str or int")
+            keys.append(k)
+        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob) for k in keys]
+        return Node("dict", keys=keys, children=kids)
+    if type(obj) in (list, tuple):
+        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob) for i, v in enumerate(obj)]
+        return Node("list" if type(obj) is list else "tuple", children=kids)
+    raise UnsupportedTypeError(
+        f"key path '{format_keypath(p)}' holds a {type(obj).__name__}, which statestream "
+        "cannot represent from this format")

@@ -1,0 +1,244 @@
+"""Writers fed array by array, slab by slab: statestream and safetensors (one file or shards).
+
+A writer is told every array's dtype and shape first, then receives each
+array's bytes as consecutive row slabs (``Slabs``), so a conversion holds
+one slab at a time, never the state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from statestream._version import __version__
+from statestream.errors import CheckpointExistsError, UnsupportedTypeError
+from statestream.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    ArrayEntry,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    checksum,
+    encode_commit,
+    encode_manifest,
+    encode_tree,
+    itemsize_of,
+)
+from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE_KEY
+from statestream.storage import storage_for
+from statestream.tree import KeyPath, Node, format_keypath
+
+__all__ = ["ArraySpec", "Slabs", "array_paths", "tensor_names", "write_safetensors",
+           "write_statestream"]
+
+#: (dtype name, shape) of each array, in the order the writer receives them
+ArraySpec = tuple[str, tuple[int, ...]]
+#: array index -> its row slabs as (first row, C-contiguous array)
+Slabs = Callable[[int], Iterator[tuple[int, np.ndarray]]]
+#: Hugging Face's default shard size ("5GB")
+DEFAULT_SHARD_BYTES = 5_000_000_000
+
+
+def array_paths(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Node]]:
+    """Every array-holding node (arrays, bytes, pickles) with its key path, in tree order."""
+    if node.array is not None:
+        yield path, node
+        return
+    kids = node.children or []
+    if node.kind == "stateful":
+        for c in kids:
+            yield from array_paths(c, path)
+        return
+    keys = list(node.keys) if node.keys is not None else list(range(len(kids)))
+    for k, c in zip(keys, kids):
+        yield from array_paths(c, path + (k,))
+
+
+def tensor_names(root: Node) -> list[str]:
+    """Flat tensor names (key path joined with ``.``) by array index; unique or an error."""
+    found = sorted(((n.array or 0, p) for p, n in array_paths(root)), key=lambda x: x[0])
+    names = [".".join(str(k) for k in p) or "tensor" for _, p in found]
+    seen: dict[str, KeyPath] = {}
+    for (_, p), name in zip(found, names):
+        if name in seen:
+            raise UnsupportedTypeError(
+                f"key paths '{format_keypath(seen[name])}' and '{format_keypath(p)}' both "
+                f"become the flat tensor name {name!r}; rename one to convert")
+        seen[name] = p
+    return names
+
+
+def _staging_path(final: str) -> str:
+    parent = os.path.dirname(os.path.abspath(final)) or "."
+    return tempfile.mkdtemp(prefix=".statestream-convert-", dir=parent)
+
+
+def _claim(final: str, overwrite: bool) -> None:
+    if os.path.lexists(final):
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{final} already exists; pass overwrite=True to replace it")
+
+
+def _publish(staged: str, final: str) -> None:
+    """Move the finished file or directory into place (replacing an old one)."""
+    if os.path.isdir(final) and not os.path.islink(final):
+        old = final + f".old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+
+
+# ----------------------------------------------------------------------------- statestream
+
+
+def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[ArraySpec],
+                      slabs: Slabs, meta: dict[str, Any], *, overwrite: bool) -> None:
+    """Write a statestream checkpoint (one data file, one chunk per slab), atomically."""
+    storage, spath = storage_for(dst)
+    txn = storage.begin_write(spath, overwrite=overwrite)
+    try:
+        name = "data/r0-0.bin"
+        total = sum(math.prod(s) * itemsize_of(d) for d, s in specs)
+        fw = txn.create_file(name, total)
+        pos = 0
+        arrays = []
+        for i, (dtype, shape) in enumerate(specs):
+            chunks = []
+            for row, buf in slabs(i):
+                flat = buf.reshape(-1).view(np.uint8)
+                if not flat.nbytes:
+                    continue
+                fw.write_at([flat], pos)
+                start = (row,) + (0,) * (len(shape) - 1) if shape else ()
+                chunks.append(ChunkEntry(0, pos, flat.nbytes, checksum(flat), start,
+                                         tuple(buf.shape)))
+                pos += flat.nbytes
+                del buf, flat  # before the next slab is read: one slab at a time
+            arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
+        fw.finish()
+        full = {**meta, "library": f"statestream {__version__}", "created_unix": time.time(),
+                "world_size": 1, "total_bytes": total}
+        mbytes = encode_manifest(Manifest(root, arrays, [FileEntry(name, pos)], full))
+        txn.write_bytes(MANIFEST_NAME, mbytes)
+        txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
+        txn.commit()
+    except BaseException:
+        txn.abort()
+        raise
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def check_safetensors(root: Node, specs: Sequence[ArraySpec]) -> list[str]:
+    """Tensor names, after checking every dtype has a safetensors code (error names paths)."""
+    bad = [(format_keypath(p), specs[n.array or 0][0]) for p, n in array_paths(root)
+           if specs[n.array or 0][0] not in ST_CODES]
+    if bad:
+        listed = ", ".join(f"'{p}' ({d})" for p, d in bad[:20])
+        raise UnsupportedTypeError(
+            f"safetensors cannot hold the dtype of the arrays at key paths {listed}"
+            f"{' and more' if len(bad) > 20 else ''}; it holds {', '.join(sorted(ST_CODES))}")
+    return tensor_names(root)
+
+
+def _st_metadata(root: Node, names: list[str], meta: dict[str, Any]) -> dict[str, str]:
+    user = meta.get("__metadata__")
+    out = {str(k): str(v) for k, v in user.items()} if isinstance(user, dict) else {}
+    rest = {k: v for k, v in meta.items() if k != "__metadata__"}
+    out[TREE_KEY] = json.dumps(encode_tree(root), separators=(",", ":"))
+    out[NAMES_KEY] = json.dumps(names, separators=(",", ":"))
+    if rest:
+        out[META_KEY] = json.dumps(rest, separators=(",", ":"), allow_nan=False)
+    return out
+
+
+def _write_one_file(path: str, members: list[int], names: list[str],
+                    specs: Sequence[ArraySpec], slabs: Slabs, metadata: dict[str, str]) -> int:
+    """One safetensors file holding arrays ``members``; returns its data size."""
+    # lay data out by decreasing item size so every tensor is aligned to its dtype
+    layout = sorted(members, key=lambda i: -itemsize_of(specs[i][0]))
+    offsets: dict[int, tuple[int, int]] = {}
+    pos = 0
+    for i in layout:
+        n = math.prod(specs[i][1]) * itemsize_of(specs[i][0])
+        offsets[i] = (pos, pos + n)
+        pos += n
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    for i in members:
+        header[names[i]] = {"dtype": ST_CODES[specs[i][0]], "shape": list(specs[i][1]),
+                            "data_offsets": list(offsets[i])}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    base = 8 + len(hb)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, struct.pack("<Q", len(hb)) + hb, 0)
+        for i in layout:
+            at = base + offsets[i][0]
+            for _, buf in slabs(i):
+                view = memoryview(buf.reshape(-1).view(np.uint8).data)
+                while view.nbytes:
+                    w = os.pwrite(fd, view, at)
+                    at += w
+                    view = view[w:]
+                del buf, view  # before the next slab is read: one slab at a time
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return pos
+
+
+def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs,
+                      meta: dict[str, Any], *, overwrite: bool, sharded: bool,
+                      max_shard_bytes: int | None) -> None:
+    """One ``.safetensors`` file, or Hugging Face shards plus ``model.safetensors.index.json``."""
+    names = check_safetensors(root, specs)
+    metadata = _st_metadata(root, names, meta)
+    _claim(dst, overwrite)
+    staging = _staging_path(dst)
+    try:
+        if not sharded:
+            out = os.path.join(staging, "out.safetensors")
+            _write_one_file(out, list(range(len(specs))), names, specs, slabs, metadata)
+            _publish(out, dst)
+            return
+        limit = max_shard_bytes or DEFAULT_SHARD_BYTES
+        shards: list[list[int]] = [[]]
+        size = 0
+        for i, (d, s) in enumerate(specs):
+            n = math.prod(s) * itemsize_of(d)
+            if shards[-1] and size + n > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append(i)
+            size += n
+        weight_map: dict[str, str] = {}
+        total = 0
+        for k, members in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += _write_one_file(os.path.join(staging, fname), members, names, specs,
+                                     slabs, {"format": "pt"})
+            weight_map.update((names[i], fname) for i in members)
+        index = {"metadata": {"total_size": total, **metadata},
+                 "weight_map": {n: weight_map[n] for n in names}}
+        with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        _publish(staging, dst)
+        staging = ""
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)

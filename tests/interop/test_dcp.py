@@ -1,0 +1,154 @@
+"""PyTorch DCP directories: read without torch's unpickler, converted both ways, bit-exact."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.interop import detect_format
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _rand(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(x: object) -> bytes:
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).tobytes()
+
+
+def _save(state: dict[str, object], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _state() -> dict[str, object]:
+    return {"model": {f"t{i}": _rand(dt, (6, 3), i) for i, dt in enumerate(DTYPES)},
+            "step": 5, "opt": {"lr": 0.1, "name": "adamw", "betas": (0.9, 0.99)}}
+
+
+def test_reads_dcp_every_dtype(tmp_path: Path) -> None:
+    state = _state()
+    _save(state, tmp_path / "d")
+    assert detect_format(tmp_path / "d") == "dcp"
+    out = ss.load(tmp_path / "d")
+    for i, dt in enumerate(DTYPES):
+        assert _bits(out["model"][f"t{i}"]) == _bits(state["model"][f"t{i}"]), dt  # type: ignore[index]
+    assert out["step"] == 5 and out["opt"] == {"lr": 0.1, "name": "adamw", "betas": (0.9, 0.99)}
+    md = ss.metadata(tmp_path / "d")
+    assert md.format == "dcp" and md.tree["model"]["t10"].dtype == "bfloat16"
+    got = ss.load(tmp_path / "d", target={"model": {"t11": torch.zeros(6, 3)}}, items=["model"])
+    assert torch.equal(got["model"]["t11"], state["model"]["t11"])  # type: ignore[index]
+
+
+def test_metadata_pickle_payload_refused_no_file(tmp_path: Path) -> None:
+    _save({"w": torch.zeros(3)}, tmp_path / "d")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ss.PickleNotAllowedError, match="system"):
+        ss.load(tmp_path / "d")
+    with pytest.raises(ss.PickleNotAllowedError):
+        ss.convert(tmp_path / "d", tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_hostile_storage_entries(tmp_path: Path) -> None:
+    _save({"w": torch.arange(8.0)}, tmp_path / "d")
+    raw = (tmp_path / "d" / ".metadata").read_bytes()
+    # a relative path that escapes the directory
+    esc = raw.replace(b"__0_0.distcp", b"../_0.distcp")  # same length
+    (tmp_path / "d" / ".metadata").write_bytes(esc)
+    with pytest.raises(ss.UnsafeCheckpointError):
+        ss.load(tmp_path / "d")
+    # a data file shorter than the metadata says
+    (tmp_path / "d" / ".metadata").write_bytes(raw)
+    f = tmp_path / "d" / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ss.CheckpointCorruptError, match="outside"):
+        ss.load(tmp_path / "d")
+
+
+def test_dcp_to_statestream_and_safetensors_exact(tmp_path: Path) -> None:
+    state = _state()
+    _save(state, tmp_path / "d")
+    ss.convert(tmp_path / "d", tmp_path / "ck")
+    ck = ss.load(tmp_path / "ck")
+    for i, _ in enumerate(DTYPES):
+        assert _bits(ck["model"][f"t{i}"]) == _bits(state["model"][f"t{i}"])  # type: ignore[index]
+    assert ck["step"] == 5
+    st = pytest.importorskip("safetensors.torch")
+    with pytest.raises(ss.UnsupportedTypeError, match=r"'t14' \(complex128\)"):
+        ss.convert(tmp_path / "d", tmp_path / "m.safetensors", items=["model"])
+    del state["model"]["t14"]  # type: ignore[attr-defined]
+    _save(state, tmp_path / "d2")
+    ss.convert(tmp_path / "d2", tmp_path / "m.safetensors", items=["model"])
+    flat = st.load_file(tmp_path / "m.safetensors")
+    for k, t in state["model"].items():  # type: ignore[attr-defined]
+        assert flat[k].dtype == t.dtype and _bits(flat[k]) == _bits(t)
+
+
+def test_convert_to_dcp_is_read_by_dcp_load(tmp_path: Path) -> None:
+    state = {"model": {f"t{i}": _rand(dt, (6, 3), i) for i, dt in enumerate(DTYPES)},
+             "step": 5, "opt": {"lr": 0.1, "hist": [torch.ones(2), 3]}, "blob": b"hi"}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},  # type: ignore[attr-defined]
+              "step": 0, "opt": {"lr": 0.0, "hist": [torch.zeros(2), 0]}, "blob": b""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "d"))
+    for k, v in state["model"].items():  # type: ignore[attr-defined]
+        assert target["model"][k].dtype == v.dtype and _bits(target["model"][k]) == _bits(v)  # type: ignore[index]
+    assert target["step"] == 5 and target["opt"]["lr"] == 0.1  # type: ignore[index]
+    assert target["opt"]["hist"][1] == 3 and target["blob"] == b"hi"  # type: ignore[index]
+    # and back: DCP -> statestream keeps values, lists and bytes
+    back = ss.load(tmp_path / "d")
+    assert back["opt"]["hist"][1] == 3 and back["blob"] == b"hi" and back["step"] == 5
+    assert _bits(back["opt"]["hist"][0]) == _bits(torch.ones(2))
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+
+
+def test_metadata_claiming_a_huge_tensor_is_refused(tmp_path: Path) -> None:
+    """A .metadata whose size is far larger than its chunks must not make load allocate it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    _save({"w": torch.arange(8.0)}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md: Metadata = pickle.load(f)
+    md.state_dict_metadata["w"].size = torch.Size([1 << 40])
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ss.CheckpointCorruptError, match="cover 8 of"):
+        ss.load(tmp_path / "d")
+    md.state_dict_metadata["w"].size = torch.Size([4])
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ss.CheckpointCorruptError, match="outside"):
+        ss.load(tmp_path / "d")

@@ -1,0 +1,79 @@
+"""Orbax checkpoints, read through orbax-checkpoint (the optional extra)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.interop import detect_format
+
+DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+          np.uint64, np.float16, np.float32, np.float64, ml_dtypes.bfloat16]
+
+
+def _arr(dtype: object, seed: int) -> np.ndarray:
+    raw = np.random.default_rng(seed).integers(0, 256, 24 * np.dtype(dtype).itemsize,  # type: ignore[call-overload]
+                                                 dtype=np.uint8)
+    if dtype is np.bool_:
+        return (raw[:24] & 1).astype(bool).reshape(4, 6)
+    return raw.view(dtype).reshape(4, 6)
+
+
+def test_reads_orbax_bit_exact(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"params": {f"a{i}": _arr(dt, i) for i, dt in enumerate(DTYPES)},
+             "step": 3, "hist": [np.zeros(2), 1.5]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck = ocp.StandardCheckpointer()
+        ck.save(tmp_path / "o", state)
+        ck.wait_until_finished()
+    assert detect_format(tmp_path / "o") == "orbax"
+    out = ss.load(tmp_path / "o")
+    for i, _ in enumerate(DTYPES):
+        a, b = state["params"][f"a{i}"], out["params"][f"a{i}"]  # type: ignore[index]
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert out["step"] == 3 and out["hist"][1] == 1.5
+    assert ss.metadata(tmp_path / "o").format == "orbax"
+    ss.convert(tmp_path / "o", tmp_path / "ck")
+    back = ss.load(tmp_path / "ck")
+    assert back["params"]["a12"].tobytes() == state["params"]["a12"].tobytes()  # type: ignore[index]
+
+
+def test_missing_orbax_names_the_extra(tmp_path: Path) -> None:
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "_CHECKPOINT_METADATA").write_text("{}")
+    code = ("import sys\nsys.modules['orbax'] = None\nimport statestream as ss\n"
+            "try:\n"
+            f"    ss.load({str(tmp_path / 'o')!r})\n"
+            "except ImportError as e:\n    print('ERR', type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "ERR MissingDependencyError" in r.stdout and "statestream[orbax]" in r.stdout
+
+
+def test_convert_to_orbax_restored_by_orbax(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"params": {f"a{i}": _arr(dt, 20 + i) for i, dt in enumerate(DTYPES)},
+             "step": 4, "hist": [np.ones(3), 2.5]}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "o", to="orbax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ocp.StandardCheckpointer().restore(tmp_path / "o")
+    for i, _ in enumerate(DTYPES):
+        a, b = state["params"][f"a{i}"], np.asarray(got["params"][f"a{i}"])  # type: ignore[index]
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert int(got["step"]) == 4
+    ss.save(tmp_path / "ck2", {"w": np.zeros(2), "name": "run", "none": None})
+    with pytest.raises(ss.UnsupportedTypeError, match=r"'name' \(str\), 'none' \(none\)"):
+        ss.convert(tmp_path / "ck2", tmp_path / "o2", to="orbax")
+    assert not (tmp_path / "o2").exists()

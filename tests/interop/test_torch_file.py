@@ -1,0 +1,185 @@
+"""torch.save files: read with weights-only semantics (no torch import), written for torch.load."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.interop import detect_format
+
+torch = pytest.importorskip("torch")
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _rand(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(x: object) -> bytes:
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8).tobytes()
+
+
+def _state() -> dict[str, object]:
+    base = torch.randn(10, 4)
+    return {
+        "model": {f"t{i}": _rand(dt, (5, 3), i) for i, dt in enumerate(DTYPES)},
+        "param": torch.nn.Parameter(torch.randn(3)),
+        "view": base[2:5],  # a contiguous view at a storage offset
+        "tied": base,  # shares the storage with "view"
+        "opt": {"step": 3, "lr": 0.1, "betas": (0.9, 0.99), "size": torch.Size([2, 3]),
+                "none": None, "flag": True, "name": "adamw"},
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0, 2),
+    }
+
+
+def test_reads_every_dtype_bit_exact(tmp_path: Path) -> None:
+    state = _state()
+    torch.save(state, tmp_path / "s.pt")
+    assert detect_format(tmp_path / "s.pt") == "torch"
+    out = ss.load(tmp_path / "s.pt")
+    for i, dt in enumerate(DTYPES):
+        assert _bits(out["model"][f"t{i}"]) == _bits(state["model"][f"t{i}"]), dt
+    assert _bits(out["view"]) == _bits(state["view"])
+    assert _bits(out["tied"]) == _bits(state["tied"])
+    assert out["opt"] == {"step": 3, "lr": 0.1, "betas": (0.9, 0.99), "size": (2, 3),
+                          "none": None, "flag": True, "name": "adamw"}
+    assert out["scalar"].shape == () and int(out["scalar"]) == 7
+    md = ss.metadata(tmp_path / "s.pt")
+    assert md.format == "torch" and md.tree["model"]["t10"].dtype == "bfloat16"
+    # targets: torch tensors come back as torch, only the wanted rows read
+    got = ss.load(tmp_path / "s.pt", target={"view": torch.zeros(3, 4)}, items=["view"])
+    assert torch.equal(got["view"], state["view"])  # type: ignore[arg-type]
+
+
+def test_pickle_payload_is_refused_and_creates_no_file(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": torch.zeros(2), "evil": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ss.PickleNotAllowedError, match="system"):
+        ss.load(tmp_path / "evil.pt")
+    with pytest.raises(ss.PickleNotAllowedError):
+        ss.metadata(tmp_path / "evil.pt")
+    with pytest.raises(ss.PickleNotAllowedError):
+        ss.convert(tmp_path / "evil.pt", tmp_path / "out")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_open_builtin_payload_refused(tmp_path: Path) -> None:
+    target = tmp_path / "created.txt"
+    payload = (b"\x80\x02c__builtin__\nopen\nq\x00X" + len(str(target)).to_bytes(4, "little")
+               + str(target).encode() + b"X\x01\x00\x00\x00w\x86R.")
+    with zipfile.ZipFile(tmp_path / "p.pth", "w") as z:
+        z.writestr("archive/data.pkl", payload)
+        z.writestr("archive/version", "3\n")
+    with pytest.raises(ss.PickleNotAllowedError, match="open"):
+        ss.load(tmp_path / "p.pth")
+    assert not target.exists()
+
+
+def test_hostile_archives(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(16.0)}, tmp_path / "ok.pt")
+    raw = (tmp_path / "ok.pt").read_bytes()
+    # a tensor whose storage offset points outside its storage
+    with zipfile.ZipFile(tmp_path / "ok.pt") as z:
+        pkl = z.read("ok/data.pkl")
+    bad = pkl.replace(b"K\x00K\x10\x85", b"K\x08K\x10\x85")  # offset 8, 16 elements
+    assert bad != pkl
+    with zipfile.ZipFile(tmp_path / "off.pt", "w") as z:
+        z.writestr("off/data.pkl", bad)
+        with zipfile.ZipFile(tmp_path / "ok.pt") as src:
+            z.writestr("off/data/0", src.read("ok/data/0"))
+    with pytest.raises(ss.CheckpointCorruptError, match="outside its storage"):
+        ss.load(tmp_path / "off.pt")
+    (tmp_path / "trunc.pt").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ss.CheckpointError):
+        ss.load(tmp_path / "trunc.pt")
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(ss.CheckpointCorruptError, match="legacy"):
+        ss.load(tmp_path / "legacy.pt")
+
+
+def test_non_contiguous_tensor_named(tmp_path: Path) -> None:
+    torch.save({"t": torch.randn(4, 3).t()}, tmp_path / "t.pt")
+    with pytest.raises(ss.UnsupportedTypeError, match="key path 't'.*non-contiguous"):
+        ss.load(tmp_path / "t.pt")
+
+
+def test_convert_torch_roundtrips_bit_exact(tmp_path: Path) -> None:
+    state = _state()
+    torch.save(state, tmp_path / "s.pt")
+    ss.convert(tmp_path / "s.pt", tmp_path / "ck")
+    ss.convert(tmp_path / "ck", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    for i, dt in enumerate(DTYPES):
+        t = back["model"][f"t{i}"]
+        assert t.dtype == dt and _bits(t) == _bits(state["model"][f"t{i}"])
+    assert _bits(back["param"]) == _bits(state["param"])
+    assert back["opt"]["betas"] == (0.9, 0.99) and back["opt"]["step"] == 3
+    mm = torch.load(tmp_path / "back.pt", weights_only=True, mmap=True)
+    assert torch.equal(mm["model"]["t11"], state["model"]["t11"])  # type: ignore[index]
+    with zipfile.ZipFile(tmp_path / "back.pt") as z:
+        for info in z.infolist():
+            if "/data/" in info.filename:
+                name_len = len(info.filename.encode())
+                with open(tmp_path / "back.pt", "rb") as f:
+                    f.seek(info.header_offset + 28)
+                    extra = int.from_bytes(f.read(2), "little")
+                assert (info.header_offset + 30 + name_len + extra) % 64 == 0
+
+
+def test_statestream_to_torch_and_safetensors_to_torch(tmp_path: Path) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    t = {"a": torch.randn(3, 2).to(torch.bfloat16), "b": torch.arange(4)}
+    st.save_file(t, tmp_path / "m.safetensors")
+    ss.convert(tmp_path / "m.safetensors", tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert all(torch.equal(back[k], t[k]) for k in t)
+    ss.save(tmp_path / "ck", {"blob": b"xyz", "w": np.ones(2, np.float32)})
+    ss.convert(tmp_path / "ck", tmp_path / "ck.pt")
+    back = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert back["blob"] == b"xyz" and back["w"].dtype == torch.float32
+
+
+def test_missing_torch_names_the_extra_and_import_needs_only_numpy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'jax', 'safetensors', 'orbax'): sys.modules[m] = None\n"
+        "import numpy as np, statestream as ss\n"
+        f"ss.save({str(tmp_path / 'ck')!r}, {{'w': np.ones(3)}})\n"
+        f"ss.convert({str(tmp_path / 'ck')!r}, {str(tmp_path / 'x.safetensors')!r})\n"
+        "try:\n"
+        f"    ss.convert({str(tmp_path / 'ck')!r}, {str(tmp_path / 'x.pt')!r})\n"
+        "except ImportError as e:\n"
+        "    print('ERR', type(e).__name__, e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "ERR MissingDependencyError" in r.stdout and "statestream[torch]" in r.stdout
+    assert not (tmp_path / "x.pt").exists()
