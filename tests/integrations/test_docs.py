@@ -17,7 +17,7 @@ BLOCKS = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M
 
 def _needs(code: str) -> list[str]:
     mods = {"lightning": "lightning", "flax": "flax", "optax": "optax", "torch": "torch",
-            "jax": "jax"}
+            "jax": "jax", "transformers": "transformers"}
     return [m for k, m in mods.items() if re.search(rf"^(import|from) {k}\b", code, re.M)]
 
 
