@@ -223,6 +223,18 @@ def test_plain_objects_need_the_pickle_opt_in(tmp_path):
     assert got == ckpt
 
 
+def test_allow_pickle_takes_trusted_key_paths(tmp_path):
+    ckpt = {"epoch": 0, "hyper_parameters": {"obj": Opaque(3)}, "loops": {"s": {1, 2}}}
+    StatestreamCheckpointIO(pickle=True).save_checkpoint(ckpt, tmp_path / "p.ckpt")
+    both = StatestreamCheckpointIO(allow_pickle=["hyper_parameters", "loops/s"])
+    assert both.load_checkpoint(tmp_path / "p.ckpt") == ckpt
+    one = StatestreamCheckpointIO(allow_pickle=("hyper_parameters",))
+    with pytest.raises(ss.PickleNotAllowedError, match="loops/s"):
+        one.load_checkpoint(tmp_path / "p.ckpt")
+    with pytest.raises(TypeError, match="allow_pickle"):
+        StatestreamCheckpointIO(allow_pickle=[1])
+
+
 def test_remove_load_and_errors(tmp_path):
     io = StatestreamCheckpointIO()
     with pytest.raises(TypeError, match="storage_options"):

@@ -17,7 +17,8 @@ all of which statestream stores without pickle. A value of any other type
 (an object in the hyper-parameters, a callback state holding a set) raises
 :class:`~statestream.UnsupportedTypeError` naming its key path, unless the
 plugin was built with ``pickle=True``; loading such a checkpoint then needs
-``allow_pickle=True`` too.
+``allow_pickle`` too: ``True``, or the key paths trusted to hold pickles
+(``allow_pickle=["hyper_parameters"]``), as :func:`statestream.load` takes.
 
 Saves and loads run on the calling process only (Lightning saves on global
 rank 0 and loads on every rank), never as a collective.
@@ -45,6 +46,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import statestream as ss
+from statestream.api._load import AllowPickle
 from statestream.errors import CheckpointError
 from statestream.storage import storage_for
 
@@ -53,6 +55,19 @@ __all__ = ["AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO"]
 log = logging.getLogger(__name__)
 
 _PATH = str | os.PathLike[str]
+
+
+def _trusted(allow: AllowPickle) -> AllowPickle:
+    """``allow_pickle`` checked when the plugin is built, not at the first load."""
+    if isinstance(allow, bool):
+        return allow
+    paths = (allow,) if isinstance(allow, str) else tuple(allow)
+    if not all(isinstance(p, str) for p in paths):
+        raise TypeError(
+            "allow_pickle takes True, False or a collection of key paths (str), "
+            f"not {allow!r}"
+        )
+    return paths
 
 
 class StatestreamCheckpointIO(CheckpointIO):
@@ -67,8 +82,11 @@ class StatestreamCheckpointIO(CheckpointIO):
         pickle: store values statestream has no pickle-free form for by
             pickling them (only those); without it they raise
             ``UnsupportedTypeError`` naming the key path.
-        allow_pickle: let :meth:`load_checkpoint` unpickle such values. Only
-            for checkpoints you trust.
+        allow_pickle: let :meth:`load_checkpoint` unpickle such values:
+            ``True`` (all of them), ``False`` (none), or a collection of key
+            paths trusted to hold pickles, each covering its subtree
+            (``["hyper_parameters"]``), as :func:`statestream.load` takes.
+            Only for checkpoints you trust.
         io, memory: engine options (threads, request sizes, host memory budget).
     """
 
@@ -77,14 +95,14 @@ class StatestreamCheckpointIO(CheckpointIO):
         *,
         async_save: bool = False,
         pickle: bool = False,
-        allow_pickle: bool = False,
+        allow_pickle: AllowPickle = False,
         io: ss.IOOptions | None = None,
         memory: ss.MemoryOptions | None = None,
     ) -> None:
         super().__init__()
         self.async_save = async_save
         self.pickle = pickle
-        self.allow_pickle = allow_pickle
+        self.allow_pickle = _trusted(allow_pickle)
         self.io = io
         self.memory = memory
         self._inflight: dict[str, list[ss.SaveHandle]] = {}
@@ -130,7 +148,7 @@ class StatestreamCheckpointIO(CheckpointIO):
         ``map_location`` may be a device (or its name) to put the tensors on;
         other forms (functions, dicts) load onto the CPU. ``weights_only`` is
         accepted for Lightning's sake: nothing is unpickled unless the plugin
-        was built with ``allow_pickle=True``.
+        was built with ``allow_pickle`` (``True`` or the trusted key paths).
 
         Raises:
             FileNotFoundError: there is nothing at ``path`` (a
