@@ -32,14 +32,38 @@ FORMATS = ("statestream", "safetensors", "torch", "dcp", "orbax")
 _EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
-def _renumber(node: Node, old: list[int]) -> Node:
-    """A copy of ``node`` whose arrays are numbered 0.. in tree order (``old`` gets the map)."""
+def _renumber(node: Node, old: list[int], new: dict[int, int] | None = None) -> Node:
+    """A copy of ``node`` whose arrays are numbered 0.. in tree order (``old`` gets the map).
+
+    Aliases (tied weights: nodes sharing an array) keep sharing one new number,
+    so the array is written once."""
+    new = {} if new is None else new
     if node.array is not None:
-        old.append(node.array)
-        return dataclasses.replace(node, array=len(old) - 1)
+        if node.array not in new:
+            new[node.array] = len(old)
+            old.append(node.array)
+        return dataclasses.replace(node, array=new[node.array])
     if node.children is None:
         return node
-    return dataclasses.replace(node, children=[_renumber(c, old) for c in node.children])
+    return dataclasses.replace(node, children=[_renumber(c, old, new) for c in node.children])
+
+
+def _resolve_aliases(node: Node, keep: bool, held: dict[int, Node]) -> Node:
+    """``node`` with its aliases (tied weights) fit for the output, in tree order (an
+    alias follows its array leaf): an alias whose array leaf ``items=`` left out becomes
+    that leaf; without ``keep`` (torch, DCP, Orbax) every alias becomes a copy of its
+    array leaf (the tensor is written under each name)."""
+    if node.kind == "array" and node.array is not None:
+        held.setdefault(node.array, node)
+    elif node.kind == "alias" and node.array is not None:
+        if node.array not in held:
+            held[node.array] = Node("array", array=node.array, attrs=node.attrs)
+            return held[node.array]
+        return node if keep else held[node.array]
+    if node.children is None:
+        return node
+    kids = [_resolve_aliases(c, keep, held) for c in node.children]
+    return dataclasses.replace(node, children=kids)
 
 
 def _target_format(dst: str, to: str | None) -> str:
@@ -167,9 +191,12 @@ def convert(
             root, _ = _select(root, list(items), NO_TARGET, reader.location)
             if len(root.keys or []) == 1 and root.children:
                 root = root.children[0]
+        root = _resolve_aliases(root, fmt in ("statestream", "safetensors"), {})
         old: list[int] = []
         root = _renumber(root, old)
-        paths = {old[n.array or 0]: p for p, n in array_paths(root)}
+        paths: dict[int, KeyPath] = {}
+        for p, n in array_paths(root):
+            paths.setdefault(old[n.array or 0], p)
         specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
         slabs = _Slabs(reader, m, old, io, memory or MemoryOptions(), progress, paths)
         meta = {k: v for k, v in m.meta.items()

@@ -65,8 +65,14 @@ def array_paths(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Node]
 
 
 def tensor_names(root: Node) -> list[str]:
-    """Flat tensor names (key path joined with ``.``) by array index; unique or an error."""
-    found = sorted(((n.array or 0, p) for p, n in array_paths(root)), key=lambda x: x[0])
+    """Flat tensor names (key path joined with ``.``) by array index; unique or an error.
+
+    An array that several key paths share (tied weights) is named by the first
+    one in tree order; the tree records the others."""
+    first: dict[int, KeyPath] = {}
+    for p, n in array_paths(root):
+        first.setdefault(n.array or 0, p)
+    found = sorted(first.items(), key=lambda x: x[0])
     names = [".".join(str(k) for k in p) or "tensor" for _, p in found]
     seen: dict[str, KeyPath] = {}
     for (_, p), name in zip(found, names):
