@@ -155,3 +155,25 @@ def test_nnx_state_round_trips(tmp_path):
         step(model, opt, *batch(i))
         step(model2, opt2, *batch(i))
     assert_trees_equal(nnx.state(model), nnx.state(model2))
+
+
+def test_nnx_dropout_keys_continue_after_a_load(tmp_path):
+    """Typed JAX keys inside NNX state (Dropout's rngs) save and restore the stream."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.drop(self.lin(x))
+
+    x = jnp.ones((2, 4))
+    a = Net(nnx.Rngs(0))
+    a(x)  # advance the dropout stream once before saving
+    ss.save(str(tmp_path / "ck"), {"model": nnx.state(a)})
+    b = Net(nnx.Rngs(1))  # other weights, other stream
+    got = ss.load(str(tmp_path / "ck"), target={"model": nnx.state(b)})
+    nnx.update(b, got["model"])
+    for _ in range(3):  # the same masks, step after step
+        assert np.array_equal(np.asarray(a(x)), np.asarray(b(x)))
