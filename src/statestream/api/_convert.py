@@ -97,6 +97,38 @@ class _Slabs:
         return buf
 
 
+def _convert_root(tree: Node, items: Sequence[str] | None, location: str
+                  ) -> tuple[Node, list[int]]:
+    """The tree to convert (``items`` selected; one item becomes the root), renumbered.
+
+    Also returns the source array index of each renumbered array.
+    """
+    root = tree
+    if items is not None:
+        root, _ = _select(root, list(items), NO_TARGET, location)
+        if len(root.keys or []) == 1 and root.children:
+            root = root.children[0]
+    old: list[int] = []
+    return _renumber(root, old), old
+
+
+def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _Slabs,
+              meta: dict[str, object], *, overwrite: bool, max_shard_bytes: int | None) -> None:
+    """Write the converted tree in format ``fmt``, its arrays' bytes from ``slabs``."""
+    if fmt == "statestream":
+        write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
+    elif fmt == "torch":
+        write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
+    elif fmt == "dcp":
+        write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
+    elif fmt == "orbax":
+        write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
+    else:
+        sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
+        write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                          sharded=sharded, max_shard_bytes=max_shard_bytes)
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -162,30 +194,14 @@ def convert(
     io = io or IOOptions()
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
-        root = m.tree
-        if items is not None:
-            root, _ = _select(root, list(items), NO_TARGET, reader.location)
-            if len(root.keys or []) == 1 and root.children:
-                root = root.children[0]
-        old: list[int] = []
-        root = _renumber(root, old)
+        root, old = _convert_root(m.tree, items, reader.location)
         paths = {old[n.array or 0]: p for p, n in array_paths(root)}
         specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
         slabs = _Slabs(reader, m, old, io, memory or MemoryOptions(), progress, paths)
         meta = {k: v for k, v in m.meta.items()
                 if k not in ("library", "created_unix", "world_size", "total_bytes")}
-        if fmt == "statestream":
-            write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
-        elif fmt == "torch":
-            write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
-        elif fmt == "dcp":
-            write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
-        elif fmt == "orbax":
-            write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
-        else:
-            sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
-            write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                              sharded=sharded, max_shard_bytes=max_shard_bytes)
+        _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                  max_shard_bytes=max_shard_bytes)
     finally:
         reader.close()
     return dst_s
