@@ -269,7 +269,7 @@ def rebuild_container(node_kind: str, like: Any, keys: Sequence[Key], values: li
             return out
         try:
             return type(like)(out)
-        except Exception:
+        except Exception:  # a mapping type that cannot be built from a dict: a plain dict
             return out
     if _is_namedtuple(like):
         return type(like)(**{str(k): v for k, v in zip(keys, values)})
