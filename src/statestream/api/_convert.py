@@ -11,7 +11,7 @@ import numpy as np
 
 from statestream.api._load import NO_TARGET, _select, open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import TargetMismatchError
+from statestream.errors import InvalidOptionError
 from statestream.format import Manifest, dtype_from_name
 from statestream.interop import (
     write_dcp,
@@ -46,7 +46,7 @@ def _target_format(dst: str, to: str | None) -> str:
     if to is None:
         to = _EXTENSIONS.get(os.path.splitext(dst)[1], "statestream")
     if to not in FORMATS:
-        raise TargetMismatchError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
+        raise InvalidOptionError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
     return to
 
 

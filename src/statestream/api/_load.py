@@ -16,6 +16,7 @@ from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, r
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    InvalidOptionTypeError,
     MissingKeyError,
     PickleNotAllowedError,
     TargetMismatchError,
@@ -87,7 +88,7 @@ class _PickleTrust:
         if not isinstance(allow, bool):
             paths = [allow] if isinstance(allow, str) else list(allow)
             if not all(isinstance(p, str) for p in paths):
-                raise TypeError(
+                raise InvalidOptionTypeError(
                     "allow_pickle takes True, False or a collection of key paths (str), "
                     f"not {allow!r}"
                 )
