@@ -30,7 +30,7 @@ METRICS = [
     ("save_s_median", "save s"),
     ("cold_load_s_median", "cold load s"),
     ("hot_load_s_median", "hot load s"),
-    ("save_peak_rss_over_state_bytes", "save peak RSS / state"),
+    ("save_peak_rss_over_state_bytes", "save peak RSS B"),
     ("cold_load_peak_rss_over_baseline_bytes", "cold load peak RSS B"),
 ]
 
