@@ -740,11 +740,17 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes next to it)")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--keep-data", action="store_true")
+    ap.add_argument("--src", default=None,
+                    help="statestream source tree to measure (default: this repository's src/); "
+                         "benchmarks/compare_commits.py passes another commit's")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child_main(args.child)
         return
+    if args.src is not None:
+        global SRC
+        SRC = Path(args.src).resolve()
     if args.quick and "--repeats" not in " ".join(sys.argv):
         args.repeats = 1
 
@@ -783,6 +789,7 @@ def main() -> None:
         "cwd": os.getcwd(),
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "git": git_rev(),
+        "src": str(SRC),
         "statestream": info if ok else None,
         "machine": {
             "platform": platform.platform(),

@@ -15,6 +15,8 @@ refines, so ``except FileNotFoundError`` keeps working::
     ├── PickleNotAllowedError (PermissionError)        a pickled leaf allow_pickle does not trust
     ├── TargetMismatchError (ValueError)               target shape/structure differs from saved
     ├── MissingKeyError (KeyError)                     target asks for a key the checkpoint lacks
+    ├── InvalidOptionError (ValueError)                an argument or option has a bad value
+    ├── InvalidOptionTypeError (TypeError)             an argument or option has the wrong type
     ├── StorageError (OSError)                         the storage backend failed; carries
     │   │                                              the OS error's errno (EROFS, ENOSPC, ...)
     │   ├── StoragePermissionError (PermissionError)   EACCES / EPERM / HTTP 403
@@ -24,6 +26,15 @@ refines, so ``except FileNotFoundError`` keeps working::
         └── CollectiveTimeoutError (TimeoutError)      a rank never reached a collective
 
 Every message says what failed, where (key path and/or file) and what to do.
+
+A caller's mistake in arguments (a ``mode`` that is neither ``"min"`` nor
+``"max"``, a negative step, ``allow_pickle`` given a number) raises
+:class:`InvalidOptionError` or :class:`InvalidOptionTypeError`: still a
+``ValueError`` / ``TypeError`` for code that catches those, and a
+``CheckpointError`` for code that catches everything statestream raises.
+They are not about a checkpoint's contents: a target that does not fit the
+checkpoint is a :class:`TargetMismatchError`, a value that cannot be saved an
+:class:`UnsupportedTypeError`.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "DistributedError",
     "FormatVersionError",
+    "InvalidOptionError",
+    "InvalidOptionTypeError",
     "ManagerLockedError",
     "MissingKeyError",
     "PickleNotAllowedError",
@@ -102,6 +115,14 @@ class TargetMismatchError(CheckpointError, ValueError):
 
 class MissingKeyError(CheckpointError, KeyError):
     """The target (or ``items=``) names a key the checkpoint does not hold."""
+
+
+class InvalidOptionError(CheckpointError, ValueError):
+    """An argument or option has a value statestream does not accept (names it and the choices)."""
+
+
+class InvalidOptionTypeError(CheckpointError, TypeError):
+    """An argument or option has a type statestream does not accept, or is not accepted at all."""
 
 
 class StorageError(CheckpointError, OSError):

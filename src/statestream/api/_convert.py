@@ -11,7 +11,7 @@ import numpy as np
 
 from statestream.api._load import NO_TARGET, _select, open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import TargetMismatchError
+from statestream.errors import InvalidOptionError
 from statestream.format import Manifest, dtype_from_name
 from statestream.interop import (
     write_dcp,
@@ -70,7 +70,7 @@ def _target_format(dst: str, to: str | None) -> str:
     if to is None:
         to = _EXTENSIONS.get(os.path.splitext(dst)[1], "statestream")
     if to not in FORMATS:
-        raise TargetMismatchError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
+        raise InvalidOptionError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
     return to
 
 
@@ -119,6 +119,41 @@ class _Slabs:
             if self.progress is not None:
                 self.progress(min(self.done, self.total), self.total)
         return buf
+
+
+def _convert_root(tree: Node, items: Sequence[str] | None, location: str, *,
+                  keep_aliases: bool) -> tuple[Node, list[int]]:
+    """The tree to convert (``items`` selected; one item becomes the root), renumbered.
+
+    Tied entries stay aliases where the output format keeps them
+    (``keep_aliases``), else each becomes its own copy. Also returns the
+    source array index of each renumbered array.
+    """
+    root = tree
+    if items is not None:
+        root, _ = _select(root, list(items), NO_TARGET, location)
+        if len(root.keys or []) == 1 and root.children:
+            root = root.children[0]
+    root = _resolve_aliases(root, keep_aliases, {})
+    old: list[int] = []
+    return _renumber(root, old), old
+
+
+def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _Slabs,
+              meta: dict[str, object], *, overwrite: bool, max_shard_bytes: int | None) -> None:
+    """Write the converted tree in format ``fmt``, its arrays' bytes from ``slabs``."""
+    if fmt == "statestream":
+        write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
+    elif fmt == "torch":
+        write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
+    elif fmt == "dcp":
+        write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
+    elif fmt == "orbax":
+        write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
+    else:
+        sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
+        write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                          sharded=sharded, max_shard_bytes=max_shard_bytes)
 
 
 def convert(
@@ -186,14 +221,8 @@ def convert(
     io = io or IOOptions()
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
-        root = m.tree
-        if items is not None:
-            root, _ = _select(root, list(items), NO_TARGET, reader.location)
-            if len(root.keys or []) == 1 and root.children:
-                root = root.children[0]
-        root = _resolve_aliases(root, fmt in ("statestream", "safetensors"), {})
-        old: list[int] = []
-        root = _renumber(root, old)
+        root, old = _convert_root(m.tree, items, reader.location,
+                                  keep_aliases=fmt in ("statestream", "safetensors"))
         paths: dict[int, KeyPath] = {}
         for p, n in array_paths(root):
             paths.setdefault(old[n.array or 0], p)
@@ -201,18 +230,8 @@ def convert(
         slabs = _Slabs(reader, m, old, io, memory or MemoryOptions(), progress, paths)
         meta = {k: v for k, v in m.meta.items()
                 if k not in ("library", "created_unix", "world_size", "total_bytes")}
-        if fmt == "statestream":
-            write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
-        elif fmt == "torch":
-            write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
-        elif fmt == "dcp":
-            write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
-        elif fmt == "orbax":
-            write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
-        else:
-            sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
-            write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                              sharded=sharded, max_shard_bytes=max_shard_bytes)
+        _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                  max_shard_bytes=max_shard_bytes)
     finally:
         reader.close()
     return dst_s

@@ -16,6 +16,7 @@ from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, r
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    InvalidOptionTypeError,
     MissingKeyError,
     PickleNotAllowedError,
     TargetMismatchError,
@@ -87,7 +88,7 @@ class _PickleTrust:
         if not isinstance(allow, bool):
             paths = [allow] if isinstance(allow, str) else list(allow)
             if not all(isinstance(p, str) for p in paths):
-                raise TypeError(
+                raise InvalidOptionTypeError(
                     "allow_pickle takes True, False or a collection of key paths (str), "
                     f"not {allow!r}"
                 )
@@ -369,25 +370,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
 
     # a stateful target: load its state (all of it), then call load_state_dict
     if like is not NO_TARGET and is_stateful(like) and target_provider_for(like) is None:
-        inner = node.children[0] if k == "stateful" and node.children else node
-        sub_like = like.state_dict()
-        for prov in providers():
-            if prov.capabilities.state_hints:
-                prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
-        build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
-
-        def build_stateful() -> Any:
-            value = build_inner()
-            try:
-                like.load_state_dict(value)
-            except Exception as exc:
-                raise TargetMismatchError(
-                    f"{type_name(like)}.load_state_dict() at key path "
-                    f"'{format_keypath(path)}' rejected the checkpoint's state: {exc}"
-                ) from exc
-            return like
-
-        return build_stateful
+        return _walk_stateful_target(node, like, path, m, job)
     if k == "stateful":
         assert node.children
         build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
@@ -413,21 +396,56 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if k in ("list", "tuple") and isinstance(like, (list, tuple)) and not hasattr(
         type(like), "_fields"
     ):
-        if len(like) != len(kids) and merge:
-            # inside a stateful object the fresh state_dict() is only a hint (a history
-            # list may have grown since): load what was saved
-            builds = [(i, _walk(c, NO_TARGET, path + (i,), m, job, "saved", merge))
-                      for i, c in kids]
-            return _container_build(k, NO_TARGET, builds, path)
-        if len(like) != len(kids):
-            raise TargetMismatchError(
-                f"length mismatch at key path '{format_keypath(path)}': the checkpoint has a "
-                f"{k} of {len(kids)} items, the target has {len(like)}"
-            )
-        builds = [(i, _walk(c, t, path + (i,), m, job, default_kind, merge))
-                  for (i, c), t in zip(kids, like)]
-        return _container_build(k, like, builds, path)
+        return _walk_sequence(k, kids, like, path, m, job, default_kind, merge)
+    return _walk_mapping(kids, like, path, m, job, default_kind, merge)
 
+
+def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
+                          job: _Job) -> Build:
+    """Load a stateful target's state (all of it), then call its load_state_dict."""
+    inner = node.children[0] if node.kind == "stateful" and node.children else node
+    sub_like = like.state_dict()
+    for prov in providers():
+        if prov.capabilities.state_hints:
+            prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
+    build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
+
+    def build_stateful() -> Any:
+        value = build_inner()
+        try:
+            like.load_state_dict(value)
+        except Exception as exc:
+            raise TargetMismatchError(
+                f"{type_name(like)}.load_state_dict() at key path "
+                f"'{format_keypath(path)}' rejected the checkpoint's state: {exc}"
+            ) from exc
+        return like
+
+    return build_stateful
+
+
+def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath,
+                   m: Manifest, job: _Job, default_kind: str, merge: bool) -> Build:
+    """Match a list or tuple target item by item against a saved list or tuple."""
+    if len(like) != len(kids) and merge:
+        # inside a stateful object the fresh state_dict() is only a hint (a history
+        # list may have grown since): load what was saved
+        builds = [(i, _walk(c, NO_TARGET, path + (i,), m, job, "saved", merge))
+                  for i, c in kids]
+        return _container_build(k, NO_TARGET, builds, path)
+    if len(like) != len(kids):
+        raise TargetMismatchError(
+            f"length mismatch at key path '{format_keypath(path)}': the checkpoint has a "
+            f"{k} of {len(kids)} items, the target has {len(like)}"
+        )
+    builds = [(i, _walk(c, t, path + (i,), m, job, default_kind, merge))
+              for (i, c), t in zip(kids, like)]
+    return _container_build(k, like, builds, path)
+
+
+def _walk_mapping(kids: list[tuple[Key, Node]], like: Any, path: KeyPath, m: Manifest,
+                  job: _Job, default_kind: str, merge: bool) -> Build:
+    """Match a keyed target (dict, namedtuple, dataclass, pytree) against the saved node."""
     target_items, rebuild = _target_items(like, path)
     saved = {(type(key), key): c for key, c in kids}
     builds = []

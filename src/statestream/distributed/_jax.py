@@ -140,7 +140,7 @@ class JaxCollective:
         try:
             self._client.key_value_try_get(key)
             return False
-        except Exception:
+        except Exception:  # the client raises when the key is absent: that is the answer
             return True
 
     def _wait(self, key: str, what: str, pending: dict[int, str], deadline: float,
@@ -208,7 +208,7 @@ class JaxCollective:
         for r in range(first + 1, self._world):
             try:  # the wait already expired: give each of the others a moment only
                 self._client.blocking_key_value_get(f"{key}/{r}", 100)
-            except Exception:
+            except Exception:  # not there within the moment: counted as absent, reported
                 missing.append(r)
         return missing
 

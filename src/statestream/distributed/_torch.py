@@ -79,7 +79,7 @@ def _default_store() -> Any:
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:
+    except Exception:  # no store (not initialised, another backend): no diagnostics then
         return None
 
 
@@ -179,7 +179,7 @@ class TorchCollective:
                     out.append(f"rank {local} never reached a statestream collective")
                     continue
                 n, _, last = self._store.get(k).decode().partition(":")
-            except Exception:
+            except Exception:  # diagnostics only: the store is gone, say nothing extra
                 return []
             if local in dead:
                 out.append(f"rank {local} died or disconnected after entering {last} "

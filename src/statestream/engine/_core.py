@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
-from statestream.errors import TargetMismatchError
+from statestream.errors import InvalidOptionError
 
 __all__ = [
     "ByteBudget",
@@ -72,7 +72,7 @@ class IOOptions:
             deprioritised: ``optimizer.step()`` may be waiting for them.
 
     Raises:
-        TargetMismatchError: (a ``ValueError``) a count or size is not positive.
+        InvalidOptionError: (a ``ValueError``) a count or size is not positive.
     """
 
     num_threads: int | None = None
@@ -92,7 +92,7 @@ class IOOptions:
         if (self.num_threads is not None and self.num_threads < 1) or (
             self.max_chunk_bytes < 1 or self.max_request_bytes < 1
         ) or not 0 <= self.background_nice <= 39:
-            raise TargetMismatchError(f"IOOptions values must be positive: {self}")
+            raise InvalidOptionError(f"IOOptions values must be positive: {self}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

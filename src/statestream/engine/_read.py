@@ -80,34 +80,9 @@ def read_requests(
         need = sum(p.staging_bytes for p in req.pieces)
         held = budget.acquire(need)
         try:
-            bufs: list[Any] = []
-            views: list[np.ndarray] = []
-            pos = req.offset
-            for p in req.pieces:
-                if p.offset > pos:
-                    bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
-                buf = p.direct if p.direct is not None else np.empty(p.nbytes, dtype=np.uint8)
-                bufs.append(buf)
-                views.append(buf)
-                pos = p.offset + p.nbytes
-            try:
-                reader.read_into(file_names[req.file], req.offset, bufs)
-            except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
-                names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
-                raise type(exc)(f"{exc} (affects {names})") from None
+            views = _read_span(reader, file_names[req.file], req, describe)
             for p, buf in zip(req.pieces, views):
-                err = None
-                for a, b, want in p.checks():
-                    got = checksum(buf[a:b])
-                    if got != want:
-                        err = ChecksumMismatchError(
-                            f"checksum mismatch in {describe(p)}: chunk {p.chunk}, bytes "
-                            f"[{p.offset + a}, {p.offset + b}) of "
-                            f"{reader.location}/{file_names[p.file]} have CRC-32C {got:08x}, "
-                            f"the manifest says {want:08x}; the checkpoint is corrupt, "
-                            "restore it from another copy"
-                        )
-                        break
+                err = _verify_piece(reader, file_names[p.file], p, buf, describe)
                 if err is not None:
                     if collect is None:
                         raise err
@@ -124,6 +99,47 @@ def read_requests(
 
     n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
+               describe: Callable[[ReadPiece], str]) -> list[np.ndarray]:
+    """Read ``req``'s byte span in one call; the buffer of each piece, in order.
+
+    Gaps between pieces go to throw-away buffers; a piece with a ``direct``
+    destination is read in place.
+    """
+    bufs: list[Any] = []
+    views: list[np.ndarray] = []
+    pos = req.offset
+    for p in req.pieces:
+        if p.offset > pos:
+            bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
+        buf = p.direct if p.direct is not None else np.empty(p.nbytes, dtype=np.uint8)
+        bufs.append(buf)
+        views.append(buf)
+        pos = p.offset + p.nbytes
+    try:
+        reader.read_into(name, req.offset, bufs)
+    except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
+        names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
+        raise type(exc)(f"{exc} (affects {names})") from None
+    return views
+
+
+def _verify_piece(reader: CheckpointReader, name: str, p: ReadPiece, buf: np.ndarray,
+                  describe: Callable[[ReadPiece], str]) -> ChecksumMismatchError | None:
+    """The first checksum mismatch in piece ``p`` (read into ``buf``), or None."""
+    for a, b, want in p.checks():
+        got = checksum(buf[a:b])
+        if got != want:
+            return ChecksumMismatchError(
+                f"checksum mismatch in {describe(p)}: chunk {p.chunk}, bytes "
+                f"[{p.offset + a}, {p.offset + b}) of "
+                f"{reader.location}/{name} have CRC-32C {got:08x}, "
+                f"the manifest says {want:08x}; the checkpoint is corrupt, "
+                "restore it from another copy"
+            )
+    return None
 
 
 def _check_supply(reader: CheckpointReader, name: str, req: ReadRequest,

@@ -47,7 +47,7 @@ from lightning.fabric.plugins import CheckpointIO
 
 import statestream as ss
 from statestream.api._load import AllowPickle
-from statestream.errors import CheckpointError
+from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.storage import storage_for
 
 __all__ = ["AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO"]
@@ -63,7 +63,7 @@ def _trusted(allow: AllowPickle) -> AllowPickle:
         return allow
     paths = (allow,) if isinstance(allow, str) else tuple(allow)
     if not all(isinstance(p, str) for p in paths):
-        raise TypeError(
+        raise InvalidOptionTypeError(
             "allow_pickle takes True, False or a collection of key paths (str), "
             f"not {allow!r}"
         )
@@ -114,13 +114,13 @@ class StatestreamCheckpointIO(CheckpointIO):
         """Write ``checkpoint`` as a statestream checkpoint at ``path`` (replacing one there).
 
         Raises:
-            TypeError: ``storage_options`` were given (this plugin has none).
+            InvalidOptionTypeError: ``storage_options`` were given (this plugin has none).
             UnsupportedTypeError: a value has no pickle-free form and ``pickle`` is off.
             CheckpointExistsError: ``path`` is something other than a checkpoint
                 (a ``torch.save`` file, say): it is never replaced.
         """
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidOptionTypeError(
                 f"{type(self).__name__} takes no storage_options; pass options to its "
                 "constructor instead"
             )

@@ -94,7 +94,7 @@ def looks_like_dcp(directory: str) -> bool:
     """A directory with ``.metadata`` and at least one ``*.distcp`` file."""
     try:
         names = os.listdir(directory)
-    except OSError:
+    except OSError:  # not a readable directory: not DCP; the caller's open reports why
         return False
     return METADATA_NAME in names and any(n.endswith(".distcp") for n in names)
 

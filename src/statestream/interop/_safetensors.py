@@ -230,7 +230,7 @@ def find_index(directory: str) -> str | None:
     """The ``*.safetensors.index.json`` of a directory (``model.`` first), if any."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors.index.json"))
-    except OSError:
+    except OSError:  # not a readable directory: no index; the caller's open reports why
         return None
     if "model.safetensors.index.json" in names:
         return os.path.join(directory, "model.safetensors.index.json")

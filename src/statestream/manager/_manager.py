@@ -16,7 +16,12 @@ from statestream.api._async import guard_optimizers_in
 from statestream.api._load import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
-from statestream.errors import CheckpointError, CheckpointNotFoundError, ManagerLockedError
+from statestream.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidOptionError,
+    ManagerLockedError,
+)
 from statestream.manager._lease import DirectoryLease
 from statestream.manager._policies import (
     KeepAll,
@@ -206,7 +211,7 @@ class CheckpointManager:
             (2, 1)
         """
         if mode not in ("min", "max"):
-            raise ValueError(f"best_step mode must be 'min' or 'max', got {mode!r}")
+            raise InvalidOptionError(f"best_step mode must be 'min' or 'max', got {mode!r}")
         scored = [(float(si.metrics[metric]), si.step) for si in self._retention.infos()
                   if is_score(si.metrics.get(metric))]
         if not scored:
@@ -307,7 +312,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise InvalidOptionError(f"step must be >= 0, got {step}")
         self._check_step_order(step)
         if force:
             self._decided = (step, True)  # a save of this step happens whatever the signal

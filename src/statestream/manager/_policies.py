@@ -12,6 +12,8 @@ import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
+from statestream.errors import InvalidOptionError
+
 __all__ = [
     "AllOf",
     "AnyOf",
@@ -64,7 +66,7 @@ class EveryNSteps:
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ValueError(f"EveryNSteps needs n >= 1, got {self.n}")
+            raise InvalidOptionError(f"EveryNSteps needs n >= 1, got {self.n}")
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
@@ -190,7 +192,7 @@ class KeepBest:
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
-            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
+            raise InvalidOptionError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         scored = [s for s in steps if is_score(s.metrics.get(self.metric))]

@@ -92,6 +92,70 @@ def _row_blocks(entry: ArrayEntry) -> bool:
     return all(c.shape[1:] == inner and not any(c.start[1:]) for c in entry.chunks)
 
 
+def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
+                      pieces: dict[tuple[int, ...], ReadPiece]) -> None:
+    """Pieces reading every row-block chunk straight into ``w.dest`` (the whole array)."""
+    flat = w.dest.reshape(-1).view(np.uint8)
+    row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
+    for ci, c in enumerate(entry.chunks):
+        if c.nbytes == 0:
+            continue
+        a = c.start[0] * row_bytes if c.start else 0
+        piece = ReadPiece(
+            w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
+            direct=flat[a : a + c.nbytes],
+        )
+        if c.block_rows:
+            piece.verify = _block_checks(c, 0, c.nbytes)
+        pieces[(w.array, ci, 0, c.shape[0] if c.shape else 1)] = piece
+
+
+def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[int, ...],
+                      pieces: dict[tuple[int, ...], ReadPiece]) -> None:
+    """Pieces for the part of each chunk that overlaps the box ``w`` wants.
+
+    A piece already planned for the same rows of a chunk is shared (and
+    scatters to this destination too).
+    """
+    for ci, c in enumerate(entry.chunks):
+        if c.nbytes == 0:
+            continue
+        box = _intersect(c.start, c.shape, w.start, dshape)
+        if box is None:
+            continue
+        lo, sh = box
+        # Which rows of the chunk to read: all of them, or (when the chunk has
+        # block checksums) just the blocks covering the rows this box needs.
+        r0, r1 = 0, (c.shape[0] if c.shape else 1)
+        if c.block_rows and c.shape:
+            need0 = lo[0] - c.start[0]
+            need1 = need0 + sh[0]
+            r0 = (need0 // c.block_rows) * c.block_rows
+            r1 = min(c.shape[0], -(-need1 // c.block_rows) * c.block_rows)
+        pstart = ((c.start[0] + r0,) + tuple(c.start[1:])) if c.shape else ()
+        pshape = ((r1 - r0,) + tuple(c.shape[1:])) if c.shape else ()
+        row_bytes = (c.nbytes // c.shape[0]) if c.shape and c.shape[0] else 0
+        dsl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, w.start, sh))
+        psl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, pstart, sh))
+        dview = w.dest[dsl] if dsl else w.dest
+        key = (w.array, ci, r0, r1)
+        found = pieces.get(key)
+        if found is not None:
+            piece = found
+        else:
+            piece = ReadPiece(w.array, ci, c.file, c.offset + r0 * row_bytes,
+                              (r1 - r0) * row_bytes if c.shape else c.nbytes,
+                              c.checksum, pshape, dt)
+            if c.block_rows:
+                piece.verify = _block_checks(c, r0, piece.nbytes)
+            pieces[key] = piece
+        whole = sh == pshape
+        if whole and piece.direct is None and dview.flags.c_contiguous:
+            piece.direct = dview.reshape(-1).view(np.uint8)
+        else:
+            piece.scatter.append((dview, psl))
+
+
 def plan_load(
     arrays: Sequence[ArrayEntry],
     wanted: Sequence[Wanted],
@@ -123,57 +187,9 @@ def plan_load(
         ):
             # Fast path (the common single-process case): the destination is the
             # whole array and every chunk is a row block, i.e. a byte range of it.
-            flat = w.dest.reshape(-1).view(np.uint8)
-            row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
-            for ci, c in enumerate(entry.chunks):
-                if c.nbytes == 0:
-                    continue
-                a = c.start[0] * row_bytes if c.start else 0
-                piece = ReadPiece(
-                    w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
-                    direct=flat[a : a + c.nbytes],
-                )
-                if c.block_rows:
-                    piece.verify = _block_checks(c, 0, c.nbytes)
-                pieces[(w.array, ci, 0, c.shape[0] if c.shape else 1)] = piece
+            _plan_whole_array(w, entry, dt, pieces)
             continue
-        for ci, c in enumerate(entry.chunks):
-            if c.nbytes == 0:
-                continue
-            box = _intersect(c.start, c.shape, w.start, dshape)
-            if box is None:
-                continue
-            lo, sh = box
-            # Which rows of the chunk to read: all of them, or (when the chunk has
-            # block checksums) just the blocks covering the rows this box needs.
-            r0, r1 = 0, (c.shape[0] if c.shape else 1)
-            if c.block_rows and c.shape:
-                need0 = lo[0] - c.start[0]
-                need1 = need0 + sh[0]
-                r0 = (need0 // c.block_rows) * c.block_rows
-                r1 = min(c.shape[0], -(-need1 // c.block_rows) * c.block_rows)
-            pstart = ((c.start[0] + r0,) + tuple(c.start[1:])) if c.shape else ()
-            pshape = ((r1 - r0,) + tuple(c.shape[1:])) if c.shape else ()
-            row_bytes = (c.nbytes // c.shape[0]) if c.shape and c.shape[0] else 0
-            dsl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, w.start, sh))
-            psl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, pstart, sh))
-            dview = w.dest[dsl] if dsl else w.dest
-            key = (w.array, ci, r0, r1)
-            found = pieces.get(key)
-            if found is not None:
-                piece = found
-            else:
-                piece = ReadPiece(w.array, ci, c.file, c.offset + r0 * row_bytes,
-                                  (r1 - r0) * row_bytes if c.shape else c.nbytes,
-                                  c.checksum, pshape, dt)
-                if c.block_rows:
-                    piece.verify = _block_checks(c, r0, piece.nbytes)
-                pieces[key] = piece
-            whole = sh == pshape
-            if whole and piece.direct is None and dview.flags.c_contiguous:
-                piece.direct = dview.reshape(-1).view(np.uint8)
-            else:
-                piece.scatter.append((dview, psl))
+        _plan_chunk_boxes(w, entry, dt, dshape, pieces)
     return coalesce(pieces.values(), max_request_bytes=max_request_bytes,
                     max_gap_bytes=max_gap_bytes, max_pieces_per_request=max_pieces_per_request)
 

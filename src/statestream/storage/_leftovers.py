@@ -44,7 +44,7 @@ def _proc_hides_pids() -> bool:
     try:
         with open("/proc/self/mountinfo") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except OSError:  # cannot tell: assume hidden pids, so no writer is declared dead
         return True
     for line in lines:
         fields = line.split()
@@ -63,7 +63,7 @@ def _start_time(pid: int) -> int | None:
             text = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    except OSError:
+    except OSError:  # exists but unreadable: -1 as documented (alive, start unknown)
         return -1
     fields = text[text.rfind(b")") + 2 :].split()
     if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # a zombie writes nothing more

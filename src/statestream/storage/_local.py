@@ -212,7 +212,7 @@ class _LocalFileWriter:
         if self._dfd is None:
             try:
                 self._dfd = os.open(self._path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
-            except OSError:
+            except OSError:  # no O_DIRECT here: -1 remembers it, buffered writes follow
                 self._dfd = -1
         if self._dfd == -1:
             return False
@@ -587,7 +587,7 @@ class _LocalReader:
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
-                pass
+                pass  # a read-ahead hint only; reads work without it
             self._fds[name] = fd
             return fd
 
@@ -757,7 +757,7 @@ class LocalStorage:
             os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
             _fsync_dir(path)
         except FileNotFoundError:
-            pass
+            pass  # no marker: not committed (or half-deleted); the tree goes below
         except OSError as exc:
             raise storage_error(f"deleting {path} failed: {exc}", exc) from exc
         shutil.rmtree(path, ignore_errors=True)
@@ -795,6 +795,6 @@ class LocalStorage:
         try:
             shutil.rmtree(path)
         except FileNotFoundError:
-            pass
+            pass  # already gone: removing is idempotent
         except OSError as exc:
             raise storage_error(f"removing {path} failed: {exc}", exc) from exc

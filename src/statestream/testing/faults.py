@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from statestream import _hooks
-from statestream.errors import storage_error
+from statestream.errors import InvalidOptionError, storage_error
 from statestream.storage import (
     Buffer,
     CheckpointReader,
@@ -63,7 +63,7 @@ POINTS = (
 def on(point: str, callback: Callable[[], None], *, nth: int = 1) -> None:
     """Run ``callback`` the ``nth`` time ``point`` is reached."""
     if point not in POINTS:
-        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+        raise InvalidOptionError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
     count = [0]
 
     def cb() -> None:
@@ -113,7 +113,7 @@ class StorageFault:
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {self.kind!r}; known: {FAULT_KINDS}")
+            raise InvalidOptionError(f"unknown fault kind {self.kind!r}; known: {FAULT_KINDS}")
 
     def tick(self, op: str, where: str) -> None:
         """Count a call; raise the injected error if it is the chosen one."""

@@ -203,6 +203,37 @@ def _fail(path: str, msg: str) -> None:
     raise AssertionError(f"at {path or '<root>'}: {msg}")
 
 
+def _assert_tensor_equal(actual: Any, expected: Any, path: str, torch: Any) -> None:
+    """torch tensors: same type, dtype, shape, requires_grad (parameters) and bytes."""
+    if type(actual) is not type(expected):
+        _fail(path, f"expected {type(expected).__name__}, got {type(actual).__name__}")
+    if actual.dtype != expected.dtype or tuple(actual.shape) != tuple(expected.shape):
+        _fail(path, f"{actual.dtype}{tuple(actual.shape)} != "
+                    f"{expected.dtype}{tuple(expected.shape)}")
+    if isinstance(expected, torch.nn.Parameter) and (
+        actual.requires_grad != expected.requires_grad
+    ):
+        _fail(path, "requires_grad differs")
+
+    def tb(t: Any) -> bytes:
+        t = t.detach().cpu().contiguous().reshape(-1)
+        return bytes(t.view(torch.uint8).numpy().tobytes()) if t.numel() else b""
+
+    if tb(actual) != tb(expected):
+        _fail(path, f"values differ:\n{actual!r}\n{expected!r}")
+
+
+def _assert_float_equal(actual: Any, expected: float, path: str) -> None:
+    """Python floats: equal bits, except that any NaN matches any NaN."""
+    if type(actual) is not float:
+        _fail(path, f"expected a float, got {type(actual).__name__}")
+    if math.isnan(expected):  # format v1 stores a plain float NaN as "nan": no sign/payload
+        if not math.isnan(actual):
+            _fail(path, f"{actual!r} != nan")
+    elif struct.pack("<d", actual) != struct.pack("<d", expected):
+        _fail(path, f"{actual!r} != {expected!r} (bitwise)")
+
+
 def assert_tree_equal(actual: Any, expected: Any, *, path: str = "") -> None:
     """Assert two states are exactly equal: types, keys in order, dtypes, shapes, bits.
 
@@ -232,22 +263,7 @@ def assert_tree_equal(actual: Any, expected: Any, *, path: str = "") -> None:
             _fail(path, f"values differ: {actual!r} != {expected!r}")
         return
     if torch is not None and isinstance(expected, torch.Tensor):
-        if type(actual) is not type(expected):
-            _fail(path, f"expected {type(expected).__name__}, got {type(actual).__name__}")
-        if actual.dtype != expected.dtype or tuple(actual.shape) != tuple(expected.shape):
-            _fail(path, f"{actual.dtype}{tuple(actual.shape)} != "
-                        f"{expected.dtype}{tuple(expected.shape)}")
-        if isinstance(expected, torch.nn.Parameter) and (
-            actual.requires_grad != expected.requires_grad
-        ):
-            _fail(path, "requires_grad differs")
-
-        def tb(t: Any) -> bytes:
-            t = t.detach().cpu().contiguous().reshape(-1)
-            return bytes(t.view(torch.uint8).numpy().tobytes()) if t.numel() else b""
-
-        if tb(actual) != tb(expected):
-            _fail(path, f"values differ:\n{actual!r}\n{expected!r}")
+        _assert_tensor_equal(actual, expected, path, torch)
         return
     if jax is not None and isinstance(expected, jax.Array):
         if not isinstance(actual, jax.Array):
@@ -259,13 +275,7 @@ def assert_tree_equal(actual: Any, expected: Any, *, path: str = "") -> None:
             _fail(path, f"{actual!r:.200} != {expected!r:.200}")
         return
     if isinstance(expected, float):
-        if type(actual) is not float:
-            _fail(path, f"expected a float, got {type(actual).__name__}")
-        if math.isnan(expected):  # format v1 stores a plain float NaN as "nan": no sign/payload
-            if not math.isnan(actual):
-                _fail(path, f"{actual!r} != nan")
-        elif struct.pack("<d", actual) != struct.pack("<d", expected):
-            _fail(path, f"{actual!r} != {expected!r} (bitwise)")
+        _assert_float_equal(actual, expected, path)
         return
     if isinstance(expected, dict):
         if type(actual) is not type(expected):

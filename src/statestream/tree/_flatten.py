@@ -125,6 +125,59 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
+def _walk_builtin_container(x: Any, p: KeyPath, walk: Callable[[Any, KeyPath], Node]
+                            ) -> Node | None:
+    """Node for a stateful object or a built-in container (``walk`` recurses), else None.
+
+    Kept as one function: each extra frame per tree level would lower the
+    depth that fits Python's recursion limit below MAX_TREE_DEPTH.
+    """
+    if is_stateful(x):
+        try:
+            sd = x.state_dict()
+        except Exception as exc:  # report where it happened
+            raise UnsupportedTypeError(
+                f"state_dict() of {type_name(x)} at key path '{format_keypath(p)}' "
+                f"raised {type(exc).__name__}: {exc}"
+            ) from exc
+        return Node("stateful", type_name=type_name(x), children=[walk(sd, p)])
+    if isinstance(x, dict):
+        keys: list[Key] = []
+        for k in x:
+            if type(k) is not str and type(k) is not int:
+                raise UnsupportedTypeError(
+                    f"mapping key {k!r} of type {type(k).__name__} at key path "
+                    f"'{format_keypath(p)}' is not supported; use str or int keys"
+                )
+            keys.append(k)
+        return Node(
+            "dict",
+            keys=keys,
+            children=[walk(x[k], p + (k,)) for k in keys],
+            type_name=None if type(x) is dict else type_name(x),
+        )
+    if _is_namedtuple(x):
+        fields = list(type(x)._fields)
+        return Node(
+            "namedtuple",
+            keys=list(fields),
+            children=[walk(v, p + (f,)) for f, v in zip(fields, x)],
+            type_name=type_name(x),
+        )
+    if isinstance(x, (list, tuple)):
+        kind = "list" if isinstance(x, list) else "tuple"
+        return Node(kind, children=[walk(v, p + (i,)) for i, v in enumerate(x)])
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = [f.name for f in state_fields(x)]
+        return Node(
+            "dataclass",
+            keys=list(names),
+            children=[walk(getattr(x, n), p + (n,)) for n in names],
+            type_name=type_name(x),
+        )
+    return None
+
+
 def flatten(
     obj: Any,
     leaf_fn: LeafFn,
@@ -166,54 +219,13 @@ def flatten(
             )
         active.add(oid)
         try:
-            return _walk_container(x, p)
+            # one helper frame per level, as before the split (MAX_TREE_DEPTH fits the stack)
+            node = _walk_builtin_container(x, p, walk)
+            return node if node is not None else _walk_extension(x, p)
         finally:
             active.discard(oid)
 
-    def _walk_container(x: Any, p: KeyPath) -> Node:
-        if is_stateful(x):
-            try:
-                sd = x.state_dict()
-            except Exception as exc:  # report where it happened
-                raise UnsupportedTypeError(
-                    f"state_dict() of {type_name(x)} at key path '{format_keypath(p)}' "
-                    f"raised {type(exc).__name__}: {exc}"
-                ) from exc
-            return Node("stateful", type_name=type_name(x), children=[walk(sd, p)])
-        if isinstance(x, dict):
-            keys: list[Key] = []
-            for k in x:
-                if type(k) is not str and type(k) is not int:
-                    raise UnsupportedTypeError(
-                        f"mapping key {k!r} of type {type(k).__name__} at key path "
-                        f"'{format_keypath(p)}' is not supported; use str or int keys"
-                    )
-                keys.append(k)
-            return Node(
-                "dict",
-                keys=keys,
-                children=[walk(x[k], p + (k,)) for k in keys],
-                type_name=None if type(x) is dict else type_name(x),
-            )
-        if _is_namedtuple(x):
-            fields = list(type(x)._fields)
-            return Node(
-                "namedtuple",
-                keys=list(fields),
-                children=[walk(v, p + (f,)) for f, v in zip(fields, x)],
-                type_name=type_name(x),
-            )
-        if isinstance(x, (list, tuple)):
-            kind = "list" if isinstance(x, list) else "tuple"
-            return Node(kind, children=[walk(v, p + (i,)) for i, v in enumerate(x)])
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            names = [f.name for f in state_fields(x)]
-            return Node(
-                "dataclass",
-                keys=list(names),
-                children=[walk(getattr(x, n), p + (n,)) for n in names],
-                type_name=type_name(x),
-            )
+    def _walk_extension(x: Any, p: KeyPath) -> Node:
         if pytree_fn is not None:
             exp = pytree_fn(x)
             if exp is not None:
@@ -257,7 +269,7 @@ def rebuild_container(node_kind: str, like: Any, keys: Sequence[Key], values: li
             return out
         try:
             return type(like)(out)
-        except Exception:
+        except Exception:  # a mapping type that cannot be built from a dict: a plain dict
             return out
     if _is_namedtuple(like):
         return type(like)(**{str(k): v for k, v in zip(keys, values)})
