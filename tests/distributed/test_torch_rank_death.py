@@ -63,6 +63,8 @@ def worker_kill(ctx: Context) -> dict[str, Any]:
         ss.save(path, _state(ctx.rank, ctx.args["old_step"]), collective=coll)
     if ctx.rank == ctx.args["victim"]:
         faults.kill_at(ctx.args["point"])
+    if ctx.rank == ctx.args.get("late_rank"):  # reaches the failed collective late
+        faults.on(ctx.args["point"], lambda: time.sleep(ctx.args["late_s"]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -75,10 +77,10 @@ def worker_kill(ctx: Context) -> dict[str, Any]:
 
 
 def _run(tmp: Path, world: int, victim: int, point: str,
-         old_step: int | None = None) -> list[Any]:
+         old_step: int | None = None, **extra: Any) -> list[Any]:
     res = launch(THIS, "worker_kill", world, tmp,
                  args={"path": str(tmp / "ck"), "victim": victim, "point": point,
-                       "old_step": old_step},
+                       "old_step": old_step, **extra},
                  timeout_s=LAUNCH_TIMEOUT_S, check=False)
     assert res[victim].returncode == -9 and res[victim].value is None, res[victim]
     for r in res:
@@ -106,6 +108,13 @@ def test_survivors_name_the_rank_killed_mid_save(tmp_path: Path, world: int,
     _assert_names_the_dead(values, victim)
     with pytest.raises(ss.CheckpointNotFoundError):
         ss.load(tmp_path / "ck", collective=ss.SingleProcess())
+
+
+def test_a_late_survivor_names_the_dead_rank_after_rank0_found_it(tmp_path: Path) -> None:
+    """Rank 2 reaches the failed collective seconds after rank 0 (which hosts the store)
+    has found rank 1 dead and returned: it must still blame rank 1, not rank 0."""
+    values = _run(tmp_path, 3, 1, "save.chunk_written", late_rank=2, late_s=3.0)
+    _assert_names_the_dead(values, 1)
 
 
 def test_rank0_killed_right_after_commit_is_a_successful_save(tmp_path: Path) -> None:

@@ -150,3 +150,47 @@ def test_403_from_a_server_that_checks_credentials() -> None:
         set_backend("s3", None)
         proc.kill()
         proc.wait()
+
+
+def _root_of(s3_server: dict[str, Any], url: str) -> tuple[str, str]:
+    import json
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    marker = s3_server["client"].get_object(Bucket=bucket, Key=f"{prefix}/COMMITTED")
+    return prefix, json.loads(marker["Body"].read())["root"]
+
+
+def test_verify_reports_objects_the_manifest_does_not_list(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    """Issue 10 item 7 on S3: unlisted objects and longer data objects are reported."""
+    url = f"{base_url}/ckpt"
+    ss.save(url, {"a": np.arange(100.0), "b": {"c": np.ones((4, 4), np.float32)}})
+    client, bucket = s3_server["client"], s3_server["bucket"]
+    prefix, root = _root_of(s3_server, url)
+    # another root under the prefix (an overwritten version being deleted) is gc's business
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{'0' * 32}/data/r0-0.bin", Body=b"old")
+    rep = ss.verify(url)
+    assert rep.ok, rep.problems
+    planted = {f"{prefix}/{root}/data/notes.txt": "data/notes.txt",
+               f"{prefix}/{root}/extra.bin": "/extra.bin",
+               f"{prefix}/outside-root.bin": "/outside-root.bin",
+               f"{prefix}/sub/x": "/sub/x"}
+    for key in planted:
+        client.put_object(Bucket=bucket, Key=key, Body=b"payload")
+    rep = ss.verify(url)
+    text = "\n".join(rep.problems)
+    assert not rep.ok
+    for needle in planted.values():
+        assert needle in text and "not listed" in text, text
+    assert "0" * 32 not in text
+    np.testing.assert_array_equal(ss.load(url)["a"], np.arange(100.0))
+    for key in planted:
+        client.delete_object(Bucket=bucket, Key=key)
+    assert ss.verify(url).ok
+    # a data object longer than the manifest lists
+    (data_key,) = [o["Key"] for o in client.list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/{root}/data/")["Contents"]]
+    body = client.get_object(Bucket=bucket, Key=data_key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=data_key, Body=body + b"\0" * 64)
+    rep = ss.verify(url)
+    assert not rep.ok and any(data_key.rsplit("/", 1)[-1] in p for p in rep.problems), rep

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -32,6 +33,9 @@ _BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
 #: How long a failed collective watches the peers' heartbeats to find the dead ones.
 DEAD_WINDOW_S = 3 * INTERVAL_S + 0.5
+#: How long the rank that hosts the store waits, after naming the dead, for the other
+#: survivors to have named them too (its exit takes the store and their evidence with it).
+VERDICT_GRACE_S = DEAD_WINDOW_S + 2 * INTERVAL_S
 
 
 def _alive_key(global_rank: int) -> str:
@@ -192,17 +196,57 @@ class TorchCollective:
         assert self._store is not None
         return int(self._store.add(_alive_key(self._global_ranks[local]), 0))
 
-    def _dead(self) -> tuple[list[int], bool]:
-        """Peers whose heartbeat stopped (group ranks), and whether the store is gone."""
+    def _dead(self, seq: int) -> tuple[list[int], bool]:
+        """Peers whose heartbeat stopped (group ranks), and whether the store is gone.
+
+        A verdict another survivor already recorded for collective ``seq`` is
+        taken as is; one found here is recorded for the others, and the
+        store's host then waits for them (:meth:`_settle`).
+        """
         if self._store is None:
             return [], False
         peers = [r for r in range(self._world) if r != self._rank]
+        key = f"{self._prefix}/dead/{seq}"
         try:
-            return find_stalled(self._read_beat, peers, window_s=DEAD_WINDOW_S), False
+            if seq and self._store.check([key]):
+                told = [int(r) for r in self._store.get(key).decode().split(",")]
+                dead = [r for r in told if r != self._rank]
+                self._settle(seq, dead)
+                return dead, False
+            dead = find_stalled(self._read_beat, peers, window_s=DEAD_WINDOW_S)
         except StoreLost as lost:  # the dead were seen before the store's host left
             return lost.ranks, True
         except Exception:  # the rendezvous store itself is unreachable
             return [], True
+        if dead and seq:
+            try:
+                self._store.set(key, ",".join(str(r) for r in dead))
+            except Exception:  # diagnostics only
+                return dead, True
+        self._settle(seq, dead)
+        return dead, False
+
+    def _settle(self, seq: int, dead: list[int]) -> None:
+        """Count this rank as having named ``dead``; the store's host waits for the others.
+
+        The host's process exit takes the store with it, so a survivor still
+        watching the heartbeats would lose its evidence and blame the host.
+        The host waits (at most ``VERDICT_GRACE_S``) until every other live
+        rank has its verdict. Best effort: diagnostics only.
+        """
+        if not seq or not dead or self._store is None:
+            return
+        key = f"{self._prefix}/judged/{seq}"
+        try:
+            done = int(self._store.add(key, 1))
+            if self._store_host() != self._rank:
+                return
+            deadline = time.monotonic() + VERDICT_GRACE_S
+            while done < self._world - len(dead) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                done = int(self._store.add(key, 0))
+        except Exception:
+            pass
 
     def _store_host(self) -> int | None:
         """The group rank of global rank 0 (which hosts the store unless a launcher does)."""
@@ -212,7 +256,7 @@ class TorchCollective:
         text = str(exc)
         where = f"{what} (call #{seq})" if seq else what
         if "timed out" in text.lower() or "timeout" in text.lower():
-            dead, _ = self._dead()
+            dead, _ = self._dead(seq)
             behind = self._laggards(seq, dead) if seq else []
             who = f" ({'; '.join(behind)})" if behind else ""
             return CollectiveTimeoutError(
@@ -221,7 +265,7 @@ class TorchCollective:
                 "A rank crashed or never called the same statestream function; raise "
                 "timeout_s if ranks are just slow"
             )
-        dead, store_gone = self._dead()
+        dead, store_gone = self._dead(seq)
         if dead:
             then = "; then the rendezvous store became unreachable" if store_gone else ""
             return DistributedError(

@@ -609,7 +609,7 @@ class _LocalReader:
             try:
                 got = os.preadv(fd, [buf], 0) if size else 0
             except OSError as exc:
-                raise StorageError(f"reading {where} failed: {exc}") from exc
+                raise storage_error(f"reading {where} failed: {exc}", exc) from exc
             if got != size:
                 raise TruncatedFileError(f"{where} changed while being read")
             return bytes(buf)
@@ -647,7 +647,7 @@ class _LocalReader:
                     out.extend(f"{DATA_DIR}/{e.name}" for e in it)
                 os.close(fd)
         except OSError as exc:
-            raise StorageError(f"cannot list {self.location}: {exc}") from exc
+            raise storage_error(f"cannot list {self.location}: {exc}", exc) from exc
         return out
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:

@@ -358,6 +358,32 @@ class _S3Reader:
             np.frombuffer(v, dtype=np.uint8)[...] = src[pos : pos + v.nbytes]
             pos += v.nbytes
 
+    def list_files(self) -> list[str]:
+        """Every object of the checkpoint, named like the local reader's entries.
+
+        Objects under the committed root are named relative to it
+        (``manifest.json``, ``data/<name>``); other objects under the
+        checkpoint's prefix keep their name relative to it (``COMMITTED``,
+        ``extra.bin``, ``sub/x``). Other roots (an overwritten version not yet
+        deleted, a killed save's leftovers) belong to ``statestream gc``.
+        """
+        import obstore
+
+        top = self._prefix + "/"
+        out: list[str] = []
+        try:
+            for batch in obstore.list(self._owner._store(self._bucket), prefix=top):
+                for m in batch:
+                    rel = m["path"][len(top):]
+                    first, sep, rest = rel.partition("/")
+                    if first == self._root and sep:
+                        out.append(rest)
+                    elif not (sep and _ROOT_RE.match(first)):
+                        out.append(rel)
+        except Exception as exc:
+            raise _map_error(exc, f"listing {self.location}") from exc
+        return out
+
     def close(self) -> None:
         pass
 
