@@ -6,8 +6,8 @@ import argparse
 import re
 
 import statestream as ss
-from statestream.cli._progress import progress_bar
 from statestream.cli._main import safe
+from statestream.cli._progress import progress_bar
 
 __all__ = ["add_parser", "parse_size"]
 

@@ -1,0 +1,254 @@
+"""Tests for ``statestream convert | ls | diff`` and the JSON of inspect / verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.cli import main
+from statestream.cli._convert import parse_size
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(ss.__file__).parents[1])}
+
+
+def state(scale: float = 1.0) -> dict[str, Any]:
+    return {"model": {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * scale,
+                      "b": np.ones(4, np.float64)},
+            "step": 7}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "statestream", *args], capture_output=True,
+                          text=True, timeout=120, check=False, env=ENV)
+
+
+def out_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, Any]:
+    rc = main(argv)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+# ----------------------------------------------------------------------- convert
+
+
+def test_convert_to_safetensors_and_back(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"),
+                 "--items", "model"]) == 0
+    assert "m.safetensors" in capsys.readouterr().out
+    got = ss.load(tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(got["w"], state()["model"]["w"])
+    assert set(got) == {"w", "b"}
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "back")]) == 0
+    assert ss.metadata(tmp_path / "back").format == "statestream"
+
+
+def test_convert_shards_with_max_shard_size(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)})
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "safetensors",
+                 "--max-shard-size", "5KB"]) == 0
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
+    assert list((tmp_path / "hf").glob("*.index.json"))
+
+
+def test_convert_errors_are_one_line(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", state())
+    (tmp_path / "exists.safetensors").write_bytes(b"x")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "exists.safetensors"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 << 20
+    assert parse_size("100") == 100
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")
+
+
+# ---------------------------------------------------------------------------- ls
+
+
+def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)
+    for s in (10, 20):
+        mgr.save(s, {"w": np.full(3, s, np.float32)}, metrics={"loss": 1 / s})
+    mgr.close()
+    # a step that never committed, as a killed save leaves it
+    (d / "step_0000000030").mkdir()
+    (d / "step_0000000030" / "manifest.json").write_text("{")
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    assert rc == 0 and out["kind"] == "manager"
+    by_step = {e["step"]: e for e in out["entries"]}
+    assert by_step[10]["state"] == by_step[20]["state"] == "committed"
+    assert by_step[20]["metrics"] == {"loss": 0.05} and by_step[20]["nbytes"] == 12
+    assert isinstance(by_step[10]["time"], float)
+    assert by_step[30]["state"] == "uncommitted"
+    assert set(out["entries"][0]) == {"name", "path", "step", "state", "format", "time",
+                                      "nbytes", "metrics", "error"}
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert "loss=0.05" in text and "uncommitted" in text and "2 committed" in text
+
+
+def test_ls_is_read_only_beside_a_live_manager(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)  # holds the lease
+    mgr.save(1, {"w": np.zeros(2)})
+    before = sorted(p.name for p in d.iterdir())
+    assert main(["ls", str(d)]) == 0
+    assert sorted(p.name for p in d.iterdir()) == before
+    mgr.save(2, {"w": np.zeros(2)})  # the manager still owns the directory
+    mgr.close()
+    assert "step_0000000001" in capsys.readouterr().out
+
+
+def test_ls_plain_directory_escapes_names(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "good", state())
+    ss.save(tmp_path / "evil\x1b[2J", state())
+    (tmp_path / "not-a-checkpoint").mkdir()
+    assert main(["ls", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "evil\\x1b[2J" in text and "good" in text
+    assert "not-a-checkpoint" not in text
+    rc, out = out_json(capsys, ["ls", str(tmp_path), "--json"])
+    assert out["kind"] == "directory" and len(out["entries"]) == 2
+
+
+# -------------------------------------------------------------------------- diff
+
+
+def test_diff_equal_and_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", state())
+    ss.save(tmp_path / "a2", state())
+    ss.save(tmp_path / "b", state(scale=1.5))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a2")]) == 0
+    assert "equal" in capsys.readouterr().out
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and not out["equal"]
+    (c,) = out["changed"]
+    assert c["key"] == "model/w" and c["max_abs_diff"] == pytest.approx(2.5)
+    assert c["a"] == {"dtype": "float32", "shape": [2, 3]}
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "3"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "0.5"]) == 0
+
+
+def test_diff_added_removed_dtype_shape(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"x": np.zeros(3, np.float32), "gone": 1, "s": np.zeros(2)})
+    ss.save(tmp_path / "b", {"x": np.zeros(3, np.float64), "new": "hi", "s": np.zeros(3)})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1
+    assert [e["key"] for e in out["added"]] == ["new"]
+    assert [e["key"] for e in out["removed"]] == ["gone"]
+    assert {c["key"] for c in out["changed"]} == {"x", "s"}
+    assert set(out) == {"a", "b", "equal", "added", "removed", "changed"}
+
+
+def test_diff_across_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", {"w": np.arange(5, dtype=np.float32), "v": np.ones(2)})
+    ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert main(["diff", str(tmp_path / "m.safetensors"), str(tmp_path / "ck")]) == 0
+    assert capsys.readouterr().out == "equal\n"
+    ss.save(tmp_path / "ck2", {"w": np.arange(5, dtype=np.float32) + 1, "v": np.ones(2)})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "m.safetensors"),
+                                str(tmp_path / "ck2"), "--json"])
+    assert rc == 1 and out["a"]["format"] == "safetensors"
+    assert out["changed"][0]["max_abs_diff"] == 1.0
+
+
+def test_diff_escapes_hostile_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"k\x1b]0;pwn\x07": np.zeros(2), "v": "a\nb"})
+    ss.save(tmp_path / "b", {"other": np.zeros(2), "v": "c\x1b[31m"})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\x07" not in text
+    assert all(line.startswith(("+", "-", "~", "0", "1", "2")) for line in text.splitlines())
+
+
+def test_diff_error_exit_2(tmp_path: Path) -> None:
+    r = run_cli("diff", str(tmp_path / "missing"), str(tmp_path / "other"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------ inspect / verify JSON
+
+
+def test_inspect_json_keys_are_stable(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["inspect", str(tmp_path / "ck"), "--json"])
+    assert rc == 0
+    assert set(out) == {"path", "format", "format_version", "total_bytes", "num_arrays",
+                        "files", "meta", "leaves"}
+    assert out["format"] == "statestream"
+    assert set(out["leaves"][0]) == {"key", "kind", "dtype", "shape", "nbytes"}
+
+
+def test_verify_json_keys_are_stable(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["verify", str(tmp_path / "ck"), "--json"])
+    assert rc == 0
+    assert out == {"path": str(tmp_path / "ck"), "ok": True, "checked_chunks": 2,
+                   "checked_bytes": 56, "problems": []}
+    (f,) = sorted((tmp_path / "ck" / "data").iterdir())
+    raw = bytearray(f.read_bytes())
+    raw[1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    rc, out = out_json(capsys, ["verify", str(tmp_path / "ck"), "--json"])
+    assert rc == 1 and not out["ok"] and len(out["problems"]) == 1
+
+
+def test_inspect_foreign_file_prints_its_format(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert main(["inspect", str(tmp_path / "m.safetensors")]) == 0
+    text = capsys.readouterr().out
+    assert "safetensors" in text.splitlines()[1] and "statestream v1" not in text
+
+
+# ------------------------------------------------------------------ shell manners
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "gc", "convert", "ls", "diff"])
+def test_help_shows_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "example" in text and f"statestream {command} " in text
+
+
+def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {f"k{i}": np.zeros(1) for i in range(2000)})
+    cmd = [sys.executable, "-m", "statestream", "inspect", "--json", str(tmp_path / "ck")]
+    producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert producer.stdout is not None and producer.stderr is not None
+    head = subprocess.run(["head", "-c", "10"], stdin=producer.stdout, capture_output=True,
+                          timeout=120, check=True)
+    producer.stdout.close()
+    err = producer.stderr.read().decode()
+    producer.wait(timeout=120)
+    assert head.stdout == b'{\n  "path"'
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_no_progress_output_when_piped(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {"w": np.zeros(20 << 20, np.uint8)})
+    r = run_cli("verify", str(tmp_path / "ck"))
+    assert r.returncode == 0 and r.stdout.count("\n") == 1 and r.stderr == ""
+    assert "\x1b" not in r.stdout
