@@ -27,18 +27,27 @@ exit status: 0 equal, 1 different, 2 error
 """
 
 
+def _numeric(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """ml_dtypes arrays (bfloat16, float8_*: NumPy kind 'V') as float32, to subtract."""
+    if x.dtype.kind == "V" and x.dtype.names is None:
+        try:
+            return x.astype(np.float32)
+        except (TypeError, ValueError):
+            return x
+    return x
+
+
 def _leaf(path: str, key: str, allow_pickle: bool) -> np.ndarray[Any, Any]:
     tree: Any = ss.load(path, items=[key], allow_pickle=allow_pickle)
     for k in parse_keypath(key):
         tree = tree[int(k)] if isinstance(tree, (list, tuple)) else tree[k]
-    if hasattr(tree, "detach"):  # a torch tensor
-        import torch
-
+    if hasattr(tree, "detach"):  # a torch tensor (duck-typed: cli/ imports no framework)
         t = tree.detach().cpu()
-        if t.dtype in (torch.bfloat16,) or str(t.dtype).startswith("torch.float8"):
-            t = t.float()
-        return np.asarray(t.numpy())
-    return np.asarray(tree)
+        try:
+            return np.asarray(t.numpy())
+        except TypeError:  # bfloat16 / float8: NumPy has no such dtype; compare as float32
+            return np.asarray(t.float().numpy())
+    return _numeric(np.asarray(tree))
 
 
 def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],

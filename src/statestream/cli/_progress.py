@@ -57,11 +57,10 @@ def progress_bar(label: str, total: int | None = None) -> Iterator[Callback | No
     columns: list[Any] = ["{task.description}", BarColumn(), DownloadColumn(),
                           TransferSpeedColumn(), TimeRemainingColumn()]
     with Progress(*columns, transient=True) as bar:
-        task = bar.add_task(label, total=total)
+        # hidden until the first report shows the work is large (total unknown up front)
+        task = bar.add_task(label, total=total, visible=total is not None)
 
         def update(done: int, tot: int) -> None:
-            if tot < LARGE_BYTES:
-                bar.update(task, visible=False)
-            bar.update(task, completed=min(done, tot), total=tot)
+            bar.update(task, completed=min(done, tot), total=tot, visible=tot >= LARGE_BYTES)
 
         yield update
