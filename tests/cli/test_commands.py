@@ -306,3 +306,36 @@ def test_diff_torch_checkpoints_with_bfloat16(tmp_path: Path,
     assert rc == 1 and [c["key"] for c in out["changed"]] == ["w"]
     assert out["changed"][0]["max_abs_diff"] == 2.0
     assert main(["diff", str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+
+
+def test_diff_reads_arrays_in_bounded_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from statestream.cli import _diff
+
+    arrays = {f"a{i}": np.full(1000, i, np.float32) for i in range(6)}  # 4000 B each
+    ss.save(tmp_path / "a", {"xs": list(arrays.values()), "d": arrays})
+    changed = dict(arrays, a3=np.full(1000, 99, np.float32))
+    ss.save(tmp_path / "b", {"xs": list(changed.values()), "d": changed})
+    calls: list[list[str]] = []
+    real_load = ss.load
+
+    def spy(path: Any, **kw: Any) -> Any:
+        calls.append(list(kw["items"]))
+        return real_load(path, **kw)
+
+    monkeypatch.setattr(ss, "load", spy)
+    monkeypatch.setattr(_diff, "BATCH_BYTES", 8000)
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and {c["key"] for c in out["changed"]} == {"xs/3", "d/a3"}
+    assert all(len(items) <= 2 for items in calls) and len(calls) == 12  # 6 batches a side
+    assert out["changed"][0]["max_abs_diff"] == 96.0
+
+
+def test_diff_nan_is_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"x": np.array([1.0, np.nan]), "y": np.array([np.nan])})
+    ss.save(tmp_path / "b", {"x": np.array([1.0, 2.0]), "y": np.array([np.nan])})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    text = capsys.readouterr().out
+    out = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert [c["key"] for c in out["changed"]] == ["x"]  # NaN == NaN in y
+    assert out["changed"][0]["max_abs_diff"] == "nan"

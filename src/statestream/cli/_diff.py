@@ -1,7 +1,8 @@
 """``statestream diff``: added, removed and changed keys of two checkpoints, any formats.
 
-Streams: the trees come from metadata; arrays are read one leaf at a time
-(``items=`` naming that leaf), so at most one array of each side is in memory.
+Streams: the trees come from metadata; arrays are read in small batches
+(``items=`` naming them, at most :data:`BATCH_BYTES` or one array per side),
+never the whole state.
 """
 
 from __future__ import annotations
@@ -37,17 +38,53 @@ def _numeric(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return x
 
 
-def _leaf(path: str, key: str, allow_pickle: bool) -> np.ndarray[Any, Any]:
-    tree: Any = ss.load(path, items=[key], allow_pickle=allow_pickle)
+def _dig(tree: Any, key: str) -> Any:
     for k in parse_keypath(key):
-        tree = tree[int(k)] if isinstance(tree, (list, tuple)) else tree[k]
-    if hasattr(tree, "detach"):  # a torch tensor (duck-typed: cli/ imports no framework)
-        t = tree.detach().cpu()
+        if isinstance(tree, (list, tuple)):
+            tree = tree[int(k)]
+        else:  # items= returns a list's selected elements as a dict keyed by index
+            tree = tree[k] if k in tree else tree[int(k)]
+    return tree
+
+
+def _as_numpy(leaf: Any) -> np.ndarray[Any, Any]:
+    if hasattr(leaf, "detach"):  # a torch tensor (duck-typed: cli/ imports no framework)
+        t = leaf.detach().cpu()
         try:
             return np.asarray(t.numpy())
         except TypeError:  # bfloat16 / float8: NumPy has no such dtype; compare as float32
             return np.asarray(t.float().numpy())
-    return _numeric(np.asarray(tree))
+    return _numeric(np.asarray(leaf))
+
+
+#: Arrays of one side read together in one ``load`` (one array alone may be larger).
+BATCH_BYTES = 64 << 20
+
+
+class _Side:
+    """Serves one checkpoint's arrays in the order they are asked for, reading them in
+    batches of at most :data:`BATCH_BYTES` (or one array) and dropping each batch after."""
+
+    def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool) -> None:
+        self.path, self.order, self.allow_pickle = path, order, allow_pickle
+        self.pos = 0
+        self.batch: dict[str, np.ndarray[Any, Any]] = {}
+
+    def get(self, key: str) -> np.ndarray[Any, Any]:
+        if key not in self.batch:
+            self.batch = {}  # free the previous batch before reading the next
+            keys: list[str] = []
+            size = 0
+            while self.pos < len(self.order):
+                k, n = self.order[self.pos]
+                if keys and size + n > BATCH_BYTES:
+                    break
+                keys.append(k)
+                size += n
+                self.pos += 1
+            tree = ss.load(self.path, items=keys, allow_pickle=self.allow_pickle)
+            self.batch = {k: _as_numpy(_dig(tree, k)) for k in keys}
+        return self.batch.pop(key)
 
 
 def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
@@ -74,7 +111,12 @@ def _describe(leaf: Any) -> dict[str, Any]:
     return {"dtype": type(leaf).__name__, "shape": None, "value": safe(repr(leaf))[:200]}
 
 
-def _compare(a: str, b: str, key: str, la: Any, lb: Any, opts: argparse.Namespace
+def _arrays_to_read(la: Any, lb: Any) -> bool:
+    return (isinstance(la, ss.ArrayMetadata) and isinstance(lb, ss.ArrayMetadata)
+            and tuple(la.shape) == tuple(lb.shape))
+
+
+def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Namespace
              ) -> dict[str, Any] | None:
     ea, eb = isinstance(la, ss.ArrayMetadata), isinstance(lb, ss.ArrayMetadata)
     change: dict[str, Any] = {"key": key, "a": _describe(la), "b": _describe(lb),
@@ -85,9 +127,8 @@ def _compare(a: str, b: str, key: str, la: Any, lb: Any, opts: argparse.Namespac
         return None if type(la) is type(lb) and la == lb else change
     if tuple(la.shape) != tuple(lb.shape):
         return change
-    xa, xb = _leaf(a, key, opts.allow_pickle), _leaf(b, key, opts.allow_pickle)
-    ok, big = _largest(xa, xb, opts.atol, opts.rtol)
-    change["max_abs_diff"] = big
+    ok, big = _largest(sa.get(key), sb.get(key), opts.atol, opts.rtol)
+    change["max_abs_diff"] = big if big is None or math.isfinite(big) else str(big)
     same_dtype = la.dtype == lb.dtype
     return None if ok and same_dtype else change
 
@@ -97,16 +138,18 @@ def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     ma, mb = ss.metadata(a), ss.metadata(b)
     la, lb = dict(ma.leaves()), dict(mb.leaves())
     common = [k for k in la if k in lb]
-    total = sum(la[k].nbytes + lb[k].nbytes for k in common
-                if isinstance(la[k], ss.ArrayMetadata) and isinstance(lb[k], ss.ArrayMetadata))
+    read = [k for k in common if _arrays_to_read(la[k], lb[k])]
+    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle)
+    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle)
+    total = sum(la[k].nbytes + lb[k].nbytes for k in read)
     changed: list[dict[str, Any]] = []
     done = 0
     with progress_bar("diff", total=total) as cb:
         for k in common:
-            c = _compare(a, b, k, la[k], lb[k], opts)
+            c = _compare(sa, sb, k, la[k], lb[k], opts)
             if c is not None:
                 changed.append(c)
-            if isinstance(la[k], ss.ArrayMetadata) and isinstance(lb[k], ss.ArrayMetadata):
+            if _arrays_to_read(la[k], lb[k]):
                 done += la[k].nbytes + lb[k].nbytes
                 if cb is not None:
                     cb(done, total)
@@ -136,7 +179,9 @@ def _cmd(args: argparse.Namespace) -> int:
     for e in out["removed"]:
         print(f"- {safe(e['key'])}  {_side(e)}")
     for e in out["changed"]:
-        big = "" if e["max_abs_diff"] is None else f"  max |a-b| = {e['max_abs_diff']:.6g}"
+        m = e["max_abs_diff"]
+        big = "" if m is None else f"  max |a-b| = {m:.6g}" if isinstance(m, float) \
+            else f"  max |a-b| = {m}"
         print(f"~ {safe(e['key'])}  {_side(e['a'])} -> {_side(e['b'])}{big}")
     if out["equal"]:
         print("equal")
