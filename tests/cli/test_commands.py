@@ -339,3 +339,26 @@ def test_diff_nan_is_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
     assert [c["key"] for c in out["changed"]] == ["x"]  # NaN == NaN in y
     assert out["changed"][0]["max_abs_diff"] == "nan"
+
+
+def test_ls_shows_leftovers_of_killed_saves(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)
+    mgr.save(1, {"w": np.zeros(2)})
+    mgr.close()
+    # the staging area a killed save of step 2 leaves (local backend's naming)
+    (d / ".step_0000000002.tmp-0123456789ab").mkdir()
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    states = [(e["step"], e["state"]) for e in out["entries"]]
+    assert states == [(1, "committed"), (2, "leftover")]
+    assert (d / ".step_0000000002.tmp-0123456789ab").is_dir()  # ls removes nothing
+
+
+def test_ls_missing_directory_and_a_checkpoint(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli("ls", str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.startswith("error: no directory")
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["ls", str(tmp_path / "ck"), "--json"])
+    assert out["kind"] == "checkpoint" and out["entries"][0]["nbytes"] == 56

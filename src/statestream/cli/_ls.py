@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -55,6 +56,12 @@ def list_directory(directory: str) -> dict[str, Any]:
     staging area of an unfinished save).
     """
     storage, path = storage_for(directory)
+    if "://" not in directory and not os.path.isdir(path):
+        raise ss.CheckpointNotFoundError(f"no directory at {directory}")
+    if storage.is_committed(path):  # a checkpoint itself: list it alone
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return {"directory": directory, "kind": "checkpoint",
+                "entries": [_entry(storage, path, name, parse_step(name))]}
     steps = StepDirectory(storage, path)
     names = sorted(storage.list(path))
     is_manager = any(parse_step(n) is not None for n in names)
