@@ -84,8 +84,11 @@ class _Slabs:
         self.slab_bytes = max(1, min(budget // 2, io.max_chunk_bytes))
         self.budget = ByteBudget(max(budget - self.slab_bytes, 1 << 20))
         self.names = [f.name for f in m.files]
-        self.total = sum(m.arrays[i].nbytes for i in old)
+        # an alias (tied weights) lists one array twice in ``old``, and writers read it once
+        # (torch, safetensors) or twice (statestream): count each array's bytes once
+        self.total = sum(m.arrays[i].nbytes for i in set(old))
         self.done = 0
+        self.counted: dict[int, int] = {}
         self.progress = progress
         self.paths = paths
 
@@ -115,7 +118,10 @@ class _Slabs:
 
             read_requests(self.reader, self.names, reqs, options=self.io, budget=self.budget,
                           describe=describe)
-            self.done += buf.nbytes
+            seen = self.counted.get(ai, 0)
+            now = min(self.m.arrays[ai].nbytes, seen + buf.nbytes)
+            self.counted[ai] = now
+            self.done += now - seen
             if self.progress is not None:
                 self.progress(min(self.done, self.total), self.total)
         return buf

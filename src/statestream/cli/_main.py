@@ -111,6 +111,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "path": md.path,
+            "format": md.format,
             "format_version": md.format_version,
             "total_bytes": md.total_bytes,
             "num_arrays": md.num_arrays,
@@ -125,8 +126,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
         return 0
     print(f"checkpoint  {safe(md.path)}")
-    print(f"format      statestream v{md.format_version}  "
-          f"({safe(str(md.meta.get('library', '?')))[:80]})")
+    fmt = f"statestream v{md.format_version}" if md.format == "statestream" else md.format
+    print(f"format      {safe(fmt)}  ({safe(str(md.meta.get('library', '?')))[:80]})")
     w = min(80, max([len("key path")] + [len(safe(r[0])) for r in rows]))
     print(f"{'key path':<{w}}  {'kind':<7} {'dtype':<14} {'shape':<22} {'size':>10}")
     for k, kind, dt, sh, nb in rows:
@@ -152,7 +153,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise  # nothing to verify: exit 2 like inspect, not 1 (damaged)
     except ss.CheckpointError:
         pass  # a damaged manifest is reported by verify below
-    rep = ss.verify(args.path)
+    from statestream.cli._progress import progress_bar
+
+    with progress_bar("verify") as cb:
+        rep = ss.verify(args.path, progress=cb)
+    if args.json:
+        print(json.dumps({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
+                          "checked_bytes": rep.checked_bytes,
+                          "problems": [str(p) for p in rep.problems]},
+                         indent=2, ensure_ascii=True))
+        return 0 if rep.ok else 1
     if rep.ok:
         print(f"OK  {safe(rep.path)}: {rep.checked_chunks} chunks, "
               f"{_human(rep.checked_bytes)} verified")
@@ -175,6 +185,17 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at devnull so the interpreter's final flush cannot raise again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - no real stdout
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``statestream`` command.
 
@@ -182,27 +203,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["--version"])  # doctest: +SKIP
     """
     parser = argparse.ArgumentParser(
-        prog="statestream", description="Inspect and verify statestream checkpoints."
+        prog="statestream", description="Inspect, verify, list, compare and convert checkpoints."
     )
     parser.add_argument("--version", action="version", version=f"statestream {ss.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="show the tree with shapes, dtypes and sizes")
+    from statestream.cli import _convert, _diff, _ls
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("inspect", help="show the tree with shapes, dtypes and sizes",
+                       formatter_class=raw, epilog="examples:\n  statestream inspect "
+                       "ckpts/step_0000001000\n  statestream inspect model.safetensors --json\n")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list every value of long sequences")
     p.set_defaults(fn=_cmd_inspect)
-    p = sub.add_parser("verify", help="re-read every chunk and check its checksum")
+    p = sub.add_parser("verify", help="re-read every chunk and check its checksum",
+                       formatter_class=raw, epilog="examples:\n  statestream verify "
+                       "ckpts/step_0000001000\n  statestream verify ckpt --json\n")
     p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=_cmd_verify)
-    p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY")
+    p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
+                       formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
     p.add_argument("directory")
     p.add_argument("--max-age-hours", type=float, default=24.0,
                    help="remove leftovers whose writer cannot be checked (another host) "
                         "once unchanged this long (default 24)")
     p.set_defaults(fn=_cmd_gc)
+    for mod in (_convert, _ls, _diff):
+        mod.add_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return int(args.fn(args))
+        rc = int(args.fn(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return rc
+    except BrokenPipeError:  # the reader went away (``| head``): end quietly
+        _quiet_stdout()
+        return 1
     except ss.CheckpointError as exc:
         print(f"error: {safe(str(exc))}", file=sys.stderr)
         return 2

@@ -1,0 +1,204 @@
+"""``statestream diff``: added, removed and changed keys of two checkpoints, any formats.
+
+Streams: the trees come from metadata; arrays are read in small batches
+(``items=`` naming them, at most :data:`BATCH_BYTES` or one array per side),
+never the whole state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+import statestream as ss
+from statestream.cli._main import _json_default, safe
+from statestream.cli._progress import progress_bar
+from statestream.tree import parse_keypath
+
+__all__ = ["add_parser", "diff"]
+
+EXAMPLE = """examples:
+  statestream diff ckpts/step_0000001000 ckpts/step_0000002000
+  statestream diff model.safetensors ckpts/step_0000001000 --atol 1e-6 --json
+exit status: 0 equal, 1 different, 2 error
+"""
+
+
+def _numeric(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """ml_dtypes arrays (bfloat16, float8_*: NumPy kind 'V') as float32, to subtract."""
+    if x.dtype.kind == "V" and x.dtype.names is None:
+        try:
+            return x.astype(np.float32)
+        except (TypeError, ValueError):
+            return x
+    return x
+
+
+def _dig(tree: Any, key: str) -> Any:
+    for k in parse_keypath(key):
+        if isinstance(tree, (list, tuple)):
+            tree = tree[int(k)]
+        else:  # items= returns a list's selected elements as a dict keyed by index
+            tree = tree[k] if k in tree else tree[int(k)]
+    return tree
+
+
+def _as_numpy(leaf: Any) -> np.ndarray[Any, Any]:
+    if hasattr(leaf, "detach"):  # a torch tensor (duck-typed: cli/ imports no framework)
+        t = leaf.detach().cpu()
+        try:
+            return np.asarray(t.numpy())
+        except TypeError:  # bfloat16 / float8: NumPy has no such dtype; compare as float32
+            return np.asarray(t.float().numpy())
+    return _numeric(np.asarray(leaf))
+
+
+#: Arrays of one side read together in one ``load`` (one array alone may be larger).
+BATCH_BYTES = 64 << 20
+
+
+class _Side:
+    """Serves one checkpoint's arrays in the order they are asked for, reading them in
+    batches of at most :data:`BATCH_BYTES` (or one array) and dropping each batch after."""
+
+    def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool) -> None:
+        self.path, self.order, self.allow_pickle = path, order, allow_pickle
+        self.pos = 0
+        self.batch: dict[str, np.ndarray[Any, Any]] = {}
+
+    def get(self, key: str) -> np.ndarray[Any, Any]:
+        if key not in self.batch:
+            self.batch = {}  # free the previous batch before reading the next
+            keys: list[str] = []
+            size = 0
+            while self.pos < len(self.order):
+                k, n = self.order[self.pos]
+                if keys and size + n > BATCH_BYTES:
+                    break
+                keys.append(k)
+                size += n
+                self.pos += 1
+            tree = ss.load(self.path, items=keys, allow_pickle=self.allow_pickle)
+            self.batch = {k: _as_numpy(_dig(tree, k)) for k in keys}
+        return self.batch.pop(key)
+
+
+def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
+             atol: float, rtol: float) -> tuple[bool, float | None]:
+    """(equal within tolerance, largest absolute difference or None if not numeric)."""
+    if a.dtype.kind in "fciub" and b.dtype.kind in "fciub":
+        x, y = a.astype(np.float64) if a.dtype.kind != "c" else a, \
+            b.astype(np.float64) if b.dtype.kind != "c" else b
+        d = np.abs(x - y)
+        both_nan = np.isnan(x) & np.isnan(y) if a.dtype.kind in "fc" else False
+        d = np.where(both_nan, 0.0, d)
+        big = float(np.nanmax(d)) if d.size else 0.0
+        if np.isnan(d).any():
+            big = math.nan
+        ok = bool(np.all(both_nan | (np.abs(x - y) <= atol + rtol * np.abs(y)))) if d.size \
+            else True
+        return ok, big
+    return bool(np.array_equal(a, b)), None
+
+
+def _describe(leaf: Any) -> dict[str, Any]:
+    if isinstance(leaf, ss.ArrayMetadata):
+        return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
+    return {"dtype": type(leaf).__name__, "shape": None, "value": safe(repr(leaf))[:200]}
+
+
+def _arrays_to_read(la: Any, lb: Any) -> bool:
+    return (isinstance(la, ss.ArrayMetadata) and isinstance(lb, ss.ArrayMetadata)
+            and tuple(la.shape) == tuple(lb.shape))
+
+
+def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Namespace
+             ) -> dict[str, Any] | None:
+    ea, eb = isinstance(la, ss.ArrayMetadata), isinstance(lb, ss.ArrayMetadata)
+    change: dict[str, Any] = {"key": key, "a": _describe(la), "b": _describe(lb),
+                              "max_abs_diff": None}
+    if ea != eb:
+        return change
+    if not ea:
+        return None if type(la) is type(lb) and la == lb else change
+    if tuple(la.shape) != tuple(lb.shape):
+        return change
+    ok, big = _largest(sa.get(key), sb.get(key), opts.atol, opts.rtol)
+    change["max_abs_diff"] = big if big is None or math.isfinite(big) else str(big)
+    same_dtype = la.dtype == lb.dtype
+    return None if ok and same_dtype else change
+
+
+def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
+    """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
+    ma, mb = ss.metadata(a), ss.metadata(b)
+    la, lb = dict(ma.leaves()), dict(mb.leaves())
+    common = [k for k in la if k in lb]
+    read = [k for k in common if _arrays_to_read(la[k], lb[k])]
+    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle)
+    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle)
+    total = sum(la[k].nbytes + lb[k].nbytes for k in read)
+    changed: list[dict[str, Any]] = []
+    done = 0
+    with progress_bar("diff", total=total) as cb:
+        for k in common:
+            c = _compare(sa, sb, k, la[k], lb[k], opts)
+            if c is not None:
+                changed.append(c)
+            if _arrays_to_read(la[k], lb[k]):
+                done += la[k].nbytes + lb[k].nbytes
+                if cb is not None:
+                    cb(done, total)
+    return {
+        "a": {"path": ma.path, "format": ma.format},
+        "b": {"path": mb.path, "format": mb.format},
+        "equal": not changed and la.keys() == lb.keys(),
+        "added": [{"key": k, **_describe(lb[k])} for k in lb if k not in la],
+        "removed": [{"key": k, **_describe(la[k])} for k in la if k not in lb],
+        "changed": changed,
+    }
+
+
+def _side(d: dict[str, Any]) -> str:
+    if d["shape"] is None:
+        return f"{safe(d['dtype'])} {d.get('value', '')}"
+    return f"{safe(d['dtype'])}{tuple(d['shape'])}"
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    out = diff(args.a, args.b, args)
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
+        return 0 if out["equal"] else 1
+    for e in out["added"]:
+        print(f"+ {safe(e['key'])}  {_side(e)}")
+    for e in out["removed"]:
+        print(f"- {safe(e['key'])}  {_side(e)}")
+    for e in out["changed"]:
+        m = e["max_abs_diff"]
+        big = "" if m is None else f"  max |a-b| = {m:.6g}" if isinstance(m, float) \
+            else f"  max |a-b| = {m}"
+        print(f"~ {safe(e['key'])}  {_side(e['a'])} -> {_side(e['b'])}{big}")
+    if out["equal"]:
+        print("equal")
+    else:
+        print(f"{len(out['added'])} added, {len(out['removed'])} removed, "
+              f"{len(out['changed'])} changed")
+    return 0 if out["equal"] else 1
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("diff", help="added, removed and changed keys of two checkpoints",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="admit arbitrary pickle (only for checkpoints you trust)")
+    p.set_defaults(fn=_cmd)

@@ -1,0 +1,120 @@
+"""``statestream ls``: the steps of a manager directory, or the checkpoints under a directory.
+
+Read-only: lists through the storage (and the manager's own step naming), never
+takes the manager's lease, never removes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import statestream as ss
+from statestream.cli._main import _human, _json_default, safe
+from statestream.manager._retention import decode_metrics
+from statestream.manager._steps import StepDirectory, parse_step
+from statestream.storage import storage_for
+
+__all__ = ["add_parser", "list_directory"]
+
+EXAMPLE = """examples:
+  statestream ls ckpts/
+  statestream ls ckpts/ --json | jq '.entries[] | select(.state == "committed") | .step'
+"""
+
+
+def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
+    e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
+                         "format": None, "time": None, "nbytes": None, "metrics": {},
+                         "error": None}
+    try:
+        md = ss.metadata(path)
+    except ss.CheckpointError as exc:
+        e["state"] = "damaged" if storage.is_committed(path) else "uncommitted"
+        if e["state"] == "damaged":
+            e["error"] = str(exc)
+        return e
+    user = md.meta.get("user", {}) if isinstance(md.meta.get("user"), dict) else {}
+    e["format"] = md.format
+    e["time"] = user.get("time", md.meta.get("created_unix"))
+    e["nbytes"] = md.total_bytes
+    try:
+        e["metrics"] = decode_metrics(user.get("metrics", {}))
+    except (TypeError, ValueError, AttributeError):
+        e["metrics"] = {}
+    return e
+
+
+def list_directory(directory: str) -> dict[str, Any]:
+    """Every checkpoint (or manager step) under ``directory``, and unfinished saves.
+
+    ``state`` is ``committed``, ``uncommitted`` (a step directory without its
+    commit marker), ``damaged`` (committed but unreadable) or ``leftover`` (the
+    staging area of an unfinished save).
+    """
+    storage, path = storage_for(directory)
+    if "://" not in directory and not os.path.isdir(path):
+        raise ss.CheckpointNotFoundError(f"no directory at {directory}")
+    if storage.is_committed(path):  # a checkpoint itself: list it alone
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return {"directory": directory, "kind": "checkpoint",
+                "entries": [_entry(storage, path, name, parse_step(name))]}
+    steps = StepDirectory(storage, path)
+    names = sorted(storage.list(path))
+    is_manager = any(parse_step(n) is not None for n in names)
+    entries: list[dict[str, Any]] = []
+    for name in names:
+        step = parse_step(name)
+        if is_manager and step is None:
+            continue
+        child = steps.path(step) if step is not None else f"{path}/{name}"
+        if step is None and not storage.is_committed(child):
+            continue  # a plain directory: only checkpoints
+        entries.append(_entry(storage, child, name, step))
+    for lo in storage.leftovers(path):
+        entries.append({"name": lo.target, "path": lo.path, "step": parse_step(lo.target),
+                         "state": "leftover", "format": None, "time": lo.modified,
+                         "nbytes": None, "metrics": {}, "error": None})
+    entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"], e["state"]))
+    return {"directory": directory, "kind": "manager" if is_manager else "directory",
+            "entries": entries}
+
+
+def _when(t: Any) -> str:
+    if not isinstance(t, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t)))
+
+
+def _metrics_text(m: dict[str, Any]) -> str:
+    return safe(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in m.items()))[:60]
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    out = list_directory(args.directory)
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
+        return 0
+    rows = out["entries"]
+    w = min(60, max([4] + [len(safe(e["name"])) for e in rows]))
+    print(f"{'name':<{w}}  {'step':>10}  {'state':<11} {'time (UTC)':<19}  {'size':>10}  metrics")
+    for e in rows:
+        step = "" if e["step"] is None else str(e["step"])
+        size = "" if e["nbytes"] is None else _human(e["nbytes"])
+        print(f"{safe(e['name']):<{w}}  {step:>10}  {e['state']:<11} {_when(e['time']):<19}  "
+              f"{size:>10}  {_metrics_text(e['metrics'])}")
+    n = sum(1 for e in rows if e["state"] == "committed")
+    print(f"{n} committed checkpoint{'s' if n != 1 else ''}, {len(rows) - n} other")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ls", help="list the steps of a manager directory (or its checkpoints)",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=_cmd)

@@ -1,0 +1,364 @@
+"""Tests for ``statestream convert | ls | diff`` and the JSON of inspect / verify."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.cli import main
+from statestream.cli._convert import parse_size
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(ss.__file__).parents[1])}
+
+
+def state(scale: float = 1.0) -> dict[str, Any]:
+    return {"model": {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * scale,
+                      "b": np.ones(4, np.float64)},
+            "step": 7}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "statestream", *args], capture_output=True,
+                          text=True, timeout=120, check=False, env=ENV)
+
+
+def out_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, Any]:
+    rc = main(argv)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+# ----------------------------------------------------------------------- convert
+
+
+def test_convert_to_safetensors_and_back(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"),
+                 "--items", "model"]) == 0
+    assert "m.safetensors" in capsys.readouterr().out
+    got = ss.load(tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(got["w"], state()["model"]["w"])
+    assert set(got) == {"w", "b"}
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "back")]) == 0
+    assert ss.metadata(tmp_path / "back").format == "statestream"
+
+
+def test_convert_shards_with_max_shard_size(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)})
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "safetensors",
+                 "--max-shard-size", "5KB"]) == 0
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
+    assert list((tmp_path / "hf").glob("*.index.json"))
+
+
+def test_convert_errors_are_one_line(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", state())
+    (tmp_path / "exists.safetensors").write_bytes(b"x")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "exists.safetensors"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 << 20
+    assert parse_size("100") == 100
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")
+
+
+# ---------------------------------------------------------------------------- ls
+
+
+def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)
+    for s in (10, 20):
+        mgr.save(s, {"w": np.full(3, s, np.float32)}, metrics={"loss": 1 / s})
+    mgr.close()
+    # a step that never committed, as a killed save leaves it
+    (d / "step_0000000030").mkdir()
+    (d / "step_0000000030" / "manifest.json").write_text("{")
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    assert rc == 0 and out["kind"] == "manager"
+    by_step = {e["step"]: e for e in out["entries"]}
+    assert by_step[10]["state"] == by_step[20]["state"] == "committed"
+    assert by_step[20]["metrics"] == {"loss": 0.05} and by_step[20]["nbytes"] == 12
+    assert isinstance(by_step[10]["time"], float)
+    assert by_step[30]["state"] == "uncommitted"
+    assert set(out["entries"][0]) == {"name", "path", "step", "state", "format", "time",
+                                      "nbytes", "metrics", "error"}
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert "loss=0.05" in text and "uncommitted" in text and "2 committed" in text
+
+
+def test_ls_is_read_only_beside_a_live_manager(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)  # holds the lease
+    mgr.save(1, {"w": np.zeros(2)})
+    before = sorted(p.name for p in d.iterdir())
+    assert main(["ls", str(d)]) == 0
+    assert sorted(p.name for p in d.iterdir()) == before
+    mgr.save(2, {"w": np.zeros(2)})  # the manager still owns the directory
+    mgr.close()
+    assert "step_0000000001" in capsys.readouterr().out
+
+
+def test_ls_plain_directory_escapes_names(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "good", state())
+    ss.save(tmp_path / "evil\x1b[2J", state())
+    (tmp_path / "not-a-checkpoint").mkdir()
+    assert main(["ls", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "evil\\x1b[2J" in text and "good" in text
+    assert "not-a-checkpoint" not in text
+    rc, out = out_json(capsys, ["ls", str(tmp_path), "--json"])
+    assert out["kind"] == "directory" and len(out["entries"]) == 2
+
+
+# -------------------------------------------------------------------------- diff
+
+
+def test_diff_equal_and_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", state())
+    ss.save(tmp_path / "a2", state())
+    ss.save(tmp_path / "b", state(scale=1.5))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a2")]) == 0
+    assert "equal" in capsys.readouterr().out
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and not out["equal"]
+    (c,) = out["changed"]
+    assert c["key"] == "model/w" and c["max_abs_diff"] == pytest.approx(2.5)
+    assert c["a"] == {"dtype": "float32", "shape": [2, 3]}
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "3"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "0.5"]) == 0
+
+
+def test_diff_added_removed_dtype_shape(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"x": np.zeros(3, np.float32), "gone": 1, "s": np.zeros(2)})
+    ss.save(tmp_path / "b", {"x": np.zeros(3, np.float64), "new": "hi", "s": np.zeros(3)})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1
+    assert [e["key"] for e in out["added"]] == ["new"]
+    assert [e["key"] for e in out["removed"]] == ["gone"]
+    assert {c["key"] for c in out["changed"]} == {"x", "s"}
+    assert set(out) == {"a", "b", "equal", "added", "removed", "changed"}
+
+
+def test_diff_across_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", {"w": np.arange(5, dtype=np.float32), "v": np.ones(2)})
+    ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert main(["diff", str(tmp_path / "m.safetensors"), str(tmp_path / "ck")]) == 0
+    assert capsys.readouterr().out == "equal\n"
+    ss.save(tmp_path / "ck2", {"w": np.arange(5, dtype=np.float32) + 1, "v": np.ones(2)})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "m.safetensors"),
+                                str(tmp_path / "ck2"), "--json"])
+    assert rc == 1 and out["a"]["format"] == "safetensors"
+    assert out["changed"][0]["max_abs_diff"] == 1.0
+
+
+def test_diff_escapes_hostile_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"k\x1b]0;pwn\x07": np.zeros(2), "v": "a\nb"})
+    ss.save(tmp_path / "b", {"other": np.zeros(2), "v": "c\x1b[31m"})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\x07" not in text
+    assert all(line.startswith(("+", "-", "~", "0", "1", "2")) for line in text.splitlines())
+
+
+def test_diff_error_exit_2(tmp_path: Path) -> None:
+    r = run_cli("diff", str(tmp_path / "missing"), str(tmp_path / "other"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------ inspect / verify JSON
+
+
+def test_inspect_json_keys_are_stable(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["inspect", str(tmp_path / "ck"), "--json"])
+    assert rc == 0
+    assert set(out) == {"path", "format", "format_version", "total_bytes", "num_arrays",
+                        "files", "meta", "leaves"}
+    assert out["format"] == "statestream"
+    assert set(out["leaves"][0]) == {"key", "kind", "dtype", "shape", "nbytes"}
+
+
+def test_verify_json_keys_are_stable(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["verify", str(tmp_path / "ck"), "--json"])
+    assert rc == 0
+    assert out == {"path": str(tmp_path / "ck"), "ok": True, "checked_chunks": 2,
+                   "checked_bytes": 56, "problems": []}
+    (f,) = sorted((tmp_path / "ck" / "data").iterdir())
+    raw = bytearray(f.read_bytes())
+    raw[1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    rc, out = out_json(capsys, ["verify", str(tmp_path / "ck"), "--json"])
+    assert rc == 1 and not out["ok"] and len(out["problems"]) == 1
+
+
+def test_inspect_foreign_file_prints_its_format(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "ck", state())
+    ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert main(["inspect", str(tmp_path / "m.safetensors")]) == 0
+    text = capsys.readouterr().out
+    assert "safetensors" in text.splitlines()[1] and "statestream v1" not in text
+
+
+# ------------------------------------------------------------------ shell manners
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "gc", "convert", "ls", "diff"])
+def test_help_shows_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "example" in text and f"statestream {command} " in text
+
+
+def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {f"k{i}": np.zeros(1) for i in range(2000)})
+    cmd = [sys.executable, "-m", "statestream", "inspect", "--json", str(tmp_path / "ck")]
+    producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert producer.stdout is not None and producer.stderr is not None
+    head = subprocess.run(["head", "-c", "10"], stdin=producer.stdout, capture_output=True,
+                          timeout=120, check=True)
+    producer.stdout.close()
+    err = producer.stderr.read().decode()
+    producer.wait(timeout=120)
+    assert head.stdout == b'{\n  "path"'
+    assert err == "", err  # no traceback, no "error: [Errno 32] Broken pipe"
+
+
+def test_no_progress_output_when_piped(tmp_path: Path) -> None:
+    ss.save(tmp_path / "ck", {"w": np.zeros(20 << 20, np.uint8)})
+    r = run_cli("verify", str(tmp_path / "ck"))
+    assert r.returncode == 0 and r.stdout.count("\n") == 1 and r.stderr == ""
+    assert "\x1b" not in r.stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_for_large_work(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    from statestream.cli import _progress
+
+    ss.save(tmp_path / "ck", {"w": np.zeros(1 << 16, np.uint8)})
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    seen: list[tuple[int, int]] = []
+    real = _progress.progress_bar
+
+    @contextlib.contextmanager
+    def spy(label: str, total: int | None = None) -> Iterator[Any]:
+        with real(label, total) as cb:
+            assert cb is not None  # a terminal and (with the threshold lowered) large work
+
+            def both(done: int, tot: int) -> None:
+                seen.append((done, tot))
+                cb(done, tot)
+            yield both
+
+    monkeypatch.setattr(_progress, "LARGE_BYTES", 1)
+    monkeypatch.setattr(_progress, "progress_bar", spy)
+    assert main(["verify", str(tmp_path / "ck")]) == 0
+    assert seen and seen[-1] == (1 << 16, 1 << 16)
+    assert "OK" in term.getvalue()
+    with real("x", total=10) as some:
+        assert some is not None  # threshold lowered: even 10 bytes get a bar
+    monkeypatch.setattr(_progress, "LARGE_BYTES", 64 << 20)
+    with real("x", total=10) as small:
+        assert small is None
+
+
+def test_diff_torch_checkpoints_with_bfloat16(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(4, dtype=torch.bfloat16), "n": torch.arange(3)},
+               tmp_path / "a.pt")
+    torch.save({"w": torch.full((4,), 3.0, dtype=torch.bfloat16), "n": torch.arange(3)},
+               tmp_path / "b.pt")
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"),
+                                "--json"])
+    assert rc == 1 and [c["key"] for c in out["changed"]] == ["w"]
+    assert out["changed"][0]["max_abs_diff"] == 2.0
+    assert main(["diff", str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+
+
+def test_diff_reads_arrays_in_bounded_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from statestream.cli import _diff
+
+    arrays = {f"a{i}": np.full(1000, i, np.float32) for i in range(6)}  # 4000 B each
+    ss.save(tmp_path / "a", {"xs": list(arrays.values()), "d": arrays})
+    changed = dict(arrays, a3=np.full(1000, 99, np.float32))
+    ss.save(tmp_path / "b", {"xs": list(changed.values()), "d": changed})
+    calls: list[list[str]] = []
+    real_load = ss.load
+
+    def spy(path: Any, **kw: Any) -> Any:
+        calls.append(list(kw["items"]))
+        return real_load(path, **kw)
+
+    monkeypatch.setattr(ss, "load", spy)
+    monkeypatch.setattr(_diff, "BATCH_BYTES", 8000)
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and {c["key"] for c in out["changed"]} == {"xs/3", "d/a3"}
+    assert all(len(items) <= 2 for items in calls) and len(calls) == 12  # 6 batches a side
+    assert out["changed"][0]["max_abs_diff"] == 96.0
+
+
+def test_diff_nan_is_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"x": np.array([1.0, np.nan]), "y": np.array([np.nan])})
+    ss.save(tmp_path / "b", {"x": np.array([1.0, 2.0]), "y": np.array([np.nan])})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    text = capsys.readouterr().out
+    out = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert [c["key"] for c in out["changed"]] == ["x"]  # NaN == NaN in y
+    assert out["changed"][0]["max_abs_diff"] == "nan"
+
+
+def test_ls_shows_leftovers_of_killed_saves(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "run"
+    mgr = ss.CheckpointManager(d)
+    mgr.save(1, {"w": np.zeros(2)})
+    mgr.close()
+    # the staging area a killed save of step 2 leaves (local backend's naming)
+    (d / ".step_0000000002.tmp-0123456789ab").mkdir()
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    states = [(e["step"], e["state"]) for e in out["entries"]]
+    assert states == [(1, "committed"), (2, "leftover")]
+    assert (d / ".step_0000000002.tmp-0123456789ab").is_dir()  # ls removes nothing
+
+
+def test_ls_missing_directory_and_a_checkpoint(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli("ls", str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.startswith("error: no directory")
+    ss.save(tmp_path / "ck", state())
+    rc, out = out_json(capsys, ["ls", str(tmp_path / "ck"), "--json"])
+    assert out["kind"] == "checkpoint" and out["entries"][0]["nbytes"] == 56
