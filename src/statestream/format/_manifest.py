@@ -80,7 +80,7 @@ class ArrayEntry:
 
     dtype: str
     shape: tuple[int, ...]
-    #: a tuple when built by a writer; a compact ChunkList when decoded
+    #: a tuple when built by a writer or decoded from a small manifest; else a compact ChunkList
     chunks: Sequence[ChunkEntry]
 
     @property
@@ -601,21 +601,32 @@ def _decode_files(files_l: Any) -> list[FileEntry]:
     return files
 
 
+#: Manifests up to this size have each array entry read by the C JSON parser at once
+#: (their Python objects cost at most ~15 MiB); larger ones stream chunk by chunk, so
+#: that decoding stays within 4x the manifest's size. Same checks, same messages.
+_SMALL_MANIFEST_BYTES = 1 << 20
+
+
 def _arrays(s: str, i: int, store: ChunkStore,
             eager: tuple[list[FileEntry], np.ndarray] | None) -> tuple[Any, int]:
     if s[i:i + 1] != "[":
         return _value(s, i)
     out: list[Any] = _DecodedArrays() if eager is not None else []
+    small = len(s) <= _SMALL_MANIFEST_BYTES
     i = _ws(s, i + 1)
     if s[i:i + 1] == "]":
         return out, i + 1
     while True:
-        if s[i:i + 1] == "{":
+        if small:  # the C parser reads the whole entry; its chunks go to the store
+            v, i = _value(s, i)
+            if type(v) is dict and type(v.get("chunks")) is list:
+                v["chunks"] = _pack_chunks(v["chunks"], store, len(out))
+        elif s[i:i + 1] == "{":
             v, i = _array_object(s, i, store, len(out))
         else:
             v, i = _value(s, i)
         if eager is not None:
-            v = _decode_array(v, len(out), eager[0], store, eager[1])
+            v = _decode_array(v, len(out), eager[0], store, eager[1], materialize=small)
         out.append(v)
         i = _ws(s, i)
         if s[i:i + 1] == ",":
@@ -651,46 +662,12 @@ def _array_object(s: str, i: int, store: ChunkStore, ai: int) -> tuple[Any, int]
 
 def _stream_chunks(s: str, i: int, store: ChunkStore, ai: int) -> tuple[_Packed, int]:
     """Parse a chunk list chunk by chunk into ``store``; check what needs no context."""
-    fields, coords, blocks = store.fields, store.coords, store.blocks
-    lo, c0, nd = len(store), len(coords), -1
+    lo, c0, nd = len(store), len(store.coords), -1
     i = _ws(s, i + 1)
     j = 0
     while s[i:i + 1] != "]":
         c, i = _value(s, i)
-        if type(c) is not list or len(c) not in (6, 7):
-            raise _Bad(f"array {ai} chunk {j} must be a list of 6 or 7 fields")
-        f, off, nb, crc, start_l, shape_l = c[:6]
-        if type(f) is not int or not 0 <= f <= 1 << 62:
-            raise _Bad(f"array {ai} chunk {j} refers to file {f!r:.40}")
-        if type(off) is not int or not 0 <= off <= MAX_FILE_BYTES:
-            raise _Bad(f"array {ai} chunk {j} has a bad offset {off!r:.40}")
-        if type(nb) is not int or not 0 <= nb <= MAX_ARRAY_BYTES:
-            raise _Bad(f"array {ai} chunk {j} has a bad length {nb!r:.40}")
-        if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
-            raise _Bad(f"array {ai} chunk {j} has a bad checksum {crc!r:.40}")
-        if nd < 0 and type(start_l) is list:
-            nd = len(start_l)
-        if (type(start_l) is not list or type(shape_l) is not list or len(start_l) != nd
-                or len(shape_l) != nd):
-            raise _Bad(f"array {ai} chunk {j} must give start and shape with {nd} dimensions")
-        for a in range(nd):
-            x, n = start_l[a], shape_l[a]
-            if type(x) is not int or type(n) is not int or not 0 <= x <= MAX_DIM \
-                    or not 0 <= n <= MAX_DIM:
-                raise _Bad(f"array {ai} chunk {j} has a bad start/shape on axis {a}")
-        if len(c) == 7:
-            blk = c[6]
-            if (
-                type(blk) is not list or len(blk) != 2 or type(blk[0]) is not int
-                or blk[0] < 1 or nd == 0 or type(blk[1]) is not list
-                or len(blk[1]) != -(-shape_l[0] // blk[0])
-                or not all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blk[1])
-            ):
-                raise _Bad(f"array {ai} chunk {j} has a malformed block checksum table")
-            blocks[lo + j] = (blk[0], tuple(blk[1]))
-        fields.extend((f, off, nb, crc))
-        coords.extend(start_l)
-        coords.extend(shape_l)
+        nd = _add_chunk(c, store, ai, j, nd, lo)
         j += 1
         i = _ws(s, i)
         if s[i:i + 1] == ",":
@@ -702,6 +679,53 @@ def _stream_chunks(s: str, i: int, store: ChunkStore, ai: int) -> tuple[_Packed,
     return _Packed(lo, lo + j, c0, nd), i + 1
 
 
+def _pack_chunks(chunks: list[Any], store: ChunkStore, ai: int) -> _Packed:
+    """:func:`_stream_chunks` for a chunk list the C parser already read (small manifests)."""
+    lo, c0, nd = len(store), len(store.coords), -1
+    for j, c in enumerate(chunks):
+        nd = _add_chunk(c, store, ai, j, nd, lo)
+    return _Packed(lo, lo + len(chunks), c0, nd)
+
+
+def _add_chunk(c: Any, store: ChunkStore, ai: int, j: int, nd: int, lo: int) -> int:
+    """Check chunk ``j`` of array ``ai`` and append it to ``store``; returns its ndim."""
+    if type(c) is not list or len(c) not in (6, 7):
+        raise _Bad(f"array {ai} chunk {j} must be a list of 6 or 7 fields")
+    f, off, nb, crc, start_l, shape_l = c[:6]
+    if type(f) is not int or not 0 <= f <= 1 << 62:
+        raise _Bad(f"array {ai} chunk {j} refers to file {f!r:.40}")
+    if type(off) is not int or not 0 <= off <= MAX_FILE_BYTES:
+        raise _Bad(f"array {ai} chunk {j} has a bad offset {off!r:.40}")
+    if type(nb) is not int or not 0 <= nb <= MAX_ARRAY_BYTES:
+        raise _Bad(f"array {ai} chunk {j} has a bad length {nb!r:.40}")
+    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+        raise _Bad(f"array {ai} chunk {j} has a bad checksum {crc!r:.40}")
+    if nd < 0 and type(start_l) is list:
+        nd = len(start_l)
+    if (type(start_l) is not list or type(shape_l) is not list or len(start_l) != nd
+            or len(shape_l) != nd):
+        raise _Bad(f"array {ai} chunk {j} must give start and shape with {nd} dimensions")
+    for a in range(nd):
+        x, n = start_l[a], shape_l[a]
+        if type(x) is not int or type(n) is not int or not 0 <= x <= MAX_DIM \
+                or not 0 <= n <= MAX_DIM:
+            raise _Bad(f"array {ai} chunk {j} has a bad start/shape on axis {a}")
+    if len(c) == 7:
+        blk = c[6]
+        if (
+            type(blk) is not list or len(blk) != 2 or type(blk[0]) is not int
+            or blk[0] < 1 or nd == 0 or type(blk[1]) is not list
+            or len(blk[1]) != -(-shape_l[0] // blk[0])
+            or not all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blk[1])
+        ):
+            raise _Bad(f"array {ai} chunk {j} has a malformed block checksum table")
+        store.blocks[lo + j] = (blk[0], tuple(blk[1]))
+    store.fields.extend((f, off, nb, crc))
+    store.coords.extend(start_l)
+    store.coords.extend(shape_l)
+    return nd
+
+
 def _first(mask: np.ndarray) -> int:
     """Index of the first True of a 1-D mask, or -1."""
     idx = np.flatnonzero(mask)
@@ -709,7 +733,9 @@ def _first(mask: np.ndarray) -> int:
 
 
 def _decode_array(d: Any, i: int, files: list[FileEntry], store: ChunkStore,
-                  file_sizes: np.ndarray) -> ArrayEntry:
+                  file_sizes: np.ndarray, *, materialize: bool = False) -> ArrayEntry:
+    """One array entry; ``materialize``: keep its few chunks as ChunkEntry objects
+    (small manifests: read several times per load, cheaper than the store's views)."""
     if type(d) is not dict:
         raise _Bad(f"array {i} must be an object")
     dtype = _str(d.get("dtype"), f"array {i} dtype")
@@ -738,14 +764,17 @@ def _decode_array(d: Any, i: int, files: list[FileEntry], store: ChunkStore,
             raise _Bad(f"array {i}'s chunks cover 0 of its {total} elements")
         return ArrayEntry(dtype, shape, chunks)
     if n <= 4:  # most arrays: plain Python beats a dozen tiny numpy calls
-        _check_few_chunks(i, chunks, shape, itemsize, total, files)
+        few = tuple(chunks)
+        _check_few_chunks(i, few, shape, itemsize, total, files)
+        if materialize:
+            return ArrayEntry(dtype, shape, few)
     else:
         fl, co = chunks.columns()
         _check_chunk_columns(i, fl, co, shape, itemsize, total, files, file_sizes)
     return ArrayEntry(dtype, shape, chunks)
 
 
-def _check_few_chunks(i: int, chunks: ChunkList, shape: tuple[int, ...], itemsize: int,
+def _check_few_chunks(i: int, chunks: Sequence[ChunkEntry], shape: tuple[int, ...], itemsize: int,
                       total: int, files: list[FileEntry]) -> None:
     """:func:`_check_chunk_columns` for a handful of chunks, same checks, same messages."""
     covered = 0
