@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 from statestream.errors import UnsupportedTypeError
+from statestream.providers._lookup import first_by_type
 from statestream.tree import KeyPath
 
 __all__ = ["StateAdapter", "adapter_by_name", "adapter_for", "adapters", "register_adapter"]
@@ -93,18 +94,7 @@ def adapters() -> tuple[StateAdapter, ...]:
 
 def adapter_for(obj: Any) -> StateAdapter | None:
     """The adapter for ``obj``, or None (cached per type)."""
-    t = type(obj)
-    try:
-        return _BY_TYPE[t]
-    except KeyError:  # not cached yet: ask the adapters below
-        pass
-    found = None
-    for a in _ADAPTERS:
-        if a.handles(obj):
-            found = a
-            break
-    _BY_TYPE[t] = found
-    return found
+    return first_by_type(_BY_TYPE, obj, _ADAPTERS, lambda a, x: a.handles(x), cache_miss=True)
 
 
 def adapter_by_name(name: str | None) -> StateAdapter | None:

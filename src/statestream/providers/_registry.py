@@ -17,6 +17,7 @@ import numpy as np
 
 from statestream.errors import UnsupportedTypeError
 from statestream.providers._base import ArrayProvider
+from statestream.providers._lookup import first_by_type
 
 __all__ = [
     "array_provider_for",
@@ -89,36 +90,14 @@ def providers() -> tuple[ArrayProvider, ...]:
 
 def array_provider_for(obj: Any) -> ArrayProvider | None:
     """Provider that can save ``obj``, or None if it is not an array."""
-    t = type(obj)
-    try:
-        return _BY_TYPE[t]
-    except KeyError:  # not cached yet: ask the providers below
-        pass
-    found = None
-    for p in _PROVIDERS:
-        if p.handles(obj):
-            found = p
-            break
-    if found is not None or t in _PLAIN:
-        _BY_TYPE[t] = found
-    return found
+    return first_by_type(_BY_TYPE, obj, _PROVIDERS, lambda p, x: p.handles(x),
+                         cache_miss=type(obj) in _PLAIN)
 
 
 def target_provider_for(like: Any) -> ArrayProvider | None:
     """Provider whose type the target leaf ``like`` asks for, or None."""
-    t = type(like)
-    try:
-        return _TARGET_BY_TYPE[t]
-    except KeyError:  # not cached yet: ask the providers below
-        pass
-    found = None
-    for p in _PROVIDERS:
-        if p.is_target(like):
-            found = p
-            break
-    if found is not None or t in _PLAIN:
-        _TARGET_BY_TYPE[t] = found
-    return found
+    return first_by_type(_TARGET_BY_TYPE, like, _PROVIDERS, lambda p, x: p.is_target(x),
+                         cache_miss=type(like) in _PLAIN)
 
 
 def provider_by_kind(kind: str) -> ArrayProvider:
