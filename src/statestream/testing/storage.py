@@ -34,6 +34,17 @@ def _url(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
 
 
+def _read_back(storage: Any, url: str, n: int) -> bytes:
+    """The first ``n`` bytes of the committed data file ``data/r0-0.bin`` at ``url``."""
+    r = storage.open_read(url)
+    try:
+        got = bytearray(n)
+        r.read_into("data/r0-0.bin", 0, [got])
+        return bytes(got)
+    finally:
+        r.close()
+
+
 class StorageTests:
     """Behaviour shared by every backend (local disk, object stores, ...)."""
 
@@ -83,13 +94,7 @@ class StorageTests:
         txn.write_bytes(MANIFEST_NAME, b"{}")
         txn.write_bytes(COMMIT_NAME, encode_commit(b"{}"))
         txn.commit()
-        r = storage.open_read(url)
-        try:
-            got = bytearray(8192)
-            r.read_into("data/r0-0.bin", 0, [got])
-            assert bytes(got) == b"A" * 4096 + b"B" * 4096
-        finally:
-            r.close()
+        assert _read_back(storage, url, 8192) == b"A" * 4096 + b"B" * 4096
 
     def test_racing_writers_without_overwrite_commit_exactly_one(
             self, storage: Any, base_url: str) -> None:
@@ -100,13 +105,7 @@ class StorageTests:
         first.commit()
         with pytest.raises(ss.CheckpointExistsError):
             second.commit()
-        r = storage.open_read(url)
-        try:
-            got = bytearray(12)
-            r.read_into("data/r0-0.bin", 0, [got])
-            assert bytes(got) == b"first writer"
-        finally:
-            r.close()
+        assert _read_back(storage, url, 12) == b"first writer"
 
     def test_abort_leaves_nothing(self, storage: Any, base_url: str) -> None:
         url = _url(base_url, "b")
@@ -188,13 +187,7 @@ class StorageTests:
         mine = self._write(storage, url, b"last writer", overwrite=True)
         self._write(storage, url, b"came first", overwrite=True).commit()
         mine.commit()
-        r = storage.open_read(url)
-        try:
-            got = bytearray(11)
-            r.read_into("data/r0-0.bin", 0, [got])
-            assert bytes(got) == b"last writer"
-        finally:
-            r.close()
+        assert _read_back(storage, url, 11) == b"last writer"
 
     def test_lease_is_exclusive_until_released(self, storage: Any, base_url: str) -> None:
         path = _url(base_url, "lease")
