@@ -9,7 +9,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from statestream.api._load import NO_TARGET, _select, open_checkpoint, skip_missing_checksums
+from statestream.api._open import open_checkpoint, skip_missing_checksums
+from statestream.api._select import NO_TARGET, _select
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import InvalidOptionError
 from statestream.format import Manifest, dtype_from_name

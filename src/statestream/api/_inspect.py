@@ -7,7 +7,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from statestream.api._load import array_paths, open_checkpoint, skip_missing_checksums
+from statestream.api._load import array_paths
+from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest

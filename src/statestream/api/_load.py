@@ -5,37 +5,30 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from statestream._gc import gc_paused
+from statestream.api._open import open_checkpoint, read_manifest, skip_missing_checksums
+from statestream.api._pickles import AllowPickle, _PickleTrust
+from statestream.api._select import NO_TARGET, _children, _select
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    InvalidOptionTypeError,
     MissingKeyError,
-    PickleNotAllowedError,
     TargetMismatchError,
     TruncatedFileError,
 )
 from statestream.format import (
-    COMMIT_NAME,
-    MANIFEST_NAME,
-    MAX_COMMIT_BYTES,
-    MAX_MANIFEST_BYTES,
     ArrayEntry,
     Manifest,
-    checksum,
-    decode_commit,
-    decode_manifest,
     dtype_from_name,
 )
-from statestream.interop import FileSetReader, open_foreign
-from statestream.plan import ReadPiece, ReadRequest, Wanted, plan_load
+from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
     Destination,
     NumpyProvider,
@@ -55,7 +48,6 @@ from statestream.tree import (
     Node,
     format_keypath,
     is_stateful,
-    parse_keypath,
     rebuild_container,
     state_fields,
     type_name,
@@ -65,113 +57,6 @@ __all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
 Build = Callable[[], Any]
-
-
-class _NoTarget:
-    def __repr__(self) -> str:
-        return "<no target>"
-
-
-NO_TARGET: Any = _NoTarget()
-
-#: ``load``'s ``allow_pickle``: ``True`` (every pickle leaf), ``False`` (none), or the
-#: key paths trusted to hold pickles (each covers its whole subtree, as ``pickle_paths``
-#: does on save). A Union, not ``|``: a runtime alias must work on Python 3.10.
-AllowPickle = Union[bool, Collection[str]]  # noqa: UP007
-
-
-class _PickleTrust:
-    """Which pickle leaves a load may unpickle, and the ones it refused."""
-
-    def __init__(self, allow: AllowPickle) -> None:
-        paths: list[str] = []
-        if not isinstance(allow, bool):
-            paths = [allow] if isinstance(allow, str) else list(allow)
-            if not all(isinstance(p, str) for p in paths):
-                raise InvalidOptionTypeError(
-                    "allow_pickle takes True, False or a collection of key paths (str), "
-                    f"not {allow!r}"
-                )
-        self.all = allow is True
-        self.paths = paths
-        self.prefixes = [parse_keypath(p) for p in paths]
-        self.refused: list[tuple[KeyPath, str]] = []
-
-    def trusts(self, path: KeyPath) -> bool:
-        """Whether ``path`` is at or under a trusted key path (save's ``pickle_paths`` rule)."""
-        if self.all:
-            return True
-        spath = tuple(str(k) for k in path)
-        return any(spath[: len(p)] == p for p in self.prefixes)
-
-    def check(self, where: str) -> None:
-        """Raise naming every refused pickle leaf of checkpoint ``where``; called
-        before anything is read."""
-        if not self.refused:
-            return
-        n = len(self.refused)
-        shown = ", ".join(f"'{format_keypath(p)}' ({t[:200]})" for p, t in self.refused[:10])
-        more = f" and {n - 10} more" if n > 10 else ""
-        named = [format_keypath(p) for p, _ in self.refused[:10]]
-        how = (
-            f"pass allow_pickle={named!r} (or allow_pickle=True for every pickle leaf)"
-            if not self.paths
-            else f"allow_pickle={self.paths!r} does not cover {'them' if n > 1 else 'it'}; "
-            "add the key paths you trust"
-        )
-        raise PickleNotAllowedError(
-            f"key path{'s' if n > 1 else ''} {shown}{more} of {where} "
-            f"hold{'' if n > 1 else 's'} pickled data; unpickling can run arbitrary code, so "
-            f"nothing was unpickled. Only if you trust this checkpoint, {how}"
-        )
-
-
-def read_manifest(reader: CheckpointReader) -> Manifest:
-    """Read and verify the commit marker and manifest of an open checkpoint."""
-    where = f"{reader.location}/{MANIFEST_NAME}"
-    size, crc = decode_commit(
-        reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
-    )
-    data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    if len(data) != size or checksum(data) != crc:
-        raise CheckpointCorruptError(
-            f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "
-            "or checksum differs); the checkpoint is corrupt"
-        )
-    try:  # decode from text only, so the bytes are not held while decoding
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
-    del data
-    return decode_manifest(text, where)
-
-
-def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]) -> None:
-    """Foreign formats carry no checksums: their reads check sizes and bounds only."""
-    if isinstance(reader, FileSetReader):
-        for r in requests:
-            for p in r.pieces:
-                p.verify = []
-
-
-def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False
-                    ) -> tuple[CheckpointReader, Manifest]:
-    """Open the committed checkpoint at ``path`` and read its verified manifest.
-
-    A foreign checkpoint (safetensors, ...; see docs/interop.md) is recognised
-    by its content and comes back as a manifest its parser built
-    (``allow_pickle``: see torch.save files there).
-    """
-    foreign = open_foreign(path, allow_pickle=allow_pickle)
-    if foreign is not None:
-        return foreign.reader, foreign.manifest
-    storage, spath = storage_for(path)
-    reader = storage.open_read(spath)
-    try:
-        return reader, read_manifest(reader)
-    except BaseException:
-        reader.close()
-        raise
 
 
 @dataclasses.dataclass
@@ -337,13 +222,6 @@ def array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
     keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
     for k, c in zip(keys, kids):
         array_paths(c, p + (k,), out)
-
-
-def _children(node: Node) -> list[tuple[Key, Node]]:
-    kids = node.children or []
-    if node.keys is None:
-        return list(enumerate(kids))
-    return list(zip(node.keys, kids))
 
 
 def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
@@ -552,90 +430,6 @@ def _container_build(kind: str, like: Any, builds: list[tuple[Key, Build]],
         return rebuild_container(kind, None if like is NO_TARGET else like, keys, values, path)
 
     return build
-
-
-def _unwrap(node: Node) -> Node:
-    return node.children[0] if node.kind == "stateful" and node.children else node
-
-
-def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
-    """The child of ``node`` that the key-path segment ``seg`` names (str keys first)."""
-    kids = _children(node)
-    for key, c in kids:
-        if type(key) is str and key == seg:
-            return key, c
-    for key, c in kids:
-        if type(key) is int and str(key) == seg:
-            return key, c
-    return None
-
-
-def _target_child(like: Any, key: Key) -> Any:
-    """The target's entry under ``key`` on the way to a selected item (NO_TARGET if none)."""
-    if like is NO_TARGET or like is None:
-        return like  # None: the saved kind, all the way down
-    if is_stateful(like) and target_provider_for(like) is None:
-        like = like.state_dict()  # its state's leaves type what is loaded
-    if isinstance(like, dict):
-        return like.get(key, NO_TARGET)
-    if isinstance(like, (list, tuple)) and type(key) is int:
-        return like[key] if 0 <= key < len(like) else NO_TARGET
-    raise TargetMismatchError(
-        f"with items=, the target must hold dicts (or lists, or objects with state_dict()) "
-        f"along the selected key paths; at key {key!r} it has a {type_name(like)}"
-    )
-
-
-def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[Node, Any]:
-    """Restrict the tree (and the target) to the key paths named in ``items``.
-
-    Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
-    top-level checkpointable, a subtree or a leaf; an item equal to a top-level
-    key is that key, as it always was. Levels above a selected item come back
-    as dicts holding only what was selected.
-    """
-    wanted: dict[Any, Any] = {}
-    top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
-    for it in items:
-        level = wanted
-        # a top-level key spelled as it is (even with a '/') keeps meaning that key
-        segs = (it,) if it in top else parse_keypath(it)
-        if not segs:
-            raise MissingKeyError(f"items= names an empty key path {it!r}; load the whole "
-                                  "checkpoint instead")
-        for seg in segs[:-1]:
-            nxt = level.setdefault(seg, {})
-            if nxt is None:  # an enclosing item already selects this subtree
-                break
-            level = nxt
-        else:
-            level[segs[-1]] = None
-    return _select_level(root, wanted, like, (), where)
-
-
-def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
-                  where: str) -> tuple[Node, Any]:
-    node = _unwrap(node)
-    keys: list[Key] = []
-    kids: list[Node] = []
-    targets: dict[Key, Any] = {}
-    for seg, sub in wanted.items():
-        found = _saved_child(node, seg)
-        if found is None:
-            have = ", ".join(repr(k) for k, _ in _children(node)[:20])
-            raise MissingKeyError(
-                f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
-                + (f"at '{format_keypath(path)}' it has: {have}" if have
-                   else f"'{format_keypath(path)}' holds a {node.kind} without keys")
-            )
-        key, child = found
-        t = _target_child(like, key)
-        if sub is not None:
-            child, t = _select_level(child, sub, t, path + (key,), where)
-        keys.append(key)
-        kids.append(child)
-        targets[key] = t
-    return Node("dict", keys=keys, children=kids), targets
 
 
 def load(

@@ -46,7 +46,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import statestream as ss
-from statestream.api._load import AllowPickle
+from statestream.api._pickles import AllowPickle
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.storage import storage_for
 

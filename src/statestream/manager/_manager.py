@@ -13,7 +13,7 @@ from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_optimizers_in
-from statestream.api._load import AllowPickle
+from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import (

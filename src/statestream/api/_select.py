@@ -1,0 +1,117 @@
+"""``load``'s ``items=``: restrict the saved tree (and the target) to the selected key paths."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from statestream.errors import MissingKeyError, TargetMismatchError
+from statestream.providers import target_provider_for
+from statestream.tree import (
+    Key,
+    KeyPath,
+    Node,
+    format_keypath,
+    is_stateful,
+    parse_keypath,
+    type_name,
+)
+
+
+class _NoTarget:
+    def __repr__(self) -> str:
+        return "<no target>"
+
+
+NO_TARGET: Any = _NoTarget()
+
+
+def _children(node: Node) -> list[tuple[Key, Node]]:
+    kids = node.children or []
+    if node.keys is None:
+        return list(enumerate(kids))
+    return list(zip(node.keys, kids))
+
+
+def _unwrap(node: Node) -> Node:
+    return node.children[0] if node.kind == "stateful" and node.children else node
+
+
+def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
+    """The child of ``node`` that the key-path segment ``seg`` names (str keys first)."""
+    kids = _children(node)
+    for key, c in kids:
+        if type(key) is str and key == seg:
+            return key, c
+    for key, c in kids:
+        if type(key) is int and str(key) == seg:
+            return key, c
+    return None
+
+
+def _target_child(like: Any, key: Key) -> Any:
+    """The target's entry under ``key`` on the way to a selected item (NO_TARGET if none)."""
+    if like is NO_TARGET or like is None:
+        return like  # None: the saved kind, all the way down
+    if is_stateful(like) and target_provider_for(like) is None:
+        like = like.state_dict()  # its state's leaves type what is loaded
+    if isinstance(like, dict):
+        return like.get(key, NO_TARGET)
+    if isinstance(like, (list, tuple)) and type(key) is int:
+        return like[key] if 0 <= key < len(like) else NO_TARGET
+    raise TargetMismatchError(
+        f"with items=, the target must hold dicts (or lists, or objects with state_dict()) "
+        f"along the selected key paths; at key {key!r} it has a {type_name(like)}"
+    )
+
+
+def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[Node, Any]:
+    """Restrict the tree (and the target) to the key paths named in ``items``.
+
+    Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
+    top-level checkpointable, a subtree or a leaf; an item equal to a top-level
+    key is that key, as it always was. Levels above a selected item come back
+    as dicts holding only what was selected.
+    """
+    wanted: dict[Any, Any] = {}
+    top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
+    for it in items:
+        level = wanted
+        # a top-level key spelled as it is (even with a '/') keeps meaning that key
+        segs = (it,) if it in top else parse_keypath(it)
+        if not segs:
+            raise MissingKeyError(f"items= names an empty key path {it!r}; load the whole "
+                                  "checkpoint instead")
+        for seg in segs[:-1]:
+            nxt = level.setdefault(seg, {})
+            if nxt is None:  # an enclosing item already selects this subtree
+                break
+            level = nxt
+        else:
+            level[segs[-1]] = None
+    return _select_level(root, wanted, like, (), where)
+
+
+def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
+                  where: str) -> tuple[Node, Any]:
+    node = _unwrap(node)
+    keys: list[Key] = []
+    kids: list[Node] = []
+    targets: dict[Key, Any] = {}
+    for seg, sub in wanted.items():
+        found = _saved_child(node, seg)
+        if found is None:
+            have = ", ".join(repr(k) for k, _ in _children(node)[:20])
+            raise MissingKeyError(
+                f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
+                + (f"at '{format_keypath(path)}' it has: {have}" if have
+                   else f"'{format_keypath(path)}' holds a {node.kind} without keys")
+            )
+        key, child = found
+        t = _target_child(like, key)
+        if sub is not None:
+            child, t = _select_level(child, sub, t, path + (key,), where)
+        keys.append(key)
+        kids.append(child)
+        targets[key] = t
+    return Node("dict", keys=keys, children=kids), targets
