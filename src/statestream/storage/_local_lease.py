@@ -1,0 +1,80 @@
+"""Local storage: the ``flock`` lease and the names of staging directories."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import uuid
+
+from statestream.errors import ManagerLockedError, storage_error
+from statestream.format import DATA_DIR
+from statestream.storage._leftovers import this_writer
+
+#: Staging directories: ``.<name>.tmp-<12 hex>[-w<host>-<pid>-<start>][.old]``.
+_STAGING_RE = re.compile(
+    r"^\.(?P<target>.+)\.tmp-[0-9a-f]{12}"
+    r"(?:-w(?P<host>[0-9a-f]{16})-(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20}))?(?:\.old)?$"
+)
+
+
+def _staging_name(name: str) -> str:
+    """A fresh staging directory name for checkpoint ``name``, recording its writer."""
+    w = this_writer()
+    tag = f"-w{w.host}-{w.pid}-{w.start}" if w is not None else ""
+    return f".{name}.tmp-{uuid.uuid4().hex[:12]}{tag}"
+
+
+def _last_change(path: str) -> float | None:
+    """Newest mtime of a staging dir, its entries and its data files (None if gone)."""
+    try:
+        newest = os.lstat(path).st_mtime
+        for sub in (path, os.path.join(path, DATA_DIR)):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(sub) as it:
+                for e in it:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    except FileNotFoundError:
+        return None
+    return newest
+
+
+class _LocalLease:
+    """A lease by ``flock``: the kernel ends it when the holder dies, so it needs no ttl."""
+
+    ttl_s: float | None = None
+
+    def __init__(self, fd: int, holder: str) -> None:
+        self._fd = fd
+        self.holder = holder
+
+    def renew(self) -> None:
+        pass  # an flock lasts as long as its holder
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _lock_file(path: str, holder: str) -> _LocalLease:
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise storage_error(f"cannot create the lock {path}: {exc}", exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+        raise ManagerLockedError(f"{path} is held by {owner or 'an unknown process'}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise storage_error(f"cannot write the lock {path}: {exc}", exc) from exc
+    return _LocalLease(fd, holder)

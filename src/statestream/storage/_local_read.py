@@ -1,0 +1,252 @@
+"""Local storage, read side: a committed checkpoint opened by fd, regular files only."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from collections.abc import Sequence
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+    storage_error,
+)
+from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
+from statestream.storage._base import Buffer
+from statestream.storage._hints import manager_steps_hint
+
+#: Most buffers one preadv/pwritev call takes (the writer in ``_local`` uses it too).
+_IOV_MAX = 1024
+
+
+def _missing_reason(path: str) -> str:
+    """Why there is no checkpoint directory at ``path`` (it may be a file)."""
+    if os.path.isfile(path):
+        return (
+            f"no checkpoint at {path}: it is a file, and a statestream checkpoint is a "
+            "directory (a torch.save or safetensors file is read with its own library)"
+        )
+    return f"no checkpoint at {path}: the directory does not exist"
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
+
+
+def _not_regular(mode: int, where: str) -> UnsafeCheckpointError:
+    what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return UnsafeCheckpointError(
+        f"cannot open {where} safely: it is {what}, not a regular file; refusing to read it "
+        "(the checkpoint is damaged or hostile)"
+    )
+
+
+def _open_regular(name: str, dir_fd: int, where: str) -> int:
+    """Open ``name`` under ``dir_fd`` for reading, only if it is a regular file.
+
+    Never blocks (a FIFO or a device in place of a file would): the entry is
+    checked with lstat first, so special files are not even opened, then
+    opened with ``O_NONBLOCK | O_NOFOLLOW`` and checked again with fstat (the
+    entry may have been swapped in between); ``O_NONBLOCK`` is then cleared.
+
+    Raises:
+        FileNotFoundError: nothing is there (the caller words the error).
+        UnsafeCheckpointError: a symbolic link, FIFO, directory, device, ...
+        StorageError: any other OS error (permissions, I/O).
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode, where)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | os.O_NOCTTY, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeCheckpointError(
+                f"{where} is a symbolic link or lies under one; refusing to follow it out of "
+                "the checkpoint"
+            ) from None
+        raise storage_error(f"cannot open {where}: {exc}", exc) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode, where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _LocalReader:
+    def __init__(self, path: str) -> None:
+        self.location = path
+        try:
+            self._root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(_missing_reason(path)) from None
+        except OSError as exc:
+            raise storage_error(f"cannot open the checkpoint directory {path}: {exc}", exc) from exc
+        try:
+            os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(self._root)
+            from statestream.storage._local import LocalStorage  # _local imports this module
+
+            hint = manager_steps_hint(LocalStorage(), path)
+            raise CheckpointNotFoundError(
+                hint or f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
+                "interrupted or foreign save?); refusing to load it"
+            ) from None
+        except OSError as exc:
+            os.close(self._root)
+            where = os.path.join(path, COMMIT_NAME)
+            raise storage_error(f"cannot read {where}: {exc}", exc) from exc
+        self._data: int | None = None
+        self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is not None:
+                return fd
+            validate_file_name(name)
+            where = os.path.join(self.location, name)
+            try:
+                if self._data is None:
+                    self._data = os.open(
+                        DATA_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=self._root,
+                    )
+            except FileNotFoundError:
+                raise TruncatedFileError(
+                    f"data file {where} is missing (so is {DATA_DIR}/); the checkpoint is "
+                    "damaged"
+                ) from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeCheckpointError(
+                        f"{os.path.join(self.location, DATA_DIR)} is a symbolic link or not a "
+                        f"directory; refusing to read {name} through it"
+                    ) from None
+                raise storage_error(f"cannot open {where}: {exc}", exc) from exc
+            try:
+                fd = _open_regular(name[len(DATA_DIR) + 1 :], self._data, where)
+            except FileNotFoundError:
+                raise TruncatedFileError(
+                    f"data file {where} is missing; the checkpoint is damaged"
+                ) from None
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # a read-ahead hint only; reads work without it
+            self._fds[name] = fd
+            return fd
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes:
+        where = os.path.join(self.location, name)
+        if "/" in name or name in ("", ".", ".."):
+            raise UnsafeCheckpointError(f"refusing to read {name!r} outside the checkpoint")
+        try:
+            fd = _open_regular(name, self._root, where)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where} is missing; the checkpoint is damaged") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise CheckpointCorruptError(
+                    f"{where} is {size} bytes, over the {max_bytes}-byte limit"
+                )
+            buf = bytearray(size)
+            try:
+                got = os.preadv(fd, [buf], 0) if size else 0
+            except OSError as exc:
+                raise storage_error(f"reading {where} failed: {exc}", exc) from exc
+            if got != size:
+                raise TruncatedFileError(f"{where} changed while being read")
+            return bytes(buf)
+        finally:
+            os.close(fd)
+
+    def file_size(self, name: str) -> int:
+        size = self._sizes.get(name)
+        if size is None:
+            size = os.fstat(self._open(name)).st_size
+            self._sizes[name] = size
+        return size
+
+    def list_files(self) -> list[str]:
+        """Every entry of the checkpoint (``data/`` entries as ``data/<name>``), unsorted.
+
+        Nothing is followed or opened but the two directories; special files
+        and subdirectories are listed like files (``verify`` reports them).
+        """
+        out: list[str] = []
+        try:
+            with os.scandir(self._root) as it:
+                top = [e.name for e in it]
+            for n in top:
+                if n != DATA_DIR:
+                    out.append(n)
+                    continue
+                try:
+                    fd = os.open(DATA_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, dir_fd=self._root)
+                except OSError:
+                    out.append(n)  # a symlink or a file in place of data/: listed as is
+                    continue
+                with os.scandir(fd) as it:
+                    out.extend(f"{DATA_DIR}/{e.name}" for e in it)
+                os.close(fd)
+        except OSError as exc:
+            raise storage_error(f"cannot list {self.location}: {exc}", exc) from exc
+        return out
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        fd = self._open(name)
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if v.nbytes]
+        while views:
+            batch = views[:_IOV_MAX]
+            try:
+                n = os.preadv(fd, batch, offset)
+            except OSError as exc:
+                raise storage_error(f"reading {self.location}/{name} failed: {exc}", exc) from exc
+            if n == 0:
+                raise TruncatedFileError(
+                    f"data file {os.path.join(self.location, name)} ends at byte {offset}, "
+                    "before the data the manifest lists; the checkpoint is truncated"
+                )
+            offset += n
+            while n and views:
+                v = views[0]
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = v[n:]
+                    n = 0
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._data is not None:
+                os.close(self._data)
+                self._data = None
+            if self._root >= 0:
+                os.close(self._root)
+                self._root = -1
