@@ -41,9 +41,10 @@ EXPECTED: dict[str, list[str]] = {
         "itemsize_of", "validate_file_name",
     ],
     "statestream.storage": [
-        "Buffer", "CheckpointReader", "FileWriter", "Lease", "Leftover", "LocalStorage",
-        "S3Options", "S3Storage", "Storage", "StorageCapabilities", "WriteTransaction",
-        "WriterId", "collect_garbage", "set_backend", "storage_for",
+        "Buffer", "CheckpointReader", "FileWriter", "IOV_MAX", "Lease", "Leftover",
+        "LocalStorage", "S3Options", "S3Storage", "Storage", "StorageCapabilities",
+        "WriteTransaction", "WriterId", "advance", "byte_views", "collect_garbage",
+        "set_backend", "storage_for",
     ],
     "statestream.plan": [
         "ArrayDecl", "ArrayShape", "ArraySpec", "FilePlan", "MergedTree", "RankPart", "RankTree",

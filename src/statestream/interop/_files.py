@@ -7,11 +7,10 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from statestream.errors import CheckpointCorruptError, TruncatedFileError, UnsafeCheckpointError
-from statestream.storage import Buffer
+from statestream.storage import IOV_MAX, Buffer, advance, byte_views
 
 __all__ = ["FileSetReader"]
 
-_IOV_MAX = 512
 
 
 class FileSetReader:
@@ -73,10 +72,10 @@ class FileSetReader:
                 offset += v.nbytes
             return
         fd = self._open(name)
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        views = byte_views(buffers)
         while views:
             try:
-                n = os.preadv(fd, views[:_IOV_MAX], offset)
+                n = os.preadv(fd, views[:IOV_MAX], offset)
             except OSError as exc:
                 raise TruncatedFileError(f"reading {self._paths[name]} failed: {exc}") from exc
             if n == 0:
@@ -85,13 +84,7 @@ class FileSetReader:
                     "lists; the file is truncated"
                 )
             offset += n
-            while n and views:
-                if n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0] = views[0][n:]
-                    n = 0
+            advance(views, n)
 
     def close(self) -> None:
         with self._lock:

@@ -16,12 +16,14 @@ from statestream.storage._base import (
     WriterId,
     WriteTransaction,
 )
+from statestream.storage._iov import IOV_MAX, advance, byte_views
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
 from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
 
 __all__ = [
+    "IOV_MAX",
     "Buffer",
     "CheckpointReader",
     "FileWriter",
@@ -34,6 +36,8 @@ __all__ = [
     "StorageCapabilities",
     "WriteTransaction",
     "WriterId",
+    "advance",
+    "byte_views",
     "collect_garbage",
     "set_backend",
     "storage_for",

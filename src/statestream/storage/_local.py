@@ -24,6 +24,7 @@ from statestream.storage._base import (
     WriterId,
     check_member_name,
 )
+from statestream.storage._iov import IOV_MAX, advance, byte_views
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local_lease import (
     _STAGING_RE,
@@ -32,7 +33,7 @@ from statestream.storage._local_lease import (
     _lock_file,
     _staging_name,
 )
-from statestream.storage._local_read import _IOV_MAX, _LocalReader
+from statestream.storage._local_read import _LocalReader
 
 __all__ = ["LocalStorage"]
 
@@ -77,24 +78,15 @@ def _fsync_dir(path: str) -> None:
 
 
 def _pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int, where: str) -> int:
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
+    views = byte_views(buffers)
     while views:
-        batch = views[:_IOV_MAX]
+        batch = views[:IOV_MAX]
         try:
             n = os.pwritev(fd, batch, offset)
         except OSError as exc:
             raise storage_error(f"writing {where} at offset {offset} failed: {exc}", exc) from exc
         offset += n
-        # drop fully written views; trim a partially written one
-        while n and views:
-            v = views[0]
-            if n >= v.nbytes:
-                n -= v.nbytes
-                views.pop(0)
-            else:
-                views[0] = v[n:]
-                n = 0
+        advance(views, n)
     return offset
 
 

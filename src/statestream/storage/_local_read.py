@@ -18,9 +18,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
 from statestream.storage._base import Buffer
 from statestream.storage._hints import manager_steps_hint
-
-#: Most buffers one preadv/pwritev call takes (the writer in ``_local`` uses it too).
-_IOV_MAX = 1024
+from statestream.storage._iov import IOV_MAX, advance, byte_views
 
 
 def _missing_reason(path: str) -> str:
@@ -216,10 +214,9 @@ class _LocalReader:
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
         fd = self._open(name)
-        views = [memoryview(b).cast("B") for b in buffers]
-        views = [v for v in views if v.nbytes]
+        views = byte_views(buffers)
         while views:
-            batch = views[:_IOV_MAX]
+            batch = views[:IOV_MAX]
             try:
                 n = os.preadv(fd, batch, offset)
             except OSError as exc:
@@ -230,14 +227,7 @@ class _LocalReader:
                     "before the data the manifest lists; the checkpoint is truncated"
                 )
             offset += n
-            while n and views:
-                v = views[0]
-                if n >= v.nbytes:
-                    n -= v.nbytes
-                    views.pop(0)
-                else:
-                    views[0] = v[n:]
-                    n = 0
+            advance(views, n)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,29 @@
+"""Vectored I/O helpers shared by the readers and the writer (``preadv``/``pwritev``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from statestream.storage._base import Buffer
+
+__all__ = ["IOV_MAX", "advance", "byte_views"]
+
+#: at most this many buffers per preadv/pwritev call (Linux's IOV_MAX)
+IOV_MAX = 1024
+
+
+def byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """Flat byte views of the non-empty ``buffers``."""
+    return [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+
+
+def advance(views: list[memoryview], n: int) -> None:
+    """Drop the views a call transferred ``n`` bytes of; trim a partly done one."""
+    while n and views:
+        v = views[0]
+        if n >= v.nbytes:
+            n -= v.nbytes
+            views.pop(0)
+        else:
+            views[0] = v[n:]
+            n = 0
