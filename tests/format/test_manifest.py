@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-import statestream.format._manifest as manifest_mod
+import statestream.format._decode as decode_mod
+import statestream.format._decode_tree as decode_tree_mod
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -225,7 +226,7 @@ def test_meta_must_be_an_object() -> None:
 
 def test_manifest_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     data = encode_manifest(make_manifest())
-    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", len(data) - 1)
+    monkeypatch.setattr(decode_mod, "MAX_MANIFEST_BYTES", len(data) - 1)
     with pytest.raises(CheckpointCorruptError, match="over the .*-byte limit"):
         decode_manifest(data, WHERE)
 
@@ -303,7 +304,7 @@ def test_largest_file_size_is_accepted() -> None:
 
 
 def test_file_count_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manifest_mod, "MAX_FILES", 1)
+    monkeypatch.setattr(decode_mod, "MAX_FILES", 1)
     corrupt(lambda d: None, r"2 data files \(limit 1\)")
 
 
@@ -568,7 +569,7 @@ def test_dict_allows_int_keys_but_keeps_them_ints() -> None:
 
 
 def test_int_hex_digit_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manifest_mod, "MAX_INT_HEX_DIGITS", 24)
+    monkeypatch.setattr(decode_tree_mod, "MAX_INT_HEX_DIGITS", 24)
     corrupt(lambda d: _set_node(d, {"t": "int", "v": "1" * 25}), "not lowercase hex")
     doc = valid_doc()
     doc["tree"]["c"][4] = {"t": "int", "v": "-" + "f" * 23}
@@ -694,23 +695,23 @@ def test_tiling_check_matches_brute_force(t: tuple[tuple[int, ...], np.ndarray, 
     count = np.zeros(shape, dtype=np.int64)
     for s0, e0 in zip(starts, ends):
         count[tuple(slice(int(a), int(b)) for a, b in zip(s0, e0))] += 1
-    assert manifest_mod._tiles_exactly(starts, ends, shape) == bool(np.all(count == 1))
+    assert decode_mod._tiles_exactly(starts, ends, shape) == bool(np.all(count == 1))
 
 
 def test_tiling_check_many_chunks() -> None:
     n = 5000  # row blocks, and a grid: both far past the pairwise fast path
     starts = np.stack([np.arange(n), np.zeros(n, np.int64)], axis=1)
     ends = starts + np.array([1, 3])
-    assert manifest_mod._tiles_exactly(starts, ends, (n, 3))
+    assert decode_mod._tiles_exactly(starts, ends, (n, 3))
     ends[n - 2, 0] += 1  # box n-2 now reaches into box n-1
     starts[n - 1, 1] = 0
     ends[n - 1, 1] = 2  # volumes still sum up: the overlap is what must be found
-    assert not manifest_mod._tiles_exactly(starts, ends, (n, 3))
+    assert not decode_mod._tiles_exactly(starts, ends, (n, 3))
     g = np.array([(i, j) for i in range(70) for j in range(70)], dtype=np.int64)
-    assert manifest_mod._tiles_exactly(g, g + 1, (70, 70))
+    assert decode_mod._tiles_exactly(g, g + 1, (70, 70))
     g2 = g.copy()
     g2[5] = g2[6]  # a duplicate box, and one cell left uncovered
-    assert not manifest_mod._tiles_exactly(g2, g2 + 1, (70, 70))
+    assert not decode_mod._tiles_exactly(g2, g2 + 1, (70, 70))
 
 
 

@@ -1,0 +1,619 @@
+"""Manifest decoding, part 2: the streaming parser, chunk checks and the entry points.
+
+Split out of ``_manifest.py`` (schema and encoder stay there); tree checks are in
+``_decode_tree.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from json.scanner import make_scanner
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    FormatVersionError,
+    UnsafeCheckpointError,
+)
+from statestream.format._checksum import CHECKSUM_ALGORITHM
+from statestream.format._chunks import ChunkEntry, ChunkList, ChunkStore
+from statestream.format._decode_tree import (
+    _Bad,
+    _check_tree,
+    _int,
+    _list,
+    _str,
+    _TreeHook,
+    validate_file_name,
+)
+from statestream.format._dtypes import DTYPE_NAMES, itemsize_of
+from statestream.format._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_ARRAY_BYTES,
+    MAX_COMMIT_BYTES,
+    MAX_DIM,
+    MAX_FILE_BYTES,
+    MAX_FILES,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    ArrayEntry,
+    FileEntry,
+    Manifest,
+)
+from statestream.tree import Node
+
+#: How many corner points (below) one array's chunks may have: enough for chunks
+#: split along four axes at once; beyond it a manifest is refused as too costly.
+_CORNERS_PER_CHUNK = 16
+_CORNERS_FREE = 1 << 16
+
+
+def _pairwise_disjoint(starts: np.ndarray, ends: np.ndarray) -> bool:
+    n = len(starts)
+    for i in range(n):
+        for j in range(i + 1, n):
+            if np.all(starts[i] < ends[j]) and np.all(starts[j] < ends[i]):
+                return False
+    return True
+
+
+def _tiles_exactly(starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """True if the boxes ``[starts, ends)`` (non-empty, inside ``shape``, with volumes
+    summing to the array's) cover every element exactly once, i.e. do not overlap.
+
+    Linear-time apart from one sort, whatever the layout: the indicator function
+    of a box is a signed sum of the "orthant" indicators ``x >= c`` of its
+    corners (``+`` at its start, ``-`` per axis where it ends early), orthants of
+    distinct corners are linearly independent, so the boxes tile the array
+    exactly iff all corner charges cancel except ``+1`` at the origin. Costs
+    ``2^k`` points for a chunk that ends early on ``k`` axes (bounded, see
+    ``_CORNERS_PER_CHUNK``).
+
+    Raises:
+        _Bad: the layout has more corner points than the limit allows.
+    """
+    n = len(starts)
+    shp = np.asarray(shape, dtype=np.int64)
+    # axes on which every chunk spans the whole array play no part
+    keep = ~np.all((starts == 0) & (ends == shp), axis=0)
+    starts, ends, shp = starts[:, keep], ends[:, keep], shp[keep]
+    d = starts.shape[1]
+    if d == 0:
+        return n == 1
+    if n <= 8:
+        return _pairwise_disjoint(starts, ends)
+    if d == 1:  # row blocks: intervals, disjoint iff each ends before the next starts
+        order = np.argsort(starts[:, 0], kind="stable")
+        s0, e0 = starts[order, 0], ends[order, 0]
+        return bool(np.all(s0[1:] >= e0[:-1]))
+    early = ends < shp
+    total = int(np.sum(np.left_shift(np.int64(1), early.sum(axis=1, dtype=np.int64))))
+    if total > _CORNERS_PER_CHUNK * n + _CORNERS_FREE:
+        raise _Bad(f"chunks split along too many axes at once ({total} corner points for "
+                   f"{n} chunks; the limit is {_CORNERS_PER_CHUNK} per chunk)")
+    # coordinates as ranks per axis (small ints), then corners as mixed-radix keys
+    rs, re_, radix = np.empty((n, d), np.int64), np.empty((n, d), np.int64), []
+    for ax in range(d):
+        u, inv = np.unique(np.concatenate([starts[:, ax], ends[:, ax]]), return_inverse=True)
+        rs[:, ax], re_[:, ax] = inv[:n], inv[n:]
+        radix.append(len(u) + 1)
+    pts, box = rs, np.arange(n, dtype=np.int64)
+    sign = np.ones(n, dtype=np.int64)
+    for ax in range(d):
+        sel = np.nonzero(early[box, ax])[0]
+        new = pts[sel]
+        new[:, ax] = re_[box[sel], ax]
+        pts = np.concatenate([pts, new])
+        sign = np.concatenate([sign, -sign[sel]])
+        box = np.concatenate([box, box[sel]])
+    del box
+    if math.prod(radix) < 1 << 62:
+        key = np.zeros(len(pts), dtype=np.int64)
+        for ax in range(d):
+            key = key * radix[ax] + pts[:, ax]
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        first = np.concatenate([[True], key[1:] != key[:-1]])
+    else:  # too many distinct coordinates for one integer key: sort the rows
+        order = np.lexsort(pts.T[::-1])
+        sp = pts[order]
+        first = np.concatenate([[True], np.any(sp[1:] != sp[:-1], axis=1)])
+    charge = np.add.reduceat(sign[order], np.nonzero(first)[0])
+    nz = np.nonzero(charge)[0]
+    if len(nz) != 1 or charge[nz[0]] != 1:
+        return False
+    origin_group = np.nonzero(first)[0][nz[0]]
+    return bool(not pts[order[origin_group]].any())
+
+
+def _check_file_ranges(files: list[FileEntry], r: np.ndarray) -> None:
+    """No two chunks share a byte of a file (rows of ``[file, offset, nbytes]``).
+
+    With this, the chunks a load allocates for are all backed by distinct file
+    bytes, so a load never allocates more than the data files hold.
+    """
+    r = r[r[:, 2] > 0]
+    order = np.lexsort((r[:, 1], r[:, 0]))
+    r = r[order]
+    same = r[1:, 0] == r[:-1, 0]
+    bad = np.nonzero(same & (r[1:, 1] < r[:-1, 1] + r[:-1, 2]))[0]
+    if len(bad):
+        f, off, nb = (int(x) for x in r[bad[0]])
+        raise _Bad(f"two chunks share bytes of {files[f].name} (one spans [{off}, "
+                   f"{off + nb}), the next starts at {int(r[bad[0] + 1, 1])})")
+
+
+class _Packed:
+    """Where the chunks of one array entry went in the ChunkStore while parsing."""
+
+    __slots__ = ("c0", "hi", "lo", "nd")
+
+    def __init__(self, lo: int, hi: int, c0: int, nd: int) -> None:
+        self.lo, self.hi, self.c0, self.nd = lo, hi, c0, nd
+
+
+_SCAN = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+
+
+def _ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in " \t\n\r":
+        i += 1
+    return i
+
+
+def _tree_scanner() -> Any:
+    return make_scanner(json.JSONDecoder(object_hook=_TreeHook()))  # type: ignore[arg-type]
+
+
+def _value(s: str, i: int, scan: Any = None) -> tuple[Any, int]:
+    try:
+        v, end = (scan or _SCAN)(s, i)
+    except StopIteration:
+        raise json.JSONDecodeError("Expecting value", s, i) from None
+    return v, int(end)
+
+
+def _expect(s: str, i: int, ch: str) -> int:
+    if s[i:i + 1] != ch:
+        raise json.JSONDecodeError(f"Expecting '{ch}'", s, i)
+    return _ws(s, i + 1)
+
+
+def _parse_document(s: str, store: ChunkStore) -> Any:
+    """``json.loads`` of a manifest, except that the chunk lists of array entries
+    stream into ``store`` one chunk at a time (see :func:`_stream_chunks`)."""
+    i = _ws(s, 0)
+    if s[i:i + 1] != "{":
+        v, i = _value(s, i)
+        if _ws(s, i) != len(s):
+            raise json.JSONDecodeError("Extra data", s, i)
+        return v
+    doc: dict[str, Any] = {}
+    i = _ws(s, i + 1)
+    if s[i:i + 1] != "}":
+        while True:
+            key, i = _value(s, i)
+            if type(key) is not str:
+                raise json.JSONDecodeError("Expecting property name", s, i)
+            i = _expect(s, _ws(s, i), ":")
+            if key == "arrays":
+                doc[key], i = _arrays(s, i, store, _eager_files(doc))
+            elif key == "tree":
+                doc[key], i = _value(s, i, _tree_scanner())
+            else:
+                doc[key], i = _value(s, i)
+            i = _ws(s, i)
+            if s[i:i + 1] == ",":
+                i = _ws(s, i + 1)
+                continue
+            break
+    i = _expect(s, i, "}")
+    if i != len(s):
+        raise json.JSONDecodeError("Extra data", s, i)
+    return doc
+
+
+class _DecodedArrays(list):  # type: ignore[type-arg]
+    """Array entries already decoded while parsing (the files came first)."""
+
+
+def _eager_files(doc: dict[str, Any]) -> tuple[list[FileEntry], np.ndarray] | None:
+    """The file table, if the manifest so far says it is v1 and lists its files, so that
+    array entries can be decoded as they are parsed (their JSON never piles up)."""
+    if (doc.get("format") != FORMAT_NAME or type(doc.get("version")) is not int
+            or doc.get("version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM_ALGORITHM
+            or "files" not in doc):
+        return None
+    files = _decode_files(doc["files"])
+    return files, np.array([f.size for f in files], dtype=np.int64)
+
+
+def _decode_files(files_l: Any) -> list[FileEntry]:
+    files_l = _list(files_l, "files")
+    if len(files_l) > MAX_FILES:
+        raise _Bad(f"{len(files_l)} data files (limit {MAX_FILES})")
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for fl in files_l:
+        fl = _list(fl, "file entry")
+        if len(fl) != 2:
+            raise _Bad("file entry must be [name, size]")
+        name = validate_file_name(fl[0])
+        if name in seen:
+            raise _Bad(f"data file {name} is listed twice")
+        seen.add(name)
+        files.append(FileEntry(name, _int(fl[1], "file size", 0, MAX_FILE_BYTES)))
+    return files
+
+
+#: Manifests up to this size have each array entry read by the C JSON parser at once
+#: (their Python objects cost at most ~15 MiB); larger ones stream chunk by chunk, so
+#: that decoding stays within 4x the manifest's size. Same checks, same messages.
+_SMALL_MANIFEST_BYTES = 1 << 20
+
+
+def _arrays(s: str, i: int, store: ChunkStore,
+            eager: tuple[list[FileEntry], np.ndarray] | None) -> tuple[Any, int]:
+    if s[i:i + 1] != "[":
+        return _value(s, i)
+    out: list[Any] = _DecodedArrays() if eager is not None else []
+    small = len(s) <= _SMALL_MANIFEST_BYTES
+    i = _ws(s, i + 1)
+    if s[i:i + 1] == "]":
+        return out, i + 1
+    while True:
+        if small:  # the C parser reads the whole entry; its chunks go to the store
+            v, i = _value(s, i)
+            if type(v) is dict and type(v.get("chunks")) is list:
+                v["chunks"] = _pack_chunks(v["chunks"], store, len(out))
+        elif s[i:i + 1] == "{":
+            v, i = _array_object(s, i, store, len(out))
+        else:
+            v, i = _value(s, i)
+        if eager is not None:
+            v = _decode_array(v, len(out), eager[0], store, eager[1], materialize=small)
+        out.append(v)
+        i = _ws(s, i)
+        if s[i:i + 1] == ",":
+            i = _ws(s, i + 1)
+            continue
+        if s[i:i + 1] != "]":
+            raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
+        return out, i + 1
+
+
+def _array_object(s: str, i: int, store: ChunkStore, ai: int) -> tuple[Any, int]:
+    d: dict[str, Any] = {}
+    i = _ws(s, i + 1)
+    if s[i:i + 1] != "}":
+        while True:
+            key, i = _value(s, i)
+            if type(key) is not str:
+                raise json.JSONDecodeError("Expecting property name", s, i)
+            i = _expect(s, _ws(s, i), ":")
+            if key == "chunks" and s[i:i + 1] == "[":
+                d[key], i = _stream_chunks(s, i, store, ai)
+            else:
+                d[key], i = _value(s, i)
+            i = _ws(s, i)
+            if s[i:i + 1] == ",":
+                i = _ws(s, i + 1)
+                continue
+            break
+    if s[i:i + 1] != "}":
+        raise json.JSONDecodeError("Expecting '}'", s, i)
+    return d, i + 1
+
+
+def _stream_chunks(s: str, i: int, store: ChunkStore, ai: int) -> tuple[_Packed, int]:
+    """Parse a chunk list chunk by chunk into ``store``; check what needs no context."""
+    lo, c0, nd = len(store), len(store.coords), -1
+    i = _ws(s, i + 1)
+    j = 0
+    while s[i:i + 1] != "]":
+        c, i = _value(s, i)
+        nd = _add_chunk(c, store, ai, j, nd, lo)
+        j += 1
+        i = _ws(s, i)
+        if s[i:i + 1] == ",":
+            i = _ws(s, i + 1)
+            if s[i:i + 1] == "]":
+                raise json.JSONDecodeError("Expecting value", s, i)
+        elif s[i:i + 1] != "]":
+            raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
+    return _Packed(lo, lo + j, c0, nd), i + 1
+
+
+def _pack_chunks(chunks: list[Any], store: ChunkStore, ai: int) -> _Packed:
+    """:func:`_stream_chunks` for a chunk list the C parser already read (small manifests)."""
+    lo, c0, nd = len(store), len(store.coords), -1
+    for j, c in enumerate(chunks):
+        nd = _add_chunk(c, store, ai, j, nd, lo)
+    return _Packed(lo, lo + len(chunks), c0, nd)
+
+
+def _add_chunk(c: Any, store: ChunkStore, ai: int, j: int, nd: int, lo: int) -> int:
+    """Check chunk ``j`` of array ``ai`` and append it to ``store``; returns its ndim."""
+    if type(c) is not list or len(c) not in (6, 7):
+        raise _Bad(f"array {ai} chunk {j} must be a list of 6 or 7 fields")
+    f, off, nb, crc, start_l, shape_l = c[:6]
+    if type(f) is not int or not 0 <= f <= 1 << 62:
+        raise _Bad(f"array {ai} chunk {j} refers to file {f!r:.40}")
+    if type(off) is not int or not 0 <= off <= MAX_FILE_BYTES:
+        raise _Bad(f"array {ai} chunk {j} has a bad offset {off!r:.40}")
+    if type(nb) is not int or not 0 <= nb <= MAX_ARRAY_BYTES:
+        raise _Bad(f"array {ai} chunk {j} has a bad length {nb!r:.40}")
+    if type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+        raise _Bad(f"array {ai} chunk {j} has a bad checksum {crc!r:.40}")
+    if nd < 0 and type(start_l) is list:
+        nd = len(start_l)
+    if (type(start_l) is not list or type(shape_l) is not list or len(start_l) != nd
+            or len(shape_l) != nd):
+        raise _Bad(f"array {ai} chunk {j} must give start and shape with {nd} dimensions")
+    for a in range(nd):
+        x, n = start_l[a], shape_l[a]
+        if type(x) is not int or type(n) is not int or not 0 <= x <= MAX_DIM \
+                or not 0 <= n <= MAX_DIM:
+            raise _Bad(f"array {ai} chunk {j} has a bad start/shape on axis {a}")
+    if len(c) == 7:
+        blk = c[6]
+        if (
+            type(blk) is not list or len(blk) != 2 or type(blk[0]) is not int
+            or blk[0] < 1 or nd == 0 or type(blk[1]) is not list
+            or len(blk[1]) != -(-shape_l[0] // blk[0])
+            or not all(type(x) is int and 0 <= x <= 0xFFFFFFFF for x in blk[1])
+        ):
+            raise _Bad(f"array {ai} chunk {j} has a malformed block checksum table")
+        store.blocks[lo + j] = (blk[0], tuple(blk[1]))
+    store.fields.extend((f, off, nb, crc))
+    store.coords.extend(start_l)
+    store.coords.extend(shape_l)
+    return nd
+
+
+def _first(mask: np.ndarray) -> int:
+    """Index of the first True of a 1-D mask, or -1."""
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if len(idx) else -1
+
+
+def _decode_array(d: Any, i: int, files: list[FileEntry], store: ChunkStore,
+                  file_sizes: np.ndarray, *, materialize: bool = False) -> ArrayEntry:
+    """One array entry; ``materialize``: keep its few chunks as ChunkEntry objects
+    (small manifests: read several times per load, cheaper than the store's views)."""
+    if type(d) is not dict:
+        raise _Bad(f"array {i} must be an object")
+    dtype = _str(d.get("dtype"), f"array {i} dtype")
+    if dtype not in DTYPE_NAMES:
+        raise _Bad(f"array {i} has unknown dtype {dtype!r:.40}")
+    dtype = _DTYPE_OBJ[dtype]  # one shared str per dtype name
+    shape_l = _list(d.get("shape"), f"array {i} shape")
+    if len(shape_l) > MAX_NDIM:
+        raise _Bad(f"array {i} has {len(shape_l)} dimensions (limit {MAX_NDIM})")
+    shape = tuple(_int(s, f"array {i} dimension", 0, MAX_DIM) for s in shape_l)
+    shape = _SHAPES.setdefault(shape, shape)
+    itemsize = itemsize_of(dtype)
+    total = math.prod(shape)
+    if total * itemsize > MAX_ARRAY_BYTES:
+        raise _Bad(f"array {i} is {total * itemsize} bytes (limit {MAX_ARRAY_BYTES})")
+    packed = d.get("chunks")
+    if type(packed) is not _Packed:
+        raise _Bad(f"array {i} chunks must be a list")
+    nd = len(shape)
+    n = packed.hi - packed.lo
+    if n and packed.nd != nd:
+        raise _Bad(f"array {i} chunk 0 must give start and shape with {nd} dimensions")
+    chunks = ChunkList(store, packed.lo, packed.hi, packed.c0, nd)
+    if n == 0:
+        if total:
+            raise _Bad(f"array {i}'s chunks cover 0 of its {total} elements")
+        return ArrayEntry(dtype, shape, chunks)
+    if n <= 4:  # most arrays: plain Python beats a dozen tiny numpy calls
+        few = tuple(chunks)
+        _check_few_chunks(i, few, shape, itemsize, total, files)
+        if materialize:
+            return ArrayEntry(dtype, shape, few)
+    else:
+        fl, co = chunks.columns()
+        _check_chunk_columns(i, fl, co, shape, itemsize, total, files, file_sizes)
+    return ArrayEntry(dtype, shape, chunks)
+
+
+def _check_few_chunks(i: int, chunks: Sequence[ChunkEntry], shape: tuple[int, ...], itemsize: int,
+                      total: int, files: list[FileEntry]) -> None:
+    """:func:`_check_chunk_columns` for a handful of chunks, same checks, same messages."""
+    covered = 0
+    live: list[ChunkEntry] = []
+    for j, c in enumerate(chunks):
+        if c.file >= len(files):
+            raise _Bad(f"array {i} chunk {j} refers to file {c.file}, not one of {len(files)}")
+        if any(x + n > m for x, n, m in zip(c.start, c.shape, shape)):
+            raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
+        vol = math.prod(c.shape)
+        if c.nbytes != vol * itemsize:
+            raise _Bad(f"array {i} chunk {j} is {c.nbytes} bytes but its shape {c.shape} x "
+                       f"{itemsize} bytes per element needs {vol * itemsize}")
+        f = files[c.file]
+        if c.offset + c.nbytes > f.size:
+            raise _Bad(f"array {i} chunk {j} spans bytes [{c.offset}, {c.offset + c.nbytes}) "
+                       f"of {f.name}, which the manifest says has only {f.size} bytes")
+        covered += vol
+        if vol:
+            live.append(c)
+    if covered != total:
+        raise _Bad(f"array {i}'s chunks cover {covered} of its {total} elements")
+    for a in range(len(live)):
+        for b in range(a + 1, len(live)):
+            p, q = live[a], live[b]
+            if all(x < y + m and y < x + n
+                   for x, n, y, m in zip(p.start, p.shape, q.start, q.shape)):
+                raise _Bad(f"array {i} has overlapping chunks")
+
+
+_DTYPE_OBJ = {n: n for n in DTYPE_NAMES}
+_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _check_chunk_columns(i: int, fl: np.ndarray, co: np.ndarray, shape: tuple[int, ...],
+                         itemsize: int, total: int, files: list[FileEntry],
+                         file_sizes: np.ndarray) -> None:
+    """Every check of an array's chunks that needs its shape and the file table."""
+    nd = len(shape)
+    j = _first(fl[:, 0] >= len(files))
+    if j >= 0:
+        raise _Bad(f"array {i} chunk {j} refers to file {int(fl[j, 0])}, not one of "
+                   f"{len(files)}")
+    starts, sizes = co[:, :nd], co[:, nd:]
+    ends = starts + sizes
+    shp = np.asarray(shape, dtype=np.int64)
+    j = _first(np.any(ends > shp, axis=1)) if nd else -1
+    if j >= 0:
+        raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
+    vol = np.prod(sizes, axis=1, dtype=np.int64)  # each <= total <= 2^48: no overflow
+    j = _first(fl[:, 2] != vol * itemsize)
+    if j >= 0:
+        raise _Bad(
+            f"array {i} chunk {j} is {int(fl[j, 2])} bytes but its shape "
+            f"{tuple(int(x) for x in sizes[j])} x {itemsize} bytes per element needs "
+            f"{int(vol[j]) * itemsize}")
+    j = _first(fl[:, 1] + fl[:, 2] > file_sizes[fl[:, 0]])
+    if j >= 0:
+        f = files[int(fl[j, 0])]
+        raise _Bad(
+            f"array {i} chunk {j} spans bytes [{int(fl[j, 1])}, {int(fl[j, 1] + fl[j, 2])}) "
+            f"of {f.name}, which the manifest says has only {f.size} bytes")
+    covered = int(vol.sum()) if float(vol.sum(dtype=np.float64)) < 2.0**62 else -1
+    if covered != total:
+        raise _Bad(f"array {i}'s chunks cover {covered if covered >= 0 else 'far more than'} "
+                   f"of its {total} elements")
+    live = vol > 0
+    if int(live.sum()) > 1:
+        if nd == 0 or not _tiles_exactly(starts[live], ends[live], shape):
+            raise _Bad(f"array {i} has overlapping chunks")
+
+
+def _check_store_ranges(files: list[FileEntry], store: ChunkStore) -> None:
+    """No two chunks share a byte of a file (see :func:`_check_file_ranges`)."""
+    if len(store) < 2:
+        return
+    r = np.frombuffer(store.fields, dtype=np.int64).reshape(-1, 4)[:, :3]
+    _check_file_ranges(files, r)
+
+
+def decode_manifest(data: bytes | str, where: str) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where``.
+
+    Raises:
+        FormatVersionError: the manifest is from an unknown format version.
+        UnsafeCheckpointError: a file name escapes the checkpoint.
+        CheckpointCorruptError: anything else is malformed or out of limits.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(
+            f"manifest {where} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
+        )
+    store = ChunkStore()
+    try:
+        text = data if isinstance(data, str) else data.decode("utf-8")
+        doc = _parse_document(text, store)
+    except UnsafeCheckpointError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid JSON: {exc}") from exc
+    except _Bad as exc:
+        raise CheckpointCorruptError(f"manifest {where} is malformed: {exc}") from None
+    del text
+    if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{where} is not a statestream manifest")
+    version = doc.get("version")
+    if type(version) is not int:
+        raise CheckpointCorruptError(f"manifest {where} has no integer format version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"checkpoint manifest {where} uses format version {version}, but this statestream "
+            f"reads version {FORMAT_VERSION}; "
+            + ("upgrade statestream" if version > FORMAT_VERSION else "it is not supported")
+        )
+    if doc.get("checksum") != CHECKSUM_ALGORITHM:
+        raise CheckpointCorruptError(
+            f"manifest {where} uses checksum {doc.get('checksum')!r:.40}; only "
+            f"{CHECKSUM_ALGORITHM} is defined for format v1"
+        )
+    try:
+        files = _decode_files(doc.get("files"))
+        arrays_l = doc.get("arrays")
+        if type(arrays_l) is _DecodedArrays:
+            arrays: list[ArrayEntry] = list(arrays_l)
+        else:
+            arrays_l = _list(arrays_l, "arrays")
+            sizes = np.array([f.size for f in files], dtype=np.int64)
+            arrays = [_decode_array(a, i, files, store, sizes) for i, a in enumerate(arrays_l)]
+        del arrays_l, doc["arrays"]
+        _check_store_ranges(files, store)
+        tree = _check_tree(doc.get("tree"), len(arrays))
+        meta = doc.get("meta", {})
+        if type(meta) is not dict:
+            raise _Bad("meta must be an object")
+    except _Bad as exc:
+        raise CheckpointCorruptError(f"manifest {where} is malformed: {exc}") from None
+    except RecursionError:
+        raise CheckpointCorruptError(f"manifest {where} is nested too deeply") from None
+    _check_leaf_arrays(tree, arrays, where)
+    return Manifest(tree=tree, arrays=arrays, files=files, meta=meta, version=version)
+
+
+def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None:
+    stack = [tree]
+    plain: set[int] = set()
+    aliases: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if n.children:
+            stack.extend(n.children)
+        if n.kind == "alias" and n.array is not None:
+            aliases.add(n.array)
+        elif n.kind == "array" and n.array is not None:
+            plain.add(n.array)
+        if n.kind in ("bytes", "pickle") and n.array is not None:
+            a = arrays[n.array]
+            if a.dtype != "uint8" or len(a.shape) != 1:
+                raise CheckpointCorruptError(
+                    f"manifest {where} is malformed: {n.kind} leaf must be a 1-D uint8 blob"
+                )
+    if not aliases <= plain:
+        raise CheckpointCorruptError(
+            f"manifest {where} is malformed: an alias refers to array "
+            f"{min(aliases - plain)}, which no array leaf holds"
+        )
+
+
+def decode_commit(data: bytes, where: str) -> tuple[int, int]:
+    """Parse a commit marker; return (manifest size, manifest CRC-32C)."""
+    if len(data) > MAX_COMMIT_BYTES:
+        raise CheckpointCorruptError(
+            f"commit marker {where} is larger than {MAX_COMMIT_BYTES} bytes"
+        )
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"commit marker {where} is not valid JSON: {exc}") from exc
+    if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{where} is not a statestream commit marker")
+    version = doc.get("version")
+    if type(version) is int and version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"checkpoint {where} uses format version {version}; this statestream reads "
+            f"version {FORMAT_VERSION}"
+        )
+    try:
+        size = _int(doc.get("manifest_bytes"), "manifest_bytes", 0, MAX_MANIFEST_BYTES)
+        crc = _int(doc.get("manifest_crc32c"), "manifest_crc32c", 0, 0xFFFFFFFF)
+    except _Bad as exc:
+        raise CheckpointCorruptError(f"commit marker {where} is malformed: {exc}") from None
+    return size, crc
