@@ -529,8 +529,9 @@ class S3Storage:
                                   chunk_size=1)
             next(iter(stream), None)
         except Exception as exc:
-            text = str(exc).lower().replace(" ", "")
-            if "nosuchbucket" in text or "404" in text:
+            text = str(exc).lower()
+            # a status of 404, not "404" inside a port or request id of the message
+            if "nosuchbucket" in text.replace(" ", "") or re.search(r"\b404\b", text):
                 raise StorageError(
                     f"s3://{bucket} does not exist (or is not visible with these credentials)"
                 ) from None
