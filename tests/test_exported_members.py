@@ -32,13 +32,14 @@ EXPECTED: dict[str, list[str]] = {
         "rebuild_container", "state_fields", "type_name",
     ],
     "statestream.format": [
-        "CHECKSUM_ALGORITHM", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
-        "FORMAT_VERSION", "MANIFEST_NAME", "MAX_ARRAY_BYTES", "MAX_COMMIT_BYTES", "MAX_DIM",
+        "CHECKSUM_ALGORITHM", "CODECS", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
+        "FORMAT_VERSION", "FORMAT_VERSIONS", "MANIFEST_NAME", "MAX_ARRAY_BYTES",
+        "MAX_COMMIT_BYTES", "MAX_DIM",
         "MAX_FILES", "MAX_MANIFEST_BYTES", "MAX_NDIM", "ArrayEntry", "ChunkEntry", "ChunkRef",
         "FileEntry",
         "Manifest", "checksum", "decode_commit", "decode_manifest", "decode_tree",
         "dtype_from_name", "dtype_name", "encode_commit", "encode_manifest", "encode_tree",
-        "itemsize_of", "validate_file_name",
+        "itemsize_of", "manifest_version", "validate_base_name", "validate_file_name",
     ],
     "statestream.storage": [
         "Buffer", "CheckpointReader", "FileWriter", "IOV_MAX", "Lease", "Leftover",

@@ -23,6 +23,7 @@ from statestream.format import (
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
     MANIFEST_NAME,
     MAX_ARRAY_BYTES,
     MAX_COMMIT_BYTES,
@@ -45,7 +46,7 @@ WHERE = "/ckpt/manifest.json"
 
 
 def test_constants() -> None:
-    assert (FORMAT_NAME, FORMAT_VERSION) == ("statestream", 1)
+    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSIONS) == ("statestream", 2, (1, 2))
     assert (MANIFEST_NAME, COMMIT_NAME, DATA_DIR) == ("manifest.json", "COMMITTED", "data")
 
 
@@ -202,7 +203,7 @@ def test_not_a_statestream_manifest() -> None:
 
 
 def test_newer_version_asks_to_upgrade() -> None:
-    err = corrupt(lambda d: d.update(version=2), "format version 2.*upgrade statestream",
+    err = corrupt(lambda d: d.update(version=3), "format version 3.*upgrade statestream",
                   FormatVersionError)
     assert isinstance(err, ValueError)
 
@@ -629,7 +630,7 @@ def _commit(**over: Any) -> bytes:
         (b"[" * 4000, CheckpointCorruptError, "not valid JSON"),
         (b"[]", CheckpointCorruptError, "not a statestream commit marker"),
         (_commit(format="zarr"), CheckpointCorruptError, "not a statestream commit marker"),
-        (_commit(version=2), FormatVersionError, "format version 2"),
+        (_commit(version=3), FormatVersionError, "format version 3"),
         (_commit(manifest_bytes=...), CheckpointCorruptError, "manifest_bytes"),
         (_commit(manifest_bytes=-1), CheckpointCorruptError, "manifest_bytes"),
         (_commit(manifest_bytes=True), CheckpointCorruptError, "manifest_bytes"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from statestream.errors import FormatVersionError, TargetMismatchError
+from statestream.errors import TargetMismatchError
 from statestream.format import (
     ChunkEntry,
     ChunkRef,
@@ -89,19 +89,23 @@ def test_parts_join_with_file_indices_remapped_and_survive_the_wire() -> None:
     assert back.arrays[0].chunks[1].checksum == 2
 
 
-def test_chunk_types_have_room_for_codecs_and_references_that_v1_refuses() -> None:
+def test_v2_chunk_fields_make_a_v2_manifest_and_travel_between_ranks() -> None:
     tree = RankTree(Node("array", array=0), [ArrayDecl("", "uint8", (4,))])
     m = merge_trees([tree])
     plain = ChunkEntry(0, 0, 4, 1, (0,), (4,))
-    assert plain.codec is None and plain.ref is None
+    assert plain.codec is None and plain.ref is None and plain.digest is None
     ok = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [plain]})], {})
-    assert b"codec" not in encode_manifest(ok)  # v1 JSON unchanged
-    ref = ChunkRef("../step_1", "data/r0-0.bin", 0)
-    for chunk in (ChunkEntry(0, 0, 3, 1, (0,), (4,), codec="zstd"),
-                  ChunkEntry(0, 0, 4, 1, (0,), (4,), ref=ref)):
-        man = build_manifest(m, [RankPart([FileEntry("data/r0-0.bin", 4)], {0: [chunk]})], {})
-        with pytest.raises(FormatVersionError, match="cannot record"):
-            encode_manifest(man)
+    assert b"codec" not in encode_manifest(ok) and b'"version":1,' in encode_manifest(ok)
+    digest = bytes(range(16))
+    for chunk in (ChunkEntry(0, 0, 3, 1, (0,), (4,), codec="zstd", shuffle=True),
+                  ChunkEntry(0, 0, 4, 1, (0,), (4,), digest=digest),
+                  ChunkEntry(0, 0, 4, 1, (0,), (4,), digest=digest,
+                             ref=ChunkRef("step_1", 0))):
+        part = RankPart([FileEntry("data/r0-0.bin", 4)], {0: [chunk]})
+        assert RankPart.from_wire(part.to_wire()) == part
+        data = encode_manifest(build_manifest(m, [part], {}))
+        assert b'"version":2,' in data
+        assert decode_manifest(data, "test").arrays[0].chunks[0] == chunk
 
 
 def _two_ranks(step: int) -> tuple[MergedTree, list[RankPart]]:

@@ -1,4 +1,4 @@
-"""The on-disk format (v1): manifest schema, dtypes, checksums and limits.
+"""The on-disk format (v1 and v2): manifest schema, dtypes, checksums and limits.
 
 ``docs/format.md`` is the specification; this package enforces it.
 """
@@ -6,10 +6,12 @@
 from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum
 from statestream.format._dtypes import DTYPE_NAMES, dtype_from_name, dtype_name, itemsize_of
 from statestream.format._manifest import (
+    CODECS,
     COMMIT_NAME,
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
     MANIFEST_NAME,
     MAX_ARRAY_BYTES,
     MAX_COMMIT_BYTES,
@@ -28,16 +30,20 @@ from statestream.format._manifest import (
     encode_commit,
     encode_manifest,
     encode_tree,
+    manifest_version,
+    validate_base_name,
     validate_file_name,
 )
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CODECS",
     "COMMIT_NAME",
     "DATA_DIR",
     "DTYPE_NAMES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
     "MAX_COMMIT_BYTES",
@@ -60,5 +66,7 @@ __all__ = [
     "encode_manifest",
     "encode_tree",
     "itemsize_of",
+    "manifest_version",
+    "validate_base_name",
     "validate_file_name",
 ]

@@ -15,20 +15,25 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["ChunkEntry", "ChunkList", "ChunkRef", "ChunkStore"]
+__all__ = ["CODECS", "ChunkEntry", "ChunkList", "ChunkRef", "ChunkStore"]
+
+
+#: Codecs this statestream reads and writes (format v2, docs/format.md "Codecs").
+CODECS = ("zstd",)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkRef:
-    """Where a chunk's bytes live in *another* checkpoint (incremental saves).
+    """Where a chunk's bytes live in *another* checkpoint (format v2, incremental saves).
 
-    Room in the types only: format v1 cannot record it, and
-    :func:`encode_manifest` refuses a chunk that carries one.
+    ``base`` is the base checkpoint's directory name, a sibling of this
+    checkpoint (one of the manifest's ``bases``); ``file`` is an index into
+    the *base* manifest's ``files`` and equals the chunk's own ``file``. The
+    chunk's offset, nbytes, crc32c, codec and hash are the base's record of it.
     """
 
-    checkpoint: str
-    file: str
-    offset: int
+    base: str
+    file: int
 
 
 @dataclasses.dataclass(slots=True)  # not frozen: built 1000s of times per load
@@ -37,9 +42,11 @@ class ChunkEntry:
 
     ``nbytes`` is the number of bytes *stored* in the file; the raw size is
     ``prod(shape) * itemsize``. They are equal unless ``codec`` names an
-    encoding (compression). ``ref`` points at the bytes in another
-    checkpoint instead of this one's files. Both are ``None`` in format v1
-    (the JSON of a v1 chunk has no field for them).
+    encoding (compression; ``shuffle``: the raw bytes were byte-shuffled by
+    element before it, see docs/format.md). ``digest`` is the XXH3-128 of
+    the raw bytes (16 bytes, big-endian as ``xxhash.xxh3_128().digest()``).
+    ``ref`` says the bytes live in a base checkpoint instead of this one's
+    files. All of them are format v2: a chunk without them is written as in v1.
     """
 
     file: int
@@ -53,13 +60,23 @@ class ChunkEntry:
     block_rows: int = 0
     block_checksums: tuple[int, ...] = ()
     codec: str | None = None
+    shuffle: bool = False
+    digest: bytes | None = None
     ref: ChunkRef | None = None
+
+
+#: ``ChunkStore.flags`` bits: the chunk has a codec / is a reference to a base.
+FLAG_CODEC = 1
+FLAG_REF = 2
+
+#: (codec, shuffle, digest, index into ``ChunkStore.bases`` or -1) of a v2 chunk
+ChunkExt = tuple[str | None, bool, bytes | None, int]
 
 
 class ChunkStore:
     """Every chunk of a manifest, column by column (appended while decoding)."""
 
-    __slots__ = ("blocks", "coords", "fields", "spans")
+    __slots__ = ("bases", "blocks", "coords", "ext", "fields", "flags", "spans")
 
     def __init__(self) -> None:
         #: first chunk, end chunk, first coordinate and ndim of each array, flat (4 each)
@@ -70,6 +87,12 @@ class ChunkStore:
         self.coords = array("q")
         #: chunk number -> (block_rows, block checksums), for the few that have them
         self.blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+        #: chunk number -> its v2 fields (codec, shuffle, digest, ref), for those that have any
+        self.ext: dict[int, ChunkExt] = {}
+        #: FLAG_CODEC | FLAG_REF of each chunk (one byte per chunk; 0 for a v1 chunk)
+        self.flags = array("b")
+        #: the manifest's ``bases`` (names a ref's index resolves to)
+        self.bases: list[str] = []
 
     def __len__(self) -> int:
         return len(self.fields) // 4
@@ -102,6 +125,13 @@ class ChunkList(Sequence[ChunkEntry]):
         c = np.frombuffer(self._store.coords, dtype=np.int64)[c0:c0 + 2 * nd * n]
         return f.reshape(n, 4), c.reshape(n, 2 * nd)
 
+    def flags(self) -> np.ndarray:
+        """(n,) int8: ``FLAG_CODEC | FLAG_REF`` of each chunk."""
+        lo, hi, _, _ = self.span()
+        if not len(self._store.flags):
+            return np.zeros(hi - lo, dtype=np.int8)
+        return np.frombuffer(self._store.flags, dtype=np.int8)[lo:hi]
+
     def _entry(self, j: int) -> ChunkEntry:
         s = self._store
         lo, _, c0, nd = self.span()
@@ -110,9 +140,16 @@ class ChunkList(Sequence[ChunkEntry]):
         c0 += 2 * nd * j
         cs = s.coords
         blk = s.blocks.get(g) if s.blocks else None
+        ext = s.ext.get(g) if s.ext else None
+        if ext is None:
+            return ChunkEntry(f[4 * g], f[4 * g + 1], f[4 * g + 2], f[4 * g + 3],
+                              tuple(cs[c0:c0 + nd]), tuple(cs[c0 + nd:c0 + 2 * nd]),
+                              blk[0] if blk else 0, blk[1] if blk else ())
+        codec, shuffle, digest, ref = ext
         return ChunkEntry(f[4 * g], f[4 * g + 1], f[4 * g + 2], f[4 * g + 3],
                           tuple(cs[c0:c0 + nd]), tuple(cs[c0 + nd:c0 + 2 * nd]),
-                          blk[0] if blk else 0, blk[1] if blk else ())
+                          blk[0] if blk else 0, blk[1] if blk else (), codec, shuffle,
+                          digest, ChunkRef(s.bases[ref], f[4 * g]) if ref >= 0 else None)
 
     @overload
     def __getitem__(self, i: int) -> ChunkEntry: ...
@@ -140,8 +177,8 @@ class ChunkList(Sequence[ChunkEntry]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(tuple((c.file, c.offset, c.nbytes, c.checksum, c.start, c.shape)
-                          for c in self))
+        return hash(tuple((c.file, c.offset, c.nbytes, c.checksum, c.start, c.shape, c.codec,
+                           c.digest, c.ref) for c in self))
 
     def __repr__(self) -> str:
         return f"ChunkList({list(self)!r})"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from json.scanner import make_scanner
 from typing import Any
@@ -20,7 +21,15 @@ from statestream.errors import (
     UnsafeCheckpointError,
 )
 from statestream.format._checksum import CHECKSUM_ALGORITHM
-from statestream.format._chunks import ChunkEntry, ChunkList, ChunkStore
+from statestream.format._chunks import (
+    CODECS,
+    FLAG_CODEC,
+    FLAG_REF,
+    ChunkEntry,
+    ChunkExt,
+    ChunkList,
+    ChunkStore,
+)
 from statestream.format._decode_tree import (
     _Bad,
     _check_tree,
@@ -28,12 +37,14 @@ from statestream.format._decode_tree import (
     _list,
     _str,
     _TreeHook,
+    validate_base_name,
     validate_file_name,
 )
 from statestream.format._dtypes import DTYPE_NAMES, itemsize_of
 from statestream.format._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
     MAX_ARRAY_BYTES,
     MAX_COMMIT_BYTES,
     MAX_DIM,
@@ -185,16 +196,19 @@ def _expect(s: str, i: int, ch: str) -> int:
     return _ws(s, i + 1)
 
 
-def _parse_document(s: str, store: ChunkStore) -> Any:
+def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
     """``json.loads`` of a manifest, except that the chunk lists of array entries
-    stream into ``store`` one chunk at a time (see :func:`_stream_chunks`)."""
+    stream into ``store`` one chunk at a time (see :func:`_stream_chunks`).
+
+    The top-level object's fields go into ``doc`` as they are parsed (so that a
+    caller sees the version of a manifest that fails to parse).
+    """
     i = _ws(s, 0)
     if s[i:i + 1] != "{":
         v, i = _value(s, i)
         if _ws(s, i) != len(s):
             raise json.JSONDecodeError("Extra data", s, i)
         return v
-    doc: dict[str, Any] = {}
     i = _ws(s, i + 1)
     if s[i:i + 1] != "}":
         while True:
@@ -204,6 +218,9 @@ def _parse_document(s: str, store: ChunkStore) -> Any:
             i = _expect(s, _ws(s, i), ":")
             if key == "arrays":
                 doc[key], i = _arrays(s, i, store, _eager_files(doc))
+            elif key == "bases":
+                doc[key], i = _value(s, i)
+                store.bases = _decode_bases(doc[key])
             elif key == "tree":
                 doc[key], i = _value(s, i, _tree_scanner())
             else:
@@ -227,11 +244,24 @@ def _eager_files(doc: dict[str, Any]) -> tuple[list[FileEntry], np.ndarray] | No
     """The file table, if the manifest so far says it is v1 and lists its files, so that
     array entries can be decoded as they are parsed (their JSON never piles up)."""
     if (doc.get("format") != FORMAT_NAME or type(doc.get("version")) is not int
-            or doc.get("version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM_ALGORITHM
-            or "files" not in doc):
+            or doc.get("version") not in FORMAT_VERSIONS
+            or doc.get("checksum") != CHECKSUM_ALGORITHM or "files" not in doc):
         return None
     files = _decode_files(doc["files"])
     return files, np.array([f.size for f in files], dtype=np.int64)
+
+
+def _decode_bases(bases_l: Any) -> list[str]:
+    """The v2 ``bases`` list: sibling checkpoint names, each once (each referenced is
+    checked once every chunk is known)."""
+    bases_l = _list(bases_l, "bases")
+    seen: set[str] = set()
+    for b in bases_l:
+        validate_base_name(b)
+        if b in seen:
+            raise _Bad(f"base checkpoint {b} is listed twice")
+        seen.add(b)
+    return list(bases_l)
 
 
 def _decode_files(files_l: Any) -> list[FileEntry]:
@@ -340,8 +370,8 @@ def _pack_chunks(chunks: list[Any], store: ChunkStore, ai: int) -> _Packed:
 
 def _add_chunk(c: Any, store: ChunkStore, ai: int, j: int, nd: int, lo: int) -> int:
     """Check chunk ``j`` of array ``ai`` and append it to ``store``; returns its ndim."""
-    if type(c) is not list or len(c) not in (6, 7):
-        raise _Bad(f"array {ai} chunk {j} must be a list of 6 or 7 fields")
+    if type(c) is not list or len(c) not in (6, 7, 8):
+        raise _Bad(f"array {ai} chunk {j} must be a list of 6, 7 or 8 fields")
     f, off, nb, crc, start_l, shape_l = c[:6]
     if type(f) is not int or not 0 <= f <= 1 << 62:
         raise _Bad(f"array {ai} chunk {j} refers to file {f!r:.40}")
@@ -361,7 +391,13 @@ def _add_chunk(c: Any, store: ChunkStore, ai: int, j: int, nd: int, lo: int) -> 
         if type(x) is not int or type(n) is not int or not 0 <= x <= MAX_DIM \
                 or not 0 <= n <= MAX_DIM:
             raise _Bad(f"array {ai} chunk {j} has a bad start/shape on axis {a}")
-    if len(c) == 7:
+    flags = 0
+    if len(c) == 8:
+        flags, ext = _chunk_ext(c[7], store, ai, j)
+        if c[6] is not None and flags & FLAG_CODEC:
+            raise _Bad(f"array {ai} chunk {j} is compressed and has block checksums")
+        store.ext[lo + j] = ext
+    if len(c) >= 7 and c[6] is not None:
         blk = c[6]
         if (
             type(blk) is not list or len(blk) != 2 or type(blk[0]) is not int
@@ -372,9 +408,51 @@ def _add_chunk(c: Any, store: ChunkStore, ai: int, j: int, nd: int, lo: int) -> 
             raise _Bad(f"array {ai} chunk {j} has a malformed block checksum table")
         store.blocks[lo + j] = (blk[0], tuple(blk[1]))
     store.fields.extend((f, off, nb, crc))
+    store.flags.append(flags)
     store.coords.extend(start_l)
     store.coords.extend(shape_l)
     return nd
+
+
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_EXT_KEYS = frozenset(("codec", "shuffle", "hash", "ref"))
+_CODEC_OBJ = {c: c for c in CODECS}
+
+
+class _UnknownCodec(_Bad):
+    """A chunk names a codec this statestream does not know (a FormatVersionError)."""
+
+
+def _chunk_ext(e: Any, store: ChunkStore, ai: int, j: int) -> tuple[int, ChunkExt]:
+    """A v2 chunk's extension object -> (flags, (codec, shuffle, digest, ref))."""
+    if type(e) is not dict or not e or not _EXT_KEYS.issuperset(e):
+        extra = sorted(set(e) - _EXT_KEYS)[:1] if type(e) is dict else []
+        raise _Bad(f"array {ai} chunk {j} has a malformed extension" +
+                   (f" (unknown field {extra[0]!r:.40})" if extra else
+                    " (must be a non-empty object)"))
+    flags, codec, digest, ref = 0, None, None, -1
+    if "codec" in e:
+        codec = _CODEC_OBJ.get(e["codec"]) if type(e["codec"]) is str else None
+        if codec is None:
+            raise _UnknownCodec(f"array {ai} chunk {j} is encoded with codec "
+                                f"{e['codec']!r:.40}; this statestream knows {list(CODECS)}")
+        flags |= FLAG_CODEC
+    if "shuffle" in e and (e["shuffle"] is not True or codec is None):
+        raise _Bad(f"array {ai} chunk {j}: shuffle must be true, with a codec")
+    if "hash" in e:
+        h = e["hash"]
+        if type(h) is not str or not _HASH_RE.fullmatch(h):
+            raise _Bad(f"array {ai} chunk {j} has a bad hash {h!r:.40} (32 lowercase hex digits)")
+        digest = bytes.fromhex(h)
+    if "ref" in e:
+        ref = e["ref"]
+        if type(ref) is not int or not 0 <= ref < len(store.bases):
+            raise _Bad(f"array {ai} chunk {j} refers to base {ref!r:.40}, not one of the "
+                       f"{len(store.bases)} listed before the arrays")
+        if digest is None:
+            raise _Bad(f"array {ai} chunk {j} refers to a base checkpoint without a hash")
+        flags |= FLAG_REF
+    return flags, (codec, "shuffle" in e, digest, ref)
 
 
 def _first(mask: np.ndarray) -> int:
@@ -421,7 +499,8 @@ def _decode_array(d: Any, i: int, files: list[FileEntry], store: ChunkStore,
             return ArrayEntry(dtype, shape, few)
     else:
         fl, co = chunks.columns()
-        _check_chunk_columns(i, fl, co, shape, itemsize, total, files, file_sizes)
+        _check_chunk_columns(i, fl, co, chunks.flags(), shape, itemsize, total, files,
+                             file_sizes)
     return ArrayEntry(dtype, shape, chunks)
 
 
@@ -431,16 +510,18 @@ def _check_few_chunks(i: int, chunks: Sequence[ChunkEntry], shape: tuple[int, ..
     covered = 0
     live: list[ChunkEntry] = []
     for j, c in enumerate(chunks):
-        if c.file >= len(files):
+        if c.ref is None and c.file >= len(files):
             raise _Bad(f"array {i} chunk {j} refers to file {c.file}, not one of {len(files)}")
         if any(x + n > m for x, n, m in zip(c.start, c.shape, shape)):
             raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
         vol = math.prod(c.shape)
-        if c.nbytes != vol * itemsize:
+        if c.codec is not None and not 0 < c.nbytes < vol * itemsize:
+            raise _Bad(_stored_size_msg(i, j, c.nbytes, vol * itemsize))
+        if c.codec is None and c.nbytes != vol * itemsize:
             raise _Bad(f"array {i} chunk {j} is {c.nbytes} bytes but its shape {c.shape} x "
                        f"{itemsize} bytes per element needs {vol * itemsize}")
-        f = files[c.file]
-        if c.offset + c.nbytes > f.size:
+        f = files[c.file] if c.ref is None else None
+        if f is not None and c.offset + c.nbytes > f.size:
             raise _Bad(f"array {i} chunk {j} spans bytes [{c.offset}, {c.offset + c.nbytes}) "
                        f"of {f.name}, which the manifest says has only {f.size} bytes")
         covered += vol
@@ -460,12 +541,19 @@ _DTYPE_OBJ = {n: n for n in DTYPE_NAMES}
 _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
-def _check_chunk_columns(i: int, fl: np.ndarray, co: np.ndarray, shape: tuple[int, ...],
-                         itemsize: int, total: int, files: list[FileEntry],
-                         file_sizes: np.ndarray) -> None:
-    """Every check of an array's chunks that needs its shape and the file table."""
+def _stored_size_msg(i: int, j: int, nbytes: int, raw: int) -> str:
+    return (f"array {i} chunk {j} is compressed to {nbytes} bytes, which is not between 1 "
+            f"and its raw size {raw} minus one (a chunk that does not shrink is stored raw)")
+
+
+def _check_chunk_columns(i: int, fl: np.ndarray, co: np.ndarray, flags: np.ndarray,
+                         shape: tuple[int, ...], itemsize: int, total: int,
+                         files: list[FileEntry], file_sizes: np.ndarray) -> None:
+    """Every check of an array's chunks that needs its shape and the file table
+    (``flags``: FLAG_CODEC / FLAG_REF per chunk)."""
     nd = len(shape)
-    j = _first(fl[:, 0] >= len(files))
+    coded, own = (flags & FLAG_CODEC) != 0, (flags & FLAG_REF) == 0
+    j = _first(own & (fl[:, 0] >= len(files)))
     if j >= 0:
         raise _Bad(f"array {i} chunk {j} refers to file {int(fl[j, 0])}, not one of "
                    f"{len(files)}")
@@ -476,13 +564,18 @@ def _check_chunk_columns(i: int, fl: np.ndarray, co: np.ndarray, shape: tuple[in
     if j >= 0:
         raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
     vol = np.prod(sizes, axis=1, dtype=np.int64)  # each <= total <= 2^48: no overflow
-    j = _first(fl[:, 2] != vol * itemsize)
+    j = _first(~coded & (fl[:, 2] != vol * itemsize))
     if j >= 0:
         raise _Bad(
             f"array {i} chunk {j} is {int(fl[j, 2])} bytes but its shape "
             f"{tuple(int(x) for x in sizes[j])} x {itemsize} bytes per element needs "
             f"{int(vol[j]) * itemsize}")
-    j = _first(fl[:, 1] + fl[:, 2] > file_sizes[fl[:, 0]])
+    j = _first(coded & ((fl[:, 2] < 1) | (fl[:, 2] >= vol * itemsize)))
+    if j >= 0:
+        raise _Bad(_stored_size_msg(i, j, int(fl[j, 2]), int(vol[j]) * itemsize))
+    past = fl[:, 1] + fl[:, 2] > (file_sizes[fl[:, 0]] if own.all() else
+                                  np.concatenate([file_sizes, [0]])[np.where(own, fl[:, 0], -1)])
+    j = _first(own & past)
     if j >= 0:
         f = files[int(fl[j, 0])]
         raise _Bad(
@@ -503,15 +596,59 @@ def _check_store_ranges(files: list[FileEntry], store: ChunkStore) -> None:
     if len(store) < 2:
         return
     r = np.frombuffer(store.fields, dtype=np.int64).reshape(-1, 4)[:, :3]
+    if store.ext:  # chunks that live in a base are checked against it when followed
+        r = r[(np.frombuffer(store.flags, dtype=np.int8) & FLAG_REF) == 0]
     _check_file_ranges(files, r)
 
 
+def _bad_manifest(exc: _Bad, where: str) -> CheckpointCorruptError | FormatVersionError:
+    if isinstance(exc, _UnknownCodec):
+        return FormatVersionError(f"checkpoint manifest {where}: {exc}; upgrade statestream")
+    return CheckpointCorruptError(f"manifest {where} is malformed: {exc}")
+
+
+def _check_version(doc: Any, where: str) -> int:
+    """The manifest's format version (1 or 2), or raise."""
+    if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{where} is not a statestream manifest")
+    version = doc.get("version")
+    if type(version) is not int:
+        raise CheckpointCorruptError(f"manifest {where} has no integer format version")
+    if version not in FORMAT_VERSIONS:
+        raise FormatVersionError(
+            f"checkpoint manifest {where} uses format version {version}, but this statestream "
+            f"reads versions {', '.join(map(str, FORMAT_VERSIONS))}; "
+            + ("upgrade statestream" if version > FORMAT_VERSION else "it is not supported")
+        )
+    if doc.get("checksum") != CHECKSUM_ALGORITHM:
+        raise CheckpointCorruptError(
+            f"manifest {where} uses checksum {doc.get('checksum')!r:.40}; only "
+            f"{CHECKSUM_ALGORITHM} is defined for format v{version}"
+        )
+    return version
+
+
+def _check_v2_fields(doc: dict[str, Any], store: ChunkStore, version: int) -> None:
+    """A v1 manifest has no v2 field; a v2 manifest's bases are each referenced."""
+    if version == 1:
+        if "bases" in doc or store.ext:
+            raise _Bad("a format v1 manifest has a format v2 field ("
+                       + ("bases" if "bases" in doc else "a chunk extension") + ")")
+        return
+    used = {e[3] for e in store.ext.values()}
+    missing = [b for k, b in enumerate(store.bases) if k not in used]
+    if missing:
+        raise _Bad(f"base checkpoint {missing[0]} is listed but no chunk refers to it")
+
+
 def decode_manifest(data: bytes | str, where: str) -> Manifest:
-    """Parse and fully validate manifest bytes read from ``where``.
+    """Parse and fully validate manifest bytes read from ``where`` (format v1 or v2).
 
     Raises:
-        FormatVersionError: the manifest is from an unknown format version.
-        UnsafeCheckpointError: a file name escapes the checkpoint.
+        FormatVersionError: the manifest is from an unknown format version, or a
+            chunk uses a codec this statestream does not know.
+        UnsafeCheckpointError: a file name escapes the checkpoint, or a base is
+            not a sibling's name.
         CheckpointCorruptError: anything else is malformed or out of limits.
     """
     if len(data) > MAX_MANIFEST_BYTES:
@@ -519,33 +656,24 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
             f"manifest {where} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
         )
     store = ChunkStore()
+    head: dict[str, Any] = {}
     try:
         text = data if isinstance(data, str) else data.decode("utf-8")
-        doc = _parse_document(text, store)
+        doc = _parse_document(text, store, head)
     except UnsafeCheckpointError:
+        if type(head.get("version")) is int and head.get("format") == FORMAT_NAME:
+            _check_version(head, where)  # a future version's fields are not "unsafe"
         raise
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid JSON: {exc}") from exc
     except _Bad as exc:
-        raise CheckpointCorruptError(f"manifest {where} is malformed: {exc}") from None
+        if type(head.get("version")) is int and head.get("format") == FORMAT_NAME:
+            _check_version(head, where)
+        raise _bad_manifest(exc, where) from None
     del text
-    if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
-        raise CheckpointCorruptError(f"{where} is not a statestream manifest")
-    version = doc.get("version")
-    if type(version) is not int:
-        raise CheckpointCorruptError(f"manifest {where} has no integer format version")
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(
-            f"checkpoint manifest {where} uses format version {version}, but this statestream "
-            f"reads version {FORMAT_VERSION}; "
-            + ("upgrade statestream" if version > FORMAT_VERSION else "it is not supported")
-        )
-    if doc.get("checksum") != CHECKSUM_ALGORITHM:
-        raise CheckpointCorruptError(
-            f"manifest {where} uses checksum {doc.get('checksum')!r:.40}; only "
-            f"{CHECKSUM_ALGORITHM} is defined for format v1"
-        )
+    version = _check_version(doc, where)
     try:
+        _check_v2_fields(doc, store, version)
         files = _decode_files(doc.get("files"))
         arrays_l = doc.get("arrays")
         if type(arrays_l) is _DecodedArrays:
@@ -561,11 +689,12 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
         if type(meta) is not dict:
             raise _Bad("meta must be an object")
     except _Bad as exc:
-        raise CheckpointCorruptError(f"manifest {where} is malformed: {exc}") from None
+        raise _bad_manifest(exc, where) from None
     except RecursionError:
         raise CheckpointCorruptError(f"manifest {where} is nested too deeply") from None
     _check_leaf_arrays(tree, arrays, where)
-    return Manifest(tree=tree, arrays=arrays, files=files, meta=meta, version=version)
+    return Manifest(tree=tree, arrays=arrays, files=files, meta=meta, version=version,
+                    bases=list(store.bases))
 
 
 def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None:
@@ -606,10 +735,10 @@ def decode_commit(data: bytes, where: str) -> tuple[int, int]:
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{where} is not a statestream commit marker")
     version = doc.get("version")
-    if type(version) is int and version != FORMAT_VERSION:
+    if type(version) is int and version not in FORMAT_VERSIONS:
         raise FormatVersionError(
             f"checkpoint {where} uses format version {version}; this statestream reads "
-            f"version {FORMAT_VERSION}"
+            f"versions {', '.join(map(str, FORMAT_VERSIONS))}"
         )
     try:
         size = _int(doc.get("manifest_bytes"), "manifest_bytes", 0, MAX_MANIFEST_BYTES)

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
 from statestream.format._manifest import (
     _ARRAY_KINDS,
+    _BASE_NAME_RE,
     _CONTAINERS,
     _FILE_NAME_RE,
     _KEYED,
@@ -50,6 +51,16 @@ def validate_file_name(name: str) -> str:
             f"manifest names data file {name!r:.120}, which is not a plain file inside the "
             "checkpoint's data/ directory; refusing to read it (the checkpoint is corrupt or "
             "hostile)"
+        )
+    return name
+
+
+def validate_base_name(name: str) -> str:
+    """Accept only a sibling checkpoint's name: one path component, no ``..`` (format v2)."""
+    if type(name) is not str or not _BASE_NAME_RE.fullmatch(name) or ".." in name:
+        raise UnsafeCheckpointError(
+            f"manifest names base checkpoint {name!r:.120}, which is not a sibling directory "
+            "of the checkpoint; refusing to follow it (the checkpoint is corrupt or hostile)"
         )
     return name
 

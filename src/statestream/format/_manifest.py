@@ -1,4 +1,4 @@
-"""Manifest schema (format v1), limits and encoder; the decoder is in ``_decode.py``
+"""Manifest schema (format v1 and v2), limits and encoder; the decoder is in ``_decode.py``
 and ``_decode_tree.py`` (re-exported here).
 
 See ``docs/format.md`` for the document this code enforces.
@@ -17,15 +17,17 @@ from statestream.errors import (
     FormatVersionError,
 )
 from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum
-from statestream.format._chunks import ChunkEntry, ChunkRef
+from statestream.format._chunks import CODECS, ChunkEntry, ChunkRef
 from statestream.format._dtypes import itemsize_of
 from statestream.tree import Node
 
 __all__ = [
+    "CODECS",
     "COMMIT_NAME",
     "DATA_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
     "MAX_COMMIT_BYTES",
@@ -44,11 +46,18 @@ __all__ = [
     "encode_commit",
     "encode_manifest",
     "encode_tree",
+    "manifest_version",
+    "validate_base_name",
     "validate_file_name",
 ]
 
 FORMAT_NAME = "statestream"
-FORMAT_VERSION = 1
+#: The newest format version this statestream reads and writes. A writer emits
+#: version 2 only when a checkpoint uses a v2 feature (a codec, a hash, a reference
+#: to a base); otherwise version 1, byte for byte as before.
+FORMAT_VERSION = 2
+#: Every version this statestream reads.
+FORMAT_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMITTED"
 DATA_DIR = "data"
@@ -64,6 +73,8 @@ MAX_FILE_BYTES = 1 << 52
 MAX_INT_HEX_DIGITS = 1 << 24
 
 _FILE_NAME_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+#: a base checkpoint: one path component, a sibling of the checkpoint (format v2)
+_BASE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _LEAF_VALUE_KINDS = ("none", "bool", "int", "float", "str")
 _ARRAY_KINDS = ("array", "bytes", "pickle")
 _CONTAINERS = ("dict", "list", "tuple", "namedtuple", "dataclass", "pytree")
@@ -100,7 +111,11 @@ class Manifest:
     arrays: list[ArrayEntry]
     files: list[FileEntry]
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    #: the version it was read as; a writer uses :func:`manifest_version` instead
+    version: int = 1
+    #: base checkpoints (sibling directory names) that ``ref`` chunks point into, in
+    #: the manifest's order; empty: derived from the chunks' refs when encoding
+    bases: list[str] = dataclasses.field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- encode
@@ -142,47 +157,114 @@ def encode_tree(node: Node) -> dict[str, Any]:
     return _encode_node(node)
 
 
-def _v1_chunk(c: ChunkEntry) -> list[Any]:
-    if c.codec is not None or c.ref is not None:
-        raise FormatVersionError(
-            f"a chunk at offset {c.offset} of data file {c.file} carries a codec or a reference "
-            f"to another checkpoint, which format version {FORMAT_VERSION} cannot record"
-        )
-    return [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape)] + (
-        [[c.block_rows, list(c.block_checksums)]] if c.block_rows else [])
+def _encode_chunk(c: ChunkEntry, bases: dict[str, int]) -> list[Any]:
+    """A chunk's JSON: 6 or 7 fields as in v1, or 8 when it has v2 fields."""
+    out: list[Any] = [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape)]
+    blocks = [c.block_rows, list(c.block_checksums)] if c.block_rows else None
+    if c.codec is None and c.digest is None and c.ref is None:
+        if blocks is not None:
+            out.append(blocks)
+        return out
+    ext: dict[str, Any] = {}
+    if c.codec is not None:
+        if c.codec not in CODECS:
+            raise FormatVersionError(f"codec {c.codec!r} is not one of {CODECS}")
+        if blocks is not None:
+            raise AssertionError("a compressed chunk has no block checksums")
+        ext["codec"] = c.codec
+        if c.shuffle:
+            ext["shuffle"] = True
+    elif c.shuffle:
+        raise AssertionError("byte shuffling is part of a codec's record")
+    if c.digest is not None:
+        if len(c.digest) != 16:
+            raise AssertionError("a chunk's hash is 16 bytes (XXH3-128)")
+        ext["hash"] = c.digest.hex()
+    if c.ref is not None:
+        if c.digest is None or c.ref.file != c.file:
+            raise AssertionError("a reference carries its chunk's hash and base file index")
+        ext["ref"] = bases[c.ref.base]
+    out += [blocks, ext]
+    return out
+
+
+def _chunk_is_v2(c: ChunkEntry) -> bool:
+    return c.codec is not None or c.digest is not None or c.ref is not None
+
+
+def _bases_of(m: Manifest) -> list[str]:
+    """The manifest's ``bases``: ``m.bases`` if set, else in order of first reference;
+    either way exactly the bases some chunk refers to."""
+    used: dict[str, None] = {}
+    for a in m.arrays:
+        for c in a.chunks:
+            if c.ref is not None:
+                used.setdefault(c.ref.base, None)
+    bases = list(m.bases) if m.bases else list(used)
+    for b in bases:
+        validate_base_name(b)
+    if len(set(bases)) != len(bases) or set(bases) != set(used):
+        raise AssertionError(f"bases {bases} are not exactly the ones referenced: {list(used)}")
+    return bases
+
+
+def manifest_version(m: Manifest) -> int:
+    """The format version a writer records for ``m``: 2 if a chunk has a codec, a hash
+    or a reference (or the manifest names bases), else 1."""
+    if m.bases or any(_chunk_is_v2(c) for a in m.arrays for c in a.chunks):
+        return 2
+    return 1
 
 
 def encode_manifest(m: Manifest) -> bytes:
     """Serialize a manifest to canonical JSON bytes (UTF-8, ASCII-escaped).
 
+    Version 1 when no chunk uses a v2 feature (the bytes are exactly those of
+    a v1 writer), else version 2 (see :func:`manifest_version`).
+
     Raises:
-        FormatVersionError: a chunk needs a field format v1 does not have
-            (``codec``, ``ref``).
+        FormatVersionError: a chunk names a codec this statestream does not know.
     """
-    doc = {
+    version = manifest_version(m)
+    bases = _bases_of(m) if version == 2 else []
+    index = {b: i for i, b in enumerate(bases)}
+    doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": m.version,
+        "version": version,
         "checksum": CHECKSUM_ALGORITHM,
         "meta": m.meta,
         "files": [[f.name, f.size] for f in m.files],
-        "arrays": [
-            {
-                "dtype": a.dtype,
-                "shape": list(a.shape),
-                "chunks": [_v1_chunk(c) for c in a.chunks],
-            }
-            for a in m.arrays
-        ],
-        "tree": _encode_node(m.tree),
     }
+    if bases:
+        doc["bases"] = bases
+    doc["arrays"] = [
+        {
+            "dtype": a.dtype,
+            "shape": list(a.shape),
+            "chunks": [_encode_chunk(c, index) for c in a.chunks],
+        }
+        for a in m.arrays
+    ]
+    doc["tree"] = _encode_node(m.tree)
     return json.dumps(doc, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode_commit(manifest_bytes: bytes) -> bytes:
-    """The commit marker: names the manifest's exact size and checksum."""
+_VERSION_PREFIX = re.compile(rb'\{"format":"statestream","version":([0-9]{1,3}),')
+
+
+def encode_commit(manifest_bytes: bytes, version: int | None = None) -> bytes:
+    """The commit marker: names the manifest's exact size and checksum.
+
+    ``version``: the manifest's format version; by default the one that
+    :func:`encode_manifest` wrote at the head of ``manifest_bytes`` (1 for
+    bytes it did not write).
+    """
+    if version is None:
+        head = _VERSION_PREFIX.match(manifest_bytes[:64])
+        version = int(head.group(1)) if head else 1
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "manifest_bytes": len(manifest_bytes),
         "manifest_crc32c": checksum(manifest_bytes),
     }
@@ -192,4 +274,8 @@ def encode_commit(manifest_bytes: bytes) -> bytes:
 # The decoder lives in _decode.py / _decode_tree.py; re-exported so every name stays
 # importable from here. Imported last: those modules import the schema above.
 from statestream.format._decode import decode_commit, decode_manifest  # noqa: E402
-from statestream.format._decode_tree import decode_tree, validate_file_name  # noqa: E402
+from statestream.format._decode_tree import (  # noqa: E402
+    decode_tree,
+    validate_base_name,
+    validate_file_name,
+)

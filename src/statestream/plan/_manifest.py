@@ -25,6 +25,7 @@ from statestream.errors import CheckpointError, TargetMismatchError
 from statestream.format import (
     ArrayEntry,
     ChunkEntry,
+    ChunkRef,
     FileEntry,
     Manifest,
     decode_manifest,
@@ -102,20 +103,34 @@ class RankPart:
         """Plain data for a collective gather."""
         return {
             "files": [[f.name, f.size] for f in self.files],
-            "chunks": [[a, [[c.file, c.offset, c.nbytes, c.checksum, list(c.start),
-                             list(c.shape), c.block_rows, list(c.block_checksums)]
-                            for c in cs]] for a, cs in self.chunks.items()],
+            "chunks": [[a, [_chunk_to_wire(c) for c in cs]] for a, cs in self.chunks.items()],
         }
 
     @staticmethod
     def from_wire(doc: dict[str, Any]) -> RankPart:
         files = [FileEntry(str(n), int(s)) for n, s in doc["files"]]
-        chunks = {
-            int(a): [ChunkEntry(f, off, nb, crc, tuple(st), tuple(sh), br, tuple(bl))
-                     for f, off, nb, crc, st, sh, br, bl in cs]
-            for a, cs in doc["chunks"]
-        }
+        chunks = {int(a): [_chunk_from_wire(c) for c in cs] for a, cs in doc["chunks"]}
         return RankPart(files, chunks)
+
+
+def _chunk_to_wire(c: ChunkEntry) -> list[Any]:
+    out = [c.file, c.offset, c.nbytes, c.checksum, list(c.start), list(c.shape), c.block_rows,
+           list(c.block_checksums)]
+    if c.codec is not None or c.digest is not None or c.ref is not None:  # format v2 fields
+        out.append([c.codec, c.shuffle, c.digest.hex() if c.digest is not None else None,
+                    [c.ref.base, c.ref.file] if c.ref is not None else None])
+    return out
+
+
+def _chunk_from_wire(w: list[Any]) -> ChunkEntry:
+    f, off, nb, crc, st, sh, br, bl = w[:8]
+    c = ChunkEntry(f, off, nb, crc, tuple(st), tuple(sh), br, tuple(bl))
+    if len(w) > 8:
+        codec, shuffle, digest, ref = w[8]
+        c.codec, c.shuffle = codec, bool(shuffle)
+        c.digest = bytes.fromhex(digest) if digest is not None else None
+        c.ref = ChunkRef(str(ref[0]), int(ref[1])) if ref is not None else None
+    return c
 
 
 # ----------------------------------------------------------------------------- trees
