@@ -34,7 +34,7 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.format": [
         "CHECKSUM_ALGORITHM", "CODECS", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
         "FORMAT_VERSION", "FORMAT_VERSIONS", "MANIFEST_NAME", "MAX_ARRAY_BYTES",
-        "MAX_COMMIT_BYTES", "MAX_DIM",
+        "MAX_CODEC_RATIO", "MAX_COMMIT_BYTES", "MAX_DIM",
         "MAX_FILES", "MAX_MANIFEST_BYTES", "MAX_NDIM", "ArrayEntry", "ChunkEntry", "ChunkRef",
         "FileEntry",
         "Manifest", "checksum", "decode_commit", "decode_manifest", "decode_tree",

@@ -199,6 +199,11 @@ def test_a_future_version_is_a_format_version_error_even_if_its_chunks_are_new(
     (lambda d: chunk(d, 3, 2).__setitem__(2, 8), r"chunk 2 is compressed to 8 bytes"),
     (lambda d: chunk(d, 3, 2).__setitem__(2, 0), r"chunk 2 is compressed to 0 bytes"),
     (lambda d: chunk(d, 1).__setitem__(2, 20), "is 20 bytes but its shape"),
+    (lambda d: d["arrays"][0].update(shape=[1 << 16, 4])
+     or chunk(d, 0).__setitem__(5, [1 << 16, 4]),
+     r"claims 1048576 raw bytes from 20 compressed ones, more than 32768 times"),
+    (lambda d: d["arrays"][3].update(shape=[12 + (1 << 18)]) or chunk(d, 3, 5).__setitem__(
+        5, [2 + (1 << 18)]), r"chunk 5 claims 1048584 raw bytes from 5 compressed ones"),
     (lambda d: chunk(d, 2).__setitem__(2, 20), "is 20 bytes but its shape"),
     (lambda d: chunk(d, 0).__setitem__(1, 120), "which the manifest says has only 132"),
     (lambda d: chunk(d, 3, 5).__setitem__(1, 330), "which the manifest says has only 330"),

@@ -46,6 +46,7 @@ from statestream.format._manifest import (
     FORMAT_VERSION,
     FORMAT_VERSIONS,
     MAX_ARRAY_BYTES,
+    MAX_CODEC_RATIO,
     MAX_COMMIT_BYTES,
     MAX_DIM,
     MAX_FILE_BYTES,
@@ -515,7 +516,8 @@ def _check_few_chunks(i: int, chunks: Sequence[ChunkEntry], shape: tuple[int, ..
         if any(x + n > m for x, n, m in zip(c.start, c.shape, shape)):
             raise _Bad(f"array {i} chunk {j} lies outside the array's shape {shape}")
         vol = math.prod(c.shape)
-        if c.codec is not None and not 0 < c.nbytes < vol * itemsize:
+        if c.codec is not None and not (0 < c.nbytes < vol * itemsize
+                                        and vol * itemsize <= c.nbytes * MAX_CODEC_RATIO):
             raise _Bad(_stored_size_msg(i, j, c.nbytes, vol * itemsize))
         if c.codec is None and c.nbytes != vol * itemsize:
             raise _Bad(f"array {i} chunk {j} is {c.nbytes} bytes but its shape {c.shape} x "
@@ -542,6 +544,9 @@ _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def _stored_size_msg(i: int, j: int, nbytes: int, raw: int) -> str:
+    if nbytes and raw > nbytes * MAX_CODEC_RATIO:
+        return (f"array {i} chunk {j} claims {raw} raw bytes from {nbytes} compressed ones, "
+                f"more than {MAX_CODEC_RATIO} times as many (no codec expands that far)")
     return (f"array {i} chunk {j} is compressed to {nbytes} bytes, which is not between 1 "
             f"and its raw size {raw} minus one (a chunk that does not shrink is stored raw)")
 
@@ -570,7 +575,9 @@ def _check_chunk_columns(i: int, fl: np.ndarray, co: np.ndarray, flags: np.ndarr
             f"array {i} chunk {j} is {int(fl[j, 2])} bytes but its shape "
             f"{tuple(int(x) for x in sizes[j])} x {itemsize} bytes per element needs "
             f"{int(vol[j]) * itemsize}")
-    j = _first(coded & ((fl[:, 2] < 1) | (fl[:, 2] >= vol * itemsize)))
+    raw = vol * itemsize
+    j = _first(coded & ((fl[:, 2] < 1) | (fl[:, 2] >= raw)
+                        | ((raw + MAX_CODEC_RATIO - 1) // MAX_CODEC_RATIO > fl[:, 2])))
     if j >= 0:
         raise _Bad(_stored_size_msg(i, j, int(fl[j, 2]), int(vol[j]) * itemsize))
     past = fl[:, 1] + fl[:, 2] > (file_sizes[fl[:, 0]] if own.all() else

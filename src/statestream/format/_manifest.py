@@ -30,6 +30,7 @@ __all__ = [
     "FORMAT_VERSIONS",
     "MANIFEST_NAME",
     "MAX_ARRAY_BYTES",
+    "MAX_CODEC_RATIO",
     "MAX_COMMIT_BYTES",
     "MAX_DIM",
     "MAX_FILES",
@@ -71,6 +72,10 @@ MAX_ARRAY_BYTES = 1 << 48
 MAX_FILES = 1 << 20
 MAX_FILE_BYTES = 1 << 52
 MAX_INT_HEX_DIGITS = 1 << 24
+#: A compressed chunk's raw size is at most this many times its stored size: a zstd
+#: block yields at most 128 KiB from at least 4 bytes, so no valid frame expands
+#: further, and a load allocates at most this much per byte its files hold.
+MAX_CODEC_RATIO = 1 << 15
 
 _FILE_NAME_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 #: a base checkpoint: one path component, a sibling of the checkpoint (format v2)
