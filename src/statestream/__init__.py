@@ -45,6 +45,7 @@ from statestream.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
+from statestream.format import Compression
 from statestream.manager import (
     AllOf,
     AnyOf,
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "Compression",
     "ChecksumMismatchError",
     "CollectiveTimeoutError",
     "DistributedError",

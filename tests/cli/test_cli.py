@@ -67,7 +67,8 @@ def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert len(doc["files"]) == 1 and doc["files"][0][0] == "data/r0-0.bin"
     leaves = {leaf["key"]: leaf for leaf in doc["leaves"]}
     assert leaves["params/w~1x"] == {"key": "params/w~1x", "kind": "numpy", "dtype": "float32",
-                                     "shape": "(2, 3)", "nbytes": 24}
+                                     "shape": "(2, 3)", "nbytes": 24, "stored_bytes": 24,
+                                     "codec": None}
     assert leaves["params/b"]["shape"] == "(5,)" and leaves["params/b"]["nbytes"] == 40
     assert leaves["step"]["kind"] == "value" and leaves["step"]["dtype"] == "int"
     assert doc["meta"]["library"].startswith("statestream")

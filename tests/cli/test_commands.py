@@ -197,7 +197,8 @@ def test_inspect_json_keys_are_stable(tmp_path: Path,
     assert set(out) == {"path", "format", "format_version", "total_bytes", "num_arrays",
                         "files", "meta", "leaves"}
     assert out["format"] == "statestream"
-    assert set(out["leaves"][0]) == {"key", "kind", "dtype", "shape", "nbytes"}
+    assert set(out["leaves"][0]) == {"key", "kind", "dtype", "shape", "nbytes", "stored_bytes",
+                                     "codec"}
 
 
 def test_verify_json_keys_are_stable(tmp_path: Path,

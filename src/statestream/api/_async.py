@@ -14,7 +14,14 @@ from typing import Any
 
 from statestream.api._save import save_options
 from statestream.distributed import Collective
-from statestream.engine import IOOptions, MemoryOptions, Progress, SaveHandle, start_save
+from statestream.engine import (
+    CompressionOption,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    SaveHandle,
+    start_save,
+)
 from statestream.errors import UnsupportedTypeError
 from statestream.providers import optimizer_provider_for
 
@@ -33,12 +40,14 @@ def save_async(
     collective: Collective | None = None,
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
+    compression: CompressionOption = None,
 ) -> SaveHandle:
     """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
 
     Args:
-        path, state, overwrite, pickle_paths, io, memory, progress, meta: as for
-            :func:`save`. ``memory`` bounds the staging buffers.
+        path, state, overwrite, pickle_paths, io, memory, progress, meta,
+            compression: as for :func:`save`. ``memory`` bounds the staging
+            buffers; chunks are compressed by the background writer threads.
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
             mutating the state. In-place changes outside a guarded optimizer
@@ -60,7 +69,8 @@ def save_async(
     """
     return start_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta), lazy=lazy)
+        collective=collective, progress=progress, meta=meta, compression=compression),
+        lazy=lazy)
 
 
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:

@@ -22,13 +22,20 @@ __all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "v
 
 @dataclasses.dataclass(frozen=True)
 class ArrayMetadata:
-    """Shape, dtype and size of a saved array (``kind`` says numpy/torch/jax/bytes/pickle)."""
+    """Shape, dtype and size of a saved array (``kind`` says numpy/torch/jax/bytes/pickle).
+
+    ``nbytes`` is its raw size; ``stored_bytes`` what its chunks take in the data
+    files (less when compressed); ``codec`` the codec of its compressed chunks
+    (``"zstd"``), or None when every chunk is stored raw.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
     kind: str
     num_chunks: int
+    stored_bytes: int = 0
+    codec: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +79,9 @@ def _meta_tree(node: Node, m: Manifest) -> Any:
         a = m.arrays[node.array]
         kind = (node.kind if node.kind not in ("array", "alias")
                 else str((node.attrs or {}).get("kind", "numpy")))
-        return ArrayMetadata(a.shape, a.dtype, a.nbytes, kind, len(a.chunks))
+        codecs = sorted({c.codec for c in a.chunks if c.codec is not None})
+        return ArrayMetadata(a.shape, a.dtype, a.nbytes, kind, len(a.chunks),
+                             sum(c.nbytes for c in a.chunks), "+".join(codecs) or None)
     if node.kind in ("none", "bool", "int", "float", "str"):
         return node.value
     if node.kind == "stateful":
@@ -92,8 +101,9 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         >>> import numpy as np, tempfile, os, statestream as ss
         >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> ss.save(d, {"w": np.zeros((2, 3), np.float32)})
-        >>> ss.metadata(d).tree["w"]
-        ArrayMetadata(shape=(2, 3), dtype='float32', nbytes=24, kind='numpy', num_chunks=1)
+        >>> ss.metadata(d).tree["w"]  # doctest: +NORMALIZE_WHITESPACE
+        ArrayMetadata(shape=(2, 3), dtype='float32', nbytes=24, kind='numpy', num_chunks=1,
+                      stored_bytes=24, codec=None)
     """
     reader, m = open_checkpoint(path)
     reader.close()

@@ -8,7 +8,15 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from statestream.distributed import Collective, default_collective
-from statestream.engine import IOOptions, MemoryOptions, Progress, SaveOptions, run_save
+from statestream.engine import (
+    CompressionOption,
+    CompressionPolicy,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    SaveOptions,
+    run_save,
+)
 from statestream.errors import UnsupportedTypeError
 
 __all__ = ["save"]
@@ -25,6 +33,7 @@ def save(
     collective: Collective | None = None,
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
+    compression: CompressionOption = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
@@ -46,6 +55,13 @@ def save(
         progress: called as ``progress(bytes_done, bytes_total)`` while writing.
         meta: small JSON-able user metadata, stored in the manifest
             (``metadata(path).meta["user"]``).
+        compression: compress arrays chunk by chunk (format v2): ``"zstd"``
+            or an :class:`~statestream.Compression` for every array, or a dict
+            of key-path patterns to those or ``None`` (``{"opt/**": "zstd",
+            "params/**": None}``; ``*`` within a key, ``**`` across keys, a
+            pattern covers its subtree, the last match decides). Floating-point
+            arrays are byte-shuffled first by default. A chunk that does not
+            shrink is stored raw. Default: nothing compressed (format v1).
 
     Raises:
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
@@ -62,18 +78,20 @@ def save(
     """
     run_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta))
+        collective=collective, progress=progress, meta=meta, compression=compression))
 
 
 def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOptions | None,
                  memory: MemoryOptions | None, collective: Collective | None,
-                 progress: Progress | None, meta: Mapping[str, Any] | None) -> SaveOptions:
+                 progress: Progress | None, meta: Mapping[str, Any] | None,
+                 compression: CompressionOption = None) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
         memory=memory or MemoryOptions(),
         collective=collective if collective is not None else default_collective(),
-        progress=progress, user_meta=check_user_meta(meta))
+        progress=progress, user_meta=check_user_meta(meta),
+        compression=CompressionPolicy(compression))
 
 
 

@@ -63,28 +63,31 @@ def _int_text(v: int) -> str:
     return f"{'-' if v < 0 else ''}0x{h[:8]}...{h[-8:]} ({v.bit_length()}-bit int)"
 
 
-def _describe(leaf: Any) -> tuple[str, str, str, int]:
+_Row = tuple[str, str, str, str, int, int, "str | None"]
+
+
+def _describe(leaf: Any) -> tuple[str, str, str, int, int, str | None]:
     if isinstance(leaf, ss.ArrayMetadata):
         dims = ", ".join(str(s) for s in leaf.shape)
         shape = f"({dims},)" if len(leaf.shape) == 1 else f"({dims})"
-        return leaf.kind, leaf.dtype, shape, leaf.nbytes
+        return leaf.kind, leaf.dtype, shape, leaf.nbytes, leaf.stored_bytes, leaf.codec
     if isinstance(leaf, int) and not isinstance(leaf, bool):
         text = _int_text(leaf)
     else:  # repr escapes control characters and surrogates of a str
         text = safe(repr(leaf[:64] if isinstance(leaf, str) else leaf))
     if len(text) > 40:
         text = text[:37] + "..."
-    return "value", type(leaf).__name__, text, 0
+    return "value", type(leaf).__name__, text, 0, 0, None
 
 
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _rows(tree: Any, collapse: bool) -> list[tuple[str, str, str, str, int]]:
+def _rows(tree: Any, collapse: bool) -> list[_Row]:
     """One row per leaf; long runs of plain values (RNG states, ...) fold into one row."""
     from statestream.tree import format_keypath
 
-    out: list[tuple[str, str, str, str, int]] = []
+    out: list[_Row] = []
 
     def walk(x: Any, p: tuple[Any, ...]) -> None:
         if isinstance(x, dict):
@@ -94,7 +97,7 @@ def _rows(tree: Any, collapse: bool) -> list[tuple[str, str, str, str, int]]:
             if collapse and len(x) > 8 and all(isinstance(v, _PLAIN) for v in x):
                 types = sorted({type(v).__name__ for v in x})
                 out.append((format_keypath(p), "values", "|".join(types),
-                            f"{type(x).__name__}[{len(x)}]", 0))
+                            f"{type(x).__name__}[{len(x)}]", 0, 0, None))
                 return
             for i, v in enumerate(x):
                 walk(v, p + (i,))
@@ -118,8 +121,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "files": md.files,
             "meta": md.meta,
             "leaves": [
-                {"key": k, "kind": kind, "dtype": dt, "shape": sh, "nbytes": nb}
-                for k, kind, dt, sh, nb in rows
+                {"key": k, "kind": kind, "dtype": dt, "shape": sh, "nbytes": nb,
+                 "stored_bytes": st, "codec": codec}
+                for k, kind, dt, sh, nb, st, codec in rows
             ],
         }
         # ASCII-escaped: no control character or surrogate reaches the terminal
@@ -129,10 +133,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     fmt = f"statestream v{md.format_version}" if md.format == "statestream" else md.format
     print(f"format      {safe(fmt)}  ({safe(str(md.meta.get('library', '?')))[:80]})")
     w = min(80, max([len("key path")] + [len(safe(r[0])) for r in rows]))
-    print(f"{'key path':<{w}}  {'kind':<7} {'dtype':<14} {'shape':<22} {'size':>10}")
-    for k, kind, dt, sh, nb in rows:
-        size = _human(nb) if kind not in ("value", "values") else ""
-        print(f"{safe(k):<{w}}  {safe(kind):<7} {safe(dt):<14} {sh:<22} {size:>10}")
+    coded = any(r[6] is not None for r in rows)  # stored size and codec columns
+    extra = f" {'stored':>10}  codec" if coded else ""
+    print(f"{'key path':<{w}}  {'kind':<7} {'dtype':<14} {'shape':<22} {'size':>10}{extra}")
+    for k, kind, dt, sh, nb, st, codec in rows:
+        plain = kind in ("value", "values")
+        size = _human(nb) if not plain else ""
+        more = f" {_human(st) if not plain else '':>10}  {safe(codec or '')}" if coded else ""
+        print(f"{safe(k):<{w}}  {safe(kind):<7} {safe(dt):<14} {sh:<22} {size:>10}{more}")
     n_files = len(md.files)
     print(
         f"total       {md.num_arrays} arrays, {_human(md.total_bytes)} in {n_files} data "

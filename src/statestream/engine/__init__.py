@@ -1,5 +1,6 @@
 """The engine: the only layer that owns threads, queues, buffers and the save job."""
 
+from statestream.engine._codec import CompressionOption, CompressionPolicy
 from statestream.engine._core import (
     ByteBudget,
     IOOptions,
@@ -17,6 +18,8 @@ from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
     "ByteBudget",
+    "CompressionOption",
+    "CompressionPolicy",
     "IOOptions",
     "MemoryOptions",
     "Progress",

@@ -34,6 +34,7 @@ from typing import Any
 from statestream import __version__, _hooks
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, SingleProcess, agree
+from statestream.engine._codec import CompressionPolicy
 from statestream.engine._collect import Collector
 from statestream.engine._committed import committed_as_saved
 from statestream.engine._core import (
@@ -93,6 +94,9 @@ class SaveOptions:
     collective: Collective = dataclasses.field(default_factory=SingleProcess)
     progress: Progress | None = None
     user_meta: dict[str, Any] | None = None
+    #: which arrays are compressed, with what (default: none)
+    compression: CompressionPolicy = dataclasses.field(
+        default_factory=lambda: CompressionPolicy(None))
 
 
 class SaveJob:
@@ -227,19 +231,24 @@ class SaveJob:
         if self.snapshot_mode:
             # A failed writer never gives its staged bytes back: wake the snapshot
             # instead of letting it wait for them forever.
+            # Compression buffers: at most two chunks per writer thread, plus its batch.
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.take, budget=ByteBudget(1 << 62),
                 after_write=self._snapshot_written, on_error=self.budget.abort,
-                nice=self.options.io.background_nice)
+                nice=self.options.io.background_nice, relayout=bool(self.options.compression))
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
-                progress=self.options.progress, after_write=self.ledger.after_write)
+                progress=self.options.progress, after_write=self.ledger.after_write,
+                relayout=bool(self.options.compression))
 
     def _plan(self, i: int) -> list[WriteItem]:
         a = self.collector.arrays[i]
         boxes = a.boxes if self.mine is None else self.mine[i]
-        spec = ArraySpec(a.shape, itemsize_of(a.dtype), a.copies and not self.snapshot_mode)
+        isz = itemsize_of(a.dtype)
+        codec = (self.options.compression.for_array(self.collector.paths[i], a.dtype, isz)
+                 if self.options.compression else None)
+        spec = ArraySpec(a.shape, isz, a.copies and not self.snapshot_mode, codec)
         return self.planner.add(i, spec, boxes)
 
     # ----------------------------------------------------------------------- sync

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream.engine._codec import decode_chunk
 from statestream.engine._core import (
     ByteBudget,
     IOOptions,
@@ -89,6 +90,12 @@ def read_requests(
                     with lock:
                         collect.append(err)
                     continue
+                if p.codec is not None:
+                    raw = _decode_piece(reader, file_names[p.file], p, buf, describe, collect,
+                                        lock)
+                    if raw is None:
+                        continue
+                    buf = raw
                 if p.scatter:
                     src = buf.view(p.dtype).reshape(p.chunk_shape)
                     for dview, csl in p.scatter:
@@ -114,7 +121,8 @@ def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
     for p in req.pieces:
         if p.offset > pos:
             bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
-        buf = p.direct if p.direct is not None else np.empty(p.nbytes, dtype=np.uint8)
+        buf = (p.direct if p.direct is not None and p.codec is None
+               else np.empty(p.nbytes, dtype=np.uint8))
         bufs.append(buf)
         views.append(buf)
         pos = p.offset + p.nbytes
@@ -124,6 +132,30 @@ def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
         names = "; ".join(sorted({describe(p) for p in req.pieces})[:5])
         raise type(exc)(f"{exc} (affects {names})") from None
     return views
+
+
+def _decode_piece(reader: CheckpointReader, name: str, p: ReadPiece, stored: np.ndarray,
+                  describe: Callable[[ReadPiece], str],
+                  collect: list[CheckpointCorruptError] | None,
+                  lock: threading.Lock) -> np.ndarray | None:
+    """Decode a verified compressed piece into its destination (or scratch, returned
+    for scattering); None when it is corrupt and ``collect`` took the error."""
+    assert p.codec is not None
+    out = p.direct if p.direct is not None else np.empty(p.raw_nbytes, dtype=np.uint8)
+    try:
+        decode_chunk(stored, out, p.dtype.itemsize, p.codec, p.shuffle)
+    except CheckpointCorruptError as exc:
+        err = CheckpointCorruptError(
+            f"compressed chunk {p.chunk} of the {describe(p)} (bytes [{p.offset}, "
+            f"{p.offset + p.nbytes}) of {reader.location}/{name}, CRC-32C correct) does not "
+            f"decode to its {p.raw_nbytes} bytes: {exc}; the checkpoint is corrupt or was "
+            "written by a faulty writer")
+        if collect is None:
+            raise err from None
+        with lock:
+            collect.append(err)
+        return None
+    return out
 
 
 def _verify_piece(reader: CheckpointReader, name: str, p: ReadPiece, buf: np.ndarray,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -10,15 +12,15 @@ from typing import Any
 import numpy as np
 
 from statestream import _hooks
+from statestream.engine._codec import encode_chunk
 from statestream.engine._core import ByteBudget, Progress, lower_thread_priority
 from statestream.format import ChunkEntry, FileEntry, checksum
-from statestream.plan import WriteItem
-from statestream.storage import WriteTransaction
+from statestream.plan import WriteItem, chunk_offset
+from statestream.storage import FileWriter, WriteTransaction
 
 #: Bytes handed to one vectored write call (many small chunks coalesce up to this).
 _WRITE_BATCH_BYTES = 16 << 20
 _ZEROS = bytes(4096)
-_NO_DATA = np.empty(0, dtype=np.uint8)
 #: The walking thread hands a writer this much work at a time.
 _HANDOFF_BYTES = 8 << 20
 _HANDOFF_ITEMS = 256
@@ -32,6 +34,23 @@ def _pad(batch: list[Any], gap: int) -> None:
         z = min(gap, len(_ZEROS))
         batch.append(_ZEROS[:z])
         gap -= z
+
+
+@dataclasses.dataclass(slots=True)
+class _FileState:
+    """One writer thread's running state: its records, where its file ends, budget held."""
+
+    written: dict[tuple[int, int], ChunkEntry] = dataclasses.field(default_factory=dict)
+    cursor: int = 0
+    held: int = 0
+
+
+def _codec_bytes(it: WriteItem) -> int:
+    """Memory compressing ``it`` takes beyond its staging: the output (at most about
+    the raw size) and, when shuffling, the shuffled copy."""
+    if it.codec is None:
+        return 0
+    return it.nbytes * (2 if it.codec.shuffle else 1)
 
 
 def chunk_checksums(item: WriteItem, data: np.ndarray) -> tuple[int, tuple[int, ...]]:
@@ -53,7 +72,10 @@ class StreamWriter:
     The caller (walking the state on its own thread) ``submit``s items; each
     file's thread writes them in order, coalescing queued neighbours into
     vectored writes of up to 16 MiB, charging copies to ``budget``. So
-    preparing later arrays overlaps writing earlier ones. ``close()`` waits,
+    preparing later arrays overlaps writing earlier ones. Items with a codec
+    are compressed by their file's thread (so files compress in parallel);
+    in a save that compresses (``relayout``), each thread places its chunks
+    one after the other by their stored sizes. ``close()`` waits,
     fsyncs every file, and returns what was written: a
     :class:`~statestream.format.ChunkEntry` per (array, chunk), made once its
     bytes are in the file (offset, stored size, CRC-32C and block CRCs), and
@@ -73,8 +95,11 @@ class StreamWriter:
         after_write: Callable[[Sequence[WriteItem]], object] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         nice: int = 0,
+        relayout: bool = False,
     ) -> None:
         self._nice = nice
+        #: this save compresses: writers place chunks by their stored sizes
+        self._relayout = relayout
         self._after_write = after_write
         self._on_error = on_error
         self._txn = txn
@@ -166,60 +191,21 @@ class StreamWriter:
 
     def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
         lower_thread_priority(self._nice)
-        budget = self._budget
         w = None
-        held = 0
-        written: dict[tuple[int, int], ChunkEntry] = {}
+        st = _FileState()
         try:
             w = self._txn.create_file(self._name(index), 0)
             while not self._failed.is_set():
                 work = q.get()
                 if work is self._STOP:
                     break
-                batch: list[Any] = []
-                done_items: list[WriteItem] = []
-                batch_off = end = work[0].offset
-                for it in work:
-                    if self._failed.is_set():
-                        break
-                    flush = batch and (
-                        it.offset - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900
-                    )
-                    got = None if flush else budget.try_acquire(it.staging_bytes)
-                    if got is None:
-                        if batch:  # never wait while holding staged bytes: write first
-                            w.write_at(batch, batch_off)
-                            batch = []
-                            data = _NO_DATA
-                            self._written(done_items)
-                            budget.release(held)
-                            held = 0
-                            done_items = []
-                            batch_off = end = it.offset
-                        got = budget.acquire(it.staging_bytes)
-                    held += got
-                    data = self._source(it)
-                    crc, blocks = chunk_checksums(it, data)
-                    written[(it.array, it.chunk)] = ChunkEntry(
-                        it.file, it.offset, it.nbytes, crc, it.start, it.shape, it.block_rows,
-                        blocks)
-                    _pad(batch, it.offset - end)
-                    batch.append(data)
-                    done_items.append(it)
-                    end = it.offset + it.nbytes
-                if batch:
-                    w.write_at(batch, batch_off)
-                    batch = []
-                    data = _NO_DATA  # the buffers are freed before their budget is
-                    self._written(done_items)
-                budget.release(held)
-                held = 0
+                self._write_work(w, work, st)
             if not self._failed.is_set():
                 w.finish()
                 w = None
             with self._lock:
-                self._records.update(written)
-                self._sizes[index] = max((c.offset + c.nbytes for c in written.values()),
+                self._records.update(st.written)
+                self._sizes[index] = max((c.offset + c.nbytes for c in st.written.values()),
                                          default=0)
         except BaseException as exc:  # reported by submit()/close()
             with self._lock:
@@ -228,9 +214,68 @@ class StreamWriter:
             if self._on_error is not None:
                 self._on_error(exc)
         finally:
-            budget.release(held)
+            self._budget.release(st.held)
+            st.held = 0
             if w is not None:
                 w.abort()
+
+    def _write_work(self, w: FileWriter, work: list[WriteItem], st: _FileState) -> None:
+        """Write one handed-over list of items (in file order), in vectored batches."""
+        budget = self._budget
+        batch: list[Any] = []
+        done_items: list[WriteItem] = []
+        batch_off = end = 0
+        for it in work:
+            if self._failed.is_set():
+                break
+            flush = batch and (end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900)
+            need = it.staging_bytes + _codec_bytes(it)
+            got = None if flush else budget.try_acquire(need)
+            if got is None:
+                if batch:  # never wait while holding staged bytes: write first
+                    w.write_at(batch, batch_off)
+                    batch = []
+                    self._written(done_items)
+                    budget.release(st.held)
+                    st.held = 0
+                    done_items = []
+                got = budget.acquire(need)
+            st.held += got
+            entry, payload = self._record(it, self._source(it), st.cursor)
+            st.written[(it.array, it.chunk)] = entry
+            if not batch:
+                batch_off = end = entry.offset
+            _pad(batch, entry.offset - end)
+            batch.append(payload)
+            del payload  # the batch holds the bytes until they are written
+            done_items.append(it)
+            end = st.cursor = entry.offset + entry.nbytes
+        if batch:
+            w.write_at(batch, batch_off)
+            batch = []  # the buffers are freed before their budget is
+            self._written(done_items)
+        budget.release(st.held)
+        st.held = 0
+
+    def _record(self, it: WriteItem, data: np.ndarray, end: int) -> tuple[ChunkEntry, Any]:
+        """The chunk's record and the bytes to write for it.
+
+        Without compression in this save, a chunk goes where the plan put it.
+        With it, each chunk (compressed, or stored raw when that does not pay)
+        goes right after the file's previous one (``end``), at its alignment.
+        """
+        stored = None
+        if it.codec is not None:
+            stored = encode_chunk(data, it.nbytes // math.prod(it.shape), it.codec)
+        off = chunk_offset(end, it.nbytes if stored is None else len(stored)) \
+            if self._relayout else it.offset
+        if stored is None:
+            crc, blocks = chunk_checksums(it, data)
+            return ChunkEntry(it.file, off, it.nbytes, crc, it.start, it.shape, it.block_rows,
+                              blocks), data
+        assert it.codec is not None
+        return ChunkEntry(it.file, off, len(stored), checksum(stored), it.start, it.shape,
+                          codec=it.codec.codec, shuffle=bool(it.codec.shuffle)), stored
 
     def _written(self, items: Sequence[WriteItem]) -> None:
         # Progress counts chunk bytes (as ``total_bytes`` does), not alignment gaps.

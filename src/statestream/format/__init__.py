@@ -4,6 +4,7 @@
 """
 
 from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum
+from statestream.format._codec import Compression
 from statestream.format._dtypes import DTYPE_NAMES, dtype_from_name, dtype_name, itemsize_of
 from statestream.format._manifest import (
     CODECS,
@@ -56,6 +57,7 @@ __all__ = [
     "ArrayEntry",
     "ChunkEntry",
     "ChunkRef",
+    "Compression",
     "FileEntry",
     "Manifest",
     "checksum",

@@ -15,7 +15,7 @@ from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_optimizers_in
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
-from statestream.engine import IOOptions, MemoryOptions
+from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
 from statestream.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,6 +53,7 @@ class CheckpointManager:
             :meth:`reached_preemption` turns true and ``OnPreemption`` policies fire.
         collective: processes that save together (default: detected).
         io, memory: engine options for every save and load.
+        compression: how every save compresses arrays (see ``save``).
         lease_ttl_s: how long the directory's lease lasts without renewal where
             the store needs one (object stores; renewed every third of it in the
             background). A crashed manager's directory can be taken over this
@@ -87,6 +88,7 @@ class CheckpointManager:
         io: IOOptions | None = None,
         memory: MemoryOptions | None = None,
         lease_ttl_s: float = 60.0,
+        compression: CompressionOption = None,
     ) -> None:
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
@@ -98,6 +100,8 @@ class CheckpointManager:
         self._lazy = lazy
         self._io = io
         self._memory = memory
+        CompressionPolicy(compression)  # a bad option fails here, not at the first save
+        self._compression = compression
         self._inflight: SaveHandle | None = None
         self._inflight_step: int | None = None
         self._last_saved_time: float | None = None
@@ -329,13 +333,14 @@ class CheckpointManager:
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
-                                        collective=self._coll, meta=meta)
+                                        collective=self._coll, meta=meta,
+                                        compression=self._compression)
             if self._lazy:  # an optimizer.step() must not race the lazy snapshot
                 guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
-                 collective=self._coll, meta=meta)
+                 collective=self._coll, meta=meta, compression=self._compression)
             self._apply_keep_policy()
         self._last_saved_step = step
         self._last_saved_time = time.time()

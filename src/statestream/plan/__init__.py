@@ -20,16 +20,19 @@ from statestream.plan._manifest import (
     single_tree,
 )
 from statestream.plan._save import (
+    COMPRESSED_CHUNK_BYTES,
     ArraySpec,
     FilePlan,
     StreamPlanner,
     WriteItem,
     assign_writers,
     block_rows_for,
+    chunk_offset,
     split_chunks,
 )
 
 __all__ = [
+    "COMPRESSED_CHUNK_BYTES",
     "ArrayDecl",
     "ArrayShape",
     "MergedTree",
@@ -48,6 +51,7 @@ __all__ = [
     "WriteItem",
     "assign_writers",
     "block_rows_for",
+    "chunk_offset",
     "coalesce",
     "plan_load",
     "plan_verify",

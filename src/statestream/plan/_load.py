@@ -29,6 +29,11 @@ class ReadPiece:
     ``direct`` is a 1-D uint8 view of destination memory the chunk lands in
     verbatim (no copy). Each ``scatter`` entry copies a region of the chunk
     (``chunk_index``) into a destination view.
+
+    A compressed chunk (``codec``) is read whole (``nbytes`` stored bytes) into
+    scratch, verified, then decoded to its ``raw_nbytes`` into ``direct`` or
+    into scratch that is scattered (a load without destinations, ``verify``,
+    decodes into scratch to check it).
     """
 
     array: int
@@ -44,6 +49,10 @@ class ReadPiece:
     #: (start, end, crc) byte ranges of this piece to verify; default: all of it
     #: against ``checksum``.
     verify: list[tuple[int, int, int]] | None = None
+    codec: str | None = None
+    shuffle: bool = False
+    #: the decoded size of a compressed chunk (its ``nbytes`` are the stored ones)
+    raw_nbytes: int = 0
 
     def checks(self) -> list[tuple[int, int, int]]:
         """Byte ranges of the piece and the CRC-32C each must have."""
@@ -54,7 +63,19 @@ class ReadPiece:
     @property
     def staging_bytes(self) -> int:
         """Scratch memory needed to read this piece (0 when it lands in place)."""
+        if self.codec is not None:  # stored bytes, and the decoded ones unless in place
+            out = self.raw_nbytes if self.direct is None else 0
+            unshuffle = self.raw_nbytes if self.shuffle else 0
+            return self.nbytes + out + unshuffle
         return 0 if self.direct is not None else self.nbytes
+
+
+def _coded(p: ReadPiece, c: ChunkEntry) -> ReadPiece:
+    """``p`` reads compressed chunk ``c`` whole: its stored bytes, decoded after."""
+    p.codec, p.shuffle = c.codec, c.shuffle
+    p.raw_nbytes = p.nbytes
+    p.offset, p.nbytes = c.offset, c.nbytes
+    return p
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,11 +122,14 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
         if c.nbytes == 0:
             continue
         a = c.start[0] * row_bytes if c.start else 0
+        raw = math.prod(c.shape) * dt.itemsize
         piece = ReadPiece(
-            w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
-            direct=flat[a : a + c.nbytes],
+            w.array, ci, c.file, c.offset, raw, c.checksum, c.shape, dt,
+            direct=flat[a : a + raw],
         )
-        if c.block_rows:
+        if c.codec is not None:
+            _coded(piece, c)
+        elif c.block_rows:
             piece.verify = _block_checks(c, 0, c.nbytes)
         pieces[(w.array, ci, 0, c.shape[0] if c.shape else 1)] = piece
 
@@ -134,7 +158,7 @@ def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[
             r1 = min(c.shape[0], -(-need1 // c.block_rows) * c.block_rows)
         pstart = ((c.start[0] + r0,) + tuple(c.start[1:])) if c.shape else ()
         pshape = ((r1 - r0,) + tuple(c.shape[1:])) if c.shape else ()
-        row_bytes = (c.nbytes // c.shape[0]) if c.shape and c.shape[0] else 0
+        row_bytes = math.prod(c.shape[1:]) * dt.itemsize if c.shape else 0
         dsl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, w.start, sh))
         psl = tuple(slice(x - s, x - s + n) for x, s, n in zip(lo, pstart, sh))
         dview = w.dest[dsl] if dsl else w.dest
@@ -144,9 +168,11 @@ def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[
             piece = found
         else:
             piece = ReadPiece(w.array, ci, c.file, c.offset + r0 * row_bytes,
-                              (r1 - r0) * row_bytes if c.shape else c.nbytes,
+                              (r1 - r0) * row_bytes if c.shape else dt.itemsize,
                               c.checksum, pshape, dt)
-            if c.block_rows:
+            if c.codec is not None:  # no blocks: r0, r1 span the chunk
+                _coded(piece, c)
+            elif c.block_rows:
                 piece.verify = _block_checks(c, r0, piece.nbytes)
             pieces[key] = piece
         whole = sh == pshape
@@ -202,9 +228,12 @@ def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 
         for ci, c in enumerate(a.chunks):
             if not c.nbytes:
                 continue
-            p = ReadPiece(ai, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape,
-                          dtype_from_name(a.dtype))
-            if c.block_rows:
+            dt = dtype_from_name(a.dtype)
+            p = ReadPiece(ai, ci, c.file, c.offset, math.prod(c.shape) * dt.itemsize,
+                          c.checksum, c.shape, dt)
+            if c.codec is not None:
+                _coded(p, c)
+            elif c.block_rows:
                 p.verify = _block_checks(c, 0, c.nbytes)
             pieces.append(p)
     return coalesce(pieces, max_request_bytes=max_request_bytes)

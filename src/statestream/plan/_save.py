@@ -10,14 +10,17 @@ import math
 from collections.abc import Sequence
 
 from statestream.errors import TargetMismatchError
+from statestream.format import Compression
 
 __all__ = [
+    "COMPRESSED_CHUNK_BYTES",
     "ArraySpec",
     "FilePlan",
     "StreamPlanner",
     "WriteItem",
     "assign_writers",
     "block_rows_for",
+    "chunk_offset",
     "split_chunks",
 ]
 
@@ -26,6 +29,10 @@ PAGE_ALIGN = 4096
 PAGE_ALIGN_MIN_BYTES = 256 * 1024
 #: Smaller chunks are packed on cache-line boundaries.
 SMALL_ALIGN = 64
+#: Compressed arrays are split into chunks of at most this size (or ``max_chunk_bytes``
+#: if smaller): a compressed chunk is decoded whole, so a partial load reads little
+#: more than it needs, and more chunks keep more threads compressing.
+COMPRESSED_CHUNK_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +42,8 @@ class ArraySpec:
     shape: tuple[int, ...]
     itemsize: int
     copies: bool = False
+    #: how its chunks are compressed (None: stored raw)
+    codec: Compression | None = None
 
 
 @dataclasses.dataclass(slots=True)  # not frozen: frozen __init__ is ~3x slower
@@ -52,6 +61,8 @@ class WriteItem:
     staging_bytes: int
     #: Rows (axis 0) per checksum block; 0 = one checksum for the whole chunk.
     block_rows: int = 0
+    #: Compress the chunk so (the writer then places it: ``offset`` is only planned).
+    codec: Compression | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,6 +125,17 @@ def _align(offset: int, nbytes: int) -> int:
     return -(-offset // a) * a
 
 
+def chunk_offset(end: int, nbytes: int) -> int:
+    """Where a chunk of ``nbytes`` goes after a file's first ``end`` bytes (its alignment,
+    docs/format.md "Layout").
+
+    Example:
+        >>> chunk_offset(100, 10), chunk_offset(100, 1 << 20)
+        (128, 4096)
+    """
+    return _align(end, nbytes)
+
+
 class StreamPlanner:
     """Plan a save incrementally, array by array, as the state is walked.
 
@@ -174,19 +196,21 @@ class StreamPlanner:
                 self._in_block += nb
                 self.total_bytes += nb
                 return [WriteItem(array, 0, start, shape, nb, f, off,
-                                  nb if spec.copies else 0)]
+                                  nb if spec.copies else 0, codec=spec.codec)]
         per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         items: list[WriteItem] = []
+        max_chunk = (self._max_chunk if spec.codec is None else
+                     min(self._max_chunk, COMPRESSED_CHUNK_BYTES))
         if boxes is None:
             whole = math.prod(shape) * spec.itemsize
-            if 0 < whole <= self._max_chunk:  # the common case: one chunk
+            if 0 < whole <= max_chunk:  # the common case: one chunk
                 chunk_boxes = [((0,) * len(shape), shape)]
             else:
-                chunk_boxes = split_chunks(shape, spec.itemsize, self._max_chunk)
+                chunk_boxes = split_chunks(shape, spec.itemsize, max_chunk)
         else:
             chunk_boxes = []
             for bstart, bshape in boxes:
-                for rstart, rshape in split_chunks(bshape, spec.itemsize, self._max_chunk):
+                for rstart, rshape in split_chunks(bshape, spec.itemsize, max_chunk):
                     chunk_boxes.append(
                         (tuple(a + b for a, b in zip(bstart, rstart)), rshape)
                     )
@@ -202,8 +226,9 @@ class StreamPlanner:
                     self._sizes.append(0)
             off = _align(self._sizes[self._file], nb)
             item = WriteItem(array, ci, start, cshape, nb, self._file, off,
-                             nb if spec.copies else 0)
-            item.block_rows = block_rows_for(cshape, spec.itemsize)
+                             nb if spec.copies else 0, codec=spec.codec)
+            if spec.codec is None:  # a compressed chunk is verified (and decoded) whole
+                item.block_rows = block_rows_for(cshape, spec.itemsize)
             items.append(item)
             self.offsets[(array, ci)] = (self._file, off)
             self._sizes[self._file] = off + nb

@@ -12,7 +12,7 @@ from statestream.tree._flatten import (
     state_fields,
     type_name,
 )
-from statestream.tree._keypath import Key, KeyPath, format_keypath, parse_keypath
+from statestream.tree._keypath import Key, KeyPath, format_keypath, match_keypath, parse_keypath
 
 __all__ = [
     "CONTAINER_KINDS",
@@ -25,6 +25,7 @@ __all__ = [
     "flatten",
     "format_keypath",
     "is_stateful",
+    "match_keypath",
     "parse_keypath",
     "rebuild_container",
     "state_fields",
