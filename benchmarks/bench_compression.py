@@ -4,8 +4,8 @@
 
 Run from the repo root with the project venv::
 
-    .venv/bin/python benchmarks/bench_compression.py            # ~376 MB fp32 + 251 MB bf16, 3 repeats
-    .venv/bin/python benchmarks/bench_compression.py --quick    # ~47 MB + 31 MB, 1 repeat
+    .venv/bin/python benchmarks/bench_compression.py            # 376 MB fp32 + 188 MB bf16, 3 repeats
+    .venv/bin/python benchmarks/bench_compression.py --quick    # 65 MB + 33 MB, 1 repeat
 
 Two workloads (deterministic, see ``build_state``):
 
@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SRC = REPO / "src"
 
-SYSTEMS = ["statestream", "statestream-zstd", "orbax-zstd"]
+SYSTEMS = ["statestream", "statestream-zstd", "statestream-zstd-noshuffle", "orbax-zstd"]
 WORKLOADS = ["llama-fp32", "llama-bf16"]
 
 
@@ -137,7 +137,8 @@ def do_save(system: str, state: dict[str, np.ndarray], path: str) -> None:
     if system.startswith("statestream"):
         import statestream as ss
 
-        comp = ss.Compression("zstd") if system == "statestream-zstd" else None
+        comp = {"statestream-zstd": ss.Compression("zstd"),
+                "statestream-zstd-noshuffle": ss.Compression("zstd", shuffle=False)}.get(system)
         ss.save(path, nest(state), compression=comp)
         return
     ck = _orbax()

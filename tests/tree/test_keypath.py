@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from statestream.tree import format_keypath, parse_keypath
+from statestream.tree import format_keypath, match_keypath, parse_keypath
 
 
 def test_root_formats_as_placeholder_and_parses_back_empty() -> None:
@@ -53,3 +54,24 @@ def test_round_trip_property(path: list[str]) -> None:
 @given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=5))
 def test_int_paths_round_trip_as_strings(path: list[int]) -> None:
     assert parse_keypath(format_keypath(tuple(path))) == tuple(str(i) for i in path)
+
+
+@pytest.mark.parametrize(("pattern", "path", "hit"), [
+    ("opt/**", ("opt", "m", "w"), True),
+    ("opt", ("opt", "m", "w"), True),
+    ("opt/*", ("opt", "m", "w"), True),
+    ("opt/**", ("optim", "m"), False),
+    ("**", ("a",), True),
+    ("**/bias", ("model", "layers", 3, "bias"), True),
+    ("**/bias", ("model", "bias_scale"), False),
+    ("model/layers/*/w*", ("model", "layers", 3, "weight"), True),
+    ("model/layers/?/w", ("model", "layers", 12, "w"), False),
+    ("a~1b/c", ("a/b", "c", "d"), True),
+    ("a/**/z", ("a", "z"), True),
+    ("a/**/z", ("a", "x", "y", "z", "q"), True),
+    ("a/**/z", ("a", "x", "y"), False),
+    ("params", ("opt",), False),
+    ("x/y", ("x",), False),
+])
+def test_match_keypath(pattern: str, path: tuple[object, ...], hit: bool) -> None:
+    assert match_keypath(pattern, path) is hit  # type: ignore[arg-type]

@@ -49,14 +49,22 @@ def _zstd() -> Any:
     return zstandard
 
 
-def _compressor(level: int) -> Any:
-    """This thread's zstd compressor for ``level`` (contexts are not thread-safe)."""
-    cache: dict[int, Any] | None = getattr(_local, "cctx", None)
+def _compressor(level: int, entropy: bool = False) -> Any:
+    """This thread's zstd compressor for ``level`` (contexts are not thread-safe);
+    ``entropy``: with a tiny match table (for byte planes whose bytes repeat in value
+    but not in runs, e.g. float exponents: 3x faster than the level's own, and smaller)."""
+    cache: dict[tuple[int, bool], Any] | None = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    c = cache.get(level)
+    c = cache.get((level, entropy))
     if c is None:
-        c = cache[level] = _zstd().ZstdCompressor(level=level)
+        zstd = _zstd()
+        if entropy:
+            params = zstd.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=6)
+            c = zstd.ZstdCompressor(compression_params=params)
+        else:
+            c = zstd.ZstdCompressor(level=level)
+        cache[(level, entropy)] = c
     return c
 
 
@@ -67,18 +75,52 @@ def _decompressor() -> Any:
     return d
 
 
+#: Bytes of the sample (from the middle of a byte plane) that picks how to compress it.
+_PROBE = 32 << 10
+#: zstd's fastest level: for a plane the probe finds incompressible (random mantissa
+#: bytes), which it frames faster than level 1 would, at the same size.
+_FAST_LEVEL = -7
+
+
+def _frame(plane: np.ndarray, level: int, shuffled: bool) -> bytes:
+    """One zstd frame of ``plane``. A byte plane of shuffled data is first sampled: noise
+    is framed at the fastest level; otherwise the level's own matcher or the entropy
+    setting (:func:`_compressor`), whichever makes the sample smaller."""
+    c = _compressor(level)
+    if shuffled and len(plane) >= 4 * _PROBE:
+        mid = len(plane) // 2 - _PROBE // 2
+        probe = plane[mid:mid + _PROBE]
+        own, ent = len(c.compress(probe)), len(_compressor(level, True).compress(probe))
+        if min(own, ent) * 32 > _PROBE * 31:
+            c = _compressor(min(level, _FAST_LEVEL))
+        elif ent <= own:
+            c = _compressor(level, True)
+    out: bytes = c.compress(plane)
+    return out
+
+
 def encode_chunk(data: np.ndarray, itemsize: int, comp: Compression) -> bytes | None:
     """The stored bytes of a chunk (``data``: contiguous) under ``comp``, or None when
-    compressing does not pay (the chunk is then stored raw)."""
+    compressing does not pay (the chunk is then stored raw).
+
+    Shuffled, each byte plane (all first bytes of the elements, then all second
+    bytes, ...) is its own zstd frame, the frames concatenated (docs/format.md):
+    a plane of random mantissa bytes is framed at zstd's fastest level, and the
+    sign/exponent planes with the setting a sample favours (see :func:`_frame`).
+    """
     raw = data.reshape(-1).view(np.uint8)
-    src = raw
     if comp.shuffle and itemsize > 1:
-        src = np.empty_like(raw)
-        planes, cols = src.reshape(itemsize, -1), raw.reshape(-1, itemsize)
+        cols = raw.reshape(-1, itemsize)
+        plane = np.empty(len(cols), dtype=np.uint8)
+        parts = []
         for j in range(itemsize):
-            planes[j] = cols[:, j]
-    out: bytes = _compressor(comp.level).compress(src)
-    del src
+            plane[...] = cols[:, j]
+            parts.append(_frame(plane, comp.level, True))
+        del plane
+        out = b"".join(parts)
+        del parts
+    else:
+        out = _frame(raw, comp.level, False)
     if len(out) * _MIN_SAVING > len(raw) * (_MIN_SAVING - 1):
         return None
     return out
@@ -101,7 +143,7 @@ def decode_chunk(stored: np.ndarray, out: np.ndarray, itemsize: int, codec: str,
         declared = zstd.frame_content_size(stored)
     except zstd.ZstdError as exc:
         raise CheckpointCorruptError(f"it is not valid zstd data ({exc})") from None
-    if declared not in (-1, raw):  # refused before anything is decompressed
+    if declared > raw:  # refused before anything is decompressed
         raise CheckpointCorruptError(f"its zstd frame declares {declared} bytes, not {raw}")
     target = np.empty(raw, dtype=np.uint8) if shuffle and itemsize > 1 else out
     view = target.data.cast("B")
