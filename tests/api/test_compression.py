@@ -327,7 +327,11 @@ def test_save_async_and_manager_compress(tmp_path: pathlib.Path) -> None:
     h = ss.save_async(tmp_path / "lazy", state, lazy=True, compression="zstd",
                       memory=ss.MemoryOptions(memory_budget_bytes=64 << 10))
     h.result()
-    for n in ("a", "lazy"):
+    tiny = ss.MemoryOptions(memory_budget_bytes=64 << 10)  # smaller than one chunk
+    ss.save(tmp_path / "tiny", state, compression="zstd", memory=tiny,
+            io=IOOptions(max_chunk_bytes=128 << 10))
+    assert_tree_equal(ss.load(tmp_path / "tiny", memory=tiny), state)
+    for n in ("a", "lazy", "tiny"):
         assert ss.metadata(tmp_path / n).tree["w"].codec == "zstd"
         assert_tree_equal(ss.load(tmp_path / n), state)
     with ss.CheckpointManager(tmp_path / "m", compression={"w": "zstd"}) as mgr:
