@@ -364,3 +364,18 @@ def test_golden_v2_compressed_loads_and_verifies(tmp_path: pathlib.Path) -> None
     md = ss.metadata(dst)
     assert md.format_version == 2 and md.tree["w"].codec == "zstd"
     assert md.tree["rows"].codec is None and md.tree["w"].stored_bytes == 115
+
+
+def test_all_zero_chunks_stay_within_the_format_ratio_limit(tmp_path: pathlib.Path) -> None:
+    # zstd's best case (a 4 MiB chunk of zeros: ~28000x) is still under the decoder's
+    # 32768x limit; a whole 16 MiB zero array round trips
+    state = {"u8": np.zeros(16 << 20, np.uint8), "f32": np.zeros(4 << 20, np.float32)}
+    p = tmp_path / "z"
+    ss.save(p, state, compression="zstd", io=IOOptions(max_chunk_bytes=1 << 30))
+    doc = _doc(p)
+    for key in ("u8", "f32"):
+        chunks = _chunks_of(doc, key)
+        assert len(chunks) == 4 and all(c[7]["codec"] == "zstd" for c in chunks)
+        assert all(c[2] * 10000 < 4 << 20 for c in chunks), [c[2] for c in chunks]
+    assert _data_bytes(p) < 64 << 10
+    assert_tree_equal(ss.load(p), state)
