@@ -57,12 +57,12 @@ EXPECTED: dict[str, list[str]] = {
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [
-        "ByteBudget", "CompressionOption", "CompressionPolicy", "IOOptions", "MemoryOptions",
-        "Progress", "SaveHandle", "SaveJob",
+        "ByteBudget", "ChainReader", "CompressionOption", "CompressionPolicy", "IOOptions",
+        "MemoryOptions", "Progress", "SaveHandle", "SaveJob",
         "SaveOptions", "StagingPool", "StreamWriter",
-        "chunk_checksums", "default_memory_budget_bytes", "host_pool", "lower_thread_priority",
-        "parallel_for",
-        "pinned_pool", "read_requests", "release_staging", "run_save", "start_save",
+        "chunk_checksums", "default_memory_budget_bytes", "follow_bases", "host_pool",
+        "lower_thread_priority", "parallel_for",
+        "pinned_pool", "read_manifest", "read_requests", "release_staging", "run_save", "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",

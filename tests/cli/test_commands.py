@@ -97,7 +97,7 @@ def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert isinstance(by_step[10]["time"], float)
     assert by_step[30]["state"] == "uncommitted"
     assert set(out["entries"][0]) == {"name", "path", "step", "state", "format", "time",
-                                      "nbytes", "metrics", "error"}
+                                      "nbytes", "metrics", "error", "bases"}
     assert main(["ls", str(d)]) == 0
     text = capsys.readouterr().out
     assert "loss=0.05" in text and "uncommitted" in text and "2 committed" in text
@@ -195,7 +195,7 @@ def test_inspect_json_keys_are_stable(tmp_path: Path,
     rc, out = out_json(capsys, ["inspect", str(tmp_path / "ck"), "--json"])
     assert rc == 0
     assert set(out) == {"path", "format", "format_version", "total_bytes", "num_arrays",
-                        "files", "meta", "leaves"}
+                        "files", "meta", "bases", "referenced_bytes", "leaves"}
     assert out["format"] == "statestream"
     assert set(out["leaves"][0]) == {"key", "kind", "dtype", "shape", "nbytes", "stored_bytes",
                                      "codec"}

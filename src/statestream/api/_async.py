@@ -41,12 +41,14 @@ def save_async(
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
     compression: CompressionOption = None,
+    base: str | os.PathLike[str] | None = None,
+    hashes: bool = False,
 ) -> SaveHandle:
     """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
 
     Args:
         path, state, overwrite, pickle_paths, io, memory, progress, meta,
-            compression: as for :func:`save`. ``memory`` bounds the staging
+            compression, base, hashes: as for :func:`save`. ``memory`` bounds the staging
             buffers; chunks are compressed by the background writer threads.
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
@@ -69,8 +71,8 @@ def save_async(
     """
     return start_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta, compression=compression),
-        lazy=lazy)
+        collective=collective, progress=progress, meta=meta, compression=compression,
+        base=base, hashes=hashes), lazy=lazy)
 
 
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:

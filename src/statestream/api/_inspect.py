@@ -56,6 +56,10 @@ class CheckpointMetadata:
     meta: dict[str, Any]
     #: ``"statestream"``, or the foreign format read (docs/interop.md)
     format: str = "statestream"
+    #: the sibling checkpoints it refers to (an incremental save): loading it needs them
+    bases: list[str] = dataclasses.field(default_factory=list)
+    #: bytes of its chunks stored in those bases rather than in its own files
+    referenced_bytes: int = 0
 
     def leaves(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, leaf)`` for every leaf, depth first."""
@@ -105,7 +109,7 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         ArrayMetadata(shape=(2, 3), dtype='float32', nbytes=24, kind='numpy', num_chunks=1,
                       stored_bytes=24, codec=None)
     """
-    reader, m = open_checkpoint(path)
+    reader, m = open_checkpoint(path, follow=False)
     reader.close()
     return CheckpointMetadata(
         path=reader.location,
@@ -116,6 +120,9 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         files=[(f.name, f.size) for f in m.files],
         meta=dict(m.meta),
         format=reader.format if isinstance(reader, FileSetReader) else "statestream",
+        bases=list(m.bases),
+        referenced_bytes=sum(c.nbytes for a in m.arrays for c in a.chunks if c.ref is not None)
+        if m.bases else 0,
     )
 
 

@@ -11,7 +11,12 @@ from typing import Any
 import numpy as np
 
 from statestream._gc import gc_paused
-from statestream.api._open import open_checkpoint, read_manifest, skip_missing_checksums
+from statestream.api._open import (
+    array_paths,
+    open_checkpoint,
+    read_manifest,
+    skip_missing_checksums,
+)
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, _select
 from statestream.distributed import Collective, agree, default_collective
@@ -208,20 +213,6 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
     if node.kind == "bytes":
         return lambda: dest.finish().tobytes()
     return lambda: pickle.loads(dest.finish().tobytes())
-
-
-def array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
-    """Fill ``out`` with the key path of every array leaf under ``node``."""
-    if node.array is not None:
-        out.setdefault(node.array, p)  # an alias (tied weights) names the same array
-    kids = node.children or []
-    if node.kind == "stateful":
-        for c in kids:
-            array_paths(c, p, out)
-        return
-    keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
-    for k, c in zip(keys, kids):
-        array_paths(c, p + (k,), out)
 
 
 def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,

@@ -4,42 +4,28 @@ from __future__ import annotations
 
 import os
 
-from statestream.errors import CheckpointCorruptError
-from statestream.format import (
-    COMMIT_NAME,
-    MANIFEST_NAME,
-    MAX_COMMIT_BYTES,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    checksum,
-    decode_commit,
-    decode_manifest,
-)
+from statestream.engine import follow_bases, read_manifest
+from statestream.format import Manifest
 from statestream.interop import FileSetReader, open_foreign
 from statestream.plan import ReadRequest
 from statestream.storage import CheckpointReader, storage_for
+from statestream.tree import Key, KeyPath, Node, format_keypath
 
-__all__ = ["open_checkpoint", "read_manifest", "skip_missing_checksums"]
+__all__ = ["array_paths", "open_checkpoint", "read_manifest", "skip_missing_checksums"]
 
 
-def read_manifest(reader: CheckpointReader) -> Manifest:
-    """Read and verify the commit marker and manifest of an open checkpoint."""
-    where = f"{reader.location}/{MANIFEST_NAME}"
-    size, crc = decode_commit(
-        reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
-    )
-    data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    if len(data) != size or checksum(data) != crc:
-        raise CheckpointCorruptError(
-            f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "
-            "or checksum differs); the checkpoint is corrupt"
-        )
-    try:  # decode from text only, so the bytes are not held while decoding
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
-    del data
-    return decode_manifest(text, where)
+def array_paths(node: Node, p: KeyPath, out: dict[int, KeyPath]) -> None:
+    """Fill ``out`` with the key path of every array leaf under ``node``."""
+    if node.array is not None:
+        out.setdefault(node.array, p)  # an alias (tied weights) names the same array
+    kids = node.children or []
+    if node.kind == "stateful":
+        for c in kids:
+            array_paths(c, p, out)
+        return
+    keys: list[Key] = list(node.keys) if node.keys is not None else list(range(len(kids)))
+    for k, c in zip(keys, kids):
+        array_paths(c, p + (k,), out)
 
 
 def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]) -> None:
@@ -50,13 +36,18 @@ def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]
                 p.verify = []
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False
-                    ) -> tuple[CheckpointReader, Manifest]:
+def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
+                    follow: bool = True) -> tuple[CheckpointReader, Manifest]:
     """Open the committed checkpoint at ``path`` and read its verified manifest.
 
     A foreign checkpoint (safetensors, ...; see docs/interop.md) is recognised
     by its content and comes back as a manifest its parser built
     (``allow_pickle``: see torch.save files there).
+
+    ``follow``: an incremental checkpoint's references to its bases are
+    checked against the bases and resolved (the reader reads the bases'
+    files; the manifest's chunks are all plain). Without it the manifest
+    comes back as stored, references and all (``metadata``).
     """
     foreign = open_foreign(path, allow_pickle=allow_pickle)
     if foreign is not None:
@@ -64,7 +55,13 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False
     storage, spath = storage_for(path)
     reader = storage.open_read(spath)
     try:
-        return reader, read_manifest(reader)
+        m = read_manifest(reader)
+        if not follow or not m.bases:
+            return reader, m
+        paths: dict[int, KeyPath] = {}
+        array_paths(m.tree, (), paths)
+        return follow_bases(storage, spath, reader, m,
+                            lambda i: format_keypath(paths.get(i, ())))
     except BaseException:
         reader.close()
         raise

@@ -34,6 +34,8 @@ def save(
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
     compression: CompressionOption = None,
+    base: str | os.PathLike[str] | None = None,
+    hashes: bool = False,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
@@ -62,11 +64,20 @@ def save(
             pattern covers its subtree, the last match decides). Floating-point
             arrays are byte-shuffled first by default. A chunk that does not
             shrink is stored raw. Default: nothing compressed (format v1).
+        base: an incremental save (format v2): a committed checkpoint in the
+            same parent directory as ``path``. Every chunk is hashed
+            (XXH3-128) while it is written; a chunk whose bytes equal a hashed
+            chunk of ``base`` is not written again, the manifest refers to it
+            (to the checkpoint that holds its bytes). Loading the new
+            checkpoint needs those checkpoints (``metadata(path).bases``).
+        hashes: record every chunk's hash, so that this checkpoint can be a
+            later save's ``base`` (implied by ``base``; format v2).
 
     Raises:
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
             nothing is written.
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
+        CheckpointError: ``base`` is missing, not committed or not a sibling.
         StorageError: the file system failed; nothing is committed.
 
     Example:
@@ -78,20 +89,23 @@ def save(
     """
     run_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta, compression=compression))
+        collective=collective, progress=progress, meta=meta, compression=compression,
+        base=base, hashes=hashes))
 
 
 def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOptions | None,
                  memory: MemoryOptions | None, collective: Collective | None,
                  progress: Progress | None, meta: Mapping[str, Any] | None,
-                 compression: CompressionOption = None) -> SaveOptions:
+                 compression: CompressionOption = None,
+                 base: str | os.PathLike[str] | None = None,
+                 hashes: bool = False) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
         memory=memory or MemoryOptions(),
         collective=collective if collective is not None else default_collective(),
         progress=progress, user_meta=check_user_meta(meta),
-        compression=CompressionPolicy(compression))
+        compression=CompressionPolicy(compression), base=base, hashes=bool(hashes))
 
 
 

@@ -29,7 +29,7 @@ EXAMPLE = """examples:
 def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
                          "format": None, "time": None, "nbytes": None, "metrics": {},
-                         "error": None}
+                         "error": None, "bases": []}
     try:
         md = ss.metadata(path)
     except ss.CheckpointError as exc:
@@ -41,6 +41,7 @@ def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, An
     e["format"] = md.format
     e["time"] = user.get("time", md.meta.get("created_unix"))
     e["nbytes"] = md.total_bytes
+    e["bases"] = list(md.bases)
     try:
         e["metrics"] = decode_metrics(user.get("metrics", {}))
     except (TypeError, ValueError, AttributeError):
@@ -77,7 +78,7 @@ def list_directory(directory: str) -> dict[str, Any]:
     for lo in storage.leftovers(path):
         entries.append({"name": lo.target, "path": lo.path, "step": parse_step(lo.target),
                          "state": "leftover", "format": None, "time": lo.modified,
-                         "nbytes": None, "metrics": {}, "error": None})
+                         "nbytes": None, "metrics": {}, "error": None, "bases": []})
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"], e["state"]))
     return {"directory": directory, "kind": "manager" if is_manager else "directory",
             "entries": entries}
@@ -94,6 +95,14 @@ def _metrics_text(m: dict[str, Any]) -> str:
                          for k, v in m.items()))[:60]
 
 
+def _bases_text(bases: list[str]) -> str:
+    """What an incremental checkpoint depends on (its bases must be kept with it)."""
+    if not bases:
+        return ""
+    shown = ", ".join(safe(b) for b in bases[:4]) + (" ..." if len(bases) > 4 else "")
+    return f"  depends on {shown}"
+
+
 def _cmd(args: argparse.Namespace) -> int:
     out = list_directory(args.directory)
     if args.json:
@@ -106,7 +115,7 @@ def _cmd(args: argparse.Namespace) -> int:
         step = "" if e["step"] is None else str(e["step"])
         size = "" if e["nbytes"] is None else _human(e["nbytes"])
         print(f"{safe(e['name']):<{w}}  {step:>10}  {e['state']:<11} {_when(e['time']):<19}  "
-              f"{size:>10}  {_metrics_text(e['metrics'])}")
+              f"{size:>10}  {_metrics_text(e['metrics'])}{_bases_text(e['bases'])}")
     n = sum(1 for e in rows if e["state"] == "committed")
     print(f"{n} committed checkpoint{'s' if n != 1 else ''}, {len(rows) - n} other")
     return 0

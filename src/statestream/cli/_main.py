@@ -120,6 +120,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "num_arrays": md.num_arrays,
             "files": md.files,
             "meta": md.meta,
+            "bases": md.bases,
+            "referenced_bytes": md.referenced_bytes,
             "leaves": [
                 {"key": k, "kind": kind, "dtype": dt, "shape": sh, "nbytes": nb,
                  "stored_bytes": st, "codec": codec}
@@ -147,6 +149,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"file{'s' if n_files != 1 else ''} ({_human(sum(s for _, s in md.files))} on disk), "
         f"{sum(1 for _ in md.leaves())} leaves"
     )
+    if md.bases:
+        print(f"depends on  {safe(', '.join(md.bases))} ({_human(md.referenced_bytes)} stored "
+              "there, referenced by this incremental checkpoint)")
     return 0
 
 

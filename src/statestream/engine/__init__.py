@@ -13,11 +13,13 @@ from statestream.engine._core import (
 from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
 from statestream.engine._read import read_requests
+from statestream.engine._refs import ChainReader, follow_bases, read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
     "ByteBudget",
+    "ChainReader",
     "CompressionOption",
     "CompressionPolicy",
     "IOOptions",
@@ -30,10 +32,12 @@ __all__ = [
     "StreamWriter",
     "chunk_checksums",
     "default_memory_budget_bytes",
+    "follow_bases",
     "host_pool",
     "lower_thread_priority",
     "parallel_for",
     "pinned_pool",
+    "read_manifest",
     "read_requests",
     "release_staging",
     "run_save",

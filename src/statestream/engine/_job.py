@@ -47,6 +47,7 @@ from statestream.engine._core import (
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
+from statestream.engine._refs import BaseChunks, base_name_for, open_base
 from statestream.engine._write import StreamWriter
 from statestream.errors import CheckpointError, DistributedError, TargetMismatchError
 from statestream.format import (
@@ -97,6 +98,10 @@ class SaveOptions:
     #: which arrays are compressed, with what (default: none)
     compression: CompressionPolicy = dataclasses.field(
         default_factory=lambda: CompressionPolicy(None))
+    #: an incremental save's base: a committed sibling checkpoint (path or URL)
+    base: str | os.PathLike[str] | None = None
+    #: record each chunk's XXH3-128 (so a later save can use this one as its base)
+    hashes: bool = False
 
 
 class SaveJob:
@@ -140,6 +145,17 @@ class SaveJob:
         self.handle: SaveHandle | None = None
         self._writer: StreamWriter | None = None
         self._decls: list[ArrayDecl] = []
+        #: the base's hashed chunks (an incremental save), read at the begin
+        self.base: BaseChunks | None = None
+
+    def _open_base(self) -> None:
+        """Read the base's manifest (before anything is written)."""
+        if self.options.base is None:
+            return
+        name = base_name_for(self.storage, self.spath, self.options.base)
+        reader, m = open_base(self.storage, self.spath, name, of=f"the save to {self.spath}")
+        reader.close()
+        self.base = BaseChunks(name, m)
 
     @property
     def writer(self) -> StreamWriter:
@@ -161,6 +177,7 @@ class SaveJob:
             self._begin_single()
 
     def _begin_single(self) -> None:
+        self._open_base()
         self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
         try:
             self._open_writer()
@@ -180,6 +197,7 @@ class SaveJob:
         tree = None
         err: BaseException | None = None
         try:
+            self._open_base()
             tree = self.collector.walk(self.state)
         except BaseException as exc:
             err = exc
@@ -235,12 +253,18 @@ class SaveJob:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.take, budget=ByteBudget(1 << 62),
                 after_write=self._snapshot_written, on_error=self.budget.abort,
-                nice=self.options.io.background_nice, relayout=bool(self.options.compression))
+                nice=self.options.io.background_nice, relayout=self._relayout(),
+                hashes=self.options.hashes, base=self.base)
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
                 progress=self.options.progress, after_write=self.ledger.after_write,
-                relayout=bool(self.options.compression))
+                relayout=self._relayout(), hashes=self.options.hashes, base=self.base)
+
+    def _relayout(self) -> bool:
+        # chunks placed one after the other by what is really written (stored sizes;
+        # references take no room)
+        return bool(self.options.compression) or self.base is not None
 
     def _plan(self, i: int) -> list[WriteItem]:
         a = self.collector.arrays[i]

@@ -14,6 +14,7 @@ import numpy as np
 from statestream import _hooks
 from statestream.engine._codec import encode_chunk
 from statestream.engine._core import ByteBudget, Progress, lower_thread_priority
+from statestream.engine._refs import BaseChunks, chunk_digest
 from statestream.format import ChunkEntry, FileEntry, checksum
 from statestream.plan import WriteItem, chunk_offset
 from statestream.storage import FileWriter, WriteTransaction
@@ -75,7 +76,9 @@ class StreamWriter:
     preparing later arrays overlaps writing earlier ones. Items with a codec
     are compressed by their file's thread (so files compress in parallel);
     in a save that compresses (``relayout``), each thread places its chunks
-    one after the other by their stored sizes. ``close()`` waits,
+    one after the other by their stored sizes. With ``hashes`` each chunk's
+    XXH3-128 is recorded; a chunk equal to one of ``base`` (an incremental
+    save, which relayouts too) is recorded as a reference and not written. ``close()`` waits,
     fsyncs every file, and returns what was written: a
     :class:`~statestream.format.ChunkEntry` per (array, chunk), made once its
     bytes are in the file (offset, stored size, CRC-32C and block CRCs), and
@@ -96,8 +99,13 @@ class StreamWriter:
         on_error: Callable[[BaseException], None] | None = None,
         nice: int = 0,
         relayout: bool = False,
+        hashes: bool = False,
+        base: BaseChunks | None = None,
     ) -> None:
         self._nice = nice
+        #: record each chunk's XXH3-128; with a base, refer to its equal chunks
+        self._hashes = hashes or base is not None
+        self._base = base
         #: this save compresses: writers place chunks by their stored sizes
         self._relayout = relayout
         self._after_write = after_write
@@ -205,8 +213,8 @@ class StreamWriter:
                 w = None
             with self._lock:
                 self._records.update(st.written)
-                self._sizes[index] = max((c.offset + c.nbytes for c in st.written.values()),
-                                         default=0)
+                self._sizes[index] = max((c.offset + c.nbytes for c in st.written.values()
+                                          if c.ref is None), default=0)
         except BaseException as exc:  # reported by submit()/close()
             with self._lock:
                 self._errors.append(exc)
@@ -232,9 +240,10 @@ class StreamWriter:
             need = it.staging_bytes + _codec_bytes(it)
             got = None if flush else budget.try_acquire(need)
             if got is None:
-                if batch:  # never wait while holding staged bytes: write first
-                    w.write_at(batch, batch_off)
-                    batch = []
+                if done_items:  # never wait while holding staged bytes: write first
+                    if batch:
+                        w.write_at(batch, batch_off)
+                        batch = []
                     self._written(done_items)
                     budget.release(st.held)
                     st.held = 0
@@ -243,6 +252,9 @@ class StreamWriter:
             st.held += got
             entry, payload = self._record(it, self._source(it), st.cursor)
             st.written[(it.array, it.chunk)] = entry
+            if payload is None:  # a reference to the base: nothing to write
+                done_items.append(it)
+                continue
             if not batch:
                 batch_off = end = entry.offset
             _pad(batch, entry.offset - end)
@@ -253,17 +265,30 @@ class StreamWriter:
         if batch:
             w.write_at(batch, batch_off)
             batch = []  # the buffers are freed before their budget is
+        if done_items:  # written, or references that needed no write
             self._written(done_items)
         budget.release(st.held)
         st.held = 0
 
     def _record(self, it: WriteItem, data: np.ndarray, end: int) -> tuple[ChunkEntry, Any]:
-        """The chunk's record and the bytes to write for it.
+        """The chunk's record and the bytes to write for it (None: a reference).
 
         Without compression in this save, a chunk goes where the plan put it.
         With it, each chunk (compressed, or stored raw when that does not pay)
         goes right after the file's previous one (``end``), at its alignment.
         """
+        if not self._hashes:
+            return self._stored(it, data, end)
+        digest = chunk_digest(data)
+        if self._base is not None:
+            ref = self._base.match(digest, data, it.start, it.shape)
+            if ref is not None:
+                return ref, None
+        entry, payload = self._stored(it, data, end)
+        entry.digest = digest
+        return entry, payload
+
+    def _stored(self, it: WriteItem, data: np.ndarray, end: int) -> tuple[ChunkEntry, Any]:
         stored = None
         if it.codec is not None:
             stored = encode_chunk(data, it.nbytes // math.prod(it.shape), it.codec)

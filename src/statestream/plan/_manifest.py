@@ -291,8 +291,9 @@ def build_manifest(merged: MergedTree, parts: Sequence[RankPart],
         base = len(files)
         files.extend(part.files)
         for ai, cs in part.chunks.items():
-            if base:
-                cs = [dataclasses.replace(c, file=c.file + base) for c in cs]
+            if base:  # a reference's file is the base checkpoint's: it stays
+                cs = [c if c.ref is not None else dataclasses.replace(c, file=c.file + base)
+                      for c in cs]
             chunks[ai].extend(cs)
     arrays = [ArrayEntry(a.dtype, a.shape, tuple(cs)) for a, cs in zip(merged.arrays, chunks)]
     return Manifest(tree=merged.tree, arrays=arrays, files=files, meta=meta)

@@ -1,0 +1,372 @@
+"""Incremental saves: chunk hashes, matching chunks of a base, following references.
+
+A save with a *base* (a committed sibling checkpoint whose chunks carry
+XXH3-128 hashes) hashes every chunk it writes in the writer threads; a chunk
+whose raw bytes equal a chunk of the base (same hash, same shape and size,
+and, where the base stores it raw, the same CRC-32C) is not written again:
+its record refers to the checkpoint that physically holds the bytes (format
+v2 ``ref``; references are flattened, so that may be the base's own base).
+
+A reader follows a reference only to a committed sibling whose manifest
+lists a chunk at that file and offset with the same stored size, checksums,
+codec, hash and raw size (docs/format.md "References"). Loading, verifying
+and converting then read the base's files through :class:`ChainReader` as
+if they were the checkpoint's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    InvalidOptionError,
+    UnsafeCheckpointError,
+)
+from statestream.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    MAX_COMMIT_BYTES,
+    MAX_MANIFEST_BYTES,
+    ArrayEntry,
+    ChunkEntry,
+    ChunkRef,
+    FileEntry,
+    Manifest,
+    checksum,
+    decode_commit,
+    decode_manifest,
+    itemsize_of,
+    validate_base_name,
+)
+from statestream.storage import CheckpointReader, Storage, storage_for
+
+__all__ = [
+    "BaseChunks",
+    "ChainReader",
+    "base_name_for",
+    "chunk_digest",
+    "follow_bases",
+    "open_base",
+    "read_manifest",
+    "sibling_path",
+]
+
+_Buffer = Any
+
+
+def chunk_digest(data: np.ndarray) -> bytes:
+    """XXH3-128 of a chunk's raw bytes (16 bytes, as ``xxh3_128().digest()``)."""
+    try:
+        import xxhash
+    except ImportError as exc:  # a declared dependency; say which one is missing
+        raise CheckpointError(
+            "chunk hashes (incremental saves) need the xxhash package: pip install xxhash"
+        ) from exc
+    return bytes(xxhash.xxh3_128(np.ascontiguousarray(data).view(np.uint8).data).digest())
+
+
+def read_manifest(reader: CheckpointReader) -> Manifest:
+    """Read and verify the commit marker and manifest of an open checkpoint."""
+    where = f"{reader.location}/{MANIFEST_NAME}"
+    size, crc = decode_commit(
+        reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
+    )
+    data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if len(data) != size or checksum(data) != crc:
+        raise CheckpointCorruptError(
+            f"manifest {where} does not match its commit marker (size {len(data)} vs {size}, "
+            "or checksum differs); the checkpoint is corrupt"
+        )
+    try:  # decode from text only, so the bytes are not held while decoding
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
+    del data
+    return decode_manifest(text, where)
+
+
+# ----------------------------------------------------------------------------- siblings
+
+
+def _split(spath: str) -> tuple[str, str]:
+    """(parent, name) of a storage path or URL."""
+    parent, sep, name = spath.rstrip("/").rpartition("/")
+    if not sep or not name or parent.endswith(":/") or parent.endswith(":"):
+        raise InvalidOptionError(f"{spath} has no parent directory to hold sibling checkpoints")
+    return parent, name
+
+
+def sibling_path(spath: str, name: str) -> str:
+    """The path of checkpoint ``name`` next to the checkpoint at ``spath``."""
+    return f"{_split(spath)[0]}/{name}"
+
+
+def base_name_for(storage: Storage, spath: str, base: Any) -> str:
+    """The directory name of ``base``, which must be a sibling of ``spath``.
+
+    Raises:
+        CheckpointError: ``base`` is not in the same parent directory (or store)
+            as the new checkpoint, or is the checkpoint itself.
+    """
+    bstorage, bpath = storage_for(base)
+    parent, own = _split(spath)
+    bparent, name = _split(bpath)
+    if type(bstorage) is not type(storage) or bparent != parent:
+        raise CheckpointError(
+            f"the base {bpath} of the incremental save to {spath} is not a sibling of it: "
+            f"references stay inside the parent directory {parent}, so the base must be "
+            "there too"
+        )
+    if name == own:
+        raise CheckpointError(
+            f"the incremental save to {spath} names itself as its base; a checkpoint "
+            "cannot refer to the bytes it replaces"
+        )
+    try:
+        return validate_base_name(name)
+    except UnsafeCheckpointError:
+        raise CheckpointError(
+            f"the base {bpath} of the incremental save to {spath} has a name a manifest "
+            "cannot record ([A-Za-z0-9_][A-Za-z0-9_.-]{0,199}, no '..')") from None
+
+
+def open_base(storage: Storage, spath: str, name: str, *, of: str
+              ) -> tuple[CheckpointReader, Manifest]:
+    """Open the committed sibling ``name`` of ``spath`` and read its verified manifest.
+
+    Raises:
+        CheckpointError: the base is missing (deleted), naming it.
+        UnsafeCheckpointError: it exists but is not committed.
+    """
+    path = sibling_path(spath, name)
+    if not storage.is_committed(path):
+        if name in storage.list(_split(spath)[0]):
+            raise UnsafeCheckpointError(
+                f"base checkpoint {name} ({path}) of {of} is not committed (a save never "
+                "finished, or it is being deleted); refusing to follow references into it")
+        raise CheckpointError(
+            f"base checkpoint {name} ({path}) of {of} is missing: {of} refers to chunks "
+            "stored there, so it cannot be read without it (was the base deleted?)")
+    reader = storage.open_read(path)
+    try:
+        return reader, read_manifest(reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _crc_as(entry: ChunkEntry, data: np.ndarray) -> int:
+    """``data``'s CRC-32C computed as ``entry``'s (block checksums or not)."""
+    if not entry.block_rows:
+        return checksum(data)
+    raw = data.view(np.uint8).reshape(-1)
+    step = (raw.nbytes // entry.shape[0]) * entry.block_rows
+    blocks = [checksum(raw[a:a + step]) for a in range(0, raw.nbytes, step)]
+    return checksum(np.array(blocks, dtype="<u4").tobytes())
+
+
+class BaseChunks:
+    """The hashed chunks of a base checkpoint, for a save to refer to.
+
+    Each is recorded as the flattened reference a new chunk with the same
+    bytes gets: the checkpoint that physically holds the bytes (the base, or
+    the base's own base for a chunk the base refers to) and the holder's
+    record of them.
+    """
+
+    def __init__(self, name: str, manifest: Manifest) -> None:
+        self.name = name
+        self._by: dict[tuple[bytes, tuple[int, ...], int], ChunkEntry] = {}
+        for a in manifest.arrays:
+            isz = itemsize_of(a.dtype)
+            for c in a.chunks:
+                if c.digest is None:
+                    continue
+                ref = c.ref if c.ref is not None else ChunkRef(name, c.file)
+                key = (c.digest, c.shape, math.prod(c.shape) * isz)
+                self._by.setdefault(key, dataclasses.replace(c, ref=ref))
+
+    def __len__(self) -> int:
+        return len(self._by)
+
+    def bases(self) -> set[str]:
+        """Every checkpoint a reference from here may point to."""
+        return {c.ref.base for c in self._by.values() if c.ref is not None}
+
+    def match(self, digest: bytes, data: np.ndarray, start: tuple[int, ...],
+              shape: tuple[int, ...]) -> ChunkEntry | None:
+        """The reference for a chunk with these raw bytes, or None (write it).
+
+        Identity is the hash and the raw size and shape; a chunk the holder
+        stores raw must also have the same CRC-32C (a second, independent check).
+        """
+        c = self._by.get((digest, shape, data.nbytes))
+        if c is None:
+            return None
+        if c.codec is None and _crc_as(c, data) != c.checksum:
+            return None  # an XXH3 collision: write the bytes
+        return dataclasses.replace(c, start=start, shape=shape)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class ChainReader:
+    """A checkpoint's reader that also reads its bases' data files.
+
+    A base file appears under a name of its own (``../<base>/data/...``, a
+    key of this reader only: it never reaches a storage backend), so the
+    read pipeline handles referenced chunks as the checkpoint's own; errors
+    name the base file's real location.
+    """
+
+    list_files: Callable[[], list[str]]
+
+    def __init__(self, main: CheckpointReader,
+                 extra: dict[str, tuple[CheckpointReader, str]],
+                 bases: Sequence[CheckpointReader]) -> None:
+        self.main = main
+        self.location = main.location
+        self._extra = extra
+        self._bases = list(bases)
+        lf = getattr(main, "list_files", None)
+        if lf is not None:
+            self.list_files = lf
+
+    def _route(self, name: str) -> tuple[CheckpointReader, str]:
+        got = self._extra.get(name)
+        return got if got is not None else (self.main, name)
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes:
+        return self.main.read_bytes(name, max_bytes)
+
+    def file_size(self, name: str) -> int:
+        r, n = self._route(name)
+        return r.file_size(n)
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[_Buffer]) -> None:
+        r, n = self._route(name)
+        r.read_into(n, offset, buffers)
+
+    def close(self) -> None:
+        for r in [self.main, *self._bases]:
+            r.close()
+
+
+def _own_chunks(m: Manifest) -> dict[tuple[int, int], tuple[ChunkEntry, int]]:
+    """(file, offset) -> (chunk, raw size) of every chunk a base stores itself."""
+    out: dict[tuple[int, int], tuple[ChunkEntry, int]] = {}
+    for a in m.arrays:
+        isz = itemsize_of(a.dtype)
+        for c in a.chunks:
+            if c.ref is None:
+                out[(c.file, c.offset)] = (c, math.prod(c.shape) * isz)
+    return out
+
+
+def _check_ref(c: ChunkEntry, raw: int, held: tuple[ChunkEntry, int] | None, key: str,
+               where: str) -> None:
+    """Refuse a reference unless the base lists exactly this chunk there."""
+    assert c.ref is not None
+    base = c.ref.base
+    if held is None:
+        raise UnsafeCheckpointError(
+            f"array at key path '{key}' of {where} refers to bytes at offset {c.offset} of "
+            f"file {c.file} of base checkpoint {base}, where {base}'s manifest lists no chunk "
+            "of its own; refusing to follow the reference (corrupt or hostile manifest)")
+    b, braw = held
+    same = (b.nbytes == c.nbytes and b.checksum == c.checksum and b.codec == c.codec
+            and b.shuffle == c.shuffle and b.digest == c.digest and braw == raw
+            and b.block_rows == c.block_rows and b.block_checksums == c.block_checksums)
+    if not same:
+        raise UnsafeCheckpointError(
+            f"array at key path '{key}' of {where} refers to a chunk of base checkpoint "
+            f"{base} (file {c.file}, offset {c.offset}) whose record there differs (stored "
+            f"size {b.nbytes} vs {c.nbytes}, CRC-32C {b.checksum:08x} vs {c.checksum:08x}, "
+            "codec, hash or raw size); refusing to follow the reference")
+
+
+@dataclasses.dataclass
+class _Bases:
+    """The opened bases of one checkpoint while its references are resolved."""
+
+    storage: Storage
+    spath: str
+    where: str
+    readers: dict[str, CheckpointReader] = dataclasses.field(default_factory=dict)
+    manifests: dict[str, Manifest] = dataclasses.field(default_factory=dict)
+    own: dict[str, dict[tuple[int, int], tuple[ChunkEntry, int]]] = dataclasses.field(
+        default_factory=dict)
+
+    def open(self, names: Iterable[str]) -> None:
+        for name in names:
+            r, m = open_base(self.storage, self.spath, name, of=self.where)
+            self.readers[name] = r
+            self.manifests[name] = m
+            self.own[name] = _own_chunks(m)
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+
+
+def follow_bases(storage: Storage, spath: str, reader: CheckpointReader, m: Manifest,
+                 key_of: Callable[[int], str]) -> tuple[CheckpointReader, Manifest]:
+    """Resolve ``m``'s references: a reader and manifest where they are plain chunks.
+
+    Every referenced chunk is checked against its base's manifest first
+    (:func:`_check_ref`); the returned manifest lists the bases' files after
+    the checkpoint's own, and the reader reads them from the bases. A
+    manifest without bases comes back unchanged.
+
+    Raises:
+        CheckpointError: a base is missing, naming it.
+        UnsafeCheckpointError: a base is not committed, or does not list a
+            referenced chunk exactly as the reference records it.
+    """
+    if not m.bases:
+        return reader, m
+    bases = _Bases(storage, spath, reader.location)
+    try:
+        bases.open(m.bases)
+        files = list(m.files)
+        index: dict[tuple[str, int], int] = {}
+        extra: dict[str, tuple[CheckpointReader, str]] = {}
+        arrays: list[ArrayEntry] = []
+        for ai, a in enumerate(m.arrays):
+            if not any(c.ref is not None for c in a.chunks):
+                arrays.append(a)
+                continue
+            isz = itemsize_of(a.dtype)
+            out = []
+            for c in a.chunks:
+                if c.ref is None:
+                    out.append(c)
+                    continue
+                bname = c.ref.base
+                _check_ref(c, math.prod(c.shape) * isz, bases.own[bname].get((c.file, c.offset)),
+                           key_of(ai), reader.location)
+                k = (bname, c.file)
+                if k not in index:
+                    f = bases.manifests[bname].files[c.file]
+                    alias = f"../{bname}/{f.name}"
+                    index[k] = len(files)
+                    files.append(FileEntry(alias, f.size))
+                    extra[alias] = (bases.readers[bname], f.name)
+                out.append(dataclasses.replace(c, file=index[k], ref=None))
+            arrays.append(ArrayEntry(a.dtype, a.shape, tuple(out)))
+    except BaseException:
+        bases.close()
+        raise
+    return (ChainReader(reader, extra, list(bases.readers.values())),
+            dataclasses.replace(m, arrays=arrays, files=files))
