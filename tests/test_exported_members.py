@@ -62,7 +62,8 @@ EXPECTED: dict[str, list[str]] = {
         "SaveOptions", "StagingPool", "StreamWriter",
         "chunk_checksums", "default_memory_budget_bytes", "follow_bases", "host_pool",
         "lower_thread_priority", "parallel_for",
-        "pinned_pool", "read_manifest", "read_requests", "release_staging", "run_save", "start_save",
+        "pinned_pool", "read_manifest", "read_requests", "release_staging", "run_save",
+        "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
