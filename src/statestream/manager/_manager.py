@@ -54,6 +54,12 @@ class CheckpointManager:
         collective: processes that save together (default: detected).
         io, memory: engine options for every save and load.
         compression: how every save compresses arrays (see ``save``).
+        incremental: each save uses the previous step as its ``base`` (see
+            ``ss.save``): chunks that did not change are not written again, the
+            new step refers to the step that holds them. Every step records
+            chunk hashes. A step the keep policy drops is kept (not listed by
+            :meth:`steps`) while a kept step refers to it, and deleted once
+            none does.
         lease_ttl_s: how long the directory's lease lasts without renewal where
             the store needs one (object stores; renewed every third of it in the
             background). A crashed manager's directory can be taken over this
@@ -89,7 +95,9 @@ class CheckpointManager:
         memory: MemoryOptions | None = None,
         lease_ttl_s: float = 60.0,
         compression: CompressionOption = None,
+        incremental: bool = False,
     ) -> None:
+        self._incremental = bool(incremental)
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
         self._save_policy = save_policy
@@ -187,8 +195,9 @@ class CheckpointManager:
         return self._dir.path(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (never a step still being written)."""
-        return self._dir.steps()
+        """Committed steps, ascending (never a step still being written, nor a step
+        the keep policy dropped that is kept only because a kept step refers to it)."""
+        return self._retention.listed()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -330,21 +339,37 @@ class CheckpointManager:
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
         overwrite = self._dir.is_committed(step)
+        base = self._base_for(step)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
                                         collective=self._coll, meta=meta,
-                                        compression=self._compression)
+                                        compression=self._compression, base=base,
+                                        hashes=self._incremental)
             if self._lazy:  # an optimizer.step() must not race the lazy snapshot
                 guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
-                 collective=self._coll, meta=meta, compression=self._compression)
+                 collective=self._coll, meta=meta, compression=self._compression, base=base,
+                 hashes=self._incremental)
             self._apply_keep_policy()
         self._last_saved_step = step
         self._last_saved_time = time.time()
         return True
+
+    def _base_for(self, step: int) -> str | None:
+        """An incremental save's base: the newest kept step before ``step`` (never
+        ``step`` itself, which an overwrite replaces), the same on every rank."""
+        if not self._incremental:
+            return None
+        base = None
+        if self._coll.rank == 0:
+            older = [s for s in self.steps() if s < step]
+            base = older[-1] if older else None
+        if self._coll.world_size > 1:
+            base = self._coll.broadcast_object(base, src=0)
+        return self.step_path(base) if base is not None else None
 
     def _check_step_order(self, step: int) -> None:
         """Steps only go forward: an older step than the last saved one is an error."""

@@ -8,8 +8,8 @@ from typing import Any
 
 from statestream.api import metadata
 from statestream.errors import CheckpointError
-from statestream.manager._policies import KeepPolicy, StepInfo
-from statestream.manager._steps import StepDirectory
+from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
+from statestream.manager._steps import StepDirectory, parse_step
 
 __all__ = ["Retention", "decode_metrics", "encode_metrics", "step_info"]
 
@@ -38,7 +38,8 @@ def decode_metrics(stored: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def step_info(path: str, step: int) -> dict[str, Any]:
-    """Recorded metadata of the step at ``path``: wall time, metrics, size, user metadata."""
+    """Recorded metadata of the step at ``path``: wall time, metrics, size, user metadata,
+    and the checkpoints it refers to (``bases``: an incremental save's)."""
     md = metadata(path)
     user = md.meta.get("user", {})
     return {
@@ -47,6 +48,7 @@ def step_info(path: str, step: int) -> dict[str, Any]:
         "metrics": decode_metrics(user.get("metrics", {})),
         "metadata": user.get("metadata", {}),
         "nbytes": md.total_bytes,
+        "bases": list(md.bases),
     }
 
 
@@ -55,15 +57,26 @@ class Retention:
 
     A committed step only changes through the manager's own saves, which call
     :meth:`forget` first.
+
+    Incremental steps refer to chunks of older steps (their manifests'
+    ``bases``). A step the policy drops but a kept step still refers to is
+    *retired*: kept on storage, not listed; it is deleted once no kept step
+    refers to it. Which steps are retired is recomputed from the manifests
+    (never recorded elsewhere), so a restarted manager sees the same.
+    Deletions go newest first: references point to older steps, so a
+    deletion killed halfway never leaves a committed step referring to a
+    deleted one.
     """
 
     def __init__(self, policy: KeepPolicy, steps: StepDirectory) -> None:
         self._policy = policy
         self._steps = steps
         self._infos: dict[int, StepInfo] = {}
+        self._bases: dict[int, list[int]] = {}
 
     def forget(self, step: int) -> None:
         self._infos.pop(step, None)
+        self._bases.pop(step, None)
 
     def _info(self, step: int) -> StepInfo | None:
         si = self._infos.get(step)
@@ -71,28 +84,63 @@ class Retention:
             try:
                 info = step_info(self._steps.path(step), step)
             except CheckpointError:
-                return None  # unreadable: the policy does not see it, nothing deletes it
+                return None  # unreadable: the policy does not see it
             si = StepInfo(step, float(info["time"] or 0.0), dict(info["metrics"]),
                           int(info["nbytes"]))
             self._infos[step] = si
+            # a base that is not a step of this directory cannot be deleted by it
+            self._bases[step] = [b for b in map(parse_step, info["bases"]) if b is not None]
         return si
 
     def infos(self) -> list[StepInfo]:
-        """The committed steps' infos, ascending (unreadable steps left out)."""
-        return [si for si in map(self._info, self._steps.steps()) if si is not None]
+        """The listed steps' infos, ascending (unreadable and retired steps left out)."""
+        listed = set(self.listed())
+        return [si for si in map(self._info, self._steps.steps())
+                if si is not None and si.step in listed]
+
+    def listed(self) -> list[int]:
+        """The committed steps, without the retired ones (see the class docstring)."""
+        steps = self._steps.steps()
+        if isinstance(self._policy, KeepAll):
+            return steps
+        keep, needed, _ = self._plan(steps, set())
+        return [s for s in steps if s in keep or s not in needed]
+
+    def _plan(self, steps: list[int], protected: set[int]
+              ) -> tuple[set[int], set[int], bool]:
+        """(kept by the policy, referred to by a kept step, every reference known)."""
+        infos = [si for si in map(self._info, steps) if si is not None]
+        keep = set(self._policy.keep(infos)) | protected
+        if steps:
+            keep.add(steps[-1])  # never the last good step
+        needed: set[int] = set()
+        known = True
+        todo = [s for s in steps if s in keep]
+        while todo:
+            s = todo.pop()
+            if s not in self._bases:  # unreadable (every step's info was read above)
+                known = False
+                continue
+            for b in self._bases[s]:
+                if b not in needed:
+                    needed.add(b)
+                    todo.append(b)
+        return keep, needed, known
 
     def apply(self, protected: set[int]) -> list[int]:
-        """Delete the committed steps the policy drops; return them.
+        """Delete the committed steps the policy drops and no kept step refers to.
 
-        The latest committed step and the ``protected`` ones are always kept.
+        The latest committed step and the ``protected`` ones are always kept;
+        nothing is deleted while a kept step's references cannot be read.
+        Returns the deleted steps (newest first, the order of deletion).
         """
         steps = self._steps.steps()
         if len(steps) <= 1:
             return []
-        infos = [si for si in map(self._info, steps) if si is not None]
-        keep = set(self._policy.keep(infos)) | protected
-        keep.add(steps[-1])  # never the last good step
-        dropped = [s for s in steps if s not in keep]
+        keep, needed, known = self._plan(steps, protected)
+        if not known:
+            return []  # a kept step's manifest is unreadable: what it refers to is unknown
+        dropped = [s for s in reversed(steps) if s not in keep and s not in needed]
         for s in dropped:
             self.forget(s)
             self._steps.delete(s)  # marker first, then data
