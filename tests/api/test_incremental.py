@@ -1,0 +1,249 @@
+"""Incremental saves (format v2 references): what is skipped, chains, and refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.format import encode_commit
+
+MB = 1 << 20
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {"frozen": rng.standard_normal((512, 512)).astype(np.float32),   # 1 MiB
+            "lora": rng.standard_normal((32, 64)).astype(np.float32),       # 8 KiB
+            "step": 0}
+
+
+def _data_bytes(ck: Path) -> int:
+    return sum(p.stat().st_size for p in (ck / "data").iterdir())
+
+
+def _manifest(ck: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((ck / "manifest.json").read_bytes())
+    return doc
+
+
+def _rewrite(ck: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the manifest and re-seal it (a consistent, hostile manifest)."""
+    doc = _manifest(ck)
+    change(doc)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    (ck / "manifest.json").write_bytes(data)
+    (ck / "COMMITTED").write_bytes(encode_commit(data))
+
+
+def _chunks(doc: dict[str, Any], key: str) -> list[Any]:
+    tree = doc["tree"]
+    chunks: list[Any] = doc["arrays"][tree["c"][tree["k"].index(key)]["a"]]["chunks"]
+    return chunks
+
+
+def _check(out: dict[str, Any], want: dict[str, Any]) -> None:
+    for k, v in want.items():
+        if isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(out[k], v)
+        else:
+            assert out[k] == v
+
+
+def test_unchanged_chunks_are_not_written(tmp_path: Path) -> None:
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    assert _data_bytes(tmp_path / "s1") >= MB
+    s["lora"] = s["lora"] + 1
+    s["step"] = 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    # only the trained array's bytes are in the new checkpoint's files
+    assert _data_bytes(tmp_path / "s2") == s["lora"].nbytes
+    doc = _manifest(tmp_path / "s2")
+    assert doc["version"] == 2 and doc["bases"] == ["s1"]
+    (ref,) = _chunks(doc, "frozen")
+    assert ref[7]["ref"] == 0 and len(ref[7]["hash"]) == 32
+    assert "ref" not in _chunks(doc, "lora")[0][7]
+    _check(ss.load(tmp_path / "s2"), s)
+    md = ss.metadata(tmp_path / "s2")
+    assert md.bases == ["s1"] and md.referenced_bytes == s["frozen"].nbytes
+    assert ss.verify(tmp_path / "s2").ok
+    # the base itself is unchanged and still loads on its own
+    assert ss.metadata(tmp_path / "s1").bases == []
+    assert ss.load(tmp_path / "s1")["step"] == 0
+
+
+def test_a_chain_of_steps_refers_to_the_checkpoint_holding_the_bytes(tmp_path: Path) -> None:
+    s = _state()
+    s["opt"] = np.zeros((256, 256), np.float32)  # 256 KiB; changes once, at step 3
+    io = ss.IOOptions(max_chunk_bytes=64 << 10)  # several chunks per array
+    ss.save(tmp_path / "step1", s, hashes=True, io=io)
+    states = {1: {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in s.items()}}
+    for step in (2, 3, 4, 5):
+        s["lora"] = s["lora"] * 0.5 + step
+        s["step"] = step
+        if step == 3:
+            s["opt"][:64] = 3.0  # one of its four chunks
+        ss.save(tmp_path / f"step{step}", s, base=tmp_path / f"step{step - 1}", io=io)
+        states[step] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in s.items()}
+    opt_chunk = 64 << 10
+    assert _data_bytes(tmp_path / "step2") == s["lora"].nbytes
+    assert _data_bytes(tmp_path / "step3") == s["lora"].nbytes + opt_chunk
+    assert _data_bytes(tmp_path / "step5") == s["lora"].nbytes
+    # flattened: step5 names the checkpoints that hold its bytes, never a reference chain
+    doc = _manifest(tmp_path / "step5")
+    assert sorted(doc["bases"]) == ["step1", "step3"]
+    for step, want in states.items():
+        _check(ss.load(tmp_path / f"step{step}"), want)
+        assert ss.verify(tmp_path / f"step{step}").ok
+    part = ss.load(tmp_path / "step5", items=["opt"])
+    np.testing.assert_array_equal(part["opt"], states[5]["opt"])
+    # partial reads into a target that takes a different row split
+    like = {"frozen": np.empty((512, 512), np.float32), "lora": np.empty((32, 64), np.float32),
+            "opt": np.empty((256, 256), np.float32), "step": 0}
+    _check(ss.load(tmp_path / "step5", like), states[5])
+
+
+def test_compressed_base_chunks_are_referenced(tmp_path: Path) -> None:
+    s = {"a": np.zeros((256, 256), np.float32), "b": np.arange(1000, dtype=np.int64)}
+    ss.save(tmp_path / "s1", s, hashes=True, compression="zstd")
+    s["b"] = s["b"] + 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    (ref,) = _chunks(_manifest(tmp_path / "s2"), "a")
+    assert ref[7]["codec"] == "zstd" and ref[7]["ref"] == 0
+    assert _data_bytes(tmp_path / "s2") == s["b"].nbytes
+    _check(ss.load(tmp_path / "s2"), s)
+    assert ss.verify(tmp_path / "s2").ok
+
+
+def test_async_save_and_a_checkpoint_of_references_only(tmp_path: Path) -> None:
+    s = _state()
+    ss.save_async(tmp_path / "s1", s, hashes=True).result()
+    h = ss.save_async(tmp_path / "s2", s, base=tmp_path / "s1")
+    h.result()
+    assert _data_bytes(tmp_path / "s2") == 0  # nothing changed: nothing written
+    _check(ss.load(tmp_path / "s2"), s)
+    assert ss.verify(tmp_path / "s2").ok
+
+
+def test_a_base_without_hashes_is_written_in_full(tmp_path: Path) -> None:
+    s = _state()
+    ss.save(tmp_path / "s1", s)
+    assert _manifest(tmp_path / "s1")["version"] == 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    assert _data_bytes(tmp_path / "s2") == _data_bytes(tmp_path / "s1")
+    assert "bases" not in _manifest(tmp_path / "s2")
+    _check(ss.load(tmp_path / "s2"), s)
+
+
+def test_a_matching_hash_with_another_crc_is_written(tmp_path: Path) -> None:
+    """Identity is never the hash alone: a base chunk stored raw must have the same CRC."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    ss.save(tmp_path / "probe", {"lora": s["lora"] + 1}, hashes=True)
+    new_hash = _chunks(_manifest(tmp_path / "probe"), "lora")[0][7]["hash"]
+    # the base claims its lora chunk has the hash of the new bytes (a collision)
+    _rewrite(tmp_path / "s1", lambda d: _chunks(d, "lora")[0][7].update(hash=new_hash))
+    s["lora"] = s["lora"] + 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    assert "ref" not in _chunks(_manifest(tmp_path / "s2"), "lora")[0][7]
+    _check(ss.load(tmp_path / "s2"), s)
+
+
+def test_base_must_be_a_committed_sibling(tmp_path: Path) -> None:
+    s = _state()
+    (tmp_path / "a").mkdir()
+    ss.save(tmp_path / "a" / "s1", s, hashes=True)
+    with pytest.raises(ss.CheckpointError, match="not a sibling"):
+        ss.save(tmp_path / "s2", s, base=tmp_path / "a" / "s1")
+    with pytest.raises(ss.CheckpointError, match="missing"):
+        ss.save(tmp_path / "a" / "s2", s, base=tmp_path / "a" / "gone")
+    with pytest.raises(ss.CheckpointError, match="itself"):
+        ss.save(tmp_path / "a" / "s1", s, base=tmp_path / "a" / "s1", overwrite=True)
+    assert not (tmp_path / "s2").exists() and not (tmp_path / "a" / "s2").exists()
+
+
+def test_loading_after_the_base_was_deleted_names_it(tmp_path: Path) -> None:
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    shutil.rmtree(tmp_path / "s1")
+    with pytest.raises(ss.CheckpointError, match="base checkpoint s1 .* is missing"):
+        ss.load(tmp_path / "s2")
+    rep = ss.verify(tmp_path / "s2")
+    assert not rep.ok and "s1" in rep.problems[0]
+    assert ss.metadata(tmp_path / "s2").bases == ["s1"]  # no data read: still describable
+
+
+def _pair(tmp_path: Path) -> tuple[Path, Path]:
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    s["lora"] = s["lora"] + 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    return tmp_path / "s1", tmp_path / "s2"
+
+
+def _ref(d: dict[str, Any]) -> list[Any]:
+    return _chunks(d, "frozen")[0]
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(lambda d: _ref(d).__setitem__(3, _ref(d)[3] ^ 1), id="crc"),
+    pytest.param(lambda d: _ref(d)[7].update(hash="0" * 32), id="hash"),
+    pytest.param(lambda d: _ref(d).__setitem__(1, _ref(d)[1] + 64), id="offset"),
+    pytest.param(lambda d: _ref(d).__setitem__(0, 5), id="file"),
+])
+def test_a_reference_the_base_does_not_list_is_unsafe(tmp_path: Path,
+                                                      tamper: Callable[[Any], None]) -> None:
+    _, s2 = _pair(tmp_path)
+    _rewrite(s2, tamper)
+    with pytest.raises(ss.UnsafeCheckpointError):
+        ss.load(s2)
+    assert not ss.verify(s2).ok
+
+
+@pytest.mark.parametrize("name", ["..", "../s1", "s1/../s1", "/etc", ".hidden"])
+def test_a_base_outside_the_parent_is_unsafe(tmp_path: Path, name: str) -> None:
+    _, s2 = _pair(tmp_path)
+    _rewrite(s2, lambda d: d.update(bases=[name]))
+    with pytest.raises(ss.UnsafeCheckpointError):
+        ss.load(s2)
+
+
+def test_an_uncommitted_base_is_unsafe(tmp_path: Path) -> None:
+    s1, s2 = _pair(tmp_path)
+    (s1 / "COMMITTED").unlink()
+    with pytest.raises(ss.UnsafeCheckpointError, match="not committed"):
+        ss.load(s2)
+
+
+def test_a_base_that_itself_refers_is_not_followed(tmp_path: Path) -> None:
+    """References are flattened: one pointing at another reference is refused."""
+    s1, s2 = _pair(tmp_path)
+    ss.save(tmp_path / "s3", ss.load(s2), base=s2)
+    doc3 = _manifest(tmp_path / "s3")
+    assert doc3["bases"] == ["s1", "s2"] or doc3["bases"] == ["s2", "s1"]
+    # make s3's frozen chunk point at s2's record of it (itself a reference)
+    _rewrite(tmp_path / "s3", lambda d: d.update(
+        bases=["s2" if b == "s1" else "s1" for b in d["bases"]]))
+    with pytest.raises(ss.UnsafeCheckpointError):
+        ss.load(tmp_path / "s3")
+
+
+def test_cli_shows_what_a_checkpoint_depends_on(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from statestream.cli import main
+
+    _, s2 = _pair(tmp_path)
+    assert main(["inspect", str(s2)]) == 0
+    assert "depends on  s1" in capsys.readouterr().out
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "depends on s1" in capsys.readouterr().out
+    assert main(["inspect", str(s2), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bases"] == ["s1"]
