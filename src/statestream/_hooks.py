@@ -3,7 +3,9 @@
 ``statestream.testing.faults`` registers callbacks; with none registered a
 point costs one dict lookup. Points: ``save.planned``, ``save.chunk_written``,
 ``save.data_synced``, ``commit.manifest_written``, ``commit.marker_written``,
-``commit.renamed``, ``async.snapshot_chunk``.
+``commit.renamed``, ``async.snapshot_chunk``; deletion: ``delete.uncommitted``
+(a local checkpoint's commit marker is gone, its data not yet) and
+``manager.step_deleted``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from statestream import _hooks
 from statestream.api import metadata
 from statestream.errors import CheckpointError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
@@ -144,4 +145,5 @@ class Retention:
         for s in dropped:
             self.forget(s)
             self._steps.delete(s)  # marker first, then data
+            _hooks.fire("manager.step_deleted")
         return dropped

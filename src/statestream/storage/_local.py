@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
+from statestream import _hooks
 from statestream.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -450,6 +451,7 @@ class LocalStorage:
         try:
             os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
             _fsync_dir(path)
+            _hooks.fire("delete.uncommitted")
         except FileNotFoundError:
             pass  # no marker: not committed (or half-deleted); the tree goes below
         except OSError as exc:

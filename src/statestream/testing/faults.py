@@ -57,6 +57,8 @@ POINTS = (
     "commit.manifest_written",
     "commit.marker_written",
     "commit.renamed",
+    "delete.uncommitted",
+    "manager.step_deleted",
 )
 
 

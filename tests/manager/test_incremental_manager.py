@@ -1,0 +1,178 @@
+"""CheckpointManager(incremental=True): retention with references, kills included.
+
+Each step refers to the chunks of older steps that did not change. A step the
+keep policy drops stays on storage (not listed) while a kept step refers to
+it, and goes once none does. The kill cases run a real child process that is
+SIGKILLed in the middle of a save or of a deletion; a new manager on the
+directory must then list only intact steps, and every committed step on
+storage must have every checkpoint it refers to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+
+STATE_SRC = """
+import numpy as np
+
+def state_at(step):
+    # 'frozen' changes at step 4 only; 'lora' at every step
+    g = np.random.default_rng(1000 + (0 if step < 4 else 4))
+    return {"frozen": g.standard_normal((256, 256)).astype(np.float32),
+            "lora": np.full((16, 64), float(step), np.float32), "step": step}
+"""
+_ns: dict[str, Any] = {}
+exec(STATE_SRC, _ns)
+state_at = _ns["state_at"]
+
+_CHILD = STATE_SRC + """
+import sys
+import statestream as ss
+from statestream.testing import faults
+
+directory, point, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if nth:
+    faults.kill_at(point, nth=nth)
+with ss.CheckpointManager(directory, incremental=True, async_save=False,
+                          keep_policy=ss.KeepLatest(2)) as mgr:
+    for step in range(1, 7):
+        mgr.save(step, state_at(step))
+print("DONE", flush=True)
+"""
+
+
+def _on_disk(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.glob("step_*") if (p / "COMMITTED").exists())
+
+
+def _bases(d: Path, step: int) -> list[int]:
+    doc = json.loads((d / f"step_{step:010d}" / "manifest.json").read_bytes())
+    return sorted(int(b[5:]) for b in doc.get("bases", []))
+
+
+def _check_state(got: dict[str, Any], step: int) -> None:
+    want = state_at(step)
+    np.testing.assert_array_equal(got["frozen"], want["frozen"])
+    np.testing.assert_array_equal(got["lora"], want["lora"])
+    assert got["step"] == step
+
+
+def _no_dangling(d: Path) -> None:
+    """Every committed step on storage has what it refers to, and loads."""
+    present = set(_on_disk(d))
+    for s in present:
+        assert set(_bases(d, s)) <= present, (s, _bases(d, s), present)
+        _check_state(ss.load(d / f"step_{s:010d}"), s)
+
+
+def test_dropped_steps_stay_while_referenced(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False,
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step))
+        # step 1 holds 'frozen' for steps 2 and 3: retired, not listed, not deleted
+        assert mgr.steps() == [2, 3] and _on_disk(d) == [1, 2, 3]
+        assert _bases(d, 3) == [1] and _bases(d, 2) == [1]
+        size = sum(p.stat().st_size for p in (d / "step_0000000003" / "data").iterdir())
+        assert size == state_at(3)["lora"].nbytes  # only what changed was written
+        mgr.save(4, state_at(4))  # 'frozen' changed: step 4 refers to nothing
+        assert mgr.steps() == [3, 4] and _on_disk(d) == [1, 3, 4] and _bases(d, 4) == []
+        mgr.save(5, state_at(5))  # nothing kept refers to 1 or 3 any more
+        assert mgr.steps() == [4, 5] and _on_disk(d) == [4, 5]
+        mgr.save(6, state_at(6))
+        assert mgr.steps() == [5, 6] and _on_disk(d) == [4, 5, 6]
+        assert mgr.latest_step() == 6 and [si.step for si in mgr._retention.infos()] == [5, 6]
+        for step in (5, 6):
+            _check_state(mgr.load(step), step)
+    # a new manager recomputes the same from the manifests
+    with ss.CheckpointManager(d, incremental=True, keep_policy=ss.KeepLatest(2)) as mgr:
+        assert mgr.steps() == [5, 6]
+        mgr.save(7, state_at(6) | {"step": 7})
+        mgr.wait()
+        assert mgr.steps() == [6, 7] and _on_disk(d) == [4, 6, 7]
+        assert _bases(d, 7) == [4, 6]
+        got = mgr.load(7)
+        assert got["step"] == 7 and np.array_equal(got["lora"], state_at(6)["lora"])
+
+
+def test_async_incremental_manager_and_keep_all(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state_at(step))
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3, 4]
+        assert [_bases(d, s) for s in (1, 2, 3, 4)] == [[], [1], [1], []]
+    _no_dangling(d)
+
+
+def test_overwriting_the_latest_step_never_refers_to_itself(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))
+        mgr.save(2, state_at(3) | {"step": 2}, force=True)
+        assert _bases(d, 2) == [1]
+        got = mgr.load(2)
+        np.testing.assert_array_equal(got["lora"], state_at(3)["lora"])
+
+
+# (point, nth): where the child is killed. Deletions happen after step 4 (step 2)
+# and after step 5 (steps 3 then 1).
+KILLS = [
+    ("save.chunk_written", 3),
+    ("commit.manifest_written", 4),
+    ("commit.renamed", 5),
+    ("manager.step_deleted", 1),
+    ("manager.step_deleted", 2),
+    ("delete.uncommitted", 1),
+    ("delete.uncommitted", 2),
+    ("delete.uncommitted", 3),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("point,nth", KILLS, ids=[f"{p}-{n}" for p, n in KILLS])
+def test_killed_save_or_deletion_leaves_no_dangling_reference(tmp_path: Path, point: str,
+                                                              nth: int) -> None:
+    d = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(d), point, str(nth)], env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    _no_dangling(d)
+    with ss.CheckpointManager(d, incremental=True, async_save=False,
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        listed = mgr.steps()
+        assert listed and set(listed) <= set(_on_disk(d))
+        for s in listed:
+            _check_state(mgr.load(s), s)
+        # the next saves go on from there and clean up as usual
+        last = listed[-1]
+        for step in range(last + 1, 8):
+            mgr.save(step, state_at(step))
+        assert mgr.steps() == [6, 7]
+    _no_dangling(d)
+    assert _on_disk(d) == [4, 6, 7]
+
+
+def test_uninterrupted_child_run(tmp_path: Path) -> None:
+    """The kill cases' baseline: the same child without a kill."""
+    d = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(d), "none", "0"], env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-2000:]
+    assert _on_disk(d) == [4, 5, 6]
+    _no_dangling(d)
