@@ -247,3 +247,17 @@ def test_cli_shows_what_a_checkpoint_depends_on(tmp_path: Path,
     assert "depends on s1" in capsys.readouterr().out
     assert main(["inspect", str(s2), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bases"] == ["s1"]
+
+
+def test_a_base_replaced_behind_the_writers_back_is_read_again(tmp_path: Path) -> None:
+    """The writer reuses the chunk index of a checkpoint it just committed only while
+    that very manifest is committed there."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    other = _state(seed=7)
+    ss.save(tmp_path / "elsewhere", other, hashes=True)
+    shutil.rmtree(tmp_path / "s1")
+    (tmp_path / "elsewhere").rename(tmp_path / "s1")
+    ss.save(tmp_path / "s2", other, base=tmp_path / "s1")
+    assert _data_bytes(tmp_path / "s2") == 0
+    _check(ss.load(tmp_path / "s2"), other)

@@ -47,7 +47,7 @@ from statestream.engine._core import (
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
-from statestream.engine._refs import BaseChunks, base_name_for, open_base
+from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
 from statestream.engine._write import StreamWriter
 from statestream.errors import CheckpointError, DistributedError, TargetMismatchError
 from statestream.format import (
@@ -153,9 +153,7 @@ class SaveJob:
         if self.options.base is None:
             return
         name = base_name_for(self.storage, self.spath, self.options.base)
-        reader, m = open_base(self.storage, self.spath, name, of=f"the save to {self.spath}")
-        reader.close()
-        self.base = BaseChunks(name, m)
+        self.base = base_chunks(self.storage, self.spath, name)
 
     @property
     def writer(self) -> StreamWriter:
@@ -473,7 +471,8 @@ class SaveJob:
     def _commit(self, parts: list[RankPart]) -> None:
         merged, txn = self.merged, self.txn
         assert merged is not None and txn is not None
-        mbytes = encode_manifest(build_manifest(merged, parts, self._meta()))
+        manifest = build_manifest(merged, parts, self._meta())
+        mbytes = encode_manifest(manifest)
         if self.multi:
             # Check the merged manifest exactly as a reader will (coverage, overlaps,
             # sizes) before it becomes visible: a planning bug must fail the save.
@@ -484,6 +483,8 @@ class SaveJob:
         _hooks.fire("commit.marker_written")
         txn.commit()
         _hooks.fire("commit.renamed")
+        if self.options.hashes or self.base is not None:
+            remember_committed(self.spath, mbytes, manifest)
 
     # ----------------------------------------------------------------------- failure
     def _abort_local(self) -> None:

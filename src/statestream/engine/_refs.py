@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,8 +51,11 @@ from statestream.storage import CheckpointReader, Storage, storage_for
 __all__ = [
     "BaseChunks",
     "ChainReader",
+    "base_chunks",
     "base_name_for",
     "chunk_digest",
+    "digest_and_checksums",
+    "remember_committed",
     "follow_bases",
     "open_base",
     "read_manifest",
@@ -61,15 +65,55 @@ __all__ = [
 _Buffer = Any
 
 
-def chunk_digest(data: np.ndarray) -> bytes:
-    """XXH3-128 of a chunk's raw bytes (16 bytes, as ``xxh3_128().digest()``)."""
+def _xxh3_128() -> Any:
     try:
         import xxhash
     except ImportError as exc:  # a declared dependency; say which one is missing
         raise CheckpointError(
             "chunk hashes (incremental saves) need the xxhash package: pip install xxhash"
         ) from exc
-    return bytes(xxhash.xxh3_128(np.ascontiguousarray(data).view(np.uint8).data).digest())
+    return xxhash.xxh3_128()
+
+
+def _bytes_of(data: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+
+
+def chunk_digest(data: np.ndarray) -> bytes:
+    """XXH3-128 of a chunk's raw bytes (16 bytes, as ``xxh3_128().digest()``)."""
+    h = _xxh3_128()
+    h.update(_bytes_of(data).data)
+    return bytes(h.digest())
+
+
+#: Bytes hashed and checksummed together (in cache) by :func:`digest_and_checksums`.
+_SEGMENT = 1 << 20
+
+
+def digest_and_checksums(data: np.ndarray, block_bytes: int
+                         ) -> tuple[bytes, int, tuple[int, ...]]:
+    """A chunk's XXH3-128, CRC-32C and block CRCs (``block_bytes``: 0 for none) in one
+    pass over memory: each segment is hashed and checksummed while it is in cache.
+
+    With blocks, the CRC is that of the block CRCs (docs/format.md), as
+    :func:`~statestream.engine.chunk_checksums` computes it.
+    """
+    raw = _bytes_of(data)
+    h = _xxh3_128()
+    if block_bytes:
+        blocks = []
+        for a in range(0, raw.nbytes, block_bytes):
+            seg = raw[a:a + block_bytes]
+            h.update(seg.data)
+            blocks.append(checksum(seg))
+        return (bytes(h.digest()), checksum(np.array(blocks, dtype="<u4").tobytes()),
+                tuple(blocks))
+    crc = 0
+    for a in range(0, raw.nbytes, _SEGMENT):
+        seg = raw[a:a + _SEGMENT]
+        h.update(seg.data)
+        crc = checksum(seg, crc)
+    return bytes(h.digest()), crc, ()
 
 
 def read_manifest(reader: CheckpointReader) -> Manifest:
@@ -204,18 +248,65 @@ class BaseChunks:
         return {c.ref.base for c in self._by.values() if c.ref is not None}
 
     def match(self, digest: bytes, data: np.ndarray, start: tuple[int, ...],
-              shape: tuple[int, ...]) -> ChunkEntry | None:
+              shape: tuple[int, ...], crc: tuple[int, int] | None = None
+              ) -> ChunkEntry | None:
         """The reference for a chunk with these raw bytes, or None (write it).
 
         Identity is the hash and the raw size and shape; a chunk the holder
-        stores raw must also have the same CRC-32C (a second, independent check).
+        stores raw must also have the same CRC-32C (a second, independent
+        check; ``crc``: ``(block_rows, crc)`` already computed for ``data``).
         """
         c = self._by.get((digest, shape, data.nbytes))
         if c is None:
             return None
-        if c.codec is None and _crc_as(c, data) != c.checksum:
-            return None  # an XXH3 collision: write the bytes
+        if c.codec is None:
+            got = crc[1] if crc is not None and crc[0] == c.block_rows else _crc_as(c, data)
+            if got != c.checksum:
+                return None  # an XXH3 collision: write the bytes
         return dataclasses.replace(c, start=start, shape=shape)
+
+
+#: The hashed chunks of checkpoints this process committed last (path -> (manifest
+#: size, manifest CRC-32C, chunks)): the next incremental save uses one as its base
+#: without decoding the manifest it just wrote, once the base's commit marker shows
+#: that exactly that manifest is committed there.
+_RECENT: dict[str, tuple[int, int, BaseChunks]] = {}
+_RECENT_LOCK = threading.Lock()
+_RECENT_MAX = 4
+
+
+def remember_committed(spath: str, mbytes: bytes, manifest: Manifest) -> None:
+    """Record a checkpoint this process just committed with hashed chunks."""
+    chunks = BaseChunks(_split(spath)[1], manifest)
+    with _RECENT_LOCK:
+        _RECENT.pop(spath, None)
+        _RECENT[spath] = (len(mbytes), checksum(mbytes), chunks)
+        while len(_RECENT) > _RECENT_MAX:
+            del _RECENT[next(iter(_RECENT))]
+
+
+def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:
+    """The hashed chunks of the committed sibling ``name`` of ``spath`` (a save's base).
+
+    Raises:
+        CheckpointError: the base is missing, naming it; UnsafeCheckpointError:
+            it is not committed.
+    """
+    path = sibling_path(spath, name)
+    with _RECENT_LOCK:
+        known = _RECENT.get(path)
+    if known is not None and storage.is_committed(path):
+        reader = storage.open_read(path)
+        try:
+            size, crc = decode_commit(reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES),
+                                      f"{reader.location}/{COMMIT_NAME}")
+        finally:
+            reader.close()
+        if (size, crc) == known[:2]:
+            return known[2]
+    reader, m = open_base(storage, spath, name, of=f"the save to {spath}")
+    reader.close()
+    return BaseChunks(name, m)
 
 
 # ----------------------------------------------------------------------------- reading

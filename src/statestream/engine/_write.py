@@ -14,7 +14,7 @@ import numpy as np
 from statestream import _hooks
 from statestream.engine._codec import encode_chunk
 from statestream.engine._core import ByteBudget, Progress, lower_thread_priority
-from statestream.engine._refs import BaseChunks, chunk_digest
+from statestream.engine._refs import BaseChunks, chunk_digest, digest_and_checksums
 from statestream.format import ChunkEntry, FileEntry, checksum
 from statestream.plan import WriteItem, chunk_offset
 from statestream.storage import FileWriter, WriteTransaction
@@ -279,14 +279,24 @@ class StreamWriter:
         """
         if not self._hashes:
             return self._stored(it, data, end)
-        digest = chunk_digest(data)
-        if self._base is not None:
-            ref = self._base.match(digest, data, it.start, it.shape)
+        if it.codec is not None:  # hashed here, checksummed once compressed
+            digest = chunk_digest(data)
+            ref = self._base.match(digest, data, it.start, it.shape) if self._base else None
             if ref is not None:
                 return ref, None
-        entry, payload = self._stored(it, data, end)
-        entry.digest = digest
-        return entry, payload
+            entry, payload = self._stored(it, data, end)
+            entry.digest = digest
+            return entry, payload
+        # a raw chunk: its hash and checksums in one pass over its bytes
+        row_bytes = it.nbytes // it.shape[0] if it.shape and it.shape[0] else 0
+        digest, crc, blocks = digest_and_checksums(data, row_bytes * it.block_rows)
+        if self._base is not None:
+            ref = self._base.match(digest, data, it.start, it.shape, (it.block_rows, crc))
+            if ref is not None:
+                return ref, None
+        off = chunk_offset(end, it.nbytes) if self._relayout else it.offset
+        return ChunkEntry(it.file, off, it.nbytes, crc, it.start, it.shape, it.block_rows,
+                          blocks, digest=digest), data
 
     def _stored(self, it: WriteItem, data: np.ndarray, end: int) -> tuple[ChunkEntry, Any]:
         stored = None
