@@ -261,3 +261,14 @@ def test_a_base_replaced_behind_the_writers_back_is_read_again(tmp_path: Path) -
     ss.save(tmp_path / "s2", other, base=tmp_path / "s1")
     assert _data_bytes(tmp_path / "s2") == 0
     _check(ss.load(tmp_path / "s2"), other)
+
+
+def test_golden_v2_incremental_loads_through_its_base() -> None:
+    """The format's golden incremental checkpoint (tests/golden/v2) reads through ``base``."""
+    golden = Path(__file__).resolve().parents[1] / "golden" / "v2"
+    out = ss.load(golden / "incremental")
+    np.testing.assert_array_equal(out["a"], np.arange(16, dtype=np.float32))
+    np.testing.assert_array_equal(out["c"], np.zeros((64, 8), dtype=np.float32) + 1.5)
+    np.testing.assert_array_equal(out["b"], np.arange(8, dtype=np.int32) * -2)
+    assert ss.verify(golden / "incremental").ok
+    assert ss.metadata(golden / "incremental").bases == ["base"]
