@@ -272,3 +272,35 @@ def test_golden_v2_incremental_loads_through_its_base() -> None:
     np.testing.assert_array_equal(out["b"], np.arange(8, dtype=np.int32) * -2)
     assert ss.verify(golden / "incremental").ok
     assert ss.metadata(golden / "incremental").bases == ["base"]
+
+
+@pytest.mark.parametrize("n,block", [(0, 0), (1, 0), (3 << 20, 0), (1000, 64), (4096, 1000)])
+def test_one_pass_hash_and_checksums_equal_the_separate_ones(n: int, block: int) -> None:
+    import xxhash
+
+    from statestream.engine._refs import digest_and_checksums
+    from statestream.format import checksum
+
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    digest, crc, blocks = digest_and_checksums(data, block)
+    assert digest == xxhash.xxh3_128(data.tobytes()).digest()
+    if block:
+        want = tuple(checksum(data[a:a + block]) for a in range(0, n, block))
+        assert blocks == want and crc == checksum(np.array(want, dtype="<u4").tobytes())
+    else:
+        assert blocks == () and crc == checksum(data)
+
+
+def test_scalars_empty_arrays_and_odd_dtypes(tmp_path: Path) -> None:
+    s = {"scalar": np.float64(3.5) * np.ones(()), "empty": np.zeros((0, 4), np.float32),
+         "b": np.array([True, False]), "c": np.arange(6, dtype=np.complex64),
+         "big": np.arange(300_000, dtype=np.int16).reshape(3000, 100)}
+    io = ss.IOOptions(max_chunk_bytes=64 << 10)
+    ss.save(tmp_path / "s1", s, hashes=True, io=io)
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1", io=io)
+    assert _data_bytes(tmp_path / "s2") == 0
+    s["big"][1500:1510] = -1  # one of the ten row blocks
+    ss.save(tmp_path / "s3", s, base=tmp_path / "s2", io=io)
+    assert 0 < _data_bytes(tmp_path / "s3") <= 64 << 10
+    _check(ss.load(tmp_path / "s3"), s)
+    assert ss.verify(tmp_path / "s3").ok
