@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,6 +15,9 @@ import pytest
 import statestream as ss
 from statestream.storage import AzureOptions, AzureStorage, set_backend, storage_for
 from statestream.testing.storage import StorageTests
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _emulators import azurite_account_sas  # noqa: E402
 
 
 def _options(srv: dict[str, Any], **kw: Any) -> AzureOptions:
@@ -53,6 +58,34 @@ def test_az_urls_use_the_azure_backend_configured_from_the_environment(
         assert type(backend) is AzureStorage and path == f"{base_url}/env"
         ss.save(f"{base_url}/env", {"w": np.arange(10.0)})
         np.testing.assert_array_equal(ss.load(f"{base_url}/env")["w"], np.arange(10.0))
+    finally:
+        set_backend("az", None)
+
+
+def test_a_sas_token_authorizes_from_options_or_the_environment(
+        azurite: dict[str, Any], base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sas = azurite_account_sas()
+    st = AzureStorage(AzureOptions(endpoint=azurite["endpoint"],
+                                   account_name=azurite["account_name"], sas_token=sas))
+    set_backend("az", st)
+    try:
+        ss.save(f"{base_url}/sas", {"w": np.arange(5)})
+        np.testing.assert_array_equal(ss.load(f"{base_url}/sas")["w"], np.arange(5))
+    finally:
+        set_backend("az", None)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", azurite["account_name"])
+    monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", sas)
+    monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", azurite["endpoint"])
+    monkeypatch.setenv("AZURE_ALLOW_HTTP", "true")
+    try:
+        np.testing.assert_array_equal(ss.load(f"{base_url}/sas")["w"], np.arange(5))
+        read_only = AzureStorage(AzureOptions(
+            endpoint=azurite["endpoint"], account_name=azurite["account_name"],
+            sas_token=azurite_account_sas("rl"), max_retries=0))
+        set_backend("az", read_only)  # a SAS without write permission: a clear 403
+        with pytest.raises(ss.StoragePermissionError, match="403") as ei:
+            ss.save(f"{base_url}/sas-ro", {"w": np.arange(5)})
+        assert "sig=" not in str(ei.value)
     finally:
         set_backend("az", None)
 

@@ -169,6 +169,24 @@ def test_gs_urls_use_the_gcs_backend_configured_from_the_environment(
         set_backend("gs", None)
 
 
+def test_a_service_account_file_from_options_or_the_environment(
+        gcs_server: dict[str, Any], base_url: str, tmp_path: pathlib.Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant(gcs_server, tmp_path, f"{base_url}/sa", {"w": np.arange(4)})
+    key_file = tmp_path / "sa.json"
+    key_file.write_text(gcs_service_account_key(gcs_server["endpoint"]))
+    set_backend("gs", GCSStorage(GCSOptions(service_account_path=str(key_file),
+                                            allow_http=True)))
+    try:
+        np.testing.assert_array_equal(ss.load(f"{base_url}/sa")["w"], np.arange(4))
+        monkeypatch.setenv("GOOGLE_SERVICE_ACCOUNT", str(key_file))
+        monkeypatch.setenv("GOOGLE_ALLOW_HTTP", "true")
+        set_backend("gs", None)
+        np.testing.assert_array_equal(ss.load(f"{base_url}/sa")["w"], np.arange(4))
+    finally:
+        set_backend("gs", None)
+
+
 def test_credentials_never_in_repr_or_errors(gcs_server: dict[str, Any],
                                              base_url: str) -> None:
     key = json.loads(gcs_service_account_key(gcs_server["endpoint"]))
