@@ -93,9 +93,9 @@ def azurite_create_container(endpoint: str, name: str) -> None:
         pytest.fail(f"Azurite refused to create container {name}: {resp.status} {body[:300]!r}")
 
 
-@contextlib.contextmanager
-def run_azurite(work: pathlib.Path) -> Iterator[dict[str, Any]]:
-    """Azurite's blob service on loopback, in memory, telemetry off; one container."""
+def start_azurite(work: pathlib.Path, port: int, *, persistent: bool = False) -> tuple[Any, Any]:
+    """Start Azurite's blob service on ``127.0.0.1:port`` (telemetry off): in memory, or
+    keeping its data under ``work`` so that a restart finds it. Returns (process, log)."""
     import subprocess
 
     pytest.importorskip("obstore")
@@ -104,27 +104,42 @@ def run_azurite(work: pathlib.Path) -> Iterator[dict[str, Any]]:
         _missing_tool("Azurite is not installed: `make azurite` (or `make test`) installs it "
                       "into .tools/")
         raise AssertionError("unreachable")
-    port = _free_port()
-    log = open(work / "azurite.log", "w+")  # noqa: SIM115 (closed below)
+    keep = ["--location", str(work / "data")] if persistent else ["--inMemoryPersistence"]
+    log = open(work / "azurite.log", "a+")  # noqa: SIM115 (closed by stop_process)
     proc = subprocess.Popen(
-        [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+        [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), *keep,
          "--disableTelemetry", "--silent", "--skipApiVersionCheck", "--loose"],
         cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
+    _wait_for_port(proc, port, log, "Azurite")
+    return proc, log
+
+
+def stop_process(proc: Any, log: Any) -> None:
+    """SIGTERM (Azurite saves its metadata then), SIGKILL after 10 s."""
+    import subprocess
+
+    proc.terminate()
     try:
-        _wait_for_port(proc, port, log, "Azurite")
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@contextlib.contextmanager
+def run_azurite(work: pathlib.Path) -> Iterator[dict[str, Any]]:
+    """Azurite's blob service on loopback, in memory, telemetry off; one container."""
+    port = _free_port()
+    proc, log = start_azurite(work, port)
+    try:
         endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
         azurite_create_container(endpoint, "statestream-test")
         yield {"endpoint": endpoint, "container": "statestream-test", "process": proc,
                "account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_process(proc, log)
 
 
 #: What fake-gcs-server answers to the XML API's object PUT that obstore (like every

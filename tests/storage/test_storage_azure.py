@@ -13,11 +13,25 @@ import numpy as np
 import pytest
 
 import statestream as ss
-from statestream.storage import AzureOptions, AzureStorage, set_backend, storage_for
+from statestream.storage import (
+    AzureOptions,
+    AzureStorage,
+    collect_garbage,
+    set_backend,
+    storage_for,
+)
 from statestream.testing.storage import StorageTests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _emulators import azurite_account_sas  # noqa: E402
+from _emulators import (  # noqa: E402
+    AZURITE_ACCOUNT,
+    AZURITE_KEY,
+    _free_port,
+    azurite_account_sas,
+    azurite_create_container,
+    start_azurite,
+    stop_process,
+)
 
 
 def _options(srv: dict[str, Any], **kw: Any) -> AzureOptions:
@@ -203,3 +217,43 @@ def test_large_state_goes_up_as_block_blobs(base_url: str, azurite: dict[str, An
         assert ss.verify(f"{base_url}/big").ok
     finally:
         set_backend("az", None)
+
+
+@pytest.mark.timeout(180)
+def test_azurite_stopped_mid_save_commits_nothing(tmp_path: Any) -> None:
+    """A server that goes away mid-upload: the save fails within its bounded time,
+    and after a restart the previous checkpoint loads and the new one is not there."""
+    port = _free_port()
+    proc, log = start_azurite(tmp_path, port, persistent=True)
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    try:
+        azurite_create_container(endpoint, "faults")
+        st = AzureStorage(AzureOptions(endpoint=endpoint, account_name=AZURITE_ACCOUNT,
+                                       account_key=AZURITE_KEY, timeout_s=5, max_retries=1,
+                                       retry_timeout_s=3))
+        set_backend("az", st)
+        good = "az://faults/run/step1"
+        ss.save(good, {"w": np.arange(1000.0)})
+        stopped: list[bool] = []
+
+        def progress(done: int, total: int) -> None:
+            if not stopped:
+                stopped.append(True)
+                stop_process(proc, log)
+
+        with pytest.raises(ss.CheckpointError):
+            ss.save("az://faults/run/step2", {"w": np.ones((2000, 1000))}, progress=progress,
+                    io=ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=1))
+        assert stopped
+        proc, log = start_azurite(tmp_path, port, persistent=True)  # same port, same data
+        assert not st.is_committed("az://faults/run/step2")
+        np.testing.assert_array_equal(ss.load(good)["w"], np.arange(1000.0))
+        with pytest.raises(ss.CheckpointNotFoundError):
+            ss.load("az://faults/run/step2")
+        # whatever the failed save left (its cleanup could not reach the server) is garbage
+        collect_garbage(st, "az://faults/run", max_age_s=0)
+        assert st.leftovers("az://faults/run") == []
+        assert st.list("az://faults/run") == ["step1"]
+    finally:
+        set_backend("az", None)
+        stop_process(proc, log)
