@@ -257,3 +257,13 @@ def test_azurite_stopped_mid_save_commits_nothing(tmp_path: Any) -> None:
     finally:
         set_backend("az", None)
         stop_process(proc, log)
+
+
+@pytest.mark.parametrize("field, value", [("timeout_s", 0), ("connect_timeout_s", -1.0),
+                                          ("retry_timeout_s", 0), ("max_retries", -1)])
+def test_options_refuse_impossible_limits(field: str, value: float) -> None:
+    from statestream.storage import GCSOptions
+
+    for cls in (AzureOptions, GCSOptions):
+        with pytest.raises(ss.StorageError, match=f"{cls.__name__}.{field}"):
+            cls(**{field: value})
