@@ -62,14 +62,21 @@ class TestAzureConformance(StorageTests):
 
 def test_az_urls_use_the_azure_backend_configured_from_the_environment(
         azurite: dict[str, Any], base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", azurite["account_name"])
-    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", azurite["account_key"])
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", base64.b64encode(b"wrong" * 12).decode())
     monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", azurite["endpoint"])
     monkeypatch.setenv("AZURE_ALLOW_HTTP", "true")
     set_backend("az", None)  # the default backend, built from the environment
     try:
         backend, path = storage_for(f"{base_url}/env/")
         assert type(backend) is AzureStorage and path == f"{base_url}/env"
+        with pytest.raises(ss.StoragePermissionError):
+            ss.save(f"{base_url}/env", {"w": np.arange(10.0)})
+        # the client follows the environment: the right key works without a new backend
+        monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", azurite["account_key"])
+        assert storage_for(f"{base_url}/env")[0] is backend
         ss.save(f"{base_url}/env", {"w": np.arange(10.0)})
         np.testing.assert_array_equal(ss.load(f"{base_url}/env")["w"], np.arange(10.0))
     finally:
