@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CONSTRAINTS := requirements/dev-constraints.txt
 STAMP := $(VENV)/.installed
+# Node tools of the tests (the Azurite emulator), kept out of git in .tools/.
+TOOLS := .tools
+AZURITE_VERSION := 3.37.0
+AZURITE := $(TOOLS)/node_modules/.bin/azurite-blob
 
-.PHONY: venv demo demo-basics test typecheck lint bench bench-quick clean
+.PHONY: venv azurite demo demo-basics test typecheck lint bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -15,6 +19,15 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax]'
 	touch $(STAMP)
+
+# The Azure Blob Storage emulator the storage tests start on loopback (needs node and npm).
+azurite: $(AZURITE)
+
+$(AZURITE):
+	mkdir -p $(TOOLS)
+	npm install --prefix $(TOOLS) --no-save --no-package-lock --no-audit --no-fund \
+		--loglevel=error azurite@$(AZURITE_VERSION)
+	test -x $@ && touch $@
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,torch,jax,bench]'
@@ -28,7 +41,7 @@ demo: venv
 demo-basics: venv
 	$(PY) examples/demo.py
 
-test: venv
+test: venv $(AZURITE)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests src/statestream
@@ -46,4 +59,4 @@ bench-quick: $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_core.py --quick
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(TOOLS) build dist src/*.egg-info

@@ -42,7 +42,8 @@ EXPECTED: dict[str, list[str]] = {
         "itemsize_of", "manifest_version", "validate_base_name", "validate_file_name",
     ],
     "statestream.storage": [
-        "Buffer", "CheckpointReader", "FileWriter", "IOV_MAX", "Lease", "Leftover",
+        "AzureOptions", "AzureStorage", "Buffer", "CheckpointReader", "FileWriter",
+        "GCSOptions", "GCSStorage", "IOV_MAX", "Lease", "Leftover",
         "LocalStorage", "S3Options", "S3Storage", "Storage", "StorageCapabilities",
         "WriteTransaction", "WriterId", "advance", "byte_views", "collect_garbage",
         "set_backend", "storage_for",

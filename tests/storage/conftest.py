@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,3 +33,23 @@ def s3_server() -> Iterator[dict[str, Any]]:
                **creds}
     finally:
         srv.stop()
+
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _emulators import run_azurite, run_gcs_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Azurite's blob service on loopback, in memory, telemetry off; one container."""
+    with run_azurite(tmp_path_factory.mktemp("azurite")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """fake-gcs-server on loopback, in memory; ``writes`` says whether it serves obstore's
+    object PUT (see _emulators.run_gcs_server)."""
+    with run_gcs_server(tmp_path_factory.mktemp("fake-gcs")) as srv:
+        yield srv

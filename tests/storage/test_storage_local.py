@@ -70,8 +70,8 @@ def test_storage_for_local_paths(tmp_path: Path) -> None:
 def test_storage_for_unknown_scheme() -> None:
     from statestream.errors import StorageError
 
-    with pytest.raises(StorageError, match="gs://"):
-        storage_for("gs://bucket/ckpt")
+    with pytest.raises(StorageError, match="hdfs://"):
+        storage_for("hdfs://bucket/ckpt")
 
 
 # ----------------------------------------------------------------------------- write

@@ -5,6 +5,7 @@
 removes the staging areas of saves whose writers died.
 """
 
+from statestream.storage._azure import AzureOptions, AzureStorage
 from statestream.storage._base import (
     Buffer,
     CheckpointReader,
@@ -16,6 +17,7 @@ from statestream.storage._base import (
     WriterId,
     WriteTransaction,
 )
+from statestream.storage._gcs import GCSOptions, GCSStorage
 from statestream.storage._iov import IOV_MAX, advance, byte_views
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
@@ -24,9 +26,13 @@ from statestream.storage._s3 import S3Options, S3Storage
 
 __all__ = [
     "IOV_MAX",
+    "AzureOptions",
+    "AzureStorage",
     "Buffer",
     "CheckpointReader",
     "FileWriter",
+    "GCSOptions",
+    "GCSStorage",
     "Lease",
     "Leftover",
     "LocalStorage",

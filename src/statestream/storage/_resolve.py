@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from statestream.errors import StorageError
@@ -38,11 +39,35 @@ def registered_backend(scheme: str) -> Storage | None:
         return backend
 
 
+def _s3() -> Storage:
+    from statestream.storage._s3 import S3Storage
+
+    return S3Storage()
+
+
+def _gcs() -> Storage:
+    from statestream.storage._gcs import GCSStorage
+
+    return GCSStorage()
+
+
+def _azure() -> Storage:
+    from statestream.storage._azure import AzureStorage
+
+    return AzureStorage()
+
+
+#: The backend a scheme gets when set_backend installed none (configured from the environment).
+_DEFAULTS: dict[str, Callable[[], Storage]] = {"s3": _s3, "gs": _gcs, "az": _azure}
+
+
 def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
     """Return ``(backend, path_within_backend)`` for a local path or URL.
 
     ``s3://bucket/prefix`` uses :class:`S3Storage` configured from the
-    ``AWS_*`` environment unless :func:`set_backend` installed another.
+    ``AWS_*`` environment, ``gs://bucket/prefix`` :class:`GCSStorage` (``GOOGLE_*``)
+    and ``az://container/prefix`` :class:`AzureStorage` (``AZURE_*``), unless
+    :func:`set_backend` installed another.
 
     Example:
         >>> backend, p = storage_for("/tmp/ckpt")
@@ -56,14 +81,12 @@ def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
             return _local(), os.path.abspath(rest)
         with _LOCK:
             backend = _BACKENDS.get(scheme)
-            if backend is None and scheme == "s3":
-                from statestream.storage._s3 import S3Storage
-
-                backend = _BACKENDS["s3"] = S3Storage()
+            if backend is None and scheme in _DEFAULTS:
+                backend = _BACKENDS[scheme] = _DEFAULTS[scheme]()
         if backend is None:
             raise StorageError(
                 f"no storage backend for {scheme}:// URLs (path {text!r}); use a local path, "
-                "s3://, or register one with statestream.storage.set_backend"
+                "s3://, gs://, az://, or register one with statestream.storage.set_backend"
             )
         return backend, text.rstrip("/")
     return _local(), os.path.abspath(text)

@@ -1,0 +1,144 @@
+"""Object stores: reading one committed checkpoint (the root its marker names)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+)
+from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
+from statestream.storage._base import Buffer
+from statestream.storage._hints import manager_steps_hint
+from statestream.storage._object_config import ROOT_RE
+
+if TYPE_CHECKING:
+    from statestream.storage._object import ObjectStorage
+
+__all__ = ["ObjectReader"]
+
+
+class ObjectReader:
+    def __init__(self, owner: ObjectStorage, url: str) -> None:
+        self._owner = owner
+        self.location = url
+        self._bucket, self._prefix = owner.split_url(url)
+        marker = owner._get_small(self._bucket, f"{self._prefix}/{COMMIT_NAME}",
+                                  MAX_COMMIT_BYTES, missing_ok=True)
+        if marker is None:
+            owner.check_bucket(self._bucket)
+            raise CheckpointNotFoundError(
+                manager_steps_hint(owner, url)
+                or f"no committed checkpoint at {url}: it has no {COMMIT_NAME} marker"
+            )
+        self._marker = marker
+        try:
+            root = json.loads(marker).get("root")
+        except (ValueError, AttributeError):
+            raise CheckpointCorruptError(f"commit marker of {url} is not valid JSON") from None
+        if type(root) is not str or not ROOT_RE.match(root):
+            raise UnsafeCheckpointError(f"commit marker of {url} names an invalid root {root!r}")
+        self._root = root
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, name: str) -> str:
+        if name != COMMIT_NAME and not name.startswith(DATA_DIR + "/") and "/" in name:
+            raise UnsafeCheckpointError(f"refusing to read {name!r} outside the checkpoint")
+        if name.startswith(DATA_DIR + "/"):
+            validate_file_name(name)
+        return f"{self._prefix}/{self._root}/{name}"
+
+    def read_bytes(self, name: str, max_bytes: int) -> bytes:
+        if name == COMMIT_NAME:
+            return self._marker
+        data = self._owner._get_small(self._bucket, self._key(name), max_bytes)
+        assert data is not None
+        return data
+
+    def file_size(self, name: str) -> int:
+        with self._lock:
+            if name in self._sizes:
+                return self._sizes[name]
+        import obstore
+
+        key = self._key(name)
+        where = self._owner._url(self._bucket, key)
+        try:
+            size = int(obstore.head(self._owner._store(self._bucket), key)["size"])
+        except Exception as exc:
+            err = self._owner._map_error(exc, where)
+            if isinstance(err, CheckpointNotFoundError):
+                raise TruncatedFileError(
+                    f"data object {where} is missing; the checkpoint is damaged"
+                ) from None
+            raise err from exc
+        with self._lock:
+            self._sizes[name] = size
+        return size
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        import numpy as np
+        import obstore
+
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if total == 0:
+            return
+        key = self._key(name)
+        where = self._owner._url(self._bucket, key)
+        size = self.file_size(name)
+        if offset + total > size:
+            raise TruncatedFileError(
+                f"data object {where} has {size} bytes; the manifest needs "
+                f"bytes up to {offset + total}; the checkpoint is truncated"
+            )
+        try:
+            got = obstore.get_range(self._owner._store(self._bucket), key, start=offset,
+                                    length=total)
+        except Exception as exc:
+            raise self._owner._map_error(exc, f"reading {where}") from exc
+        src = np.frombuffer(memoryview(got), dtype=np.uint8)
+        if src.nbytes != total:
+            raise TruncatedFileError(f"short read of {where}")
+        pos = 0
+        for v in views:
+            np.frombuffer(v, dtype=np.uint8)[...] = src[pos : pos + v.nbytes]
+            pos += v.nbytes
+
+    def list_files(self) -> list[str]:
+        """Every object of the checkpoint, named like the local reader's entries.
+
+        Objects under the committed root are named relative to it
+        (``manifest.json``, ``data/<name>``); other objects under the
+        checkpoint's prefix keep their name relative to it (``COMMITTED``,
+        ``extra.bin``, ``sub/x``). Other roots (an overwritten version not yet
+        deleted, a killed save's leftovers) belong to ``statestream gc``.
+        """
+        import obstore
+
+        top = self._prefix + "/"
+        out: list[str] = []
+        try:
+            for batch in obstore.list(self._owner._store(self._bucket), prefix=top):
+                for m in batch:
+                    rel = m["path"][len(top):]
+                    first, sep, rest = rel.partition("/")
+                    if first == self._root and sep:
+                        out.append(rest)
+                    elif not (sep and ROOT_RE.match(first)):
+                        out.append(rel)
+        except Exception as exc:
+            raise self._owner._map_error(exc, f"listing {self.location}") from exc
+        return out
+
+    def close(self) -> None:
+        pass
+
+
