@@ -54,10 +54,10 @@ EXPECTED: dict[str, list[str]] = {
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [
-        "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "SaveHandle", "SaveJob",
-        "SaveOptions", "StagingPool", "StreamWriter",
-        "chunk_checksums", "default_memory_budget_bytes", "host_pool", "lower_thread_priority",
-        "parallel_for",
+        "BackgroundTasks", "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "SaveHandle",
+        "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
+        "chunk_checksums", "copy_checkpoint", "read_committed", "default_memory_budget_bytes",
+        "host_pool", "lower_thread_priority", "parallel_for",
         "pinned_pool", "read_requests", "release_staging", "run_save", "start_save",
     ],
     "statestream.providers": [

@@ -3,7 +3,8 @@
 ``statestream.testing.faults`` registers callbacks; with none registered a
 point costs one dict lookup. Points: ``save.planned``, ``save.chunk_written``,
 ``save.data_synced``, ``commit.manifest_written``, ``commit.marker_written``,
-``commit.renamed``, ``async.snapshot_chunk``.
+``commit.renamed``, ``async.snapshot_chunk``; a manager's local tier:
+``tier.persist`` (a step's persistence begins), ``tier.persisted`` (committed).
 """
 
 from __future__ import annotations

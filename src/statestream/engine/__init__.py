@@ -1,5 +1,6 @@
 """The engine: the only layer that owns threads, queues, buffers and the save job."""
 
+from statestream.engine._copy import copy_checkpoint, read_committed
 from statestream.engine._core import (
     ByteBudget,
     IOOptions,
@@ -13,9 +14,11 @@ from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
 from statestream.engine._read import read_requests
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
+from statestream.engine._tasks import BackgroundTasks, TaskHandle
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
+    "BackgroundTasks",
     "ByteBudget",
     "IOOptions",
     "MemoryOptions",
@@ -25,12 +28,15 @@ __all__ = [
     "SaveOptions",
     "StagingPool",
     "StreamWriter",
+    "TaskHandle",
     "chunk_checksums",
+    "copy_checkpoint",
     "default_memory_budget_bytes",
     "host_pool",
     "lower_thread_priority",
     "parallel_for",
     "pinned_pool",
+    "read_committed",
     "read_requests",
     "release_staging",
     "run_save",

@@ -57,6 +57,8 @@ POINTS = (
     "commit.manifest_written",
     "commit.marker_written",
     "commit.renamed",
+    "tier.persist",
+    "tier.persisted",
 )
 
 
