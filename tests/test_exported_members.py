@@ -54,11 +54,12 @@ EXPECTED: dict[str, list[str]] = {
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [
-        "BackgroundTasks", "ByteBudget", "IOOptions", "MemoryOptions", "Progress", "SaveHandle",
-        "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
-        "chunk_checksums", "copy_checkpoint", "read_committed", "default_memory_budget_bytes",
-        "host_pool", "lower_thread_priority", "parallel_for",
-        "pinned_pool", "read_requests", "release_staging", "run_save", "start_save",
+        "BackgroundTasks", "ByteBudget", "IOOptions", "MemoryOptions", "NodeGroups", "Progress",
+        "SaveHandle", "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
+        "chunk_checksums", "complete_copies", "copy_checkpoint", "read_committed",
+        "default_memory_budget_bytes", "host_pool", "lower_thread_priority", "node_groups",
+        "parallel_for", "pinned_pool", "read_requests", "release_staging", "replicate_to_peers",
+        "run_save", "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
@@ -69,8 +70,8 @@ EXPECTED: dict[str, list[str]] = {
         "register_provider", "target_provider_for",
     ],
     "statestream.distributed": [
-        "Collective", "JaxCollective", "SingleProcess", "TorchCollective", "agree",
-        "default_collective",
+        "ByteChannel", "Collective", "JaxCollective", "SingleProcess", "TorchCollective",
+        "agree", "byte_channel", "default_collective",
     ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_optimizer",

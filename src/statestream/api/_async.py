@@ -33,12 +33,13 @@ def save_async(
     collective: Collective | None = None,
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
+    node_local: bool = False,
 ) -> SaveHandle:
     """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
 
     Args:
-        path, state, overwrite, pickle_paths, io, memory, progress, meta: as for
-            :func:`save`. ``memory`` bounds the staging buffers.
+        path, state, overwrite, pickle_paths, io, memory, progress, meta,
+            node_local: as for :func:`save`. ``memory`` bounds the staging buffers.
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
             mutating the state. In-place changes outside a guarded optimizer
@@ -60,7 +61,8 @@ def save_async(
     """
     return start_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta), lazy=lazy)
+        collective=collective, progress=progress, meta=meta, node_local=node_local),
+        lazy=lazy)
 
 
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:

@@ -25,6 +25,7 @@ def save(
     collective: Collective | None = None,
     progress: Progress | None = None,
     meta: Mapping[str, Any] | None = None,
+    node_local: bool = False,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
@@ -46,6 +47,10 @@ def save(
         progress: called as ``progress(bytes_done, bytes_total)`` while writing.
         meta: small JSON-able user metadata, stored in the manifest
             (``metadata(path).meta["user"]``).
+        node_local: ``path`` is on each node's own disk, not shared: every
+            node commits its own copy, holding the manifest and the data files
+            of its own processes (a ``CheckpointManager`` local tier, see
+            docs/manager.md). One process: no difference.
 
     Raises:
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
@@ -62,18 +67,19 @@ def save(
     """
     run_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
-        collective=collective, progress=progress, meta=meta))
+        collective=collective, progress=progress, meta=meta, node_local=node_local))
 
 
 def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOptions | None,
                  memory: MemoryOptions | None, collective: Collective | None,
-                 progress: Progress | None, meta: Mapping[str, Any] | None) -> SaveOptions:
+                 progress: Progress | None, meta: Mapping[str, Any] | None,
+                 node_local: bool = False) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
         memory=memory or MemoryOptions(),
         collective=collective if collective is not None else default_collective(),
-        progress=progress, user_meta=check_user_meta(meta))
+        progress=progress, user_meta=check_user_meta(meta), node_local=node_local)
 
 
 

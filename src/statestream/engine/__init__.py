@@ -12,9 +12,11 @@ from statestream.engine._core import (
 )
 from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
+from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
+from statestream.engine._transfer import complete_copies, replicate_to_peers
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "ByteBudget",
     "IOOptions",
     "MemoryOptions",
+    "NodeGroups",
     "Progress",
     "SaveHandle",
     "SaveJob",
@@ -30,15 +33,18 @@ __all__ = [
     "StreamWriter",
     "TaskHandle",
     "chunk_checksums",
+    "complete_copies",
     "copy_checkpoint",
     "default_memory_budget_bytes",
     "host_pool",
     "lower_thread_priority",
+    "node_groups",
     "parallel_for",
     "pinned_pool",
     "read_committed",
     "read_requests",
     "release_staging",
+    "replicate_to_peers",
     "run_save",
     "start_save",
 ]

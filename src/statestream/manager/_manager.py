@@ -66,6 +66,9 @@ class CheckpointManager:
             not persist are persisted when the manager opens.
         local_keep_policy: which persisted steps the local tier keeps (default
             ``KeepLatest(2)``); a step leaves it only once persisted.
+        replicate_to_peers: with several nodes, each process's local files are
+            also sent (over torch.distributed) to the next node's local tier, so
+            a lost node restores from its peer without the persistent directory.
 
     A directory the manager cannot write (a read-only mount, no permission)
     opens read-only: :attr:`read_only` is true, steps list and load, and
@@ -97,6 +100,7 @@ class CheckpointManager:
         lease_ttl_s: float = 60.0,
         local_tier: str | os.PathLike[str] | None = None,
         local_keep_policy: KeepPolicy | None = None,
+        replicate_to_peers: bool = False,
     ) -> None:
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
@@ -121,7 +125,8 @@ class CheckpointManager:
         self._tier: LocalTier | None = None
         if local_tier is not None:
             self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
-                                   self._coll, self._read_only is not None)
+                                   self._coll, self._read_only is not None,
+                                   replicate_to_peers)
         self._last_saved_step = self.latest_step()
         if preemption:
             self._install_sigterm()
@@ -362,7 +367,8 @@ class CheckpointManager:
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
-                                        collective=self._coll, meta=meta)
+                                        collective=self._coll, meta=meta,
+                                        node_local=self._tier is not None)
             if self._lazy:  # an optimizer.step() must not race the lazy snapshot
                 guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
@@ -370,7 +376,7 @@ class CheckpointManager:
                 self._tier.persist(step, self._inflight)
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
-                 collective=self._coll, meta=meta)
+                 collective=self._coll, meta=meta, node_local=self._tier is not None)
             if self._tier is not None:
                 self._tier.persist(step)
             self._apply_keep_policy()

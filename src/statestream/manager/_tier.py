@@ -21,8 +21,15 @@ import os
 from collections.abc import Callable
 
 from statestream import _hooks
-from statestream.distributed import Collective
-from statestream.engine import BackgroundTasks, SaveHandle, TaskHandle, copy_checkpoint
+from statestream.distributed import Collective, byte_channel
+from statestream.engine import (
+    BackgroundTasks,
+    NodeGroups,
+    SaveHandle,
+    TaskHandle,
+    copy_checkpoint,
+    replicate_to_peers,
+)
 from statestream.errors import CheckpointError, InvalidOptionError, storage_error
 from statestream.manager._lease import DirectoryLease
 from statestream.manager._policies import KeepPolicy
@@ -43,14 +50,16 @@ class LocalTier:
         persistent: the manager's directory.
         keep: the local keep policy (a step leaves only once persisted).
         coll: the collective of the background persistence (a forked channel).
-        leader: this process manages the node's local directory (lease,
-            cleanup, local keep policy).
+        groups: which processes share which node's directory (the leader of
+            each manages it: lease, cleanup, local keep policy).
         files: which data files this process persists (None: all).
+        peers: after each local commit, send this process's files to the next
+            node's local tier too (``replicate_to_peers``).
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
-                 coll: Collective, *, leader: bool = True,
-                 files: Callable[[str], bool] | None = None) -> None:
+                 coll: Collective, groups: NodeGroups, *,
+                 files: Callable[[str], bool] | None = None, peers: bool = False) -> None:
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -60,8 +69,10 @@ class LocalTier:
         self.persistent = persistent
         self.retention = Retention(keep, self.dir)
         self._coll = coll
-        self._leader = leader
+        self.groups = groups
+        self._leader = leader = groups.is_leader
         self._files = files
+        self._peers = peers
         self.tasks = BackgroundTasks("statestream-persist", nice=10)
         self._running: dict[int, TaskHandle] = {}
         self.lease: DirectoryLease | None = None
@@ -120,12 +131,16 @@ class LocalTier:
                     after.result()
                 except BaseException:
                     return  # the save failed: its own handle reports it; nothing to persist
+            if self._peers:
+                replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
+                                   self.path(step))
             _hooks.fire("tier.persist")
             overwrite = self.persistent.is_committed(step)
             copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
                             collective=self._coll, files=self._files)
             _hooks.fire("tier.persisted")
-            self._write_record(step)
+            if self._leader:
+                self._write_record(step)
 
         h = self.tasks.submit(task, f"persisting step {step} to {self.persistent.directory}")
         self._running[step] = h
