@@ -146,3 +146,47 @@ def test_a_lost_node_restores_from_its_peer(tmp_path: Path) -> None:
         assert {f[:3] for f in r.value["files"]} == {"r0-", "r1-"}
     # node 1's tier was rebuilt from node 0's copy: a whole, verified checkpoint
     assert ss.verify(os.path.join(root, "node1", "step_0000000003")).ok
+
+
+def killed_worker(ctx: Context) -> None:
+    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    a = ctx.args
+    faults.kill_at("tier.persist", nth=2)
+    mgr = ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                               local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
+                               async_save=False, io=ss.IOOptions(max_chunk_bytes=256 << 10))
+    for step in (1, 2, 3):
+        mgr.save(step, state_at(step, ctx.rank))
+    mgr.wait()
+
+
+def recover_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    a = ctx.args
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                              local_tier=os.path.join(a["root"], f"node{ctx.rank}")) as mgr:
+        before = mgr.persisted_steps()
+        mgr.wait()
+        out = {"before": before, "after": mgr.persisted_steps(), "steps": mgr.steps()}
+        _equal(mgr.load(), expected(out["steps"][-1]))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_before_persistence_loses_nothing_across_processes(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "killed_worker", WORLD, tmp_path, args={"root": root}, timeout_s=120,
+                 check=False, fail_grace_s=30)
+    assert all(r.returncode == -9 for r in res), [(r.returncode, r.error) for r in res]
+    res = launch(THIS, "recover_worker", WORLD, tmp_path, args={"root": root}, timeout_s=180,
+                 tag="recover")
+    for r in res:
+        assert r.value["before"] == [1], r.value
+        assert 2 in r.value["after"] and r.value["after"] == r.value["steps"], r.value
+    for step in res[0].value["after"]:
+        path = os.path.join(root, "persist", f"step_{step:010d}")
+        assert ss.verify(path).ok
+        _equal(ss.load(path), expected(step))

@@ -209,3 +209,19 @@ def test_sigkill_before_persistence_loses_nothing(tmp_path, mode):
         _equal(mgr.load(), state_at(last))
         for s in local_steps:
             _equal(mgr.load(s), state_at(s))
+
+
+@pytest.mark.parametrize("shape", [(8192, 1024), (1, 8 << 20)], ids=["blocks", "one-crc"])
+def test_copy_checkpoint_verifies_chunks_larger_than_a_piece(tmp_path, shape):
+    # 32 MiB chunks, read in 16 MiB pieces: per-block checksums, or one running CRC
+    src = str(tmp_path / "a")
+    w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    ss.save(src, {"w": w})
+    copy_checkpoint(src, str(tmp_path / "b"))
+    np.testing.assert_array_equal(ss.load(str(tmp_path / "b"))["w"], w)
+    name = glob.glob(os.path.join(src, "data", "*.bin"))[0]
+    with open(name, "r+b") as f:
+        f.seek(20 << 20)  # in the second piece
+        f.write(b"\x01\x02")
+    with pytest.raises(ss.ChecksumMismatchError):
+        copy_checkpoint(src, str(tmp_path / "c"))

@@ -30,7 +30,7 @@ from statestream.format import (
     decode_commit,
     decode_manifest,
 )
-from statestream.storage import CheckpointReader, WriteTransaction, storage_for
+from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
 
 __all__ = ["copy_checkpoint", "read_committed"]
 
@@ -65,22 +65,72 @@ def _chunks_by_file(m: Manifest) -> dict[int, list[ChunkEntry]]:
     return out
 
 
-def _verify(c: ChunkEntry, view: memoryview, where: str) -> None:
-    if c.block_rows and c.shape and c.shape[0]:
-        step = (c.nbytes // c.shape[0]) * c.block_rows
-        blocks = tuple(checksum(view[a : a + step]) for a in range(0, c.nbytes, step))
-        ok = blocks == tuple(c.block_checksums)
-    else:
-        ok = checksum(view) == c.checksum
-    if not ok:
-        raise ChecksumMismatchError(
-            f"checksum mismatch in {where} at offset {c.offset} ({c.nbytes} bytes, chunk at "
-            f"{list(c.start)}): the copy being persisted is damaged; nothing was committed")
+class _ChunkCheck:
+    """A chunk's checksum computed piece by piece (pieces end on block boundaries)."""
+
+    def __init__(self, c: ChunkEntry) -> None:
+        self.c = c
+        self.step = 0
+        if c.block_rows and c.shape and c.shape[0]:
+            self.step = (c.nbytes // c.shape[0]) * c.block_rows
+        self.crc = 0
+        self.blocks: list[int] = []
+
+    def piece(self) -> int:
+        """Bytes to read at a time: whole blocks, at least one."""
+        if not self.step:
+            return _PIECE
+        return max(self.step, _PIECE // self.step * self.step)
+
+    def add(self, view: memoryview) -> None:
+        if self.step:
+            self.blocks += [checksum(view[a : a + self.step])
+                            for a in range(0, len(view), self.step)]
+        else:
+            self.crc = checksum(view, self.crc)
+
+    def check(self, where: str) -> None:
+        c = self.c
+        ok = (tuple(self.blocks) == tuple(c.block_checksums) if self.step
+              else self.crc == c.checksum)
+        if not ok:
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {where} at offset {c.offset} ({c.nbytes} bytes, chunk "
+                f"at {list(c.start)}): the copy being persisted is damaged; nothing was "
+                "committed")
+
+
+def _copy_range(reader: CheckpointReader, w: FileWriter, name: str, start: int, end: int,
+                buf: bytearray | None, check: _ChunkCheck | None) -> None:
+    """Copy bytes ``[start, end)`` of ``name`` through ``buf``, feeding ``check``.
+
+    ``buf`` None: the writer keeps the buffers it is given (``retains_buffers``,
+    S3 until the part is uploaded), so each piece gets a buffer of its own.
+    """
+    piece = check.piece() if check is not None else _PIECE
+    pos = start
+    while pos < end:
+        n = min(piece, end - pos)
+        if buf is None:
+            view = memoryview(bytearray(n))
+        else:
+            if len(buf) < n:
+                buf.extend(bytes(n - len(buf)))
+            view = memoryview(buf)[:n]
+        reader.read_into(name, pos, [view])
+        if check is not None:
+            check.add(view)
+        w.write_at([view], pos)
+        pos += n
 
 
 def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size: int,
-               chunks: Sequence[ChunkEntry]) -> None:
-    """Copy one data file in order (object stores write sequentially), verifying chunks."""
+               chunks: Sequence[ChunkEntry], retains: bool) -> None:
+    """Copy one data file in order (object stores write sequentially), verifying chunks.
+
+    Memory: one buffer of at most 16 MiB (or one block of rows, if larger),
+    plus what a writer that ``retains`` buffers holds until it uploads them.
+    """
     where = f"{reader.location}/{name}"
     have = reader.file_size(name)
     if have != size:
@@ -88,24 +138,14 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
     w = txn.create_file(name, size)
     try:
         pos = 0
-        buf = bytearray()
-        for c in [*chunks, None]:
-            end = size if c is None else c.offset
-            while pos < end:  # a gap (alignment padding) or the tail: copied as it is
-                n = min(_PIECE, end - pos)
-                piece = bytearray(n)
-                reader.read_into(name, pos, [piece])
-                w.write_at([piece], pos)
-                pos += n
-            if c is None:
-                break
-            if len(buf) < c.nbytes:
-                buf = bytearray(c.nbytes)
-            view = memoryview(buf)[: c.nbytes]
-            reader.read_into(name, c.offset, [view])
-            _verify(c, view, where)
-            w.write_at([bytes(view)], c.offset)  # a writer may keep what it is given
+        buf = None if retains else bytearray()
+        for c in chunks:
+            _copy_range(reader, w, name, pos, c.offset, buf, None)  # padding, as it is
+            check = _ChunkCheck(c)
+            _copy_range(reader, w, name, c.offset, c.offset + c.nbytes, buf, check)
+            check.check(where)
             pos = c.offset + c.nbytes
+        _copy_range(reader, w, name, pos, size, buf, None)
         w.finish()
     except BaseException:
         w.abort()
@@ -162,12 +202,13 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         agree(coll, f"opening {src} to copy it", err)
         assert reader is not None
         txn = _open_dst(coll, dst, overwrite)
+        retains = storage_for(dst)[0].capabilities.retains_buffers
         try:
             by_file = _chunks_by_file(m)
             mine = [(i, f) for i, f in enumerate(m.files) if files is None or files(f.name)]
             try:
                 parallel_for(lambda job: _copy_file(reader, txn, job[1].name, job[1].size,
-                                                    by_file.get(job[0], [])),
+                                                    by_file.get(job[0], []), retains),
                              mine, max(1, min(threads, len(mine))))
             except BaseException as exc:
                 err = exc

@@ -356,6 +356,7 @@ class CheckpointManager:
         self._wait_save()
         if self._tier is not None:
             self._tier.raise_failed()
+        self._apply_keep_policy()
         self._check_writable()
         self._warn_missing_metrics(step, metrics)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
