@@ -225,3 +225,10 @@ def test_copy_checkpoint_verifies_chunks_larger_than_a_piece(tmp_path, shape):
         f.write(b"\x01\x02")
     with pytest.raises(ss.ChecksumMismatchError):
         copy_checkpoint(src, str(tmp_path / "c"))
+
+
+def test_a_manager_that_fails_to_open_its_tier_holds_no_lease(tmp_path):
+    with pytest.raises(ss.InvalidOptionError):
+        ss.CheckpointManager(str(tmp_path / "p"), local_tier="s3://bucket/x")
+    with ss.CheckpointManager(str(tmp_path / "p")) as mgr:  # not locked by the failed one
+        assert mgr.steps() == []

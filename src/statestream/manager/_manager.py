@@ -124,9 +124,14 @@ class CheckpointManager:
         self._lease = self._open(lease_ttl_s)
         self._tier: LocalTier | None = None
         if local_tier is not None:
-            self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
-                                   self._coll, self._read_only is not None,
-                                   replicate_to_peers)
+            try:
+                self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
+                                       self._coll, self._read_only is not None,
+                                       replicate_to_peers)
+            except BaseException:
+                if self._lease is not None:  # a manager that failed to open holds nothing
+                    self._lease.release()
+                raise
         self._last_saved_step = self.latest_step()
         if preemption:
             self._install_sigterm()
