@@ -232,3 +232,13 @@ def test_a_manager_that_fails_to_open_its_tier_holds_no_lease(tmp_path):
         ss.CheckpointManager(str(tmp_path / "p"), local_tier="s3://bucket/x")
     with ss.CheckpointManager(str(tmp_path / "p")) as mgr:  # not locked by the failed one
         assert mgr.steps() == []
+
+
+def test_force_rewrites_both_tiers(tmp_path):
+    with _mgr(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        assert mgr.save(1, state_at(2), force=True)
+        mgr.wait()
+        _equal(mgr.load(1), state_at(2))
+    _equal(ss.load(str(tmp_path / "persist" / "step_0000000001")), state_at(2))

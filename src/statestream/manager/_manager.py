@@ -370,6 +370,8 @@ class CheckpointManager:
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
         overwrite = target.is_committed(step)
+        if self._tier is not None and overwrite:
+            self._tier.forget_persisted(step)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,

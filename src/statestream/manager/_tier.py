@@ -122,6 +122,16 @@ class LocalTier:
                     os.unlink(os.path.join(self.root, name))
 
     # ------------------------------------------------------------------ persistence
+    def forget_persisted(self, step: int) -> None:
+        """``step`` is about to be saved again: its new copy is not persisted yet."""
+        if self._leader:
+            try:
+                os.unlink(self._record(step))
+            except FileNotFoundError:
+                pass  # never persisted: nothing to forget
+            except OSError as exc:
+                raise storage_error(f"cannot reset {self._record(step)}: {exc}", exc) from exc
+
     def persist(self, step: int, after: SaveHandle | None = None) -> TaskHandle:
         """Queue the persistence of ``step`` (after ``after``, its save, commits)."""
 
