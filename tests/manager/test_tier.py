@@ -242,3 +242,29 @@ def test_force_rewrites_both_tiers(tmp_path):
         mgr.wait()
         _equal(mgr.load(1), state_at(2))
     _equal(ss.load(str(tmp_path / "persist" / "step_0000000001")), state_at(2))
+
+
+def test_a_failed_persistence_is_raised_and_retried_by_the_next_manager(tmp_path):
+    calls = [0]
+
+    def fail_first() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ss.StorageError("the object store is down (injected)")
+
+    _hooks.register("tier.persist", fail_first)
+    try:
+        mgr = _mgr(tmp_path, async_save=False)
+        mgr.save(1, state_at(1))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.wait()
+        assert mgr.persisted_steps() == [] and mgr.steps() == [1]
+        mgr.save(2, state_at(2))  # the error was reported once; saving goes on
+        mgr.close()
+        assert mgr.persisted_steps() == [2]
+    finally:
+        _hooks.clear()
+    with _mgr(tmp_path) as mgr:  # the next manager persists step 1
+        mgr.wait()
+        assert mgr.persisted_steps() == [1, 2]
+        _equal(mgr.load(1), state_at(1))
