@@ -58,13 +58,13 @@ EXPECTED: dict[str, list[str]] = {
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [
-        "ByteBudget", "ChainReader", "CompressionOption", "CompressionPolicy", "IOOptions",
-        "MemoryOptions", "Progress", "SaveHandle", "SaveJob",
-        "SaveOptions", "StagingPool", "StreamWriter",
-        "chunk_checksums", "default_memory_budget_bytes", "follow_bases", "host_pool",
-        "lower_thread_priority", "parallel_for",
-        "pinned_pool", "read_manifest", "read_requests", "release_staging", "run_save",
-        "start_save",
+        "BackgroundTasks", "ByteBudget", "ChainReader", "CompressionOption",
+        "CompressionPolicy", "IOOptions", "MemoryOptions", "NodeGroups", "Progress",
+        "SaveHandle", "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
+        "chunk_checksums", "complete_copies", "copy_checkpoint", "default_memory_budget_bytes",
+        "follow_bases", "host_pool", "lower_thread_priority", "node_groups", "parallel_for",
+        "pinned_pool", "read_committed", "read_manifest", "read_requests", "release_staging",
+        "replicate_to_peers", "run_save", "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
@@ -75,8 +75,8 @@ EXPECTED: dict[str, list[str]] = {
         "register_provider", "target_provider_for",
     ],
     "statestream.distributed": [
-        "Collective", "JaxCollective", "SingleProcess", "TorchCollective", "agree",
-        "default_collective",
+        "ByteChannel", "Collective", "JaxCollective", "SingleProcess", "TorchCollective",
+        "agree", "byte_channel", "default_collective",
     ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_optimizer",

@@ -5,7 +5,8 @@ point costs one dict lookup. Points: ``save.planned``, ``save.chunk_written``,
 ``save.data_synced``, ``commit.manifest_written``, ``commit.marker_written``,
 ``commit.renamed``, ``async.snapshot_chunk``; deletion: ``delete.uncommitted``
 (a local checkpoint's commit marker is gone, its data not yet) and
-``manager.step_deleted``.
+``manager.step_deleted``; a manager's local tier: ``tier.persist`` (a step's
+persistence begins), ``tier.persisted`` (committed).
 """
 
 from __future__ import annotations

@@ -43,13 +43,14 @@ def save_async(
     compression: CompressionOption = None,
     base: str | os.PathLike[str] | None = None,
     hashes: bool = False,
+    node_local: bool = False,
 ) -> SaveHandle:
     """Start saving ``state``; return once it is safe to mutate (or at once if lazy).
 
     Args:
         path, state, overwrite, pickle_paths, io, memory, progress, meta,
-            compression, base, hashes: as for :func:`save`. ``memory`` bounds the staging
-            buffers; chunks are compressed by the background writer threads.
+            compression, base, hashes, node_local: as for :func:`save`. ``memory``
+            bounds the staging buffers; chunks are compressed by the background writer threads.
         lazy: return immediately and copy in the background; call
             ``handle.wait_snapshot()`` (or use :func:`guard_optimizer`) before
             mutating the state. In-place changes outside a guarded optimizer
@@ -72,7 +73,7 @@ def save_async(
     return start_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
         collective=collective, progress=progress, meta=meta, compression=compression,
-        base=base, hashes=hashes), lazy=lazy)
+        base=base, hashes=hashes, node_local=node_local), lazy=lazy)
 
 
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:

@@ -36,6 +36,7 @@ def save(
     compression: CompressionOption = None,
     base: str | os.PathLike[str] | None = None,
     hashes: bool = False,
+    node_local: bool = False,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
@@ -72,6 +73,10 @@ def save(
             checkpoint needs those checkpoints (``metadata(path).bases``).
         hashes: record every chunk's hash, so that this checkpoint can be a
             later save's ``base`` (implied by ``base``; format v2).
+        node_local: ``path`` is on each node's own disk, not shared: every
+            node commits its own copy, holding the manifest and the data files
+            of its own processes (a ``CheckpointManager`` local tier, see
+            docs/manager.md). One process: no difference.
 
     Raises:
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
@@ -90,7 +95,7 @@ def save(
     run_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
         collective=collective, progress=progress, meta=meta, compression=compression,
-        base=base, hashes=hashes))
+        base=base, hashes=hashes, node_local=node_local))
 
 
 def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOptions | None,
@@ -98,14 +103,16 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
                  progress: Progress | None, meta: Mapping[str, Any] | None,
                  compression: CompressionOption = None,
                  base: str | os.PathLike[str] | None = None,
-                 hashes: bool = False) -> SaveOptions:
+                 hashes: bool = False,
+                 node_local: bool = False) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
         memory=memory or MemoryOptions(),
         collective=collective if collective is not None else default_collective(),
         progress=progress, user_meta=check_user_meta(meta),
-        compression=CompressionPolicy(compression), base=base, hashes=bool(hashes))
+        compression=CompressionPolicy(compression), base=base, hashes=bool(hashes),
+        node_local=node_local)
 
 
 

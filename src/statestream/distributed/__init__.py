@@ -5,16 +5,18 @@ initialised, multi-process JAX when ``jax.process_count() > 1``, and a
 single process otherwise. Implementations import their framework lazily.
 """
 
-from statestream.distributed._agree import agree, default_collective
-from statestream.distributed._base import Collective, SingleProcess
+from statestream.distributed._agree import agree, byte_channel, default_collective
+from statestream.distributed._base import ByteChannel, Collective, SingleProcess
 from statestream.distributed._jax import JaxCollective
 from statestream.distributed._torch import TorchCollective
 
 __all__ = [
+    "ByteChannel",
     "Collective",
     "JaxCollective",
     "SingleProcess",
     "TorchCollective",
     "agree",
+    "byte_channel",
     "default_collective",
 ]

@@ -7,10 +7,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from statestream.distributed._base import Collective, SingleProcess
+from statestream.distributed._base import ByteChannel, Collective, SingleProcess
 from statestream.errors import CheckpointError, DistributedError
 
-__all__ = ["agree", "default_collective"]
+__all__ = ["agree", "byte_channel", "default_collective"]
 
 
 def agree(coll: Collective, phase: str, error: BaseException | None, *,
@@ -90,3 +90,14 @@ def default_collective() -> Collective:
     return SingleProcess()
 
 
+
+
+def byte_channel(coll: Collective) -> ByteChannel | None:
+    """The point-to-point byte channel of ``coll``, or None where it has none.
+
+    torch.distributed has one (gloo send/recv); JAX's coordination service
+    carries small objects only, and one process needs none.
+    """
+    from statestream.distributed._torch import TorchCollective
+
+    return coll if isinstance(coll, TorchCollective) else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Collective", "SingleProcess"]
+__all__ = ["ByteChannel", "Collective", "SingleProcess"]
 
 T = TypeVar("T")
 
@@ -37,6 +37,21 @@ class Collective(Protocol):
     def fork(self, channel: str) -> Collective:
         """The same processes on a separate message channel (collective call)."""
         ...
+
+
+class ByteChannel(Protocol):
+    """Point-to-point bytes between the processes of a collective (peer copies).
+
+    Both sides call at the same point: ``send_bytes(buf, dst)`` on one rank,
+    ``recv_bytes(into, src)`` with a buffer of exactly that size on the other.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    def send_bytes(self, data: Any, dst: int) -> None: ...
+
+    def recv_bytes(self, into: Any, src: int) -> None: ...
 
 
 class SingleProcess:

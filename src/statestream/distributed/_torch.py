@@ -302,6 +302,34 @@ class TorchCollective:
             raise self._wrap("all_gather", exc, seq) from exc
         return out
 
+    def send_bytes(self, data: Any, dst: int) -> None:
+        """Send the bytes of buffer ``data`` to rank ``dst`` (which calls :meth:`recv_bytes`).
+
+        Point to point on this collective's gloo group: a peer copy's files
+        travel over the job's own connections.
+        """
+        import torch
+
+        if not len(memoryview(data).cast("B")):
+            return
+        t = torch.frombuffer(data, dtype=torch.uint8)
+        try:
+            self._dist.send(t, dst=self._global_ranks[dst], group=self._pg)
+        except RuntimeError as exc:
+            raise self._wrap(f"sending bytes to rank {dst}", exc) from exc
+
+    def recv_bytes(self, into: Any, src: int) -> None:
+        """Fill the writable buffer ``into`` with what rank ``src`` sends (exactly its size)."""
+        import torch
+
+        if not len(memoryview(into).cast("B")):
+            return
+        t = torch.frombuffer(into, dtype=torch.uint8)
+        try:
+            self._dist.recv(t, src=self._global_ranks[src], group=self._pg)
+        except RuntimeError as exc:
+            raise self._wrap(f"receiving bytes from rank {src}", exc) from exc
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj if self._rank == src else None]
         seq = self._arrive("broadcast")

@@ -1,6 +1,7 @@
 """The engine: the only layer that owns threads, queues, buffers and the save job."""
 
 from statestream.engine._codec import CompressionOption, CompressionPolicy
+from statestream.engine._copy import copy_checkpoint, read_committed
 from statestream.engine._core import (
     ByteBudget,
     IOOptions,
@@ -12,34 +13,45 @@ from statestream.engine._core import (
 )
 from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
+from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
 from statestream.engine._refs import ChainReader, follow_bases, read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
+from statestream.engine._tasks import BackgroundTasks, TaskHandle
+from statestream.engine._transfer import complete_copies, replicate_to_peers
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
+    "BackgroundTasks",
     "ByteBudget",
     "ChainReader",
     "CompressionOption",
     "CompressionPolicy",
     "IOOptions",
     "MemoryOptions",
+    "NodeGroups",
     "Progress",
     "SaveHandle",
     "SaveJob",
     "SaveOptions",
     "StagingPool",
     "StreamWriter",
+    "TaskHandle",
     "chunk_checksums",
+    "complete_copies",
+    "copy_checkpoint",
     "default_memory_budget_bytes",
     "follow_bases",
     "host_pool",
     "lower_thread_priority",
+    "node_groups",
     "parallel_for",
     "pinned_pool",
     "read_manifest",
+    "read_committed",
     "read_requests",
     "release_staging",
+    "replicate_to_peers",
     "run_save",
     "start_save",
 ]

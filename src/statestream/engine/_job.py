@@ -47,6 +47,7 @@ from statestream.engine._core import (
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
+from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
 from statestream.engine._write import StreamWriter
 from statestream.errors import CheckpointError, DistributedError, TargetMismatchError
@@ -55,6 +56,7 @@ from statestream.format import (
     DTYPE_NAMES,
     MANIFEST_NAME,
     ChunkEntry,
+    Manifest,
     decode_manifest,
     decode_tree,
     encode_commit,
@@ -102,6 +104,9 @@ class SaveOptions:
     base: str | os.PathLike[str] | None = None
     #: record each chunk's XXH3-128 (so a later save can use this one as its base)
     hashes: bool = False
+    #: the path is on each node's own disk: every node commits its own copy
+    #: (the manifest and its processes' data files; see engine/_nodelocal.py)
+    node_local: bool = False
 
 
 class SaveJob:
@@ -147,6 +152,10 @@ class SaveJob:
         self._decls: list[ArrayDecl] = []
         #: the base's hashed chunks (an incremental save), read at the begin
         self.base: BaseChunks | None = None
+        #: with ``node_local`` and several processes: who shares which copy
+        self.groups: NodeGroups | None = None
+        #: the manifest this process built at the commit (rank 0), for remember_committed
+        self._built: Manifest | None = None
 
     def _open_base(self) -> None:
         """Read the base's manifest (before anything is written)."""
@@ -226,6 +235,9 @@ class SaveJob:
             raise
 
     def _open_transaction(self) -> None:
+        if self.options.node_local:
+            self._open_node_local()
+            return
         coll = self.coll
         err: BaseException | None = None
         if coll.rank == 0:
@@ -238,6 +250,25 @@ class SaveJob:
         try:
             if self.txn is None:
                 self.txn = self.storage.join_write(self.spath, token)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "joining the save", err)
+
+    def _open_node_local(self) -> None:
+        """Each node's first process opens its copy; the node's others join it."""
+        coll = self.coll
+        groups = self.groups = node_groups(coll, os.path.dirname(self.spath))
+        err: BaseException | None = None
+        if groups.is_leader:
+            try:
+                self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+            except BaseException as exc:
+                err = exc
+        agree(coll, "starting the save", err)
+        tokens = coll.all_gather_object(self.txn.token if self.txn is not None else None)
+        try:
+            if self.txn is None:
+                self.txn = self.storage.join_write(self.spath, tokens[groups.leader()])
         except BaseException as exc:
             err = exc
         agree(coll, "joining the save", err)
@@ -426,7 +457,9 @@ class SaveJob:
             parts = ([part] if not self.multi else
                      [RankPart.from_wire(w) for w in coll.all_gather_object(part.to_wire())])
             err = None
-            if coll.rank == 0:
+            if self.groups is not None:
+                err = self._commit_node_local(parts)
+            elif coll.rank == 0:
                 try:
                     self._commit(parts)
                 except BaseException as exc:
@@ -468,23 +501,50 @@ class SaveJob:
             **({"user": user} if user is not None else {}),
         }
 
-    def _commit(self, parts: list[RankPart]) -> None:
+    def _manifest_bytes(self, parts: list[RankPart]) -> bytes:
         merged, txn = self.merged, self.txn
         assert merged is not None and txn is not None
-        manifest = build_manifest(merged, parts, self._meta())
+        manifest = self._built = build_manifest(merged, parts, self._meta())
         mbytes = encode_manifest(manifest)
         if self.multi:
             # Check the merged manifest exactly as a reader will (coverage, overlaps,
             # sizes) before it becomes visible: a planning bug must fail the save.
             decode_manifest(mbytes, f"{txn.location}/{MANIFEST_NAME} (being committed)")
+        return mbytes
+
+    def _commit_node_local(self, parts: list[RankPart]) -> BaseException | None:
+        """Rank 0 builds the manifest; each node's leader commits its own copy of it."""
+        coll, groups = self.finish_coll, self.groups
+        assert groups is not None
+        text: str | None = None
+        err: BaseException | None = None
+        if coll.rank == 0:
+            try:
+                text = self._manifest_bytes(parts).decode("utf-8")
+            except BaseException as exc:
+                err = exc
+        agree(coll, "building the manifest", err)
+        text = coll.broadcast_object(text, src=0)
+        if groups.is_leader:
+            try:
+                self._commit(parts, text.encode("utf-8"))
+            except BaseException as exc:
+                return exc
+        return None
+
+    def _commit(self, parts: list[RankPart], mbytes: bytes | None = None) -> None:
+        txn = self.txn
+        assert txn is not None
+        if mbytes is None:
+            mbytes = self._manifest_bytes(parts)
         txn.write_bytes(MANIFEST_NAME, mbytes)
         _hooks.fire("commit.manifest_written")
         txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
         _hooks.fire("commit.marker_written")
         txn.commit()
         _hooks.fire("commit.renamed")
-        if self.options.hashes or self.base is not None:
-            remember_committed(self.spath, mbytes, manifest)
+        if (self.options.hashes or self.base is not None) and self._built is not None:
+            remember_committed(self.spath, mbytes, self._built)
 
     # ----------------------------------------------------------------------- failure
     def _abort_local(self) -> None:
@@ -494,8 +554,11 @@ class SaveJob:
         self._abort_txn()
 
     def _abort_txn(self) -> None:
-        # With several processes, rank 0 owns the transaction; the others joined it.
-        if self.txn is not None and (not self.multi or self.coll.rank == 0):
+        # With several processes, rank 0 owns the transaction; the others joined it
+        # (node-local: each node's leader owns its node's).
+        owner = self.groups.is_leader if self.groups is not None else (
+            not self.multi or self.coll.rank == 0)
+        if self.txn is not None and owner:
             self.txn.abort()
 
 

@@ -33,6 +33,8 @@ from statestream.manager._policies import (
 )
 from statestream.manager._retention import Retention, encode_metrics, step_info
 from statestream.manager._steps import StepDirectory
+from statestream.manager._tier import LocalTier
+from statestream.manager._tierops import open_tier, tier_load, tier_steps
 from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
@@ -65,6 +67,15 @@ class CheckpointManager:
             background). A crashed manager's directory can be taken over this
             long after its last renewal. Local directories use ``flock``, which
             ends with the holder's process.
+        local_tier: a fast local directory (a node's own disk): saves commit
+            there and are persisted to ``directory`` in the background (see
+            docs/manager.md, "The local tier"); steps the last manager on it did
+            not persist are persisted when the manager opens.
+        local_keep_policy: which persisted steps the local tier keeps (default
+            ``KeepLatest(2)``); a step leaves it only once persisted.
+        replicate_to_peers: with several nodes, each process's local files are
+            also sent (over torch.distributed) to the next node's local tier, so
+            a lost node restores from its peer without the persistent directory.
 
     A directory the manager cannot write (a read-only mount, no permission)
     opens read-only: :attr:`read_only` is true, steps list and load, and
@@ -96,7 +107,16 @@ class CheckpointManager:
         lease_ttl_s: float = 60.0,
         compression: CompressionOption = None,
         incremental: bool = False,
+        local_tier: str | os.PathLike[str] | None = None,
+        local_keep_policy: KeepPolicy | None = None,
+        replicate_to_peers: bool = False,
     ) -> None:
+        if incremental and local_tier is not None:
+            # Persisting a step copies its own chunks; references into older steps
+            # would need those steps persisted first (not built yet).
+            raise InvalidOptionError(
+                "incremental=True cannot be combined with local_tier= yet: persisting a "
+                "step from the local tier does not carry its references to earlier steps")
         self._incremental = bool(incremental)
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
@@ -120,6 +140,16 @@ class CheckpointManager:
         #: reached_preemption(step) consistent with save(step) (see there).
         self._decided: tuple[int, bool] | None = None
         self._lease = self._open(lease_ttl_s)
+        self._tier: LocalTier | None = None
+        if local_tier is not None:
+            try:
+                self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
+                                       self._coll, self._read_only is not None,
+                                       replicate_to_peers)
+            except BaseException:
+                if self._lease is not None:  # a manager that failed to open holds nothing
+                    self._lease.release()
+                raise
         self._last_saved_step = self.latest_step()
         if preemption:
             self._install_sigterm()
@@ -175,6 +205,8 @@ class CheckpointManager:
                 self._old_handler = None
             if self._lease is not None:
                 self._lease.release()
+            if self._tier is not None:
+                self._tier.close()
 
     def _check_writable(self) -> None:
         """Raise (on every rank) unless rank 0 still holds the lease."""
@@ -191,13 +223,24 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ discovery
     def step_path(self, step: int) -> str:
-        """Directory (or URL) of ``step``."""
+        """Directory (or URL) of ``step``: its local-tier copy when there is one."""
+        if self._tier is not None and self._tier.is_committed(step):
+            return self._tier.path(step)
         return self._dir.path(step)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written, nor a step
-        the keep policy dropped that is kept only because a kept step refers to it)."""
-        return self._retention.listed()
+        the keep policy dropped that is kept only because a kept step refers to it).
+
+        With a local tier: the steps committed in either tier.
+        """
+        if self._tier is None:
+            return self._retention.listed()
+        return tier_steps(self._tier, self._coll)
+
+    def persisted_steps(self) -> list[int]:
+        """Steps committed in ``directory`` itself (durable beyond this node), ascending."""
+        return self._dir.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -266,7 +309,10 @@ class CheckpointManager:
         return bool(choices[1] if flag else choices[0])
 
     def _pending_steps(self) -> set[int]:
-        return {self._inflight_step} if self._inflight_step is not None else set()
+        pending = {self._inflight_step} if self._inflight_step is not None else set()
+        if self._tier is not None:
+            pending |= self._tier.pending_steps()
+        return pending
 
     def reached_preemption(self, step: int) -> bool:
         """True (on every rank) once SIGTERM arrived; save and exit at this boundary.
@@ -331,28 +377,39 @@ class CheckpointManager:
             self._decided = (step, True)  # a save of this step happens whatever the signal
         elif not self.should_save(step):
             return False
-        self.wait()
+        self._wait_save()
+        if self._tier is not None:
+            self._tier.raise_failed()
+        self._apply_keep_policy()
         self._check_writable()
         self._warn_missing_metrics(step, metrics)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
-        path = self.step_path(step)
+        target = self._dir if self._tier is None else self._tier.dir
+        path = target.path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
-        overwrite = self._dir.is_committed(step)
+        overwrite = target.is_committed(step)
         base = self._base_for(step)
+        if self._tier is not None and overwrite:
+            self._tier.forget_persisted(step)
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
                                         collective=self._coll, meta=meta,
                                         compression=self._compression, base=base,
-                                        hashes=self._incremental)
+                                        hashes=self._incremental,
+                                        node_local=self._tier is not None)
             if self._lazy:  # an optimizer.step() must not race the lazy snapshot
                 guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
+            if self._tier is not None:
+                self._tier.persist(step, self._inflight)
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
                  collective=self._coll, meta=meta, compression=self._compression, base=base,
-                 hashes=self._incremental)
+                 hashes=self._incremental, node_local=self._tier is not None)
+            if self._tier is not None:
+                self._tier.persist(step)
             self._apply_keep_policy()
         self._last_saved_step = step
         self._last_saved_time = time.time()
@@ -400,11 +457,22 @@ class CheckpointManager:
         return self._inflight
 
     def wait(self) -> None:
-        """Wait until the in-flight save is committed; then apply the keep policy.
+        """Wait until the in-flight save is committed (and, with a local tier,
+        every committed step is persisted); then apply the keep policies.
 
         Raises:
-            CheckpointError: the background save failed (nothing was committed).
+            CheckpointError: the background save failed (nothing was committed),
+                or a step could not be persisted (it stays in the local tier).
         """
+        try:
+            self._wait_save()
+        finally:
+            if self._tier is not None:
+                self._tier.wait()
+        self._apply_keep_policy()
+
+    def _wait_save(self) -> None:
+        """Wait for the in-flight save (its local commit, with a local tier)."""
         h, self._inflight = self._inflight, None
         self._inflight_step = None
         if h is not None:
@@ -414,9 +482,10 @@ class CheckpointManager:
                 # that step never committed: it may be saved again
                 self._last_saved_step = self.latest_step()
                 raise
-        self._apply_keep_policy()
 
     def _apply_keep_policy(self) -> None:
+        if self._tier is not None:
+            self._tier.apply_keep()
         # Only the lease holder deletes; a read-only or lost lease deletes nothing.
         if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
             return
@@ -445,6 +514,9 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint in {self.directory}; save one first"
                 )
+        if self._tier is not None:
+            return tier_load(self._tier, step, target, items=items, allow_pickle=allow_pickle,
+                             io=self._io, memory=self._memory, collective=self._coll)
         return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
                     io=self._io, memory=self._memory, collective=self._coll)
 

@@ -59,6 +59,8 @@ POINTS = (
     "commit.renamed",
     "delete.uncommitted",
     "manager.step_deleted",
+    "tier.persist",
+    "tier.persisted",
 )
 
 

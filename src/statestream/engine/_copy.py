@@ -1,0 +1,231 @@
+"""Copy a committed checkpoint to another place, verifying every chunk; commit there last.
+
+This is how a checkpoint of a manager's local tier is persisted: the data
+files are copied byte for byte (so the manifest, which names files, offsets
+and checksums, stays valid) and every chunk's CRC-32C is checked on the way,
+so a copy damaged on the local disk is never persisted as good. The manifest
+and commit marker are written last and the destination committed atomically
+with the storage's own commit (a rename locally, a marker object on S3).
+
+With several processes, every process copies the data files it selects
+(``files``: its own ``data/r<rank>-*`` files, read from its own node's copy),
+rank 0 writes the manifest and commits, and every step is agreed on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from statestream.distributed import Collective, SingleProcess, agree
+from statestream.engine._core import parallel_for
+from statestream.errors import CheckpointCorruptError, ChecksumMismatchError
+from statestream.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    MAX_COMMIT_BYTES,
+    MAX_MANIFEST_BYTES,
+    ChunkEntry,
+    Manifest,
+    checksum,
+    decode_commit,
+    decode_manifest,
+)
+from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
+
+__all__ = ["copy_checkpoint", "read_committed"]
+
+#: Bytes moved per read/write between chunks (gaps, padding); chunks go whole.
+_PIECE = 16 << 20
+
+
+def read_committed(reader: CheckpointReader) -> tuple[bytes, bytes, Manifest]:
+    """The commit marker, the manifest's bytes and the decoded, verified manifest."""
+    where = f"{reader.location}/{MANIFEST_NAME}"
+    marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
+    size, crc = decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
+    data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if len(data) != size or checksum(data) != crc:
+        raise CheckpointCorruptError(
+            f"manifest {where} does not match its commit marker; the checkpoint is corrupt")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
+    return marker, data, decode_manifest(text, where)
+
+
+def _chunks_by_file(m: Manifest) -> dict[int, list[ChunkEntry]]:
+    out: dict[int, list[ChunkEntry]] = {}
+    for a in m.arrays:
+        for c in a.chunks:
+            if c.ref is None:  # a chunk kept in another checkpoint is not in these files
+                out.setdefault(c.file, []).append(c)
+    for cs in out.values():
+        cs.sort(key=lambda c: c.offset)
+    return out
+
+
+class _ChunkCheck:
+    """A chunk's checksum computed piece by piece (pieces end on block boundaries)."""
+
+    def __init__(self, c: ChunkEntry) -> None:
+        self.c = c
+        self.step = 0
+        if c.block_rows and c.shape and c.shape[0]:
+            self.step = (c.nbytes // c.shape[0]) * c.block_rows
+        self.crc = 0
+        self.blocks: list[int] = []
+
+    def piece(self) -> int:
+        """Bytes to read at a time: whole blocks, at least one."""
+        if not self.step:
+            return _PIECE
+        return max(self.step, _PIECE // self.step * self.step)
+
+    def add(self, view: memoryview) -> None:
+        if self.step:
+            self.blocks += [checksum(view[a : a + self.step])
+                            for a in range(0, len(view), self.step)]
+        else:
+            self.crc = checksum(view, self.crc)
+
+    def check(self, where: str) -> None:
+        c = self.c
+        ok = (tuple(self.blocks) == tuple(c.block_checksums) if self.step
+              else self.crc == c.checksum)
+        if not ok:
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {where} at offset {c.offset} ({c.nbytes} bytes, chunk "
+                f"at {list(c.start)}): the copy being persisted is damaged; nothing was "
+                "committed")
+
+
+def _copy_range(reader: CheckpointReader, w: FileWriter, name: str, start: int, end: int,
+                buf: bytearray | None, check: _ChunkCheck | None) -> None:
+    """Copy bytes ``[start, end)`` of ``name`` through ``buf``, feeding ``check``.
+
+    ``buf`` None: the writer keeps the buffers it is given (``retains_buffers``,
+    S3 until the part is uploaded), so each piece gets a buffer of its own.
+    """
+    piece = check.piece() if check is not None else _PIECE
+    pos = start
+    while pos < end:
+        n = min(piece, end - pos)
+        if buf is None:
+            view = memoryview(bytearray(n))
+        else:
+            if len(buf) < n:
+                buf.extend(bytes(n - len(buf)))
+            view = memoryview(buf)[:n]
+        reader.read_into(name, pos, [view])
+        if check is not None:
+            check.add(view)
+        w.write_at([view], pos)
+        pos += n
+
+
+def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size: int,
+               chunks: Sequence[ChunkEntry], retains: bool) -> None:
+    """Copy one data file in order (object stores write sequentially), verifying chunks.
+
+    Memory: one buffer of at most 16 MiB (or one block of rows, if larger),
+    plus what a writer that ``retains`` buffers holds until it uploads them.
+    """
+    where = f"{reader.location}/{name}"
+    have = reader.file_size(name)
+    if have != size:
+        raise CheckpointCorruptError(f"{where} holds {have} bytes, its manifest says {size}")
+    w = txn.create_file(name, size)
+    try:
+        pos = 0
+        buf = None if retains else bytearray()
+        for c in chunks:
+            _copy_range(reader, w, name, pos, c.offset, buf, None)  # padding, as it is
+            check = _ChunkCheck(c)
+            _copy_range(reader, w, name, c.offset, c.offset + c.nbytes, buf, check)
+            check.check(where)
+            pos = c.offset + c.nbytes
+        _copy_range(reader, w, name, pos, size, buf, None)
+        w.finish()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _open_dst(coll: Collective, dst: str, overwrite: bool) -> WriteTransaction:
+    storage, path = storage_for(dst)
+    txn: WriteTransaction | None = None
+    err: BaseException | None = None
+    if coll.rank == 0:
+        try:
+            txn = storage.begin_write(path, overwrite=overwrite)
+        except BaseException as exc:
+            err = exc
+    agree(coll, f"starting the copy to {dst}", err)
+    token = coll.broadcast_object(txn.token if txn is not None else None, src=0)
+    try:
+        if txn is None:
+            txn = storage.join_write(path, token)
+    except BaseException as exc:
+        err = exc
+    agree(coll, f"joining the copy to {dst}", err)
+    assert txn is not None
+    return txn
+
+
+def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
+                    collective: Collective | None = None,
+                    files: Callable[[str], bool] | None = None,
+                    threads: int = 4) -> None:
+    """Copy the committed checkpoint ``src`` to ``dst`` and commit it there.
+
+    Every chunk's checksum is verified as it is read. Collective: each
+    process opens its own ``src`` (its node's copy) and copies the data
+    files ``files`` selects (default: all of them, which is right for one
+    process); rank 0 writes the manifest and marker and commits.
+
+    Raises:
+        ChecksumMismatchError, CheckpointCorruptError: ``src`` is damaged
+            (nothing is committed at ``dst``).
+        StorageError: reading or writing failed.
+    """
+    coll = collective if collective is not None else SingleProcess()
+    st, sp = storage_for(src)
+    reader: CheckpointReader | None = None
+    err: BaseException | None = None
+    try:
+        reader = st.open_read(sp)
+        marker, mbytes, m = read_committed(reader)
+    except BaseException as exc:
+        err = exc
+    try:
+        agree(coll, f"opening {src} to copy it", err)
+        assert reader is not None
+        txn = _open_dst(coll, dst, overwrite)
+        retains = storage_for(dst)[0].capabilities.retains_buffers
+        try:
+            by_file = _chunks_by_file(m)
+            mine = [(i, f) for i, f in enumerate(m.files) if files is None or files(f.name)]
+            try:
+                parallel_for(lambda job: _copy_file(reader, txn, job[1].name, job[1].size,
+                                                    by_file.get(job[0], []), retains),
+                             mine, max(1, min(threads, len(mine))))
+            except BaseException as exc:
+                err = exc
+            agree(coll, f"copying {src} to {dst}", err)
+            err = None
+            if coll.rank == 0:
+                try:
+                    txn.write_bytes(MANIFEST_NAME, mbytes)
+                    txn.write_bytes(COMMIT_NAME, marker)
+                    txn.commit()
+                except BaseException as exc:
+                    err = exc
+            agree(coll, f"committing the copy of {src} at {dst}", err)
+        except BaseException:
+            if coll.rank == 0:
+                txn.abort()
+            raise
+    finally:
+        if reader is not None:
+            reader.close()

@@ -1,0 +1,121 @@
+"""A background worker that runs tasks in order (the manager's persistence of local steps).
+
+One thread per worker, started on the first task, niced like an asynchronous
+save's writers. Tasks run one after another in submission order; each has a
+:class:`TaskHandle`. Tasks still pending at interpreter exit are completed
+then (a process that returns normally still persists what it saved), and a
+failure nobody asked about is printed, never dropped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from statestream.engine._core import lower_thread_priority
+
+__all__ = ["BackgroundTasks", "TaskHandle"]
+
+_WORKERS: weakref.WeakSet[BackgroundTasks] = weakref.WeakSet()
+_ATEXIT = threading.Lock()
+_REGISTERED = [False]
+
+
+class TaskHandle:
+    """One submitted task: :meth:`result` waits for it and raises its error."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._seen = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the task; raise its error (once reported, it is not printed at exit).
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.what} not finished after {timeout}s")
+        self._seen = True
+        if self._error is not None:
+            raise self._error
+
+
+class BackgroundTasks:
+    """Runs submitted callables on one background thread, in order.
+
+    Example:
+        >>> w = BackgroundTasks("example")
+        >>> h = w.submit(lambda: None, "nothing")
+        >>> h.result(); h.done()
+        True
+    """
+
+    def __init__(self, name: str, *, nice: int = 0) -> None:
+        self.name = name
+        self._nice = nice
+        self._queue: queue.Queue[tuple[Callable[[], Any], TaskHandle] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._handles: list[TaskHandle] = []
+        with _ATEXIT:
+            _WORKERS.add(self)
+            if not _REGISTERED[0]:
+                atexit.register(_drain_at_exit)
+                _REGISTERED[0] = True
+
+    def submit(self, fn: Callable[[], Any], what: str) -> TaskHandle:
+        """Queue ``fn``; ``what`` names it in messages."""
+        h = TaskHandle(what)
+        with self._lock:
+            self._handles.append(h)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._queue.put((fn, h))
+        return h
+
+    def pending(self) -> list[TaskHandle]:
+        """Handles of the tasks not finished yet, in order."""
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done() or not h._seen]
+            return [h for h in self._handles if not h.done()]
+
+    def handles(self) -> list[TaskHandle]:
+        """Every handle whose outcome nobody has asked for yet."""
+        with self._lock:
+            self._handles = [h for h in self._handles if not h._seen]
+            return list(self._handles)
+
+    def _run(self) -> None:
+        lower_thread_priority(self._nice)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, h = job
+            try:
+                fn()
+            except BaseException as exc:  # kept on the handle; raised to whoever waits
+                h._error = exc
+            h._done.set()
+
+
+def _drain_at_exit() -> None:
+    for w in list(_WORKERS):
+        for h in w.handles():
+            try:
+                h.result()
+            except BaseException as exc:  # report, never drop silently
+                print(f"statestream: {h.what} failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)

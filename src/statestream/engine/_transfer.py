@@ -1,0 +1,253 @@
+"""Node-local copies of one checkpoint, moved between nodes over the job's collective.
+
+A node-local checkpoint (``save(..., node_local=True)``) has one copy per
+node: the manifest and the data files of that node's processes. Two
+collective operations move files between those copies over the collective's
+point-to-point byte channel (torch.distributed gloo), never through a shared
+file system or the persistent store:
+
+- :func:`replicate_to_peers`: every process sends its own data files to the
+  next node (its *peer*), which adds them to its copy, so a lost node's files
+  survive on its peer;
+- :func:`complete_copies`: every node fetches the files its copy lacks (all of
+  the manifest's) from a node that holds them, writing a copy from scratch
+  (manifest included) where a node has none, so each node can then load the
+  checkpoint from its own disk.
+
+Transfers run in one order known to every process (each involves two ranks,
+so the earliest one not done always has both of its ranks at it: no
+deadlock). Received files are written next to their final name and renamed
+into place after an fsync, so a copy is never seen with a partial file;
+checksums are verified by the load that follows (and by persistence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from statestream.distributed import ByteChannel, Collective, agree
+from statestream.engine._copy import read_committed
+from statestream.engine._nodelocal import NodeGroups
+from statestream.errors import DistributedError, TruncatedFileError, storage_error
+from statestream.format import (
+    COMMIT_NAME,
+    DATA_DIR,
+    MANIFEST_NAME,
+    decode_manifest,
+    validate_file_name,
+)
+from statestream.storage import LocalStorage
+
+__all__ = ["Transfer", "complete_copies", "replicate_to_peers"]
+
+_PIECE = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One data file sent from rank ``src``'s node copy to rank ``dst``'s."""
+
+    src: int
+    dst: int
+    name: str
+    size: int
+
+
+def _held(path: str) -> dict[str, int]:
+    """Data files in the node's copy at ``path``: name -> size."""
+    data = os.path.join(path, DATA_DIR)
+    try:
+        names = os.listdir(data)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for n in names:
+        full = os.path.join(data, n)
+        if not n.startswith(".") and os.path.isfile(full):
+            out[f"{DATA_DIR}/{n}"] = os.path.getsize(full)
+    return out
+
+
+def _send(channel: ByteChannel, path: str, t: Transfer) -> None:
+    full = os.path.join(path, validate_file_name(t.name))
+    buf = bytearray(min(_PIECE, t.size))
+    try:
+        with open(full, "rb", buffering=0) as f:
+            pos = 0
+            while pos < t.size:
+                n = min(_PIECE, t.size - pos)
+                view = memoryview(buf)[:n]
+                got = f.readinto(view)
+                if got != n:
+                    raise TruncatedFileError(f"{full} ended at {pos + (got or 0)} of {t.size}")
+                channel.send_bytes(view, t.dst)
+                pos += n
+    except OSError as exc:
+        raise storage_error(f"cannot read {full} to send it to rank {t.dst}: {exc}",
+                            exc) from exc
+
+
+def _recv(channel: ByteChannel, path: str, t: Transfer) -> None:
+    """Receive into ``path/data/.<name>.part``, fsync, rename into place."""
+    final = os.path.join(path, validate_file_name(t.name))
+    part = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.part")
+    buf = bytearray(min(_PIECE, t.size))
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        with open(part, "wb", buffering=0) as f:
+            pos = 0
+            while pos < t.size:
+                n = min(_PIECE, t.size - pos)
+                view = memoryview(buf)[:n]
+                channel.recv_bytes(view, t.src)
+                f.write(view)
+                pos += n
+            os.fsync(f.fileno())
+        os.replace(part, final)
+        fd = os.open(os.path.dirname(final), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise storage_error(f"cannot write {final} received from rank {t.src}: {exc}",
+                            exc) from exc
+
+
+def run_transfers(coll: Collective, channel: ByteChannel, transfers: Sequence[Transfer],
+                  source: Callable[[int], str], sink: Callable[[int], str]) -> None:
+    """Run ``transfers`` in order: this rank sends from ``source(src)``'s copy or
+    receives into ``sink(dst)``'s; every rank agrees on the outcome."""
+    err: BaseException | None = None
+    me = coll.rank
+    try:
+        for t in transfers:
+            if t.src == me and t.dst != me:
+                _send(channel, source(me), t)
+            elif t.dst == me and t.src != me:
+                _recv(channel, sink(me), t)
+    except BaseException as exc:
+        err = exc
+    agree(coll, "moving checkpoint files between nodes", err)
+
+
+def _need_channel(coll: Collective, channel: ByteChannel | None) -> ByteChannel:
+    if channel is None:
+        raise DistributedError(
+            "moving node-local checkpoint files between nodes needs a collective with a "
+            f"byte channel (torch.distributed); {type(coll).__name__} has none")
+    return channel
+
+
+def replicate_to_peers(coll: Collective, channel: ByteChannel | None, groups: NodeGroups,
+                       path: str) -> None:
+    """Send every process's own data files of the node-local checkpoint ``path`` to its
+    peer node (the next one, in rank order of the nodes' leaders); collective.
+
+    Every node's copy must be committed. With one node there is nothing to do.
+    """
+    leaders = groups.leaders()
+    if len(leaders) < 2:
+        return
+    own = {n: s for n, s in _held(path).items()
+           if n.startswith(f"{DATA_DIR}/r{coll.rank}-")}
+    everyone = coll.all_gather_object(sorted(own.items()))
+    transfers = []
+    for r, files in enumerate(everyone):
+        node = leaders.index(groups.leader(r))
+        peer = leaders[(node + 1) % len(leaders)]
+        transfers += [Transfer(r, peer, n, int(s)) for n, s in files]
+    if transfers:
+        run_transfers(coll, _need_channel(coll, channel), transfers,
+                      lambda _: path, lambda _: path)
+
+
+def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeGroups,
+                    path: str) -> bool:
+    """Give every node a whole copy of the node-local checkpoint ``path``; collective.
+
+    Returns False on every rank, changing nothing, when some file of the
+    manifest is held by no node, no node has a committed copy, or files
+    would have to move and the collective has no byte channel.
+    """
+    info = None
+    if groups.is_leader:
+        committed = LocalStorage().is_committed(path)
+        info = {"committed": committed, "files": sorted(_held(path).items())}
+    infos = coll.all_gather_object(info)
+    src = next((r for r, i in enumerate(infos) if i is not None and i["committed"]), None)
+    if src is None:
+        return False
+    texts = None
+    err: BaseException | None = None
+    if coll.rank == src:
+        try:
+            reader = LocalStorage().open_read(path)
+            try:
+                marker, mbytes, _ = read_committed(reader)
+            finally:
+                reader.close()
+            texts = (marker.decode("utf-8"), mbytes.decode("utf-8"))
+        except BaseException as exc:
+            err = exc
+    agree(coll, f"reading the manifest of {path}", err)
+    marker_text, manifest_text = coll.broadcast_object(texts, src=src)
+    m = decode_manifest(manifest_text, f"{path}/{MANIFEST_NAME}")
+    sizes = {f.name: f.size for f in m.files}
+    holders: dict[str, list[int]] = {}
+    for r, i in enumerate(infos):
+        if i is not None and i["committed"]:
+            for n, size in i["files"]:
+                if sizes.get(n) == size:  # a short or stray file is no source
+                    holders.setdefault(n, []).append(r)
+    if any(not holders.get(n) for n in sizes):
+        return False
+    transfers = []
+    for r, i in enumerate(infos):
+        if i is None:
+            continue
+        have = dict(i["files"]) if i["committed"] else {}
+        for n, size in sizes.items():
+            if have.get(n) != size:
+                hs = holders[n]
+                transfers.append(Transfer(hs[r % len(hs)], r, n, size))
+    if not transfers:
+        return True
+    if channel is None:
+        return False
+    _complete(coll, channel, groups, path, transfers, infos, (marker_text, manifest_text))
+    return True
+
+
+def _complete(coll: Collective, channel: ByteChannel, groups: NodeGroups, path: str,
+              transfers: list[Transfer], infos: list[object],
+              texts: tuple[str, str]) -> None:
+    """Run the transfers; a node without a committed copy writes one and commits it."""
+    mine = infos[coll.rank]
+    fresh = isinstance(mine, dict) and not mine["committed"]
+    stage = path
+    txn = None
+    err: BaseException | None = None
+    if fresh:
+        try:
+            txn = LocalStorage().begin_write(path, overwrite=False)
+            stage = txn.token  # the staging directory: files land there, then commit
+        except BaseException as exc:
+            err = exc
+    agree(coll, f"preparing the copy of {path}", err)
+    try:
+        run_transfers(coll, channel, transfers, lambda _: path, lambda _: stage)
+        if txn is not None:
+            try:
+                txn.write_bytes(MANIFEST_NAME, texts[1].encode("utf-8"))
+                txn.write_bytes(COMMIT_NAME, texts[0].encode("utf-8"))
+                txn.commit()
+            except BaseException as exc:
+                err = exc
+        agree(coll, f"committing the restored copy of {path}", err)
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise

@@ -1,0 +1,119 @@
+"""What the manager does with its local tier: open it, list both tiers, load from the best.
+
+With several processes each node's local tier holds a node-local copy of
+each step (its processes' files, plus its peer's with ``replicate_to_peers``).
+Listing and loading are then collective: every process sees the steps any
+node holds, and before a local load the nodes complete each other's copies
+over the collective (``engine.complete_copies``); a step no node can complete
+loads from the persistent directory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from statestream.api import load
+from statestream.api._pickles import AllowPickle
+from statestream.distributed import Collective, SingleProcess, agree, byte_channel
+from statestream.engine import (
+    IOOptions,
+    MemoryOptions,
+    NodeGroups,
+    complete_copies,
+    node_groups,
+)
+from statestream.errors import CheckpointCorruptError, CheckpointError, InvalidOptionError
+from statestream.manager._policies import KeepLatest, KeepPolicy
+from statestream.manager._steps import StepDirectory
+from statestream.manager._tier import LocalTier
+
+__all__ = ["open_tier", "tier_load", "tier_steps"]
+
+
+def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
+              coll: Collective, read_only: bool, peers: bool) -> LocalTier:
+    """Open the local tier and queue the persistence of what the last manager left."""
+    if read_only:
+        raise CheckpointError(
+            f"{persistent.directory} is read-only: a local tier in front of it could never "
+            "be persisted; open the manager without local_tier to load from it")
+    multi = coll.world_size > 1
+    if peers and multi and byte_channel(coll) is None:
+        raise InvalidOptionError(
+            f"replicate_to_peers=True needs torch.distributed to send files to peers; "
+            f"{type(coll).__name__} cannot carry bytes")
+    groups = node_groups(coll, root) if multi else NodeGroups(["single"], 0)
+    # Persistence runs in the background: on a channel of its own.
+    persist_coll = coll.fork("statestream-persist") if multi else coll
+    rank = coll.rank
+    err: BaseException | None = None
+    tier: LocalTier | None = None
+    try:
+        tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
+                         files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
+                         peers=peers and multi)
+    except BaseException as exc:
+        err = exc
+    agree(coll, "opening the local tier", err)
+    assert tier is not None
+    mine = tier.unpersisted() if groups.is_leader else None
+    everyone = coll.all_gather_object(mine) if multi else [mine]
+    lists = [set(x) for x in everyone if x is not None]
+    # a crash after a local commit loses nothing (steps every node holds)
+    for step in sorted(set.intersection(*lists)):
+        tier.persist(step)
+    return tier
+
+
+def tier_steps(tier: LocalTier, coll: Collective) -> list[int]:
+    """Steps committed in any node's local tier or in the persistent directory.
+
+    Collective with several processes (every process gets the same list).
+    """
+    local = set(tier.steps())
+    if coll.world_size > 1:
+        for steps in coll.all_gather_object(sorted(local)):
+            local.update(steps)
+    return sorted(local | set(tier.persistent.steps()))
+
+
+def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,
+              allow_pickle: AllowPickle, io: IOOptions | None, memory: MemoryOptions | None,
+              collective: Collective) -> Any:
+    """Load ``step`` from the local tier if it holds a copy that verifies, else persistent.
+
+    Each process reads on its own (``load`` agrees only on errors), so a
+    process whose local copy is damaged falls back alone, with a warning.
+    """
+    one = SingleProcess()
+    result: Any = None
+    err: BaseException | None = None
+    from_persistent = not tier.is_committed(step)
+    if collective.world_size > 1:
+        ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step))
+        from_persistent = not ok or not tier.is_committed(step)
+    if not from_persistent:
+        try:
+            result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
+                          io=io, memory=memory, collective=one)
+        except CheckpointCorruptError as exc:
+            if tier.persistent.is_committed(step):
+                warnings.warn(
+                    f"the local copy of step {step} ({tier.path(step)}) is damaged ({exc}); "
+                    f"loading the persisted copy {tier.persistent.path(step)} instead",
+                    RuntimeWarning, stacklevel=3)
+                from_persistent = True
+            else:
+                err = exc
+        except BaseException as exc:
+            err = exc
+    if from_persistent:
+        try:
+            result = load(tier.persistent.path(step), target, items=items,
+                          allow_pickle=allow_pickle, io=io, memory=memory, collective=one)
+        except BaseException as exc:
+            err = exc
+    agree(collective, "loading", err, outcome="no process returns a result")
+    return result

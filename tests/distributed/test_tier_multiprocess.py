@@ -1,0 +1,192 @@
+"""A manager's local tier across real processes (torch.distributed gloo, loopback).
+
+Each process gets its own local directory, standing for its node's disk
+(``node0``, ``node1``); the persistent directory is shared. Checked:
+
+* saves (sync, async, lazy) commit one node-local copy per node (each with
+  the manifest and its own process's files), are persisted as one committed
+  checkpoint that loads anywhere, and load back exactly on every rank (the
+  nodes complete each other's copies over gloo first);
+* with ``replicate_to_peers=True`` each node also holds its peer's files:
+  after deleting one node's directory *and* the persistent directory, a
+  restarted job restores exactly from the surviving node's copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import statestream as ss  # noqa: E402
+
+THIS = os.path.abspath(__file__)
+WORLD = 2
+
+
+def state_at(step: int, rank: int) -> dict[str, Any]:
+    """Per-rank state next to replicated state (the same on every rank)."""
+    return {
+        "shared": {"w": np.arange(200_000, dtype=np.float32) * 0.5 + step,
+                   "step": step},
+        "per_rank": {f"rank{rank}": np.full((300, 100), rank * 1000 + step, dtype=np.int64)},
+    }
+
+
+def expected(step: int) -> dict[str, Any]:
+    out = state_at(step, 0)
+    for r in range(1, WORLD):
+        out["per_rank"].update(state_at(step, r)["per_rank"])
+    return out
+
+
+def _equal(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got.keys())
+        for k in want:
+            _equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, np.ndarray):
+        np.testing.assert_array_equal(got, want, err_msg=path)
+        assert got.dtype == want.dtype, path
+    else:
+        assert got == want, path
+
+
+def _init(ctx: Context) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+
+
+def _data_files(step_dir: str) -> list[str]:
+    try:
+        return sorted(os.listdir(os.path.join(step_dir, "data")))
+    except FileNotFoundError:
+        return []
+
+
+def save_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    a = ctx.args
+    local = os.path.join(a["root"], f"node{ctx.rank}")
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"), local_tier=local,
+                              async_save=a["mode"] != "sync", lazy=a["mode"] == "lazy",
+                              replicate_to_peers=a["peers"],
+                              io=ss.IOOptions(max_chunk_bytes=256 << 10)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step, ctx.rank))
+        mgr.wait()
+        files = _data_files(os.path.join(local, "step_0000000003"))
+        out = {"persisted": mgr.persisted_steps(), "steps": mgr.steps(), "files": files}
+        _equal(mgr.load(), expected(3))
+        _equal(mgr.load(2), expected(2))
+        out["files_after_load"] = _data_files(os.path.join(local, "step_0000000003"))
+    return out
+
+
+def restore_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    a = ctx.args
+    local = os.path.join(a["root"], f"node{ctx.rank}")
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"), local_tier=local,
+                              replicate_to_peers=True) as mgr:
+        out = {"steps": mgr.steps(), "persisted": mgr.persisted_steps()}
+        _equal(mgr.load(), expected(3))
+        out["files"] = _data_files(os.path.join(local, "step_0000000003"))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_node_local_tiers_persist_one_checkpoint(tmp_path: Path, mode: str) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "save_worker", WORLD, tmp_path, args={"root": root, "mode": mode,
+                                                             "peers": False}, timeout_s=180)
+    for r in res:
+        v = r.value
+        assert v["persisted"] == [1, 2, 3] and v["steps"] == [1, 2, 3]
+        # each node's copy held its own process's files only, until a load completed it
+        assert v["files"] and all(f.startswith(f"r{r.rank}-") for f in v["files"]), v
+        assert {f[:3] for f in v["files_after_load"]} == {"r0-", "r1-"}
+    for step in (1, 2, 3):  # one committed checkpoint in the persistent directory
+        path = os.path.join(root, "persist", f"step_{step:010d}")
+        assert ss.verify(path).ok
+        _equal(ss.load(path), expected(step))
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_node_restores_from_its_peer(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "save_worker", WORLD, tmp_path, args={"root": root, "mode": "async",
+                                                             "peers": True}, timeout_s=180)
+    for r in res:  # own files and the peer's, before any load
+        assert {f[:3] for f in r.value["files"]} == {"r0-", "r1-"}, r.value
+    shutil.rmtree(os.path.join(root, "node1"))  # node 1 lost its disk
+    shutil.rmtree(os.path.join(root, "persist"))  # and the persistent tier is gone too
+    res = launch(THIS, "restore_worker", WORLD, tmp_path, args={"root": root}, timeout_s=180,
+                 tag="restore")
+    for r in res:
+        assert r.value["persisted"] == []
+        assert r.value["steps"] == [2, 3]  # the local keep policy's KeepLatest(2)
+        assert {f[:3] for f in r.value["files"]} == {"r0-", "r1-"}
+    # node 1's tier was rebuilt from node 0's copy: a whole, verified checkpoint
+    assert ss.verify(os.path.join(root, "node1", "step_0000000003")).ok
+
+
+def killed_worker(ctx: Context) -> None:
+    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    a = ctx.args
+    faults.kill_at("tier.persist", nth=2)
+    mgr = ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                               local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
+                               async_save=False, io=ss.IOOptions(max_chunk_bytes=256 << 10))
+    for step in (1, 2, 3):
+        mgr.save(step, state_at(step, ctx.rank))
+    mgr.wait()
+
+
+def recover_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    a = ctx.args
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                              local_tier=os.path.join(a["root"], f"node{ctx.rank}")) as mgr:
+        before = mgr.persisted_steps()
+        mgr.wait()
+        out = {"before": before, "after": mgr.persisted_steps(), "steps": mgr.steps()}
+        _equal(mgr.load(), expected(out["steps"][-1]))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_before_persistence_loses_nothing_across_processes(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "killed_worker", WORLD, tmp_path, args={"root": root}, timeout_s=120,
+                 check=False, fail_grace_s=30)
+    assert all(r.returncode == -9 for r in res), [(r.returncode, r.error) for r in res]
+    res = launch(THIS, "recover_worker", WORLD, tmp_path, args={"root": root}, timeout_s=180,
+                 tag="recover")
+    for r in res:
+        assert r.value["before"] == [1], r.value
+        assert 2 in r.value["after"] and r.value["after"] == r.value["steps"], r.value
+    for step in res[0].value["after"]:
+        path = os.path.join(root, "persist", f"step_{step:010d}")
+        assert ss.verify(path).ok
+        _equal(ss.load(path), expected(step))

@@ -1,0 +1,270 @@
+"""The manager's local tier: commit locally, persist in the background, load from the best copy.
+
+One process here (real files, a real SIGKILLed child for the crash case);
+the multi-process cases are in tests/distributed/test_tier_multiprocess.py and
+S3 behind a local tier in tests/storage/test_s3_tier.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream import _hooks
+from statestream.engine import copy_checkpoint
+
+STATE_SRC = """
+import numpy as np
+
+def state_at(step):
+    g = np.random.default_rng(step)
+    return {"step": step,
+            "params": {"w": (np.arange(300_000, dtype=np.float32) + step).reshape(300, 1000),
+                       "b": g.integers(-2**40, 2**40, size=10_000, dtype=np.int64)},
+            "loader": {"index": step * 32, "name": f"step-{step}"}}
+"""
+_ns: dict = {}
+exec(STATE_SRC, _ns)
+state_at = _ns["state_at"]
+CHUNK = 256 << 10
+
+
+def _equal(got, want, path="") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for k in want:
+            _equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype, path
+        np.testing.assert_array_equal(got, want, err_msg=path)
+    else:
+        assert type(got) is type(want) and got == want, path
+
+
+def _mgr(tmp_path, **kw):
+    kw.setdefault("io", ss.IOOptions(max_chunk_bytes=CHUNK))
+    return ss.CheckpointManager(str(tmp_path / "persist"), local_tier=str(tmp_path / "local"),
+                                **kw)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_saves_commit_locally_and_persist(tmp_path, mode):
+    with _mgr(tmp_path, async_save=mode != "sync", lazy=mode == "lazy",
+              local_keep_policy=ss.KeepLatest(2), keep_policy=ss.KeepLatest(3)) as mgr:
+        for step in range(1, 6):
+            assert mgr.save(step, state_at(step))
+        mgr.wait()
+        assert mgr.persisted_steps() == [3, 4, 5]
+        assert mgr.steps() == [3, 4, 5]
+        assert mgr.latest_step() == 5
+        local = sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step_"))
+        assert local == ["step_0000000004", "step_0000000004.persisted",
+                         "step_0000000005", "step_0000000005.persisted"]
+        _equal(mgr.load(), state_at(5))
+        _equal(mgr.load(3), state_at(3))  # persisted only: read from the directory
+        assert mgr.step_path(5).startswith(str(tmp_path / "local"))
+        assert mgr.step_path(3).startswith(str(tmp_path / "persist"))
+    for s in (3, 4, 5):  # the persistent copies are whole checkpoints on their own
+        assert ss.verify(str(tmp_path / "persist" / f"step_{s:010d}")).ok
+        _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(s))
+
+
+def test_a_step_leaves_the_local_tier_only_once_persisted(tmp_path):
+    gate = threading.Event()
+    _hooks.register("tier.persist", lambda: gate.wait(30))
+    try:
+        with _mgr(tmp_path, async_save=False, local_keep_policy=ss.KeepLatest(1)) as mgr:
+            for step in range(1, 4):
+                mgr.save(step, state_at(step))
+            # nothing persisted yet: every step stays local, the loop was not blocked
+            assert mgr.persisted_steps() == []
+            assert mgr.steps() == [1, 2, 3]
+            _equal(mgr.load(2), state_at(2))
+            gate.set()
+            mgr.wait()
+            assert mgr.persisted_steps() == [1, 2, 3]
+            assert sorted(n for n in os.listdir(tmp_path / "local")
+                          if n.startswith("step_") and "." not in n) == ["step_0000000003"]
+    finally:
+        gate.set()
+        _hooks.clear()
+
+
+def _damage(step_dir: str) -> None:
+    name = sorted(glob.glob(os.path.join(step_dir, "data", "*.bin")))[0]
+    with open(name, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_damaged_local_copy_falls_back_to_the_persisted_one(tmp_path):
+    with _mgr(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        _damage(mgr.step_path(1))
+        with pytest.warns(RuntimeWarning, match="damaged.*persisted copy"):
+            got = mgr.load()
+        _equal(got, state_at(1))
+
+
+def test_a_damaged_local_copy_without_a_persisted_one_raises(tmp_path):
+    gate = threading.Event()
+    _hooks.register("tier.persist", lambda: gate.wait(30))
+    try:
+        with _mgr(tmp_path, async_save=False) as mgr:
+            mgr.save(1, state_at(1))
+            _damage(mgr.step_path(1))
+            with pytest.raises(ss.ChecksumMismatchError):
+                mgr.load()
+            gate.set()
+            # the damage is found while persisting too: nothing bad is committed
+            with pytest.raises(ss.ChecksumMismatchError, match="damaged; nothing was committed"):
+                mgr.wait()
+            assert mgr.persisted_steps() == []
+    finally:
+        gate.set()
+        _hooks.clear()
+
+
+def test_an_empty_local_tier_restores_from_the_directory(tmp_path):
+    with _mgr(tmp_path) as mgr:
+        mgr.save(7, state_at(7))
+    os.rename(tmp_path / "local", tmp_path / "old-local")  # a new machine
+    with _mgr(tmp_path) as mgr:
+        assert mgr.steps() == [7] and mgr.persisted_steps() == [7]
+        _equal(mgr.load(), state_at(7))
+        assert mgr.save(8, state_at(8))  # and the run goes on
+        with pytest.raises(ss.CheckpointError, match="only go forward"):
+            mgr.save(6, state_at(6))
+    with _mgr(tmp_path) as mgr:
+        assert mgr.persisted_steps() == [7, 8]
+
+
+def test_copy_checkpoint_refuses_a_damaged_source(tmp_path):
+    src, dst = str(tmp_path / "a"), str(tmp_path / "b")
+    ss.save(src, state_at(1), io=ss.IOOptions(max_chunk_bytes=CHUNK))
+    copy_checkpoint(src, dst)
+    _equal(ss.load(dst), state_at(1))
+    with open(os.path.join(src, "manifest.json"), "rb") as f1, \
+            open(os.path.join(dst, "manifest.json"), "rb") as f2:
+        assert f1.read() == f2.read()
+    _damage(src)
+    with pytest.raises(ss.ChecksumMismatchError):
+        copy_checkpoint(src, str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c")
+    assert glob.glob(str(tmp_path / ".c.tmp-*")) == []
+
+
+def test_local_tier_must_be_local(tmp_path):
+    with pytest.raises(ss.InvalidOptionError, match="local directory"):
+        ss.CheckpointManager(str(tmp_path / "p"), local_tier="s3://bucket/x")
+
+
+_CHILD = STATE_SRC + """
+import sys
+import statestream as ss
+from statestream.testing import faults
+
+persist, local, mode, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+faults.kill_at("tier.persist", nth=nth)
+mgr = ss.CheckpointManager(persist, local_tier=local, async_save=mode != "sync",
+                           lazy=mode == "lazy", io=ss.IOOptions(max_chunk_bytes=256 << 10))
+for step in range(1, 4):
+    mgr.save(step, state_at(step))
+    print("saved", step, flush=True)
+mgr.wait()
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_sigkill_before_persistence_loses_nothing(tmp_path, mode):
+    persist, local = str(tmp_path / "persist"), str(tmp_path / "local")
+    proc = subprocess.run([sys.executable, "-c", _CHILD, persist, local, mode, "2"],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    # killed as it began persisting step 2: step 1 is persisted, step 2 (at least) is not
+    with ss.CheckpointManager(persist) as plain:
+        assert plain.steps() == [1]
+    local_steps = sorted(int(n[5:]) for n in os.listdir(local)
+                         if n.startswith("step_") and "." not in n)
+    assert 2 in local_steps
+    with ss.CheckpointManager(persist, local_tier=local) as mgr:
+        mgr.wait()  # the new manager persisted what the killed one had not
+        assert mgr.persisted_steps() == local_steps
+        last = local_steps[-1]
+    os.rename(local, local + "-lost")
+    with ss.CheckpointManager(persist, local_tier=local) as mgr:
+        _equal(mgr.load(), state_at(last))
+        for s in local_steps:
+            _equal(mgr.load(s), state_at(s))
+
+
+@pytest.mark.parametrize("shape", [(8192, 1024), (1, 8 << 20)], ids=["blocks", "one-crc"])
+def test_copy_checkpoint_verifies_chunks_larger_than_a_piece(tmp_path, shape):
+    # 32 MiB chunks, read in 16 MiB pieces: per-block checksums, or one running CRC
+    src = str(tmp_path / "a")
+    w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    ss.save(src, {"w": w})
+    copy_checkpoint(src, str(tmp_path / "b"))
+    np.testing.assert_array_equal(ss.load(str(tmp_path / "b"))["w"], w)
+    name = glob.glob(os.path.join(src, "data", "*.bin"))[0]
+    with open(name, "r+b") as f:
+        f.seek(20 << 20)  # in the second piece
+        f.write(b"\x01\x02")
+    with pytest.raises(ss.ChecksumMismatchError):
+        copy_checkpoint(src, str(tmp_path / "c"))
+
+
+def test_a_manager_that_fails_to_open_its_tier_holds_no_lease(tmp_path):
+    with pytest.raises(ss.InvalidOptionError):
+        ss.CheckpointManager(str(tmp_path / "p"), local_tier="s3://bucket/x")
+    with ss.CheckpointManager(str(tmp_path / "p")) as mgr:  # not locked by the failed one
+        assert mgr.steps() == []
+
+
+def test_force_rewrites_both_tiers(tmp_path):
+    with _mgr(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        assert mgr.save(1, state_at(2), force=True)
+        mgr.wait()
+        _equal(mgr.load(1), state_at(2))
+    _equal(ss.load(str(tmp_path / "persist" / "step_0000000001")), state_at(2))
+
+
+def test_a_failed_persistence_is_raised_and_retried_by_the_next_manager(tmp_path):
+    calls = [0]
+
+    def fail_first() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ss.StorageError("the object store is down (injected)")
+
+    _hooks.register("tier.persist", fail_first)
+    try:
+        mgr = _mgr(tmp_path, async_save=False)
+        mgr.save(1, state_at(1))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.wait()
+        assert mgr.persisted_steps() == [] and mgr.steps() == [1]
+        mgr.save(2, state_at(2))  # the error was reported once; saving goes on
+        mgr.close()
+        assert mgr.persisted_steps() == [2]
+    finally:
+        _hooks.clear()
+    with _mgr(tmp_path) as mgr:  # the next manager persists step 1
+        mgr.wait()
+        assert mgr.persisted_steps() == [1, 2]
+        _equal(mgr.load(1), state_at(1))

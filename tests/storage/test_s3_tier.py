@@ -1,0 +1,71 @@
+"""A local tier in front of S3 (moto server on loopback): commit locally, persist to S3."""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.storage import S3Options, S3Storage, set_backend
+
+
+@pytest.fixture
+def url(s3_server: dict[str, Any]) -> Iterator[str]:
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=s3_server["endpoint"], region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"], part_bytes=5 << 20)))
+    try:
+        yield f"s3://{s3_server['bucket']}/tier-{uuid.uuid4().hex[:8]}"
+    finally:
+        set_backend("s3", None)
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"w": np.arange(3_000_000, dtype=np.float32) + step,  # 12 MB: multipart uploads
+            "b": np.full(100, step, dtype=np.int64), "step": step}
+
+
+def _check(got: dict[str, Any], step: int) -> None:
+    want = _state(step)
+    np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(got["b"], want["b"])
+    assert got["step"] == step
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_local_tier_in_front_of_s3(tmp_path, url, async_save):
+    local = str(tmp_path / "local")
+    io = ss.IOOptions(max_chunk_bytes=4 << 20)
+    with ss.CheckpointManager(url, local_tier=local, async_save=async_save, io=io,
+                              local_keep_policy=ss.KeepLatest(1),
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.persisted_steps() == [2, 3]
+        assert mgr.steps() == [2, 3]
+        _check(mgr.load(), 3)
+        _check(mgr.load(2), 2)  # from S3
+    for s in (2, 3):
+        _check(ss.load(f"{url}/step_{s:010d}"), s)
+        assert ss.verify(f"{url}/step_{s:010d}").ok
+    # a damaged local copy: the persisted one is read, with a warning
+    name = sorted(glob.glob(os.path.join(local, "step_0000000003", "data", "*.bin")))[0]
+    with open(name, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff\xff\xff\xff")
+    with ss.CheckpointManager(url, local_tier=local) as mgr:
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            _check(mgr.load(), 3)
+    # a new machine: nothing local, everything from S3
+    with ss.CheckpointManager(url, local_tier=str(tmp_path / "fresh")) as mgr:
+        assert mgr.steps() == [2, 3]
+        _check(mgr.load(), 3)
