@@ -138,6 +138,9 @@ def main() -> None:
             samples[c].append(res)
             for p in d.glob("out-*"):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+            # untimed: what a case left unwritten (save_file does not fsync) must not be
+            # written back while the next case is timed
+            os.sync()
     gb = prep["bytes"] / 1e9
     cmd = " ".join([Path(sys.executable).name] + sys.argv)
     lines = [f"# convert benchmark ({prep['bytes'] / 2**20:.0f} MiB state, "
@@ -150,8 +153,9 @@ def main() -> None:
         err = next((x.get("error") for x in samples[c] if not x.get("ok")), None)
         lines.append(f"| {c} | {s:.2f} [{min(secs):.2f}-{max(secs):.2f}] | {gb / s:.2f} | {m:.0f} |"
                      if s else f"| {c} | failed: {err} | | |")
-    lines += ["", "Page cache warm (sources read hot). ss.convert and DCP fsync what they "
-              "write; safetensors' save_file does not (the +fsync row adds it). "
+    lines += ["", "Page cache warm (sources read hot); os.sync() between cases, untimed. "
+              "ss.convert and DCP fsync what they write; safetensors' save_file does not "
+              "(the +fsync row adds it). "
               f"Machine: {os.cpu_count()} CPUs, shared with other jobs."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -100,9 +100,12 @@ class _Slabs:
                  memory: MemoryOptions, progress: Progress | None, paths: dict[int, KeyPath],
                  *, reuse: bool = False, writer_bytes: int = 0):
         self.reader, self.m, self.old, self.io = reader, m, old, io
-        budget = memory.resolved() - writer_bytes
+        budget = memory.resolved()
+        # slabs of half the budget line up with the chunks a conversion under the same
+        # budget wrote (no whole-chunk staging to verify a checksum); the writer's
+        # buffers come out of the other half, the reads' staging
         self.slab_bytes = max(1, min(budget // 2, io.max_chunk_bytes))
-        self.budget = ByteBudget(max(budget - self.slab_bytes, 1 << 20))
+        self.budget = ByteBudget(max(budget - self.slab_bytes - writer_bytes, 1 << 20))
         self.reuse = reuse
         self._raw: np.ndarray | None = None
         self.names = [f.name for f in m.files]
