@@ -2,25 +2,28 @@
 
 Cases (each in a fresh child process; wall time and peak-RSS growth measured there):
 
-- ``ss->safetensors``, ``safetensors->ss``: ``ss.convert`` each way;
-  ``safetensors load+save``: ``safetensors.torch.load_file`` + ``save_file`` of the same
-  state (what a user does without statestream).
+- ``ss->safetensors``, ``safetensors->ss``: ``ss.convert`` each way (it fsyncs what it
+  writes); ``safetensors load+save``: ``safetensors.torch.load_file`` + ``save_file`` of the
+  same state (what a user does without statestream; ``save_file`` does not fsync, so its
+  bytes may still be in the page cache when it returns); ``safetensors load+save+fsync``:
+  the same plus ``os.fsync`` of the written file (the durability ``ss.convert`` gives).
 - ``ss->dcp``, ``dcp->ss``: ``ss.convert`` each way; ``dcp load+save``: ``dcp.load`` into a
-  preallocated state dict + ``dcp.save`` of it.
+  preallocated state dict + ``dcp.save`` of it (DCP's file writer fsyncs by default).
 
 Usage (from the repo root)::
 
     .venv/bin/python benchmarks/bench_convert.py --size-mb 256 --repeats 3
     .venv/bin/python benchmarks/bench_convert.py --quick      # 64 MB, 1 repeat
 
-Results (every sample as JSON, medians as markdown, with the exact command) go to
-``benchmarks/results/convert-<time>.{json,md}``.
+Results (every sample as JSON, medians and [min-max] as markdown, with the exact command)
+go to ``benchmarks/results/convert/convert-<time>.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -32,7 +35,7 @@ from _common import llama_shapes, med, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["ss->safetensors", "safetensors->ss", "safetensors load+save",
-         "ss->dcp", "dcp->ss", "dcp load+save"]
+         "safetensors load+save+fsync", "ss->dcp", "dcp->ss", "dcp load+save"]
 
 
 def _hwm() -> int:
@@ -81,6 +84,11 @@ def child(task: dict) -> dict:
         ss.convert(d / "src.safetensors", out)
     elif case == "safetensors load+save":
         save_file(load_file(d / "src.safetensors"), f"{out}.safetensors")
+    elif case == "safetensors load+save+fsync":
+        save_file(load_file(d / "src.safetensors"), f"{out}.safetensors")
+        fd = os.open(f"{out}.safetensors", os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     elif case == "ss->dcp":
         ss.convert(d / "src-ss", out, to="dcp")
     elif case == "dcp->ss":
@@ -130,21 +138,30 @@ def main() -> None:
             samples[c].append(res)
             for p in d.glob("out-*"):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+            # untimed: what a case left unwritten (save_file does not fsync) must not be
+            # written back while the next case is timed
+            os.sync()
     gb = prep["bytes"] / 1e9
     cmd = " ".join([Path(sys.executable).name] + sys.argv)
     lines = [f"# convert benchmark ({prep['bytes'] / 2**20:.0f} MiB state, "
              f"{a.repeats} repeat(s))", "", f"command: `{cmd}`", "",
-             "| case | median s | GB/s | peak RSS growth MiB |", "|---|---|---|---|"]
+             "| case | median s [min-max] | GB/s | peak RSS growth MiB |", "|---|---|---|---|"]
     for c in CASES:
-        s = med([x.get("seconds") for x in samples[c]])
+        secs = [x["seconds"] for x in samples[c] if x.get("seconds") is not None]
+        s = med(secs)
         m = med([x.get("rss_growth_mb") for x in samples[c]])
         err = next((x.get("error") for x in samples[c] if not x.get("ok")), None)
-        lines.append(f"| {c} | {s:.2f} | {gb / s:.2f} | {m:.0f} |" if s else f"| {c} | failed: {err} | | |")
+        lines.append(f"| {c} | {s:.2f} [{min(secs):.2f}-{max(secs):.2f}] | {gb / s:.2f} | {m:.0f} |"
+                     if s else f"| {c} | failed: {err} | | |")
+    lines += ["", "Page cache warm (sources read hot); os.sync() between cases, untimed. "
+              "ss.convert and DCP fsync what they write; safetensors' save_file does not "
+              "(the +fsync row adds it). "
+              f"Machine: {os.cpu_count()} CPUs, shared with other jobs."]
     text = "\n".join(lines) + "\n"
     print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    res_dir = ROOT / "benchmarks" / "results"
-    res_dir.mkdir(exist_ok=True)
+    res_dir = ROOT / "benchmarks" / "results" / "convert"
+    res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"convert-{stamp}.json").write_text(json.dumps(
         {"command": cmd, "bytes": prep["bytes"], "samples": samples}, indent=1))
     (res_dir / f"convert-{stamp}.md").write_text(text)

@@ -249,6 +249,7 @@ def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     producer.wait(timeout=120)
     assert head.stdout == b'{\n  "path"'
     assert err == "", err  # no traceback, no "error: [Errno 32] Broken pipe"
+    assert producer.returncode == 141  # 128 + SIGPIPE, as a shell reports for cat
 
 
 def test_no_progress_output_when_piped(tmp_path: Path) -> None:

@@ -56,8 +56,26 @@ def test_to_safetensors_writes_the_tensor_once(tmp_path, tied, sharded):
     assert got["emb.weight"] is got["head.weight"]  # the tree records the tie
 
 
-@pytest.mark.parametrize("to,name", [("torch", "o.pt"), ("dcp", "dcp"), ("orbax", "orbax")])
+def test_to_torch_keeps_the_tie_as_torch_save_does(tmp_path, tied):
+    src, sd = tied
+    out = ss.convert(src, tmp_path / "o.pt", items=["model"])
+    got = torch.load(out, weights_only=True)
+    _same(got, sd)
+    assert got["emb.weight"] is got["head.weight"]  # one tensor, stored once
+    import zipfile
+
+    with zipfile.ZipFile(out) as z:
+        assert sum("/data/" in n for n in z.namelist()) == 2  # emb (= head) and x
+    expected = tmp_path / "ref.pt"
+    torch.save(sd, expected)
+    ref = torch.load(expected, weights_only=True)
+    # torch.save itself keeps the tie as one storage
+    assert ref["emb.weight"].data_ptr() == ref["head.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("to,name", [("dcp", "dcp"), ("orbax", "orbax")])
 def test_formats_without_aliases_write_a_copy(tmp_path, tied, to, name):
+    """DCP's and Orbax's own savers write a tied tensor under each name; so do we."""
     if to == "orbax":
         pytest.importorskip("orbax.checkpoint")
     src, sd = tied

@@ -69,3 +69,46 @@ def test_sharded_dcp_reads_whole_and_exact(tmp_path: Path) -> None:
     back = ss.load(tmp_path / "ck", target={"model": {"cols": torch.zeros(4, 9,
                                                                          dtype=torch.bfloat16)}})
     assert torch.equal(back["model"]["cols"], full["cols"])
+
+
+def worker_load_dtensors(ctx: Context) -> str:
+    """Each rank loads foreign checkpoints into DTensor targets with other placements."""
+    import datetime
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=90))
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    full = _full()
+    places = {"rows": [Shard(1)], "cols": [Shard(0)], "rep": [Replicate()]}
+    for path, wrap in ctx.args["paths"]:
+        target = {k: distribute_tensor(torch.zeros_like(v), mesh, places[k])
+                  for k, v in full.items()}
+        out = ss.load(path, target={"model": target, "step": 0} if wrap else target)
+        got = out["model"] if wrap else out
+        for k, v in full.items():
+            assert list(got[k].placements) == places[k], (path, k)
+            assert torch.equal(got[k].full_tensor(), v), (path, k)
+    dist.barrier()
+    dist.destroy_process_group()
+    return "ok"
+
+
+@pytest.mark.timeout(300)
+def test_foreign_checkpoints_load_into_resharded_dtensors(tmp_path: Path) -> None:
+    """safetensors (one file) and a DCP saved as Shard(0)/Shard(1) load into DTensors
+    placed differently (resharding), each rank reading its own shard."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "dcp"
+    launch(THIS, "worker_save", 2, tmp_path, args={"dir": str(d)}, timeout_s=150)
+    save_file(_full(), tmp_path / "m.safetensors")
+    paths = [(str(tmp_path / "m.safetensors"), False), (str(d), True)]
+    res = launch(THIS, "worker_load_dtensors", 2, tmp_path, args={"paths": paths},
+                 timeout_s=150, tag="load-dtensors")
+    assert len(res) == 2

@@ -21,7 +21,7 @@ from statestream.interop import (
     write_statestream,
     write_torch,
 )
-from statestream.interop._writers import ArraySpec, array_paths
+from statestream.interop._writers import ArraySpec, aligned_bytes, array_paths, slab_rows
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.storage import CheckpointReader
 from statestream.tree import KeyPath, Node, format_keypath
@@ -30,6 +30,10 @@ __all__ = ["FORMATS", "convert"]
 
 #: what ``convert(to=...)`` writes
 FORMATS = ("statestream", "safetensors", "torch", "dcp", "orbax")
+#: the most each of the safetensors writer's two write blocks holds
+_BLOCK_BYTES = 16 << 20
+#: writers done with a slab before they ask for the next (they may share one buffer)
+_STREAMING = ("statestream", "safetensors")
 _EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
@@ -52,8 +56,8 @@ def _renumber(node: Node, old: list[int], new: dict[int, int] | None = None) -> 
 def _resolve_aliases(node: Node, keep: bool, held: dict[int, Node]) -> Node:
     """``node`` with its aliases (tied weights) fit for the output, in tree order (an
     alias follows its array leaf): an alias whose array leaf ``items=`` left out becomes
-    that leaf; without ``keep`` (torch, DCP, Orbax) every alias becomes a copy of its
-    array leaf (the tensor is written under each name)."""
+    that leaf; without ``keep`` (DCP, Orbax: as their own savers do) every alias becomes a
+    copy of its array leaf (the tensor is written under each name)."""
     if node.kind == "array" and node.array is not None:
         held.setdefault(node.array, node)
     elif node.kind == "alias" and node.array is not None:
@@ -67,6 +71,14 @@ def _resolve_aliases(node: Node, keep: bool, held: dict[int, Node]) -> Node:
     return dataclasses.replace(node, children=kids)
 
 
+def _first_paths(root: Node, old: list[int]) -> dict[int, KeyPath]:
+    """Source array index -> the first key path naming it (for error messages)."""
+    paths: dict[int, KeyPath] = {}
+    for p, n in array_paths(root):
+        paths.setdefault(old[n.array or 0], p)
+    return paths
+
+
 def _target_format(dst: str, to: str | None) -> str:
     if to is None:
         to = _EXTENSIONS.get(os.path.splitext(dst)[1], "statestream")
@@ -76,14 +88,26 @@ def _target_format(dst: str, to: str | None) -> str:
 
 
 class _Slabs:
-    """Reads an array of the source as row slabs of at most ``slab_bytes`` each."""
+    """Reads an array of the source as row slabs of at most ``slab_bytes`` each.
+
+    With ``reuse`` every slab is a view of one page-aligned buffer (no fresh
+    memory per slab, and direct I/O takes it as it is): for writers that are
+    done with a slab before asking for the next (statestream, safetensors).
+    Writers that keep slabs (orbax) get fresh arrays.
+    """
 
     def __init__(self, reader: CheckpointReader, m: Manifest, old: list[int], io: IOOptions,
-                 memory: MemoryOptions, progress: Progress | None, paths: dict[int, KeyPath]):
+                 memory: MemoryOptions, progress: Progress | None, paths: dict[int, KeyPath],
+                 *, reuse: bool = False, writer_bytes: int = 0):
         self.reader, self.m, self.old, self.io = reader, m, old, io
         budget = memory.resolved()
+        # slabs of half the budget line up with the chunks a conversion under the same
+        # budget wrote (no whole-chunk staging to verify a checksum); the writer's
+        # buffers come out of the other half, the reads' staging
         self.slab_bytes = max(1, min(budget // 2, io.max_chunk_bytes))
-        self.budget = ByteBudget(max(budget - self.slab_bytes, 1 << 20))
+        self.budget = ByteBudget(max(budget - self.slab_bytes - writer_bytes, 1 << 20))
+        self.reuse = reuse
+        self._raw: np.ndarray | None = None
         self.names = [f.name for f in m.files]
         # an alias (tied weights) lists one array twice in ``old``, and writers read it once
         # (torch, safetensors) or twice (statestream): count each array's bytes once
@@ -98,15 +122,21 @@ class _Slabs:
         entry = self.m.arrays[ai]
         dt = dtype_from_name(entry.dtype)
         if not entry.shape:
-            yield 0, self._read(ai, (), np.empty((), dt))
+            yield 0, self._read(ai, (), self._buffer((), dt))
             return
-        row = max(1, math.prod(entry.shape[1:]) * dt.itemsize)
-        step = max(1, self.slab_bytes // row)
-        for r0 in range(0, entry.shape[0], step):
-            r1 = min(entry.shape[0], r0 + step)
-            buf = np.empty((r1 - r0,) + entry.shape[1:], dt)
+        for r0, r1 in slab_rows(entry.dtype, entry.shape, self.slab_bytes):
+            buf = self._buffer((r1 - r0,) + entry.shape[1:], dt)
             yield r0, self._read(ai, (r0,) + (0,) * (len(entry.shape) - 1), buf)
-            del buf  # freed before the next slab is allocated
+            del buf  # freed (or free to reuse) before the next slab is read
+
+    def _buffer(self, shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
+        if not self.reuse:
+            return np.empty(shape, dt)
+        n = math.prod(shape) * dt.itemsize
+        if self._raw is None or self._raw.nbytes < n:
+            self._raw = None  # the old buffer goes before a larger one is made
+            self._raw = aligned_bytes(max(n, self.slab_bytes))
+        return self._raw[:n].view(dt).reshape(shape)
 
     def _read(self, ai: int, start: tuple[int, ...], buf: np.ndarray) -> np.ndarray:
         if buf.nbytes:
@@ -147,10 +177,12 @@ def _convert_root(tree: Node, items: Sequence[str] | None, location: str, *,
 
 
 def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _Slabs,
-              meta: dict[str, object], *, overwrite: bool, max_shard_bytes: int | None) -> None:
+              meta: dict[str, object], *, overwrite: bool, max_shard_bytes: int | None,
+              block_bytes: int) -> None:
     """Write the converted tree in format ``fmt``, its arrays' bytes from ``slabs``."""
     if fmt == "statestream":
-        write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite)
+        write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                          slab_bytes=slabs.slab_bytes)
     elif fmt == "torch":
         write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
     elif fmt == "dcp":
@@ -160,7 +192,8 @@ def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _
     else:
         sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
         write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                          sharded=sharded, max_shard_bytes=max_shard_bytes)
+                          sharded=sharded, max_shard_bytes=max_shard_bytes,
+                          block_bytes=block_bytes)
 
 
 def convert(
@@ -229,16 +262,17 @@ def convert(
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
         root, old = _convert_root(m.tree, items, reader.location,
-                                  keep_aliases=fmt in ("statestream", "safetensors"))
-        paths: dict[int, KeyPath] = {}
-        for p, n in array_paths(root):
-            paths.setdefault(old[n.array or 0], p)
+                                  keep_aliases=fmt in ("statestream", "safetensors", "torch"))
         specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
-        slabs = _Slabs(reader, m, old, io, memory or MemoryOptions(), progress, paths)
+        memory = memory or MemoryOptions()
+        # the safetensors writer's two blocks come out of the budget too
+        block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
+        slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
+                       writer_bytes=2 * block, reuse=fmt in _STREAMING)
         meta = {k: v for k, v in m.meta.items()
                 if k not in ("library", "created_unix", "world_size", "total_bytes")}
         _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                  max_shard_bytes=max_shard_bytes)
+                  max_shard_bytes=max_shard_bytes, block_bytes=block)
     finally:
         reader.close()
     return dst_s

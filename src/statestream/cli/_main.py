@@ -252,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except BrokenPipeError:  # the reader went away (``| head``): end quietly
         _quiet_stdout()
-        return 1
+        # what a shell reports for a command ended by SIGPIPE (``cat``, ``ls``): not 1,
+        # which for ``diff`` and ``verify`` would claim a difference or damage
+        return 128 + 13
     except ss.CheckpointError as exc:
         print(f"error: {safe(str(exc))}", file=sys.stderr)
         return 2

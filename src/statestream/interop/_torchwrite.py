@@ -43,13 +43,21 @@ class _Tensor:
 
 
 def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes],
-                 p: KeyPath) -> Any:
-    """The Python object torch.load will return, tensors as placeholders."""
+                 p: KeyPath, seen: dict[int, _Tensor] | None = None) -> Any:
+    """The Python object torch.load will return, tensors as placeholders.
+
+    An alias (tied weights) is the same placeholder object as its array, so the
+    pickle refers to it again, as torch.save does for a tensor named twice:
+    stored once, and ``torch.load`` returns one tensor under both names."""
+    seen = {} if seen is None else seen
     k = node.kind
     if k in ("none", "bool", "int", "float", "str"):
         return node.value
-    if k == "array":
-        return _Tensor(node.array or 0, specs[node.array or 0])
+    if k in ("array", "alias"):
+        i = node.array or 0
+        if i not in seen:
+            seen[i] = _Tensor(i, specs[i])
+        return seen[i]
     if k == "bytes":
         return small[node.array or 0]
     if k == "pickle":
@@ -58,12 +66,12 @@ def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes]
             "weights_only=True) could not read it back, so it is not converted")
     kids = node.children or []
     if k == "stateful":
-        return python_state(kids[0], specs, small, p)
+        return python_state(kids[0], specs, small, p, seen)
     if k in ("list", "tuple"):
-        vals = [python_state(c, specs, small, p + (i,)) for i, c in enumerate(kids)]
+        vals = [python_state(c, specs, small, p + (i,), seen) for i, c in enumerate(kids)]
         return vals if k == "list" else tuple(vals)
     keys = node.keys or []
-    return {key: python_state(c, specs, small, p + (key,)) for key, c in zip(keys, kids)}
+    return {key: python_state(c, specs, small, p + (key,), seen) for key, c in zip(keys, kids)}
 
 
 def pickle_state(obj: Any) -> tuple[bytes, list[_Tensor]]:

@@ -7,6 +7,7 @@ one slab at a time, never the state.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -15,12 +16,13 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from statestream._version import __version__
-from statestream.errors import CheckpointExistsError, UnsupportedTypeError
+from statestream.errors import CheckpointExistsError, UnsupportedTypeError, storage_error
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -38,8 +40,8 @@ from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE
 from statestream.storage import storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["ArraySpec", "Slabs", "array_paths", "tensor_names", "write_safetensors",
-           "write_statestream"]
+__all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
+           "write_safetensors", "write_statestream"]
 
 #: (dtype name, shape) of each array, in the order the writer receives them
 ArraySpec = tuple[str, tuple[int, ...]]
@@ -47,6 +49,26 @@ ArraySpec = tuple[str, tuple[int, ...]]
 Slabs = Callable[[int], Iterator[tuple[int, np.ndarray]]]
 #: Hugging Face's default shard size ("5GB")
 DEFAULT_SHARD_BYTES = 5_000_000_000
+#: page size: direct I/O alignment, and where format.md puts chunks of 256 KiB or more
+PAGE = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def slab_rows(dtype: str, shape: tuple[int, ...], slab_bytes: int) -> list[tuple[int, int]]:
+    """The row ranges ``[r0, r1)`` an array is read in: whole rows, at most ``slab_bytes``
+    each (at least one row). A scalar is one slab ``(0, 0)``; an empty array has none."""
+    if not shape:
+        return [(0, 0)]
+    row = max(1, math.prod(shape[1:]) * itemsize_of(dtype))
+    step = max(1, slab_bytes // row)
+    return [(r0, min(shape[0], r0 + step)) for r0 in range(0, shape[0], step)]
+
+
+def aligned_bytes(n: int) -> np.ndarray:
+    """``n`` fresh bytes starting on a page boundary (what direct I/O needs)."""
+    raw = np.empty(n + PAGE, np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return raw[skip:skip + n]
 
 
 def array_paths(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Node]]:
@@ -110,34 +132,56 @@ def _publish(staged: str, final: str) -> None:
 # ----------------------------------------------------------------------------- statestream
 
 
+def _layout(specs: Sequence[ArraySpec], slab_bytes: int) -> tuple[list[list[int]], int]:
+    """Data-file offset of every slab (one chunk each) and the file size: format.md's
+    layout, chunks of 256 KiB or more on a page boundary, smaller ones on 64 bytes."""
+    pos = 0
+    offsets: list[list[int]] = []
+    for dtype, shape in specs:
+        mine = []
+        row = math.prod(shape[1:]) * itemsize_of(dtype) if shape else itemsize_of(dtype)
+        for r0, r1 in slab_rows(dtype, shape, slab_bytes):
+            n = (r1 - r0) * row if shape else row
+            if not n:
+                continue
+            pos += -pos % (PAGE if n >= 256 << 10 else 64)
+            mine.append(pos)
+            pos += n
+        offsets.append(mine)
+    return offsets, pos
+
+
 def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[ArraySpec],
-                      slabs: Slabs, meta: dict[str, Any], *, overwrite: bool) -> None:
-    """Write a statestream checkpoint (one data file, one chunk per slab), atomically."""
+                      slabs: Slabs, meta: dict[str, Any], *, overwrite: bool,
+                      slab_bytes: int) -> None:
+    """Write a statestream checkpoint (one data file, one chunk per slab), atomically.
+
+    ``slabs`` must deliver the row ranges ``slab_rows(..., slab_bytes)`` gives."""
     storage, spath = storage_for(dst)
     txn = storage.begin_write(spath, overwrite=overwrite)
     try:
         name = "data/r0-0.bin"
-        total = sum(math.prod(s) * itemsize_of(d) for d, s in specs)
+        offsets, total = _layout(specs, slab_bytes)
         fw = txn.create_file(name, total)
-        pos = 0
         arrays = []
         for i, (dtype, shape) in enumerate(specs):
-            chunks = []
+            chunks: list[ChunkEntry] = []
             for row, buf in slabs(i):
                 flat = buf.reshape(-1).view(np.uint8)
                 if not flat.nbytes:
                     continue
+                pos = offsets[i][len(chunks)]
                 fw.write_at([flat], pos)
                 start = (row,) + (0,) * (len(shape) - 1) if shape else ()
                 chunks.append(ChunkEntry(0, pos, flat.nbytes, checksum(flat), start,
                                          tuple(buf.shape)))
-                pos += flat.nbytes
                 del buf, flat  # before the next slab is read: one slab at a time
             arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
         fw.finish()
+        data_bytes = sum(math.prod(s) * itemsize_of(d) for d, s in specs)
         full = {**meta, "library": f"statestream {__version__}", "created_unix": time.time(),
-                "world_size": 1, "total_bytes": total}
-        mbytes = encode_manifest(Manifest(root, arrays, [FileEntry(name, pos)], full))
+                "world_size": 1, "total_bytes": data_bytes}
+        mbytes = encode_manifest(Manifest(root, arrays, [FileEntry(name, total)], full))
         txn.write_bytes(MANIFEST_NAME, mbytes)
         txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
         txn.commit()
@@ -172,8 +216,115 @@ def _st_metadata(root: Node, names: list[str], meta: dict[str, Any]) -> dict[str
     return out
 
 
+class _SeqFile:
+    """A new file written front to back, made durable by ``close``.
+
+    Bytes gather in a page-aligned block; each full block is written with
+    O_DIRECT by a background thread (no page-cache copy, nothing left for the
+    final fsync) while the caller fills the other block, so reading the source
+    and writing the disk overlap. The last partial block is written through
+    the page cache; the file is fsynced before ``close`` returns. A file
+    system that refuses O_DIRECT gets ordinary writes.
+    """
+
+    def __init__(self, path: str, block_bytes: int) -> None:
+        self.path = path
+        self.block = max(PAGE, block_bytes - block_bytes % PAGE)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.dfd = -1
+        if _O_DIRECT:
+            try:
+                self.dfd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
+            except OSError:  # no O_DIRECT on this file system: buffered writes, then fsync
+                self.dfd = -1
+        self.blocks = [aligned_bytes(self.block), aligned_bytes(self.block)]
+        self.cur = 0
+        self.fill = 0
+        self.at = 0  # file offset of the current block
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="statestream-convert-write")
+        self.pending: Future[None] | None = None
+
+    def write(self, data: np.ndarray) -> None:
+        src = data.reshape(-1).view(np.uint8)
+        done = 0
+        while done < src.nbytes:
+            n = min(self.block - self.fill, src.nbytes - done)
+            self.blocks[self.cur][self.fill:self.fill + n] = src[done:done + n]
+            self.fill += n
+            done += n
+            if self.fill == self.block:
+                self._flush_block()
+
+    def _flush_block(self) -> None:
+        if self.pending is not None:
+            self.pending.result()  # the other block is free again
+        self.pending = self.pool.submit(self._put, self.blocks[self.cur], self.at)
+        self.at += self.block
+        self.cur ^= 1
+        self.fill = 0
+
+    def _put(self, block: np.ndarray, at: int) -> None:
+        try:
+            self._put_raw(block, at)
+        except OSError as exc:
+            raise storage_error(f"writing {self.path} at offset {at} failed: {exc}", exc) from exc
+
+    def _put_raw(self, block: np.ndarray, at: int) -> None:
+        view = memoryview(block.data)
+        if self.dfd >= 0:
+            try:
+                while view.nbytes:
+                    w = os.pwrite(self.dfd, view, at)
+                    at += w
+                    view = view[w:]
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # this file system takes O_DIRECT opens but not the writes: buffered from here
+                os.close(self.dfd)
+                self.dfd = -1
+        while view.nbytes:
+            w = os.pwrite(self.fd, view, at)
+            at += w
+            view = view[w:]
+
+    def close(self) -> None:
+        """Write what is left, fsync, close."""
+        try:
+            if self.pending is not None:
+                self.pending.result()
+                self.pending = None
+            if self.fill:
+                if self.dfd >= 0:
+                    os.close(self.dfd)  # the tail is not a whole page: through the cache
+                    self.dfd = -1
+                self._put(self.blocks[self.cur][:self.fill], self.at)
+            try:
+                os.fsync(self.fd)
+            except OSError as exc:
+                raise storage_error(f"fsync of {self.path} failed: {exc}", exc) from exc
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            try:
+                self.pending.result()
+            except Exception:  # noqa: BLE001 - the error being handled is the caller's
+                pass
+            self.pending = None
+        self.pool.shutdown(wait=True)
+        for fd in (self.dfd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.dfd = self.fd = -1
+
+
 def _write_one_file(path: str, members: list[int], names: list[str],
-                    specs: Sequence[ArraySpec], slabs: Slabs, metadata: dict[str, str]) -> int:
+                    specs: Sequence[ArraySpec], slabs: Slabs, metadata: dict[str, str],
+                    block_bytes: int) -> int:
     """One safetensors file holding arrays ``members``; returns its data size."""
     # lay data out by decreasing item size so every tensor is aligned to its dtype
     layout = sorted(members, key=lambda i: -itemsize_of(specs[i][0]))
@@ -189,29 +340,26 @@ def _write_one_file(path: str, members: list[int], names: list[str],
                             "data_offsets": list(offsets[i])}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    base = 8 + len(hb)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    f = _SeqFile(path, block_bytes)
     try:
-        os.pwrite(fd, struct.pack("<Q", len(hb)) + hb, 0)
-        for i in layout:
-            at = base + offsets[i][0]
+        f.write(np.frombuffer(struct.pack("<Q", len(hb)) + hb, np.uint8))
+        for i in layout:  # the file is written front to back: tensors in layout order
             for _, buf in slabs(i):
-                view = memoryview(buf.reshape(-1).view(np.uint8).data)
-                while view.nbytes:
-                    w = os.pwrite(fd, view, at)
-                    at += w
-                    view = view[w:]
-                del buf, view  # before the next slab is read: one slab at a time
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                f.write(buf)
+                del buf  # before the next slab is read: one slab at a time
+        f.close()
+    except BaseException:
+        f.abort()
+        raise
     return pos
 
 
 def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs,
                       meta: dict[str, Any], *, overwrite: bool, sharded: bool,
-                      max_shard_bytes: int | None) -> None:
-    """One ``.safetensors`` file, or Hugging Face shards plus ``model.safetensors.index.json``."""
+                      max_shard_bytes: int | None, block_bytes: int = 16 << 20) -> None:
+    """One ``.safetensors`` file, or Hugging Face shards plus ``model.safetensors.index.json``.
+
+    Each file is written through two blocks of ``block_bytes`` (see ``_SeqFile``)."""
     names = check_safetensors(root, specs)
     metadata = _st_metadata(root, names, meta)
     _claim(dst, overwrite)
@@ -219,7 +367,8 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
     try:
         if not sharded:
             out = os.path.join(staging, "out.safetensors")
-            _write_one_file(out, list(range(len(specs))), names, specs, slabs, metadata)
+            _write_one_file(out, list(range(len(specs))), names, specs, slabs, metadata,
+                            block_bytes)
             _publish(out, dst)
             return
         limit = max_shard_bytes or DEFAULT_SHARD_BYTES
@@ -237,7 +386,7 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
         for k, members in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             total += _write_one_file(os.path.join(staging, fname), members, names, specs,
-                                     slabs, {"format": "pt"})
+                                     slabs, {"format": "pt"}, block_bytes)
             weight_map.update((names[i], fname) for i in members)
         index = {"metadata": {"total_size": total, **metadata},
                  "weight_map": {n: weight_map[n] for n in names}}
