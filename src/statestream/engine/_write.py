@@ -153,6 +153,15 @@ class StreamWriter:
         """The data files written (after :meth:`close`), in file-index order."""
         return [FileEntry(self._name(i), self._sizes.get(i, 0)) for i in range(len(self._queues))]
 
+    def failed(self) -> bool:
+        """Whether a writer has failed (:meth:`check` raises its error)."""
+        return self._failed.is_set()
+
+    def check(self) -> None:
+        """Raise the first writer error, if any."""
+        if self._failed.is_set():
+            self._raise()
+
     def abort(self) -> None:
         """Stop writers as soon as possible (after an error elsewhere)."""
         self._failed.set()
