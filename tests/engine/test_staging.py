@@ -201,11 +201,17 @@ def test_background_writers_run_at_raised_niceness(tmp_path: os.PathLike[str],
         pytest.skip("this process already runs at the lowest priority")
     seen: list[int] = []
     state = {f"w{i}": np.ones(1 << 18) for i in range(4)}
+    warm = ss.save_async(os.path.join(tmp_path, "w"), state, lazy=lazy)
+    warm.result()
+    warm._settled.wait()  # staging is warm: an eager snapshot copies it all first
     h = ss.save_async(os.path.join(tmp_path, "c"), state, lazy=lazy,
                       progress=lambda done, total: seen.append(_nice()),
                       io=ss.IOOptions(background_nice=7))
     h.result()
-    assert seen and all(n == min(19, main + 7) for n in seen), (main, seen)
+    if lazy:  # writes racing the lazy snapshot (a step may wait for them) do not yield
+        assert seen and set(seen) <= {main, min(19, main + 7)}, (main, seen)
+    else:
+        assert seen and all(n == min(19, main + 7) for n in seen), (main, seen)
     seen.clear()
     h = ss.save_async(os.path.join(tmp_path, "d"), state, lazy=lazy,
                       progress=lambda done, total: seen.append(_nice()),
@@ -239,3 +245,36 @@ def test_cold_snapshot_is_torn_free_when_the_state_changes_right_after(
     h._settled.wait()
     # After the commit the pool holds mapped buffers for the next save (within budget).
     assert 0 < pool.idle_bytes <= mem.resolved() and pool.lent_bytes == 0
+
+
+def test_first_save_maps_no_fresh_staging_while_blocking_then_warms_the_pool(
+        tmp_path: os.PathLike[str]) -> None:
+    # Fresh pages fault in slower than the writers write: a cold snapshot copies
+    # only into buffers already mapped, and the pool is filled after the commit.
+    from statestream import _hooks
+
+    ss.release_staging()
+    pool = host_pool()
+    a0 = pool.allocations
+    release = threading.Event()
+    _hooks.register("save.planned", lambda: release.wait(30))  # hold the background phase
+    try:
+        state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(6)}
+        h = ss.save_async(os.path.join(tmp_path, "s"), state,
+                          io=ss.IOOptions(max_chunk_bytes=1 << 20))
+        assert pool.allocations == a0  # every chunk was written, none copied
+        release.set()
+        h.result()
+        h._settled.wait()
+    finally:
+        release.set()
+        _hooks.clear()
+    assert pool.idle_bytes == sum(v.nbytes for v in state.values())
+    assert pool.can_serve([1 << 20] * 6)
+    h2 = ss.save_async(os.path.join(tmp_path, "t"), state,
+                       io=ss.IOOptions(max_chunk_bytes=1 << 20))
+    h2.result()
+    assert pool.allocations == a0 + 6  # the warm-up's, reused by the second save
+    got = ss.load(os.path.join(tmp_path, "t"))
+    for i in range(6):
+        np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])

@@ -237,7 +237,7 @@ class SaveJob:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self._snapshot_source, budget=ByteBudget(1 << 62),
                 after_write=self._snapshot_written, on_error=self.budget.abort,
-                nice=self.options.io.background_nice)
+                nice=self.options.io.background_nice, nice_later=True)
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
@@ -311,6 +311,8 @@ class SaveJob:
         if torn:
             raise CheckpointError(_torn_message([self.collector.key(i) for i in sorted(torn)]))
         self.writer.flush()
+        # Writers that raced the snapshot (someone waits for it) yield from now on.
+        self.writer.yield_to_training()
         assert self.handle is not None
         self.handle.snapshot_finished()
 
@@ -346,6 +348,7 @@ class SaveJob:
             wait()
         self._check_copied(jobs, torn)
         assert self.handle is not None
+        self.writer.yield_to_training()  # nobody waits for these writes
         for ai, its in enumerate(self.items):
             self.writer.submit(its)
             self.handle.array_ready(ai)
@@ -357,6 +360,7 @@ class SaveJob:
         # when every chunk is copied or written: never later than a synchronous
         # save's writes, and with warm buffers about one copy.
         assert self.handle is not None
+        _hooks.fire("async.race_begins")
         self.ledger.on_covered = self.handle.array_ready
         self._race = True
         self.ledger.race_start(self.items)
@@ -398,6 +402,7 @@ class SaveJob:
                 # runs at normal priority; everything after it yields to training.
                 self.snapshot()
             lower_thread_priority(self.options.io.background_nice)
+            self.writer.yield_to_training()
             _hooks.fire("save.planned")
             written = self.writer.close()
             _hooks.fire("save.data_synced")

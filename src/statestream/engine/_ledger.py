@@ -142,7 +142,8 @@ class StagingLedger:
         return item.array if self._left[item.array] == 0 else None
 
     def race_copy(self, item: WriteItem, charged: int) -> bool:
-        """Copy one chunk unless a writer already read it (copy threads).
+        """Copy one chunk into an idle pooled buffer unless a writer already
+        read it or no such buffer is mapped (copy threads).
 
         Returns whether the copy was kept; if not, the caller releases
         ``charged``. A device copy is waited for here.
@@ -155,7 +156,14 @@ class StagingLedger:
             self._copying.add(key)
         a = self._arrays[item.array]
         which = 0 if a.stage is None else 1
-        buf = self._pools[which].take(item.nbytes)
+        # Only into memory already mapped: a fresh page faults in slower than the
+        # writers write (0.2-0.4 GB/s on the development machine); they take it.
+        got = self._pools[which].take_idle(item.nbytes)
+        if got is None:
+            with self._lock:
+                self._copying.discard(key)
+            return False
+        buf = got
         try:
             if a.stage is not None:
                 a.stage(item.start, item.shape, buf)()

@@ -83,16 +83,27 @@ class StagingPool:
             self.capacity = max(0, int(capacity))
             self._evict_locked(0)
 
+    def take_idle(self, nbytes: int) -> np.ndarray | None:
+        """An idle (already mapped) buffer of exactly ``nbytes``, or None."""
+        with self._lock:
+            return self._take_idle_locked(nbytes)
+
+    def _take_idle_locked(self, nbytes: int) -> np.ndarray | None:
+        ids = self._by_size.get(nbytes)
+        if not ids:
+            return None
+        buf = self._idle.pop(ids.pop())
+        self.idle_bytes -= nbytes
+        self.lent_bytes += nbytes
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+        self.reuses += 1
+        return buf
+
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
         with self._lock:
-            ids = self._by_size.get(nbytes)
-            if ids:
-                buf = self._idle.pop(ids.pop())
-                self.idle_bytes -= nbytes
-                self.lent_bytes += nbytes
-                self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
-                self.reuses += 1
+            buf = self._take_idle_locked(nbytes)
+            if buf is not None:
                 return buf
             self._evict_locked(nbytes)
             self.lent_bytes += nbytes
@@ -128,6 +139,9 @@ class StagingPool:
                     break
             buf = self._allocate(n)
             buf.fill(0)  # fault the pages in now, not during the next save
+            with self._lock:
+                self.allocations += 1
+                self.lent_bytes += n  # give() takes it back as idle
             self.give(buf)
             added += n
         return added

@@ -73,8 +73,14 @@ class StreamWriter:
         after_write: Callable[[Sequence[WriteItem]], object] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         nice: int = 0,
+        nice_later: bool = False,
     ) -> None:
         self._nice = nice
+        #: set: writer threads take ``nice`` (at once, or from the next batch on
+        #: when ``nice_later``, after :meth:`yield_to_training`)
+        self._yield = threading.Event()
+        if not nice_later:
+            self._yield.set()
         self._after_write = after_write
         self._on_error = on_error
         self._txn = txn
@@ -153,6 +159,10 @@ class StreamWriter:
         """The data files written (after :meth:`close`), in file-index order."""
         return [FileEntry(self._name(i), self._sizes.get(i, 0)) for i in range(len(self._queues))]
 
+    def yield_to_training(self) -> None:
+        """Writers take their niceness from their next batch on (``nice_later``)."""
+        self._yield.set()
+
     def failed(self) -> bool:
         """Whether a writer has failed (:meth:`check` raises its error)."""
         return self._failed.is_set()
@@ -174,7 +184,7 @@ class StreamWriter:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
 
     def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
-        lower_thread_priority(self._nice)
+        lowered = False
         budget = self._budget
         w = None
         held = 0
@@ -182,6 +192,9 @@ class StreamWriter:
         try:
             w = self._txn.create_file(self._name(index), 0)
             while not self._failed.is_set():
+                if not lowered and self._yield.is_set():
+                    lower_thread_priority(self._nice)
+                    lowered = True
                 work = q.get()
                 if work is self._STOP:
                     break
