@@ -48,6 +48,7 @@ class StagingLedger:
         # A backend that keeps referencing written buffers (S3 uploads parts in the
         # background) must not see them recycled: they are then dropped, not kept.
         self._keep = memory.keep_staging and not retains_buffers
+        self._retains = retains_buffers
         self._pools: tuple[StagingPool, StagingPool] = (host_pool(), pinned_pool())
         for pool in self._pools if snapshot else self._pools[1:]:
             pool.set_capacity(memory.resolved())
@@ -201,7 +202,19 @@ class StagingLedger:
             buf = self._staged.pop(key, None)
             if buf is None:
                 self._direct.add(key)
-        return buf if buf is not None else self.read(item)
+        if buf is not None:
+            return buf
+        a = self._arrays[item.array]
+        if self._retains and a.stage is None:
+            # The storage keeps reading written buffers after the write returns (an
+            # upload in flight): never hand it the state's memory, which may change
+            # once the snapshot is over. A private copy, dropped after the upload.
+            own = self._pools[0].take(item.nbytes)
+            with self._lock:
+                self._lent[key] = (own, 0)
+            np.copyto(own, a.chunk(item.start, item.shape))
+            return own
+        return self.read(item)
 
     def race_written(self, items: Sequence[WriteItem],
                      check: Callable[[list[WriteItem]], None]) -> None:
@@ -270,5 +283,6 @@ class StagingLedger:
             self._staged.clear()
             self._held.clear()
             self._direct.clear()
+            self._copying.clear()
         for buf, which in left:
             self._pools[which].give(buf, keep=self._keep and keep)
