@@ -473,7 +473,12 @@ def child_main(arg: str) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        res = {"ok": True, **child_run(a)}
+        if a.get("phases"):
+            import async_phases
+
+            res = async_phases.child(a)
+        else:
+            res = {"ok": True, **child_run(a)}
     except BaseException as e:
         res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     sys.stdout.flush()
@@ -524,10 +529,25 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes next to it)")
     ap.add_argument("--keep-data", action="store_true")
     ap.add_argument("--render", default=None, metavar="JSON", help="re-summarize a results JSON (rewrites it and its .md)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the phases of sync/async/lazy/DCP saves of a ~1.09 GB state, "
+                    "each in a fresh process (benchmarks/async_phases.py); --repeats runs each")
+    ap.add_argument("--budget", type=int, default=None, help="--phases: memory budget in bytes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child_main(args.child)
+        return
+    if args.phases:
+        import async_phases
+
+        exe = os.path.relpath(sys.executable, os.getcwd()) if sys.executable.startswith(os.getcwd()) else sys.executable
+        cmdline = " ".join(shlex.quote(x) for x in [exe] + sys.argv)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path(args.out) if args.out else HERE / "results" / "async" / f"phases-{stamp}{'-quick' if args.quick else ''}.json"
+        res = async_phases.run(args, run_child, Path(__file__), SRC, out.parent, cmdline, log)
+        res["git"], res["loadavg_end"] = git_rev(), loadavg()
+        print(async_phases.write(res, out))
         return
     if args.render:
         rp = Path(args.render)

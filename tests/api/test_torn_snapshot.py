@@ -74,7 +74,8 @@ def test_unguarded_step_during_lazy_snapshot_fails_naming_key_paths(tmp_path, ho
             first[0] = False
             assert release.wait(_WAIT_S)
 
-    _hooks.register("async.snapshot_chunk", hold_after_first_chunk)
+    # Held before anything is copied or written (the snapshot races the writers).
+    _hooks.register("async.race_begins", hold_after_first_chunk)
     path = tmp_path / "torn"
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     h = ss.save_async(path, state, lazy=True)

@@ -194,3 +194,18 @@ def test_verify_reports_objects_the_manifest_does_not_list(
     client.put_object(Bucket=bucket, Key=data_key, Body=body + b"\0" * 64)
     rep = ss.verify(url)
     assert not rep.ok and any(data_key.rsplit("/", 1)[-1] in p for p in rep.problems), rep
+
+
+def test_save_async_to_s3_never_uploads_the_live_state(storage: S3Storage, base_url: str) -> None:
+    # S3 keeps reading a written buffer until its part is uploaded: a snapshot
+    # that races the writers must hand it private copies, not the state, so
+    # changing the state right after save_async returns changes nothing saved.
+    assert storage.capabilities.retains_buffers
+    state = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(6)}  # 6 x 2 MiB
+    h = ss.save_async(f"{base_url}/a", state, io=ss.IOOptions(max_chunk_bytes=1 << 20))
+    for v in state.values():
+        v.fill(-1)
+    h.result()
+    got = ss.load(f"{base_url}/a")
+    for i in range(6):
+        np.testing.assert_array_equal(got[f"w{i}"], np.full((512, 1024), i, np.float32))

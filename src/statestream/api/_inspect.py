@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from statestream._gc import gc_paused
 from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
@@ -109,8 +110,13 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         ArrayMetadata(shape=(2, 3), dtype='float32', nbytes=24, kind='numpy', num_chunks=1,
                       stored_bytes=24, codec=None)
     """
-    reader, m = open_checkpoint(path, follow=False)
-    reader.close()
+    with gc_paused():  # a large manifest is many small objects (see statestream._gc)
+        reader, m = open_checkpoint(path, follow=False)
+        reader.close()
+        return _describe(reader, m)
+
+
+def _describe(reader: CheckpointReader, m: Manifest) -> CheckpointMetadata:
     return CheckpointMetadata(
         path=reader.location,
         format_version=m.version,

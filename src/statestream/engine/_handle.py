@@ -39,6 +39,8 @@ class SaveHandle:
         self.path = path
         self._snapshot = threading.Event()
         self._finished = threading.Event()
+        #: set when the save's thread is done, after warming the staging pool
+        self._settled = threading.Event()
         self._array_ready = [threading.Event() for _ in range(n_arrays)]
         self._error: BaseException | None = None
         self._snapshot_failed = False

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
+
 from statestream import __version__, _hooks
 from statestream._gc import gc_paused
 from statestream.distributed import Collective, SingleProcess, agree
@@ -149,6 +151,11 @@ class SaveJob:
         self.budget = ByteBudget(options.memory.resolved())
         self.handle: SaveHandle | None = None
         self._writer: StreamWriter | None = None
+        #: the snapshot races the writers (see StagingLedger): writers read
+        #: through race_source instead of taking staged copies only
+        self._race = False
+        self._torn: set[int] = set()
+        self._torn_lock = threading.Lock()
         self._decls: list[ArrayDecl] = []
         #: the base's hashed chunks (an incremental save), read at the begin
         self.base: BaseChunks | None = None
@@ -280,10 +287,10 @@ class SaveJob:
             # instead of letting it wait for them forever.
             # Compression buffers: at most two chunks per writer thread, plus its batch.
             self._writer = StreamWriter(
-                self.txn, self.planner.file_name, self.ledger.take, budget=ByteBudget(1 << 62),
+                self.txn, self.planner.file_name, self._snapshot_source, budget=ByteBudget(1 << 62),
                 after_write=self._snapshot_written, on_error=self.budget.abort,
                 nice=self.options.io.background_nice, relayout=self._relayout(),
-                hashes=self.options.hashes, base=self.base)
+                hashes=self.options.hashes, base=self.base, nice_later=True)
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
@@ -330,30 +337,44 @@ class SaveJob:
         h._memory = self.collector.memory
         return h
 
+    def _snapshot_source(self, item: WriteItem) -> np.ndarray:
+        return self.ledger.race_source(item) if self._race else self.ledger.take(item)
+
     def _snapshot_written(self, items: Sequence[WriteItem]) -> None:
         h = self.handle
         assert h is not None
+        if self._race:
+            self.ledger.race_written(items, self._check_direct)
         h.bytes_written += sum(it.nbytes for it in items)
         self.budget.release(self.ledger.after_write(items))
         if self.options.progress is not None:
             self.options.progress(h.bytes_written, h.bytes_total)
 
     def snapshot(self) -> None:
-        """Copy every chunk this process writes into staging buffers; writers follow.
+        """Copy or write every chunk this process writes before the state may change.
+
+        With every staging buffer already mapped (a later save of the same
+        state) and the state within the budget, every chunk is copied at once
+        with every core and the writers follow (:meth:`_snapshot_at_once`).
+        Otherwise copying into fresh memory can be slower than writing, so
+        the snapshot *races* the writers (:meth:`_snapshot_race`).
 
         Raises:
             CheckpointError: a value was modified in place before its copy landed
                 (a lazy snapshot raced an unguarded ``optimizer.step()``), naming
                 the key paths; nothing is committed.
         """
-        torn: set[int] = set()
-        if not self.lazy and self.planner.total_bytes <= self.budget.capacity:
+        torn = self._torn
+        if (not self.lazy and self.planner.total_bytes <= self.budget.capacity
+                and self.ledger.warm(self.items)):
             self._snapshot_at_once(torn)
         else:
-            self._snapshot_streaming(torn)
+            self._snapshot_race(torn)
         if torn:
             raise CheckpointError(_torn_message([self.collector.key(i) for i in sorted(torn)]))
         self.writer.flush()
+        # Writers that raced the snapshot (someone waits for it) yield from now on.
+        self.writer.yield_to_training()
         assert self.handle is not None
         self.handle.snapshot_finished()
 
@@ -361,13 +382,20 @@ class SaveJob:
         # Right after a chunk's copy landed: if its value changed since the walk,
         # the copy may hold new bytes. A change after this point is allowed.
         if self.collector.versions:
-            torn.update(it.array for it in items if self.collector.changed(it.array))
+            changed = [it.array for it in items if self.collector.changed(it.array)]
+            if changed:
+                with self._torn_lock:
+                    torn.update(changed)
+
+    def _check_direct(self, items: list[WriteItem]) -> None:
+        # A chunk written straight from the state: checked after its write.
+        self._check_copied(items, self._torn)
 
     def _snapshot_at_once(self, torn: set[int]) -> None:
-        # The whole state fits in the budget: copy it with every core first, and
-        # only then let the writers start, so checksums and page-cache writes do
-        # not compete with the copy the caller is waiting for. Device copies are
-        # all queued first and waited for together.
+        # Staging is warm and the whole state fits in the budget: copy it with
+        # every core first, and only then let the writers start, so checksums and
+        # writes do not compete with the copy the caller is waiting for. Device
+        # copies are all queued first and waited for together.
         jobs = [it for its in self.items for it in its]
         waits: list[Callable[[], None]] = []
 
@@ -382,38 +410,46 @@ class SaveJob:
             wait()
         self._check_copied(jobs, torn)
         assert self.handle is not None
+        self.writer.yield_to_training()  # nobody waits for these writes
         for ai, its in enumerate(self.items):
             self.writer.submit(its)
             self.handle.array_ready(ai)
 
-    def _snapshot_streaming(self, torn: set[int]) -> None:
-        queued: list[tuple[WriteItem, Callable[[], None] | None]] = []
-
-        def hand_over() -> None:
-            # Host copies are done on return; device copies land when waited for.
-            for _, wait in queued:
-                if wait is not None:
-                    wait()
-            items = [it for it, _ in queued]
-            self._check_copied(items, torn)
-            self.writer.submit(items)
-            queued.clear()
-
+    def _snapshot_race(self, torn: set[int]) -> None:
+        # Writers start on every chunk at once, reading from the state what is not
+        # copied yet; copy threads work from the last chunk backwards into staging
+        # buffers under the budget and stop when it is full. The snapshot is over
+        # when every chunk is copied or written: never later than a synchronous
+        # save's writes, and with warm buffers about one copy.
         assert self.handle is not None
-        for ai, its in enumerate(self.items):
-            for it in its:
-                got = self.budget.try_acquire(it.nbytes)
-                if got is None:
-                    hand_over()
-                    self.writer.flush()  # let writers free buffers before we wait for one
-                    got = self.budget.acquire(it.nbytes)
-                wait = self.ledger.copy_out(it, got)
-                queued.append((it, wait))
-                if wait is None:
-                    hand_over()
-                _hooks.fire("async.snapshot_chunk")
-            hand_over()
-            self.handle.array_ready(ai)
+        _hooks.fire("async.race_begins")
+        self.ledger.on_covered = self.handle.array_ready
+        self._race = True
+        self.ledger.race_start(self.items)
+        for its in self.items:
+            self.writer.submit(its)
+        self.writer.flush()
+        jobs = [it for its in reversed(self.items) for it in reversed(its)]
+        full = threading.Event()
+
+        def one(it: WriteItem) -> None:
+            _hooks.fire("async.snapshot_chunk")  # once per chunk, copied or not
+            if full.is_set() or self.writer.failed():
+                return
+            got = self.budget.try_acquire(it.nbytes)
+            if got is None:
+                full.set()  # the writers read the rest from the state
+                return
+            if self.ledger.race_copy(it, got):
+                self._check_copied([it], torn)
+            else:
+                self.budget.release(got)
+
+        # A lazy snapshot copies on its own (background) thread: a thread pool cannot
+        # start while the interpreter exits, and pending saves complete then.
+        parallel_for(one, jobs, 1 if self.lazy else max(2, os.cpu_count() or 2))
+        self.ledger.wait_covered(self.writer.failed)
+        self.writer.check()
 
     def background(self, run_snapshot: bool, early: BaseException | None = None) -> None:
         """The background phase: (lazy) snapshot, write, agree, commit; never raises."""
@@ -428,6 +464,7 @@ class SaveJob:
                 # runs at normal priority; everything after it yields to training.
                 self.snapshot()
             lower_thread_priority(self.options.io.background_nice)
+            self.writer.yield_to_training()
             _hooks.fire("save.planned")
             written = self.writer.close()
             _hooks.fire("save.data_synced")
@@ -435,6 +472,7 @@ class SaveJob:
             self.finish(written, None)
             self.ledger.reclaim(True)
             h.finish()
+            self._warm_up()
         except BaseException as exc:
             self.writer.abort()
             self.ledger.reclaim(False)
@@ -445,6 +483,18 @@ class SaveJob:
                     exc = agreed_exc
             self._abort_txn()
             h.fail(exc)
+        finally:
+            h._settled.set()
+
+    def _warm_up(self) -> None:
+        # Committed. Map the staging buffers the next save of this state will copy
+        # into now, at low priority, rather than in that save's blocking phase.
+        try:
+            self.ledger.warm_up(self.items)
+        except MemoryError:
+            # Warming is an optimisation for the next save; it may fault its own
+            # buffers instead. The save itself is committed and reported.
+            pass
 
     # ----------------------------------------------------------------------- commit
     def finish(self, written: dict[tuple[int, int], ChunkEntry],
@@ -614,7 +664,7 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     if previous is not None:
         # One save at a time. The previous one's error stays on its handle (and is
         # reported at exit unless its caller asks for it).
-        previous._finished.wait()
+        previous._settled.wait()
     job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
     if job.multi:
         job.finish_coll = job.coll.fork("statestream-async")
@@ -633,6 +683,7 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
             handle.result()
         job._abort_local()
         handle.fail(exc)
+        handle._settled.set()
         handle._reported()  # raised to the caller right here
         raise
     _spawn(job, run_snapshot=False)

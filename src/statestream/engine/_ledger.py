@@ -7,7 +7,13 @@ One ledger per save, for both ways a save reads its state:
   arrays are staged into page-locked buffers from the pinned pool;
 - *snapshot* (``ss.save_async``): :meth:`copy_out` copies each chunk into a
   buffer from the host or pinned pool (charged to the snapshot budget)
-  before writers see it, and :meth:`take` hands it to the writer.
+  before writers see it, and :meth:`take` hands it to the writer;
+- *race* (``ss.save_async`` whose staging is not all warm, and lazy saves):
+  writers start on every chunk at once, reading through :meth:`race_source`
+  (the staged copy if there is one, else the state itself), while copy
+  threads work from the other end with :meth:`race_copy`; a chunk is
+  *covered* once it is copied or its direct write returned, and the
+  snapshot is over when every chunk is covered (:meth:`wait_covered`).
 
 Either way :meth:`after_write` gives written chunks' buffers back to their
 pool (kept for the next save unless the storage retains written buffers)
@@ -42,6 +48,7 @@ class StagingLedger:
         # A backend that keeps referencing written buffers (S3 uploads parts in the
         # background) must not see them recycled: they are then dropped, not kept.
         self._keep = memory.keep_staging and not retains_buffers
+        self._retains = retains_buffers
         self._pools: tuple[StagingPool, StagingPool] = (host_pool(), pinned_pool())
         for pool in self._pools if snapshot else self._pools[1:]:
             pool.set_capacity(memory.resolved())
@@ -49,6 +56,16 @@ class StagingLedger:
         self._lent: dict[_Key, tuple[np.ndarray, int]] = {}
         self._staged: dict[_Key, np.ndarray] = {}
         self._held: dict[_Key, int] = {}
+        # race mode: chunks a writer read from the state, chunks being copied,
+        # and the chunks not yet covered per array
+        self._direct: set[_Key] = set()
+        self._copying: set[_Key] = set()
+        self._left: list[int] = []
+        self._uncovered = 0
+        self._covered_cv = threading.Condition(self._lock)
+        self.on_covered: Callable[[int], None] = lambda ai: None
+        self.copied_bytes = 0
+        self.direct_bytes = 0
 
     # -- streaming -------------------------------------------------------------------
     def read(self, item: WriteItem) -> np.ndarray:
@@ -107,6 +124,143 @@ class StagingLedger:
         with self._lock:
             return self._staged.pop((item.array, item.chunk))
 
+    # -- race ----------------------------------------------------------------------
+    def race_start(self, items: Sequence[Sequence[WriteItem]]) -> None:
+        """Count the chunks to cover (``items[i]``: array ``i``'s); arrays with
+        none are covered at once."""
+        with self._lock:
+            self._left = [len(its) for its in items]
+            self._uncovered = sum(self._left)
+        for ai, n in enumerate(self._left):
+            if n == 0:
+                self.on_covered(ai)
+
+    def _cover_locked(self, item: WriteItem) -> int | None:
+        self._uncovered -= 1
+        self._left[item.array] -= 1
+        if self._uncovered == 0:
+            self._covered_cv.notify_all()
+        return item.array if self._left[item.array] == 0 else None
+
+    def race_copy(self, item: WriteItem, charged: int) -> bool:
+        """Copy one chunk into an idle pooled buffer unless a writer already
+        read it or no such buffer is mapped (copy threads).
+
+        Returns whether the copy was kept; if not, the caller releases
+        ``charged``. A device copy is waited for here.
+        """
+        key = (item.array, item.chunk)
+        ready: int | None = None
+        with self._lock:
+            if key in self._direct:
+                return False
+            self._copying.add(key)
+        a = self._arrays[item.array]
+        which = 0 if a.stage is None else 1
+        # Only into memory already mapped: a fresh page faults in slower than the
+        # writers write (0.2-0.4 GB/s on the development machine); they take it.
+        got = self._pools[which].take_idle(item.nbytes)
+        if got is None:
+            with self._lock:
+                self._copying.discard(key)
+            return False
+        buf = got
+        try:
+            if a.stage is not None:
+                a.stage(item.start, item.shape, buf)()
+            else:
+                np.copyto(buf, a.chunk(item.start, item.shape))
+        except BaseException as exc:
+            with self._lock:
+                self._copying.discard(key)
+            self._pools[which].give(buf, keep=False)  # a device copy may still land
+            if isinstance(exc, Exception):
+                raise UnsupportedTypeError(
+                    f"copying the value at key path '{self._key_of(item.array)}' failed: {exc}"
+                ) from exc
+            raise
+        with self._lock:
+            self._copying.discard(key)
+            kept = key not in self._direct
+            if kept:
+                self._held[key] = charged
+                self._lent[key] = (buf, which)
+                self._staged[key] = buf
+                self.copied_bytes += item.nbytes
+                ready = self._cover_locked(item)
+        if not kept:  # a writer read it from the state meanwhile
+            self._pools[which].give(buf, keep=self._keep)
+            return False
+        if ready is not None:
+            self.on_covered(ready)
+        return True
+
+    def race_source(self, item: WriteItem) -> np.ndarray:
+        """The chunk's staged copy, or (not copied yet) the state itself (writers)."""
+        key = (item.array, item.chunk)
+        with self._lock:
+            buf = self._staged.pop(key, None)
+            if buf is None:
+                self._direct.add(key)
+        if buf is not None:
+            return buf
+        a = self._arrays[item.array]
+        if self._retains and a.stage is None:
+            # The storage keeps reading written buffers after the write returns (an
+            # upload in flight): never hand it the state's memory, which may change
+            # once the snapshot is over. A private copy, dropped after the upload.
+            own = self._pools[0].take(item.nbytes)
+            with self._lock:
+                self._lent[key] = (own, 0)
+            np.copyto(own, a.chunk(item.start, item.shape))
+            return own
+        return self.read(item)
+
+    def race_written(self, items: Sequence[WriteItem],
+                     check: Callable[[list[WriteItem]], None]) -> None:
+        """After a write: ``check`` the chunks that were written from the state
+        (their values must not have changed since the walk), then cover them."""
+        with self._lock:
+            direct = [it for it in items if (it.array, it.chunk) in self._direct]
+        if not direct:
+            return
+        check(direct)
+        ready: list[int] = []
+        with self._lock:
+            for it in direct:
+                self.direct_bytes += it.nbytes
+                r = self._cover_locked(it)
+                if r is not None:
+                    ready.append(r)
+        for r in ready:
+            self.on_covered(r)
+
+    def warm(self, items: Sequence[Sequence[WriteItem]]) -> bool:
+        """Whether the pools can stage every chunk in buffers already mapped."""
+        sizes: tuple[list[int], list[int]] = ([], [])
+        for its in items:
+            for it in its:
+                sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
+        return all(pool.can_serve(sz) for pool, sz in zip(self._pools, sizes))
+
+    def warm_up(self, items: Sequence[Sequence[WriteItem]]) -> int:
+        """Fill the pools with mapped buffers for this save's chunks, last first
+        (the order a racing snapshot copies them), within the budget; return
+        the bytes added. Nothing when buffers are not kept."""
+        if not self._keep:
+            return 0
+        sizes: tuple[list[int], list[int]] = ([], [])
+        for its in reversed(items):
+            for it in reversed(its):
+                sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
+        return sum(pool.warm(sz) for pool, sz in zip(self._pools, sizes))
+
+    def wait_covered(self, failed: Callable[[], bool]) -> None:
+        """Wait until every chunk is copied or written (or ``failed()``)."""
+        with self._lock:
+            while self._uncovered > 0 and not failed():
+                self._covered_cv.wait(0.05)
+
     # -- both ------------------------------------------------------------------------
     def after_write(self, items: Sequence[WriteItem]) -> int:
         """Give written chunks' buffers back; return the snapshot budget they held."""
@@ -128,5 +282,7 @@ class StagingLedger:
             self._lent.clear()
             self._staged.clear()
             self._held.clear()
+            self._direct.clear()
+            self._copying.clear()
         for buf, which in left:
             self._pools[which].give(buf, keep=self._keep and keep)

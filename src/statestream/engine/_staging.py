@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -74,6 +74,8 @@ class StagingPool:
         self.lent_bytes = 0
         self.allocations = 0
         self.reuses = 0
+        #: the most bytes lent out at once (staging in use) since creation
+        self.peak_lent_bytes = 0
 
     def set_capacity(self, capacity: int) -> None:
         """Retain at most ``capacity`` bytes (idle + lent) from now on."""
@@ -81,18 +83,31 @@ class StagingPool:
             self.capacity = max(0, int(capacity))
             self._evict_locked(0)
 
+    def take_idle(self, nbytes: int) -> np.ndarray | None:
+        """An idle (already mapped) buffer of exactly ``nbytes``, or None."""
+        with self._lock:
+            return self._take_idle_locked(nbytes)
+
+    def _take_idle_locked(self, nbytes: int) -> np.ndarray | None:
+        ids = self._by_size.get(nbytes)
+        if not ids:
+            return None
+        buf = self._idle.pop(ids.pop())
+        self.idle_bytes -= nbytes
+        self.lent_bytes += nbytes
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+        self.reuses += 1
+        return buf
+
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
         with self._lock:
-            ids = self._by_size.get(nbytes)
-            if ids:
-                buf = self._idle.pop(ids.pop())
-                self.idle_bytes -= nbytes
-                self.lent_bytes += nbytes
-                self.reuses += 1
+            buf = self._take_idle_locked(nbytes)
+            if buf is not None:
                 return buf
             self._evict_locked(nbytes)
             self.lent_bytes += nbytes
+            self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
             self.allocations += 1
         try:
             return self._allocate(nbytes)
@@ -100,6 +115,36 @@ class StagingPool:
             with self._lock:
                 self.lent_bytes -= nbytes
             raise
+
+    def can_serve(self, sizes: Sequence[int]) -> bool:
+        """Whether idle buffers exist for every one of ``sizes`` (no allocation)."""
+        need = collections.Counter(sizes)
+        with self._lock:
+            return all(len(self._by_size.get(n, ())) >= k for n, k in need.items())
+
+    def warm(self, sizes: Sequence[int]) -> int:
+        """Allocate and touch idle buffers for ``sizes``, in order, until the
+        capacity is reached, so a later save copies into memory already mapped
+        (fresh pages fault at a fraction of copy speed). Sizes already idle
+        count; return the bytes added."""
+        added = 0
+        with self._lock:
+            have = collections.Counter({n: len(ids) for n, ids in self._by_size.items()})
+        for n in sizes:
+            if have[n] > 0:
+                have[n] -= 1
+                continue
+            with self._lock:
+                if self.idle_bytes + self.lent_bytes + n > self.capacity:
+                    break
+            buf = self._allocate(n)
+            buf.fill(0)  # fault the pages in now, not during the next save
+            with self._lock:
+                self.allocations += 1
+                self.lent_bytes += n  # give() takes it back as idle
+            self.give(buf)
+            added += n
+        return added
 
     def give(self, buf: np.ndarray, *, keep: bool = True) -> None:
         """Return a buffer from :meth:`take`; it is kept for reuse if it fits."""

@@ -101,8 +101,14 @@ class StreamWriter:
         relayout: bool = False,
         hashes: bool = False,
         base: BaseChunks | None = None,
+        nice_later: bool = False,
     ) -> None:
         self._nice = nice
+        #: set: writer threads take ``nice`` (at once, or from the next batch on
+        #: when ``nice_later``, after :meth:`yield_to_training`)
+        self._yield = threading.Event()
+        if not nice_later:
+            self._yield.set()
         #: record each chunk's XXH3-128; with a base, refer to its equal chunks
         self._hashes = hashes or base is not None
         self._base = base
@@ -186,6 +192,19 @@ class StreamWriter:
         """The data files written (after :meth:`close`), in file-index order."""
         return [FileEntry(self._name(i), self._sizes.get(i, 0)) for i in range(len(self._queues))]
 
+    def yield_to_training(self) -> None:
+        """Writers take their niceness from their next batch on (``nice_later``)."""
+        self._yield.set()
+
+    def failed(self) -> bool:
+        """Whether a writer has failed (:meth:`check` raises its error)."""
+        return self._failed.is_set()
+
+    def check(self) -> None:
+        """Raise the first writer error, if any."""
+        if self._failed.is_set():
+            self._raise()
+
     def abort(self) -> None:
         """Stop writers as soon as possible (after an error elsewhere)."""
         self._failed.set()
@@ -198,12 +217,15 @@ class StreamWriter:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
 
     def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
-        lower_thread_priority(self._nice)
+        lowered = False
         w = None
         st = _FileState()
         try:
             w = self._txn.create_file(self._name(index), 0)
             while not self._failed.is_set():
+                if not lowered and self._yield.is_set():
+                    lower_thread_priority(self._nice)
+                    lowered = True
                 work = q.get()
                 if work is self._STOP:
                     break
