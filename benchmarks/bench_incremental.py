@@ -5,6 +5,7 @@ Run from the repo root with the project venv::
 
     .venv/bin/python benchmarks/bench_incremental.py            # 200 MB state, 6 steps, 3 repeats
     .venv/bin/python benchmarks/bench_incremental.py --quick    # 50 MB state, 4 steps, 2 repeats
+    .venv/bin/python benchmarks/bench_incremental.py --size large   # ~720 MB state
 
 The state (deterministic, see ``build_state``) is a Llama-like model in float32 whose
 weights are frozen (95% of the bytes) plus LoRA adapters on q/v projections with
@@ -56,9 +57,14 @@ SRC = REPO / "src"
 PHASES = ["full", "incremental", "safetensors", "all-changed"]
 
 
-def build_state(quick: bool) -> dict[str, np.ndarray]:
+#: Llama-like shapes (hidden, intermediate, layers, vocab) per --size.
+SIZES = {"quick": (256, 688, 4, 8000), "default": (512, 1376, 8, 16000),
+         "large": (1024, 2752, 11, 16000)}
+
+
+def build_state(size: str) -> dict[str, np.ndarray]:
     """Frozen Llama-like weights (95%) and LoRA adapters + Adam moments (5%), flat."""
-    hidden, inter, layers, vocab = (256, 688, 4, 8000) if quick else (512, 1376, 8, 16000)
+    hidden, inter, layers, vocab = SIZES[size]
     rng = np.random.default_rng(2026)
     state: dict[str, np.ndarray] = {}
     for name, shape in llama_shapes(hidden, inter, layers, vocab):
@@ -138,10 +144,10 @@ def _check_load(path: str, flat: dict[str, np.ndarray]) -> None:
 
 
 def child(a: dict[str, Any]) -> dict[str, Any]:
-    phase, quick, root, steps = a["phase"], a["quick"], a["dir"], a["steps"]
+    phase, size, root, steps = a["phase"], a["size"], a["dir"], a["steps"]
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
-    flat = build_state(quick)
+    flat = build_state(size)
     state = nest(flat)
     # warm the library (imports, thread pools) on a tiny save
     _save(phase, {"w": np.zeros(16, np.float32)}, {"w": np.zeros(16, np.float32)},
@@ -255,12 +261,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None,
+                    help="state size: quick (~50 MB), default (~176 MB), large (~720 MB)")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
         child_main(a.child)
         return
+    size = a.size or ("quick" if a.quick else "default")
     repeats = a.repeats or (2 if a.quick else 3)
     steps = a.steps or (4 if a.quick else 6)
     phases = a.phases.split(",")
@@ -273,7 +282,7 @@ def main() -> None:
     for rep in range(repeats):
         for phase in phases:  # interleaved, so machine noise hits every phase alike
             log(f"repeat {rep + 1}/{repeats}: {phase}")
-            r = run_child(__file__, SRC, {"phase": phase, "quick": a.quick, "steps": steps,
+            r = run_child(__file__, SRC, {"phase": phase, "size": size, "steps": steps,
                                           "dir": os.path.join(a.dir, phase)}, 900,
                           stderr_on_failure=True)
             r["phase"] = phase
@@ -286,7 +295,7 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     out = HERE / "results" / "incremental"
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"incremental-{started}{'-quick' if a.quick else ''}"
+    stem = f"incremental-{started}{'' if size == 'default' else '-' + size}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     text = summarize(results)
     (out / f"{stem}.md").write_text(text)

@@ -142,18 +142,24 @@ def test_a_base_without_hashes_is_written_in_full(tmp_path: Path) -> None:
     _check(ss.load(tmp_path / "s2"), s)
 
 
-def test_a_matching_hash_with_another_crc_is_written(tmp_path: Path) -> None:
-    """Identity is never the hash alone: a base chunk stored raw must have the same CRC."""
+def test_identity_is_the_hash_shape_and_raw_size(tmp_path: Path) -> None:
+    """The 128-bit hash with shape and raw size decide identity; a match takes the base's CRC."""
     s = _state()
     ss.save(tmp_path / "s1", s, hashes=True)
     ss.save(tmp_path / "probe", {"lora": s["lora"] + 1}, hashes=True)
     new_hash = _chunks(_manifest(tmp_path / "probe"), "lora")[0][7]["hash"]
-    # the base claims its lora chunk has the hash of the new bytes (a collision)
+    # the base claims its lora chunk has the hash of the new bytes: it is referred to,
+    # with the base's own CRC-32C (no checksum of the new bytes decides anything)
     _rewrite(tmp_path / "s1", lambda d: _chunks(d, "lora")[0][7].update(hash=new_hash))
-    s["lora"] = s["lora"] + 1
-    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
-    assert "ref" not in _chunks(_manifest(tmp_path / "s2"), "lora")[0][7]
-    _check(ss.load(tmp_path / "s2"), s)
+    ss.save(tmp_path / "s2", {"lora": s["lora"] + 1}, base=tmp_path / "s1")
+    got = _chunks(_manifest(tmp_path / "s2"), "lora")[0]
+    base = _chunks(_manifest(tmp_path / "s1"), "lora")[0]
+    assert got[7]["ref"] == 0 and got[3] == base[3]  # the crc32c of the base
+    assert _manifest(tmp_path / "s2")["bases"] == ["s1"]
+    # the same bytes in another shape are another chunk: written
+    ss.save(tmp_path / "s3", {"lora": s["lora"].reshape(64, 32)}, base=tmp_path / "s1")
+    assert "ref" not in _chunks(_manifest(tmp_path / "s3"), "lora")[0][7]
+    _check(ss.load(tmp_path / "s3"), {"lora": s["lora"].reshape(64, 32)})
 
 
 def test_base_must_be_a_committed_sibling(tmp_path: Path) -> None:

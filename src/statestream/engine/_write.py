@@ -303,19 +303,22 @@ class StreamWriter:
             return self._stored(it, data, end)
         if it.codec is not None:  # hashed here, checksummed once compressed
             digest = chunk_digest(data)
-            ref = self._base.match(digest, data, it.start, it.shape) if self._base else None
+            ref = self._base.match(digest, data.nbytes, it.start, it.shape) \
+                if self._base else None
             if ref is not None:
                 return ref, None
             entry, payload = self._stored(it, data, end)
             entry.digest = digest
             return entry, payload
-        # a raw chunk: its hash and checksums in one pass over its bytes
-        row_bytes = it.nbytes // it.shape[0] if it.shape and it.shape[0] else 0
-        digest, crc, blocks = digest_and_checksums(data, row_bytes * it.block_rows)
-        if self._base is not None:
-            ref = self._base.match(digest, data, it.start, it.shape, (it.block_rows, crc))
+        if self._base is not None:  # the hash first: a chunk of the base needs no CRC pass
+            digest = chunk_digest(data)
+            ref = self._base.match(digest, data.nbytes, it.start, it.shape)
             if ref is not None:
                 return ref, None
+            crc, blocks = chunk_checksums(it, data)
+        else:  # its hash and checksums in one pass over its bytes
+            row_bytes = it.nbytes // it.shape[0] if it.shape and it.shape[0] else 0
+            digest, crc, blocks = digest_and_checksums(data, row_bytes * it.block_rows)
         off = chunk_offset(end, it.nbytes) if self._relayout else it.offset
         return ChunkEntry(it.file, off, it.nbytes, crc, it.start, it.shape, it.block_rows,
                           blocks, digest=digest), data
