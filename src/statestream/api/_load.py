@@ -73,6 +73,22 @@ class _Job:
     manifest: Manifest | None = None
     #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
     shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
+    _aliased: set[int] | None = None
+    _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def aliased(self) -> set[int]:
+        """Arrays that an alias leaf (tied weights) also holds: only those need sharing."""
+        if self._aliased is None:
+            self._aliased = set()
+            if self.manifest is not None:
+                stack = [self.manifest.tree]
+                while stack:
+                    n = stack.pop()
+                    if n.children:
+                        stack.extend(n.children)
+                    elif n.kind == "alias" and n.array is not None:
+                        self._aliased.add(n.array)
+        return self._aliased
 
     def check_supply(self, index: int, entry: ArrayEntry, path: KeyPath) -> None:
         """Refuse to allocate array ``index`` unless its files really hold its bytes.
@@ -87,6 +103,9 @@ class _Job:
         for c in entry.chunks:
             if not c.nbytes:
                 continue
+            known = self._sizes.get(c.file)
+            if known is not None and c.offset + c.nbytes <= known:
+                continue
             name = self.file_names[c.file]
             try:
                 size = self.reader.file_size(name)
@@ -96,6 +115,7 @@ class _Job:
                     f"{exc} (affects the array at key path '{format_keypath(path)}'"
                     + (f", and {others})" if others else ")")
                 ) from None
+            self._sizes[c.file] = size
             if c.offset + c.nbytes > size:
                 others = self._short_arrays(c.file, size, index)
                 raise TruncatedFileError(
@@ -242,6 +262,8 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         v = node.value
         return lambda: v
     if k in ("array", "alias"):  # an alias: another leaf holding the same array
+        if k == "array" and node.array not in job.aliased():  # read by this leaf alone
+            return _restore_array(node, like, path, m, job, default_kind)
         return _restore_shared(node, like, path, m, job, default_kind)
     if k in ("bytes", "pickle"):
         return _restore_blob(node, path, m, job)

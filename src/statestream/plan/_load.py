@@ -88,6 +88,9 @@ def _block_checks(c: ChunkEntry, first_row: int, nbytes: int) -> list[tuple[int,
 
 def _row_blocks(entry: ArrayEntry) -> bool:
     """True if every chunk spans the full extent of all axes but the first."""
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].shape == entry.shape:  # most arrays: one chunk
+        return not any(chunks[0].start)
     inner = entry.shape[1:]
     return all(c.shape[1:] == inner and not any(c.start[1:]) for c in entry.chunks)
 
@@ -96,8 +99,14 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
                       pieces: dict[tuple[int, ...], ReadPiece]) -> None:
     """Pieces reading every row-block chunk straight into ``w.dest`` (the whole array)."""
     flat = w.dest.reshape(-1).view(np.uint8)
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].nbytes == flat.nbytes > 0 and not chunks[0].block_rows:
+        c = chunks[0]  # most arrays: one chunk, read whole into the whole destination
+        pieces[(w.array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
+            w.array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat)
+        return
     row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
-    for ci, c in enumerate(entry.chunks):
+    for ci, c in enumerate(chunks):
         if c.nbytes == 0:
             continue
         a = c.start[0] * row_bytes if c.start else 0
