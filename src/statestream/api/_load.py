@@ -30,6 +30,7 @@ from statestream.format import (
 )
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
+    ArrayProvider,
     Destination,
     NumpyProvider,
     StateAdapter,
@@ -41,7 +42,7 @@ from statestream.providers import (
     rebuild_pytree,
     target_provider_for,
 )
-from statestream.storage import CheckpointReader, storage_for
+from statestream.storage import CheckpointReader, MappedReader, storage_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -56,6 +57,10 @@ from statestream.tree import (
 __all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
+#: arrays at least this large are mapped (smaller ones: batched reads cost less than
+#: a mapping's page faults); their data must start this aligned in the file
+_MAP_MIN_BYTES = 1 << 20
+_MAP_ALIGN = 64
 Build = Callable[[], Any]
 
 
@@ -73,6 +78,8 @@ class _Job:
     manifest: Manifest | None = None
     #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
     shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
+    #: map large arrays' file bytes instead of reading them (a local checkpoint)
+    maps: bool = False
     _aliased: set[int] | None = None
     _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
 
@@ -126,6 +133,33 @@ class _Job:
                     + (f"; the file also lacks the data of {others}" if others else "")
                 )
 
+    def restore_mapped(self, prov: ArrayProvider, index: int, entry: ArrayEntry, like: Any,
+                       path: KeyPath, scalar: bool) -> Destination | None:
+        """``prov``'s value built on a private mapping of the array's file bytes, or None.
+
+        Large arrays whose chunks lie in one file, in row order, back to back,
+        need no fresh memory and no copy: their pages come from the page cache
+        as the checksum pass touches them (the engine verifies every one).
+        """
+        if (not self.maps or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
+                or not prov.capabilities.buffer_restore):
+            return None
+        first = entry.chunks[0]
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        inner = entry.shape[1:]
+        for c in entry.chunks:
+            if (c.file != first.file or c.shape[1:] != inner or any(c.start[1:])
+                    or c.offset != first.offset + (c.start[0] - first.start[0]) * row_bytes):
+                return None
+        if first.offset % _MAP_ALIGN or any(first.start):
+            return None
+        self.check_supply(index, entry, path)  # a short file fails here, with the key path
+        assert isinstance(self.reader, MappedReader)
+        buf = self.reader.map_range(self.file_names[first.file], first.offset, entry.nbytes)
+        if buf is None:
+            return None
+        return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)
+
     def _short_arrays(self, file: int, size: int, skip: int) -> str:
         """Key paths of (up to 5) other arrays whose data lies past ``size`` in ``file``."""
         if self.manifest is None:
@@ -144,11 +178,14 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     entry = m.arrays[node.array]
     attrs = node.attrs or {}
     scalar = bool(attrs.get("scalar"))
+    mapped: Destination | None = None
     if like is NO_TARGET:  # the manifest alone says how much to allocate: check first
         job.check_supply(node.array, entry, path)
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
-        dest: Destination = provider_by_kind(kind).restore(entry.dtype, entry.shape, None, path,
-                                                           scalar=scalar)
+        by_kind = provider_by_kind(kind)
+        mapped = job.restore_mapped(by_kind, node.array, entry, None, path, scalar)
+        dest: Destination = mapped or by_kind.restore(entry.dtype, entry.shape, None, path,
+                                                      scalar=scalar)
     elif type(like) in (bool, int, float) and entry.shape == ():
         dest = _python_scalar(entry.dtype, like, path)
     else:
@@ -167,9 +204,11 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             )
         found = (prov.restore_into(entry.dtype, entry.shape, like, path)
                  if job.in_place and prov.capabilities.in_place_restore else None)
-        dest = found if found is not None else prov.restore(entry.dtype, entry.shape, like, path)
+        if found is None:
+            mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
+        dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
     for start, buf in dest.boxes:
-        job.wanted.append(Wanted(node.array, start, buf))
+        job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     return dest.finish
 
@@ -538,7 +577,7 @@ def load(
 def _default_io(path: str | os.PathLike[str]) -> IOOptions:
     """Engine options when the caller gives none: the backend's read preferences."""
     caps = storage_for(path)[0].capabilities
-    kw: dict[str, int] = {}
+    kw: dict[str, Any] = {}
     if caps.read_request_bytes:
         kw["max_request_bytes"] = caps.read_request_bytes
     if caps.read_threads:
@@ -570,7 +609,8 @@ def _load(
             root, like = _select(root, list(items), like, reader.location)
         names = [f.name for f in m.files]
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
-                   file_names=names, manifest=m)
+                   file_names=names, manifest=m,
+                   maps=io.map_files and isinstance(reader, MappedReader))
         build = _walk(root, like, (), m, job, "numpy", False)
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)

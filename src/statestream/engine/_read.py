@@ -23,7 +23,7 @@ from statestream.errors import (
 )
 from statestream.format import checksum
 from statestream.plan import ReadPiece, ReadRequest
-from statestream.storage import CheckpointReader
+from statestream.storage import CheckpointReader, MappedReader
 
 __all__ = ["read_requests"]
 # ----------------------------------------------------------------------------- read
@@ -43,7 +43,9 @@ def read_requests(
     """Execute read requests on worker threads, verifying every chunk's CRC-32C.
 
     Pieces with a ``direct`` destination are read in place; the rest go
-    through scratch buffers charged to ``budget`` and are scattered.
+    through scratch buffers charged to ``budget`` and are scattered. Mapped
+    pieces (``direct`` maps their own file bytes) are only verified: the
+    checksum pass reads their pages in, on the worker threads in parallel.
 
     With ``collect``, corruption is appended there and reading goes on
     (``verify``); otherwise the first problem is raised.
@@ -80,7 +82,12 @@ def read_requests(
         need = sum(p.staging_bytes for p in req.pieces)
         held = budget.acquire(need)
         try:
-            views = _read_span(reader, file_names[req.file], req, describe)
+            if req.pieces[0].mapped:  # the bytes are mapped: touching them reads them
+                if isinstance(reader, MappedReader):
+                    reader.prefetch(file_names[req.file], req.offset, req.nbytes)
+                views = [p.direct for p in req.pieces if p.direct is not None]
+            else:
+                views = _read_span(reader, file_names[req.file], req, describe)
             for p, buf in zip(req.pieces, views):
                 err = _verify_piece(reader, file_names[p.file], p, buf, describe)
                 if err is not None:

@@ -20,6 +20,9 @@ class Wanted:
     array: int
     start: tuple[int, ...]
     dest: np.ndarray
+    #: ``dest`` is a private mapping of the array's own bytes in its data file
+    #: (one contiguous range): nothing to read, only checksums to verify
+    mapped: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +47,8 @@ class ReadPiece:
     #: (start, end, crc) byte ranges of this piece to verify; default: all of it
     #: against ``checksum``.
     verify: list[tuple[int, int, int]] | None = None
+    #: ``direct`` maps this piece's own file bytes: verify them, read nothing
+    mapped: bool = False
 
     def checks(self) -> list[tuple[int, int, int]]:
         """Byte ranges of the piece and the CRC-32C each must have."""
@@ -103,7 +108,8 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
     if len(chunks) == 1 and chunks[0].nbytes == flat.nbytes > 0 and not chunks[0].block_rows:
         c = chunks[0]  # most arrays: one chunk, read whole into the whole destination
         pieces[(w.array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
-            w.array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat)
+            w.array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat,
+            mapped=w.mapped)
         return
     row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
     for ci, c in enumerate(chunks):
@@ -112,7 +118,7 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
         a = c.start[0] * row_bytes if c.start else 0
         piece = ReadPiece(
             w.array, ci, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt,
-            direct=flat[a : a + c.nbytes],
+            direct=flat[a : a + c.nbytes], mapped=w.mapped,
         )
         if c.block_rows:
             piece.verify = _block_checks(c, 0, c.nbytes)
@@ -236,6 +242,7 @@ def coalesce(
             gap = p.offset - end
             if (
                 p.file == cur.file
+                and p.mapped == cur.pieces[0].mapped
                 and 0 <= gap <= max_gap_bytes
                 and cur.nbytes + gap + p.nbytes <= max_request_bytes
                 and len(cur.pieces) < max_pieces_per_request
