@@ -262,26 +262,36 @@ def _arrays(s: str, i: int, store: ChunkStore,
             eager: tuple[list[FileEntry], np.ndarray] | None) -> tuple[Any, int]:
     if s[i:i + 1] != "[":
         return _value(s, i)
-    small = len(s) <= _SMALL_MANIFEST_BYTES
-    if small and eager is not None:  # one C parse of the whole list, then a tight loop
-        entries, i = _value(s, i)
+    if len(s) <= _SMALL_MANIFEST_BYTES and eager is not None:
+        entries, i = _value(s, i)  # one C parse of the whole list, then a tight loop
         return _decode_small(entries, store, eager[0], eager[1]), i
     out: list[Any] = _DecodedArrays() if eager is not None else []
     i = _ws(s, i + 1)
     if s[i:i + 1] == "]":
         return out, i + 1
+    sizes = [f.size for f in eager[0]] if eager is not None else []
     while True:
-        if small:  # the C parser reads the whole entry; its chunks go to the store
-            v, i = _value(s, i)
-            if type(v) is dict and type(v.get("chunks")) is list:
-                v["chunks"] = _pack_chunks(v["chunks"], store, len(out))
-        elif s[i:i + 1] == "{":
-            v, i = _array_object(s, i, store, len(out))
+        peeked = _peek(s, i) if eager is not None and s[i:i + 1] == "{" else None
+        if peeked is not None:  # a short entry: read by the C parser
+            d, i = peeked
+            entry = _one_chunk(d, sizes) if len(d) == 3 else None
+            if entry is not None:  # (as compact as the store: its tuples are shared)
+                c = entry.chunks[0]
+                store.fields.extend((c.file, c.offset, c.nbytes, c.checksum))
+                out.append(entry)
+            else:
+                if type(d.get("chunks")) is list:
+                    d["chunks"] = _pack_chunks(d["chunks"], store, len(out))
+                assert eager is not None
+                out.append(_decode_array(d, len(out), eager[0], store, eager[1]))
         else:
-            v, i = _value(s, i)
-        if eager is not None:
-            v = _decode_array(v, len(out), eager[0], store, eager[1], materialize=small)
-        out.append(v)
+            if s[i:i + 1] == "{":
+                v, i = _array_object(s, i, store, len(out))
+            else:
+                v, i = _value(s, i)
+            if eager is not None:
+                v = _decode_array(v, len(out), eager[0], store, eager[1])
+            out.append(v)
         i = _ws(s, i)
         if s[i:i + 1] == ",":
             i = _ws(s, i + 1)
@@ -348,6 +358,26 @@ def _one_chunk(d: dict[str, Any], sizes: list[int]) -> ArrayEntry | None:
 
 
 _ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+#: Large manifests: an array entry whose text fits in this many characters is read by
+#: the C parser at once (its objects are a few KiB); longer ones stream chunk by chunk.
+_PEEK_CHARS = 2048
+
+
+def _peek(s: str, i: int) -> tuple[dict[str, Any], int] | None:
+    """The object at ``s[i]`` if it ends within :data:`_PEEK_CHARS`, else None.
+
+    JSON objects parse the same from any prefix that holds them whole, so a
+    cut one fails here and is then streamed.
+    """
+    try:
+        v, end = _SCAN(s[i:i + _PEEK_CHARS], 0)
+    except (StopIteration, ValueError):
+        return None
+    if type(v) is not dict:
+        return None
+    return v, i + int(end)
 
 
 def _array_object(s: str, i: int, store: ChunkStore, ai: int) -> tuple[Any, int]:
