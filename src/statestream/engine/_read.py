@@ -26,6 +26,9 @@ from statestream.plan import ReadPiece, ReadRequest
 from statestream.storage import CheckpointReader, MappedReader
 
 __all__ = ["read_requests"]
+
+#: Mapped reads: how many requests (of ``max_request_bytes``) the kernel reads ahead
+_PREFETCH = 4
 # ----------------------------------------------------------------------------- read
 
 
@@ -58,10 +61,15 @@ def read_requests(
     lock = threading.Lock()
     queue = list(requests)
     queue.reverse()
+    ahead = _Prefetch(reader, file_names, requests, _PREFETCH * options.max_request_bytes)
 
     def next_request() -> ReadRequest | None:
         with lock:
-            return queue.pop() if queue else None
+            if not queue:
+                return None
+            req = queue.pop()
+            ahead.advance(len(requests) - len(queue))
+            return req
 
     def worker() -> None:
         while True:
@@ -83,8 +91,6 @@ def read_requests(
         held = budget.acquire(need)
         try:
             if req.pieces[0].mapped:  # the bytes are mapped: touching them reads them
-                if isinstance(reader, MappedReader):
-                    reader.prefetch(file_names[req.file], req.offset, req.nbytes)
                 views = [p.direct for p in req.pieces if p.direct is not None]
             else:
                 views = _read_span(reader, file_names[req.file], req, describe)
@@ -106,6 +112,32 @@ def read_requests(
 
     n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+class _Prefetch:
+    """Keeps the kernel reading mapped requests ``window`` bytes ahead of the workers, so
+    the disk stays busy while they verify (touch) the pages already read."""
+
+    def __init__(self, reader: CheckpointReader, names: Sequence[str],
+                 requests: Sequence[ReadRequest], window: int) -> None:
+        self._reader = reader if isinstance(reader, MappedReader) else None
+        self._names, self._reqs, self._window = names, requests, window
+        self._next = 0  # first request not yet prefetched
+        self._started = 0  # requests handed to workers
+
+    def advance(self, started: int) -> None:
+        """Called (under the queue's lock) when ``started`` requests have been handed out."""
+        if self._reader is None:
+            return
+        self._started = started
+        ahead = sum(r.nbytes for r in self._reqs[started:self._next] if r.pieces[0].mapped)
+        while self._next < len(self._reqs) and (ahead < self._window
+                                                 or self._next < started):
+            r = self._reqs[self._next]
+            self._next += 1
+            if r.pieces[0].mapped:
+                self._reader.prefetch(self._names[r.file], r.offset, r.nbytes)
+                ahead += r.nbytes
 
 
 def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
