@@ -23,12 +23,9 @@ from statestream.errors import (
 )
 from statestream.format import checksum
 from statestream.plan import ReadPiece, ReadRequest
-from statestream.storage import CheckpointReader, MappedReader
+from statestream.storage import CheckpointReader
 
 __all__ = ["read_requests"]
-
-#: Mapped reads: how many requests (of ``max_request_bytes``) the kernel reads ahead
-_PREFETCH = 4
 # ----------------------------------------------------------------------------- read
 
 
@@ -48,7 +45,8 @@ def read_requests(
     Pieces with a ``direct`` destination are read in place; the rest go
     through scratch buffers charged to ``budget`` and are scattered. Mapped
     pieces (``direct`` maps their own file bytes) are only verified: the
-    checksum pass reads their pages in, on the worker threads in parallel.
+    checksum pass reads their pages in (the kernel's fault readahead; an explicit
+    ``MADV_WILLNEED`` measured slower), on the worker threads in parallel.
 
     With ``collect``, corruption is appended there and reading goes on
     (``verify``); otherwise the first problem is raised.
@@ -61,15 +59,10 @@ def read_requests(
     lock = threading.Lock()
     queue = list(requests)
     queue.reverse()
-    ahead = _Prefetch(reader, file_names, requests, _PREFETCH * options.max_request_bytes)
 
     def next_request() -> ReadRequest | None:
         with lock:
-            if not queue:
-                return None
-            req = queue.pop()
-            ahead.advance(len(requests) - len(queue))
-            return req
+            return queue.pop() if queue else None
 
     def worker() -> None:
         while True:
@@ -112,32 +105,6 @@ def read_requests(
 
     n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
-
-
-class _Prefetch:
-    """Keeps the kernel reading mapped requests ``window`` bytes ahead of the workers, so
-    the disk stays busy while they verify (touch) the pages already read."""
-
-    def __init__(self, reader: CheckpointReader, names: Sequence[str],
-                 requests: Sequence[ReadRequest], window: int) -> None:
-        self._reader = reader if isinstance(reader, MappedReader) else None
-        self._names, self._reqs, self._window = names, requests, window
-        self._next = 0  # first request not yet prefetched
-        self._started = 0  # requests handed to workers
-
-    def advance(self, started: int) -> None:
-        """Called (under the queue's lock) when ``started`` requests have been handed out."""
-        if self._reader is None:
-            return
-        self._started = started
-        ahead = sum(r.nbytes for r in self._reqs[started:self._next] if r.pieces[0].mapped)
-        while self._next < len(self._reqs) and (ahead < self._window
-                                                 or self._next < started):
-            r = self._reqs[self._next]
-            self._next += 1
-            if r.pieces[0].mapped:
-                self._reader.prefetch(self._names[r.file], r.offset, r.nbytes)
-                ahead += r.nbytes
 
 
 def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,

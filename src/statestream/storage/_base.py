@@ -137,10 +137,6 @@ class MappedReader(CheckpointReader, Protocol):
         """
         ...
 
-    def prefetch(self, name: str, offset: int, nbytes: int) -> None:
-        """Ask the kernel to start reading a mapped range (a hint; never fails)."""
-        ...
-
 
 @dataclasses.dataclass(frozen=True)
 class WriterId:

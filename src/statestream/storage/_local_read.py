@@ -213,16 +213,6 @@ class _LocalReader:
                     self._maps[name] = mm
         return memoryview(mm)[offset:offset + nbytes]
 
-    def prefetch(self, name: str, offset: int, nbytes: int) -> None:
-        mm = self._maps.get(name)
-        if mm is None or nbytes <= 0:
-            return
-        start = offset - offset % mmap.PAGESIZE
-        try:
-            mm.madvise(mmap.MADV_WILLNEED, start, offset + nbytes - start)
-        except (OSError, ValueError):
-            pass  # a hint only: the pages are read when touched anyway
-
     def list_files(self) -> list[str]:
         """Every entry of the checkpoint (``data/`` entries as ``data/<name>``), unsorted.
 
