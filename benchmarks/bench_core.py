@@ -72,16 +72,20 @@ def _fill(n: int, idx: int) -> np.ndarray:
     return out
 
 
-def llama_param_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
-    if quick:
+def llama_param_shapes(quick: bool, size: str | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameters of the Llama-like state (x3 with the two Adam moments): ~64 MiB quick,
+    ~1 GB with ``size="1g"`` (4 layers, vocab 16,000: fits a shared machine), else ~3.2 GB."""
+    if size == "1g":
+        return llama_shapes(1024, 2816, 4, 16000)
+    if quick or size == "quick":
         return llama_shapes(256, 704, 4, 4000)
     return llama_shapes(1024, 2816, 16, 32000)
 
 
-def workload_spec(workload: str, quick: bool, seed: int) -> list[tuple[str, tuple[int, ...]]]:
+def workload_spec(workload: str, quick: bool, seed: int, size: str | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """Flat list of (key, shape), all float32."""
     if workload == "llama":
-        params = llama_param_shapes(quick)
+        params = llama_param_shapes(quick, size)
         out = list(params)
         out += [(f"optim.exp_avg.{k}", s) for k, s in params]
         out += [(f"optim.exp_avg_sq.{k}", s) for k, s in params]
@@ -277,6 +281,22 @@ class StatestreamAdapter(Adapter):
         return ss.load(path, target=like)
 
 
+class StatestreamInPlaceAdapter(StatestreamAdapter):
+    """statestream load(target, in_place=True) into resident torch tensors (as DCP does)."""
+
+    resident = True
+
+    def __init__(self):
+        super().__init__()
+        self.name = "statestream-inplace"
+        self.note = "load(path, target=resident torch tensors, in_place=True)"
+
+    def load(self, path, like):
+        import statestream as ss
+
+        return ss.load(path, target=like, in_place=True)
+
+
 class TorchSaveAdapter(Adapter):
     name = "torch.save"
     note = "torch.save to file object + flush + fsync; torch.load(weights_only=True)"
@@ -295,6 +315,16 @@ class TorchSaveAdapter(Adapter):
         import torch
 
         return torch.load(path, weights_only=True)
+
+
+class TorchMmapAdapter(TorchSaveAdapter):
+    name = "torch.load-mmap"
+    note = "torch.load(mmap=True, weights_only=True) of a torch.save file; touch() reads every page"
+
+    def load(self, path, like):
+        import torch
+
+        return torch.load(path, weights_only=True, mmap=True)
 
 
 class SafetensorsAdapter(Adapter):
@@ -432,8 +462,20 @@ class OrbaxAdapter(Adapter):
         return out
 
 
+class DCPResidentAdapter(DCPAdapter):
+    resident = True
+
+    def __init__(self, thread_count: int = 1):
+        super().__init__(thread_count)
+        self.name = "torch DCP-resident"
+        self.note += " (resident targets, made before the clock starts)"
+
+
 def make_adapter(name: str, dcp_threads: int) -> Adapter:
     table: dict[str, Callable[[], Adapter]] = {
+        "statestream-inplace": StatestreamInPlaceAdapter,
+        "torch.load-mmap": TorchMmapAdapter,
+        "torch DCP-resident": lambda: DCPResidentAdapter(dcp_threads),
         "statestream": lambda: StatestreamAdapter(),
         "statestream-nested": lambda: StatestreamAdapter(nested=True),
         "statestream-np": lambda: StatestreamAdapter(load_numpy=True),
@@ -446,6 +488,13 @@ def make_adapter(name: str, dcp_threads: int) -> Adapter:
     }
     return table[name]()
 
+
+#: extra load variants of a saved checkpoint (same files, another reader)
+EXTRA_LOADS = {
+    "statestream": ["statestream-np", "statestream-inplace"],
+    "torch.save": ["torch.load-mmap"],
+    "torch DCP": ["torch DCP-resident"],
+}
 
 ALL_SYSTEMS = [
     "statestream",
@@ -535,7 +584,7 @@ def child_save(a: dict) -> dict:
     base = a["dir"]
     os.makedirs(base, exist_ok=True)
     _warmup(ad, base)
-    spec = workload_spec(a["workload"], a["quick"], a["seed"])
+    spec = workload_spec(a["workload"], a["quick"], a["seed"], a.get("size"))
     t0 = time.perf_counter()
     st = ad.prepare(build_numpy(spec))
     build_s = time.perf_counter() - t0
@@ -555,7 +604,7 @@ def child_load(a: dict) -> dict:
     ad = make_adapter(a["system"], a["dcp_threads"])
     base = a["dir"]
     _warmup(ad, base)
-    spec = workload_spec(a["workload"], a["quick"], a["seed"])
+    spec = workload_spec(a["workload"], a["quick"], a["seed"], a.get("size"))
     nbytes = spec_nbytes(spec)
     path = a["path"]
     res: dict[str, Any] = {}
@@ -573,9 +622,15 @@ def child_load(a: dict) -> dict:
         else:
             # make sure the whole checkpoint is resident (cold load read it already)
             pass
+        resident = None
+        if getattr(ad, "resident", False):  # targets already in memory (a training job's)
+            resident = ad.make_like(spec)
+            for v in flatten_any(resident).values():
+                v.zero_()
         with RssSampler() as s:
             t0 = time.perf_counter()
-            like = ad.make_like(spec)  # fresh (lazily-faulted) target memory each time
+            # fresh (lazily-faulted) target memory each time, unless resident
+            like = resident if resident is not None else ad.make_like(spec)
             out = ad.load(path, like)
             t1 = time.perf_counter()
             touch(out)
@@ -585,7 +640,7 @@ def child_load(a: dict) -> dict:
         touch_s = time.perf_counter() - t2
         err = _verify(ad, out, spec, nbytes) if a.get("verify", True) else None
         res[mode] = {"seconds": dt, "load_call_s": t1 - t0, "touch_overhead_s": touch_s, "verify_error": err, **s.result}
-        del out, like
+        del out, like, resident
         gc.collect()
     return res
 
@@ -735,6 +790,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="llama,small")
     ap.add_argument("--small-systems", default=None, help="systems for the small workload (default: same as --systems)")
     ap.add_argument("--dcp-threads", type=int, default=1, help="FileSystemWriter thread_count (DCP default is 1)")
+    ap.add_argument("--state-size", default=None, choices=["quick", "1g", "3g"],
+                    help="size of the Llama-like state (default: quick with --quick, else 3g)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="per child process timeout (s)")
     ap.add_argument("--out", default=None, help="JSON output path (markdown goes next to it)")
@@ -810,13 +867,13 @@ def main() -> None:
     except Exception:
         pass
 
-    specs = {w: workload_spec(w, args.quick, args.seed) for w in workloads}
+    specs = {w: workload_spec(w, args.quick, args.seed, args.state_size) for w in workloads}
     for w, sp in specs.items():
         results["workloads"][w] = {"tensors": len(sp), "bytes": spec_nbytes(sp)}
         log(f"workload {w}: {len(sp)} tensors, {spec_nbytes(sp) / GiB:.3f} GiB")
 
     # 1. raw bandwidths (same total size as workload 1)
-    raw_bytes = spec_nbytes(specs.get("llama") or workload_spec("llama", args.quick, args.seed))
+    raw_bytes = spec_nbytes(specs.get("llama") or workload_spec("llama", args.quick, args.seed, args.state_size))
     log("raw bandwidth ...")
     raw = run_child(__file__, SRC, {"task": "raw", "dir": base, "nbytes": raw_bytes, "repeats": args.repeats}, args.timeout)
     results["raw"] = raw
@@ -833,7 +890,7 @@ def main() -> None:
         )
 
     # 2. systems x workloads
-    common = {"dir": base, "quick": args.quick, "seed": args.seed, "dcp_threads": args.dcp_threads, "pythonpath": str(SRC), "verify": not args.no_verify}
+    common = {"dir": base, "quick": args.quick, "size": args.state_size, "seed": args.seed, "dcp_threads": args.dcp_threads, "pythonpath": str(SRC), "verify": not args.no_verify}
     for w in workloads:
         sys_list = small_systems if w == "small" else systems
         for sname in sys_list:
@@ -852,7 +909,7 @@ def main() -> None:
                     break
                 nb = results["workloads"][w]["bytes"]
                 log(f"{key} save #{r}: {sres['seconds']:.3f}s {gbps(nb, sres['seconds']):.2f} GB/s  peak RSS +{sres['rss_peak_over_baseline'] / MiB:.0f} MiB")
-                loads = [sname, "statestream-np"] if sname == "statestream" else [sname]
+                loads = [sname] + EXTRA_LOADS.get(sname, [])
                 for lname in loads:
                     lres = run_child(__file__, SRC, dict(common, task="load", system=lname, workload=w, path=sres["path"]), args.timeout)
                     lres["variant"] = lname
@@ -933,7 +990,7 @@ def summarize(results: dict) -> None:
                 "system": variant,
                 "workload": run["workload"],
                 "bytes": nb,
-                "note": run["note"] if is_main else StatestreamAdapter(load_numpy=True).note,
+                "note": run["note"] if is_main else make_adapter(variant, 1).note,
                 "save_s_median": med(save_s),
                 "save_s_samples": save_s,
                 "save_gbps": gbps(nb, med(save_s)) if save_s else None,
@@ -968,6 +1025,11 @@ def summarize(results: dict) -> None:
         ratios[f"{w}: statestream hot load / raw hot read"] = ratio(g("statestream", w, "hot_load_gbps"), rr.get("hot_read_gbps"))
         ratios[f"{w}: statestream hot load / DCP hot load (speedup)"] = ratio(g("statestream", w, "hot_load_gbps"), g("torch DCP", w, "hot_load_gbps"))
         ratios[f"{w}: statestream cold load / DCP cold load (speedup)"] = ratio(g("statestream", w, "cold_load_gbps"), g("torch DCP", w, "cold_load_gbps"))
+        ratios[f"{w}: statestream cold load / torch.load(mmap) + touch cold (speedup)"] = ratio(g("statestream", w, "cold_load_gbps"), g("torch.load-mmap", w, "cold_load_gbps"))
+        ratios[f"{w}: statestream load / torch.load cold (speedup)"] = ratio(g("statestream", w, "cold_load_gbps"), g("torch.save", w, "cold_load_gbps"))
+        ratios[f"{w}: statestream load / torch.load hot (speedup)"] = ratio(g("statestream", w, "hot_load_gbps"), g("torch.save", w, "hot_load_gbps"))
+        ratios[f"{w}: statestream-inplace cold load / raw cold read"] = ratio(g("statestream-inplace", w, "cold_load_gbps"), rr.get("cold_read_gbps"))
+        ratios[f"{w}: statestream-inplace hot load / DCP-resident hot load (speedup)"] = ratio(g("statestream-inplace", w, "hot_load_gbps"), g("torch DCP-resident", w, "hot_load_gbps"))
     ratios["llama: statestream save peak RSS over state / state bytes"] = ratio(g("statestream", "llama", "save_peak_rss_over_state_bytes"), g("statestream", "llama", "bytes"))
     summ["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     summ["ratios_unavailable"] = [k for k, v in ratios.items() if v is None]
@@ -1003,12 +1065,12 @@ def render_md(results: dict) -> str:
     else:
         L.append(f"raw measurement failed: {(results.get('raw') or {}).get('error')}\n")
     L.append("## Results (medians)\n")
-    L.append("| system | workload | save s | save GB/s | cold load s | cold load GB/s | hot load s | hot load GB/s | peak save RSS over state | peak hot-load RSS over baseline |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    L.append("| system | workload | save s | save GB/s | cold load s | cold load GB/s | hot load s | hot load GB/s | peak save RSS over state | peak cold-load RSS over baseline | peak hot-load RSS over baseline |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for rk, r in s["rows"].items():
         L.append(
             f"| {r['system']} | {r['workload']} | {_f(r['save_s_median'], 3)} | {_f(r['save_gbps'])} | {_f(r['cold_load_s_median'], 3)} | {_f(r['cold_load_gbps'])} | "
-            f"{_f(r['hot_load_s_median'], 3)} | {_f(r['hot_load_gbps'])} | {_mib(r['save_peak_rss_over_state_bytes'])} | {_mib(r['hot_load_peak_rss_over_baseline_bytes'])} |"
+            f"{_f(r['hot_load_s_median'], 3)} | {_f(r['hot_load_gbps'])} | {_mib(r['save_peak_rss_over_state_bytes'])} | {_mib(r['cold_load_peak_rss_over_baseline_bytes'])} | {_mib(r['hot_load_peak_rss_over_baseline_bytes'])} |"
             + (f" ERROR: {r['error']}" if r.get("error") else "")
             + (f" VERIFY FAILED: {'; '.join(r['verify_errors'])}" if r.get("verify_errors") else "")
         )

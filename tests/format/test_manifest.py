@@ -747,3 +747,38 @@ def test_alias_to_an_array_no_leaf_holds() -> None:
         _with_alias(d, 2)
 
     corrupt(mutate, "alias refers to array 2")
+
+
+# ----------------------------------------------------------------------------- one-chunk fast path
+
+
+@pytest.mark.parametrize("field, value", [
+    (4, [False]), (4, [0.0]), (4, [1]), (5, [True]), (5, [5.0]), (5, [4]), (4, [0, 0]),
+    (1, True), (2, 5.0), (3, -1), (0, 2), (3, 1 << 32),
+])
+@pytest.mark.parametrize("path", ["small", "peek", "stream"])
+def test_one_chunk_entries_get_every_check(field: int, value: Any, path: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blob's entry (one chunk covering the array) takes the fast path (whole list
+    or, in large manifests, entry by entry); a bool where an int belongs (True == 1),
+    a float (5.0 == 5) or a chunk that does not cover the array must still be refused."""
+    if path != "small":  # as if the manifest were large
+        monkeypatch.setattr(decode_mod, "_SMALL_MANIFEST_BYTES", 0)
+    if path == "stream":  # and every entry too long to peek at
+        monkeypatch.setattr(decode_mod, "_PEEK_CHARS", 5)
+    assert decode_doc(valid_doc()).arrays[3].shape == (5,)
+
+    def mutate(d: dict[str, Any]) -> None:
+        d["arrays"][3]["chunks"][0][field] = value
+    corrupt(mutate, "array 3")
+
+
+def test_one_chunk_attrs_keep_bool_and_int_apart() -> None:
+    doc = valid_doc()
+    leaves = doc["tree"]["c"]
+    leaves[0]["x"] = {"kind": "numpy", "scalar": 1}
+    leaves[1]["x"] = {"kind": "numpy", "scalar": True}
+    m = decode_doc(doc)
+    a0, a1 = m.tree.children[0].attrs, m.tree.children[1].attrs  # type: ignore[index]
+    assert a0 is not None and a1 is not None
+    assert type(a0["scalar"]) is int and type(a1["scalar"]) is bool

@@ -35,6 +35,7 @@ from statestream.format import (
 )
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
+    ArrayProvider,
     Destination,
     NumpyProvider,
     StateAdapter,
@@ -46,7 +47,7 @@ from statestream.providers import (
     rebuild_pytree,
     target_provider_for,
 )
-from statestream.storage import CheckpointReader, storage_for
+from statestream.storage import CheckpointReader, MappedReader, storage_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -61,6 +62,10 @@ from statestream.tree import (
 __all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
+#: arrays at least this large are mapped (smaller ones: batched reads cost less than
+#: a mapping's page faults); their data must start this aligned in the file
+_MAP_MIN_BYTES = 1 << 20
+_MAP_ALIGN = 64
 Build = Callable[[], Any]
 
 
@@ -78,6 +83,24 @@ class _Job:
     manifest: Manifest | None = None
     #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
     shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
+    #: map large arrays' file bytes instead of reading them (a local checkpoint)
+    maps: bool = False
+    _aliased: set[int] | None = None
+    _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def aliased(self) -> set[int]:
+        """Arrays that an alias leaf (tied weights) also holds: only those need sharing."""
+        if self._aliased is None:
+            self._aliased = set()
+            if self.manifest is not None:
+                stack = [self.manifest.tree]
+                while stack:
+                    n = stack.pop()
+                    if n.children:
+                        stack.extend(n.children)
+                    elif n.kind == "alias" and n.array is not None:
+                        self._aliased.add(n.array)
+        return self._aliased
 
     def check_supply(self, index: int, entry: ArrayEntry, path: KeyPath) -> None:
         """Refuse to allocate array ``index`` unless its files really hold its bytes.
@@ -92,6 +115,9 @@ class _Job:
         for c in entry.chunks:
             if not c.nbytes:
                 continue
+            known = self._sizes.get(c.file)
+            if known is not None and c.offset + c.nbytes <= known:
+                continue
             name = self.file_names[c.file]
             try:
                 size = self.reader.file_size(name)
@@ -101,6 +127,7 @@ class _Job:
                     f"{exc} (affects the array at key path '{format_keypath(path)}'"
                     + (f", and {others})" if others else ")")
                 ) from None
+            self._sizes[c.file] = size
             if c.offset + c.nbytes > size:
                 others = self._short_arrays(c.file, size, index)
                 raise TruncatedFileError(
@@ -110,6 +137,34 @@ class _Job:
                     "allocated for it (the checkpoint is truncated or its manifest is wrong)"
                     + (f"; the file also lacks the data of {others}" if others else "")
                 )
+
+    def restore_mapped(self, prov: ArrayProvider, index: int, entry: ArrayEntry, like: Any,
+                       path: KeyPath, scalar: bool) -> Destination | None:
+        """``prov``'s value built on a private mapping of the array's file bytes, or None.
+
+        Large arrays whose chunks lie in one file, in row order, back to back,
+        need no fresh memory and no copy: their pages come from the page cache
+        as the checksum pass touches them (the engine verifies every one).
+        """
+        if (not self.maps or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
+                or not prov.capabilities.buffer_restore):
+            return None
+        first = entry.chunks[0]
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        inner = entry.shape[1:]
+        for c in entry.chunks:
+            if (c.codec is not None or c.ref is not None  # stored bytes are not the array's
+                    or c.file != first.file or c.shape[1:] != inner or any(c.start[1:])
+                    or c.offset != first.offset + (c.start[0] - first.start[0]) * row_bytes):
+                return None
+        if first.offset % _MAP_ALIGN or any(first.start):
+            return None
+        self.check_supply(index, entry, path)  # a short file fails here, with the key path
+        assert isinstance(self.reader, MappedReader)
+        buf = self.reader.map_range(self.file_names[first.file], first.offset, entry.nbytes)
+        if buf is None:
+            return None
+        return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)
 
     def _short_arrays(self, file: int, size: int, skip: int) -> str:
         """Key paths of (up to 5) other arrays whose data lies past ``size`` in ``file``."""
@@ -129,11 +184,14 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     entry = m.arrays[node.array]
     attrs = node.attrs or {}
     scalar = bool(attrs.get("scalar"))
+    mapped: Destination | None = None
     if like is NO_TARGET:  # the manifest alone says how much to allocate: check first
         job.check_supply(node.array, entry, path)
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
-        dest: Destination = provider_by_kind(kind).restore(entry.dtype, entry.shape, None, path,
-                                                           scalar=scalar)
+        by_kind = provider_by_kind(kind)
+        mapped = job.restore_mapped(by_kind, node.array, entry, None, path, scalar)
+        dest: Destination = mapped or by_kind.restore(entry.dtype, entry.shape, None, path,
+                                                      scalar=scalar)
     elif type(like) in (bool, int, float) and entry.shape == ():
         dest = _python_scalar(entry.dtype, like, path)
     else:
@@ -152,9 +210,11 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             )
         found = (prov.restore_into(entry.dtype, entry.shape, like, path)
                  if job.in_place and prov.capabilities.in_place_restore else None)
-        dest = found if found is not None else prov.restore(entry.dtype, entry.shape, like, path)
+        if found is None:
+            mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
+        dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
     for start, buf in dest.boxes:
-        job.wanted.append(Wanted(node.array, start, buf))
+        job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     return dest.finish
 
@@ -233,6 +293,8 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         v = node.value
         return lambda: v
     if k in ("array", "alias"):  # an alias: another leaf holding the same array
+        if k == "array" and node.array not in job.aliased():  # read by this leaf alone
+            return _restore_array(node, like, path, m, job, default_kind)
         return _restore_shared(node, like, path, m, job, default_kind)
     if k in ("bytes", "pickle"):
         return _restore_blob(node, path, m, job)
@@ -507,7 +569,7 @@ def load(
 def _default_io(path: str | os.PathLike[str]) -> IOOptions:
     """Engine options when the caller gives none: the backend's read preferences."""
     caps = storage_for(path)[0].capabilities
-    kw: dict[str, int] = {}
+    kw: dict[str, Any] = {}
     if caps.read_request_bytes:
         kw["max_request_bytes"] = caps.read_request_bytes
     if caps.read_threads:
@@ -539,7 +601,8 @@ def _load(
             root, like = _select(root, list(items), like, reader.location)
         names = [f.name for f in m.files]
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
-                   file_names=names, manifest=m)
+                   file_names=names, manifest=m,
+                   maps=io.map_files and isinstance(reader, MappedReader))
         build = _walk(root, like, (), m, job, "numpy", False)
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)

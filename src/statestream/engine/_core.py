@@ -70,6 +70,9 @@ class IOOptions:
             steps fell from +8% to +1% at 19, while the time to commit rose from
             0.8 s to 2-3 s (docs/async.md). A lazy snapshot's copies are not
             deprioritised: ``optimizer.step()`` may be waiting for them.
+        map_files: loads from local files map large arrays' bytes (private,
+            copy-on-write) instead of reading them into fresh memory; the checksum
+            pass pulls the pages in, on all threads. Off: every array is read.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) a count or size is not positive.
@@ -79,6 +82,7 @@ class IOOptions:
     max_chunk_bytes: int = 64 << 20
     max_request_bytes: int = 32 << 20
     background_nice: int = 19
+    map_files: bool = True
 
     def write_threads(self) -> int:
         """Threads (and at most data files per process) a save uses."""

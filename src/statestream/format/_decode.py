@@ -293,23 +293,37 @@ def _arrays(s: str, i: int, store: ChunkStore,
             eager: tuple[list[FileEntry], np.ndarray] | None) -> tuple[Any, int]:
     if s[i:i + 1] != "[":
         return _value(s, i)
+    if len(s) <= _SMALL_MANIFEST_BYTES and eager is not None:
+        entries, i = _value(s, i)  # one C parse of the whole list, then a tight loop
+        return _decode_small(entries, store, eager[0], eager[1]), i
     out: list[Any] = _DecodedArrays() if eager is not None else []
-    small = len(s) <= _SMALL_MANIFEST_BYTES
     i = _ws(s, i + 1)
     if s[i:i + 1] == "]":
         return out, i + 1
+    sizes = [f.size for f in eager[0]] if eager is not None else []
     while True:
-        if small:  # the C parser reads the whole entry; its chunks go to the store
-            v, i = _value(s, i)
-            if type(v) is dict and type(v.get("chunks")) is list:
-                v["chunks"] = _pack_chunks(v["chunks"], store, len(out))
-        elif s[i:i + 1] == "{":
-            v, i = _array_object(s, i, store, len(out))
+        peeked = _peek(s, i) if eager is not None and s[i:i + 1] == "{" else None
+        if peeked is not None:  # a short entry: read by the C parser
+            d, i = peeked
+            entry = _one_chunk(d, sizes) if len(d) == 3 else None
+            if entry is not None:  # (as compact as the store: its tuples are shared)
+                c = entry.chunks[0]
+                store.fields.extend((c.file, c.offset, c.nbytes, c.checksum))
+                store.flags.append(0)  # (one flag per chunk: FLAG_CODEC / FLAG_REF)
+                out.append(entry)
+            else:
+                if type(d.get("chunks")) is list:
+                    d["chunks"] = _pack_chunks(d["chunks"], store, len(out))
+                assert eager is not None
+                out.append(_decode_array(d, len(out), eager[0], store, eager[1]))
         else:
-            v, i = _value(s, i)
-        if eager is not None:
-            v = _decode_array(v, len(out), eager[0], store, eager[1], materialize=small)
-        out.append(v)
+            if s[i:i + 1] == "{":
+                v, i = _array_object(s, i, store, len(out))
+            else:
+                v, i = _value(s, i)
+            if eager is not None:
+                v = _decode_array(v, len(out), eager[0], store, eager[1])
+            out.append(v)
         i = _ws(s, i)
         if s[i:i + 1] == ",":
             i = _ws(s, i + 1)
@@ -317,6 +331,86 @@ def _arrays(s: str, i: int, store: ChunkStore,
         if s[i:i + 1] != "]":
             raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
         return out, i + 1
+
+
+def _decode_small(entries: list[Any], store: ChunkStore, files: list[FileEntry],
+                  file_sizes: np.ndarray) -> _DecodedArrays:
+    """The array entries of a small manifest, parsed by the C parser at once.
+
+    The common entry (one chunk covering the whole array, no block table) is
+    checked by :func:`_one_chunk` in a few comparisons; any other entry, and any
+    entry that fails one of those checks, takes the general path, which makes
+    the same checks and raises the precise error.
+    """
+    out = _DecodedArrays()
+    sizes = [f.size for f in files]
+    fields, flags = store.fields, store.flags
+    for ai, d in enumerate(entries):
+        entry = _one_chunk(d, sizes) if type(d) is dict and len(d) == 3 else None
+        if entry is not None:
+            c = entry.chunks[0]
+            fields.extend((c.file, c.offset, c.nbytes, c.checksum))
+            flags.append(0)  # (one flag per chunk: FLAG_CODEC / FLAG_REF)
+            out.append(entry)
+            continue
+        if type(d) is dict and type(d.get("chunks")) is list:
+            d["chunks"] = _pack_chunks(d["chunks"], store, ai)
+        out.append(_decode_array(d, ai, files, store, file_sizes, materialize=True))
+    return out
+
+
+def _one_chunk(d: dict[str, Any], sizes: list[int]) -> ArrayEntry | None:
+    """An array entry of one chunk covering the whole array, if it passes every check
+    (those of :func:`_add_chunk` and :func:`_decode_array`); None to take the general path."""
+    dtype, shape_l, chunks = d.get("dtype"), d.get("shape"), d.get("chunks")
+    if (type(dtype) is not str or dtype not in _DTYPE_OBJ or type(shape_l) is not list
+            or type(chunks) is not list or len(chunks) != 1 or len(shape_l) > MAX_NDIM):
+        return None
+    c = chunks[0]
+    if type(c) is not list or len(c) != 6:
+        return None
+    f, off, nb, crc, start_l, cshape_l = c
+    if (cshape_l != shape_l or type(start_l) is not list or len(start_l) != len(shape_l)
+            or any(start_l) or type(f) is not int or type(off) is not int
+            or type(nb) is not int or type(crc) is not int or not 0 <= f < len(sizes)
+            or not 0 <= crc <= 0xFFFFFFFF or not 0 <= off or not 0 <= nb):
+        return None
+    for x, a, b in zip(shape_l, start_l, cshape_l):  # (True == 1 and 0.0 == 0: check types)
+        if type(x) is not int or type(a) is not int or type(b) is not int or not 0 <= x <= MAX_DIM:
+            return None
+    shape = tuple(shape_l)
+    shape = _SHAPES.setdefault(shape, shape)
+    dtype = _DTYPE_OBJ[dtype]
+    total = math.prod(shape)
+    if nb != total * itemsize_of(dtype) or nb > MAX_ARRAY_BYTES or off + nb > sizes[f]:
+        return None  # (offset + nbytes <= a file size <= MAX_FILE_BYTES bounds the offset)
+    if not total:  # empty arrays: the general path's rule for their chunks
+        return None
+    start = _ZEROS.setdefault(len(shape), (0,) * len(shape))
+    return ArrayEntry(dtype, shape, (ChunkEntry(f, off, nb, crc, start, shape),))
+
+
+_ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+#: Large manifests: an array entry whose text fits in this many characters is read by
+#: the C parser at once (its objects are a few KiB); longer ones stream chunk by chunk.
+_PEEK_CHARS = 2048
+
+
+def _peek(s: str, i: int) -> tuple[dict[str, Any], int] | None:
+    """The object at ``s[i]`` if it ends within :data:`_PEEK_CHARS`, else None.
+
+    JSON objects parse the same from any prefix that holds them whole, so a
+    cut one fails here and is then streamed.
+    """
+    try:
+        v, end = _SCAN(s[i:i + _PEEK_CHARS], 0)
+    except (StopIteration, ValueError):
+        return None
+    if type(v) is not dict:
+        return None
+    return v, i + int(end)
 
 
 def _array_object(s: str, i: int, store: ChunkStore, ai: int) -> tuple[Any, int]:

@@ -105,6 +105,8 @@ def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
     """One validated node from its JSON object, its children already decoded."""
     t = d.get("t")
     k = _KIND_NAMES.get(t) if type(t) is str else None
+    if k == "array":  # most nodes: checked first
+        return _array_node(k, d, "array index")
     if k in _CONTAINERS or k == "stateful":
         if kids is None:
             raise _Bad("children must be a list")
@@ -150,18 +152,21 @@ def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
     if k == "str":
         return Node(k, value=_str(d.get("v"), "str value"))
     if k in _ARRAY_KINDS:
-        idx = _int(d.get("a"), "array index", 0, MAX_FILE_BYTES)
-        attrs = d.get("x")
-        if attrs is not None and type(attrs) is not dict:
-            raise _Bad("leaf attributes must be an object")
-        return Node(k, array=idx, attrs=attrs)
+        return _array_node(k, d, "array index")
     if k == "alias":  # another leaf holding the same array (tied weights)
-        idx = _int(d.get("a"), "alias's array index", 0, MAX_FILE_BYTES)
-        attrs = d.get("x")
-        if attrs is not None and type(attrs) is not dict:
-            raise _Bad("leaf attributes must be an object")
-        return Node(k, array=idx, attrs=attrs)
+        return _array_node(k, d, "alias's array index")
     raise _Bad(f"unknown tree node type {d.get('t')!r:.40}")
+
+
+def _array_node(k: str, d: dict[str, Any], what: str) -> Node:
+    idx = _int(d.get("a"), what, 0, MAX_FILE_BYTES)
+    attrs = d.get("x")
+    if attrs is not None and type(attrs) is not dict:
+        raise _Bad("leaf attributes must be an object")
+    return Node(k, array=idx, attrs=attrs)
+
+
+_PLAIN = frozenset((str, bool, int))
 
 
 class _TreeHook:
@@ -183,16 +188,19 @@ class _TreeHook:
         if kids is not None and type(kids) is not list:
             raise _Bad("children must be a list")
         node = _make_node(d, kids)
-        if node.attrs is not None:
-            if any(type(v) is Node for v in node.attrs.values()):
-                raise _Bad("leaf attributes must hold plain values, not tree nodes")
-            node.attrs = self._share(node.attrs)
+        # (attrs came through this hook as the parser closed them: already shared)
+        if node.attrs is not None and Node in set(map(type, node.attrs.values())):
+            raise _Bad("leaf attributes must hold plain values, not tree nodes")
         return node
 
     def _share(self, d: dict[str, Any]) -> dict[str, Any]:
-        if len(d) > 4 or not all(type(v) in (str, bool, int) for v in d.values()):
+        if len(d) > 4:
             return d
-        key = tuple((k, type(v), v) for k, v in d.items())
+        vals = tuple(d.values())
+        types = tuple(map(type, vals))  # True == 1 and 0 == -0: equal values, other types
+        if not _PLAIN.issuperset(types):
+            return d
+        key = (tuple(d), vals, types)
         got = self.attrs.get(key)
         if got is not None:
             return got

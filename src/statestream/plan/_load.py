@@ -20,6 +20,9 @@ class Wanted:
     array: int
     start: tuple[int, ...]
     dest: np.ndarray
+    #: ``dest`` is a private mapping of the array's own bytes in its data file
+    #: (one contiguous range): nothing to read, only checksums to verify
+    mapped: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +56,8 @@ class ReadPiece:
     shuffle: bool = False
     #: the decoded size of a compressed chunk (its ``nbytes`` are the stored ones)
     raw_nbytes: int = 0
+    #: ``direct`` maps this piece's own file bytes: verify them, read nothing
+    mapped: bool = False
 
     def checks(self) -> list[tuple[int, int, int]]:
         """Byte ranges of the piece and the CRC-32C each must have."""
@@ -109,6 +114,9 @@ def _block_checks(c: ChunkEntry, first_row: int, nbytes: int) -> list[tuple[int,
 
 def _row_blocks(entry: ArrayEntry) -> bool:
     """True if every chunk spans the full extent of all axes but the first."""
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].shape == entry.shape:  # most arrays: one chunk
+        return not any(chunks[0].start)
     inner = entry.shape[1:]
     return all(c.shape[1:] == inner and not any(c.start[1:]) for c in entry.chunks)
 
@@ -117,15 +125,23 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
                       pieces: dict[tuple[int, ...], ReadPiece]) -> None:
     """Pieces reading every row-block chunk straight into ``w.dest`` (the whole array)."""
     flat = w.dest.reshape(-1).view(np.uint8)
+    chunks = entry.chunks
+    if (len(chunks) == 1 and chunks[0].nbytes == flat.nbytes > 0 and not chunks[0].block_rows
+            and chunks[0].codec is None):
+        c = chunks[0]  # most arrays: one chunk, read whole into the whole destination
+        pieces[(w.array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
+            w.array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat,
+            mapped=w.mapped)
+        return
     row_bytes = math.prod(entry.shape[1:]) * dt.itemsize
-    for ci, c in enumerate(entry.chunks):
+    for ci, c in enumerate(chunks):
         if c.nbytes == 0:
             continue
         a = c.start[0] * row_bytes if c.start else 0
         raw = math.prod(c.shape) * dt.itemsize
         piece = ReadPiece(
             w.array, ci, c.file, c.offset, raw, c.checksum, c.shape, dt,
-            direct=flat[a : a + raw],
+            direct=flat[a : a + raw], mapped=w.mapped and c.codec is None and c.ref is None,
         )
         if c.codec is not None:
             _coded(piece, c)
@@ -256,6 +272,7 @@ def coalesce(
             gap = p.offset - end
             if (
                 p.file == cur.file
+                and p.mapped == cur.pieces[0].mapped
                 and 0 <= gap <= max_gap_bytes
                 and cur.nbytes + gap + p.nbytes <= max_request_bytes
                 and len(cur.pieces) < max_pieces_per_request

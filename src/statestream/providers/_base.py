@@ -164,6 +164,8 @@ class ProviderCapabilities:
             entries of a stateful target (a never-stepped optimizer).
         aliases: :meth:`ArrayProvider.alias_key` says which values are views of
             exactly the same memory (tied weights), so they are stored once.
+        buffer_restore: :meth:`ArrayProvider.restore_on` can build a value on
+            host memory the loader provides (a private mapping of the file).
     """
 
     in_place_restore: bool = False
@@ -173,6 +175,7 @@ class ProviderCapabilities:
     step_guards: bool = False
     state_hints: bool = False
     aliases: bool = False
+    buffer_restore: bool = False
 
 
 class SnapshotWaiter(Protocol):
@@ -223,6 +226,12 @@ class ArrayProvider(abc.ABC):
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
                      path: KeyPath) -> Destination | None:
         """Destinations in ``like``'s own memory, or None (``in_place_restore``)."""
+        return None
+
+    def restore_on(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                   buffer: memoryview, scalar: bool = False) -> Destination | None:
+        """:meth:`restore`, but on ``buffer`` (writable, exactly the array's bytes, C
+        order) instead of fresh memory; None when not possible (``buffer_restore``)."""
         return None
 
     def alias_key(self, obj: Any) -> Hashable | None:

@@ -55,7 +55,7 @@ class NumpyProvider(ArrayProvider):
     """Provider for ``numpy.ndarray`` and NumPy scalars."""
 
     kind = "numpy"
-    capabilities = ProviderCapabilities(in_place_restore=True)
+    capabilities = ProviderCapabilities(in_place_restore=True, buffer_restore=True)
 
     def handles(self, obj: Any) -> bool:
         return isinstance(obj, (np.ndarray, np.generic))
@@ -91,7 +91,16 @@ class NumpyProvider(ArrayProvider):
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
-        dest = host_destination(dtype, shape)
+        return self._restore(host_destination(dtype, shape), dtype, like, path, scalar)
+
+    def restore_on(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                   buffer: memoryview, scalar: bool = False) -> Destination | None:
+        dest = np.frombuffer(buffer, dtype=dtype_from_name(dtype)).reshape(shape)
+        return self._restore(dest, dtype, like, path, scalar)
+
+    def _restore(self, dest: np.ndarray, dtype: str, like: Any, path: KeyPath,
+                 scalar: bool) -> Destination:
+        shape = dest.shape
         want = None if like is None else np.asarray(like).dtype
         if like is not None and isinstance(like, np.generic):
             scalar = True

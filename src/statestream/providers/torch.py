@@ -105,7 +105,7 @@ class TorchProvider(ArrayProvider):
     kind = "torch"
     capabilities = ProviderCapabilities(
         in_place_restore=True, mutable_values=True, pinned_memory=True, step_guards=True,
-        state_hints=True, aliases=True,
+        state_hints=True, aliases=True, buffer_restore=True,
     )
 
     def handles(self, obj: Any) -> bool:
@@ -233,8 +233,6 @@ class TorchProvider(ArrayProvider):
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
-        import torch
-
         if like is not None and _is_dtensor(like):
             return self._restore_dtensor(dtype, shape, like, path)
 
@@ -248,10 +246,27 @@ class TorchProvider(ArrayProvider):
         # Allocate through NumPy: it asks the kernel for transparent huge pages on
         # large buffers, which makes filling fresh memory about 2x faster than
         # torch.empty (page faults dominate hot loads). The tensor shares it.
+        nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+        return self._restore_host(
+            np.empty(nbytes, dtype=np.uint8) if nbytes else None, dtype, shape, like)
+
+    def restore_on(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                   buffer: memoryview, scalar: bool = False) -> Destination | None:
+        if (like is not None and _is_dtensor(like)) or not len(buffer):
+            return None
+        _, from_name = _tables()
+        if from_name.get(dtype) is None:
+            return None  # restore() words the error
+        return self._restore_host(np.frombuffer(buffer, dtype=np.uint8), dtype, shape, like)
+
+    def _restore_host(self, raw: np.ndarray | None, dtype: str, shape: tuple[int, ...],
+                      like: Any) -> Destination:
+        """A CPU tensor on ``raw`` (the array's bytes; None when it has none)."""
+        import torch
+
+        saved = _tables()[1][dtype]
         np_dtype = dtype_from_name(dtype)
-        nbytes = math.prod(shape) * np_dtype.itemsize
-        if nbytes:
-            raw = np.empty(nbytes, dtype=np.uint8)
+        if raw is not None:
             np_view = raw.view(np_dtype).reshape(shape)
             if dtype in _NUMPY_NATIVE:
                 buf = torch.from_numpy(np_view)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from statestream.errors import UnsafeCheckpointError
 from statestream.format import DATA_DIR, validate_file_name
 
 __all__ = [
+    "MappedReader",
     "Buffer",
     "CheckpointReader",
     "FileWriter",
@@ -115,6 +116,25 @@ class CheckpointReader(Protocol):
 
     def close(self) -> None:
         """Release file handles."""
+        ...
+
+
+@runtime_checkable
+class MappedReader(CheckpointReader, Protocol):
+    """A reader that can also map data file bytes into memory (local files).
+
+    A mapping is private (copy-on-write): writing to it never changes the
+    file. Its pages are read from the file as they are first touched, so the
+    caller verifies checksums by touching them.
+    """
+
+    def map_range(self, name: str, offset: int, nbytes: int) -> memoryview | None:
+        """A writable private mapping of bytes ``[offset, offset + nbytes)`` of
+        ``name``, or None when it cannot be mapped (then read it).
+
+        Raises:
+            TruncatedFileError: the file is missing or shorter than the range.
+        """
         ...
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 import threading
@@ -110,6 +111,7 @@ class _LocalReader:
         self._data: int | None = None
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def _open(self, name: str) -> int:
@@ -185,6 +187,32 @@ class _LocalReader:
             self._sizes[name] = size
         return size
 
+    def map_range(self, name: str, offset: int, nbytes: int) -> memoryview | None:
+        """A private (copy-on-write) mapping of a checked range of a data file.
+
+        The whole file is mapped once (its size checked first, so no page of the
+        range lies past its end); the views keep the mapping alive after
+        :meth:`close`. A file truncated by someone else *after* this check makes
+        touching the lost pages fail with SIGBUS, as with any mapped file.
+        """
+        size = self.file_size(name)
+        if offset + nbytes > size:
+            raise TruncatedFileError(
+                f"data file {os.path.join(self.location, name)} is {size} bytes, but the "
+                f"manifest puts data up to byte {offset + nbytes} in it; it is truncated")
+        mm = self._maps.get(name)
+        if mm is None:
+            with self._lock:
+                mm = self._maps.get(name)
+                if mm is None:
+                    try:
+                        mm = mmap.mmap(self._open(name), size, flags=mmap.MAP_PRIVATE,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    except (OSError, ValueError):
+                        return None  # e.g. a file system without mmap: read it instead
+                    self._maps[name] = mm
+        return memoryview(mm)[offset:offset + nbytes]
+
     def list_files(self) -> list[str]:
         """Every entry of the checkpoint (``data/`` entries as ``data/<name>``), unsorted.
 
@@ -234,6 +262,7 @@ class _LocalReader:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._maps.clear()  # arrays built on a mapping keep it alive
             if self._data is not None:
                 os.close(self._data)
                 self._data = None

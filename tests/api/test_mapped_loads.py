@@ -1,0 +1,116 @@
+"""Loads that map large arrays' file bytes (private, copy-on-write) instead of reading them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.errors import ChecksumMismatchError, TruncatedFileError
+
+
+def _mapped_file(arr: np.ndarray) -> str | None:
+    """The file whose mapping holds ``arr``'s first byte (None: anonymous memory)."""
+    addr = arr.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def _state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"big": rng.standard_normal((512, 1024)).astype(np.float32),  # 2 MiB
+            "small": np.arange(10, dtype=np.int64)}
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> Path:
+    d = tmp_path / "ck"
+    ss.save(d, _state())
+    return d
+
+
+def test_large_arrays_are_mapped_small_ones_read(ckpt: Path) -> None:
+    out = ss.load(ckpt)
+    want = _state()
+    for k, v in want.items():
+        np.testing.assert_array_equal(out[k], v)
+    where = _mapped_file(out["big"])
+    assert where is not None and where.startswith(str(ckpt / "data"))
+    assert _mapped_file(out["small"]) is None or "data" not in str(_mapped_file(out["small"]))
+
+
+def test_mapped_arrays_are_private_copies(ckpt: Path) -> None:
+    out = ss.load(ckpt)
+    out["big"][:] = 7  # copy-on-write: the file keeps its bytes
+    again = ss.load(ckpt)
+    np.testing.assert_array_equal(again["big"], _state()["big"])
+
+
+def test_map_files_off_reads_into_fresh_memory(ckpt: Path) -> None:
+    out = ss.load(ckpt, io=ss.IOOptions(map_files=False))
+    np.testing.assert_array_equal(out["big"], _state()["big"])
+    assert _mapped_file(out["big"]) is None or "data" not in str(_mapped_file(out["big"]))
+
+
+def _flip(ckpt: Path, at: int) -> None:
+    (f,) = sorted((ckpt / "data").iterdir())
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 1]))
+
+
+def test_mapped_arrays_are_verified(ckpt: Path) -> None:
+    _flip(ckpt, 1 << 20)  # inside "big"
+    with pytest.raises(ChecksumMismatchError, match="'big'"):
+        ss.load(ckpt)
+
+
+def test_short_file_is_refused_before_mapping(ckpt: Path) -> None:
+    (f,) = sorted((ckpt / "data").iterdir())
+    os.truncate(f, 1 << 20)
+    with pytest.raises(TruncatedFileError, match="'big'"):
+        ss.load(ckpt)
+
+
+def test_torch_targets_get_mapped_tensors(ckpt: Path) -> None:
+    torch = pytest.importorskip("torch")
+    like = {"big": torch.empty(512, 1024), "small": torch.empty(10, dtype=torch.int64)}
+    out = ss.load(ckpt, target=like)
+    assert torch.equal(out["big"], torch.from_numpy(_state()["big"]))
+    assert out["big"] is not like["big"]
+    where = _mapped_file(out["big"].numpy())
+    assert where is not None and where.startswith(str(ckpt / "data"))
+    # in place: the target's own memory, never a mapping
+    got = ss.load(ckpt, target=like, in_place=True)
+    assert got["big"] is like["big"]
+    assert torch.equal(like["big"], torch.from_numpy(_state()["big"]))
+
+
+def test_compressed_and_referenced_arrays_are_never_mapped(tmp_path: Path) -> None:
+    # A compressed chunk's file bytes are not the array's, and a referenced chunk's
+    # file index points into its base: both must be read and decoded, not mapped.
+    big = np.tile(np.arange(1024, dtype=np.float32), (1024, 1))  # 4 MiB, compressible
+    state = {"big": big, "other": np.ones((512, 1024), np.float32)}
+    ss.save(tmp_path / "z", state, compression="zstd")
+    assert ss.metadata(tmp_path / "z").tree["big"].codec is not None
+    got = ss.load(tmp_path / "z")
+    np.testing.assert_array_equal(got["big"], big)
+    assert not (_mapped_file(got["big"]) or "").startswith("/")  # anonymous or [heap]
+    ss.save(tmp_path / "s1", state, hashes=True)
+    changed = {"big": big, "other": state["other"] * 2}
+    ss.save(tmp_path / "s2", changed, base=tmp_path / "s1")
+    assert ss.metadata(tmp_path / "s2").bases == ["s1"]
+    got = ss.load(tmp_path / "s2")
+    np.testing.assert_array_equal(got["big"], big)
+    np.testing.assert_array_equal(got["other"], changed["other"])
+    assert not (_mapped_file(got["big"]) or "").startswith("/")
