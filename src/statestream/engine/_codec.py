@@ -189,10 +189,11 @@ class CompressionPolicy:
     pattern that matches an array's key path decides (``None``: raw).
     """
 
-    __slots__ = ("rules",)
+    __slots__ = ("_any", "rules")
 
     def __init__(self, option: CompressionOption) -> None:
         self.rules: list[tuple[str, Compression | None]] = []
+        self._any = False
         if option is None:
             return
         if isinstance(option, (str, Compression)):
@@ -209,9 +210,10 @@ class CompressionPolicy:
             raise InvalidOptionTypeError(
                 "compression takes a codec name (\"zstd\"), an ss.Compression, or a dict of "
                 f"key-path patterns to those (or None), not {option!r:.80}")
+        self._any = any(c is not None for _, c in self.rules)
 
-    def __bool__(self) -> bool:
-        return any(c is not None for _, c in self.rules)
+    def __bool__(self) -> bool:  # asked once per array: computed once
+        return self._any
 
     def for_array(self, path: KeyPath, dtype: str, itemsize: int) -> Compression | None:
         """The codec of the array at ``path`` (shuffle decided for its dtype), or None."""
