@@ -198,7 +198,10 @@ class SaveJob:
             if not self.snapshot_mode:
                 # Writers start on each array while the walk goes on to the next.
                 self.collector.on_array = lambda i, _: self.writer.submit(self._plan(i))
-            tree = self.collector.walk(self.state)
+            try:
+                tree = self.collector.walk(self.state)
+            finally:
+                self.collector.on_array = None  # (it refers back to the job: no cycle)
             if self.snapshot_mode:
                 self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
             self.merged = single_tree(tree, self.collector.arrays)

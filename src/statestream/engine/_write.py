@@ -67,6 +67,10 @@ def chunk_checksums(item: WriteItem, data: np.ndarray) -> tuple[int, tuple[int, 
     return checksum(np.array(blocks, dtype="<u4").tobytes()), blocks
 
 
+def _gone(item: WriteItem) -> np.ndarray:
+    raise RuntimeError("the writer was closed")
+
+
 class StreamWriter:
     """Writes items as they are planned: one thread and queue per data file.
 
@@ -184,6 +188,7 @@ class StreamWriter:
             q.put(self._STOP)
         for t in self._threads:
             t.join()
+        self._drop_callbacks()
         if self._errors:
             self._raise()
         return self._records
@@ -212,6 +217,15 @@ class StreamWriter:
             q.put(self._STOP)
         for t in self._threads:
             t.join()
+        self._drop_callbacks()
+
+    def _drop_callbacks(self) -> None:
+        # The callbacks are the job's bound methods and the job holds this writer:
+        # with the threads gone, unhook them so the whole save is freed by reference
+        # counting, not left to the cyclic collector (0.1-0.3 s on the caller's thread
+        # for a 20,000-array save).
+        self._source = _gone
+        self._after_write = self._on_error = None
 
     def _raise(self) -> None:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")

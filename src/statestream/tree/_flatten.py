@@ -200,18 +200,34 @@ def flatten(
         >>> flatten({"a": [1, 2]}, leaf).children[0].kind
         'list'
     """
-    active: set[int] = set()
+    return _Walker(leaf_fn, pytree_fn, fallback_fn).walk(obj, path)
 
-    def walk(x: Any, p: KeyPath) -> Node:
+
+class _Walker:
+    """One flatten call. Methods, not nested closures: a closure that calls itself
+    is a reference cycle, and everything its callbacks hold (a whole save job)
+    would wait for the cyclic collector instead of being freed on return."""
+
+    __slots__ = ("leaf_fn", "pytree_fn", "fallback_fn", "active")
+
+    def __init__(self, leaf_fn: LeafFn, pytree_fn: PytreeFn | None,
+                 fallback_fn: LeafFn | None) -> None:
+        self.leaf_fn = leaf_fn
+        self.pytree_fn = pytree_fn
+        self.fallback_fn = fallback_fn
+        self.active: set[int] = set()
+
+    def walk(self, x: Any, p: KeyPath) -> Node:
         if len(p) > MAX_TREE_DEPTH:
             raise UnsupportedTypeError(
                 f"state is nested deeper than {MAX_TREE_DEPTH} levels at key path "
                 f"'{format_keypath(p)}'; flatten the state or pickle that subtree"
             )
-        leaf = leaf_fn(p, x)
+        leaf = self.leaf_fn(p, x)
         if leaf is not None:
             return leaf
         oid = id(x)
+        active = self.active
         if oid in active:
             raise UnsupportedTypeError(
                 f"the state contains a reference cycle at key path '{format_keypath(p)}'; "
@@ -220,23 +236,23 @@ def flatten(
         active.add(oid)
         try:
             # one helper frame per level, as before the split (MAX_TREE_DEPTH fits the stack)
-            node = _walk_builtin_container(x, p, walk)
-            return node if node is not None else _walk_extension(x, p)
+            node = _walk_builtin_container(x, p, self.walk)
+            return node if node is not None else self._walk_extension(x, p)
         finally:
             active.discard(oid)
 
-    def _walk_extension(x: Any, p: KeyPath) -> Node:
-        if pytree_fn is not None:
-            exp = pytree_fn(x)
+    def _walk_extension(self, x: Any, p: KeyPath) -> Node:
+        if self.pytree_fn is not None:
+            exp = self.pytree_fn(x)
             if exp is not None:
                 return Node(
                     "pytree",
                     keys=list(exp.keys),
-                    children=[walk(c, p + (k,)) for k, c in zip(exp.keys, exp.children)],
+                    children=[self.walk(c, p + (k,)) for k, c in zip(exp.keys, exp.children)],
                     type_name=exp.type_name,
                 )
-        if fallback_fn is not None:
-            node = fallback_fn(p, x)
+        if self.fallback_fn is not None:
+            node = self.fallback_fn(p, x)
             if node is not None:
                 return node
         raise UnsupportedTypeError(
@@ -246,9 +262,6 @@ def flatten(
             f"pass pickle_paths=['{format_keypath(p)}'] to save() (loading then needs "
             "allow_pickle=True)"
         )
-
-    return walk(obj, path)
-
 
 def rebuild_container(node_kind: str, like: Any, keys: Sequence[Key], values: list[Any],
                       path: KeyPath) -> Any:
