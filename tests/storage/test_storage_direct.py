@@ -110,3 +110,43 @@ def test_async_save_through_direct_io_round_trips(tmp_path: os.PathLike[str],
     got = ss.load(path)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+def _small_runs() -> tuple[list[tuple[list[object], int]], bytes]:
+    """Runs of many small buffers (gathered and written direct), at aligned and
+    unaligned offsets, around a large buffer, across several bounce pieces."""
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 64 * 1024, size=700)
+    smalls = [rng.integers(0, 256, size=int(n), dtype=np.uint8) for n in sizes]
+    big = _aligned(3 * MiB + 77, 0x21)
+    first = smalls[:300] + [big] + smalls[300:400]   # 10 MiB of small, big, more small
+    off1 = 12345                                      # unaligned start: a buffered head
+    second = smalls[400:]                            # > 8 MiB: two bounce pieces
+    end1 = off1 + sum(x.nbytes for x in first)
+    off2 = end1 + 999                                # a gap, then unaligned again
+    want = bytearray(off2 + sum(x.nbytes for x in second))
+    pos = off1
+    for x in first:
+        want[pos:pos + x.nbytes] = x.tobytes()
+        pos += x.nbytes
+    pos = off2
+    for x in second:
+        want[pos:pos + x.nbytes] = x.tobytes()
+        pos += x.nbytes
+    return [(first, off1), (second, off2)], bytes(want)
+
+
+def test_runs_of_small_buffers_are_gathered_and_written_direct(tmp_path) -> None:
+    batches, want = _small_runs()
+    got_direct, dfd = _write(str(tmp_path), True, batches)
+    got_plain, _ = _write(str(tmp_path), False, batches)
+    assert got_direct == want
+    assert got_plain == want
+    if dfd == -1:
+        pytest.skip("this file system refuses O_DIRECT (the buffered fallback was used)")
+
+
+def test_gathered_runs_fall_back_where_o_direct_is_refused(mount_tmpfs) -> None:
+    batches, want = _small_runs()
+    got, _ = _write(str(mount_tmpfs("64m")), True, batches)
+    assert got == want

@@ -116,6 +116,40 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Unaligned large buffers (tensor memory) are copied through a page-aligned
 #: buffer of this size per file and written direct.
 _BOUNCE = 8 << 20
+#: Runs of small buffers at least this long are gathered and written direct:
+#: copying 1-64 KiB tensors into the reused bounce buffer costs less than the
+#: kernel's copy into fresh page-cache pages (and leaves no writeback to fsync).
+_GATHER_MIN_BYTES = 256 << 10
+
+
+class _ViewCursor:
+    """Takes byte ranges off the front of a list of views, in order."""
+
+    __slots__ = ("_views", "_i", "_skip", "left")
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._i = 0
+        self._skip = 0
+        self.left = sum(v.nbytes for v in views)
+
+    def take(self, n: int) -> list[memoryview]:
+        """Views of the next ``n`` bytes (``n`` at most :attr:`left`)."""
+        out: list[memoryview] = []
+        self.left -= n
+        while n:
+            v = self._views[self._i]
+            avail = v.nbytes - self._skip
+            if n >= avail:
+                out.append(v[self._skip:] if self._skip else v)
+                n -= avail
+                self._i += 1
+                self._skip = 0
+            else:
+                out.append(v[self._skip:self._skip + n])
+                self._skip += n
+                n = 0
+        return out
 
 
 def _address(view: memoryview) -> int:
@@ -150,41 +184,84 @@ class _LocalFileWriter:
         # lets background saves stay out of training's way. Page-aligned buffers
         # (the engine's staging buffers) go as they are; others (tensor memory)
         # through an 8 MiB aligned bounce buffer, a copy that costs less than the
-        # kernel's. Unaligned tails and everything else take the buffered path;
-        # the two never share a page, so they cannot overwrite each other.
-        pending: list[Buffer] = []
-        pend_off = pos = offset
-        for b in buffers:
-            v = memoryview(b).cast("B")
-            n = v.nbytes
-            k = n - n % _DIRECT_ALIGN
-            if n >= _DIRECT_MIN_BYTES and pos % _DIRECT_ALIGN == 0:
-                if pending:
-                    self._write_buffered(pending, pend_off)
-                    pending = []
-                ok = (self._write_direct(v[:k], pos) if _address(v) % _DIRECT_ALIGN == 0
-                      else self._write_bounced(v[:k], pos))
-                if ok:
-                    pos += k
-                    v = v[k:]
-                pend_off = pos
-            if not pending:
-                pend_off = pos
-            if v.nbytes:
-                pending.append(v)
-                pos += v.nbytes
-        if pending:
-            self._write_buffered(pending, pend_off)
+        # kernel's. Runs of small buffers (many small tensors) are gathered into
+        # the same bounce buffer and written direct too. Unaligned heads and tails
+        # take the buffered path; the two never share a page, so they cannot
+        # overwrite each other.
+        views = byte_views(buffers)
+        pos, i, n = offset, 0, len(views)
+        while i < n:
+            if views[i].nbytes >= _DIRECT_MIN_BYTES:
+                pos = self._write_large(views[i], pos)
+                i += 1
+                continue
+            j, run = i, 0
+            while j < n and views[j].nbytes < _DIRECT_MIN_BYTES:
+                run += views[j].nbytes
+                j += 1
+            if run >= _GATHER_MIN_BYTES:
+                self._write_gathered(views[i:j], pos, run)
+            else:
+                self._write_buffered(views[i:j], pos)
+            pos += run
+            i = j
 
-    def _write_bounced(self, view: memoryview, offset: int) -> bool:
-        """Copy through the aligned bounce buffer, writing each piece direct."""
+    def _write_large(self, v: memoryview, pos: int) -> int:
+        """One large buffer: its whole pages direct when ``pos`` is aligned."""
+        k = v.nbytes - v.nbytes % _DIRECT_ALIGN
+        if pos % _DIRECT_ALIGN == 0:
+            ok = (self._write_direct(v[:k], pos) if _address(v) % _DIRECT_ALIGN == 0
+                  else self._write_bounced(v[:k], pos))
+            if ok:
+                pos += k
+                v = v[k:]
+        if v.nbytes:
+            self._write_buffered([v], pos)
+            pos += v.nbytes
+        return pos
+
+    def _write_gathered(self, views: list[memoryview], pos: int, total: int) -> None:
+        """Small buffers, back to back from ``pos``: the whole pages they cover are
+        copied into the bounce buffer and written direct, the rest buffered."""
+        head = -pos % _DIRECT_ALIGN
+        body = max(0, total - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        rest = _ViewCursor(views)
+        if head:
+            self._write_buffered(rest.take(head), pos)
+            pos += head
+        b = self._bounce_buffer()
+        bm = memoryview(b)
+        while body:
+            m = min(_BOUNCE, body)
+            piece = rest.take(m)
+            o = 0
+            for v in piece:
+                # a memoryview copy keeps the GIL (numpy's would release it and
+                # then wait for it behind the walking thread, once per tensor)
+                bm[o:o + v.nbytes] = v
+                o += v.nbytes
+            if not self._write_direct(memoryview(b[:m]), pos):
+                self._write_buffered(piece, pos)  # this file system refuses O_DIRECT
+            pos += m
+            body -= m
+        tail = rest.take(rest.left)
+        if tail:
+            self._write_buffered(tail, pos)
+
+    def _bounce_buffer(self) -> Any:
         import numpy as np
 
         if self._bounce is None:
             raw = np.empty(_BOUNCE + _DIRECT_ALIGN, dtype=np.uint8)
             skip = -raw.__array_interface__["data"][0] % _DIRECT_ALIGN
             self._bounce = raw[skip:skip + _BOUNCE]
-        b = self._bounce
+        return self._bounce
+
+    def _write_bounced(self, view: memoryview, offset: int) -> bool:
+        """Copy through the aligned bounce buffer, writing each piece direct."""
+        import numpy as np
+
+        b = self._bounce_buffer()
         src = np.frombuffer(view, dtype=np.uint8)
         for a in range(0, view.nbytes, _BOUNCE):
             m = min(_BOUNCE, view.nbytes - a)
