@@ -233,7 +233,7 @@ def encode_manifest(m: Manifest) -> bytes:
     version = manifest_version(m)
     bases = _bases_of(m) if version == 2 else []
     index = {b: i for i, b in enumerate(bases)}
-    doc: dict[str, Any] = {
+    head: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": version,
         "checksum": CHECKSUM_ALGORITHM,
@@ -241,17 +241,47 @@ def encode_manifest(m: Manifest) -> bytes:
         "files": [[f.name, f.size] for f in m.files],
     }
     if bases:
-        doc["bases"] = bases
-    doc["arrays"] = [
-        {
-            "dtype": a.dtype,
-            "shape": list(a.shape),
-            "chunks": [_encode_chunk(c, index) for c in a.chunks],
-        }
+        head["bases"] = bases
+    # The arrays hold nothing but integers and dtype names: written out directly,
+    # 3-4x faster than building lists for json (a 20,000-array save spent 0.2 s
+    # here), to exactly the bytes json.dumps gives (tests/format/test_manifest_text.py).
+    arrays = ",".join([
+        f'{{"dtype":{_dtype_json(a.dtype)},"shape":[{_ints(a.shape)}],"chunks":['
+        f'{",".join([_chunk_json(c, index) for c in a.chunks])}]}}'
         for a in m.arrays
-    ]
-    doc["tree"] = _encode_node(m.tree)
-    return json.dumps(doc, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
+    ])
+    text = (_dumps(head)[:-1] + ',"arrays":[' + arrays + '],"tree":'
+            + _dumps(_encode_node(m.tree)) + "}")
+    return text.encode()
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+
+
+def _ints(values: Sequence[int]) -> str:
+    return ",".join([str(int(v)) for v in values])
+
+
+_DTYPE_JSON: dict[str, str] = {}
+
+
+def _dtype_json(name: str) -> str:
+    text = _DTYPE_JSON.get(name)
+    if text is None:
+        text = _DTYPE_JSON[name] = _dumps(str(name))
+    return text
+
+
+def _chunk_json(c: ChunkEntry, bases: dict[str, int]) -> str:
+    """:func:`_encode_chunk` as JSON text (its v1 forms written directly)."""
+    if c.codec is not None or c.digest is not None or c.ref is not None or c.shuffle:
+        return _dumps(_encode_chunk(c, bases))
+    head = (f"[{int(c.file)},{int(c.offset)},{int(c.nbytes)},{int(c.checksum)},"
+            f"[{_ints(c.start)}],[{_ints(c.shape)}]")
+    if c.block_rows:
+        return f"{head},[{int(c.block_rows)},[{_ints(c.block_checksums)}]]]"
+    return head + "]"
 
 
 _VERSION_PREFIX = re.compile(rb'\{"format":"statestream","version":([0-9]{1,3}),')
