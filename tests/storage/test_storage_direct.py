@@ -150,3 +150,20 @@ def test_gathered_runs_fall_back_where_o_direct_is_refused(mount_tmpfs) -> None:
     batches, want = _small_runs()
     got, _ = _write(str(mount_tmpfs("64m")), True, batches)
     assert got == want
+
+
+def test_carried_tail_survives_writes_elsewhere(tmp_path) -> None:
+    # A direct write's unaligned tail is carried to lead the next write when that
+    # one follows on in the same page; any other next write (earlier in the file,
+    # or pages further on) must still find the tail written, as must finish().
+    rng = np.random.default_rng(3)
+    runs = [[rng.integers(0, 256, size=int(n), dtype=np.uint8) for n in rng.integers(1, 9000, 90)]
+            for _ in range(4)]
+    sizes = [sum(x.nbytes for x in r) for r in runs]
+    offs = [MiB, MiB + sizes[0] + 17, 0, 4 * MiB]   # follows on (gap 17), earlier, far on
+    want = bytearray(max(o + n for o, n in zip(offs, sizes)))
+    for r, o in zip(runs, offs):
+        want[o:o + sum(x.nbytes for x in r)] = b"".join(x.tobytes() for x in r)
+    for direct in (True, False):
+        got, _ = _write(str(tmp_path), direct, list(zip(runs, offs)))
+        assert got == bytes(want)
