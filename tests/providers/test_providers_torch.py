@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,28 @@ def test_handles_and_registry() -> None:
     assert isinstance(array_provider_for(t), TorchProvider)
     assert isinstance(target_provider_for(t), TorchProvider)
     assert isinstance(provider_by_kind("torch"), TorchProvider)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4),      # the fast path
+    lambda: torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16)),  # a parameter
+    lambda: torch.arange(24.0).reshape(4, 6)[1:3],                    # a view
+    lambda: torch.arange(24.0).reshape(4, 6).t(),                     # not contiguous
+    lambda: torch.tensor(3.5),                                        # 0-d
+    lambda: torch.zeros(0, 3),                                        # empty
+    lambda: torch.arange(6, dtype=torch.int16)[::2],                  # strided
+], ids=["dense", "parameter", "view", "transposed", "scalar", "empty", "strided"])
+def test_alias_and_prepare_matches_alias_key_and_prepare(make) -> None:
+    p = TorchProvider()
+    t = make()
+    key, prepared = p.alias_and_prepare(t, ("w",))
+    want = p.prepare(t, ("w",))
+    assert key == p.alias_key(t)
+    assert (prepared.kind, prepared.dtype, prepared.shape, prepared.copies) == \
+        (want.kind, want.dtype, want.shape, want.copies)
+    if math.prod(want.shape):
+        whole = (0,) * len(want.shape)
+        assert bytes(prepared.chunk(whole, want.shape)) == bytes(want.chunk(whole, want.shape))
+        if want.shape and want.shape[0] > 1:  # a row block
+            rows = (1,) + want.shape[1:]
+            assert bytes(prepared.chunk(whole, rows)) == bytes(want.chunk(whole, rows))

@@ -119,16 +119,22 @@ class Collector:
     def _array(self, p: ArrayProvider, path: KeyPath, x: Any) -> Node:
         caps = p.capabilities
         alias = None
+        prepared = None
         if caps.aliases:
-            key = p.alias_key(x)
+            private = self._private and caps.lazy_private_copy
+            if private:
+                key = p.alias_key(x)
+            else:
+                key, prepared = p.alias_and_prepare(x, path)
             if key is not None:
                 alias = (p.kind, key)
                 first = self._aliases.get(alias)
                 if first is not None:  # tied: the same memory, stored once
                     return Node("alias", array=first, attrs={"kind": p.kind})
-        if self._private and caps.lazy_private_copy:
-            x = p.private_copy(x)
-        prepared = p.prepare(x, path)
+        if prepared is None:
+            if self._private and caps.lazy_private_copy:
+                x = p.private_copy(x)
+            prepared = p.prepare(x, path)
         attrs = {"kind": prepared.kind}
         if prepared.attrs:
             attrs.update(prepared.attrs)
