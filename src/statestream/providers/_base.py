@@ -76,18 +76,30 @@ def row_block_chunker(
     plain byte ranges of ``flat`` and come back as zero-copy slices; any
     other box goes to ``fallback``.
     """
-    inner = shape[1:]
-    row_bytes = math.prod(inner) * itemsize
+    return _RowBlocks(flat, shape, math.prod(shape[1:]) * itemsize, fallback)
 
-    def chunk(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+
+class _RowBlocks:
+    """:func:`row_block_chunker`'s reader: one small object per array (a closure
+    with its cells took ~3x the memory, and a save holds one per leaf)."""
+
+    __slots__ = ("flat", "shape", "row_bytes", "fallback")
+
+    def __init__(self, flat: np.ndarray, shape: tuple[int, ...], row_bytes: int,
+                 fallback: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
+        self.flat = flat
+        self.shape = shape
+        self.row_bytes = row_bytes
+        self.fallback = fallback
+
+    def __call__(self, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+        shape = self.shape
         if not shape:
-            return flat
-        if cshape[1:] == inner:
-            a = start[0] * row_bytes
-            return flat[a : a + cshape[0] * row_bytes]
-        return fallback(start, cshape)
-
-    return chunk
+            return self.flat
+        if cshape[1:] == shape[1:]:
+            a = start[0] * self.row_bytes
+            return self.flat[a : a + cshape[0] * self.row_bytes]
+        return self.fallback(start, cshape)
 
 
 @dataclasses.dataclass(slots=True)

@@ -91,7 +91,10 @@ class _HostMemory:
 
 def _host_bytes(t: Any) -> np.ndarray:
     """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
-    return np.asarray(_HostMemory(t))
+    holder = _HostMemory(t)
+    out = np.asarray(holder)
+    del holder.__array_interface__  # read once; the view keeps only the tensor alive
+    return out
 
 
 def _slow_chunk(t: Any, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
@@ -165,7 +168,7 @@ class TorchProvider(ArrayProvider):
             return PreparedArray(
                 kind=self.kind, dtype=name, shape=shape, copies=False,
                 chunk=row_block_chunker(flat, shape, obj.element_size(),
-                                        lambda s, c: _slow_chunk(obj, s, c)),
+                                        functools.partial(_slow_chunk, obj)),
             )
         t = obj.detach()
         if t.is_conj():
@@ -350,7 +353,7 @@ class TorchProvider(ArrayProvider):
                     return key, PreparedArray(
                         kind=self.kind, dtype=name, shape=shape, copies=False,
                         chunk=row_block_chunker(_host_bytes(obj), shape, obj.element_size(),
-                                                lambda s, c: _slow_chunk(obj, s, c)),
+                                                functools.partial(_slow_chunk, obj)),
                     )
         return self.alias_key(obj), self.prepare(obj, path)
 
