@@ -163,8 +163,6 @@ class StreamPlanner:
         self._file = 0
         self._in_block = 0
         self.chunks: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]] = []
-        #: (array, chunk) -> (file index, offset) of every placed chunk
-        self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         self.total_bytes = 0
 
     def add(self, array: int, spec: ArraySpec,
@@ -191,7 +189,6 @@ class StreamPlanner:
                         self._sizes.append(0)
                 f = self._file
                 off = _align(self._sizes[f], nb)
-                self.offsets[(array, 0)] = (f, off)
                 self._sizes[f] = off + nb
                 self._in_block += nb
                 self.total_bytes += nb
@@ -230,7 +227,6 @@ class StreamPlanner:
             if spec.codec is None:  # a compressed chunk is verified (and decoded) whole
                 item.block_rows = block_rows_for(cshape, spec.itemsize)
             items.append(item)
-            self.offsets[(array, ci)] = (self._file, off)
             self._sizes[self._file] = off + nb
             self._in_block += nb
             self.total_bytes += nb
