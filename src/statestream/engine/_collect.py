@@ -26,6 +26,10 @@ __all__ = ["Collector"]
 _CONTAINER_TYPES = frozenset({dict, list, tuple})
 
 
+#: the attrs of an array node that has none but its kind, shared
+_KIND_ATTRS: dict[str, dict[str, Any]] = {}
+
+
 class Collector:
     """Turns leaves into manifest nodes and remembers the arrays to write.
 
@@ -135,9 +139,11 @@ class Collector:
             if self._private and caps.lazy_private_copy:
                 x = p.private_copy(x)
             prepared = p.prepare(x, path)
-        attrs = {"kind": prepared.kind}
         if prepared.attrs:
-            attrs.update(prepared.attrs)
+            attrs = {"kind": prepared.kind, **prepared.attrs}
+        else:  # one shared dict per kind (tree nodes' attrs are never modified)
+            attrs = _KIND_ATTRS.get(prepared.kind) or _KIND_ATTRS.setdefault(
+                prepared.kind, {"kind": prepared.kind})
         index = self._add(prepared, path)
         if alias is not None:
             self._aliases[alias] = index
