@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from statestream.storage._base import Buffer
 
-__all__ = ["IOV_MAX", "advance", "byte_views"]
+__all__ = ["IOV_MAX", "advance", "byte_views", "take"]
 
 #: at most this many buffers per preadv/pwritev call (Linux's IOV_MAX)
 IOV_MAX = 1024
@@ -27,3 +27,17 @@ def advance(views: list[memoryview], n: int) -> None:
         else:
             views[0] = v[n:]
             n = 0
+
+
+def take(views: list[memoryview], n: int) -> list[memoryview]:
+    """Views of the first ``n`` bytes of ``views`` (at most all of them), dropped from
+    ``views`` as :func:`advance` drops them."""
+    out: list[memoryview] = []
+    left = n
+    for v in views:
+        if left <= 0:
+            break
+        out.append(v[:left] if v.nbytes > left else v)
+        left -= v.nbytes
+    advance(views, n)
+    return out
