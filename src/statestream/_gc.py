@@ -4,9 +4,10 @@ Walking a state of 20,000 tensors allocates hundreds of thousands of small
 objects; each allocation burst triggers full collections that traverse the
 whole heap (including every framework object), which measured ~2x the CPU
 time of the walk itself. Nothing we allocate forms cycles (checked by
-tests/engine/test_no_cycles.py), so everything is freed by reference counting
-and collection is deferred to the end of the call. Nested and concurrent calls are counted;
-the collector is re-enabled only if it was enabled before the first one.
+tests/engine/test_no_cycles.py), so everything is freed by reference
+counting and collection is deferred to the end of the call. Nested and
+concurrent calls are counted; the collector is re-enabled only if it was
+enabled before the first one.
 """
 
 from __future__ import annotations

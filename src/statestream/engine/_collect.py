@@ -124,9 +124,9 @@ class Collector:
         caps = p.capabilities
         alias = None
         prepared = None
+        private = self._private and caps.lazy_private_copy
         if caps.aliases:
-            private = self._private and caps.lazy_private_copy
-            if private:
+            if private:  # the key is the original's; the copy is prepared below
                 key = p.alias_key(x)
             else:
                 key, prepared = p.alias_and_prepare(x, path)
@@ -136,7 +136,7 @@ class Collector:
                 if first is not None:  # tied: the same memory, stored once
                     return Node("alias", array=first, attrs={"kind": p.kind})
         if prepared is None:
-            if self._private and caps.lazy_private_copy:
+            if private:
                 x = p.private_copy(x)
             prepared = p.prepare(x, path)
         if prepared.attrs:

@@ -251,13 +251,13 @@ class ArrayProvider(abc.ABC):
         memory (same memory, offset, shape, strides and dtype), or None (``aliases``)."""
         return None
 
-
     def alias_and_prepare(self, obj: Any,
                           path: KeyPath) -> tuple[Hashable | None, PreparedArray]:
         """:meth:`alias_key` and :meth:`prepare` in one call (asked only when
         ``capabilities.aliases``); a provider may override it to read the value's
         properties once. The result of ``prepare`` is dropped when ``obj`` is tied."""
         return self.alias_key(obj), self.prepare(obj, path)
+
     def private_copy(self, obj: Any) -> Any:
         """A copy of ``obj`` that nothing else can free or change (``lazy_private_copy``)."""
         return obj
