@@ -19,6 +19,7 @@ __all__ = [
     "default_memory_budget_bytes",
     "default_num_threads",
     "parallel_for",
+    "snapshot_budgets",
 ]
 
 Progress = Callable[[int, int], None]
@@ -105,9 +106,11 @@ class MemoryOptions:
 
     Attributes:
         memory_budget_bytes: upper bound on bytes staged at once (copies of
-            non-contiguous/byte-swapped/device arrays on save, scratch for
+            non-contiguous/byte-swapped/device arrays on save, ``save_async``'s
+            staging, compression and decompression buffers, scratch for
             chunks that do not land in place on load). ``None`` picks
-            :func:`default_memory_budget_bytes`.
+            :func:`default_memory_budget_bytes`. Outside it: a fixed 8 MiB
+            aligned bounce buffer per data file on local disk (docs/storage.md).
         keep_staging: keep ``save_async``'s staging buffers (up to the budget)
             for the next save, which then copies into memory that is already
             mapped (or pinned, for CUDA tensors) -- about 2x faster than into
@@ -120,6 +123,30 @@ class MemoryOptions:
     def resolved(self) -> int:
         b = self.memory_budget_bytes
         return default_memory_budget_bytes() if b is None else max(1, int(b))
+
+
+#: A snapshot save that compresses keeps this share (1/N) of its memory budget for
+#: the writers' compression buffers; the rest stages copies.
+CODEC_SHARE = 4
+
+
+def snapshot_budgets(capacity: int, *, compresses: bool) -> tuple[ByteBudget, ByteBudget]:
+    """A snapshot save's budgets out of ``capacity``: one for the staged copies and
+    one for the writers' compression buffers.
+
+    Two pools, not one: a writer waiting for compression bytes that staged copies
+    hold would wait forever, since only its own writes release them. Their sum is
+    ``capacity``. Without compression the writers hold no buffers of their own.
+
+    Example:
+        >>> staged, codec = snapshot_budgets(100, compresses=True)
+        >>> staged.capacity, codec.capacity
+        (75, 25)
+    """
+    if not compresses:
+        return ByteBudget(capacity), ByteBudget(1 << 62)
+    reserve = max(1, capacity // CODEC_SHARE)
+    return ByteBudget(max(1, capacity - reserve)), ByteBudget(reserve)
 
 
 class ByteBudget:

@@ -46,6 +46,7 @@ from statestream.engine._core import (
     Progress,
     lower_thread_priority,
     parallel_for,
+    snapshot_budgets,
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
@@ -148,7 +149,10 @@ class SaveJob:
         self.ledger = StagingLedger(
             self.collector.arrays, self.collector.key, options.memory,
             retains_buffers=self.storage.capabilities.retains_buffers, snapshot=snapshot)
-        self.budget = ByteBudget(options.memory.resolved())
+        self.budget = self._codec_budget = ByteBudget(options.memory.resolved())
+        if snapshot:
+            self.budget, self._codec_budget = snapshot_budgets(
+                self.budget.capacity, compresses=bool(options.compression))
         self.handle: SaveHandle | None = None
         self._writer: StreamWriter | None = None
         #: the snapshot races the writers (see StagingLedger): writers read
@@ -287,10 +291,12 @@ class SaveJob:
         assert self.txn is not None
         if self.snapshot_mode:
             # A failed writer never gives its staged bytes back: wake the snapshot
-            # instead of letting it wait for them forever.
-            # Compression buffers: at most two chunks per writer thread, plus its batch.
+            # instead of letting it wait for them forever. The writer charges only
+            # compression buffers (the snapshot charged the staged bytes), to their
+            # own share of the budget (see _budgets).
             self._writer = StreamWriter(
-                self.txn, self.planner.file_name, self._snapshot_source, budget=ByteBudget(1 << 62),
+                self.txn, self.planner.file_name, self._snapshot_source,
+                budget=self._codec_budget,
                 after_write=self._snapshot_written, on_error=self.budget.abort,
                 nice=self.options.io.background_nice, relayout=self._relayout(),
                 hashes=self.options.hashes, base=self.base, nice_later=True)

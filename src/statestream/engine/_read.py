@@ -58,7 +58,8 @@ def read_requests(
     """
     prog = _Progress(sum(r.nbytes for r in requests), progress)
     lock = threading.Lock()
-    queue = list(requests)
+    n = max(1, min(_read_threads(options), len(requests)))
+    queue = fit_requests(requests, max(1, budget.capacity // n))
     queue.reverse()
 
     def next_request() -> ReadRequest | None:
@@ -81,8 +82,7 @@ def read_requests(
 
     def _read_one(req: ReadRequest) -> None:
         _check_supply(reader, file_names[req.file], req, describe)
-        need = sum(p.staging_bytes for p in req.pieces)
-        held = budget.acquire(need)
+        held = budget.acquire(_scratch_bytes(req))
         try:
             if req.pieces[0].mapped:  # the bytes are mapped: touching them reads them
                 views = [p.direct for p in req.pieces if p.direct is not None]
@@ -94,8 +94,43 @@ def read_requests(
         finally:
             budget.release(held)
 
-    n = max(1, min(_read_threads(options), len(requests)))
     _run_all(n, [worker for _ in range(n)])
+
+
+def _scratch_bytes(req: ReadRequest) -> int:
+    """Memory reading ``req`` takes beyond its destinations: its pieces' scratch and
+    decoding buffers, and the gaps between them (read and dropped)."""
+    need = sum(p.staging_bytes for p in req.pieces)
+    if not req.pieces[0].mapped:  # mapped requests read nothing into buffers
+        need += req.nbytes - sum(p.nbytes for p in req.pieces)
+    return need
+
+
+def fit_requests(requests: Sequence[ReadRequest], limit: int) -> list[ReadRequest]:
+    """``requests``, those whose scratch (:func:`_scratch_bytes`) exceeds ``limit``
+    split at piece boundaries, so every reader thread can hold one within the budget
+    (``limit``: its share). A single piece larger than ``limit`` stays a request of its
+    own: the budget lets it through when nothing else is held."""
+    out: list[ReadRequest] = []
+    for r in requests:
+        if _scratch_bytes(r) <= limit:
+            out.append(r)
+            continue
+        cur: ReadRequest | None = None
+        held = 0
+        for p in r.pieces:
+            need = p.staging_bytes
+            if cur is not None:
+                need += p.offset - (cur.offset + cur.nbytes)  # the gap before it
+                if held + need <= limit:
+                    cur.pieces.append(p)
+                    cur.nbytes = p.offset + p.nbytes - cur.offset
+                    held += need
+                    continue
+            cur = ReadRequest(r.file, p.offset, p.nbytes, [p])
+            held = p.staging_bytes
+            out.append(cur)
+    return out
 
 
 def _finish_piece(reader: CheckpointReader, name: str, p: ReadPiece, buf: np.ndarray,
