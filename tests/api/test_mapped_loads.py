@@ -114,3 +114,113 @@ def test_compressed_and_referenced_arrays_are_never_mapped(tmp_path: Path) -> No
     np.testing.assert_array_equal(got["big"], big)
     np.testing.assert_array_equal(got["other"], changed["other"])
     assert not (_mapped_file(got["big"]) or "").startswith("/")
+
+
+# ----------------------------------------------------------------------------- several files
+
+def _spread_state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    # 64 MiB + one 2 KiB row: 1 MiB row blocks, a new file every 16 MiB (4 files, then
+    # the first again), the last block not a whole number of pages
+    return {"wide": rng.standard_normal((32769, 512)).astype(np.float32),
+            "small": np.arange(5, dtype=np.int16)}
+
+
+@pytest.fixture()
+def spread(tmp_path: Path) -> Path:
+    d = tmp_path / "spread"
+    ss.save(d, _spread_state(), io=ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=4))
+    return d
+
+
+def _files_of(ckpt: Path, key: str) -> set[int]:
+    import json
+
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    node = doc["tree"]["c"][doc["tree"]["k"].index(key)]
+    return {c[0] for c in doc["arrays"][node["a"]]["chunks"]}
+
+
+def _spans(arr: np.ndarray) -> list[str]:
+    """The files mapped over ``arr``'s bytes, in address order (one entry per mapping)."""
+    lo = arr.__array_interface__["data"][0]
+    hi = lo + arr.nbytes
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            a, b = (int(x, 16) for x in parts[0].split("-"))
+            if a < hi and b > lo:
+                out.append(parts[5] if len(parts) > 5 else "")
+    return out
+
+
+def test_an_array_spread_over_several_files_is_mapped(spread: Path) -> None:
+    assert _files_of(spread, "wide") == {0, 1, 2, 3}  # the save spread its row blocks
+    out = ss.load(spread)
+    want = _spread_state()
+    for k, v in want.items():
+        np.testing.assert_array_equal(out[k], v)
+    files = _spans(out["wide"])
+    assert len(files) >= 4 and all(f.startswith(str(spread / "data")) for f in files)
+    assert len(set(files)) == 4  # one region, made of every file's ranges
+
+
+def test_a_spread_mapping_is_private_and_outlives_the_load(spread: Path) -> None:
+    out = ss.load(spread)
+    wide = out.pop("wide")
+    view = wide[1500:]
+    del out, wide
+    import gc
+
+    gc.collect()
+    view[:] = 3  # copy-on-write: still mapped, the files keep their bytes
+    np.testing.assert_array_equal(ss.load(spread)["wide"], _spread_state()["wide"])
+
+
+def test_a_spread_mapping_is_unmapped_with_its_last_array(spread: Path) -> None:
+    out = ss.load(spread)
+    lo = out["wide"].__array_interface__["data"][0]
+    del out
+    import gc
+
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        starts = {int(line.split("-")[0], 16) for line in f}
+    assert lo not in starts
+
+
+def test_a_spread_array_is_verified_and_a_short_file_refused(spread: Path) -> None:
+    files = sorted((spread / "data").iterdir())
+    with open(files[2], "r+b") as fh:  # a byte of a later file's block of "wide"
+        fh.seek(100)
+        b = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match="'wide'"):
+        ss.load(spread)
+    os.truncate(files[3], 4096)
+    with pytest.raises(TruncatedFileError):
+        ss.load(spread)
+
+
+def test_compose_checks_alignment_and_places_ranges(tmp_path: Path) -> None:
+    from statestream.storage._compose import PAGE, compose
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"A" * PAGE * 3)
+    b.write_bytes(b"B" * PAGE + b"b" * 10)
+    fa, fb = os.open(a, os.O_RDONLY), os.open(b, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="page"):
+            compose([(fa, 10, PAGE), (fb, 0, PAGE)])
+        with pytest.raises(ValueError, match="page"):
+            compose([(fa, 0, PAGE + 1), (fb, 0, PAGE)])
+        view = compose([(fa, PAGE, PAGE * 2), (fb, PAGE, 10)])
+    finally:
+        os.close(fa)
+        os.close(fb)
+    assert view is not None
+    assert bytes(view) == b"A" * PAGE * 2 + b"b" * 10
+    view[0:1] = b"Z"  # private: the file is unchanged
+    assert a.read_bytes() == b"A" * PAGE * 3

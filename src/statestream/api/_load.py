@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -142,26 +143,29 @@ class _Job:
                        path: KeyPath, scalar: bool) -> Destination | None:
         """``prov``'s value built on a private mapping of the array's file bytes, or None.
 
-        Large arrays whose chunks lie in one file, in row order, back to back,
-        need no fresh memory and no copy: their pages come from the page cache
-        as the checksum pass touches them (the engine verifies every one).
+        Large arrays stored as row blocks need no fresh memory and no copy: their
+        pages come from the page cache as the checksum pass touches them (the
+        engine verifies every one). Blocks back to back in one file are one range
+        of its mapping; blocks in several files (a large array's chunks go to
+        different writers) are mapped side by side into one region, when each
+        starts on a page and all but the last are whole pages.
         """
         if (not self.maps or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
                 or not prov.capabilities.buffer_restore):
             return None
-        first = entry.chunks[0]
-        row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
-        inner = entry.shape[1:]
-        for c in entry.chunks:
-            if (c.codec is not None or c.ref is not None  # stored bytes are not the array's
-                    or c.file != first.file or c.shape[1:] != inner or any(c.start[1:])
-                    or c.offset != first.offset + (c.start[0] - first.start[0]) * row_bytes):
-                return None
-        if first.offset % _MAP_ALIGN or any(first.start):
+        ranges = _row_block_ranges(entry)
+        if ranges is None:
             return None
         self.check_supply(index, entry, path)  # a short file fails here, with the key path
         assert isinstance(self.reader, MappedReader)
-        buf = self.reader.map_range(self.file_names[first.file], first.offset, entry.nbytes)
+        if len(ranges) == 1:
+            f, off, n = ranges[0]
+            buf = self.reader.map_range(self.file_names[f], off, n)
+        elif all(off % mmap.PAGESIZE == 0 and (n % mmap.PAGESIZE == 0 or i == len(ranges) - 1)
+                 for i, (_, off, n) in enumerate(ranges)):
+            buf = self.reader.map_ranges([(self.file_names[f], off, n) for f, off, n in ranges])
+        else:
+            return None
         if buf is None:
             return None
         return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)
@@ -176,6 +180,31 @@ class _Job:
             c.file == file and c.nbytes and c.offset + c.nbytes > size for c in a.chunks)]
         names = [f"'{format_keypath(paths.get(i, ()))}'" for i in bad[:5]]
         return ", ".join(names) + (", ..." if len(bad) > 5 else "")
+
+
+def _row_block_ranges(entry: ArrayEntry) -> list[tuple[int, int, int]] | None:
+    """The array's bytes as ``(file, offset, nbytes)`` ranges in row order, runs of
+    blocks back to back in one file merged; None unless its chunks are raw row blocks
+    covering it in order (then the array is those ranges, concatenated) and the first
+    starts ``_MAP_ALIGN``-aligned."""
+    row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+    inner = entry.shape[1:]
+    ranges: list[list[int]] = []
+    row = 0
+    for c in sorted(entry.chunks, key=lambda c: c.start[0]):
+        if (c.codec is not None or c.ref is not None  # stored bytes are not the array's
+                or c.shape[1:] != inner or any(c.start[1:]) or c.start[0] != row):
+            return None
+        n = c.shape[0] * row_bytes
+        last = ranges[-1] if ranges else None
+        if last is not None and last[0] == c.file and last[1] + last[2] == c.offset:
+            last[2] += n
+        else:
+            ranges.append([c.file, c.offset, n])
+        row += c.shape[0]
+    if not ranges or ranges[0][1] % _MAP_ALIGN or sum(r[2] for r in ranges) != entry.nbytes:
+        return None
+    return [(f, off, n) for f, off, n in ranges]
 
 
 def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,

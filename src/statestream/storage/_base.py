@@ -137,6 +137,17 @@ class MappedReader(CheckpointReader, Protocol):
         """
         ...
 
+    def map_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> memoryview | None:
+        """One writable private mapping of several ``(name, offset, nbytes)`` ranges
+        placed back to back, or None when they cannot be mapped so (then read them).
+        Offsets must be page-aligned, and every range but the last a whole number of
+        pages.
+
+        Raises:
+            TruncatedFileError: a file is missing or shorter than its range.
+        """
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class WriterId:

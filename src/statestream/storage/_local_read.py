@@ -18,6 +18,7 @@ from statestream.errors import (
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
 from statestream.storage._base import Buffer
+from statestream.storage._compose import compose
 from statestream.storage._hints import manager_steps_hint
 from statestream.storage._iov import IOV_MAX, advance, byte_views
 
@@ -212,6 +213,28 @@ class _LocalReader:
                         return None  # e.g. a file system without mmap: read it instead
                     self._maps[name] = mm
         return memoryview(mm)[offset:offset + nbytes]
+
+    def map_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> memoryview | None:
+        """One private mapping of ``(name, offset, nbytes)`` ranges of data files placed
+        back to back (an array whose row blocks lie in several files), or None when they
+        cannot be mapped so (then read them). Offsets must be page-aligned, and every
+        range but the last a whole number of pages (:mod:`._compose`).
+
+        Raises:
+            TruncatedFileError: a file is missing or shorter than its range.
+        """
+        fds = []
+        for name, offset, nbytes in ranges:
+            size = self.file_size(name)
+            if offset + nbytes > size:
+                raise TruncatedFileError(
+                    f"data file {os.path.join(self.location, name)} is {size} bytes, but the "
+                    f"manifest puts data up to byte {offset + nbytes} in it; it is truncated")
+            fds.append((self._open(name), offset, nbytes))
+        try:
+            return compose(fds)
+        except (OSError, ValueError):
+            return None
 
     def list_files(self) -> list[str]:
         """Every entry of the checkpoint (``data/`` entries as ``data/<name>``), unsorted.
