@@ -224,3 +224,13 @@ def test_compose_checks_alignment_and_places_ranges(tmp_path: Path) -> None:
     assert bytes(view) == b"A" * PAGE * 2 + b"b" * 10
     view[0:1] = b"Z"  # private: the file is unchanged
     assert a.read_bytes() == b"A" * PAGE * 3
+
+
+def test_where_ranges_cannot_be_composed_the_array_is_read(
+        spread: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "alpha")  # MAP_FIXED is not 0x10 there
+    out = ss.load(spread)
+    np.testing.assert_array_equal(out["wide"], _spread_state()["wide"])
+    assert not any(f.startswith(str(spread / "data")) for f in _spans(out["wide"]))

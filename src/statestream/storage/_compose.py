@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import platform
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -22,9 +23,10 @@ from typing import Any
 __all__ = ["PAGE", "compose"]
 
 PAGE = mmap.PAGESIZE
-_MAP_FIXED = 0x10  # Linux, every architecture
-_MAP_NORESERVE = 0x4000  # Linux x86 and arm64
-_PROT_NONE = 0
+#: ``MAP_FIXED`` on Linux for these machines (the generic ABI value; Alpha differs)
+_MAP_FIXED = 0x10
+_MACHINES = {"x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64"}
+_PROT_NONE = 0  # a reservation nothing may touch (and, not writable, not committed memory)
 _FAILED = ctypes.c_void_p(-1).value
 
 _libc: Any = None
@@ -62,7 +64,7 @@ def compose(ranges: Sequence[tuple[int, int, int]]) -> memoryview | None:
 
     The fds may be closed afterwards: the mapping holds the files.
     """
-    if sys.platform != "linux" or not ranges:
+    if sys.platform != "linux" or platform.machine() not in _MACHINES or not ranges:
         return None
     import numpy as np
 
@@ -73,8 +75,7 @@ def compose(ranges: Sequence[tuple[int, int, int]]) -> memoryview | None:
     size = -(-nbytes // PAGE) * PAGE
     lib = _lib()
     flags = mmap.MAP_PRIVATE
-    base = lib.mmap(None, size, _PROT_NONE, flags | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                    -1, 0)
+    base = lib.mmap(None, size, _PROT_NONE, flags | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, _FAILED):
         return None
     region = _Region(base, size, nbytes)  # unmaps the reservation if a range fails
