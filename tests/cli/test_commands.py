@@ -108,6 +108,7 @@ def test_ls_is_read_only_beside_a_live_manager(tmp_path: Path,
     d = tmp_path / "run"
     mgr = ss.CheckpointManager(d)  # holds the lease
     mgr.save(1, {"w": np.zeros(2)})
+    mgr.wait()  # the save is asynchronous: its staging directory must be gone first
     before = sorted(p.name for p in d.iterdir())
     assert main(["ls", str(d)]) == 0
     assert sorted(p.name for p in d.iterdir()) == before
