@@ -62,6 +62,9 @@ def worker(ctx: Context) -> dict[str, Any]:
         for r in range(ctx.world):
             np.testing.assert_array_equal(got["per_rank"][f"rank{r}"],
                                           state_at(2, r)["per_rank"][f"rank{r}"])
+    # Every process leaves together: the launcher ends a worker with os._exit, and rank 0
+    # hosts the coordination service, whose loss aborts a rank still closing its manager.
+    jax.distributed.shutdown()
     return out
 
 
