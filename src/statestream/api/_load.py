@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -161,11 +160,8 @@ class _Job:
         if len(ranges) == 1:
             f, off, n = ranges[0]
             buf = self.reader.map_range(self.file_names[f], off, n)
-        elif all(off % mmap.PAGESIZE == 0 and (n % mmap.PAGESIZE == 0 or i == len(ranges) - 1)
-                 for i, (_, off, n) in enumerate(ranges)):
+        else:  # None unless the ranges are page-aligned (storage/_compose.py)
             buf = self.reader.map_ranges([(self.file_names[f], off, n) for f, off, n in ranges])
-        else:
-            return None
         if buf is None:
             return None
         return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)

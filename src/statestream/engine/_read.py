@@ -56,6 +56,7 @@ def read_requests(
         ChecksumMismatchError: naming the array (via ``describe``) and file.
         TruncatedFileError: a file ends early or is missing.
     """
+    local = isinstance(reader, MappedReader)  # a read is a syscall, not a request
     requests = split_streamed(reader, list(requests))
     prog = _Progress(sum(r.nbytes for r in requests), progress)
     lock = threading.Lock()
@@ -85,7 +86,7 @@ def read_requests(
         _check_supply(reader, file_names[req.file], req, describe)
         held = budget.acquire(_scratch_bytes(req))
         try:
-            if _streams(reader, req):
+            if local and all(_streamable(p) for p in req.pieces):
                 for p in req.pieces:
                     _record(_read_checked(reader, file_names[p.file], p, describe),
                             collect, lock)
@@ -117,16 +118,11 @@ def _streamable(p: ReadPiece) -> bool:
             and p.nbytes >= _STREAM_MIN)
 
 
-def _streams(reader: CheckpointReader, req: ReadRequest) -> bool:
-    """Whether ``req`` is read slice by slice (:func:`_read_checked`): from a local file
-    (where a read call costs a syscall, not a request), every piece streamable."""
-    return isinstance(reader, MappedReader) and all(_streamable(p) for p in req.pieces)
-
-
 def split_streamed(reader: CheckpointReader, requests: list[ReadRequest]) -> list[ReadRequest]:
-    """``requests`` with each streamable piece of a local file in a request of its own
-    (small pieces stay coalesced around it), so that a state mixing large and small
-    arrays in one file still streams the large ones."""
+    """``requests`` with each streamable piece of a local file in a request of its own,
+    read slice by slice (:func:`_read_checked`); small pieces stay coalesced around it,
+    so a state mixing large and small arrays in one file still streams the large ones.
+    Object stores keep whole requests (a read there is an HTTP request)."""
     if not isinstance(reader, MappedReader):
         return requests
     out: list[ReadRequest] = []
@@ -221,10 +217,7 @@ def _finish_piece(reader: CheckpointReader, name: str, p: ReadPiece, buf: np.nda
     """Verify one piece's bytes, decode them (a codec), scatter them to their views."""
     err = _verify_piece(reader, name, p, buf, describe)
     if err is not None:
-        if collect is None:
-            raise err
-        with lock:
-            collect.append(err)
+        _record(err, collect, lock)
         return
     if p.codec is not None:
         raw = _decode_piece(reader, name, p, buf, describe, collect, lock)

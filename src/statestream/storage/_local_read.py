@@ -196,23 +196,29 @@ class _LocalReader:
         :meth:`close`. A file truncated by someone else *after* this check makes
         touching the lost pages fail with SIGBUS, as with any mapped file.
         """
-        size = self.file_size(name)
-        if offset + nbytes > size:
-            raise TruncatedFileError(
-                f"data file {os.path.join(self.location, name)} is {size} bytes, but the "
-                f"manifest puts data up to byte {offset + nbytes} in it; it is truncated")
+        self._check_range(name, offset, nbytes)
         mm = self._maps.get(name)
         if mm is None:
             with self._lock:
                 mm = self._maps.get(name)
                 if mm is None:
                     try:
-                        mm = mmap.mmap(self._open(name), size, flags=mmap.MAP_PRIVATE,
+                        mm = mmap.mmap(self._open(name), self.file_size(name),
+                                       flags=mmap.MAP_PRIVATE,
                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
                     except (OSError, ValueError):
                         return None  # e.g. a file system without mmap: read it instead
                     self._maps[name] = mm
         return memoryview(mm)[offset:offset + nbytes]
+
+    def _check_range(self, name: str, offset: int, nbytes: int) -> None:
+        """Refuse a range the file does not hold (before mapping it: no page of a mapped
+        range may lie past the end of its file)."""
+        size = self.file_size(name)
+        if offset + nbytes > size:
+            raise TruncatedFileError(
+                f"data file {os.path.join(self.location, name)} is {size} bytes, but the "
+                f"manifest puts data up to byte {offset + nbytes} in it; it is truncated")
 
     def map_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> memoryview | None:
         """One private mapping of ``(name, offset, nbytes)`` ranges of data files placed
@@ -225,11 +231,7 @@ class _LocalReader:
         """
         fds = []
         for name, offset, nbytes in ranges:
-            size = self.file_size(name)
-            if offset + nbytes > size:
-                raise TruncatedFileError(
-                    f"data file {os.path.join(self.location, name)} is {size} bytes, but the "
-                    f"manifest puts data up to byte {offset + nbytes} in it; it is truncated")
+            self._check_range(name, offset, nbytes)
             fds.append((self._open(name), offset, nbytes))
         try:
             return compose(fds)
