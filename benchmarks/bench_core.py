@@ -297,6 +297,22 @@ class StatestreamInPlaceAdapter(StatestreamAdapter):
         return ss.load(path, target=like, in_place=True)
 
 
+class StatestreamDropBehindAdapter(StatestreamInPlaceAdapter):
+    """In place, with IOOptions(drop_behind=True): the page cache lets go of what the load
+    read in (so the "hot" load after it reads from disk again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "statestream-inplace-drop"
+        self.note = ("load(path, target=resident torch tensors, in_place=True, "
+                     "io=IOOptions(drop_behind=True)); its 'hot' load is cold again")
+
+    def load(self, path, like):
+        import statestream as ss
+
+        return ss.load(path, target=like, in_place=True, io=ss.IOOptions(drop_behind=True))
+
+
 class TorchSaveAdapter(Adapter):
     name = "torch.save"
     note = "torch.save to file object + flush + fsync; torch.load(weights_only=True)"
@@ -474,6 +490,7 @@ class DCPResidentAdapter(DCPAdapter):
 def make_adapter(name: str, dcp_threads: int) -> Adapter:
     table: dict[str, Callable[[], Adapter]] = {
         "statestream-inplace": StatestreamInPlaceAdapter,
+        "statestream-inplace-drop": StatestreamDropBehindAdapter,
         "torch.load-mmap": TorchMmapAdapter,
         "torch DCP-resident": lambda: DCPResidentAdapter(dcp_threads),
         "statestream": lambda: StatestreamAdapter(),
@@ -491,7 +508,7 @@ def make_adapter(name: str, dcp_threads: int) -> Adapter:
 
 #: extra load variants of a saved checkpoint (same files, another reader)
 EXTRA_LOADS = {
-    "statestream": ["statestream-np", "statestream-inplace"],
+    "statestream": ["statestream-np", "statestream-inplace", "statestream-inplace-drop"],
     "torch.save": ["torch.load-mmap"],
     "torch DCP": ["torch DCP-resident"],
 }
@@ -1029,6 +1046,7 @@ def summarize(results: dict) -> None:
         ratios[f"{w}: statestream load / torch.load cold (speedup)"] = ratio(g("statestream", w, "cold_load_gbps"), g("torch.save", w, "cold_load_gbps"))
         ratios[f"{w}: statestream load / torch.load hot (speedup)"] = ratio(g("statestream", w, "hot_load_gbps"), g("torch.save", w, "hot_load_gbps"))
         ratios[f"{w}: statestream-inplace cold load / raw cold read"] = ratio(g("statestream-inplace", w, "cold_load_gbps"), rr.get("cold_read_gbps"))
+        ratios[f"{w}: statestream-inplace-drop cold load / raw cold read"] = ratio(g("statestream-inplace-drop", w, "cold_load_gbps"), rr.get("cold_read_gbps"))
         ratios[f"{w}: statestream-inplace hot load / DCP-resident hot load (speedup)"] = ratio(g("statestream-inplace", w, "hot_load_gbps"), g("torch DCP-resident", w, "hot_load_gbps"))
     ratios["llama: statestream save peak RSS over state / state bytes"] = ratio(g("statestream", "llama", "save_peak_rss_over_state_bytes"), g("statestream", "llama", "bytes"))
     summ["ratios"] = {k: v for k, v in ratios.items() if v is not None}

@@ -41,9 +41,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = read_mod._read_checked
 
-    def spy(reader: Any, name: str, p: Any, describe: Any) -> Any:
+    def spy(reader: Any, name: str, p: Any, describe: Any, dropper: Any = None) -> Any:
         seen.append(p.nbytes)
-        return real(reader, name, p, describe)
+        return real(reader, name, p, describe, dropper)
 
     monkeypatch.setattr(read_mod, "_read_checked", spy)
     return seen

@@ -57,6 +57,9 @@ def read_requests(
         TruncatedFileError: a file ends early or is missing.
     """
     local = isinstance(reader, MappedReader)  # a read is a syscall, not a request
+    # lets the page cache drop what the reads bring in (storage/_pagecache.py)
+    dropper = (_DropBehind(reader) if isinstance(reader, MappedReader) and options.drop_behind
+               else None)
     requests = split_streamed(reader, list(requests))
     prog = _Progress(sum(r.nbytes for r in requests), progress)
     lock = threading.Lock()
@@ -86,23 +89,39 @@ def read_requests(
         _check_supply(reader, file_names[req.file], req, describe)
         held = budget.acquire(_scratch_bytes(req))
         try:
-            if local and all(_streamable(p) for p in req.pieces):
-                for p in req.pieces:
-                    _record(_read_checked(reader, file_names[p.file], p, describe),
-                            collect, lock)
-                prog.add(req.nbytes)
-                return
-            if req.pieces[0].mapped:  # the bytes are mapped: touching them reads them
-                views = [p.direct for p in req.pieces if p.direct is not None]
-            else:
-                views = _read_span(reader, file_names[req.file], req, describe)
-            for p, buf in zip(req.pieces, views):
-                _finish_piece(reader, file_names[p.file], p, buf, describe, collect, lock)
+            _read_request(reader, file_names[req.file], req, describe, collect, lock,
+                          local=local, dropper=dropper)
             prog.add(req.nbytes)
         finally:
             budget.release(held)
 
-    _run_all(n, [worker for _ in range(n)])
+    try:
+        _run_all(n, [worker for _ in range(n)])
+    finally:
+        if dropper is not None:
+            dropper.finish()
+
+
+def _read_request(reader: CheckpointReader, name: str, req: ReadRequest,
+                  describe: Callable[[ReadPiece], str],
+                  collect: list[CheckpointCorruptError] | None, lock: threading.Lock, *,
+                  local: bool, dropper: _DropBehind | None) -> None:
+    """Read, verify and place one request's pieces (its scratch already granted)."""
+    if dropper is not None:
+        dropper.note(name)
+    if local and all(_streamable(p) for p in req.pieces):
+        for p in req.pieces:
+            _record(_read_checked(reader, name, p, describe, dropper), collect, lock)
+        return
+    mapped = req.pieces[0].mapped
+    if mapped:  # the bytes are mapped: touching them reads them
+        views = [p.direct for p in req.pieces if p.direct is not None]
+    else:
+        views = _read_span(reader, name, req, describe)
+    for p, buf in zip(req.pieces, views):
+        _finish_piece(reader, name, p, buf, describe, collect, lock)
+    if dropper is not None and not mapped:  # copied and checked: let them go
+        dropper.drop(name, req.offset, req.offset + req.nbytes)
 
 
 #: Local pieces at least this large, read in place, are read and checksummed in slices
@@ -110,6 +129,8 @@ def read_requests(
 #: memory instead of two).
 _SLICE = 1 << 20
 _STREAM_MIN = 4 * _SLICE
+#: a streamed piece lets the page cache drop what it read every this many bytes
+_DROP_STEP = 8 * _SLICE
 
 
 def _streamable(p: ReadPiece) -> bool:
@@ -145,12 +166,15 @@ def split_streamed(reader: CheckpointReader, requests: list[ReadRequest]) -> lis
 
 
 def _read_checked(reader: CheckpointReader, name: str, p: ReadPiece,
-                  describe: Callable[[ReadPiece], str]) -> ChecksumMismatchError | None:
+                  describe: Callable[[ReadPiece], str],
+                  dropper: _DropBehind | None = None) -> ChecksumMismatchError | None:
     """Read piece ``p`` into its destination in slices, checksumming each slice as it
-    lands; the first mismatch, or None."""
+    lands; the first mismatch, or None. ``dropper``: every :data:`_DROP_STEP` bytes,
+    let the page cache drop the pages the read brought in."""
     assert p.direct is not None
     for a, b, want in p.checks():
         got = 0
+        kept = a  # bytes [kept, s) are read and checked, not yet dropped
         for s in range(a, b, _SLICE):
             e = min(b, s + _SLICE)
             view = p.direct[s:e]
@@ -159,9 +183,46 @@ def _read_checked(reader: CheckpointReader, name: str, p: ReadPiece,
             except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
                 raise type(exc)(f"{exc} (affects {describe(p)})") from None
             got = checksum(view, got)
+            if dropper is not None and (e - kept >= _DROP_STEP or e == b):
+                dropper.drop(name, p.offset + kept, p.offset + e)
+                kept = e
         if got != want:
             return _mismatch(reader, name, p, a, b, got, want, describe)
     return None
+
+
+class _DropBehind:
+    """Lets the page cache drop the pages a load read in (``IOOptions.drop_behind``):
+    those of each file that were not cached when the load first came to it. One map
+    per file, made before anything of it is read, so pages that the kernel's
+    readahead brings in for the next request count as the load's own."""
+
+    def __init__(self, reader: MappedReader) -> None:
+        self._reader = reader
+        self._cold: dict[str, list[tuple[int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, name: str) -> None:
+        """Call before reading from ``name``."""
+        if name in self._cold:
+            return
+        with self._lock:
+            if name not in self._cold:
+                self._cold[name] = self._reader.cold_ranges(name, 0, self._reader.file_size(name))
+
+    def drop(self, name: str, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of ``name`` are copied and checked: let their pages go."""
+        cold = self._cold.get(name)
+        if cold:
+            self._reader.drop_cached(name, cold, lo, hi)
+
+    def finish(self) -> None:
+        """Reading is over: once more, let go of every page that was not cached before
+        (the kernel's readahead for one request may have brought back pages that a
+        request on another thread had already let go)."""
+        for name, cold in self._cold.items():
+            if cold:
+                self._reader.drop_cached(name, cold, 0, cold[-1][1])
 
 
 def _record(err: CheckpointCorruptError | None, collect: list[CheckpointCorruptError] | None,
@@ -240,9 +301,13 @@ def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
     bufs: list[Any] = []
     views: list[np.ndarray] = []
     pos = req.offset
+    gap: np.ndarray | None = None  # one throw-away buffer serves every gap (64-byte padding)
     for p in req.pieces:
         if p.offset > pos:
-            bufs.append(np.empty(p.offset - pos, dtype=np.uint8))
+            n = p.offset - pos
+            if gap is None or gap.nbytes < n:
+                gap = np.empty(max(n, 4096), dtype=np.uint8)
+            bufs.append(gap[:n])
         buf = (p.direct if p.direct is not None and p.codec is None
                else np.empty(p.nbytes, dtype=np.uint8))
         bufs.append(buf)

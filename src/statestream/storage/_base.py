@@ -148,6 +148,17 @@ class MappedReader(CheckpointReader, Protocol):
         """
         ...
 
+    def cold_ranges(self, name: str, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """``(start, end)`` byte ranges of ``[offset, offset + nbytes)`` of ``name`` whose
+        pages are not in the page cache now; empty when all are, or when this cannot
+        be told (then nothing may be dropped)."""
+        ...
+
+    def drop_cached(self, name: str, ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
+        """Let the page cache drop the pages of ``ranges`` (from :meth:`cold_ranges`)
+        that lie wholly within ``[lo, hi)``. A hint; never fails."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class WriterId:

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PAGE", "compose"]
+__all__ = ["PAGE", "compose", "libc"]
 
 PAGE = mmap.PAGESIZE
 #: ``MAP_FIXED`` on Linux for these machines (the generic ABI value; Alpha differs)
@@ -32,7 +32,8 @@ _FAILED = ctypes.c_void_p(-1).value
 _libc: Any = None
 
 
-def _lib() -> Any:
+def libc() -> Any:
+    """libc through ctypes, with ``mmap``, ``munmap`` and ``mincore`` declared."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -41,6 +42,8 @@ def _lib() -> Any:
                               ctypes.c_int, ctypes.c_long]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.restype = ctypes.c_int  # (storage/_pagecache.py)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
         _libc = libc
     return _libc
 
@@ -55,7 +58,7 @@ class _Region:
                                     "typestr": "|u1", "version": 3}
 
     def __del__(self) -> None:
-        _lib().munmap(self.addr, self.size)
+        libc().munmap(self.addr, self.size)
 
 
 def compose(ranges: Sequence[tuple[int, int, int]]) -> memoryview | None:
@@ -73,7 +76,7 @@ def compose(ranges: Sequence[tuple[int, int, int]]) -> memoryview | None:
             raise ValueError("composed ranges must be page-aligned (but the last's end)")
     nbytes = sum(n for _, _, n in ranges)
     size = -(-nbytes // PAGE) * PAGE
-    lib = _lib()
+    lib = libc()
     flags = mmap.MAP_PRIVATE
     base = lib.mmap(None, size, _PROT_NONE, flags | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, _FAILED):

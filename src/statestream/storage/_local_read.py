@@ -21,6 +21,7 @@ from statestream.storage._base import Buffer
 from statestream.storage._compose import compose
 from statestream.storage._hints import manager_steps_hint
 from statestream.storage._iov import IOV_MAX, advance, byte_views
+from statestream.storage._pagecache import cold_ranges, drop_cached
 
 
 def _missing_reason(path: str) -> str:
@@ -210,6 +211,16 @@ class _LocalReader:
                         return None  # e.g. a file system without mmap: read it instead
                     self._maps[name] = mm
         return memoryview(mm)[offset:offset + nbytes]
+
+    def cold_ranges(self, name: str, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """Byte ranges of ``[offset, offset + nbytes)`` of ``name`` not in the page cache
+        (empty when all are, or when the system does not say)."""
+        return cold_ranges(self._open(name), offset, nbytes)
+
+    def drop_cached(self, name: str, ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
+        """Let the page cache drop the pages of ``ranges`` (from :meth:`cold_ranges`)
+        within ``[lo, hi)``: bytes a load read in and has copied and checked."""
+        drop_cached(self._open(name), ranges, lo, hi)
 
     def _check_range(self, name: str, offset: int, nbytes: int) -> None:
         """Refuse a range the file does not hold (before mapping it: no page of a mapped
