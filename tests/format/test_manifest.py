@@ -782,3 +782,25 @@ def test_one_chunk_attrs_keep_bool_and_int_apart() -> None:
     a0, a1 = m.tree.children[0].attrs, m.tree.children[1].attrs  # type: ignore[index]
     assert a0 is not None and a1 is not None
     assert type(a0["scalar"]) is int and type(a1["scalar"]) is bool
+
+
+def test_shared_shapes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoded shapes are shared through a table that never outgrows its limit, however
+    many distinct shapes a process decodes (one manifest, or many)."""
+    monkeypatch.setattr(decode_mod, "_MAX_SHAPES", 50)
+    monkeypatch.setattr(decode_mod, "_SHAPES", {})
+    n = 180
+    arrays = [ArrayEntry("uint8", (i + 1,), (ChunkEntry(0, 256 * i, i + 1, 0, (0,), (i + 1,)),))
+              for i in range(n)]
+    m = Manifest(tree=Node("list", children=[Node("array", array=i) for i in range(n)]),
+                 arrays=arrays, files=[FileEntry("data/r0-0.bin", 256 * n)])
+    for _ in range(2):
+        got = decode_manifest(encode_manifest(m), WHERE)
+        assert [a.shape for a in got.arrays] == [(i + 1,) for i in range(n)]
+        assert 0 < len(decode_mod._SHAPES) <= 50
+    # equal shapes still come back as one object within the table's reach
+    other = ArrayEntry("uint8", (4,), (ChunkEntry(0, 1024, 4, 0, (0,), (4,)),))
+    twice = Manifest(tree=Node("list", children=[Node("array", array=0), Node("array", array=1)]),
+                     arrays=[arrays[3], other], files=[FileEntry("data/r0-0.bin", 2048)])
+    a, b = decode_manifest(encode_manifest(twice), WHERE).arrays
+    assert a.shape is b.shape

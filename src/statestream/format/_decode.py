@@ -379,7 +379,7 @@ def _one_chunk(d: dict[str, Any], sizes: list[int]) -> ArrayEntry | None:
         if type(x) is not int or type(a) is not int or type(b) is not int or not 0 <= x <= MAX_DIM:
             return None
     shape = tuple(shape_l)
-    shape = _SHAPES.setdefault(shape, shape)
+    shape = _intern(shape)
     dtype = _DTYPE_OBJ[dtype]
     total = math.prod(shape)
     if nb != total * itemsize_of(dtype) or nb > MAX_ARRAY_BYTES or off + nb > sizes[f]:
@@ -570,7 +570,7 @@ def _decode_array(d: Any, i: int, files: list[FileEntry], store: ChunkStore,
     if len(shape_l) > MAX_NDIM:
         raise _Bad(f"array {i} has {len(shape_l)} dimensions (limit {MAX_NDIM})")
     shape = tuple(_int(s, f"array {i} dimension", 0, MAX_DIM) for s in shape_l)
-    shape = _SHAPES.setdefault(shape, shape)
+    shape = _intern(shape)
     itemsize = itemsize_of(dtype)
     total = math.prod(shape)
     if total * itemsize > MAX_ARRAY_BYTES:
@@ -635,6 +635,16 @@ def _check_few_chunks(i: int, chunks: Sequence[ChunkEntry], shape: tuple[int, ..
 
 _DTYPE_OBJ = {n: n for n in DTYPE_NAMES}
 _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+#: the most shapes kept shared; then the table starts over (a process that decodes
+#: many manifests, or one with millions of distinct shapes, must not grow forever)
+_MAX_SHAPES = 1 << 16
+
+
+def _intern(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One shared tuple per distinct shape (a manifest repeats a few shapes many times)."""
+    if len(_SHAPES) >= _MAX_SHAPES:
+        _SHAPES.clear()
+    return _SHAPES.setdefault(shape, shape)
 
 
 def _stored_size_msg(i: int, j: int, nbytes: int, raw: int) -> str:
