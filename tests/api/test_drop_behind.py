@@ -164,3 +164,23 @@ def test_a_corrupt_chunk_is_still_caught(tmp_path: Path) -> None:
     target = {k: np.zeros_like(v) for k, v in state.items()}
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
         ss.load(ckpt, target=target, in_place=True, io=DROP)
+
+
+def test_cold_ranges_are_asked_window_by_window(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large file is asked about a window at a time (bounded memory), and runs that
+    cross a window's edge come back whole."""
+    import statestream.storage._pagecache as pc
+
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(40 * PAGE))
+    _need_droppable(f)
+    monkeypatch.setattr(pc, "_WINDOW", 8 * PAGE)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.pread(fd, 4 * PAGE, 6 * PAGE)  # pages 6..9 cached, across the first edge
+        assert cold_ranges(fd, 0, 40 * PAGE) == [(0, 6 * PAGE), (10 * PAGE, 40 * PAGE)]
+        assert cold_ranges(fd, 3 * PAGE + 7, 30 * PAGE) == [(3 * PAGE, 6 * PAGE),
+                                                            (10 * PAGE, 34 * PAGE)]
+    finally:
+        os.close(fd)

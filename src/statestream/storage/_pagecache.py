@@ -38,23 +38,45 @@ def _may_inspect(fd: int) -> bool:
     return euid == 0 or st.st_uid == euid
 
 
+#: ``mincore`` is asked about at most this many bytes at a time (its answer takes a byte
+#: per page: 256 KiB per GiB), so a file of any size costs bounded memory
+_WINDOW = 1 << 30
+
+
 def cold_ranges(fd: int, offset: int, nbytes: int) -> list[tuple[int, int]]:
     """``(start, end)`` byte ranges of ``[offset, offset + nbytes)`` of the file whose
     pages are not in the page cache now, widened to whole pages; empty when all are
     cached, or when this cannot be told (then nothing should be dropped)."""
     if nbytes <= 0 or not _may_inspect(fd):
         return []
-    start = offset - offset % PAGE
-    length = offset + nbytes - start
+    out: list[tuple[int, int]] = []
+    pos = offset - offset % PAGE
+    end = offset + nbytes
+    while pos < end:
+        part = _cold_window(fd, pos, min(_WINDOW, end - pos))
+        if part is None:
+            return []
+        for a, b in part:
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        pos += _WINDOW
+    return out
+
+
+def _cold_window(fd: int, start: int, length: int) -> list[tuple[int, int]] | None:
+    """:func:`cold_ranges` of ``[start, start + length)``, ``start`` page-aligned; None
+    when the system does not say."""
     lib = libc()
     addr = lib.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr in (None, _FAILED):
-        return []
+        return None
     try:
         npages = -(-length // PAGE)
         vec = (ctypes.c_ubyte * npages)()
         if lib.mincore(addr, length, vec) != 0:
-            return []
+            return None
     finally:
         lib.munmap(addr, length)
     import numpy as np
