@@ -232,7 +232,7 @@ class TorchProvider(ArrayProvider):
         return self.handles(like)
 
     def target_shape(self, like: Any) -> tuple[int, ...]:
-        return tuple(int(s) for s in like.shape)
+        return tuple(like.shape)  # a torch.Size holds ints
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
@@ -279,14 +279,17 @@ class TorchProvider(ArrayProvider):
             buf = torch.empty(shape, dtype=saved)
             np_view = np.empty(shape, dtype=np_dtype)
 
-        def finish() -> Any:
-            out = buf
-            if like is not None:
+        if like is None or (type(like) is torch.Tensor and like.dtype == saved
+                            and like.device.type == "cpu"):
+            finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
+        else:
+            def finish() -> Any:
+                out = buf
                 if like.dtype != out.dtype or like.device != out.device:
                     out = out.to(device=like.device, dtype=like.dtype)
                 if isinstance(like, torch.nn.Parameter):
                     out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
-            return out
+                return out
 
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
@@ -521,6 +524,10 @@ def _device_staging(t: Any, offset: tuple[int, ...]) -> dict[str, Any]:
         return done.synchronize  # type: ignore[no-any-return]
 
     return {"device": str(t.device), "stage": stage}
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _is_dtensor(obj: Any) -> bool:
