@@ -184,3 +184,22 @@ def test_cold_ranges_are_asked_window_by_window(tmp_path: Path,
                                                             (10 * PAGE, 34 * PAGE)]
     finally:
         os.close(fd)
+
+
+def test_compressed_and_incremental_checkpoints_load_with_drop_behind(tmp_path: Path) -> None:
+    """Compressed chunks (read into scratch, decoded) and an incremental checkpoint's
+    references into its base load exactly, and the base's pages are let go too."""
+    state = _state()
+    base, inc = tmp_path / "step-1", tmp_path / "step-2"
+    ss.save(base, state, compression="zstd")
+    changed = {**state, "small0": state["small0"] + 1}
+    ss.save(inc, changed, base=base)
+    files = _data_files(base) + _data_files(inc)
+    for f in files:
+        _need_droppable(f)
+    target = {k: np.zeros_like(v) for k, v in changed.items()}
+    ss.load(inc, target=target, in_place=True, io=DROP)
+    for k, v in changed.items():
+        np.testing.assert_array_equal(target[k], v)
+    for f in files:
+        assert _cold_bytes(f) >= os.path.getsize(f) - PAGE, f
