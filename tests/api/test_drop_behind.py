@@ -191,9 +191,10 @@ def test_compressed_and_incremental_checkpoints_load_with_drop_behind(tmp_path: 
     references into its base load exactly, and the base's pages are let go too."""
     state = _state()
     base, inc = tmp_path / "step-1", tmp_path / "step-2"
-    ss.save(base, state, compression="zstd")
+    ss.save(base, state, compression="zstd", hashes=True)
     changed = {**state, "small0": state["small0"] + 1}
     ss.save(inc, changed, base=base)
+    assert ss.metadata(inc).bases  # it does refer to its base
     files = _data_files(base) + _data_files(inc)
     for f in files:
         _need_droppable(f)

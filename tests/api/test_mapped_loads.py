@@ -96,9 +96,9 @@ def test_torch_targets_get_mapped_tensors(ckpt: Path) -> None:
     assert torch.equal(like["big"], torch.from_numpy(_state()["big"]))
 
 
-def test_compressed_and_referenced_arrays_are_never_mapped(tmp_path: Path) -> None:
-    # A compressed chunk's file bytes are not the array's, and a referenced chunk's
-    # file index points into its base: both must be read and decoded, not mapped.
+def test_compressed_arrays_are_read_and_referenced_ones_map_their_base(tmp_path: Path) -> None:
+    # A compressed chunk's file bytes are not the array's: read and decoded, not mapped.
+    # A referenced chunk's bytes lie in its base's data file: mapped from there.
     big = np.tile(np.arange(1024, dtype=np.float32), (1024, 1))  # 4 MiB, compressible
     state = {"big": big, "other": np.ones((512, 1024), np.float32)}
     ss.save(tmp_path / "z", state, compression="zstd")
@@ -113,7 +113,11 @@ def test_compressed_and_referenced_arrays_are_never_mapped(tmp_path: Path) -> No
     got = ss.load(tmp_path / "s2")
     np.testing.assert_array_equal(got["big"], big)
     np.testing.assert_array_equal(got["other"], changed["other"])
-    assert not (_mapped_file(got["big"]) or "").startswith("/")
+    assert (_mapped_file(got["big"]) or "").startswith(str(tmp_path / "s1" / "data"))
+    assert (_mapped_file(got["other"]) or "").startswith(str(tmp_path / "s2" / "data"))
+    got["big"][0, 0] = -1  # copy-on-write: the base's file never changes
+    np.testing.assert_array_equal(ss.load(tmp_path / "s2")["big"], big)
+    np.testing.assert_array_equal(ss.load(tmp_path / "s1")["big"], big)
 
 
 # ----------------------------------------------------------------------------- several files
@@ -234,3 +238,20 @@ def test_where_ranges_cannot_be_composed_the_array_is_read(
     out = ss.load(spread)
     np.testing.assert_array_equal(out["wide"], _spread_state()["wide"])
     assert not any(f.startswith(str(spread / "data")) for f in _spans(out["wide"]))
+
+
+def test_an_array_split_between_a_checkpoint_and_its_base_is_read(tmp_path: Path) -> None:
+    """Row blocks in the checkpoint's own files and in its base's cannot be one mapping:
+    such an array is read (and still exact); one wholly in the base is mapped from it."""
+    io = ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=4)
+    state = _spread_state()
+    ss.save(tmp_path / "s1", state, io=io, hashes=True)
+    changed = {**state, "wide": state["wide"].copy()}
+    changed["wide"][:8] += 1  # one row block changes, the others are referenced
+    ss.save(tmp_path / "s2", changed, io=io, base=tmp_path / "s1")
+    got = ss.load(tmp_path / "s2")
+    np.testing.assert_array_equal(got["wide"], changed["wide"])
+    np.testing.assert_array_equal(got["small"], state["small"])
+    assert not (_mapped_file(got["wide"]) or "").startswith("/")  # read into memory
+    again = ss.load(tmp_path / "s2", io=ss.IOOptions(drop_behind=True))
+    np.testing.assert_array_equal(again["wide"], changed["wide"])

@@ -46,7 +46,7 @@ from statestream.format import (
     itemsize_of,
     validate_base_name,
 )
-from statestream.storage import CheckpointReader, Storage, storage_for
+from statestream.storage import CheckpointReader, MappedReader, Storage, storage_for
 
 __all__ = [
     "BaseChunks",
@@ -348,6 +348,37 @@ class ChainReader:
             r.close()
 
 
+class MappedChainReader(ChainReader):
+    """A :class:`ChainReader` whose checkpoint and bases are all local files: it maps
+    file ranges and tells the page cache's state as their readers do, so incremental
+    checkpoints load mapped (and drop behind) like full ones."""
+
+    def _mapped(self, name: str) -> tuple[MappedReader, str]:
+        r, n = self._route(name)
+        assert isinstance(r, MappedReader)
+        return r, n
+
+    def map_range(self, name: str, offset: int, nbytes: int) -> memoryview | None:
+        r, n = self._mapped(name)
+        return r.map_range(n, offset, nbytes)
+
+    def map_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> memoryview | None:
+        """One mapping of ranges of one checkpoint's files; None (read them) when the
+        ranges lie in different checkpoints."""
+        routed = [(*self._mapped(name), off, nb) for name, off, nb in ranges]
+        if len({id(r) for r, _, _, _ in routed}) != 1:
+            return None
+        return routed[0][0].map_ranges([(n, off, nb) for _, n, off, nb in routed])
+
+    def cold_ranges(self, name: str, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        r, n = self._mapped(name)
+        return r.cold_ranges(n, offset, nbytes)
+
+    def drop_cached(self, name: str, ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
+        r, n = self._mapped(name)
+        r.drop_cached(n, ranges, lo, hi)
+
+
 def _own_chunks(m: Manifest) -> dict[tuple[int, int], tuple[ChunkEntry, int]]:
     """(file, offset) -> (chunk, raw size) of every chunk a base stores itself."""
     out: dict[tuple[int, int], tuple[ChunkEntry, int]] = {}
@@ -453,5 +484,8 @@ def follow_bases(storage: Storage, spath: str, reader: CheckpointReader, m: Mani
     except BaseException:
         bases.close()
         raise
-    return (ChainReader(reader, extra, list(bases.readers.values())),
+    readers = list(bases.readers.values())
+    chain = (MappedChainReader if all(isinstance(r, MappedReader) for r in [reader, *readers])
+             else ChainReader)
+    return (chain(reader, extra, readers),
             dataclasses.replace(m, arrays=arrays, files=files))
