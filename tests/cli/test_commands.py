@@ -97,7 +97,8 @@ def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert isinstance(by_step[10]["time"], float)
     assert by_step[30]["state"] == "uncommitted"
     assert set(out["entries"][0]) == {"name", "path", "step", "state", "format", "time",
-                                      "nbytes", "metrics", "error", "bases"}
+                                      "nbytes", "disk_bytes", "metrics", "error", "bases"}
+    assert by_step[20]["disk_bytes"] >= 12 and by_step[30]["disk_bytes"] is None
     assert main(["ls", str(d)]) == 0
     text = capsys.readouterr().out
     assert "loss=0.05" in text and "uncommitted" in text and "2 committed" in text
@@ -365,3 +366,28 @@ def test_ls_missing_directory_and_a_checkpoint(tmp_path: Path,
     ss.save(tmp_path / "ck", state())
     rc, out = out_json(capsys, ["ls", str(tmp_path / "ck"), "--json"])
     assert out["kind"] == "checkpoint" and out["entries"][0]["nbytes"] == 56
+
+
+def test_ls_shows_what_each_checkpoint_keeps_on_disk(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``disk_bytes``: a checkpoint's own data files. A compressed one takes less than its
+    raw size; an incremental one only what changed (the rest stays in its base)."""
+    d = tmp_path / "runs"
+    d.mkdir()
+    w = np.zeros((256, 1024), np.float32)  # 1 MiB of zeros: compresses to almost nothing
+    noise = np.random.default_rng(0).standard_normal(64 << 10).astype(np.float32)
+    ss.save(d / "plain", {"w": w, "noise": noise}, hashes=True)
+    ss.save(d / "packed", {"w": w, "noise": noise}, compression="zstd")
+    ss.save(d / "delta", {"w": w, "noise": noise + 1}, base=d / "plain")
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    assert rc == 0 and out["kind"] == "directory"
+    by = {e["name"]: e for e in out["entries"]}
+    raw = w.nbytes + noise.nbytes
+    assert by["plain"]["nbytes"] == by["packed"]["nbytes"] == by["delta"]["nbytes"] == raw
+    assert by["plain"]["disk_bytes"] >= raw
+    assert by["packed"]["disk_bytes"] < noise.nbytes + (64 << 10)  # w nearly vanished
+    assert noise.nbytes <= by["delta"]["disk_bytes"] < w.nbytes  # only the changed array
+    assert by["delta"]["bases"] and not by["plain"]["bases"]
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert "on disk" in text

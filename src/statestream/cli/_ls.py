@@ -28,8 +28,8 @@ EXAMPLE = """examples:
 
 def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
-                         "format": None, "time": None, "nbytes": None, "metrics": {},
-                         "error": None, "bases": []}
+                         "format": None, "time": None, "nbytes": None, "disk_bytes": None,
+                         "metrics": {}, "error": None, "bases": []}
     try:
         md = ss.metadata(path)
     except ss.CheckpointError as exc:
@@ -41,6 +41,9 @@ def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, An
     e["format"] = md.format
     e["time"] = user.get("time", md.meta.get("created_unix"))
     e["nbytes"] = md.total_bytes
+    # its own data files: less than nbytes when compressed, or incremental (the rest
+    # lies in its bases)
+    e["disk_bytes"] = sum(size for _, size in md.files)
     e["bases"] = list(md.bases)
     try:
         e["metrics"] = decode_metrics(user.get("metrics", {}))
@@ -78,7 +81,8 @@ def list_directory(directory: str) -> dict[str, Any]:
     for lo in storage.leftovers(path):
         entries.append({"name": lo.target, "path": lo.path, "step": parse_step(lo.target),
                          "state": "leftover", "format": None, "time": lo.modified,
-                         "nbytes": None, "metrics": {}, "error": None, "bases": []})
+                         "nbytes": None, "disk_bytes": None, "metrics": {}, "error": None,
+                         "bases": []})
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"], e["state"]))
     return {"directory": directory, "kind": "manager" if is_manager else "directory",
             "entries": entries}
@@ -110,12 +114,14 @@ def _cmd(args: argparse.Namespace) -> int:
         return 0
     rows = out["entries"]
     w = min(60, max([4] + [len(safe(e["name"])) for e in rows]))
-    print(f"{'name':<{w}}  {'step':>10}  {'state':<11} {'time (UTC)':<19}  {'size':>10}  metrics")
+    print(f"{'name':<{w}}  {'step':>10}  {'state':<11} {'time (UTC)':<19}  {'size':>10}  "
+          f"{'on disk':>10}  metrics")
     for e in rows:
         step = "" if e["step"] is None else str(e["step"])
         size = "" if e["nbytes"] is None else _human(e["nbytes"])
+        disk = "" if e.get("disk_bytes") is None else _human(e["disk_bytes"])
         print(f"{safe(e['name']):<{w}}  {step:>10}  {e['state']:<11} {_when(e['time']):<19}  "
-              f"{size:>10}  {_metrics_text(e['metrics'])}{_bases_text(e['bases'])}")
+              f"{size:>10}  {disk:>10}  {_metrics_text(e['metrics'])}{_bases_text(e['bases'])}")
     n = sum(1 for e in rows if e["state"] == "committed")
     print(f"{n} committed checkpoint{'s' if n != 1 else ''}, {len(rows) - n} other")
     return 0
