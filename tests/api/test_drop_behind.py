@@ -57,6 +57,21 @@ def _need_droppable(path: Path) -> None:
         pytest.skip("this file system keeps its pages (no droppable page cache)")
 
 
+def _saved_cold(tmp_path: Path) -> tuple[dict[str, np.ndarray], Path, list[Path]]:
+    """:func:`_state` saved to ``tmp_path/ck``; its data files, none of them cached."""
+    state = _state()
+    ckpt = tmp_path / "ck"
+    ss.save(ckpt, state)
+    files = _data_files(ckpt)
+    for f in files:
+        _need_droppable(f)
+    return state, ckpt, files
+
+
+def _zeros(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.zeros_like(v) for k, v in state.items()}
+
+
 def _state() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(3)
     big = {f"big{i}": rng.standard_normal(3 << 20).astype(np.float32) for i in range(3)}
@@ -84,13 +99,8 @@ def test_cold_ranges_and_drop_on_a_plain_file(tmp_path: Path) -> None:
 
 
 def test_in_place_load_drops_what_it_read_in(tmp_path: Path) -> None:
-    state = _state()
-    ckpt = tmp_path / "ck"
-    ss.save(ckpt, state)
-    files = _data_files(ckpt)
-    for f in files:
-        _need_droppable(f)
-    target = {k: np.zeros_like(v) for k, v in state.items()}
+    state, ckpt, files = _saved_cold(tmp_path)
+    target = _zeros(state)
     out = ss.load(ckpt, target=target, in_place=True, io=DROP)
     for k, v in state.items():
         assert out[k] is target[k]
@@ -100,14 +110,10 @@ def test_in_place_load_drops_what_it_read_in(tmp_path: Path) -> None:
 
 
 def test_pages_cached_before_the_load_stay(tmp_path: Path) -> None:
-    state = _state()
-    ckpt = tmp_path / "ck"
-    ss.save(ckpt, state)
-    files = _data_files(ckpt)
+    state, ckpt, files = _saved_cold(tmp_path)
     for f in files:
-        _need_droppable(f)
         _cache(f, 0, os.path.getsize(f) // 2)  # the first half is in the page cache
-    target = {k: np.zeros_like(v) for k, v in state.items()}
+    target = _zeros(state)
     ss.load(ckpt, target=target, in_place=True, io=DROP)
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -121,24 +127,14 @@ def test_pages_cached_before_the_load_stay(tmp_path: Path) -> None:
 
 
 def test_default_keeps_the_page_cache(tmp_path: Path) -> None:
-    state = _state()
-    ckpt = tmp_path / "ck"
-    ss.save(ckpt, state)
-    files = _data_files(ckpt)
-    for f in files:
-        _need_droppable(f)
-    target = {k: np.zeros_like(v) for k, v in state.items()}
+    state, ckpt, files = _saved_cold(tmp_path)
+    target = _zeros(state)
     ss.load(ckpt, target=target, in_place=True)
     assert all(_cold_bytes(f) < os.path.getsize(f) // 4 for f in files)
 
 
 def test_allocating_load_drops_small_reads_and_keeps_mapped_arrays(tmp_path: Path) -> None:
-    state = _state()
-    ckpt = tmp_path / "ck"
-    ss.save(ckpt, state)
-    files = _data_files(ckpt)
-    for f in files:
-        _need_droppable(f)
+    state, ckpt, files = _saved_cold(tmp_path)
     out = ss.load(ckpt, io=DROP)
     for k, v in state.items():
         np.testing.assert_array_equal(out[k], v)
@@ -161,7 +157,7 @@ def test_a_corrupt_chunk_is_still_caught(tmp_path: Path) -> None:
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 0xFF]))
     _need_droppable(f)
-    target = {k: np.zeros_like(v) for k, v in state.items()}
+    target = _zeros(state)
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
         ss.load(ckpt, target=target, in_place=True, io=DROP)
 
@@ -198,7 +194,7 @@ def test_compressed_and_incremental_checkpoints_load_with_drop_behind(tmp_path: 
     files = _data_files(base) + _data_files(inc)
     for f in files:
         _need_droppable(f)
-    target = {k: np.zeros_like(v) for k, v in changed.items()}
+    target = _zeros(changed)
     ss.load(inc, target=target, in_place=True, io=DROP)
     for k, v in changed.items():
         np.testing.assert_array_equal(target[k], v)
