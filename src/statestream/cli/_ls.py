@@ -119,7 +119,7 @@ def _cmd(args: argparse.Namespace) -> int:
     for e in rows:
         step = "" if e["step"] is None else str(e["step"])
         size = "" if e["nbytes"] is None else _human(e["nbytes"])
-        disk = "" if e.get("disk_bytes") is None else _human(e["disk_bytes"])
+        disk = "" if e["disk_bytes"] is None else _human(e["disk_bytes"])
         print(f"{safe(e['name']):<{w}}  {step:>10}  {e['state']:<11} {_when(e['time']):<19}  "
               f"{size:>10}  {disk:>10}  {_metrics_text(e['metrics'])}{_bases_text(e['bases'])}")
     n = sum(1 for e in rows if e["state"] == "committed")

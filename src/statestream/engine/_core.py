@@ -82,6 +82,7 @@ class IOOptions:
             faster on the test VM, whose fresh memory is slow (docs/design-notes.md,
             "Load path"). The price: loading the same checkpoint again reads it
             from disk again. For a resume that loads once, or a host short of memory.
+
     Raises:
         InvalidOptionError: (a ``ValueError``) a count or size is not positive.
     """
