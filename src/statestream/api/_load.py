@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from statestream._gc import gc_paused
+from statestream.api._job import Build, _Job
 from statestream.api._open import (
     array_paths,
     open_checkpoint,
@@ -22,20 +23,16 @@ from statestream.api._select import NO_TARGET, _children, _select
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
-    CheckpointCorruptError,
     CheckpointError,
     MissingKeyError,
     TargetMismatchError,
-    TruncatedFileError,
 )
 from statestream.format import (
-    ArrayEntry,
     Manifest,
     dtype_from_name,
 )
 from statestream.plan import ReadPiece, Wanted, plan_load
 from statestream.providers import (
-    ArrayProvider,
     Destination,
     NumpyProvider,
     StateAdapter,
@@ -47,7 +44,7 @@ from statestream.providers import (
     rebuild_pytree,
     target_provider_for,
 )
-from statestream.storage import CheckpointReader, MappedReader, storage_for
+from statestream.storage import MappedReader, storage_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -62,145 +59,6 @@ from statestream.tree import (
 __all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
-#: arrays at least this large are mapped (smaller ones: batched reads cost less than
-#: a mapping's page faults); their data must start this aligned in the file
-_MAP_MIN_BYTES = 1 << 20
-_MAP_ALIGN = 64
-Build = Callable[[], Any]
-
-
-@dataclasses.dataclass
-class _Job:
-    """Everything the walk of manifest + target asks the engine to read."""
-
-    pickles: _PickleTrust
-    in_place: bool = False
-    wanted: list[Wanted] = dataclasses.field(default_factory=list)
-    paths: dict[int, KeyPath] = dataclasses.field(default_factory=dict)
-    #: the open checkpoint, whose real file sizes bound what the walk allocates
-    reader: CheckpointReader | None = None
-    file_names: list[str] = dataclasses.field(default_factory=list)
-    manifest: Manifest | None = None
-    #: (array, id of the target leaf, kind) -> its build (tied leaves share it)
-    shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
-    #: map large arrays' file bytes instead of reading them (a local checkpoint)
-    maps: bool = False
-    _aliased: set[int] | None = None
-    _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def aliased(self) -> set[int]:
-        """Arrays that an alias leaf (tied weights) also holds: only those need sharing."""
-        if self._aliased is None:
-            self._aliased = set()
-            if self.manifest is not None:
-                stack = [self.manifest.tree]
-                while stack:
-                    n = stack.pop()
-                    if n.children:
-                        stack.extend(n.children)
-                    elif n.kind == "alias" and n.array is not None:
-                        self._aliased.add(n.array)
-        return self._aliased
-
-    def check_supply(self, index: int, entry: ArrayEntry, path: KeyPath) -> None:
-        """Refuse to allocate array ``index`` unless its files really hold its bytes.
-
-        The manifest alone may claim terabytes in a 4 KB file. Chunks never
-        share bytes (the manifest decoder checks), so with every chunk of every
-        array allocated this way inside a real file, one load allocates at most
-        what its files hold.
-        """
-        if self.reader is None:
-            return
-        for c in entry.chunks:
-            if not c.nbytes:
-                continue
-            known = self._sizes.get(c.file)
-            if known is not None and c.offset + c.nbytes <= known:
-                continue
-            name = self.file_names[c.file]
-            try:
-                size = self.reader.file_size(name)
-            except CheckpointCorruptError as exc:
-                others = self._short_arrays(c.file, 0, index)
-                raise type(exc)(
-                    f"{exc} (affects the array at key path '{format_keypath(path)}'"
-                    + (f", and {others})" if others else ")")
-                ) from None
-            self._sizes[c.file] = size
-            if c.offset + c.nbytes > size:
-                others = self._short_arrays(c.file, size, index)
-                raise TruncatedFileError(
-                    f"the array at key path '{format_keypath(path)}' ({entry.dtype}, shape "
-                    f"{entry.shape}) needs bytes [{c.offset}, {c.offset + c.nbytes}) of "
-                    f"{self.reader.location}/{name}, which has only {size} bytes; nothing was "
-                    "allocated for it (the checkpoint is truncated or its manifest is wrong)"
-                    + (f"; the file also lacks the data of {others}" if others else "")
-                )
-
-    def restore_mapped(self, prov: ArrayProvider, index: int, entry: ArrayEntry, like: Any,
-                       path: KeyPath, scalar: bool) -> Destination | None:
-        """``prov``'s value built on a private mapping of the array's file bytes, or None.
-
-        Large arrays stored as row blocks need no fresh memory and no copy: their
-        pages come from the page cache as the checksum pass touches them (the
-        engine verifies every one). Blocks back to back in one file are one range
-        of its mapping; blocks in several files (a large array's chunks go to
-        different writers) are mapped side by side into one region, when each
-        starts on a page and all but the last are whole pages.
-        """
-        if (not self.maps or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
-                or not prov.capabilities.buffer_restore):
-            return None
-        ranges = _row_block_ranges(entry)
-        if ranges is None:
-            return None
-        self.check_supply(index, entry, path)  # a short file fails here, with the key path
-        assert isinstance(self.reader, MappedReader)
-        if len(ranges) == 1:
-            f, off, n = ranges[0]
-            buf = self.reader.map_range(self.file_names[f], off, n)
-        else:  # None unless the ranges are page-aligned (storage/_compose.py)
-            buf = self.reader.map_ranges([(self.file_names[f], off, n) for f, off, n in ranges])
-        if buf is None:
-            return None
-        return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)
-
-    def _short_arrays(self, file: int, size: int, skip: int) -> str:
-        """Key paths of (up to 5) other arrays whose data lies past ``size`` in ``file``."""
-        if self.manifest is None:
-            return ""
-        paths: dict[int, KeyPath] = {}
-        array_paths(self.manifest.tree, (), paths)
-        bad = [i for i, a in enumerate(self.manifest.arrays) if i != skip and any(
-            c.file == file and c.nbytes and c.offset + c.nbytes > size for c in a.chunks)]
-        names = [f"'{format_keypath(paths.get(i, ()))}'" for i in bad[:5]]
-        return ", ".join(names) + (", ..." if len(bad) > 5 else "")
-
-
-def _row_block_ranges(entry: ArrayEntry) -> list[tuple[int, int, int]] | None:
-    """The array's bytes as ``(file, offset, nbytes)`` ranges in row order, runs of
-    blocks back to back in one file merged; None unless its chunks are raw row blocks
-    covering it in order (then the array is those ranges, concatenated) and the first
-    starts ``_MAP_ALIGN``-aligned."""
-    row_bytes = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
-    inner = entry.shape[1:]
-    ranges: list[list[int]] = []
-    row = 0
-    for c in sorted(entry.chunks, key=lambda c: c.start[0]):
-        if (c.codec is not None or c.ref is not None  # stored bytes are not the array's
-                or c.shape[1:] != inner or any(c.start[1:]) or c.start[0] != row):
-            return None
-        n = c.shape[0] * row_bytes
-        last = ranges[-1] if ranges else None
-        if last is not None and last[0] == c.file and last[1] + last[2] == c.offset:
-            last[2] += n
-        else:
-            ranges.append([c.file, c.offset, n])
-        row += c.shape[0]
-    if not ranges or ranges[0][1] % _MAP_ALIGN or sum(r[2] for r in ranges) != entry.nbytes:
-        return None
-    return [(f, off, n) for f, off, n in ranges]
 
 
 def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
