@@ -14,8 +14,8 @@ from typing import Any
 from statestream.api._open import array_paths
 from statestream.api._pickles import _PickleTrust
 from statestream.errors import CheckpointCorruptError, TruncatedFileError
-from statestream.format import ArrayEntry, Manifest
-from statestream.plan import Wanted
+from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
+from statestream.plan import LoadPlan, Wanted
 from statestream.providers import ArrayProvider, Destination
 from statestream.storage import CheckpointReader, MappedReader
 from statestream.tree import KeyPath, format_keypath
@@ -46,6 +46,29 @@ class _Job:
     maps: bool = False
     _aliased: set[int] | None = None
     _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: pieces planned during the walk (:meth:`restore_flat`); the rest from ``wanted``
+    plan: LoadPlan = dataclasses.field(default_factory=lambda: LoadPlan([]))
+
+    def __post_init__(self) -> None:
+        if self.manifest is not None:
+            self.plan = LoadPlan(self.manifest.arrays)
+
+    def restore_flat(self, prov: ArrayProvider, index: int, entry: ArrayEntry,
+                     like: Any) -> tuple[Any] | None:
+        """``(value,)`` for an array that one raw chunk holds whole, read straight into
+        the buffer ``prov.restore_flat`` gives (planned here, no box arithmetic); None
+        for the general path. Most arrays of a load come this way."""
+        c = _whole_chunk(entry)
+        if (c is None or (self.maps and c.nbytes >= _MAP_MIN_BYTES)
+                or index in self.plan.touched):
+            return None
+        got = prov.restore_flat(entry.dtype, entry.shape, c.nbytes, like,
+                                self.in_place and prov.capabilities.in_place_restore)
+        if got is None:
+            return None
+        flat, value = got
+        self.plan.whole(index, c, dtype_from_name(entry.dtype), flat)
+        return (value,)
 
     def aliased(self) -> set[int]:
         """Arrays that an alias leaf (tied weights) also holds: only those need sharing."""
@@ -135,6 +158,19 @@ class _Job:
             c.file == file and c.nbytes and c.offset + c.nbytes > size for c in a.chunks)]
         names = [f"'{format_keypath(paths.get(i, ()))}'" for i in bad[:5]]
         return ", ".join(names) + (", ..." if len(bad) > 5 else "")
+
+
+def _whole_chunk(entry: ArrayEntry) -> ChunkEntry | None:
+    """The array's only chunk if it holds the whole array raw (no codec, no block
+    checksums) in at least one byte, else None."""
+    chunks = entry.chunks
+    if len(chunks) != 1:
+        return None
+    c = chunks[0]
+    if (c.codec is not None or c.block_rows or not c.nbytes
+            or (c.shape is not entry.shape and c.shape != entry.shape)):
+        return None
+    return c
 
 
 def _row_block_ranges(entry: ArrayEntry) -> list[tuple[int, int, int]] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from statestream.format import (
     Manifest,
     dtype_from_name,
 )
-from statestream.plan import ReadPiece, Wanted, plan_load
+from statestream.plan import ReadPiece, Wanted
 from statestream.providers import (
     Destination,
     NumpyProvider,
@@ -72,6 +73,10 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         job.check_supply(node.array, entry, path)
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
         by_kind = provider_by_kind(kind)
+        flat = None if scalar else job.restore_flat(by_kind, node.array, entry, None)
+        if flat is not None:
+            job.paths[node.array] = path
+            return functools.partial(_value_of, flat)
         mapped = job.restore_mapped(by_kind, node.array, entry, None, path, scalar)
         dest: Destination = mapped or by_kind.restore(entry.dtype, entry.shape, None, path,
                                                       scalar=scalar)
@@ -91,6 +96,10 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 f"shape mismatch at key path '{format_keypath(path)}': the checkpoint has "
                 f"{entry.shape} ({entry.dtype}), the target has {want}"
             )
+        flat = job.restore_flat(prov, node.array, entry, like)
+        if flat is not None:
+            job.paths[node.array] = path
+            return functools.partial(_value_of, flat)
         found = (prov.restore_into(entry.dtype, entry.shape, like, path)
                  if job.in_place and prov.capabilities.in_place_restore else None)
         if found is None:
@@ -100,6 +109,10 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     return dest.finish
+
+
+def _value_of(flat: tuple[Any]) -> Any:
+    return flat[0]
 
 
 def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
@@ -488,7 +501,9 @@ def _load(
                    maps=io.map_files and isinstance(reader, MappedReader))
         build = _walk(root, like, (), m, job, "numpy", False)
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
-        requests = plan_load(m.arrays, job.wanted, max_request_bytes=io.max_request_bytes)
+        for w in job.wanted:
+            job.plan.add(w)
+        requests = job.plan.requests(max_request_bytes=io.max_request_bytes)
         skip_missing_checksums(reader, requests)
 
         def describe(p: ReadPiece) -> str:

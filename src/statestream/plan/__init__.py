@@ -1,6 +1,7 @@
 """Planning: pure functions from what is saved/wanted to byte-level work items."""
 
 from statestream.plan._load import (
+    LoadPlan,
     ReadPiece,
     ReadRequest,
     Wanted,
@@ -35,6 +36,7 @@ __all__ = [
     "COMPRESSED_CHUNK_BYTES",
     "ArrayDecl",
     "ArrayShape",
+    "LoadPlan",
     "MergedTree",
     "RankPart",
     "RankTree",

@@ -10,7 +10,9 @@ import numpy as np
 
 from statestream.format import ArrayEntry, ChunkEntry, dtype_from_name
 
-__all__ = ["ReadPiece", "ReadRequest", "Wanted", "coalesce", "plan_load", "plan_verify"]
+__all__ = [
+    "LoadPlan", "ReadPiece", "ReadRequest", "Wanted", "coalesce", "plan_load", "plan_verify",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -198,6 +200,58 @@ def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[
             piece.scatter.append((dview, psl))
 
 
+class LoadPlan:
+    """The pieces that fill a load's destinations, planned as the walk finds them.
+
+    :meth:`whole` is the common case in one step (a fresh or in-place buffer that
+    one raw chunk fills verbatim); :meth:`add` plans any wanted box; :meth:`requests`
+    sorts and coalesces. A chunk wanted by several destinations (tied leaves loaded
+    into separate targets) is read once and scattered to the others.
+    """
+
+    __slots__ = ("arrays", "pieces", "touched")
+
+    def __init__(self, arrays: Sequence[ArrayEntry]) -> None:
+        self.arrays = arrays
+        self.pieces: dict[tuple[int, ...], ReadPiece] = {}
+        #: arrays with a piece already (a second destination of one scatters)
+        self.touched: set[int] = set()
+
+    def whole(self, array: int, c: ChunkEntry, dt: np.dtype, flat: np.ndarray) -> None:
+        """Read chunk ``c`` -- raw, the whole of ``array``, no block checksums --
+        straight into ``flat`` (1-D uint8, exactly its bytes); ``array`` is untouched."""
+        self.touched.add(array)
+        self.pieces[(array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
+            array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat)
+
+    def add(self, w: Wanted) -> None:
+        """Plan the pieces that fill the box ``w`` wants."""
+        first = w.array not in self.touched
+        self.touched.add(w.array)
+        entry = self.arrays[w.array]
+        dt = dtype_from_name(entry.dtype)
+        dshape = tuple(w.dest.shape)
+        if (
+            dshape == entry.shape
+            and not any(w.start)
+            and w.dest.flags.c_contiguous
+            and first
+            and _row_blocks(entry)
+        ):
+            # Fast path (the common single-process case): the destination is the
+            # whole array and every chunk is a row block, i.e. a byte range of it.
+            _plan_whole_array(w, entry, dt, self.pieces)
+            return
+        _plan_chunk_boxes(w, entry, dt, dshape, self.pieces)
+
+    def requests(self, *, max_request_bytes: int = 32 << 20, max_gap_bytes: int = 64 << 10,
+                 max_pieces_per_request: int = 512) -> list[ReadRequest]:
+        """Every piece planned so far, as sorted, coalesced read requests."""
+        return coalesce(self.pieces.values(), max_request_bytes=max_request_bytes,
+                        max_gap_bytes=max_gap_bytes,
+                        max_pieces_per_request=max_pieces_per_request)
+
+
 def plan_load(
     arrays: Sequence[ArrayEntry],
     wanted: Sequence[Wanted],
@@ -212,28 +266,11 @@ def plan_load(
     it; others are read into scratch and copied. Nearby pieces of a file
     merge into one request (gaps up to ``max_gap_bytes`` are read and dropped).
     """
-    pieces: dict[tuple[int, ...], ReadPiece] = {}
-    touched: set[int] = set()
+    plan = LoadPlan(arrays)
     for w in wanted:
-        first = w.array not in touched
-        touched.add(w.array)
-        entry = arrays[w.array]
-        dt = dtype_from_name(entry.dtype)
-        dshape = tuple(w.dest.shape)
-        if (
-            dshape == entry.shape
-            and not any(w.start)
-            and w.dest.flags.c_contiguous
-            and first
-            and _row_blocks(entry)
-        ):
-            # Fast path (the common single-process case): the destination is the
-            # whole array and every chunk is a row block, i.e. a byte range of it.
-            _plan_whole_array(w, entry, dt, pieces)
-            continue
-        _plan_chunk_boxes(w, entry, dt, dshape, pieces)
-    return coalesce(pieces.values(), max_request_bytes=max_request_bytes,
-                    max_gap_bytes=max_gap_bytes, max_pieces_per_request=max_pieces_per_request)
+        plan.add(w)
+    return plan.requests(max_request_bytes=max_request_bytes, max_gap_bytes=max_gap_bytes,
+                         max_pieces_per_request=max_pieces_per_request)
 
 
 def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 20

@@ -246,6 +246,17 @@ class ArrayProvider(abc.ABC):
         order) instead of fresh memory; None when not possible (``buffer_restore``)."""
         return None
 
+    def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
+                     in_place: bool) -> tuple[np.ndarray, Any] | None:
+        """The common restore in one call: ``(flat, value)``, where ``flat`` is a 1-D
+        uint8 host buffer of exactly ``nbytes`` (> 0) that the array's raw bytes, C
+        order, fill, and ``value`` is what the load returns once they are in: no cast,
+        no device, nothing left to do. ``in_place``: ``flat`` is ``like``'s own memory
+        (which :meth:`restore_into` would use), else fresh. None when the general path
+        (:meth:`restore`, :meth:`restore_into`) is needed. Optional: default None.
+        """
+        return None
+
     def alias_key(self, obj: Any) -> Hashable | None:
         """A key equal for two values exactly when they are the same array in the same
         memory (same memory, offset, shape, strides and dtype), or None (``aliases``)."""

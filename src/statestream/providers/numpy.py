@@ -89,6 +89,19 @@ class NumpyProvider(ArrayProvider):
             return None
         return Destination(boxes=[((0,) * len(shape), like)], finish=lambda: like)
 
+    def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
+                     in_place: bool) -> tuple[np.ndarray, Any] | None:
+        dt = dtype_from_name(dtype)
+        if like is not None:
+            if type(like) is not np.ndarray or like.dtype != dt:
+                return None  # a cast, a scalar or a subclass: the general path
+            if in_place:
+                if not (like.flags.c_contiguous and like.flags.writeable):
+                    return None
+                return like.reshape(-1).view(np.uint8), like
+        flat = np.empty(nbytes, dtype=np.uint8)
+        return flat, flat.view(dt).reshape(shape)
+
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
         return self._restore(host_destination(dtype, shape), dtype, like, path, scalar)

@@ -253,6 +253,28 @@ class TorchProvider(ArrayProvider):
         return self._restore_host(
             np.empty(nbytes, dtype=np.uint8) if nbytes else None, dtype, shape, like)
 
+    def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
+                     in_place: bool) -> tuple[np.ndarray, Any] | None:
+        """A plain CPU tensor of the saved dtype: the target's own bytes (in place) or a
+        fresh tensor on NumPy memory, as :meth:`restore` makes it."""
+        saved = _tables()[1].get(dtype)
+        if saved is None:
+            return None
+        if like is not None:
+            if type(like) not in _PLAIN_TENSORS or like.dtype != saved or not like.is_cpu:
+                return None
+            if in_place:
+                if (like.layout != _torch().strided or not like.is_contiguous()
+                        or like.is_conj() or like.is_neg()):
+                    return None
+                return _host_bytes(like), like
+            if type(like) is not _torch().Tensor:
+                return None  # a Parameter: restore() wraps the result
+        flat = np.empty(nbytes, dtype=np.uint8)
+        if dtype in _NUMPY_NATIVE:
+            return flat, _torch().from_numpy(flat.view(dtype_from_name(dtype)).reshape(shape))
+        return flat, _torch().from_numpy(flat).view(saved).reshape(shape)
+
     def restore_on(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                    buffer: memoryview, scalar: bool = False) -> Destination | None:
         if (like is not None and _is_dtensor(like)) or not len(buffer):
