@@ -3,7 +3,9 @@
 Each case runs in a fresh process: the manifest's bytes are built first, then
 ``read_manifest``'s path (bytes -> text, bytes dropped, ``decode_manifest``)
 runs under tracemalloc. Reported: peak and retained (the decoded Manifest)
-over the manifest's size, and the decode time.
+over the manifest's size, and the decode time, for the form a writer picks
+(a table, format v3, from ``ARRAY_TABLE_MIN`` arrays on) and for the same
+content written as a v1 list.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_manifest_memory.py
 """
@@ -24,6 +26,9 @@ CASES = {
 
 CHILD = r"""
 import gc, sys, time, tracemalloc
+import statestream.format._manifest as _m
+if len(sys.argv) > 3 and sys.argv[3] == "v1":  # the list form, whatever the size
+    _m.ARRAY_TABLE_MIN = 1 << 62
 from statestream.format import (ArrayEntry, ChunkEntry, FileEntry, Manifest, decode_manifest,
                                 encode_manifest)
 from statestream.tree import Node
@@ -61,20 +66,23 @@ print(size, peak, cur, dt)
 """
 
 
-def measure(n_arrays: int, per: int) -> tuple[int, float, float, float]:
-    """(manifest bytes, peak / size, retained / size, seconds) in a fresh process."""
-    r = subprocess.run([sys.executable, "-c", CHILD, str(n_arrays), str(per)],
+def measure(n_arrays: int, per: int, form: str = "default") -> tuple[int, float, float, float]:
+    """(manifest bytes, peak / size, retained / size, seconds) in a fresh process;
+    ``form`` "v1" writes the list form whatever the number of arrays."""
+    r = subprocess.run([sys.executable, "-c", CHILD, str(n_arrays), str(per), form],
                        capture_output=True, text=True, check=True)
     size, peak, cur, dt = r.stdout.split()
     return int(size), int(peak) / int(size), int(cur) / int(size), float(dt)
 
 
 def main() -> None:
-    print("| manifest | size | peak | retained | decode s |")
-    print("|---|---|---|---|---|")
+    print("| manifest | form | size | peak | retained | peak MB | retained MB | decode s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (n, per) in CASES.items():
-        size, peak, kept, dt = measure(n, per)
-        print(f"| {name} | {size / 1e6:.1f} MB | {peak:.2f}x | {kept:.2f}x | {dt:.2f} |")
+        for form in ("default", "v1"):
+            size, peak, kept, dt = measure(n, per, form)
+            print(f"| {name} | {form} | {size / 1e6:.1f} MB | {peak:.2f}x | {kept:.2f}x | "
+                  f"{peak * size / 1e6:.1f} | {kept * size / 1e6:.1f} | {dt:.2f} |")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ EXPECTED: dict[str, list[str]] = {
         "rebuild_container", "state_fields", "type_name",
     ],
     "statestream.format": [
-        "CHECKSUM_ALGORITHM", "CODECS", "COMMIT_NAME", "DATA_DIR", "DTYPE_NAMES", "FORMAT_NAME",
-        "FORMAT_VERSION", "FORMAT_VERSIONS", "MANIFEST_NAME", "MAX_ARRAY_BYTES",
+        "ARRAY_TABLE_MIN", "CHECKSUM_ALGORITHM", "CODECS", "COMMIT_NAME", "DATA_DIR",
+        "DTYPE_NAMES", "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS", "MANIFEST_NAME",
+        "MAX_ARRAYS", "MAX_ARRAY_BYTES",
         "MAX_CODEC_RATIO", "MAX_COMMIT_BYTES", "MAX_DIM",
         "MAX_FILES", "MAX_MANIFEST_BYTES", "MAX_NDIM", "ArrayEntry", "ChunkEntry", "ChunkRef",
         "Compression", "FileEntry",
@@ -51,7 +52,8 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.plan": [
         "COMPRESSED_CHUNK_BYTES",
-        "ArrayDecl", "ArrayShape", "ArraySpec", "FilePlan", "MergedTree", "RankPart", "RankTree",
+        "ArrayDecl", "ArrayShape", "ArraySpec", "FilePlan", "LoadPlan", "MergedTree", "RankPart",
+        "RankTree",
         "ReadPiece",
         "ReadRequest", "StreamPlanner", "Wanted", "WriteItem", "assign_writers",
         "block_rows_for", "build_manifest", "chunk_offset", "coalesce", "manifest_matches",

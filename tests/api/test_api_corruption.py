@@ -190,7 +190,7 @@ def test_bad_commit_marker(ckpt, marker):
 
 def test_future_version_in_marker(ckpt):
     m = json.loads((ckpt / "COMMITTED").read_bytes())
-    m["version"] = 3
+    m["version"] = 4
     (ckpt / "COMMITTED").write_bytes(json.dumps(m).encode())
     _assert_reported(ckpt, ss.FormatVersionError, ["COMMITTED"], cli=False)
 
@@ -430,13 +430,13 @@ def test_manifest_limits_cli(ckpt):
 
 def test_future_version_in_manifest(ckpt):
     doc = _doc(ckpt)
-    doc["version"] = 3
+    doc["version"] = 4
     _write_doc(ckpt, doc, update_marker=False)
     data = (ckpt / "manifest.json").read_bytes()
-    (ckpt / "COMMITTED").write_bytes(encode_commit(data, version=1))  # only the manifest says 3
+    (ckpt / "COMMITTED").write_bytes(encode_commit(data, version=1))  # only the manifest says 4
     shutil.rmtree(ckpt / "data")
     err = _assert_reported(ckpt, ss.FormatVersionError, ["manifest.json"])
-    assert "version 3" in str(err)
+    assert "version 4" in str(err)
 
 
 def test_manifest_not_json(ckpt):

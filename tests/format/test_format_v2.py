@@ -172,11 +172,11 @@ def test_unknown_codec_is_a_format_version_error(parse_path: str) -> None:
 
 def test_a_future_version_is_a_format_version_error_even_if_its_chunks_are_new(
         parse_path: str) -> None:
-    def v3(doc: dict[str, Any]) -> None:
-        doc["version"] = 3
+    def v4(doc: dict[str, Any]) -> None:
+        doc["version"] = 4
         chunk(doc, 1)[7]["delta"] = 1
         chunk(doc, 1).append("more")
-    refused(v3, "format version 3.*upgrade", FormatVersionError)
+    refused(v4, "format version 4.*upgrade", FormatVersionError)
 
 
 @pytest.mark.parametrize(("mutate", "match"), [

@@ -46,7 +46,7 @@ WHERE = "/ckpt/manifest.json"
 
 
 def test_constants() -> None:
-    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSIONS) == ("statestream", 2, (1, 2))
+    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSIONS) == ("statestream", 3, (1, 2, 3))
     assert (MANIFEST_NAME, COMMIT_NAME, DATA_DIR) == ("manifest.json", "COMMITTED", "data")
 
 
@@ -203,7 +203,7 @@ def test_not_a_statestream_manifest() -> None:
 
 
 def test_newer_version_asks_to_upgrade() -> None:
-    err = corrupt(lambda d: d.update(version=3), "format version 3.*upgrade statestream",
+    err = corrupt(lambda d: d.update(version=4), "format version 4.*upgrade statestream",
                   FormatVersionError)
     assert isinstance(err, ValueError)
 
@@ -630,7 +630,7 @@ def _commit(**over: Any) -> bytes:
         (b"[" * 4000, CheckpointCorruptError, "not valid JSON"),
         (b"[]", CheckpointCorruptError, "not a statestream commit marker"),
         (_commit(format="zarr"), CheckpointCorruptError, "not a statestream commit marker"),
-        (_commit(version=3), FormatVersionError, "format version 3"),
+        (_commit(version=4), FormatVersionError, "format version 4"),
         (_commit(manifest_bytes=...), CheckpointCorruptError, "manifest_bytes"),
         (_commit(manifest_bytes=-1), CheckpointCorruptError, "manifest_bytes"),
         (_commit(manifest_bytes=True), CheckpointCorruptError, "manifest_bytes"),

@@ -46,7 +46,9 @@ def reference_encode(m: Manifest) -> bytes:
     return json.dumps(doc, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-@pytest.mark.parametrize("path", sorted(GOLDEN.glob("v*/*/manifest.json")),
+@pytest.mark.parametrize("path", [p for p in sorted(GOLDEN.glob("v*/*/manifest.json"))
+                                  if p.parent.parent.name in ("v1", "v2")],  # (v3: a table,
+                         # re-encoded in tests/format/test_golden_v3.py)
                          ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
 def test_golden_manifests_encode_to_their_own_bytes(path: pathlib.Path) -> None:
     raw = path.read_bytes()

@@ -1,4 +1,4 @@
-"""The on-disk format (v1 and v2): manifest schema, dtypes, checksums and limits.
+"""The on-disk format (v1, v2 and v3): manifest schema, dtypes, checksums and limits.
 
 ``docs/format.md`` is the specification; this package enforces it.
 """
@@ -7,6 +7,7 @@ from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum
 from statestream.format._codec import Compression
 from statestream.format._dtypes import DTYPE_NAMES, dtype_from_name, dtype_name, itemsize_of
 from statestream.format._manifest import (
+    ARRAY_TABLE_MIN,
     CODECS,
     COMMIT_NAME,
     DATA_DIR,
@@ -15,6 +16,7 @@ from statestream.format._manifest import (
     FORMAT_VERSIONS,
     MANIFEST_NAME,
     MAX_ARRAY_BYTES,
+    MAX_ARRAYS,
     MAX_CODEC_RATIO,
     MAX_COMMIT_BYTES,
     MAX_DIM,
@@ -38,6 +40,7 @@ from statestream.format._manifest import (
 )
 
 __all__ = [
+    "ARRAY_TABLE_MIN",
     "CHECKSUM_ALGORITHM",
     "CODECS",
     "COMMIT_NAME",
@@ -47,6 +50,7 @@ __all__ = [
     "FORMAT_VERSION",
     "FORMAT_VERSIONS",
     "MANIFEST_NAME",
+    "MAX_ARRAYS",
     "MAX_ARRAY_BYTES",
     "MAX_CODEC_RATIO",
     "MAX_COMMIT_BYTES",

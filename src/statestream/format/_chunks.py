@@ -108,6 +108,13 @@ class ChunkList(Sequence[ChunkEntry]):
         self._store, self._k = store, len(store.spans) // 4
         store.spans.extend((lo, hi, c0, nd))
 
+    @classmethod
+    def of(cls, store: ChunkStore, k: int) -> ChunkList:
+        """The chunks of the store's array ``k``, whose span the store holds already."""
+        out = cls.__new__(cls)
+        out._store, out._k = store, k
+        return out
+
     def span(self) -> tuple[int, int, int, int]:
         """First chunk, end chunk, first coordinate and ndim in the store."""
         sp, k = self._store.spans, 4 * self._k

@@ -46,6 +46,7 @@ from statestream.format._manifest import (
     FORMAT_VERSION,
     FORMAT_VERSIONS,
     MAX_ARRAY_BYTES,
+    MAX_ARRAYS,
     MAX_CODEC_RATIO,
     MAX_COMMIT_BYTES,
     MAX_DIM,
@@ -179,8 +180,8 @@ def _ws(s: str, i: int) -> int:
     return i
 
 
-def _tree_scanner() -> Any:
-    return make_scanner(json.JSONDecoder(object_hook=_TreeHook()))  # type: ignore[arg-type]
+def _tree_scanner(hook: _TreeHook) -> Any:
+    return make_scanner(json.JSONDecoder(object_hook=hook))  # type: ignore[arg-type]
 
 
 def _value(s: str, i: int, scan: Any = None) -> tuple[Any, int]:
@@ -216,6 +217,8 @@ def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
             key, i = _value(s, i)
             if type(key) is not str:
                 raise json.JSONDecodeError("Expecting property name", s, i)
+            if key in doc:  # (which one counts is ambiguous, and arrays fill the store)
+                raise _Bad(f"the manifest gives {key!r:.40} twice")
             i = _expect(s, _ws(s, i), ":")
             if key == "arrays":
                 doc[key], i = _arrays(s, i, store, _eager_files(doc))
@@ -223,7 +226,10 @@ def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
                 doc[key], i = _value(s, i)
                 store.bases = _decode_bases(doc[key])
             elif key == "tree":
-                doc[key], i = _value(s, i, _tree_scanner())
+                hook = _TreeHook()
+                doc[key], i = _value(s, i, _tree_scanner(hook))
+                if hook.compact:
+                    doc[_COMPACT] = True  # type: ignore[index]
             else:
                 doc[key], i = _value(s, i)
             i = _ws(s, i)
@@ -235,6 +241,11 @@ def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
     if i != len(s):
         raise json.JSONDecodeError("Extra data", s, i)
     return doc
+
+
+#: set (as a key no JSON text can make) in a parsed manifest whose tree has compact
+#: array leaves, a format v3 field
+_COMPACT = object()
 
 
 class _DecodedArrays(list):  # type: ignore[type-arg]
@@ -295,6 +306,8 @@ def _arrays(s: str, i: int, store: ChunkStore,
         return _value(s, i)
     if len(s) <= _SMALL_MANIFEST_BYTES and eager is not None:
         entries, i = _value(s, i)  # one C parse of the whole list, then a tight loop
+        if type(entries) is list and len(entries) > MAX_ARRAYS:
+            raise _Bad(f"{len(entries)} arrays (limit {MAX_ARRAYS})")
         return _decode_small(entries, store, eager[0], eager[1]), i
     out: list[Any] = _DecodedArrays() if eager is not None else []
     i = _ws(s, i + 1)
@@ -302,6 +315,8 @@ def _arrays(s: str, i: int, store: ChunkStore,
         return out, i + 1
     sizes = [f.size for f in eager[0]] if eager is not None else []
     while True:
+        if len(out) >= MAX_ARRAYS:
+            raise _Bad(f"more than {MAX_ARRAYS} arrays (the limit)")
         peeked = _peek(s, i) if eager is not None and s[i:i + 1] == "{" else None
         if peeked is not None:  # a short entry: read by the C parser
             d, i = peeked
@@ -740,7 +755,11 @@ def _check_version(doc: Any, where: str) -> int:
 
 
 def _check_v2_fields(doc: dict[str, Any], store: ChunkStore, version: int) -> None:
-    """A v1 manifest has no v2 field; a v2 manifest's bases are each referenced."""
+    """A v1 manifest has no v2 field, nor a v2 one a v3 field; a later one's bases are
+    each referenced."""
+    if version < 3 and _COMPACT in doc:
+        raise _Bad(f"a format v{version} manifest has a format v3 field (compact array "
+                   "leaves)")
     if version == 1:
         if "bases" in doc or store.ext:
             raise _Bad("a format v1 manifest has a format v2 field ("
@@ -753,7 +772,7 @@ def _check_v2_fields(doc: dict[str, Any], store: ChunkStore, version: int) -> No
 
 
 def decode_manifest(data: bytes | str, where: str) -> Manifest:
-    """Parse and fully validate manifest bytes read from ``where`` (format v1 or v2).
+    """Parse and fully validate manifest bytes read from ``where`` (format v1, v2 or v3).
 
     Raises:
         FormatVersionError: the manifest is from an unknown format version, or a
@@ -784,13 +803,22 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
     del text
     version = _check_version(doc, where)
     try:
-        _check_v2_fields(doc, store, version)
+        if version < 3:
+            _check_v2_fields(doc, store, version)
         files = _decode_files(doc.get("files"))
         arrays_l = doc.get("arrays")
-        if type(arrays_l) is _DecodedArrays:
-            arrays: list[ArrayEntry] = list(arrays_l)
+        if version == 3:  # the table (its chunks checked as a whole)
+            if type(arrays_l) is _DecodedArrays:
+                raise _Bad("format v3 arrays must be a table (an object of columns)")
+            arrays: list[ArrayEntry] = decode_table(
+                arrays_l, files, store, np.array([f.size for f in files], dtype=np.int64))
+            _check_v2_fields(doc, store, version)
+        elif type(arrays_l) is _DecodedArrays:
+            arrays = list(arrays_l)
         else:
             arrays_l = _list(arrays_l, "arrays")
+            if len(arrays_l) > MAX_ARRAYS:
+                raise _Bad(f"{len(arrays_l)} arrays (limit {MAX_ARRAYS})")
             sizes = np.array([f.size for f in files], dtype=np.int64)
             arrays = [_decode_array(a, i, files, store, sizes) for i, a in enumerate(arrays_l)]
         del arrays_l, doc["arrays"]
@@ -857,3 +885,7 @@ def decode_commit(data: bytes, where: str) -> tuple[int, int]:
     except _Bad as exc:
         raise CheckpointCorruptError(f"commit marker {where} is malformed: {exc}") from None
     return size, crc
+
+
+# The v3 array table's decoder uses the checks above; imported last (it imports them).
+from statestream.format._table import decode_table  # noqa: E402

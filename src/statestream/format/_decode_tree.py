@@ -180,6 +180,8 @@ class _TreeHook:
 
     def __init__(self) -> None:
         self.attrs: dict[tuple[Any, ...], dict[str, Any]] = {}
+        #: a container had compact array leaves (``ak``, format v3)
+        self.compact = False
 
     def __call__(self, d: dict[str, Any]) -> Any:
         if "t" not in d:
@@ -187,11 +189,31 @@ class _TreeHook:
         kids = d.get("c")
         if kids is not None and type(kids) is not list:
             raise _Bad("children must be a list")
+        if "ak" in d:
+            kids = self._leaves(d, kids)
         node = _make_node(d, kids)
         # (attrs came through this hook as the parser closed them: already shared)
         if node.attrs is not None and Node in set(map(type, node.attrs.values())):
             raise _Bad("leaf attributes must hold plain values, not tree nodes")
         return node
+
+    def _leaves(self, d: dict[str, Any], kids: list[Any] | None) -> list[Any]:
+        """A container's children with its compact array leaves (bare array indexes,
+        of kind ``ak``) made nodes."""
+        ak = d["ak"]
+        if type(ak) is not str or (d.get("t") not in _CONTAINERS and d.get("t") != "stateful"):
+            raise _Bad("only a container's children may be compact array leaves, of a "
+                       "string kind")
+        if kids is None:
+            raise _Bad("children must be a list")
+        self.compact = True
+        attrs = self._share({"kind": ak})
+        out = []
+        for c in kids:
+            if type(c) is int:
+                c = Node("array", array=_int(c, "array index", 0, MAX_FILE_BYTES), attrs=attrs)
+            out.append(c)
+        return out
 
     def _share(self, d: dict[str, Any]) -> dict[str, Any]:
         if len(d) > 4:
