@@ -317,6 +317,9 @@ def decode_table(t: Any, files: list[FileEntry], store: ChunkStore,
     one = tb.nchunks == 1
     one[one] = plain[tb.first[one]]
     _fill_store(tb, store, ~one)
+    # what building the entries does not need goes before they are built (1M arrays:
+    # ~60 MB of index columns)
+    del tb.owner, tb.cnd, tb.flags
     return _entries(tb, one, store)
 
 
@@ -325,6 +328,7 @@ def _entries(tb: _Table, one: np.ndarray, store: ChunkStore) -> list[ArrayEntry]
     dtype, ndim, nchunks, one_l = (tb.dtype.tolist(), tb.ndim.tolist(), tb.nchunks.tolist(),
                                    one.tolist())
     dims, fields, whole = tb.dims.tolist(), tb.fields.reshape(-1).tolist(), tb.whole.tolist()
+    del tb.dims, tb.fields, tb.whole
     out: list[ArrayEntry] = []
     p = g = k = 0
     for i in range(tb.n):
@@ -335,7 +339,8 @@ def _entries(tb: _Table, one: np.ndarray, store: ChunkStore) -> list[ArrayEntry]
             if whole[g]:  # (most: shared tuples)
                 start, cshape = _ZEROS.setdefault(nd, (0,) * nd), shape
             else:  # (an empty array's chunk)
-                box = tb.box(g)
+                c0 = int(tb.cstart[g])
+                box = tb.boxes[c0:c0 + 2 * nd].tolist()
                 start, cshape = tuple(box[:nd]), tuple(box[nd:])
             q = 4 * g
             chunk = ChunkEntry(fields[q], fields[q + 1], fields[q + 2], fields[q + 3],
