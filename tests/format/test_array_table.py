@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_format_v2 import v2_manifest  # (pytest puts this directory on sys.path)
 
 import statestream as ss
 import statestream.format as format_pkg
@@ -125,24 +126,6 @@ class Layout:
 
 
 # ----------------------------------------------------------------------------- manifests
-
-
-def v2_manifest() -> Manifest:
-    """tests/format/test_format_v2.py's manifest (copied: tests is not a package): five
-    arrays, compressed (shuffled and not), hashed, referenced, and one of six chunks."""
-    many = tuple(ChunkEntry(1, 64 * k, 5, k, (2 * k,), (2,), codec="zstd") for k in range(6))
-    arrays = [
-        ArrayEntry("float32", (4, 4), (ChunkEntry(0, 0, 20, 1, (0, 0), (4, 4), codec="zstd",
-                                                  shuffle=True, digest=D1),)),
-        ArrayEntry("int64", (3,), (ChunkEntry(0, 64, 24, 2, (0,), (3,), digest=D1),)),
-        ArrayEntry("float32", (8,), (ChunkEntry(3, 128, 32, 3, (0,), (8,), 2, (5, 6, 7, 8),
-                                                digest=D1, ref=ChunkRef("step-1", 3)),)),
-        ArrayEntry("float32", (12,), many),
-        ArrayEntry("uint8", (4,), (ChunkEntry(0, 128, 4, 4, (0,), (4,)),)),
-    ]
-    tree = Node("dict", keys=list("abcde"), children=[Node("array", array=i) for i in range(5)])
-    return Manifest(tree=tree, arrays=arrays,
-                    files=[FileEntry("data/r0-0.bin", 132), FileEntry("data/r0-1.bin", 330)])
 
 
 def v2_numpy_manifest() -> Manifest:
