@@ -327,13 +327,10 @@ def _array_table(arrays: Sequence[ArrayEntry], bases: dict[str, int]) -> str:
         dims += a.shape
         nchunks.append(len(a.chunks))
         for c in a.chunks:
-            if c.block_rows or c.codec is not None or c.digest is not None or c.ref is not None \
-                    or c.shuffle:
-                j = len(fields) // 4
-                if c.block_rows:
-                    blocks.append([j, c.block_rows, list(c.block_checksums)])
-                if c.codec is not None or c.digest is not None or c.ref is not None or c.shuffle:
-                    ext.append([j, _chunk_ext(c, bases)])
+            if c.block_rows:
+                blocks.append([len(fields) // 4, c.block_rows, list(c.block_checksums)])
+            if _chunk_is_v2(c) or c.shuffle:  # (_chunk_ext refuses a shuffle without codec)
+                ext.append([len(fields) // 4, _chunk_ext(c, bases)])
             fields += (c.file, c.offset, c.nbytes, c.checksum)
             boxes += c.start
             boxes += c.shape

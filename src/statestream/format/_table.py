@@ -19,12 +19,10 @@ from statestream.format._chunks import FLAG_CODEC, FLAG_REF, ChunkEntry, ChunkLi
 from statestream.format._decode import (
     _DTYPE_OBJ,
     _ZEROS,
-    _check_file_ranges,
     _chunk_ext,
     _first,
     _intern,
     _stored_size_msg,
-    _tiles_exactly,
 )
 from statestream.format._decode_tree import _Bad
 from statestream.format._dtypes import DTYPE_NAMES, itemsize_of
@@ -38,6 +36,7 @@ from statestream.format._manifest import (
     ArrayEntry,
     FileEntry,
 )
+from statestream.format._tiles import _check_file_ranges, _tiles_exactly
 
 __all__ = ["decode_table"]
 
