@@ -106,11 +106,12 @@ def test_reference_cycles(tmp_path):
     with pytest.raises(ss.UnsupportedTypeError):
         ss.save(tmp_path / "c", {"a": lst})
     assert os.listdir(tmp_path) == []
-    # shared (non-cyclic) references are fine: saved twice
+    # shared (non-cyclic) references are fine: the array is stored once, loaded tied
     shared = np.arange(3)
     ss.save(tmp_path / "ok", {"a": shared, "b": shared, "c": [shared, shared]})
     out = ss.load(tmp_path / "ok")
     np.testing.assert_array_equal(out["c"][1], shared)
+    assert out["c"][1] is out["a"] and ss.metadata(tmp_path / "ok").num_arrays == 1
 
 
 def test_too_deep_state(tmp_path):

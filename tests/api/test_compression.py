@@ -145,9 +145,12 @@ def test_incompressible_data_is_stored_raw_and_grows_at_most_2_percent(
 
 
 def test_codec_by_key_path_pattern_last_match_wins(tmp_path: pathlib.Path) -> None:
-    z = np.zeros((64, 64), np.float32)
-    state = {"params": {"embed": z, "layers": [{"w": z, "bias": z}, {"w": z, "bias": z}]},
-             "opt": {"m": z, "v": z.astype(np.int32)}}
+    def z() -> np.ndarray:  # a new array per key (one array under two keys is stored once)
+        return np.zeros((64, 64), np.float32)
+
+    state = {"params": {"embed": z(), "layers": [{"w": z(), "bias": z()},
+                                                 {"w": z(), "bias": z()}]},
+             "opt": {"m": z(), "v": z().astype(np.int32)}}
     p = tmp_path / "c"
     ss.save(p, state, compression={
         "**": "zstd", "params/**": None, "**/bias": ss.Compression(level=5, shuffle=False),

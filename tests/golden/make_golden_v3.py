@@ -7,7 +7,9 @@ Run from the repository root only when the golden files are meant to change
 
 One checkpoint of :func:`golden_state`: 1,100 small arrays (so the writer picks
 the array table) of several dtypes and kinds beside the v1 golden's state (0-d,
-empty, scalar and byte leaves, plain values, one array under two keys),
+empty, scalar and byte leaves, plain values, one array under two keys: the
+checked-in files hold it twice, written before NumPy arrays were tied; a rerun
+now writes the second key as an alias leaf),
 an array split into row blocks, and one compressed array (block checksums need
 chunks over 1 MiB: tests/format/test_array_table.py covers them).
 tests/format/test_golden_v3.py rebuilds the state and compares.

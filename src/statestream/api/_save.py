@@ -62,7 +62,8 @@ def save(
             or an :class:`~statestream.Compression` for every array, or a dict
             of key-path patterns to those or ``None`` (``{"opt/**": "zstd",
             "params/**": None}``; ``*`` within a key, ``**`` across keys, a
-            pattern covers its subtree, the last match decides). Floating-point
+            pattern covers its subtree, the last match decides; an array under
+            several key paths, stored once, by its first). Floating-point
             arrays are byte-shuffled first by default. A chunk that does not
             shrink is stored raw. Default: nothing compressed (format v1).
         base: an incremental save (format v2): a committed checkpoint in the
