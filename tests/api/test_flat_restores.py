@@ -123,22 +123,25 @@ def test_plain_targets_take_the_one_step_path(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     src = _state()
     ss.save(tmp_path / "c", src)
-    seen: list[int] = []
+    seen: list[tuple[int, bool]] = []
     whole = LoadPlan.whole
 
-    def counting(self: LoadPlan, array: int, *args: object) -> None:
-        seen.append(array)
-        whole(self, array, *args)  # type: ignore[arg-type]
+    def counting(self: LoadPlan, array: int, *args: object, mapped: bool = False) -> None:
+        seen.append((array, mapped))
+        whole(self, array, *args, mapped=mapped)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LoadPlan, "whole", counting)
-    for in_place in (False, True):
+    for in_place in (False, True):  # allocating loads map the file bytes; in place reads
         seen.clear()
         ss.load(tmp_path / "c", {k: torch.zeros_like(v) for k, v in src.items()},
                 in_place=in_place)
-        assert sorted(seen) == [0, 1, 2]
+        assert sorted(seen) == [(0, not in_place), (1, not in_place), (2, not in_place)]
     seen.clear()
     ss.load(tmp_path / "c")
-    assert sorted(seen) == [0, 1, 2]
+    assert sorted(seen) == [(0, True), (1, True), (2, True)]
+    seen.clear()
+    ss.load(tmp_path / "c", io=ss.IOOptions(map_files=False))
+    assert sorted(seen) == [(0, False), (1, False), (2, False)]
     seen.clear()
     ss.load(tmp_path / "c", {"w": torch.zeros(6, 5, dtype=torch.float64)}, items=["w"])
     assert seen == []  # a cast: the general path

@@ -1,4 +1,4 @@
-"""Loads that map large arrays' file bytes (private, copy-on-write) instead of reading them."""
+"""Loads that map arrays' file bytes (private, copy-on-write) instead of reading them."""
 
 from __future__ import annotations
 
@@ -37,14 +37,22 @@ def ckpt(tmp_path: Path) -> Path:
     return d
 
 
-def test_large_arrays_are_mapped_small_ones_read(ckpt: Path) -> None:
+def _in_data(arr: np.ndarray, ckpt: Path) -> bool:
+    return (_mapped_file(arr) or "").startswith(str(ckpt / "data"))
+
+
+def test_large_and_small_arrays_are_mapped(ckpt: Path) -> None:
     out = ss.load(ckpt)
     want = _state()
     for k, v in want.items():
         np.testing.assert_array_equal(out[k], v)
-    where = _mapped_file(out["big"])
-    assert where is not None and where.startswith(str(ckpt / "data"))
-    assert _mapped_file(out["small"]) is None or "data" not in str(_mapped_file(out["small"]))
+        assert _in_data(out[k], ckpt), k
+
+
+def test_small_mapped_arrays_are_private_copies(ckpt: Path) -> None:
+    out = ss.load(ckpt)
+    out["small"][:] = -3
+    np.testing.assert_array_equal(ss.load(ckpt)["small"], _state()["small"])
 
 
 def test_mapped_arrays_are_private_copies(ckpt: Path) -> None:
@@ -56,8 +64,9 @@ def test_mapped_arrays_are_private_copies(ckpt: Path) -> None:
 
 def test_map_files_off_reads_into_fresh_memory(ckpt: Path) -> None:
     out = ss.load(ckpt, io=ss.IOOptions(map_files=False))
-    np.testing.assert_array_equal(out["big"], _state()["big"])
-    assert _mapped_file(out["big"]) is None or "data" not in str(_mapped_file(out["big"]))
+    for k, v in _state().items():
+        np.testing.assert_array_equal(out[k], v)
+        assert not _in_data(out[k], ckpt), k
 
 
 def _flip(ckpt: Path, at: int) -> None:
@@ -82,18 +91,57 @@ def test_short_file_is_refused_before_mapping(ckpt: Path) -> None:
         ss.load(ckpt)
 
 
+def _offset_of(ckpt: Path, arr: np.ndarray) -> int:
+    """Where ``arr``'s bytes lie in the checkpoint's (only) data file."""
+    (f,) = sorted((ckpt / "data").iterdir())
+    at = f.read_bytes().find(arr.tobytes())
+    assert at >= 0
+    return at
+
+
+def test_small_mapped_arrays_are_verified(ckpt: Path) -> None:
+    _flip(ckpt, _offset_of(ckpt, _state()["small"]) + 3)
+    with pytest.raises(ChecksumMismatchError, match="'small'"):
+        ss.load(ckpt)
+    with pytest.raises(ChecksumMismatchError, match="'small'"):
+        ss.load(ckpt, target={"small": np.zeros(10, np.int64)}, items=["small"])
+
+
+def test_a_file_short_of_a_small_array_is_refused_with_its_key_path(tmp_path: Path) -> None:
+    # small arrays only, so the first array past the end is a small, mapped one
+    state = {f"a{i}": np.full(100, i, np.int32) for i in range(20)}
+    ss.save(tmp_path / "c", state)
+    (f,) = sorted((tmp_path / "c" / "data").iterdir())
+    last = max(state, key=lambda k: _offset_of(tmp_path / "c", state[k]))
+    os.truncate(f, _offset_of(tmp_path / "c", state[last]) + 10)
+    with pytest.raises(TruncatedFileError, match=f"'{last}'"):
+        ss.load(tmp_path / "c")
+    with pytest.raises(TruncatedFileError, match=f"'{last}'"):
+        ss.load(tmp_path / "c", target={k: np.zeros_like(v) for k, v in state.items()})
+
+
 def test_torch_targets_get_mapped_tensors(ckpt: Path) -> None:
     torch = pytest.importorskip("torch")
     like = {"big": torch.empty(512, 1024), "small": torch.empty(10, dtype=torch.int64)}
     out = ss.load(ckpt, target=like)
     assert torch.equal(out["big"], torch.from_numpy(_state()["big"]))
-    assert out["big"] is not like["big"]
-    where = _mapped_file(out["big"].numpy())
-    assert where is not None and where.startswith(str(ckpt / "data"))
+    assert torch.equal(out["small"], torch.from_numpy(_state()["small"]))
+    for k in like:
+        assert out[k] is not like[k]
+        assert _in_data(out[k].numpy(), ckpt), k
+    out["small"][0] = 99  # copy-on-write
+    assert ss.load(ckpt, target=like)["small"][0] == 0
+    # a Parameter takes the general path: mapped when large, read when small
+    params = {"big": torch.nn.Parameter(torch.empty(512, 1024)),
+              "small": torch.nn.Parameter(torch.empty(10), requires_grad=False)}
+    got = ss.load(ckpt, target={"big": params["big"]}, items=["big"])
+    assert isinstance(got["big"], torch.nn.Parameter)
+    assert torch.equal(got["big"].detach(), torch.from_numpy(_state()["big"]))
     # in place: the target's own memory, never a mapping
     got = ss.load(ckpt, target=like, in_place=True)
-    assert got["big"] is like["big"]
-    assert torch.equal(like["big"], torch.from_numpy(_state()["big"]))
+    for k in like:
+        assert got[k] is like[k]
+        assert torch.equal(like[k], torch.from_numpy(_state()[k]))
 
 
 def test_compressed_arrays_are_read_and_referenced_ones_map_their_base(tmp_path: Path) -> None:

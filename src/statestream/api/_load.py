@@ -73,7 +73,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         job.check_supply(node.array, entry, path)
         kind = default_kind if default_kind != "saved" else str(attrs.get("kind", "numpy"))
         by_kind = provider_by_kind(kind)
-        flat = None if scalar else job.restore_flat(by_kind, node.array, entry, None)
+        flat = None if scalar else job.restore_flat(by_kind, node.array, entry, None, path)
         if flat is not None:
             job.paths[node.array] = path
             return functools.partial(_value_of, flat)
@@ -96,7 +96,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 f"shape mismatch at key path '{format_keypath(path)}': the checkpoint has "
                 f"{entry.shape} ({entry.dtype}), the target has {want}"
             )
-        flat = job.restore_flat(prov, node.array, entry, like)
+        flat = job.restore_flat(prov, node.array, entry, like, path)
         if flat is not None:
             job.paths[node.array] = path
             return functools.partial(_value_of, flat)

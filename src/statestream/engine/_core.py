@@ -71,9 +71,12 @@ class IOOptions:
             steps fell from +8% to +1% at 19, while the time to commit rose from
             0.8 s to 2-3 s (docs/async.md). A lazy snapshot's copies are not
             deprioritised: ``optimizer.step()`` may be waiting for them.
-        map_files: loads from local files map large arrays' bytes (private,
-            copy-on-write) instead of reading them into fresh memory; the checksum
-            pass pulls the pages in, on all threads. Off: every array is read.
+        map_files: loads from local files map arrays' bytes (private,
+            copy-on-write) instead of reading them into fresh memory, small ones
+            too; the checksum pass pulls the pages in, on all threads. In-place
+            loads read into the targets. Off: every array is read. A mapped array
+            keeps its file's disk space in use after the checkpoint is deleted,
+            until the array is freed (as with ``torch.load(mmap=True)``).
         drop_behind: loads from local files let the page cache drop the pages they
             read in, once their bytes are copied and checked (pages cached before
             the load stay cached; mapped arrays are the page cache and stay). The

@@ -217,12 +217,15 @@ class LoadPlan:
         #: arrays with a piece already (a second destination of one scatters)
         self.touched: set[int] = set()
 
-    def whole(self, array: int, c: ChunkEntry, dt: np.dtype, flat: np.ndarray) -> None:
+    def whole(self, array: int, c: ChunkEntry, dt: np.dtype, flat: np.ndarray,
+              mapped: bool = False) -> None:
         """Read chunk ``c`` -- raw, the whole of ``array``, no block checksums --
-        straight into ``flat`` (1-D uint8, exactly its bytes); ``array`` is untouched."""
+        straight into ``flat`` (1-D uint8, exactly its bytes); ``array`` is untouched.
+        ``mapped``: ``flat`` maps the chunk's own file bytes; verify them, read nothing."""
         self.touched.add(array)
         self.pieces[(array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
-            array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat)
+            array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat,
+            mapped=mapped)
 
     def add(self, w: Wanted) -> None:
         """Plan the pieces that fill the box ``w`` wants."""

@@ -247,12 +247,15 @@ class ArrayProvider(abc.ABC):
         return None
 
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
-                     in_place: bool) -> tuple[np.ndarray, Any] | None:
+                     in_place: bool, memory: np.ndarray | None = None,
+                     ) -> tuple[np.ndarray, Any] | None:
         """The common restore in one call: ``(flat, value)``, where ``flat`` is a 1-D
         uint8 host buffer of exactly ``nbytes`` (> 0) that the array's raw bytes, C
         order, fill, and ``value`` is what the load returns once they are in: no cast,
         no device, nothing left to do. ``in_place``: ``flat`` is ``like``'s own memory
-        (which :meth:`restore_into` would use), else fresh. None when the general path
+        (which :meth:`restore_into` would use), else ``memory`` when given (a writable
+        1-D uint8 private mapping of the array's file bytes, never given with
+        ``in_place`` and a target), else fresh. None when the general path
         (:meth:`restore`, :meth:`restore_into`) is needed. Optional: default None.
         """
         return None

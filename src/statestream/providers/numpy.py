@@ -139,7 +139,8 @@ class NumpyProvider(ArrayProvider):
         return Destination(boxes=[((0,) * len(shape), like)], finish=lambda: like)
 
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
-                     in_place: bool) -> tuple[np.ndarray, Any] | None:
+                     in_place: bool, memory: np.ndarray | None = None,
+                     ) -> tuple[np.ndarray, Any] | None:
         dt = dtype_from_name(dtype)
         if like is not None:
             if type(like) is not np.ndarray or like.dtype != dt:
@@ -148,7 +149,7 @@ class NumpyProvider(ArrayProvider):
                 if not (like.flags.c_contiguous and like.flags.writeable):
                     return None
                 return like.reshape(-1).view(np.uint8), like
-        flat = np.empty(nbytes, dtype=np.uint8)
+        flat = np.empty(nbytes, dtype=np.uint8) if memory is None else memory
         return flat, flat.view(dt).reshape(shape)
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,

@@ -254,9 +254,11 @@ class TorchProvider(ArrayProvider):
             np.empty(nbytes, dtype=np.uint8) if nbytes else None, dtype, shape, like)
 
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
-                     in_place: bool) -> tuple[np.ndarray, Any] | None:
-        """A plain CPU tensor of the saved dtype: the target's own bytes (in place) or a
-        fresh tensor on NumPy memory, as :meth:`restore` makes it."""
+                     in_place: bool, memory: np.ndarray | None = None,
+                     ) -> tuple[np.ndarray, Any] | None:
+        """A plain CPU tensor of the saved dtype: the target's own bytes (in place), a
+        tensor on ``memory`` (a mapping of the file bytes) or a fresh tensor on NumPy
+        memory, as :meth:`restore` makes it."""
         saved = _tables()[1].get(dtype)
         if saved is None:
             return None
@@ -270,7 +272,7 @@ class TorchProvider(ArrayProvider):
                 return _host_bytes(like), like
             if type(like) is not _torch().Tensor:
                 return None  # a Parameter: restore() wraps the result
-        flat = np.empty(nbytes, dtype=np.uint8)
+        flat = np.empty(nbytes, dtype=np.uint8) if memory is None else memory
         if dtype in _NUMPY_NATIVE:
             return flat, _torch().from_numpy(flat.view(dtype_from_name(dtype)).reshape(shape))
         return flat, _torch().from_numpy(flat).view(saved).reshape(shape)
