@@ -49,6 +49,8 @@ class _Job:
     maps: bool = False
     _aliased: set[int] | None = None
     _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: data file -> its whole private mapping (False: it cannot be mapped)
+    _file_maps: dict[int, Any] = dataclasses.field(default_factory=dict)
     #: pieces planned during the walk (:meth:`restore_flat`); the rest from ``wanted``
     plan: LoadPlan = dataclasses.field(default_factory=lambda: LoadPlan([]))
 
@@ -87,10 +89,17 @@ class _Job:
         if c.ref is not None or c.offset % _MAP_ALIGN or not prov.capabilities.buffer_restore:
             return None
         self.check_supply(index, entry, path)  # a short file fails here, with the key path
-        # cast, not isinstance: a runtime Protocol check costs ~30 us per array
-        buf = cast(MappedReader, self.reader).map_range(
-            self.file_names[c.file], c.offset, c.nbytes)
-        return None if buf is None else np.frombuffer(buf, dtype=np.uint8)
+        whole = self._file_maps.get(c.file)
+        if whole is None:  # the file, mapped once: each array is a slice of it
+            name = self.file_names[c.file]
+            # cast, not isinstance: a runtime Protocol check costs ~30 us per call
+            reader = cast(MappedReader, self.reader)
+            buf = reader.map_range(name, 0, reader.file_size(name))
+            whole = np.frombuffer(buf, dtype=np.uint8) if buf is not None else False
+            self._file_maps[c.file] = whole
+        if not isinstance(whole, np.ndarray):
+            return None
+        return whole[c.offset:c.offset + c.nbytes]
 
     def aliased(self) -> set[int]:
         """Arrays that an alias leaf (tied weights) also holds: only those need sharing."""
