@@ -10,7 +10,8 @@ around the load call plus whatever makes every byte resident:
 - ``ss-torch``: ``ss.load(path, target=torch-like)`` (the ``like`` tensors are made first,
   outside the clock, as ``torch.empty``: no page touched),
 - ``ss-inplace`` / ``ss-inplace-drop``: ``ss.load(path, target=resident tensors,
-  in_place=True)``, the second with ``IOOptions(drop_behind=True)``; targets are made and
+  in_place=True)``, the second with ``IOOptions(drop_behind=True)`` (``-t4``: and four
+  I/O threads); targets are made and
   zeroed *before* the page cache is dropped (a training job's),
 - ``torch-mmap``: ``torch.load(file, mmap=True, weights_only=True)`` plus a read of one
   byte per 4 KiB page of every tensor,
@@ -106,7 +107,7 @@ def _child(system: str, d: Path, size: str) -> dict[str, float]:
 
     spec = _spec(size)
     like = None
-    if system in ("ss-inplace", "ss-inplace-drop"):
+    if system in ("ss-inplace", "ss-inplace-drop", "ss-inplace-drop-t4"):
         like = {k: torch.zeros(s) for k, s in spec}  # resident, as a training job's
     elif system == "ss-torch":
         like = {k: torch.empty(s) for k, s in spec}
@@ -124,6 +125,9 @@ def _child(system: str, d: Path, size: str) -> dict[str, float]:
         out = ss.load(d / "ss", target=like, in_place=True)
     elif system == "ss-inplace-drop":
         out = ss.load(d / "ss", target=like, in_place=True, io=ss.IOOptions(drop_behind=True))
+    elif system == "ss-inplace-drop-t4":  # four I/O threads: a deeper queue of cold reads
+        out = ss.load(d / "ss", target=like, in_place=True,
+                      io=ss.IOOptions(drop_behind=True, num_threads=4))
     elif system == "torch-mmap":
         out = torch.load(d / "state.pt", mmap=True, weights_only=True)
         for v in out.values():  # one byte per page: the mapping's pages come in
