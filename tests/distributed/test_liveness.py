@@ -128,6 +128,50 @@ class _Broken:
         raise self.exc
 
 
+class _Flags:
+    """A 3-rank collective whose peers failed as ``others`` say (None: they did not);
+    it counts the calls agree makes."""
+
+    rank = 0
+    world_size = 3
+
+    def __init__(self, others: list[str | None], fail: BaseException | None = None) -> None:
+        self.others, self.fail, self.calls = others, fail, []  # type: list[str]
+
+    def any_true(self, flag: bool) -> bool:
+        self.calls.append("any_true")
+        if self.fail is not None:
+            raise self.fail
+        return flag or any(o is not None for o in self.others)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.calls.append("all_gather_object")
+        return [obj, *self.others]
+
+
+def test_agree_gathers_statuses_only_when_some_rank_failed() -> None:
+    ok = _Flags([None, None])
+    agree(ok, "planning", None)  # type: ignore[arg-type]
+    assert ok.calls == ["any_true"]
+    peer = _Flags([None, "ValueError: bad leaf"])
+    with pytest.raises(DistributedError, match="rank 2 failed during planning: ValueError"):
+        agree(peer, "planning", None)  # type: ignore[arg-type]
+    assert peer.calls == ["any_true", "all_gather_object"]
+    mine = _Flags([None, None])
+    with pytest.raises(DistributedError, match="rank 0 failed during planning") as ei:
+        agree(mine, "planning", KeyError("x"))  # type: ignore[arg-type]
+    assert isinstance(ei.value.__cause__, KeyError)
+    dead = DistributedError("rank 1 died or disconnected during all_reduce (seen from rank 0)")
+    broken = _Flags([None, None], fail=dead)
+    with pytest.raises(DistributedError, match="rank 1 died.*while agreeing on planning"):
+        agree(broken, "planning", None)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        agree(_Flags([None, None], fail=dead), "committing", None,  # type: ignore[arg-type]
+              committed=lambda: True)
+    assert any("rank 1 died" in str(w.message) for w in caught)
+
+
 def test_agree_adds_phase_and_outcome_to_a_collective_failure() -> None:
     dead = DistributedError("rank 0 died or disconnected during all_gather (seen from rank 1)")
     with pytest.raises(DistributedError) as ei:

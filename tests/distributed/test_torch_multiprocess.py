@@ -342,6 +342,13 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return _expect_distributed_error(
             lambda: ss.load(root / "mixed", target={"plain": {"vec": torch.zeros(n)}}))
 
+    def any_true() -> Any:
+        from statestream.distributed import TorchCollective
+
+        coll = TorchCollective()
+        return [coll.any_true(False), coll.any_true(rank == world - 1), coll.any_true(True),
+                coll.any_true(rank == 0)]
+
     def sparse() -> Any:
         # only rank 0 has arrays to write; the others hold an empty stage
         state = {"a": torch.arange(4.0), f"stage{rank}": {"x": torch.ones(2)} if rank == 0 else {}}
@@ -388,7 +395,7 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
         ("fail_plan", fail_plan), ("fail_load", fail_load), ("sparse", sparse),
-        ("overwrite", overwrite), ("tied", tied),
+        ("overwrite", overwrite), ("tied", tied), ("any_true", any_true),
         ("fsdp_fresh_optimizer", fsdp_fresh_optimizer),  # last: may leave ranks uneven
     ])
 
@@ -780,6 +787,14 @@ def test_load_failure_on_one_rank_raises_on_all(runs: _Runs, world: int) -> None
         assert "nothing was committed" not in v["message"], v["message"]
         if rank == culprit:
             assert v["cause"] == "TargetMismatchError", v
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_any_true_is_the_same_on_every_rank(runs: _Runs, world: int) -> None:
+    # agree's fast path: one all-reduce says whether any rank failed
+    _, per_rank = runs.get_main(world)
+    assert _values(per_rank, "any_true") == [[False, True, True, True]] * world
 
 
 @timeout_mark

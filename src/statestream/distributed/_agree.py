@@ -18,6 +18,10 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
           committed: Callable[[], bool] | None = None) -> None:
     """Every process reports how ``phase`` went; all raise if any failed.
 
+    One collective call when all went well on a collective with ``any_true``
+    (an optional method: ``flag`` true on any rank; torch's is one all-reduce),
+    else the statuses are gathered.
+
     ``outcome`` ends the message (what the failure means for the caller).
 
     ``committed`` is for the agreement after a commit: when the collective
@@ -39,7 +43,12 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
     mine: Any = None
     if error is not None:
         mine = f"{type(error).__name__}: {error}"
+    # A collective with ``any_true`` (torch) first says whether anyone failed, which is
+    # far cheaper than gathering every status; the statuses come only when one did.
+    any_true: Callable[[bool], bool] | None = getattr(coll, "any_true", None)
     try:
+        if any_true is not None and not any_true(error is not None):
+            return
         statuses = coll.all_gather_object(mine)
     except DistributedError as exc:
         if error is None and committed is not None and _check(committed):
