@@ -349,6 +349,18 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return [coll.any_true(False), coll.any_true(rank == world - 1), coll.any_true(True),
                 coll.any_true(rank == 0)]
 
+    def gather() -> Any:
+        from statestream.distributed import TorchCollective
+
+        coll = TorchCollective()
+        small = coll.all_gather_object({"rank": rank, "t": (1, 2)})
+        # one rank's object over the first round's 16 KiB block: a second round
+        big = coll.all_gather_object("x" * (40_000 + rank) if rank == world - 1 else rank)
+        every = coll.all_gather_object([rank] * (5_000 + 7 * rank))  # all over, uneven
+        return {"small": [[d["rank"], list(d["t"]), type(d["t"]).__name__] for d in small],
+                "big": [len(b) if isinstance(b, str) else b for b in big],
+                "every": [len(e) == 5_000 + 7 * r and set(e) == {r} for r, e in enumerate(every)]}
+
     def sparse() -> Any:
         # only rank 0 has arrays to write; the others hold an empty stage
         state = {"a": torch.arange(4.0), f"stage{rank}": {"x": torch.ones(2)} if rank == 0 else {}}
@@ -395,7 +407,7 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
         ("fail_plan", fail_plan), ("fail_load", fail_load), ("sparse", sparse),
-        ("overwrite", overwrite), ("tied", tied), ("any_true", any_true),
+        ("overwrite", overwrite), ("tied", tied), ("any_true", any_true), ("gather", gather),
         ("fsdp_fresh_optimizer", fsdp_fresh_optimizer),  # last: may leave ranks uneven
     ])
 
@@ -795,6 +807,16 @@ def test_any_true_is_the_same_on_every_rank(runs: _Runs, world: int) -> None:
     # agree's fast path: one all-reduce says whether any rank failed
     _, per_rank = runs.get_main(world)
     assert _values(per_rank, "any_true") == [[False, True, True, True]] * world
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_object_gather_in_one_or_two_rounds(runs: _Runs, world: int) -> None:
+    _, per_rank = runs.get_main(world)
+    want = {"small": [[r, [1, 2], "tuple"] for r in range(world)],
+            "big": [*range(world - 1), 40_000 + world - 1],
+            "every": [True] * world}
+    assert _values(per_rank, "gather") == [want] * world
 
 
 @timeout_mark

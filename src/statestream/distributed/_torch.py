@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import pickle
 import re
 import threading
 import time
@@ -29,6 +30,10 @@ _SEQ: dict[tuple[int | None, float, str], int] = {}
 #: One heartbeat per rendezvous store, by the store's id. The store itself is not
 #: kept: holding it would keep rank 0's store server (and its port) alive after
 #: destroy_process_group().
+#: bytes of every rank's object that the first round of :meth:`TorchCollective.all_gather_object`
+#: carries (with its length); most objects fit, and the second round is skipped
+_GATHER_BLOCK = 16 << 10
+
 _BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
 #: How long a failed collective watches the peers' heartbeats to find the dead ones.
@@ -311,13 +316,47 @@ class TorchCollective:
         return bool(t.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._world
+        """Every rank's ``obj``, in one round when each pickles to less than 16 KiB.
+
+        ``torch.distributed.all_gather_object`` always takes two (the sizes, then
+        the bytes); with 8 processes on 2 cores each round costs ~13 ms. Here the
+        first round carries a fixed block per rank -- its object's length and first
+        bytes -- and only when some object is longer does a second round carry
+        the rest, padded to the longest rest (every rank knows every length by
+        then, so all take the same rounds). Objects come from the job's own
+        ranks (pickled, as torch's own object collectives do).
+        """
+        import torch
+
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        room = _GATHER_BLOCK - 8
+        first = torch.zeros(_GATHER_BLOCK, dtype=torch.uint8)
+        head = len(data).to_bytes(8, "little") + data[:room]
+        first[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        blocks = self._gather_bytes(first)
+        lengths = [int.from_bytes(b[:8], "little") for b in blocks]
+        rest = max(lengths) - room
+        tails = [b""] * self._world
+        if rest > 0:
+            mine = torch.zeros(rest, dtype=torch.uint8)
+            if len(data) > room:
+                mine[:len(data) - room] = torch.frombuffer(bytearray(data[room:]),
+                                                           dtype=torch.uint8)
+            tails = self._gather_bytes(mine)
+        return [pickle.loads((b[8:8 + n] + t)[:n])
+                for b, t, n in zip(blocks, tails, lengths)]
+
+    def _gather_bytes(self, t: Any) -> list[bytes]:
+        """Every rank's uint8 tensor ``t`` (the same size on every rank), as bytes."""
+        import torch
+
+        outs = [torch.empty_like(t) for _ in range(self._world)]
         seq = self._arrive("all_gather")
         try:
-            self._dist.all_gather_object(out, obj, group=self._pg)
+            self._dist.all_gather(outs, t, group=self._pg)
         except RuntimeError as exc:
             raise self._wrap("all_gather", exc, seq) from exc
-        return out
+        return [o.numpy().tobytes() for o in outs]
 
     def send_bytes(self, data: Any, dst: int) -> None:
         """Send the bytes of buffer ``data`` to rank ``dst`` (which calls :meth:`recv_bytes`).
