@@ -19,10 +19,15 @@ _CORNERS_FREE = 1 << 16
 
 
 def _pairwise_disjoint(starts: np.ndarray, ends: np.ndarray) -> bool:
-    n = len(starts)
+    """No two boxes overlap (for a few boxes: Python ints, not one NumPy call per
+    pair, which cost ~0.2 ms per array of 8 chunks in every load's manifest check)."""
+    s, e = starts.tolist(), ends.tolist()
+    n = len(s)
     for i in range(n):
+        si, ei = s[i], e[i]
         for j in range(i + 1, n):
-            if np.all(starts[i] < ends[j]) and np.all(starts[j] < ends[i]):
+            if (all(a < b for a, b in zip(si, e[j]))
+                    and all(a < b for a, b in zip(s[j], ei))):
                 return False
     return True
 
@@ -50,12 +55,15 @@ def _tiles_exactly(starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...])
     d = starts.shape[1]
     if d == 0:
         return n == 1
-    if n <= 8:
-        return _pairwise_disjoint(starts, ends)
     if d == 1:  # row blocks: intervals, disjoint iff each ends before the next starts
+        if n <= 64:
+            spans = sorted(zip(starts[:, 0].tolist(), ends[:, 0].tolist()))
+            return all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
         order = np.argsort(starts[:, 0], kind="stable")
         s0, e0 = starts[order, 0], ends[order, 0]
         return bool(np.all(s0[1:] >= e0[:-1]))
+    if n <= 8:
+        return _pairwise_disjoint(starts, ends)
     early = ends < shp
     total = int(np.sum(np.left_shift(np.int64(1), early.sum(axis=1, dtype=np.int64))))
     if total > _CORNERS_PER_CHUNK * n + _CORNERS_FREE:
