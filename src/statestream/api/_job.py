@@ -79,8 +79,9 @@ class _Job:
         if got is None:
             return None
         flat, value = got
+        # verify-only when the value really is on the mapping (a provider may ignore it)
         self.plan.whole(index, c, dtype_from_name(entry.dtype), flat,
-                        mapped=memory is not None)
+                        mapped=memory is not None and flat is memory)
         return (value,)
 
     def _mapped_chunk(self, prov: ArrayProvider, index: int, entry: ArrayEntry,
