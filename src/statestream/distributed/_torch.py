@@ -27,13 +27,13 @@ __all__ = ["TorchCollective"]
 _GROUPS: dict[tuple[int | None, float, str], weakref.ref[Any]] = {}
 #: Collectives entered so far per group (same order on every rank).
 _SEQ: dict[tuple[int | None, float, str], int] = {}
+#: Bytes of every rank's object that the first round of
+#: :meth:`TorchCollective.all_gather_object` carries (with its length); most objects
+#: fit, and the second round is skipped.
+_GATHER_BLOCK = 16 << 10
 #: One heartbeat per rendezvous store, by the store's id. The store itself is not
 #: kept: holding it would keep rank 0's store server (and its port) alive after
 #: destroy_process_group().
-#: bytes of every rank's object that the first round of :meth:`TorchCollective.all_gather_object`
-#: carries (with its length); most objects fit, and the second round is skipped
-_GATHER_BLOCK = 16 << 10
-
 _BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
 #: How long a failed collective watches the peers' heartbeats to find the dead ones.
