@@ -18,6 +18,10 @@ around the load call plus whatever makes every byte resident:
 - ``raw``: two threads ``preadv`` the statestream data files in 64 MiB requests into
   pre-faulted buffers (the disk's limit, as bench_core's raw probe).
 
+A/B of two source trees: ``--old-src /tmp/base/src`` and systems suffixed ``@old``
+(``--systems raw,ss-inplace-drop,ss-inplace-drop@old``) run the old tree in the same
+rounds.
+
 Run::
 
     .venv/bin/python benchmarks/cold_loads.py --dir /tmp/coldloads --repeats 5 \\
@@ -148,14 +152,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--systems", default="raw,ss,ss-torch,torch-mmap,ss-inplace,ss-inplace-drop")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--old-src", default=None,
+                    help="source tree for systems suffixed @old (an A/B in one run)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     d = Path(a.dir)
     if a.child:
-        print(json.dumps(_child(a.child, d, a.size)))
+        print(json.dumps(_child(a.child.split("@")[0], d, a.size)))
         return
     d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
+    old_env = {**os.environ, "PYTHONPATH": str(a.old_src)} if a.old_src else None
     subprocess.run([sys.executable, __file__, "--dir", str(d), "--size", a.size, "--child",
                     "prepare"], env=env, check=True)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -163,9 +170,11 @@ def main() -> None:
     samples: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     for r in range(a.repeats):
         for s in (systems if r % 2 == 0 else systems[::-1]):  # alternate the order
+            if s.endswith("@old") and old_env is None:
+                raise SystemExit(f"{s}: give --old-src")
             p = subprocess.run([sys.executable, __file__, "--dir", str(d), "--size", a.size,
-                                "--child", s], env=env, capture_output=True, text=True,
-                               check=True)
+                                "--child", s], env=old_env if s.endswith("@old") else env,
+                               capture_output=True, text=True, check=True)
             got = json.loads(p.stdout.strip().splitlines()[-1])
             samples[s].append(got)
             print(f"[{r}] {s:16s} {got['s']:.3f} s  {nbytes / got['s'] / 1e9:.2f} GB/s  "

@@ -172,9 +172,11 @@ def _read_checked(reader: CheckpointReader, name: str, p: ReadPiece,
     lands; the first mismatch, or None. ``dropper``: every :data:`_DROP_STEP` bytes,
     let the page cache drop the pages the read brought in."""
     assert p.direct is not None
-    for a, b, want in p.checks():
+    checks = p.checks()
+    kept = checks[0][0] if checks else 0  # bytes [kept, s) are read and checked, not dropped
+    end = checks[-1][1] if checks else 0
+    for a, b, want in checks:
         got = 0
-        kept = a  # bytes [kept, s) are read and checked, not yet dropped
         for s in range(a, b, _SLICE):
             e = min(b, s + _SLICE)
             view = p.direct[s:e]
@@ -183,7 +185,9 @@ def _read_checked(reader: CheckpointReader, name: str, p: ReadPiece,
             except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
                 raise type(exc)(f"{exc} (affects {describe(p)})") from None
             got = checksum(view, got)
-            if dropper is not None and (e - kept >= _DROP_STEP or e == b):
+            # every _DROP_STEP bytes, across block checksums (~1 MiB each): an
+            # fadvise per block made a cold in-place load of 3 GB 1.3x slower
+            if dropper is not None and (e - kept >= _DROP_STEP or e == end):
                 dropper.drop(name, p.offset + kept, p.offset + e)
                 kept = e
         if got != want:
