@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 import statestream.format._decode as decode_mod
+import statestream.format._decode_arrays as arrays_mod
 import statestream.format._decode_tree as decode_tree_mod
+import statestream.format._tiles as tiles_mod
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -696,23 +698,23 @@ def test_tiling_check_matches_brute_force(t: tuple[tuple[int, ...], np.ndarray, 
     count = np.zeros(shape, dtype=np.int64)
     for s0, e0 in zip(starts, ends):
         count[tuple(slice(int(a), int(b)) for a, b in zip(s0, e0))] += 1
-    assert decode_mod._tiles_exactly(starts, ends, shape) == bool(np.all(count == 1))
+    assert tiles_mod._tiles_exactly(starts, ends, shape) == bool(np.all(count == 1))
 
 
 def test_tiling_check_many_chunks() -> None:
     n = 5000  # row blocks, and a grid: both far past the pairwise fast path
     starts = np.stack([np.arange(n), np.zeros(n, np.int64)], axis=1)
     ends = starts + np.array([1, 3])
-    assert decode_mod._tiles_exactly(starts, ends, (n, 3))
+    assert tiles_mod._tiles_exactly(starts, ends, (n, 3))
     ends[n - 2, 0] += 1  # box n-2 now reaches into box n-1
     starts[n - 1, 1] = 0
     ends[n - 1, 1] = 2  # volumes still sum up: the overlap is what must be found
-    assert not decode_mod._tiles_exactly(starts, ends, (n, 3))
+    assert not tiles_mod._tiles_exactly(starts, ends, (n, 3))
     g = np.array([(i, j) for i in range(70) for j in range(70)], dtype=np.int64)
-    assert decode_mod._tiles_exactly(g, g + 1, (70, 70))
+    assert tiles_mod._tiles_exactly(g, g + 1, (70, 70))
     g2 = g.copy()
     g2[5] = g2[6]  # a duplicate box, and one cell left uncovered
-    assert not decode_mod._tiles_exactly(g2, g2 + 1, (70, 70))
+    assert not tiles_mod._tiles_exactly(g2, g2 + 1, (70, 70))
 
 
 
@@ -787,8 +789,8 @@ def test_one_chunk_attrs_keep_bool_and_int_apart() -> None:
 def test_shared_shapes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoded shapes are shared through a table that never outgrows its limit, however
     many distinct shapes a process decodes (one manifest, or many)."""
-    monkeypatch.setattr(decode_mod, "_MAX_SHAPES", 50)
-    monkeypatch.setattr(decode_mod, "_SHAPES", {})
+    monkeypatch.setattr(arrays_mod, "_MAX_SHAPES", 50)
+    monkeypatch.setattr(arrays_mod, "_SHAPES", {})
     n = 180
     arrays = [ArrayEntry("uint8", (i + 1,), (ChunkEntry(0, 256 * i, i + 1, 0, (0,), (i + 1,)),))
               for i in range(n)]
@@ -797,7 +799,7 @@ def test_shared_shapes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(2):
         got = decode_manifest(encode_manifest(m), WHERE)
         assert [a.shape for a in got.arrays] == [(i + 1,) for i in range(n)]
-        assert 0 < len(decode_mod._SHAPES) <= 50
+        assert 0 < len(arrays_mod._SHAPES) <= 50
     # equal shapes still come back as one object within the table's reach
     other = ArrayEntry("uint8", (4,), (ChunkEntry(0, 1024, 4, 0, (0,), (4,)),))
     twice = Manifest(tree=Node("list", children=[Node("array", array=0), Node("array", array=1)]),

@@ -1,5 +1,5 @@
-"""Manifest schema (format v1 and v2), limits and encoder; the decoder is in ``_decode.py``
-and ``_decode_tree.py`` (re-exported here).
+"""Manifest schema (format v1 and v2), limits and encoder; the decoder is in ``_decode.py``,
+``_decode_arrays.py`` and ``_decode_tree.py`` (re-exported here).
 
 See ``docs/format.md`` for the document this code enforces.
 """
@@ -397,8 +397,8 @@ def encode_commit(manifest_bytes: bytes, version: int | None = None) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-# The decoder lives in _decode.py / _decode_tree.py; re-exported so every name stays
-# importable from here. Imported last: those modules import the schema above.
+# The decoder lives in _decode.py / _decode_arrays.py / _decode_tree.py; re-exported
+# so every name stays importable from here. Imported last: those modules import the schema above.
 from statestream.format._decode import decode_commit, decode_manifest  # noqa: E402
 from statestream.format._decode_tree import (  # noqa: E402
     decode_tree,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from statestream.format._chunks import FLAG_CODEC, FLAG_REF, ChunkEntry, ChunkList, ChunkStore
-from statestream.format._decode import (
+from statestream.format._decode_arrays import (
     _DTYPE_OBJ,
     _ZEROS,
     _chunk_ext,
@@ -195,7 +195,7 @@ def _extensions(tb: _Table, store: ChunkStore) -> None:
 
 
 def _check_chunks(tb: _Table, files: list[FileEntry], file_sizes: np.ndarray) -> None:
-    """What :func:`_decode._check_chunk_columns` checks, for every array at once."""
+    """What :func:`_decode_arrays._check_chunk_columns` checks, for every array at once."""
     f, cnd = tb.fields, tb.cnd
     own = (tb.flags & FLAG_REF) == 0
     coded = (tb.flags & FLAG_CODEC) != 0
