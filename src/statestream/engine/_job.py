@@ -14,7 +14,7 @@ nothing). The phases:
    while the walk goes on. An asynchronous save *snapshots* every chunk it
    writes into staging buffers under the memory budget (on the caller's
    thread, or in the background when lazy), checking that nothing it copied
-   was modified in place before the copy landed.
+   was modified in place before the copy landed (engine/_snapshot.py).
 3. **write**: one writer thread per data file; records of what was written
    (offset, stored size, checksums) are made after the bytes exist.
 4. **commit**: every process agrees its part is durable; rank 0 joins the
@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,16 +44,15 @@ from statestream.engine._core import (
     IOOptions,
     MemoryOptions,
     Progress,
-    lower_thread_priority,
-    parallel_for,
     snapshot_budgets,
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
+from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
-from statestream.errors import CheckpointError, DistributedError, TargetMismatchError
+from statestream.errors import DistributedError, TargetMismatchError
 from statestream.format import (
     COMMIT_NAME,
     DTYPE_NAMES,
@@ -85,8 +84,6 @@ from statestream.storage import WriteTransaction, storage_for
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
-#: Most key paths a torn-snapshot error lists.
-_MAX_NAMED = 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -360,150 +357,16 @@ class SaveJob:
             self.options.progress(h.bytes_written, h.bytes_total)
 
     def snapshot(self) -> None:
-        """Copy or write every chunk this process writes before the state may change.
-
-        With every staging buffer already mapped (a later save of the same
-        state) and the state within the budget, every chunk is copied at once
-        with every core and the writers follow (:meth:`_snapshot_at_once`).
-        Otherwise copying into fresh memory can be slower than writing, so
-        the snapshot *races* the writers (:meth:`_snapshot_race`).
-
-        Raises:
-            CheckpointError: a value was modified in place before its copy landed
-                (a lazy snapshot raced an unguarded ``optimizer.step()``), naming
-                the key paths; nothing is committed.
-        """
-        torn = self._torn
-        if (not self.lazy and self.planner.total_bytes <= self.budget.capacity
-                and self.ledger.warm(self.items)):
-            self._snapshot_at_once(torn)
-        else:
-            self._snapshot_race(torn)
-        if torn:
-            raise CheckpointError(_torn_message([self.collector.key(i) for i in sorted(torn)]))
-        self.writer.flush()
-        # Writers that raced the snapshot (someone waits for it) yield from now on.
-        self.writer.yield_to_training()
-        assert self.handle is not None
-        self.handle.snapshot_finished()
-
-    def _check_copied(self, items: Sequence[WriteItem], torn: set[int]) -> None:
-        # Right after a chunk's copy landed: if its value changed since the walk,
-        # the copy may hold new bytes. A change after this point is allowed.
-        if self.collector.versions:
-            changed = [it.array for it in items if self.collector.changed(it.array)]
-            if changed:
-                with self._torn_lock:
-                    torn.update(changed)
+        """Copy or write every chunk before the state may change (engine/_snapshot.py)."""
+        take_snapshot(self)
 
     def _check_direct(self, items: list[WriteItem]) -> None:
         # A chunk written straight from the state: checked after its write.
-        self._check_copied(items, self._torn)
-
-    def _snapshot_at_once(self, torn: set[int]) -> None:
-        # Staging is warm and the whole state fits in the budget: copy it with
-        # every core first, and only then let the writers start, so checksums and
-        # writes do not compete with the copy the caller is waiting for. Device
-        # copies are all queued first and waited for together.
-        jobs = [it for its in self.items for it in its]
-        waits: list[Callable[[], None]] = []
-
-        def one(it: WriteItem) -> None:
-            wait = self.ledger.copy_out(it, self.budget.acquire(it.nbytes))
-            if wait is not None:
-                waits.append(wait)
-            _hooks.fire("async.snapshot_chunk")
-
-        parallel_for(one, jobs, max(2, os.cpu_count() or 2))
-        for wait in waits:
-            wait()
-        self._check_copied(jobs, torn)
-        assert self.handle is not None
-        self.writer.yield_to_training()  # nobody waits for these writes
-        for ai, its in enumerate(self.items):
-            self.writer.submit(its)
-            self.handle.array_ready(ai)
-
-    def _snapshot_race(self, torn: set[int]) -> None:
-        # Writers start on every chunk at once, reading from the state what is not
-        # copied yet; copy threads work from the last chunk backwards into staging
-        # buffers under the budget and stop when it is full. The snapshot is over
-        # when every chunk is copied or written: never later than a synchronous
-        # save's writes, and with warm buffers about one copy.
-        assert self.handle is not None
-        _hooks.fire("async.race_begins")
-        self.ledger.on_covered = self.handle.array_ready
-        self._race = True
-        self.ledger.race_start(self.items)
-        for its in self.items:
-            self.writer.submit(its)
-        self.writer.flush()
-        jobs = [it for its in reversed(self.items) for it in reversed(its)]
-        full = threading.Event()
-
-        def one(it: WriteItem) -> None:
-            _hooks.fire("async.snapshot_chunk")  # once per chunk, copied or not
-            if full.is_set() or self.writer.failed():
-                return
-            got = self.budget.try_acquire(it.nbytes)
-            if got is None:
-                full.set()  # the writers read the rest from the state
-                return
-            if self.ledger.race_copy(it, got):
-                self._check_copied([it], torn)
-            else:
-                self.budget.release(got)
-
-        # A lazy snapshot copies on its own (background) thread: a thread pool cannot
-        # start while the interpreter exits, and pending saves complete then.
-        parallel_for(one, jobs, 1 if self.lazy else max(2, os.cpu_count() or 2))
-        self.ledger.wait_covered(self.writer.failed)
-        self.writer.check()
+        check_copied(self, items, self._torn)
 
     def background(self, run_snapshot: bool, early: BaseException | None = None) -> None:
         """The background phase: (lazy) snapshot, write, agree, commit; never raises."""
-        h = self.handle
-        assert h is not None
-        agreed = False
-        try:
-            if early is not None:
-                raise early
-            if run_snapshot:
-                # A lazy snapshot races the training step's optimizer.step(): it
-                # runs at normal priority; everything after it yields to training.
-                self.snapshot()
-            lower_thread_priority(self.options.io.background_nice)
-            self.writer.yield_to_training()
-            _hooks.fire("save.planned")
-            written = self.writer.close()
-            _hooks.fire("save.data_synced")
-            agreed = True
-            self.finish(written, None)
-            self.ledger.reclaim(True)
-            h.finish()
-            self._warm_up()
-        except BaseException as exc:
-            self.writer.abort()
-            self.ledger.reclaim(False)
-            if self.multi and not agreed:
-                try:  # the other ranks wait for this rank's verdict: give it
-                    self.finish({}, exc)
-                except BaseException as agreed_exc:
-                    exc = agreed_exc
-            self._abort_txn()
-            h.fail(exc)
-        finally:
-            h._settled.set()
-
-    def _warm_up(self) -> None:
-        # Committed. Map the staging buffers the next save of this state will copy
-        # into now, at low priority, rather than in that save's blocking phase.
-        try:
-            self.ledger.warm_up(self.items)
-        except MemoryError:
-            # Warming is an optimisation for the next save; it may fault its own
-            # buffers instead. The save itself is committed and reported.
-            pass
+        run_background(self, run_snapshot, early)
 
     # ----------------------------------------------------------------------- commit
     def finish(self, written: dict[tuple[int, int], ChunkEntry],
@@ -643,18 +506,6 @@ def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
     owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
     return [[b for b in boxes if owners[(key, b[0], b[1])] == rank]
             for key, _, _, boxes in per_rank[rank]]
-
-
-def _torn_message(keys: list[str]) -> str:
-    named = ", ".join(f"'{k}'" for k in keys[:_MAX_NAMED])
-    more = f" and {len(keys) - _MAX_NAMED} more" if len(keys) > _MAX_NAMED else ""
-    return (
-        f"a lazy snapshot was modified before it was copied: {len(keys)} tensor(s) changed "
-        f"in place after save_async() returned ({named}{more}); the checkpoint would mix "
-        "old and new values, so nothing was committed. Guard the optimizer with "
-        "ss.guard_optimizer(optimizer, handle), or call handle.wait_snapshot() before "
-        "changing the state"
-    )
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -1,0 +1,196 @@
+"""The asynchronous save's own phases: the snapshot and the background phase.
+
+``ss.save_async`` runs the same :class:`~statestream.engine._job.SaveJob` as a
+synchronous save; what only an asynchronous save does lives here, as functions of
+the job:
+
+- :func:`take_snapshot` copies (or writes) every chunk this process writes before
+  the state may change: all at once with every core when the staging buffers are
+  warm and the state fits the budget, otherwise racing the writers (copy threads
+  from the last chunk, writers from the first). On the caller's thread, or in the
+  background when the save is lazy; a value modified in place before its copy
+  landed fails the save, naming its key paths.
+- :func:`run_background` writes, agrees, commits and then warms the staging
+  buffers for the next save; it never raises (the handle carries the outcome).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from statestream import _hooks
+from statestream.engine._core import lower_thread_priority, parallel_for
+from statestream.errors import CheckpointError
+from statestream.plan import WriteItem
+
+if TYPE_CHECKING:
+    from statestream.engine._job import SaveJob
+
+__all__ = ["check_copied", "run_background", "take_snapshot"]
+
+#: Most key paths a torn-snapshot error lists.
+_MAX_NAMED = 20
+
+
+def take_snapshot(job: SaveJob) -> None:
+    """Copy or write every chunk this process writes before the state may change.
+
+    With every staging buffer already mapped (a later save of the same
+    state) and the state within the budget, every chunk is copied at once
+    with every core and the writers follow (:func:`_at_once`). Otherwise
+    copying into fresh memory can be slower than writing, so the snapshot
+    *races* the writers (:func:`_race`).
+
+    Raises:
+        CheckpointError: a value was modified in place before its copy landed
+            (a lazy snapshot raced an unguarded ``optimizer.step()``), naming
+            the key paths; nothing is committed.
+    """
+    torn = job._torn
+    if (not job.lazy and job.planner.total_bytes <= job.budget.capacity
+            and job.ledger.warm(job.items)):
+        _at_once(job, torn)
+    else:
+        _race(job, torn)
+    if torn:
+        raise CheckpointError(_torn_message([job.collector.key(i) for i in sorted(torn)]))
+    job.writer.flush()
+    # Writers that raced the snapshot (someone waits for it) yield from now on.
+    job.writer.yield_to_training()
+    assert job.handle is not None
+    job.handle.snapshot_finished()
+
+
+def check_copied(job: SaveJob, items: Sequence[WriteItem], torn: set[int]) -> None:
+    """Right after a chunk's copy landed: if its value changed since the walk, the
+    copy may hold new bytes (``torn``). A change after this point is allowed."""
+    if job.collector.versions:
+        changed = [it.array for it in items if job.collector.changed(it.array)]
+        if changed:
+            with job._torn_lock:
+                torn.update(changed)
+
+
+def _at_once(job: SaveJob, torn: set[int]) -> None:
+    # Staging is warm and the whole state fits in the budget: copy it with
+    # every core first, and only then let the writers start, so checksums and
+    # writes do not compete with the copy the caller is waiting for. Device
+    # copies are all queued first and waited for together.
+    jobs = [it for its in job.items for it in its]
+    waits: list[Callable[[], None]] = []
+
+    def one(it: WriteItem) -> None:
+        wait = job.ledger.copy_out(it, job.budget.acquire(it.nbytes))
+        if wait is not None:
+            waits.append(wait)
+        _hooks.fire("async.snapshot_chunk")
+
+    parallel_for(one, jobs, max(2, os.cpu_count() or 2))
+    for wait in waits:
+        wait()
+    check_copied(job, jobs, torn)
+    assert job.handle is not None
+    job.writer.yield_to_training()  # nobody waits for these writes
+    for ai, its in enumerate(job.items):
+        job.writer.submit(its)
+        job.handle.array_ready(ai)
+
+
+def _race(job: SaveJob, torn: set[int]) -> None:
+    # Writers start on every chunk at once, reading from the state what is not
+    # copied yet; copy threads work from the last chunk backwards into staging
+    # buffers under the budget and stop when it is full. The snapshot is over
+    # when every chunk is copied or written: never later than a synchronous
+    # save's writes, and with warm buffers about one copy.
+    assert job.handle is not None
+    _hooks.fire("async.race_begins")
+    job.ledger.on_covered = job.handle.array_ready
+    job._race = True
+    job.ledger.race_start(job.items)
+    for its in job.items:
+        job.writer.submit(its)
+    job.writer.flush()
+    jobs = [it for its in reversed(job.items) for it in reversed(its)]
+    full = threading.Event()
+
+    def one(it: WriteItem) -> None:
+        _hooks.fire("async.snapshot_chunk")  # once per chunk, copied or not
+        if full.is_set() or job.writer.failed():
+            return
+        got = job.budget.try_acquire(it.nbytes)
+        if got is None:
+            full.set()  # the writers read the rest from the state
+            return
+        if job.ledger.race_copy(it, got):
+            check_copied(job, [it], torn)
+        else:
+            job.budget.release(got)
+
+    # A lazy snapshot copies on its own (background) thread: a thread pool cannot
+    # start while the interpreter exits, and pending saves complete then.
+    parallel_for(one, jobs, 1 if job.lazy else max(2, os.cpu_count() or 2))
+    job.ledger.wait_covered(job.writer.failed)
+    job.writer.check()
+
+
+def run_background(job: SaveJob, run_snapshot: bool,
+                   early: BaseException | None = None) -> None:
+    """The background phase: (lazy) snapshot, write, agree, commit; never raises."""
+    h = job.handle
+    assert h is not None
+    agreed = False
+    try:
+        if early is not None:
+            raise early
+        if run_snapshot:
+            # A lazy snapshot races the training step's optimizer.step(): it
+            # runs at normal priority; everything after it yields to training.
+            take_snapshot(job)
+        lower_thread_priority(job.options.io.background_nice)
+        job.writer.yield_to_training()
+        _hooks.fire("save.planned")
+        written = job.writer.close()
+        _hooks.fire("save.data_synced")
+        agreed = True
+        job.finish(written, None)
+        job.ledger.reclaim(True)
+        h.finish()
+        _warm_up(job)
+    except BaseException as exc:
+        job.writer.abort()
+        job.ledger.reclaim(False)
+        if job.multi and not agreed:
+            try:  # the other ranks wait for this rank's verdict: give it
+                job.finish({}, exc)
+            except BaseException as agreed_exc:
+                exc = agreed_exc
+        job._abort_txn()
+        h.fail(exc)
+    finally:
+        h._settled.set()
+
+
+def _warm_up(job: SaveJob) -> None:
+    # Committed. Map the staging buffers the next save of this state will copy
+    # into now, at low priority, rather than in that save's blocking phase.
+    try:
+        job.ledger.warm_up(job.items)
+    except MemoryError:
+        # Warming is an optimisation for the next save; it may fault its own
+        # buffers instead. The save itself is committed and reported.
+        pass
+
+
+def _torn_message(keys: list[str]) -> str:
+    named = ", ".join(f"'{k}'" for k in keys[:_MAX_NAMED])
+    more = f" and {len(keys) - _MAX_NAMED} more" if len(keys) > _MAX_NAMED else ""
+    return (
+        f"a lazy snapshot was modified before it was copied: {len(keys)} tensor(s) changed "
+        f"in place after save_async() returned ({named}{more}); the checkpoint would mix "
+        "old and new values, so nothing was committed. Guard the optimizer with "
+        "ss.guard_optimizer(optimizer, handle), or call handle.wait_snapshot() before "
+        "changing the state"
+    )
