@@ -45,7 +45,7 @@ EXPECTED: dict[str, list[str]] = {
     "statestream.storage": [
         "AzureOptions", "AzureStorage", "Buffer", "CheckpointReader", "FileWriter",
         "GCSOptions", "GCSStorage", "IOV_MAX", "Lease", "Leftover",
-        "LocalStorage", "MappedReader", "S3Options", "S3Storage", "Storage",
+        "LocalStorage", "MappedReader", "ReadAhead", "S3Options", "S3Storage", "Storage",
         "StorageCapabilities",
         "WriteTransaction", "WriterId", "advance", "byte_views", "collect_garbage",
         "set_backend", "storage_for",

@@ -19,7 +19,7 @@ from statestream.errors import CheckpointCorruptError, TruncatedFileError
 from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
 from statestream.plan import LoadPlan, Wanted
 from statestream.providers import ArrayProvider, Destination
-from statestream.storage import CheckpointReader, MappedReader
+from statestream.storage import CheckpointReader, MappedReader, ReadAhead
 from statestream.tree import KeyPath, format_keypath
 
 #: what the walk returns for a subtree: called once the reads are done, it builds the value
@@ -53,6 +53,8 @@ class _Job:
     _file_maps: dict[int, Any] = dataclasses.field(default_factory=dict)
     #: pieces planned during the walk (:meth:`restore_flat`); the rest from ``wanted``
     plan: LoadPlan = dataclasses.field(default_factory=lambda: LoadPlan([]))
+    #: starts the disk on the chunks the walk plans, while it goes on (local files)
+    ahead: ReadAhead | None = None
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -82,6 +84,8 @@ class _Job:
         # verify-only when the value really is on the mapping (a provider may ignore it)
         self.plan.whole(index, c, dtype_from_name(entry.dtype), flat,
                         mapped=memory is not None and flat is memory)
+        if self.ahead is not None and c.ref is None:
+            self.ahead.add(self.file_names[c.file], c.offset, c.nbytes)
         return (value,)
 
     def _mapped_chunk(self, prov: ArrayProvider, index: int, entry: ArrayEntry,

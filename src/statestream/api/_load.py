@@ -45,7 +45,7 @@ from statestream.providers import (
     rebuild_pytree,
     target_provider_for,
 )
-from statestream.storage import MappedReader, storage_for
+from statestream.storage import MappedReader, ReadAhead, storage_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -496,10 +496,18 @@ def _load(
             # items without a target entry load with defaults
             root, like = _select(root, list(items), like, reader.location)
         names = [f.name for f in m.files]
+        local = reader if isinstance(reader, MappedReader) else None
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
-                   file_names=names, manifest=m,
-                   maps=io.map_files and isinstance(reader, MappedReader))
-        build = _walk(root, like, (), m, job, "numpy", False)
+                   file_names=names, manifest=m, maps=io.map_files and local is not None,
+                   # drop-behind lets go only of pages that were not cached before the
+                   # load: it must see the cache as the walk left it
+                   ahead=ReadAhead(local) if local is not None and not io.drop_behind
+                   else None)
+        try:
+            build = _walk(root, like, (), m, job, "numpy", False)
+        finally:
+            if job.ahead is not None:
+                job.ahead.close()
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         for w in job.wanted:
             job.plan.add(w)

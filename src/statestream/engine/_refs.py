@@ -378,6 +378,10 @@ class MappedChainReader(ChainReader):
         r, n = self._mapped(name)
         r.drop_cached(n, ranges, lo, hi)
 
+    def read_ahead(self, name: str, offset: int, nbytes: int) -> None:
+        r, n = self._mapped(name)
+        r.read_ahead(n, offset, nbytes)
+
 
 def _own_chunks(m: Manifest) -> dict[tuple[int, int], tuple[ChunkEntry, int]]:
     """(file, offset) -> (chunk, raw size) of every chunk a base stores itself."""

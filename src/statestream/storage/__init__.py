@@ -22,6 +22,7 @@ from statestream.storage._gcs import GCSOptions, GCSStorage
 from statestream.storage._iov import IOV_MAX, advance, byte_views
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
+from statestream.storage._readahead import ReadAhead
 from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
 
@@ -38,6 +39,7 @@ __all__ = [
     "Leftover",
     "LocalStorage",
     "MappedReader",
+    "ReadAhead",
     "S3Options",
     "S3Storage",
     "Storage",

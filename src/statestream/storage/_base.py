@@ -159,6 +159,11 @@ class MappedReader(CheckpointReader, Protocol):
         that lie wholly within ``[lo, hi)``. A hint; never fails."""
         ...
 
+    def read_ahead(self, name: str, offset: int, nbytes: int) -> None:
+        """Start reading ``[offset, offset + nbytes)`` of ``name`` into the page cache
+        and return without waiting for it (a hint)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class WriterId:

@@ -21,7 +21,7 @@ from statestream.storage._base import Buffer
 from statestream.storage._compose import compose
 from statestream.storage._hints import manager_steps_hint
 from statestream.storage._iov import IOV_MAX, advance, byte_views
-from statestream.storage._pagecache import cold_ranges, drop_cached
+from statestream.storage._pagecache import cold_ranges, drop_cached, read_ahead
 
 
 def _missing_reason(path: str) -> str:
@@ -221,6 +221,11 @@ class _LocalReader:
         """Let the page cache drop the pages of ``ranges`` (from :meth:`cold_ranges`)
         within ``[lo, hi)``: bytes a load read in and has copied and checked."""
         drop_cached(self._open(name), ranges, lo, hi)
+
+    def read_ahead(self, name: str, offset: int, nbytes: int) -> None:
+        """Start reading ``[offset, offset + nbytes)`` of ``name`` into the page cache
+        (a hint; returns once the reads are queued)."""
+        read_ahead(self._open(name), offset, nbytes)
 
     def _check_range(self, name: str, offset: int, nbytes: int) -> None:
         """Refuse a range the file does not hold (before mapping it: no page of a mapped

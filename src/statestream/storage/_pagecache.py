@@ -22,7 +22,7 @@ import sys
 
 from statestream.storage._compose import _FAILED, _MACHINES, PAGE, libc
 
-__all__ = ["cold_ranges", "drop_cached"]
+__all__ = ["cold_ranges", "drop_cached", "read_ahead"]
 
 
 def _may_inspect(fd: int) -> bool:
@@ -100,3 +100,15 @@ def drop_cached(fd: int, ranges: list[tuple[int, int]], lo: int, hi: int) -> Non
                 os.posix_fadvise(fd, x, y - x, os.POSIX_FADV_DONTNEED)
             except OSError:
                 return  # only a hint: the bytes were read and checked either way
+
+
+def read_ahead(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``fd`` into the
+    page cache. A hint: never fails, never waits for the data."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or nbytes <= 0:
+        return
+    try:
+        advise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
