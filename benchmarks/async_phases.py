@@ -12,11 +12,22 @@ A Llama-like state of torch fp32 tensors (default ~1.09 GB: hidden 1024, 16 laye
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` (gloo, world size 1): the same
   first/steady blocking and total times;
 - ``memcpy``: one copy of the state into fresh memory, and again into the same memory
-  (what "one copy into resident memory" costs here).
+  (what "one copy into resident memory" costs here);
+- ``fork``: a copy-on-write snapshot (the issue's third idea, measured, not built into
+  the library): ``os.fork()`` and a synchronous ``ss.save`` in the child, which sees
+  the state as it was at the fork. The blocking phase is the fork alone (a lower bound
+  for a library version, which would walk the state first).
+
+``async`` and ``fork`` also time one training-like step right after the blocking phase
+returns (every tensor multiplied in place, ``t.mul_(1.0)``) against the same step with
+no save in flight: a copy-on-write snapshot moves its copy into that step, as page faults.
 
 Peak RSS is the process's high-water mark (``VmHWM``, reset with ``/proc/self/clear_refs``
 after the state is built) minus the state's own resident bytes, so it reads as "extra
-memory the save needed"; the state's size is reported beside it.
+memory the save needed"; the state's size is reported beside it. ``fork`` adds the child's: the sum of both
+processes' proportional set sizes (``Pss`` of ``/proc/<pid>/smaps_rollup``, which counts a
+page the two share once), sampled every 20 ms, minus the state's, so shared pages are not
+counted twice.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +70,75 @@ def _state(quick: bool) -> dict[str, Any]:
     return out
 
 
+def _pss(pid: int | str) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _PssPeak:
+    """The peak of this process's Pss plus its forked child's, sampled on a thread."""
+
+    def __init__(self) -> None:
+        self.child = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = _pss("self") + (_pss(self.child) if self.child else 0)
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.02)
+
+    def close(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _step(state: dict[str, Any]) -> float:
+    """A training-like step: every tensor written in place (same values)."""
+    t0 = time.perf_counter()
+    for t in state.values():
+        t.mul_(1.0)
+    return time.perf_counter() - t0
+
+
+def _fork_save(ss: Any, path: str, state: dict[str, Any], mem: Any,
+               pss: _PssPeak) -> dict[str, float]:
+    t0 = time.perf_counter()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: save the state as it was at the fork, then leave
+        code = 1
+        try:
+            os.close(r)
+            ss.save(path, state, memory=mem)
+            os.write(w, b"ok")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    pss.child = pid
+    t1 = time.perf_counter()
+    step = _step(state)
+    with os.fdopen(r, "rb") as f:
+        ok = f.read() == b"ok"
+    os.waitpid(pid, 0)
+    t2 = time.perf_counter()
+    pss.child = 0
+    if not ok:
+        raise RuntimeError("the forked save failed")
+    return {"blocking_s": t1 - t0, "total_s": t2 - t0, "step_after_s": step}
+
+
 def _nbytes(state: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -80,17 +161,34 @@ def child(task: dict[str, Any]) -> dict[str, Any]:
         res["save_s"] = time.perf_counter() - t0
     elif cfg in ("async", "lazy"):
         saves = []
+        step = task.get("step", False) and cfg == "async"
+        if step:
+            res["step_s"] = min(_step(state) for _ in range(3))
         for p in paths:
             t0 = time.perf_counter()
             h = ss.save_async(p, state, lazy=cfg == "lazy", memory=mem)
             t1 = time.perf_counter()
             h.wait_snapshot()
             t2 = time.perf_counter()
+            after = _step(state) if step else None
             h.result()
             t3 = time.perf_counter()
             h._settled.wait()  # the pool is warmed after the commit (not counted)
-            saves.append({"blocking_s": t1 - t0, "snapshot_s": t2 - t0, "total_s": t3 - t0})
+            saves.append({"blocking_s": t1 - t0, "snapshot_s": t2 - t0, "total_s": t3 - t0,
+                          "step_after_s": after})
         res["saves"] = saves
+    elif cfg == "fork":
+        import gc
+
+        res["step_s"] = min(_step(state) for _ in range(3))
+        pss0 = _pss("self")
+        pss = _PssPeak()
+        gc.freeze()  # the child's collector must not touch (and so copy) every page
+        try:
+            res["saves"] = [_fork_save(ss, p, state, mem, pss) for p in paths]
+        finally:
+            gc.unfreeze()
+        res["peak_extra_pss_bytes"] = pss.close() - pss0
     elif cfg == "dcp":
         res["saves"] = _dcp(state, paths)
     elif cfg == "memcpy":
@@ -131,7 +229,7 @@ def _dcp(state: dict[str, Any], paths: list[str]) -> list[dict[str, float]]:
     return saves
 
 
-CONFIGS = ["sync", "async", "lazy", "dcp", "memcpy"]
+CONFIGS = ["sync", "async", "lazy", "dcp", "memcpy", "fork"]
 
 
 def run(args: Any, run_child: Any, script: Path, src: Path, out_dir: Path, cmdline: str,
@@ -142,7 +240,7 @@ def run(args: Any, run_child: Any, script: Path, src: Path, out_dir: Path, cmdli
     for r in range(args.repeats):
         for c in configs:  # interleaved, so load on the shared machine hits all alike
             task = {"phases": True, "config": c, "dir": base, "quick": args.quick,
-                    "budget": args.budget}
+                    "budget": args.budget, "step": "fork" in configs}
             res = run_child(script, src, task, args.timeout, stderr_on_failure=True)
             results["runs"].setdefault(c, []).append(res)
             log(f"{c} #{r}: {json.dumps({k: v for k, v in res.items() if k != 'stderr'})[:400]}")
@@ -173,13 +271,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     if ok.get("sync"):
         s["sync_save_s"] = _stat([r["save_s"] for r in ok["sync"]])
         s["sync_peak_extra_bytes"] = _stat([r["peak_extra_bytes"] for r in ok["sync"]])
-    for c in ("async", "lazy", "dcp"):
+    for c in ("async", "lazy", "dcp", "fork"):
         if ok.get(c):
             s[c] = {"first_blocking_s": saves(c, 0, "blocking_s"),
                     "first_total_s": saves(c, 0, "total_s"),
                     "later_blocking_s": saves(c, None, "blocking_s"),
                     "later_total_s": saves(c, None, "total_s"),
-                    "peak_extra_bytes": _stat([r["peak_extra_bytes"] for r in ok[c]])}
+                    "peak_extra_bytes": _stat([r.get("peak_extra_pss_bytes",
+                                                     r["peak_extra_bytes"]) for r in ok[c]])}
+            if all(r.get("step_s") is not None for r in ok[c]):
+                s[c]["step_s"] = _stat([r["step_s"] for r in ok[c]])
+                s[c]["first_step_after_s"] = saves(c, 0, "step_after_s")
+                s[c]["later_step_after_s"] = saves(c, None, "step_after_s")
     if ok.get("memcpy"):
         s["memcpy_fresh_s"] = _stat([r["fresh_s"] for r in ok["memcpy"]])
         s["memcpy_reused_s"] = _stat([r["reused_s"] for r in ok["memcpy"]])
@@ -221,13 +324,24 @@ def render_md(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     names = {"async": "`ss.save_async`", "lazy": "`ss.save_async(lazy=True)`",
-             "dcp": "DCP `async_save`"}
+             "dcp": "DCP `async_save`", "fork": "fork + `ss.save` in the child"}
     for c, name in names.items():
         if c in s:
             x = s[c]
             lines.append(f"| {name} | {f(x['first_blocking_s'])} | {f(x['first_total_s'])} | "
                          f"{f(x['later_blocking_s'])} | {f(x['later_total_s'])} | "
                          f"{f(x['peak_extra_bytes'], gib)} |")
+    stepped = [c for c in names if c in s and "step_s" in s[c]]
+    if stepped:
+        lines += ["", "A step writing every tensor in place, right after the blocking phase "
+                  "returned, against the same step with no save in flight (s):", "",
+                  "| | step alone | step after the first save | step after later saves |",
+                  "|---|---|---|---|"]
+        for c in stepped:
+            x = s[c]
+            lines.append(f"| {names[c]} | {f(x['step_s'], nd=3)} | "
+                         f"{f(x['first_step_after_s'], nd=3)} | "
+                         f"{f(x['later_step_after_s'], nd=3)} |")
     sync = (s.get("sync_save_s") or {}).get("median")
     if sync:
         lines += ["", "Ratios to the sync save (medians):", ""]
