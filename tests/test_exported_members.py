@@ -57,7 +57,7 @@ EXPECTED: dict[str, list[str]] = {
         "ReadPiece",
         "ReadRequest", "StreamPlanner", "Wanted", "WriteItem", "assign_writers",
         "block_rows_for", "build_manifest", "chunk_offset", "coalesce", "manifest_matches",
-        "merge_trees",
+        "merge_trees", "meta_matches",
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [

@@ -127,6 +127,13 @@ def worker(ctx: Context) -> dict[str, Any]:
             return {"raised": True, "message": str(exc)}
         return {"raised": False, "message": ""}
 
+    def gather() -> Any:
+        coll = JaxCollective()
+        got = coll.gather_object({"rank": rank, "n": [rank] * (100 + rank)}, 1)
+        every = coll.all_gather_object(rank)  # the sequences still line up after it
+        return {"got": None if got is None else [[g["rank"], len(g["n"])] for g in got],
+                "every": every}
+
     def timeout() -> Any:
         # Last: after a timeout the processes' collective sequences differ.
         coll = JaxCollective(timeout_s=3)
@@ -147,7 +154,8 @@ def worker(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in [("setup", setup), ("save", save), ("same", lambda: load(2)),
                      ("reshard", lambda: load(3)), ("per_process", per_process_keys),
-                     ("load_failure", load_failure), ("timeout", timeout)]:
+                     ("load_failure", load_failure), ("gather", gather),
+                     ("timeout", timeout)]:
         try:
             out[name] = {"ok": True, "value": fn()}
         except BaseException:  # noqa: BLE001
@@ -170,6 +178,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     if not setup["ok"]:
         pytest.skip(f"multi-process JAX does not start here: {setup['error'][-800:]}")
     return tmp, res
+
+
+def test_gather_object_to_one_process(run: tuple[Path, list[Any]]) -> None:
+    _, res = run
+    got = _values(res, "gather")
+    assert got[1]["got"] == [[r, 100 + r] for r in range(WORLD)]
+    assert got[0]["got"] is None
+    assert [g["every"] for g in got] == [list(range(WORLD))] * WORLD
 
 
 def _values(res: list[Any], check: str) -> list[Any]:

@@ -70,6 +70,10 @@ class _KillAtCall:
     def fork(self, channel: str) -> Any:
         return _KillAtCall(self.inner.fork(channel), self.n, self.path)
 
+    def gather_object(self, obj: Any, dst: int = 0) -> Any:
+        # (every process must take the same path as process 0's plain collective)
+        return self.inner.gather_object(obj, dst)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls += 1
         if self.calls == self.n:

@@ -27,6 +27,13 @@ def test_all_gather_returns_own_object_in_a_list() -> None:
     assert c.all_gather_object(None) == [None]
 
 
+def test_gather_to_the_one_process_returns_own_object_in_a_list() -> None:
+    c = SingleProcess()
+    obj = {"n": 1}
+    out = c.gather_object(obj)
+    assert out == [obj] and out[0] is obj
+
+
 def test_broadcast_returns_object() -> None:
     c = SingleProcess()
     obj = ["x"]

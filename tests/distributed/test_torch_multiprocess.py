@@ -357,9 +357,19 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         # one rank's object over the first round's 16 KiB block: a second round
         big = coll.all_gather_object("x" * (40_000 + rank) if rank == world - 1 else rank)
         every = coll.all_gather_object([rank] * (5_000 + 7 * rank))  # all over, uneven
+        # to one rank: the first round to all, the rest to the last rank alone
+        dst = world - 1
+        to_one = [coll.gather_object({"rank": rank}, dst),
+                  coll.gather_object("y" * (30_000 + rank) if rank == 0 else rank, dst),
+                  coll.gather_object([rank] * (6_000 + rank), dst)]
         return {"small": [[d["rank"], list(d["t"]), type(d["t"]).__name__] for d in small],
                 "big": [len(b) if isinstance(b, str) else b for b in big],
-                "every": [len(e) == 5_000 + 7 * r and set(e) == {r} for r, e in enumerate(every)]}
+                "every": [len(e) == 5_000 + 7 * r and set(e) == {r} for r, e in enumerate(every)],
+                "to_one": None if rank != dst else [
+                    [d["rank"] for d in to_one[0]],
+                    [len(b) if isinstance(b, str) else b for b in to_one[1]],
+                    [len(e) == 6_000 + r and set(e) == {r} for r, e in enumerate(to_one[2])]],
+                "to_one_elsewhere": [x is None for x in to_one] if rank != dst else None}
 
     def sparse() -> Any:
         # only rank 0 has arrays to write; the others hold an empty stage
@@ -368,12 +378,14 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         return True
 
     def overwrite() -> Any:
+        ids = []
         for gen in (1, 2):
             ss.save(root / "ow", {"gen": gen, "w": torch.full((8,), float(gen))},
                     overwrite=gen > 1)
+            ids.append(ss.metadata(root / "ow").meta.get("save_id"))
         out = ss.load(root / "ow")
         again = _expect_distributed_error(lambda: ss.save(root / "ow", {"gen": 3}))
-        return {"gen": out["gen"], "w": out["w"].tolist(), "again": again}
+        return {"gen": out["gen"], "w": out["w"].tolist(), "again": again, "ids": ids}
 
     def tied() -> Any:
         # the same memory under two keys (tied weights), per rank, replicated and a
@@ -816,7 +828,11 @@ def test_object_gather_in_one_or_two_rounds(runs: _Runs, world: int) -> None:
     want = {"small": [[r, [1, 2], "tuple"] for r in range(world)],
             "big": [*range(world - 1), 40_000 + world - 1],
             "every": [True] * world}
-    assert _values(per_rank, "gather") == [want] * world
+    got = _values(per_rank, "gather")
+    assert [{k: g[k] for k in want} for g in got] == [want] * world
+    # gather_object: everything on the last rank, nothing elsewhere
+    assert got[-1]["to_one"] == [list(range(world)), [30_000, *range(1, world)], [True] * world]
+    assert [g["to_one_elsewhere"] for g in got[:-1]] == [[True] * 3] * (world - 1)
 
 
 @timeout_mark
@@ -843,6 +859,10 @@ def test_collective_overwrite_and_exists_error(runs: _Runs, world: int) -> None:
             assert v["again"]["cause"] == "CheckpointExistsError", v["again"]
     assert ss.load(tmp / "ow", collective=ss.SingleProcess())["gen"] == 2
     assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".ow")) == []
+    # each save names itself in its manifest: one random id, the same on every rank
+    ids = [v["ids"] for v in _values(per_rank, "overwrite")]
+    assert all(i == ids[0] for i in ids), ids
+    assert all(len(x) == 32 and int(x, 16) >= 0 for x in ids[0]) and ids[0][0] != ids[0][1]
 
 
 @timeout_mark

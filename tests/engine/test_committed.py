@@ -58,3 +58,25 @@ def test_only_the_committed_manifest_of_this_save_counts(tmp_path: Path) -> None
     # a manifest its commit marker does not name is not trusted
     _commit(storage, path, data, encode_commit(data + b" "))
     assert not committed_as_saved(storage, path, merged, parts, later)
+
+
+def test_a_process_without_the_parts_checks_the_save_id(tmp_path: Path) -> None:
+    # Only rank 0 holds every part; the others know the save by its id.
+    storage, path = LocalStorage(), str(tmp_path / "ck")
+    merged, parts = _save(7)
+    meta = dict(META, save_id="0f" * 16)
+    later = dict(meta, created_unix=2.0)
+    data = encode_manifest(build_manifest(merged, parts, meta))
+    _commit(storage, path, data, encode_commit(data))
+    assert committed_as_saved(storage, path, merged, None, later)
+    # another save's checkpoint at the path (same arrays, same metadata but its id)
+    assert not committed_as_saved(storage, path, merged, None, dict(later, save_id="1e" * 16))
+    # metadata without an id proves nothing about the parts
+    plain = dict(META, created_unix=2.0)
+    data2 = encode_manifest(build_manifest(merged, parts, META))
+    _commit(storage, path, data2, encode_commit(data2))
+    assert not committed_as_saved(storage, path, merged, None, plain)
+    assert committed_as_saved(storage, path, merged, parts, plain)
+    # a torn marker: not trusted either way
+    _commit(storage, path, data, encode_commit(data + b" "))
+    assert not committed_as_saved(storage, path, merged, None, later)

@@ -14,7 +14,14 @@ T = TypeVar("T")
 
 
 class Collective(Protocol):
-    """What save/load need from a group of processes."""
+    """What save/load need from a group of processes.
+
+    Two methods are optional, used when a collective has them:
+    ``any_true(flag) -> bool`` (whether ``flag`` is true on any process; agreements
+    ask it before gathering statuses) and ``gather_object(obj, dst=0)`` (every
+    process's ``obj`` in rank order on ``dst``, None on the others; a save's
+    records of what each process wrote go to rank 0 alone with it).
+    """
 
     @property
     def rank(self) -> int: ...
@@ -75,6 +82,9 @@ class SingleProcess:
         return None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         return [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

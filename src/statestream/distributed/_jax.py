@@ -202,6 +202,31 @@ class JaxCollective:
             raise self._fail("all_gather", exc, self._absent(key, r), dead) from exc
         return out
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every process's ``obj`` on process ``dst`` (None on the others): each
+        sets its key and only ``dst`` reads them (an all-gather has every process
+        read every key)."""
+        key = self._key("gather1")
+        data = base64.b64encode(json.dumps(obj).encode()).decode()
+        deadline = time.monotonic() + self._timeout_s
+        watch: list[Watch] = []
+        r = self._rank
+        try:
+            self._client.key_value_set(f"{key}/{self._rank}", data)
+            if self._rank != dst:
+                return None
+            out = []
+            for r in range(self._world):
+                pending = {q: f"{key}/{q}" for q in range(r, self._world)}
+                raw = self._wait(f"{key}/{r}", "gather", pending, deadline, watch)
+                out.append(json.loads(base64.b64decode(raw)))
+        except DistributedError:
+            raise
+        except Exception as exc:
+            dead = watch[0].stalled(self._dead_after_s) if watch else []
+            raise self._fail("gather", exc, self._absent(key, r), dead) from exc
+        return out
+
     def _absent(self, key: str, first: int) -> list[int]:
         """Processes whose all_gather entry is missing (``first`` timed out already)."""
         missing = [first]

@@ -326,25 +326,49 @@ class TorchCollective:
         then, so all take the same rounds). Objects come from the job's own
         ranks (pickled, as torch's own object collectives do).
         """
+        data, blocks, lengths = self._heads(obj)
+        tails = self._tails(data, lengths, None)
+        return _unpickled(blocks, tails, lengths)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on rank ``dst`` (None on the others).
+
+        The same first round as :meth:`all_gather_object` (a 16 KiB block per
+        rank, so every rank knows every length); the rest of longer objects goes
+        to ``dst`` alone, and only ``dst`` unpickles. A save's records of what
+        each rank wrote (one per chunk) only rank 0 needs: gathered to every rank,
+        N ranks would each receive and decode all N parts.
+        """
+        data, blocks, lengths = self._heads(obj)
+        tails = self._tails(data, lengths, dst)
+        if self._rank != dst:
+            return None
+        return _unpickled(blocks, tails, lengths)
+
+    def _heads(self, obj: Any) -> tuple[bytes, list[bytes], list[int]]:
+        """Pickle ``obj``; gather every rank's length and first bytes (one round)."""
         import torch
 
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        room = _GATHER_BLOCK - 8
         first = torch.zeros(_GATHER_BLOCK, dtype=torch.uint8)
-        head = len(data).to_bytes(8, "little") + data[:room]
+        head = len(data).to_bytes(8, "little") + data[:_GATHER_BLOCK - 8]
         first[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         blocks = self._gather_bytes(first)
-        lengths = [int.from_bytes(b[:8], "little") for b in blocks]
+        return data, blocks, [int.from_bytes(b[:8], "little") for b in blocks]
+
+    def _tails(self, data: bytes, lengths: list[int], dst: int | None) -> list[bytes]:
+        """The bytes past the first block, padded to the longest: to every rank
+        (``dst`` None) or to ``dst`` alone; none when every object fit."""
+        import torch
+
+        room = _GATHER_BLOCK - 8
         rest = max(lengths) - room
-        tails = [b""] * self._world
-        if rest > 0:
-            mine = torch.zeros(rest, dtype=torch.uint8)
-            if len(data) > room:
-                mine[:len(data) - room] = torch.frombuffer(bytearray(data[room:]),
-                                                           dtype=torch.uint8)
-            tails = self._gather_bytes(mine)
-        return [pickle.loads((b[8:8 + n] + t)[:n])
-                for b, t, n in zip(blocks, tails, lengths)]
+        if rest <= 0:
+            return [b""] * self._world
+        mine = torch.zeros(rest, dtype=torch.uint8)
+        if len(data) > room:
+            mine[:len(data) - room] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+        return self._gather_bytes(mine) if dst is None else self._gather_to(mine, dst)
 
     def _gather_bytes(self, t: Any) -> list[bytes]:
         """Every rank's uint8 tensor ``t`` (the same size on every rank), as bytes."""
@@ -357,6 +381,18 @@ class TorchCollective:
         except RuntimeError as exc:
             raise self._wrap("all_gather", exc, seq) from exc
         return [o.numpy().tobytes() for o in outs]
+
+    def _gather_to(self, t: Any, dst: int) -> list[bytes]:
+        """Every rank's uint8 tensor ``t`` on rank ``dst`` (the others get [])."""
+        import torch
+
+        outs = [torch.empty_like(t) for _ in range(self._world)] if self._rank == dst else None
+        seq = self._arrive("gather")
+        try:
+            self._dist.gather(t, gather_list=outs, dst=self._global_ranks[dst], group=self._pg)
+        except RuntimeError as exc:
+            raise self._wrap("gather", exc, seq) from exc
+        return [o.numpy().tobytes() for o in outs] if outs is not None else []
 
     def send_bytes(self, data: Any, dst: int) -> None:
         """Send the bytes of buffer ``data`` to rank ``dst`` (which calls :meth:`recv_bytes`).
@@ -394,3 +430,7 @@ class TorchCollective:
         except RuntimeError as exc:
             raise self._wrap("broadcast", exc, seq) from exc
         return box[0]
+
+
+def _unpickled(blocks: list[bytes], tails: list[bytes], lengths: list[int]) -> list[Any]:
+    return [pickle.loads((b[8:8 + n] + t)[:n]) for b, t, n in zip(blocks, tails, lengths)]

@@ -17,8 +17,12 @@ nothing). The phases:
    was modified in place before the copy landed (engine/_snapshot.py).
 3. **write**: one writer thread per data file; records of what was written
    (offset, stored size, checksums) are made after the bytes exist.
-4. **commit**: every process agrees its part is durable; rank 0 joins the
-   parts into the manifest, writes it and the commit marker, and commits.
+4. **commit**: every process agrees its part is durable; the parts (each
+   process's files and chunk records) are gathered to rank 0 alone, which joins
+   them into the manifest, writes it and the commit marker, and commits. The
+   manifest carries the save's id (``meta.save_id``, rank 0's random 128 bits,
+   sent with the transaction's token), by which a process that loses rank 0 at
+   the last agreement tells whether what is committed is this save.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -164,6 +169,8 @@ class SaveJob:
         self.groups: NodeGroups | None = None
         #: the manifest this process built at the commit (rank 0), for remember_committed
         self._built: Manifest | None = None
+        #: with several processes: this save's id, agreed with the transaction (meta.save_id)
+        self.save_id: str | None = None
 
     def _open_base(self) -> None:
         """Read the base's manifest (before anything is written)."""
@@ -257,7 +264,9 @@ class SaveJob:
             except BaseException as exc:
                 err = exc
         agree(coll, "starting the save", err)
-        token = coll.broadcast_object(self.txn.token if self.txn is not None else None, src=0)
+        token, self.save_id = coll.broadcast_object(
+            [self.txn.token if self.txn is not None else None,
+             secrets.token_hex(16) if coll.rank == 0 else None], src=0)
         try:
             if self.txn is None:
                 self.txn = self.storage.join_write(self.spath, token)
@@ -276,10 +285,12 @@ class SaveJob:
             except BaseException as exc:
                 err = exc
         agree(coll, "starting the save", err)
-        tokens = coll.all_gather_object(self.txn.token if self.txn is not None else None)
+        tokens = coll.all_gather_object([self.txn.token if self.txn is not None else None,
+                                         secrets.token_hex(16) if coll.rank == 0 else None])
+        self.save_id = tokens[0][1]
         try:
             if self.txn is None:
-                self.txn = self.storage.join_write(self.spath, tokens[groups.leader()])
+                self.txn = self.storage.join_write(self.spath, tokens[groups.leader()][0])
         except BaseException as exc:
             err = exc
         agree(coll, "joining the save", err)
@@ -375,9 +386,7 @@ class SaveJob:
         coll = self.finish_coll
         try:
             agree(coll, "writing data", error)
-            part = self._part(written)
-            parts = ([part] if not self.multi else
-                     [RankPart.from_wire(w) for w in coll.all_gather_object(part.to_wire())])
+            parts = self._gather_parts(self._part(written))
             err = None
             if self.groups is not None:
                 err = self._commit_node_local(parts)
@@ -387,7 +396,8 @@ class SaveJob:
                 except BaseException as exc:
                     err = exc
             # A process lost right after rank 0 committed must not fail a committed
-            # save: the survivors check that what is committed is this save's.
+            # save: the survivors check that what is committed is this save's (its
+            # parts, on rank 0; its id and metadata, on the others).
             merged = self.merged
             assert merged is not None
             agree(coll, "committing", err,
@@ -396,6 +406,23 @@ class SaveJob:
         except BaseException:
             self._abort_txn()
             raise
+
+    def _gather_parts(self, part: RankPart) -> list[RankPart] | None:
+        """Every process's part on rank 0, in rank order (None on the others).
+
+        With N processes an all-gather would make each receive and decode all N
+        parts (a record per chunk); only rank 0 builds the manifest. Collectives
+        without ``gather_object`` all-gather, and the others drop what they got.
+        """
+        if not self.multi:
+            return [part]
+        coll = self.finish_coll
+        gather = getattr(coll, "gather_object", None)
+        wires = (gather(part.to_wire(), 0) if gather is not None
+                 else coll.all_gather_object(part.to_wire()))
+        if coll.rank != 0 or wires is None:
+            return None
+        return [RankPart.from_wire(w) for w in wires]
 
     def _part(self, written: dict[tuple[int, int], ChunkEntry]) -> RankPart:
         merged = self.merged
@@ -419,13 +446,14 @@ class SaveJob:
             "library": f"statestream {__version__}",
             "created_unix": time.time(),
             "world_size": self.coll.world_size,
+            **({"save_id": self.save_id} if self.save_id is not None else {}),
             "total_bytes": sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays),
             **({"user": user} if user is not None else {}),
         }
 
-    def _manifest_bytes(self, parts: list[RankPart]) -> bytes:
+    def _manifest_bytes(self, parts: list[RankPart] | None) -> bytes:
         merged, txn = self.merged, self.txn
-        assert merged is not None and txn is not None
+        assert merged is not None and txn is not None and parts is not None
         manifest = self._built = build_manifest(merged, parts, self._meta())
         mbytes = encode_manifest(manifest)
         if self.multi:
@@ -434,7 +462,7 @@ class SaveJob:
             decode_manifest(mbytes, f"{txn.location}/{MANIFEST_NAME} (being committed)")
         return mbytes
 
-    def _commit_node_local(self, parts: list[RankPart]) -> BaseException | None:
+    def _commit_node_local(self, parts: list[RankPart] | None) -> BaseException | None:
         """Rank 0 builds the manifest; each node's leader commits its own copy of it."""
         coll, groups = self.finish_coll, self.groups
         assert groups is not None
@@ -454,7 +482,7 @@ class SaveJob:
                 return exc
         return None
 
-    def _commit(self, parts: list[RankPart], mbytes: bytes | None = None) -> None:
+    def _commit(self, parts: list[RankPart] | None, mbytes: bytes | None = None) -> None:
         txn = self.txn
         assert txn is not None
         if mbytes is None:

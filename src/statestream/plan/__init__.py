@@ -18,6 +18,7 @@ from statestream.plan._manifest import (
     build_manifest,
     manifest_matches,
     merge_trees,
+    meta_matches,
     single_tree,
 )
 from statestream.plan._save import (
@@ -42,6 +43,7 @@ __all__ = [
     "RankTree",
     "build_manifest",
     "manifest_matches",
+    "meta_matches",
     "merge_trees",
     "single_tree",
     "ArraySpec",

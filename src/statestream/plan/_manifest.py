@@ -308,6 +308,32 @@ def _timeless(meta: dict[str, Any]) -> str:
                       sort_keys=True, default=repr)
 
 
+def meta_matches(data: bytes, meta: dict[str, Any]) -> bool:
+    """Whether manifest bytes ``data`` decode, whole and valid, with metadata ``meta``
+    (the commit time aside).
+
+    What a process of a multi-process save that does not hold every part checks:
+    its metadata carries the save's random id, which no other save commits.
+
+    Example:
+        >>> from statestream.format import ChunkEntry, FileEntry, encode_manifest
+        >>> m = merge_trees([RankTree(Node("array", array=0), [ArrayDecl("", "uint8", (4,))])])
+        >>> part = RankPart([FileEntry("data/r0-0.bin", 4)],
+        ...                 {0: [ChunkEntry(0, 0, 4, 123, (0,), (4,))]})
+        >>> meta = {"save_id": "ab", "created_unix": 1.0}
+        >>> data = encode_manifest(build_manifest(m, [part], meta))
+        >>> meta_matches(data, {"save_id": "ab", "created_unix": 2.0})
+        True
+        >>> meta_matches(data, {"save_id": "cd"})
+        False
+    """
+    try:
+        committed = decode_manifest(data, "the committed manifest")
+    except CheckpointError:
+        return False
+    return _timeless(committed.meta) == _timeless(meta)
+
+
 def manifest_matches(data: bytes, merged: MergedTree, parts: Sequence[RankPart],
                      meta: dict[str, Any]) -> bool:
     """Whether manifest bytes ``data`` are exactly what these parts build.
