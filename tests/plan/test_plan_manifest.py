@@ -139,3 +139,30 @@ def test_a_committed_manifest_matches_only_the_parts_that_built_it() -> None:
         assert not manifest_matches(data, merged, parts, other_meta)
     # not a manifest at all
     assert not manifest_matches(b"{}", merged, parts, mine)
+
+
+def test_merged_trees_keep_every_field_of_every_node() -> None:
+    # merge_trees builds nodes field by field (dataclasses.replace was too slow): a new
+    # Node field must be carried there too, or merged trees would silently drop it.
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(Node)] == [
+        "kind", "keys", "children", "type_name", "value", "array", "attrs"], \
+        "Node changed: carry the new field in plan/_manifest.py (_merge, _keyed, _number)"
+    leaf = Node("array", array=0, attrs={"kind": "torch"}, type_name="T")
+    seq = Node("tuple", children=[Node("int", value=3)], type_name="Pair", attrs={"a": 1})
+    tree = Node("namedtuple", keys=["w", "p"], children=[leaf, seq], type_name="NT",
+                attrs={"b": 2})
+    m = merge_trees([RankTree(tree, [ArrayDecl("w", "float32", (2,))])] * 3)
+    assert m.tree == tree  # the same tree back, node for node, field for field
+
+
+def test_a_chunk_moved_to_another_file_keeps_every_other_field() -> None:
+    import dataclasses
+
+    c = ChunkEntry(1, 4096, 100, 7, (2, 0), (3, 4), 1, (5, 6, 7), "zstd", True, b"\x01" * 16,
+                   ChunkRef("../base", 1))
+    names = [f.name for f in dataclasses.fields(ChunkEntry)]
+    assert all(getattr(c, n) != getattr(ChunkEntry(0, 0, 0, 0, (), ()), n) for n in names), \
+        "give every field a non-default value here"
+    assert c.in_file(9) == dataclasses.replace(c, file=9)

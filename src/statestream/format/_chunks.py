@@ -64,6 +64,20 @@ class ChunkEntry:
     digest: bytes | None = None
     ref: ChunkRef | None = None
 
+    def in_file(self, file: int) -> ChunkEntry:
+        """A copy recorded in data file ``file`` (every other field the same).
+
+        Built field by field: ``dataclasses.replace`` costs ~4 us, and rank 0
+        renumbers every chunk of every other rank when it joins their parts.
+
+        Example:
+            >>> ChunkEntry(0, 64, 4, 7, (0,), (4,)).in_file(3).file
+            3
+        """
+        return ChunkEntry(file, self.offset, self.nbytes, self.checksum, self.start, self.shape,
+                          self.block_rows, self.block_checksums, self.codec, self.shuffle,
+                          self.digest, self.ref)
+
 
 #: ``ChunkStore.flags`` bits: the chunk has a codec / is a reference to a base.
 FLAG_CODEC = 1

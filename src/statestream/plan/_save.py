@@ -282,13 +282,10 @@ def assign_writers(
                 holders.setdefault((key, tuple(start), tuple(bshape)), []).append(rank)
     load = [0] * len(per_rank)
     owners: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
-
-    def cost(k: tuple[str, tuple[int, ...], tuple[int, ...]]) -> int:
-        return math.prod(k[2]) * itemsize[meta[k[0]][0]]
-
-    for k in sorted(holders, key=lambda k: (-cost(k), k[0], k[1])):
+    costs = {k: math.prod(k[2]) * itemsize[meta[k[0]][0]] for k in holders}
+    for k in sorted(holders, key=lambda k: (-costs[k], k[0], k[1])):
         ranks = holders[k]
-        best = min(ranks, key=lambda r: (load[r], r))
+        best = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
         owners[k] = best
-        load[best] += cost(k)
+        load[best] += costs[k]
     return owners
