@@ -863,6 +863,10 @@ def test_collective_overwrite_and_exists_error(runs: _Runs, world: int) -> None:
     ids = [v["ids"] for v in _values(per_rank, "overwrite")]
     assert all(i == ids[0] for i in ids), ids
     assert all(len(x) == 32 and int(x, 16) >= 0 for x in ids[0]) and ids[0][0] != ids[0][1]
+    assert ss.metadata(tmp / "ow").meta["save_id"] == ids[0][1]
+    # a conversion is a save of its own: it does not carry the source's id
+    copy = ss.convert(tmp / "ow", tmp / f"ow-copy{world}")
+    assert "save_id" not in ss.metadata(copy).meta
 
 
 @timeout_mark

@@ -269,8 +269,9 @@ def convert(
         block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
         slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
                        writer_bytes=2 * block, reuse=fmt in _STREAMING)
+        # what describes the source's own save (a new checkpoint is a new save)
         meta = {k: v for k, v in m.meta.items()
-                if k not in ("library", "created_unix", "world_size", "total_bytes")}
+                if k not in ("library", "created_unix", "world_size", "total_bytes", "save_id")}
         _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
                   max_shard_bytes=max_shard_bytes, block_bytes=block)
     finally:
