@@ -415,8 +415,39 @@ def worker_main(ctx: Context) -> dict[str, Any]:
             step = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return {"kinds": kinds, "dtensor": kinds == [DTensor.__name__], "step_error": step}
 
+    def plans() -> Any:
+        # The plan of a save is kept for the next save of the same structure: only the
+        # plain values and the bytes change (engine/_plans.py).
+        from statestream import _hooks
+        from statestream.engine._plans import forget_plans
+
+        reused: list[int] = []
+        _hooks.register("save.plan_reused", lambda: reused.append(1))
+
+        def state(step: int, extra: bool = False) -> Any:
+            own: dict[str, Any] = {"w": torch.full((6,), float(step * 10 + rank))}
+            if extra:
+                own["extra"] = torch.ones(3)
+            return {"step": step, "name": f"run-{step}", f"r{rank}": own, "lr": step / 4,
+                    "shared": {"v": torch.arange(8.0) + step}}
+
+        out: dict[str, Any] = {"reused": []}
+        for i, (step, extra, forget) in enumerate([
+                (1, False, False), (2, False, False), (3, rank == 1, False),
+                (4, rank == 1, rank == world - 1), (5, rank == 1, False)]):
+            if forget:  # one process lost what it kept (restarted): nobody may reuse
+                forget_plans()
+            before = len(reused)
+            ss.save(root / f"plans{i}", state(step, extra))
+            out["reused"].append(len(reused) - before)
+        _hooks.clear()
+        got = ss.load(root / "plans4")
+        out["loaded"] = [got["step"], got["name"], got["lr"], got["shared"]["v"].tolist(),
+                         got[f"r{rank}"]["w"].tolist(), sorted(got[f"r{rank}"])]
+        return out
+
     return _run_checks(ctx, [
-        ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
+        ("plans", plans), ("mixed", mixed), ("dtensor_1d", dtensor_1d), ("dtensor_2d", dtensor_2d),
         ("fsdp", fsdp), ("big", big), ("fail_walk", fail_walk), ("fail_write", fail_write),
         ("fail_plan", fail_plan), ("fail_load", fail_load), ("sparse", sparse),
         ("overwrite", overwrite), ("tied", tied), ("any_true", any_true), ("gather", gather),
@@ -819,6 +850,20 @@ def test_any_true_is_the_same_on_every_rank(runs: _Runs, world: int) -> None:
     # agree's fast path: one all-reduce says whether any rank failed
     _, per_rank = runs.get_main(world)
     assert _values(per_rank, "any_true") == [[False, True, True, True]] * world
+
+
+@timeout_mark
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_save_of_the_same_structure_reuses_the_plan(runs: _Runs, world: int) -> None:
+    _, per_rank = runs.get_main(world)
+    got = _values(per_rank, "plans")
+    # saves 2 and 5 reuse (only values changed); 1 is the first, 3 changes the structure
+    # on rank 1, and before 4 the last rank forgot its plans: every rank agrees anew
+    assert [g["reused"] for g in got] == [[0, 1, 0, 0, 1]] * world
+    for rank, g in enumerate(got):
+        own = ["extra", "w"] if rank == 1 else ["w"]
+        assert g["loaded"] == [5, "run-5", 1.25, [float(x + 5) for x in range(8)],
+                               [float(50 + rank)] * 6, own], (rank, g)
 
 
 @timeout_mark
