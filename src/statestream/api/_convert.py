@@ -35,6 +35,8 @@ _BLOCK_BYTES = 16 << 20
 #: writers done with a slab before they ask for the next (they may share one buffer)
 _STREAMING = ("statestream", "safetensors")
 _EXTENSIONS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+#: metadata that describes the source's own save, not carried over (a conversion is a save)
+_OWN_META = ("library", "created_unix", "world_size", "total_bytes", "save_id")
 
 
 def _renumber(node: Node, old: list[int], new: dict[int, int] | None = None) -> Node:
@@ -269,9 +271,7 @@ def convert(
         block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
         slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
                        writer_bytes=2 * block, reuse=fmt in _STREAMING)
-        # what describes the source's own save (a new checkpoint is a new save)
-        meta = {k: v for k, v in m.meta.items()
-                if k not in ("library", "created_unix", "world_size", "total_bytes", "save_id")}
+        meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
         _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
                   max_shard_bytes=max_shard_bytes, block_bytes=block)
     finally:
