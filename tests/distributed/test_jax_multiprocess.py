@@ -127,6 +127,28 @@ def worker(ctx: Context) -> dict[str, Any]:
             return {"raised": True, "message": str(exc)}
         return {"raised": False, "message": ""}
 
+    def plans() -> Any:
+        # a later save of the same structure reuses the plan (no any_true here: the
+        # processes agree through an all-gather)
+        from statestream import _hooks
+
+        reused: list[int] = []
+        _hooks.register("save.plan_reused", lambda: reused.append(1))
+        arrays = {k: jax.make_array_from_callback(v[0], sh(v[2]), lambda idx, k=k: want[k][idx])
+                  for k, v in LAYOUTS.items()}
+        counts = []
+        try:
+            for step in (1, 2, 3):
+                before = len(reused)
+                extra = {"more": np.ones(2)} if step == 3 and rank == 0 else {}
+                ss.save(root / f"plans{step}", {"arrays": arrays, "step": step,
+                                                f"proc{rank}": {"x": np.full(2, step), **extra}})
+                counts.append(len(reused) - before)
+        finally:
+            _hooks.clear()
+        out = ss.load(root / "plans2", items=["step", f"proc{rank}"])
+        return {"counts": counts, "step": out["step"], "x": out[f"proc{rank}"]["x"].tolist()}
+
     def gather() -> Any:
         coll = JaxCollective()
         got = coll.gather_object({"rank": rank, "n": [rank] * (100 + rank)}, 1)
@@ -154,7 +176,7 @@ def worker(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in [("setup", setup), ("save", save), ("same", lambda: load(2)),
                      ("reshard", lambda: load(3)), ("per_process", per_process_keys),
-                     ("load_failure", load_failure), ("gather", gather),
+                     ("load_failure", load_failure), ("gather", gather), ("plans", plans),
                      ("timeout", timeout)]:
         try:
             out[name] = {"ok": True, "value": fn()}
@@ -178,6 +200,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     if not setup["ok"]:
         pytest.skip(f"multi-process JAX does not start here: {setup['error'][-800:]}")
     return tmp, res
+
+
+def test_a_save_of_the_same_structure_reuses_the_plan(run: tuple[Path, list[Any]]) -> None:
+    _, res = run
+    # the first save plans, the second reuses, the third changed process 0's structure
+    assert _values(res, "plans") == [{"counts": [0, 1, 0], "step": 2, "x": [2, 2]}] * WORLD
 
 
 def test_gather_object_to_one_process(run: tuple[Path, list[Any]]) -> None:
