@@ -93,3 +93,24 @@ def test_plans_are_kept_per_rank_and_digests_the_oldest_going_first() -> None:
         assert kept_plan(0, ("0",)) is plan and kept_plan(0, ("1",)) is None
     finally:
         forget_plans()
+
+
+def test_kept_plans_are_bounded_by_their_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    forget_plans()
+    monkeypatch.setattr(_plans, "KEEP_ARRAYS", 10)
+
+    def plan(n: int) -> KeptPlan:
+        return KeptPlan(Node("none"), [object()] * n, {}, [])
+
+    try:
+        keep_plan(0, ("a",), plan(6))
+        keep_plan(0, ("b",), plan(4))  # 10 arrays in all: both stay
+        assert kept_plan(0, ("a",)) is not None and kept_plan(0, ("b",)) is not None
+        keep_plan(0, ("c",), plan(3))  # 13: the least recently used ("a") goes
+        assert kept_plan(0, ("a",)) is None and kept_plan(0, ("b",)) is not None
+        big = plan(50)
+        keep_plan(0, ("d",), big)  # over the bound alone: the newest is still kept
+        assert kept_plan(0, ("d",)) is big
+        assert kept_plan(0, ("b",)) is None and kept_plan(0, ("c",)) is None
+    finally:
+        forget_plans()

@@ -43,6 +43,9 @@ __all__ = ["KeptPlan", "fill_values", "forget_plans", "kept_plan", "keep_plan",
 _PLACEHOLDERS: dict[str, Any] = {"none": None, "bool": False, "int": 0, "float": 0.0, "str": ""}
 #: Plans kept per process (a job that saves a few different states alternately).
 KEEP = 4
+#: ... holding at most this many arrays together, the newest plan aside (a kept plan
+#: holds the merged tree: ~200 bytes per array).
+KEEP_ARRAYS = 1 << 20
 
 _LOCK = threading.Lock()
 _KEPT: collections.OrderedDict[tuple[int, tuple[str, ...]], KeptPlan] = \
@@ -153,11 +156,13 @@ def kept_plan(rank: int, digests: tuple[str, ...]) -> KeptPlan | None:
 
 
 def keep_plan(rank: int, digests: tuple[str, ...], plan: KeptPlan) -> None:
-    """Keep ``plan`` for these digests (the oldest of more than :data:`KEEP` goes)."""
+    """Keep ``plan`` for these digests; the oldest go while more than :data:`KEEP` are
+    kept or, beside the newest, they hold more than :data:`KEEP_ARRAYS` arrays."""
     with _LOCK:
         _KEPT[(rank, digests)] = plan
         _KEPT.move_to_end((rank, digests))
-        while len(_KEPT) > KEEP:
+        while len(_KEPT) > 1 and (len(_KEPT) > KEEP or
+                                  sum(len(p.arrays) for p in _KEPT.values()) > KEEP_ARRAYS):
             _KEPT.popitem(last=False)
 
 
