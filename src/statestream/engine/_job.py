@@ -8,7 +8,8 @@ nothing). The phases:
    arrays; with several processes, gather every process's tree and array
    descriptions, agree on the checkpoint's tree (differences are named by
    rank and key path before any data is written), choose one writer per
-   distinct box and open the shared transaction.
+   distinct box (engine/_plans.py, which reuses the plan of an earlier save of
+   the same structure) and open the shared transaction.
 2. **stage**: a synchronous save writes straight from the state (zero-copy
    views, device arrays through pinned buffers); one process starts writing
    while the walk goes on. An asynchronous save *snapshots* every chunk it
@@ -54,30 +55,18 @@ from statestream.engine._core import (
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
-from statestream.engine._plans import (
-    KeptPlan,
-    fill_values,
-    keep_plan,
-    kept_plan,
-    plan_digest,
-    split_values,
-    with_refs,
-)
+from statestream.engine._plans import agree_on_plan
 from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
-from statestream.errors import DistributedError, TargetMismatchError
 from statestream.format import (
     COMMIT_NAME,
-    DTYPE_NAMES,
     MANIFEST_NAME,
     ChunkEntry,
     Manifest,
     decode_manifest,
-    decode_tree,
     encode_commit,
     encode_manifest,
-    encode_tree,
     itemsize_of,
 )
 from statestream.plan import (
@@ -85,16 +74,12 @@ from statestream.plan import (
     ArraySpec,
     MergedTree,
     RankPart,
-    RankTree,
     StreamPlanner,
     WriteItem,
-    assign_writers,
     build_manifest,
-    merge_trees,
     single_tree,
 )
 from statestream.storage import WriteTransaction, storage_for
-from statestream.tree import Node
 
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
@@ -241,27 +226,8 @@ class SaveJob:
         decls = self._decls = self.collector.decls()
         boxes = [a.boxes if a.boxes is not None else [((0,) * len(a.shape), a.shape)]
                  for a in self.collector.arrays]
-        arrays = [[d.key, d.dtype, list(d.shape), [[list(s), list(b)] for s, b in bx]]
-                  for d, bx in zip(decls, boxes)]
-        # The plan of the last saves of the same structure is reused (engine/_plans.py):
-        # one gather of digests and plain values, then only if some process kept no
-        # plan for these digests, the structures themselves.
-        structure, values = split_values(tree)
-        encoded = encode_tree(structure)
-        first = coll.all_gather_object({"d": plan_digest(encoded, arrays),
-                                        "v": encode_tree(Node("list", children=values))})
-        digests = tuple(str(g["d"]) for g in first)
-        kept = kept_plan(coll.rank, digests)
-        missed = _anyone(coll, kept is None)  # collective: every process asks
-        if missed or kept is None:
-            plan = self._agree_on_plan(encoded, arrays, digests)
-        else:
-            plan = kept
-            _hooks.fire("save.plan_reused")
-        self.merged = MergedTree(
-            fill_values(plan.tree, [decode_tree(g["v"], 0).children or [] for g in first]),
-            plan.arrays, plan.index)
-        self.mine = plan.mine
+        # the plan of an earlier save of the same structure is reused (engine/_plans.py)
+        self.merged, self.mine = agree_on_plan(coll, tree, decls, boxes)
         try:
             self._open_transaction()  # rank 0's may exist when a join fails
             self._open_writer()
@@ -270,24 +236,6 @@ class SaveJob:
         except BaseException:
             self._abort_txn()
             raise
-
-    def _agree_on_plan(self, encoded: dict[str, Any], arrays: list[Any],
-                       digests: tuple[str, ...]) -> KeptPlan:
-        """Gather every process's structure, merge the trees, assign the writers; keep
-        the plan for the next save of these digests (collective)."""
-        coll = self.coll
-        gathered = coll.all_gather_object({"tree": encoded, "arrays": arrays})
-        merged = _agree_on_tree(gathered)
-        err = None
-        mine: list[list[_Box]] = []
-        try:
-            mine = _my_boxes(gathered, coll.rank)
-        except BaseException as exc:
-            err = exc
-        agree(coll, "planning", err)
-        plan = KeptPlan(merged.tree, list(merged.arrays), merged.index, mine)
-        keep_plan(coll.rank, digests, plan)
-        return plan
 
     def _open_transaction(self) -> None:
         if self.options.node_local:
@@ -547,40 +495,6 @@ class SaveJob:
             not self.multi or self.coll.rank == 0)
         if self.txn is not None and owner:
             self.txn.abort()
-
-
-def _agree_on_tree(gathered: list[Any]) -> MergedTree:
-    """The checkpoint's tree from every rank's structure (the same on every rank, so
-    every rank raises the same error, naming what each rank holds where); its plain
-    leaves point at the ranks' values (engine/_plans.py)."""
-    try:
-        ranks = [RankTree(with_refs(decode_tree(g["tree"], len(g["arrays"])), r),
-                          [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
-                 for r, g in enumerate(gathered)]
-        return merge_trees(ranks)
-    except TargetMismatchError as exc:
-        raise DistributedError(f"planning failed: {exc}; nothing was committed") from exc
-
-
-def _anyone(coll: Collective, flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (one all-reduce where the collective
-    has ``any_true``)."""
-    any_true = getattr(coll, "any_true", None)
-    if any_true is not None:
-        return bool(any_true(flag))
-    return any(bool(f) for f in coll.all_gather_object(flag))
-
-
-def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
-    """The boxes of each of this rank's arrays that this rank writes."""
-    per_rank = [
-        [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
-         for k, dt, sh, boxes in g["arrays"]]
-        for g in gathered
-    ]
-    owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
-    return [[b for b in boxes if owners[(key, b[0], b[1])] == rank]
-            for key, _, _, boxes in per_rank[rank]]
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -21,7 +21,8 @@ the bytes change -- so that plan is kept and reused:
 
 So a save of an unchanged structure exchanges digests and values instead of
 trees, and skips the merge and the writer assignment. The merged manifest is
-still checked as a reader would before it is committed.
+still checked as a reader would before it is committed. :func:`agree_on_plan` is
+the whole exchange, which a multi-process save job runs at its begin.
 """
 
 from __future__ import annotations
@@ -34,10 +35,23 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from statestream import _hooks
+from statestream.distributed import Collective, agree
+from statestream.errors import DistributedError, TargetMismatchError
+from statestream.format import DTYPE_NAMES, decode_tree, encode_tree, itemsize_of
+from statestream.plan import (
+    ArrayDecl,
+    MergedTree,
+    RankTree,
+    assign_writers,
+    merge_trees,
+)
 from statestream.tree import Node
 
-__all__ = ["KeptPlan", "fill_values", "forget_plans", "kept_plan", "keep_plan",
-           "plan_digest", "split_values", "with_refs"]
+__all__ = ["KeptPlan", "agree_on_plan", "fill_values", "forget_plans", "kept_plan",
+           "keep_plan", "plan_digest", "split_values", "with_refs"]
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 #: A plain leaf's placeholder in a structure, by kind (what its value is replaced by).
 _PLACEHOLDERS: dict[str, Any] = {"none": None, "bool": False, "int": 0, "float": 0.0, "str": ""}
@@ -71,7 +85,7 @@ class KeptPlan:
     tree: Node
     arrays: list[Any]
     index: dict[str, int]
-    mine: list[list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    mine: list[list[_Box]]
 
 
 def split_values(tree: Node) -> tuple[Node, list[Node]]:
@@ -170,3 +184,90 @@ def forget_plans() -> None:
     """Drop every kept plan (the next save of each state agrees on it anew)."""
     with _LOCK:
         _KEPT.clear()
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
+                  boxes: Sequence[Sequence[_Box]]) -> tuple[MergedTree, list[list[_Box]]]:
+    """The checkpoint's merged tree and the boxes this process writes (collective).
+
+    ``tree`` is this process's walked tree, ``decls`` its arrays and ``boxes`` the
+    boxes it holds of each. The plan of an earlier save of the same structure is
+    reused when every process kept it (see the module docstring).
+
+    Raises:
+        DistributedError: the processes' trees or arrays disagree (the same error on
+            every process, naming what each holds at which key path).
+    """
+    arrays = [[d.key, d.dtype, list(d.shape), [[list(s), list(b)] for s, b in bx]]
+              for d, bx in zip(decls, boxes)]
+    structure, values = split_values(tree)
+    encoded = encode_tree(structure)
+    first = coll.all_gather_object({"d": plan_digest(encoded, arrays),
+                                    "v": encode_tree(Node("list", children=values))})
+    digests = tuple(str(g["d"]) for g in first)
+    kept = kept_plan(coll.rank, digests)
+    missed = _anyone(coll, kept is None)  # collective: every process asks
+    if missed or kept is None:
+        plan = _plan_anew(coll, encoded, arrays, digests)
+    else:
+        plan = kept
+        _hooks.fire("save.plan_reused")
+    merged = MergedTree(
+        fill_values(plan.tree, [decode_tree(g["v"], 0).children or [] for g in first]),
+        plan.arrays, plan.index)
+    return merged, plan.mine
+
+
+def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
+               digests: tuple[str, ...]) -> KeptPlan:
+    """Gather every process's structure, merge the trees, assign the writers; keep
+    the plan for the next save of these digests (collective)."""
+    gathered = coll.all_gather_object({"tree": encoded, "arrays": arrays})
+    merged = _agree_on_tree(gathered)
+    err = None
+    mine: list[list[_Box]] = []
+    try:
+        mine = _my_boxes(gathered, coll.rank)
+    except BaseException as exc:
+        err = exc
+    agree(coll, "planning", err)
+    plan = KeptPlan(merged.tree, list(merged.arrays), merged.index, mine)
+    keep_plan(coll.rank, digests, plan)
+    return plan
+
+
+def _agree_on_tree(gathered: list[Any]) -> MergedTree:
+    """The checkpoint's tree from every rank's structure (the same on every rank, so
+    every rank raises the same error, naming what each rank holds where); its plain
+    leaves point at the ranks' values."""
+    try:
+        ranks = [RankTree(with_refs(decode_tree(g["tree"], len(g["arrays"])), r),
+                          [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
+                 for r, g in enumerate(gathered)]
+        return merge_trees(ranks)
+    except TargetMismatchError as exc:
+        raise DistributedError(f"planning failed: {exc}; nothing was committed") from exc
+
+
+def _anyone(coll: Collective, flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (one all-reduce where the collective
+    has ``any_true``)."""
+    any_true = getattr(coll, "any_true", None)
+    if any_true is not None:
+        return bool(any_true(flag))
+    return any(bool(f) for f in coll.all_gather_object(flag))
+
+
+def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
+    """The boxes of each of this rank's arrays that this rank writes."""
+    per_rank = [
+        [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
+         for k, dt, sh, boxes in g["arrays"]]
+        for g in gathered
+    ]
+    owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
+    return [[b for b in boxes if owners[(key, b[0], b[1])] == rank]
+            for key, _, _, boxes in per_rank[rank]]
