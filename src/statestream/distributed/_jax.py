@@ -183,48 +183,38 @@ class JaxCollective:
             raise self._fail(f"barrier '{name}'", exc) from exc
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        key = self._key("gather")
-        data = base64.b64encode(json.dumps(obj).encode()).decode()
-        deadline = time.monotonic() + self._timeout_s
-        watch: list[Watch] = []
-        r = self._rank
-        try:
-            self._client.key_value_set(f"{key}/{self._rank}", data)
-            out = []
-            for r in range(self._world):
-                pending = {q: f"{key}/{q}" for q in range(r, self._world)}
-                raw = self._wait(f"{key}/{r}", "all_gather", pending, deadline, watch)
-                out.append(json.loads(base64.b64decode(raw)))
-        except DistributedError:
-            raise
-        except Exception as exc:
-            dead = watch[0].stalled(self._dead_after_s) if watch else []
-            raise self._fail("all_gather", exc, self._absent(key, r), dead) from exc
+        out = self._exchange(self._key("gather"), obj, "all_gather", read=True)
+        assert out is not None
         return out
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every process's ``obj`` on process ``dst`` (None on the others): each
         sets its key and only ``dst`` reads them (an all-gather has every process
         read every key)."""
-        key = self._key("gather1")
+        return self._exchange(self._key("gather1"), obj, what="gather",
+                              read=self._rank == dst)
+
+    def _exchange(self, key: str, obj: Any, what: str, *, read: bool) -> list[Any] | None:
+        """Set this process's ``obj`` under ``key``; with ``read``, wait for every
+        process's and return them in rank order (else None)."""
         data = base64.b64encode(json.dumps(obj).encode()).decode()
         deadline = time.monotonic() + self._timeout_s
         watch: list[Watch] = []
         r = self._rank
         try:
             self._client.key_value_set(f"{key}/{self._rank}", data)
-            if self._rank != dst:
+            if not read:
                 return None
             out = []
             for r in range(self._world):
                 pending = {q: f"{key}/{q}" for q in range(r, self._world)}
-                raw = self._wait(f"{key}/{r}", "gather", pending, deadline, watch)
+                raw = self._wait(f"{key}/{r}", what, pending, deadline, watch)
                 out.append(json.loads(base64.b64decode(raw)))
         except DistributedError:
             raise
         except Exception as exc:
             dead = watch[0].stalled(self._dead_after_s) if watch else []
-            raise self._fail("gather", exc, self._absent(key, r), dead) from exc
+            raise self._fail(what, exc, self._absent(key, r), dead) from exc
         return out
 
     def _absent(self, key: str, first: int) -> list[int]:
