@@ -193,6 +193,10 @@ def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
                   boxes: Sequence[Sequence[_Box]]) -> tuple[MergedTree, list[list[_Box]]]:
     """The checkpoint's merged tree and the boxes this process writes (collective).
 
+    The merged tree holds the plain values on rank 0, which builds the manifest; on
+    the other ranks its plain leaves are placeholders (their array numbering, the
+    index and the arrays are the same everywhere).
+
     ``tree`` is this process's walked tree, ``decls`` its arrays and ``boxes`` the
     boxes it holds of each. The plan of an earlier save of the same structure is
     reused when every process kept it (see the module docstring).
@@ -215,10 +219,14 @@ def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
     else:
         plan = kept
         _hooks.fire("save.plan_reused")
-    merged = MergedTree(
-        fill_values(plan.tree, [decode_tree(g["v"], 0).children or [] for g in first]),
-        plan.arrays, plan.index)
-    return merged, plan.mine
+    # Only rank 0 builds the manifest, so only rank 0 needs the values in the tree
+    # (filling it elsewhere would be work in the size of the whole job again); on the
+    # others the plain leaves keep their placeholders.
+    tree_out = plan.tree
+    if coll.rank == 0:
+        tree_out = fill_values(plan.tree,
+                               [decode_tree(g["v"], 0).children or [] for g in first])
+    return MergedTree(tree_out, plan.arrays, plan.index), plan.mine
 
 
 def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
