@@ -190,3 +190,53 @@ def test_sigkill_before_persistence_loses_nothing_across_processes(tmp_path: Pat
         path = os.path.join(root, "persist", f"step_{step:010d}")
         assert ss.verify(path).ok
         _equal(ss.load(path), expected(step))
+
+
+def with_frozen(step: int, rank: int) -> dict[str, Any]:
+    """state_at plus an array that never changes (what an incremental save skips)."""
+    return {**state_at(step, rank), "frozen": np.arange(300_000, dtype=np.float32)}
+
+
+def incremental_worker(ctx: Context) -> dict[str, Any]:
+    """Incremental steps through one node's local tier; several nodes are refused."""
+    _init(ctx)
+    a = ctx.args
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                              local_tier=os.path.join(a["root"], "node"), incremental=True,
+                              keep_policy=ss.KeepLatest(1), local_keep_policy=ss.KeepLatest(1),
+                              io=ss.IOOptions(max_chunk_bytes=256 << 10)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, with_frozen(step, ctx.rank))
+        mgr.wait()
+        out: dict[str, Any] = {"steps": mgr.steps()}
+        got = mgr.load()
+        np.testing.assert_array_equal(got.pop("frozen"), with_frozen(3, 0)["frozen"])
+        _equal(got, expected(3))
+    try:  # each process its own directory: two nodes
+        ss.CheckpointManager(os.path.join(a["root"], "persist2"), incremental=True,
+                             local_tier=os.path.join(a["root"], f"node{ctx.rank}"))
+    except ss.InvalidOptionError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_incremental_steps_through_one_nodes_tier(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "incremental_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=180)
+    for r in res:
+        assert r.value["steps"] == [3], r.value
+        assert "several nodes" in r.value.get("refused", ""), r.value
+    persist = os.path.join(root, "persist")
+    # step 3 refers to step 1 for 'frozen'; step 2 went with the keep policy
+    assert sorted(n for n in os.listdir(persist) if n.startswith("step_")) == [
+        "step_0000000001", "step_0000000003"]
+    meta = ss.metadata(os.path.join(persist, "step_0000000003"))
+    assert list(meta.bases) == ["step_0000000001"]
+    for step in (1, 3):
+        path = os.path.join(persist, f"step_{step:010d}")
+        assert ss.verify(path).ok
+        got = ss.load(path)
+        np.testing.assert_array_equal(got.pop("frozen"), with_frozen(step, 0)["frozen"])
+        _equal(got, expected(step))

@@ -170,13 +170,6 @@ def test_local_tier_must_be_local(tmp_path):
         ss.CheckpointManager(str(tmp_path / "p"), local_tier="s3://bucket/x")
 
 
-def test_incremental_with_a_local_tier_is_refused_before_anything_is_made(tmp_path):
-    with pytest.raises(ss.InvalidOptionError, match="incremental"):
-        ss.CheckpointManager(str(tmp_path / "p"), local_tier=str(tmp_path / "l"),
-                             incremental=True)
-    assert not (tmp_path / "p").exists() and not (tmp_path / "l").exists()
-
-
 _CHILD = STATE_SRC + """
 import sys
 import statestream as ss

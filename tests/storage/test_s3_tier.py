@@ -69,3 +69,40 @@ def test_local_tier_in_front_of_s3(tmp_path, url, async_save):
     with ss.CheckpointManager(url, local_tier=str(tmp_path / "fresh")) as mgr:
         assert mgr.steps() == [2, 3]
         _check(mgr.load(), 3)
+
+
+def _frozen(step: int) -> dict[str, Any]:
+    """'w' (12 MB) never changes: incremental steps after the first refer to it."""
+    return {"w": np.arange(3_000_000, dtype=np.float32),
+            "b": np.full(100, step, dtype=np.int64), "step": step}
+
+
+@pytest.mark.timeout(180)
+def test_incremental_steps_through_a_local_tier_to_s3(tmp_path, url):
+    local = str(tmp_path / "local")
+    io = ss.IOOptions(max_chunk_bytes=4 << 20)
+    with ss.CheckpointManager(url, local_tier=local, incremental=True, io=io,
+                              local_keep_policy=ss.KeepLatest(1),
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _frozen(step))
+        mgr.wait()
+        assert mgr.steps() == [3] and mgr.persisted_steps() == [3]
+    # on S3: step 3 refers to step 1 (retired, kept) for 'w'; step 2 is gone
+    meta = ss.metadata(f"{url}/step_0000000003")
+    assert list(meta.bases) == ["step_0000000001"]
+    assert ss.verify(f"{url}/step_0000000003").ok
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.metadata(f"{url}/step_0000000002")
+    # a new machine: step 3 loads from S3 through its reference; the next save is whole
+    with ss.CheckpointManager(url, local_tier=str(tmp_path / "fresh"), incremental=True,
+                              io=io, keep_policy=ss.KeepLatest(1)) as mgr:
+        got = mgr.load()
+        np.testing.assert_array_equal(got["w"], _frozen(3)["w"])
+        assert got["step"] == 3
+        mgr.save(4, _frozen(4))
+        mgr.wait()
+        assert mgr.steps() == [4]
+    assert list(ss.metadata(f"{url}/step_0000000004").bases) == []
+    got = ss.load(f"{url}/step_0000000004")
+    np.testing.assert_array_equal(got["b"], _frozen(4)["b"])

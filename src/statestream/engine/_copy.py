@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 
 from statestream.distributed import Collective, SingleProcess, agree
 from statestream.engine._core import parallel_for
-from statestream.errors import CheckpointCorruptError, ChecksumMismatchError
+from statestream.engine._refs import sibling_path
+from statestream.errors import CheckpointCorruptError, CheckpointError, ChecksumMismatchError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -32,7 +33,7 @@ from statestream.format import (
 )
 from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
 
-__all__ = ["copy_checkpoint", "read_committed"]
+__all__ = ["base_names", "copy_checkpoint", "read_committed"]
 
 #: Bytes moved per read/write between chunks (gaps, padding); chunks go whole.
 _PIECE = 16 << 20
@@ -152,6 +153,27 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
         raise
 
 
+def base_names(m: Manifest) -> list[str]:
+    """The checkpoints ``m``'s chunks refer to (sibling names), in order."""
+    names = list(m.bases)
+    for a in m.arrays:
+        for c in a.chunks:
+            if c.ref is not None and c.ref.base not in names:
+                names.append(c.ref.base)
+    return names
+
+
+def _check_bases(m: Manifest, src: str, dst: str) -> None:
+    """Refuse to commit a copy whose references would dangle at ``dst``."""
+    storage, path = storage_for(dst)
+    for name in base_names(m):
+        there = sibling_path(path, name)
+        if not storage.is_committed(there):
+            raise CheckpointError(
+                f"cannot commit the copy of {src} at {dst}: it refers to chunks of its base "
+                f"{name}, which is not committed at {there}; copy the base there first")
+
+
 def _open_dst(coll: Collective, dst: str, overwrite: bool) -> WriteTransaction:
     storage, path = storage_for(dst)
     txn: WriteTransaction | None = None
@@ -184,9 +206,14 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     files ``files`` selects (default: all of them, which is right for one
     process); rank 0 writes the manifest and marker and commits.
 
+    Chunks ``src`` keeps in its bases (an incremental save's references)
+    are not copied: the bases must already be committed next to ``dst``
+    under the same names, which is checked before committing.
+
     Raises:
         ChecksumMismatchError, CheckpointCorruptError: ``src`` is damaged
             (nothing is committed at ``dst``).
+        CheckpointError: a base ``src`` refers to is not committed next to ``dst``.
         StorageError: reading or writing failed.
     """
     coll = collective if collective is not None else SingleProcess()
@@ -216,6 +243,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
             err = None
             if coll.rank == 0:
                 try:
+                    _check_bases(m, src, dst)
                     txn.write_bytes(MANIFEST_NAME, mbytes)
                     txn.write_bytes(COMMIT_NAME, marker)
                     txn.commit()

@@ -61,7 +61,8 @@ class CheckpointManager:
             new step refers to the step that holds them. Every step records
             chunk hashes. A step the keep policy drops is kept (not listed by
             :meth:`steps`) while a kept step refers to it, and deleted once
-            none does.
+            none does. With ``local_tier`` (one node), steps refer to local
+            steps and persist after what they refer to.
         lease_ttl_s: how long the directory's lease lasts without renewal where
             the store needs one (object stores; renewed every third of it in the
             background). A crashed manager's directory can be taken over this
@@ -111,12 +112,6 @@ class CheckpointManager:
         local_keep_policy: KeepPolicy | None = None,
         replicate_to_peers: bool = False,
     ) -> None:
-        if incremental and local_tier is not None:
-            # Persisting a step copies its own chunks; references into older steps
-            # would need those steps persisted first (not built yet).
-            raise InvalidOptionError(
-                "incremental=True cannot be combined with local_tier= yet: persisting a "
-                "step from the local tier does not carry its references to earlier steps")
         self._incremental = bool(incremental)
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
@@ -145,7 +140,7 @@ class CheckpointManager:
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
-                                       replicate_to_peers)
+                                       replicate_to_peers, self._incremental)
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()
@@ -236,11 +231,12 @@ class CheckpointManager:
         """
         if self._tier is None:
             return self._retention.listed()
-        return tier_steps(self._tier, self._coll)
+        return tier_steps(self._tier, self._coll, self._retention.listed)
 
     def persisted_steps(self) -> list[int]:
-        """Steps committed in ``directory`` itself (durable beyond this node), ascending."""
-        return self._dir.steps()
+        """Steps committed in ``directory`` itself (durable beyond this node), ascending;
+        like :meth:`steps`, without those kept only because a kept step refers to them."""
+        return self._retention.listed()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -389,7 +385,8 @@ class CheckpointManager:
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
         overwrite = target.is_committed(step)
-        base = self._base_for(step)
+        base_step = self._base_for(step)
+        base = None if base_step is None else target.path(base_step)
         if self._tier is not None and overwrite:
             self._tier.forget_persisted(step)
         if self._async:
@@ -403,30 +400,36 @@ class CheckpointManager:
                 guard_optimizers_in(state, self._inflight)
             self._inflight_step = step
             if self._tier is not None:
-                self._tier.persist(step, self._inflight)
+                self._tier.persist(step, self._inflight, base=base_step)
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
                  collective=self._coll, meta=meta, compression=self._compression, base=base,
                  hashes=self._incremental, node_local=self._tier is not None)
             if self._tier is not None:
-                self._tier.persist(step)
+                self._tier.persist(step, base=base_step)
             self._apply_keep_policy()
         self._last_saved_step = step
         self._last_saved_time = time.time()
         return True
 
-    def _base_for(self, step: int) -> str | None:
-        """An incremental save's base: the newest kept step before ``step`` (never
-        ``step`` itself, which an overwrite replaces), the same on every rank."""
+    def _base_for(self, step: int) -> int | None:
+        """An incremental save's base step: the newest kept step before ``step`` (never
+        ``step`` itself, which an overwrite replaces), the same on every rank.
+
+        With a local tier the save commits there, and references stay among
+        siblings: the base is the newest step before ``step`` in the local tier
+        (none: a full save, e.g. the first on a new machine).
+        """
         if not self._incremental:
             return None
         base = None
         if self._coll.rank == 0:
-            older = [s for s in self.steps() if s < step]
+            have = self._retention.listed() if self._tier is None else self._tier.steps()
+            older = [s for s in have if s < step]
             base = older[-1] if older else None
         if self._coll.world_size > 1:
             base = self._coll.broadcast_object(base, src=0)
-        return self.step_path(base) if base is not None else None
+        return base
 
     def _check_step_order(self, step: int) -> None:
         """Steps only go forward: an older step than the last saved one is an error."""
@@ -490,7 +493,10 @@ class CheckpointManager:
         if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
             return
         self._lease.check()
-        self._retention.apply(self._pending_steps())
+        protected = self._pending_steps()
+        if self._tier is not None:
+            protected |= self._tier.bases_to_keep()
+        self._retention.apply(protected)
 
     def load(
         self,

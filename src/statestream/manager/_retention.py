@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,24 +75,40 @@ class Retention:
         self._steps = steps
         self._infos: dict[int, StepInfo] = {}
         self._bases: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
 
     def forget(self, step: int) -> None:
-        self._infos.pop(step, None)
-        self._bases.pop(step, None)
+        with self._lock:
+            self._infos.pop(step, None)
+            self._bases.pop(step, None)
+
+    def _read(self, step: int) -> tuple[StepInfo | None, list[int]]:
+        """(info, the steps it refers to) of ``step``, cached; (None, []) if unreadable.
+
+        Locked: a local tier's persistence asks for bases from its own thread.
+        """
+        with self._lock:
+            si = self._infos.get(step)
+            if si is None:
+                try:
+                    info = step_info(self._steps.path(step), step)
+                except CheckpointError:
+                    return None, []  # unreadable: the policy does not see it
+                si = StepInfo(step, float(info["time"] or 0.0), dict(info["metrics"]),
+                              int(info["nbytes"]))
+                self._infos[step] = si
+                # a base that is not a step of this directory cannot be deleted by it
+                self._bases[step] = [b for b in map(parse_step, info["bases"])
+                                     if b is not None]
+            return si, list(self._bases[step])
 
     def _info(self, step: int) -> StepInfo | None:
-        si = self._infos.get(step)
-        if si is None:
-            try:
-                info = step_info(self._steps.path(step), step)
-            except CheckpointError:
-                return None  # unreadable: the policy does not see it
-            si = StepInfo(step, float(info["time"] or 0.0), dict(info["metrics"]),
-                          int(info["nbytes"]))
-            self._infos[step] = si
-            # a base that is not a step of this directory cannot be deleted by it
-            self._bases[step] = [b for b in map(parse_step, info["bases"]) if b is not None]
-        return si
+        return self._read(step)[0]
+
+    def bases_of(self, step: int) -> list[int] | None:
+        """The steps ``step`` refers to (its manifest's ``bases``); None if unreadable."""
+        si, bases = self._read(step)
+        return None if si is None else bases
 
     def infos(self) -> list[StepInfo]:
         """The listed steps' infos, ascending (unreadable and retired steps left out)."""
@@ -110,8 +127,9 @@ class Retention:
     def _plan(self, steps: list[int], protected: set[int]
               ) -> tuple[set[int], set[int], bool]:
         """(kept by the policy, referred to by a kept step, every reference known)."""
-        infos = [si for si in map(self._info, steps) if si is not None]
-        keep = set(self._policy.keep(infos)) | protected
+        read = {s: self._read(s) for s in steps}
+        keep = set(self._policy.keep([si for si, _ in read.values() if si is not None]))
+        keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step
         needed: set[int] = set()
@@ -119,10 +137,11 @@ class Retention:
         todo = [s for s in steps if s in keep]
         while todo:
             s = todo.pop()
-            if s not in self._bases:  # unreadable (every step's info was read above)
+            si, bases = read[s] if s in read else self._read(s)
+            if si is None:  # unreadable: what it refers to is unknown
                 known = False
                 continue
-            for b in self._bases[s]:
+            for b in bases:
                 if b not in needed:
                     needed.add(b)
                     todo.append(b)

@@ -13,6 +13,14 @@ Layout of the local tier (a local directory, one per node):
 Persisting a step copies its files to ``directory/step_<N>`` with every
 chunk's checksum verified on the way, and commits there last
 (``engine.copy_checkpoint``), on the engine's background worker.
+
+Incremental steps (``incremental=True``) refer to chunks of older local
+steps (sibling names, so the same references hold in ``directory``). A step
+is persisted only after every step it refers to is committed in
+``directory``: a base the persistent keep policy already deleted is copied
+again from the local tier first, and while a step waits to be persisted the
+manager's keep policy on ``directory`` protects its bases
+(:meth:`LocalTier.bases_to_keep`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import os
 from collections.abc import Callable
 
 from statestream import _hooks
-from statestream.distributed import Collective, byte_channel
+from statestream.distributed import Collective, agree, byte_channel
 from statestream.engine import (
     BackgroundTasks,
     NodeGroups,
@@ -75,6 +83,8 @@ class LocalTier:
         self._peers = peers
         self.tasks = BackgroundTasks("statestream-persist", nice=10)
         self._running: dict[int, TaskHandle] = {}
+        #: the base each queued step was saved against (known before it commits)
+        self._base_of: dict[int, int | None] = {}
         self.lease: DirectoryLease | None = None
         if leader:
             try:
@@ -107,6 +117,7 @@ class LocalTier:
     def pending_steps(self) -> set[int]:
         """Steps whose persistence is queued or running."""
         self._running = {s: h for s, h in self._running.items() if not h.done()}
+        self._base_of = {s: b for s, b in self._base_of.items() if s in self._running}
         return set(self._running)
 
     def unpersisted(self) -> list[int]:
@@ -124,6 +135,7 @@ class LocalTier:
     # ------------------------------------------------------------------ persistence
     def forget_persisted(self, step: int) -> None:
         """``step`` is about to be saved again: its new copy is not persisted yet."""
+        self.retention.forget(step)
         if self._leader:
             try:
                 os.unlink(self._record(step))
@@ -132,8 +144,13 @@ class LocalTier:
             except OSError as exc:
                 raise storage_error(f"cannot reset {self._record(step)}: {exc}", exc) from exc
 
-    def persist(self, step: int, after: SaveHandle | None = None) -> TaskHandle:
-        """Queue the persistence of ``step`` (after ``after``, its save, commits)."""
+    def persist(self, step: int, after: SaveHandle | None = None,
+                base: int | None = None) -> TaskHandle:
+        """Queue the persistence of ``step`` (after ``after``, its save, commits).
+
+        ``base``: the step it was saved against (incremental), protected in the
+        persistent directory from now on, before the step's manifest exists.
+        """
 
         def task() -> None:
             if after is not None:
@@ -145,16 +162,91 @@ class LocalTier:
                 replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
                                    self.path(step))
             _hooks.fire("tier.persist")
-            overwrite = self.persistent.is_committed(step)
-            copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
-                            collective=self._coll, files=self._files)
+            for b in self._agreed_missing_bases(step):
+                self._copy(b)
+            self._copy(step)
             _hooks.fire("tier.persisted")
-            if self._leader:
-                self._write_record(step)
 
+        self._base_of[step] = base
         h = self.tasks.submit(task, f"persisting step {step} to {self.persistent.directory}")
         self._running[step] = h
         return h
+
+    def _copy(self, step: int) -> None:
+        overwrite = self.persistent.is_committed(step)
+        copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
+                        collective=self._coll, files=self._files)
+        if self._leader:
+            self._write_record(step)
+
+    def _agreed_missing_bases(self, step: int) -> list[int]:
+        """:meth:`missing_bases` as rank 0 of the persistence channel sees it."""
+        todo: list[int] = []
+        err: BaseException | None = None
+        if self._coll.rank == 0:
+            try:
+                todo = self.missing_bases(step)
+            except BaseException as exc:
+                err = exc
+        agree(self._coll, f"finding what step {step} refers to", err)
+        if self._coll.world_size > 1:
+            todo = self._coll.broadcast_object(todo, src=0)
+        return todo
+
+    def missing_bases(self, step: int) -> list[int]:
+        """Steps ``step`` refers to, directly or through its bases, that are not
+        committed in the persistent directory (to copy there first), ascending.
+
+        Raises:
+            CheckpointError: such a step is not in the local tier either, or a
+                manifest on the way cannot be read.
+        """
+        need: set[int] = set()
+        todo = [step]
+        while todo:
+            s = todo.pop()
+            bases = self.retention.bases_of(s)
+            if bases is None:
+                raise CheckpointError(
+                    f"cannot persist step {step}: the manifest of {self.path(s)} cannot be "
+                    "read, so what it refers to is unknown")
+            for b in bases:
+                if b in need or self.persistent.is_committed(b):
+                    continue  # committed there: the directory keeps what it refers to
+                if not self.is_committed(b):
+                    raise CheckpointError(
+                        f"cannot persist step {step}: it refers to chunks of step {b}, which "
+                        f"is committed neither in {self.persistent.directory} nor in the "
+                        f"local tier {self.root}")
+                need.add(b)
+                todo.append(b)
+        return sorted(need)
+
+    def bases_to_keep(self) -> set[int]:
+        """Steps the persistent keep policy must not delete yet: every step that a
+        step still to be persisted refers to (directly or through its bases).
+
+        A queued step that has not committed locally yet counts by the base it
+        is saved against; a local manifest that cannot be read protects every
+        local step (what it refers to is unknown).
+        """
+        out: set[int] = set()
+        todo: list[int] = []
+        for s in self.pending_steps() | set(self.unpersisted()):
+            bases = self.retention.bases_of(s) if self.is_committed(s) else None
+            if bases is None:
+                if self.is_committed(s):
+                    return set(self.steps())
+                b = self._base_of.get(s)
+                bases = [] if b is None else [b]
+            todo += bases
+        while todo:
+            b = todo.pop()
+            if b in out:
+                continue
+            out.add(b)
+            todo += self.retention.bases_of(b) or []
+        return out
 
     def _write_record(self, step: int) -> None:
         path = self._record(step)
@@ -197,6 +289,7 @@ class LocalTier:
             return []
         self.lease.check()
         protected = set(self.unpersisted()) | self.pending_steps()
+        protected |= {b for b in self._base_of.values() if b is not None}
         dropped = self.retention.apply(protected)
         for s in dropped:
             try:

@@ -11,7 +11,7 @@ loads from the persistent directory.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from statestream.api import load
@@ -33,7 +33,8 @@ __all__ = ["open_tier", "tier_load", "tier_steps"]
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
-              coll: Collective, read_only: bool, peers: bool) -> LocalTier:
+              coll: Collective, read_only: bool, peers: bool,
+              incremental: bool = False) -> LocalTier:
     """Open the local tier and queue the persistence of what the last manager left."""
     if read_only:
         raise CheckpointError(
@@ -45,6 +46,13 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
             f"replicate_to_peers=True needs torch.distributed to send files to peers; "
             f"{type(coll).__name__} cannot carry bytes")
     groups = node_groups(coll, root) if multi else NodeGroups(["single"], 0)
+    if incremental and len(groups.leaders()) > 1:
+        # Each node's copy holds its own processes' files: a reference into an
+        # older step may point at a file another node holds (not built yet).
+        raise InvalidOptionError(
+            f"incremental=True with a local tier on several nodes ({len(groups.leaders())} "
+            f"directories for {root}) is not supported yet: use it on one node, or "
+            "incremental=True without local_tier")
     # Persistence runs in the background: on a channel of its own.
     persist_coll = coll.fork("statestream-persist") if multi else coll
     rank = coll.rank
@@ -67,16 +75,25 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     return tier
 
 
-def tier_steps(tier: LocalTier, coll: Collective) -> list[int]:
-    """Steps committed in any node's local tier or in the persistent directory.
+def tier_steps(tier: LocalTier, coll: Collective,
+               persistent: Callable[[], list[int]]) -> list[int]:
+    """Steps committed in any node's local tier or listed in the persistent directory.
 
-    Collective with several processes (every process gets the same list).
+    ``persistent``: lists the directory's steps without retired ones; rank 0,
+    which applies the directory's keep policy, speaks for it. A local step kept
+    only because a kept local step refers to it is left out once persisted.
+    Collective with several processes (every process gets the same list): each
+    node's leader, which applies the local keep policy, speaks for its directory
+    (another process could list a step its leader is deleting).
     """
-    local = set(tier.steps())
-    if coll.world_size > 1:
-        for steps in coll.all_gather_object(sorted(local)):
-            local.update(steps)
-    return sorted(local | set(tier.persistent.steps()))
+    local: list[int] = []
+    if tier.groups.is_leader:
+        local = sorted(set(tier.retention.listed()) | set(tier.unpersisted()))
+    mine = (local, persistent() if coll.rank == 0 else [])
+    out: set[int] = set()
+    for steps, listed in (coll.all_gather_object(mine) if coll.world_size > 1 else [mine]):
+        out.update(steps, listed)
+    return sorted(out)
 
 
 def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,

@@ -1,0 +1,215 @@
+"""Incremental steps behind a local tier: references persist with the steps.
+
+A step saved with ``incremental=True`` into the local tier refers to chunks of
+older local steps. Persisting it copies only its own files, so every step it
+refers to must be committed in the persistent directory first; these tests
+check that on real files (a SIGKILLed child for the crash case), with both
+keep policies dropping steps as they go. Two processes on one node and the
+refusal for several nodes are in tests/distributed/test_tier_multiprocess.py;
+S3 behind the tier in tests/storage/test_s3_tier.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream import _hooks
+from statestream.engine import copy_checkpoint
+
+STATE_SRC = """
+import numpy as np
+
+def state_at(step):
+    # 'frozen' (1 MiB) changes at step 4 only; 'lora' at every step
+    g = np.random.default_rng(1000 + (0 if step < 4 else 4))
+    return {"frozen": g.standard_normal((512, 512)).astype(np.float32),
+            "lora": np.full((16, 64), float(step), np.float32), "step": step}
+"""
+_ns: dict[str, Any] = {}
+exec(STATE_SRC, _ns)
+state_at = _ns["state_at"]
+FROZEN = 512 * 512 * 4
+
+
+def _equal(got: dict[str, Any], step: int) -> None:
+    want = state_at(step)
+    assert got.keys() == want.keys()
+    for k in ("frozen", "lora"):
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert got["step"] == step
+
+
+def _committed(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.glob("step_*")
+                  if p.is_dir() and (p / "COMMITTED").exists())
+
+
+def _bases(d: Path, step: int) -> list[int]:
+    doc = json.loads((d / f"step_{step:010d}" / "manifest.json").read_bytes())
+    return sorted(int(b[5:]) for b in doc.get("bases", []))
+
+
+def _own_bytes(d: Path, step: int) -> int:
+    return sum(f.stat().st_size for f in (d / f"step_{step:010d}" / "data").iterdir())
+
+
+def _whole(d: Path) -> None:
+    """Every committed step in ``d`` has every step it refers to, and loads exactly."""
+    for s in _committed(d):
+        assert set(_bases(d, s)) <= set(_committed(d)), (s, _bases(d, s), _committed(d))
+        assert ss.verify(str(d / f"step_{s:010d}")).ok
+        _equal(ss.load(str(d / f"step_{s:010d}")), s)
+
+
+def _mgr(tmp_path: Path, **kw: Any) -> ss.CheckpointManager:
+    return ss.CheckpointManager(str(tmp_path / "persist"), local_tier=str(tmp_path / "local"),
+                                incremental=True, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_incremental_steps_persist_with_what_they_refer_to(tmp_path, mode):
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    with _mgr(tmp_path, async_save=mode != "sync", lazy=mode == "lazy",
+              local_keep_policy=ss.KeepLatest(1), keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in range(1, 7):
+            assert mgr.save(step, state_at(step))
+        mgr.wait()
+        assert mgr.persisted_steps() == [5, 6]
+        assert mgr.steps() == [5, 6]
+        # 4 holds 'frozen' for 5 and 6: retired in both tiers (kept, not listed)
+        assert _committed(persist) == [4, 5, 6]
+        _equal(mgr.load(), 6)
+        _equal(mgr.load(5), 5)  # persisted only: read from the directory
+        assert mgr.step_path(6).startswith(str(local))
+    # only the changed chunks were written, locally and in the directory
+    for d in (persist, local):
+        assert _bases(d, 6) == [4] and _own_bytes(d, 6) < FROZEN // 4
+        assert _own_bytes(d, 4) >= FROZEN
+    assert _committed(local) == [4, 6]
+    _whole(persist)
+    _whole(local)
+
+
+def test_a_base_missing_from_the_directory_is_persisted_again(tmp_path):
+    persist = tmp_path / "persist"
+    with _mgr(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        shutil.rmtree(persist / "step_0000000001")  # deleted behind the manager's back
+        mgr.save(2, state_at(2))
+        mgr.wait()
+        assert mgr.persisted_steps() == [1, 2]
+    assert _bases(persist, 2) == [1]
+    _whole(persist)
+
+
+def test_a_step_whose_base_is_nowhere_is_not_persisted(tmp_path):
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    gate = threading.Event()
+    _hooks.register("tier.persist", lambda: gate.wait(30))
+    try:
+        with _mgr(tmp_path, async_save=False) as mgr:
+            mgr.save(1, state_at(1))
+            mgr.save(2, state_at(2))
+            # step 1 vanishes from both tiers before anything is persisted
+            shutil.rmtree(local / "step_0000000001")
+            gate.set()
+            with pytest.raises(ss.CheckpointError):  # step 1's persistence fails first
+                mgr.wait()
+            assert mgr.persisted_steps() == []
+            assert mgr._tier is not None  # and step 2's, for this reason:
+            with pytest.raises(ss.CheckpointError, match="refers to chunks of step 1, which "
+                               "is committed neither in"):
+                mgr._tier.missing_bases(2)
+    finally:
+        gate.set()
+        _hooks.clear()
+    assert not (persist / "step_0000000002").exists()
+
+
+def test_bases_of_steps_waiting_to_persist_are_protected(tmp_path):
+    gate = threading.Event()
+    _hooks.register("tier.persist", lambda: gate.wait(30))
+    try:
+        with _mgr(tmp_path, async_save=False) as mgr:
+            mgr.save(3, state_at(3))
+            mgr.save(4, state_at(4))
+            mgr.save(5, state_at(5))
+            tier = mgr._tier
+            assert tier is not None
+            # 5 refers to 4 (frozen changed at 4), 4 to nothing; both wait
+            assert tier.bases_to_keep() == {4}
+            gate.set()
+            mgr.wait()
+            assert tier.bases_to_keep() == set()
+    finally:
+        gate.set()
+        _hooks.clear()
+
+
+def test_copy_checkpoint_refuses_to_commit_a_copy_without_its_base(tmp_path):
+    a, b = str(tmp_path / "src" / "a"), str(tmp_path / "src" / "b")
+    ss.save(a, state_at(1), hashes=True)
+    ss.save(b, state_at(2), base=a)
+    dst = tmp_path / "dst"
+    with pytest.raises(ss.CheckpointError, match="its base a, which is not committed"):
+        copy_checkpoint(b, str(dst / "b"))
+    assert not (dst / "b").exists()
+    copy_checkpoint(a, str(dst / "a"))
+    copy_checkpoint(b, str(dst / "b"))
+    _equal(ss.load(str(dst / "b")), 2)
+
+
+_CHILD = STATE_SRC + """
+import sys
+import statestream as ss
+from statestream.testing import faults
+
+persist, local, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+faults.kill_at("tier.persist", nth=3)
+mgr = ss.CheckpointManager(persist, local_tier=local, incremental=True,
+                           async_save=mode != "sync", keep_policy=ss.KeepLatest(1),
+                           local_keep_policy=ss.KeepLatest(1))
+for step in range(1, 7):
+    mgr.save(step, state_at(step))
+    print("saved", step, flush=True)
+mgr.wait()
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_before_persistence_loses_nothing(tmp_path, mode):
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(persist), str(local), mode],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert _committed(persist) == [1, 2] or _committed(persist) == [2]
+    left = _committed(local)
+    assert 3 in left
+    with ss.CheckpointManager(str(persist), local_tier=str(local), incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        mgr.wait()  # the new manager persisted what the killed one had not
+        assert mgr.persisted_steps() == [max(left)]  # KeepLatest(1); 1 is retired
+        assert _committed(persist) == [1, max(left)] and _bases(persist, max(left)) == [1]
+        last = mgr.latest_step()
+        _equal(mgr.load(), last)
+        assert mgr.save(last + 1, state_at(last + 1))
+    _whole(persist)
+    _whole(local)
+    os.rename(local, str(local) + "-lost")  # a new machine: the directory alone
+    with ss.CheckpointManager(str(persist), local_tier=str(local), incremental=True) as mgr:
+        _equal(mgr.load(), last + 1)
