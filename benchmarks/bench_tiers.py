@@ -22,6 +22,9 @@ Phases (medians over --repeats, every sample in the JSON):
    state): both nodes intact ("local"), node 1's directory deleted and the persistent
    copy deleted too ("peer": node 1's files come from node 0 over gloo), both local
    directories empty ("s3"). The time is the slowest rank's load.
+4. incremental: a LoRA-like state (95% frozen, 5% changing every step) saved through
+   the tier to S3, sync, with wait() after each save (time until the step is durable
+   in S3), with and without incremental=True; bytes each step wrote (its own files).
 
 Outputs benchmarks/results/tiers/tiers-<timestamp>[-quick].{json,md}; the markdown is printed.
 """
@@ -112,6 +115,36 @@ def child_blocked(t: dict[str, Any]) -> dict[str, Any]:
         drain = time.perf_counter() - t0
         persisted = mgr.persisted_steps()
     return {"ok": True, "blocked_s": blocked, "drain_s": drain, "persisted": persisted,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def lora_state(mib: int, step: int) -> dict[str, Any]:
+    """``mib`` MiB: a frozen 95% (19 arrays) and a 5% array that changes every step."""
+    n = mib * MiB // 4 // 20
+    out: dict[str, Any] = {f"frozen{i}": np.arange(n, dtype=np.float32) + i for i in range(19)}
+    out["lora"] = np.full(n, step, dtype=np.float32)
+    return {"params": out, "step": step}
+
+
+def child_incremental(t: dict[str, Any]) -> dict[str, Any]:
+    import statestream as ss
+
+    durable, written = [], []
+    with ss.CheckpointManager(t["url"], local_tier=t["local"], async_save=False,
+                              incremental=t["incremental"], keep_policy=ss.KeepLatest(2),
+                              local_keep_policy=ss.KeepLatest(1)) as mgr:
+        for step in range(1, t["saves"] + 1):
+            state = lora_state(t["mib"], step)
+            t0 = time.perf_counter()
+            mgr.save(step, state)
+            mgr.wait()
+            durable.append(time.perf_counter() - t0)
+            data = Path(mgr.step_path(step)) / "data"
+            written.append(sum(f.stat().st_size for f in data.iterdir()))
+        got = ss.load(f"{t['url']}/step_{t['saves']:010d}")
+        want = lora_state(t["mib"], t["saves"])
+        ok = all(np.array_equal(got["params"][k], v) for k, v in want["params"].items())
+    return {"ok": ok, "durable_s": durable, "written_bytes": written,
             "peak_rss_mib": peak_rss_mib()}
 
 
@@ -231,6 +264,20 @@ def phase_blocked(args: argparse.Namespace, base: dict[str, Any], tmp: str,
             shutil.rmtree(d, ignore_errors=True)
 
 
+def phase_incremental(args: argparse.Namespace, base: dict[str, Any], tmp: str,
+                      samples: dict[str, list[Any]]) -> None:
+    for rep in range(args.repeats):
+        for inc in (False, True):
+            d = tempfile.mkdtemp(dir=tmp)
+            kind = "incremental" if inc else "full"
+            t = dict(base, phase="incremental", incremental=inc, saves=max(3, args.saves),
+                     url=f"{base['url']}/i-{rep}-{kind}", local=os.path.join(d, "local"))
+            r = run_child(__file__, REPO / "src", t, 900, stderr_on_failure=True)
+            log("incremental", kind, rep, {k: r.get(k) for k in ("durable_s", "ok")})
+            samples.setdefault(f"incremental/{kind}", []).append(r)
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def phase_restore(args: argparse.Namespace, base: dict[str, Any], tmp: str,
                   samples: dict[str, list[Any]]) -> None:
     d = tempfile.mkdtemp(dir=tmp)
@@ -287,6 +334,16 @@ def summarize(samples: dict[str, list[Any]]) -> dict[str, Any]:
                         "blocked_range_s": [min(per_save), max(per_save)] if per_save else None,
                         "drain_median_s": med([r.get("drain_s") for r in rs]),
                         "peak_rss_mib": max((r.get("peak_rss_mib") or 0) for r in rs)}
+        elif key.startswith("incremental/"):
+            later = [d for r in rs for d in r.get("durable_s", [])[1:]]
+            wrote = [b for r in rs for b in r.get("written_bytes", [])[1:]]
+            out[key] = {"ok": all(r.get("ok") for r in rs),
+                        "first_median_s": med([r["durable_s"][0] for r in rs
+                                               if r.get("durable_s")]),
+                        "later_median_s": med(later),
+                        "later_range_s": [min(later), max(later)] if later else None,
+                        "later_written_mib": med(wrote) / MiB if wrote else None,
+                        "peak_rss_mib": max((r.get("peak_rss_mib") or 0) for r in rs)}
         else:
             times = [max(x.get("s") or 0 for x in r) if isinstance(r, list) else r.get("s")
                      for r in rs]
@@ -332,6 +389,20 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {procs} | {kind} | {v['median_s']:.3f} s ({v['range_s'][0]:.3f}-"
                          f"{v['range_s'][1]:.3f}) | {ratio} | {v['peak_rss_mib']:.0f} | "
                          f"{v['ok']} |")
+    if any(k.startswith("incremental/") for k in s):
+        lines += ["", "## Incremental steps through the tier to S3 (sync save + wait per step)",
+                  "", "LoRA-like state: 95% frozen, 5% changes every step. Durable: until "
+                  "the step is committed in S3. Later steps: every step after the first.", "",
+                  "| manager | first step durable | later steps durable (range) | "
+                  "written per later step | peak RSS MiB | ok |", "|---|---|---|---|---|---|"]
+        for kind in ("full", "incremental"):
+            v = s.get(f"incremental/{kind}")
+            if v is None or v["later_median_s"] is None:
+                continue
+            lo, hi = v["later_range_s"]
+            lines.append(f"| {kind} | {v['first_median_s']:.2f} s | {v['later_median_s']:.2f} s "
+                         f"({lo:.2f}-{hi:.2f}) | {v['later_written_mib']:.1f} MiB | "
+                         f"{v['peak_rss_mib']:.0f} | {v['ok']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +413,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--compute-s", type=float, default=None)
-    ap.add_argument("--phases", default="blocked,restore,restore2")
+    ap.add_argument("--phases", default="blocked,restore,restore2,incremental")
     args = ap.parse_args()
     args.mib = args.mib or (64 if args.quick else 256)
     args.repeats = args.repeats or (2 if args.quick else 3)
@@ -369,6 +440,8 @@ def main() -> int:
             phase_restore(args, base, tmp, samples)
         if "restore2" in phases:
             phase_restore2(args, base, tmp, samples)
+        if "incremental" in phases:
+            phase_incremental(args, base, tmp, samples)
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -389,7 +462,8 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         task = json.loads(sys.argv[2])
-        fn = {"blocked": child_blocked, "restore": child_restore, "seed": child_seed}
+        fn = {"blocked": child_blocked, "restore": child_restore, "seed": child_seed,
+              "incremental": child_incremental}
         try:
             res = fn[task["phase"]](task)
         except BaseException as exc:  # report to the parent, which records it
