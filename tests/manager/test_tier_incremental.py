@@ -4,9 +4,9 @@ A step saved with ``incremental=True`` into the local tier refers to chunks of
 older local steps. Persisting it copies only its own files, so every step it
 refers to must be committed in the persistent directory first; these tests
 check that on real files (a SIGKILLed child for the crash case), with both
-keep policies dropping steps as they go. Two processes on one node and the
-refusal for several nodes are in tests/distributed/test_tier_multiprocess.py;
-S3 behind the tier in tests/storage/test_s3_tier.py.
+keep policies dropping steps as they go. Two processes on one node and on
+two nodes are in tests/distributed/test_tier_multiprocess.py; S3 behind the
+tier in tests/storage/test_s3_tier.py.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class CheckpointManager:
             new step refers to the step that holds them. Every step records
             chunk hashes. A step the keep policy drops is kept (not listed by
             :meth:`steps`) while a kept step refers to it, and deleted once
-            none does. With ``local_tier`` (one node), steps refer to local
-            steps and persist after what they refer to.
+            none does. With ``local_tier``, steps refer to local steps and
+            persist after what they refer to.
         lease_ttl_s: how long the directory's lease lasts without renewal where
             the store needs one (object stores; renewed every third of it in the
             background). A crashed manager's directory can be taken over this
@@ -140,7 +140,7 @@ class CheckpointManager:
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
-                                       replicate_to_peers, self._incremental)
+                                       replicate_to_peers)
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()

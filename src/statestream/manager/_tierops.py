@@ -33,8 +33,7 @@ __all__ = ["open_tier", "tier_load", "tier_steps"]
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
-              coll: Collective, read_only: bool, peers: bool,
-              incremental: bool = False) -> LocalTier:
+              coll: Collective, read_only: bool, peers: bool) -> LocalTier:
     """Open the local tier and queue the persistence of what the last manager left."""
     if read_only:
         raise CheckpointError(
@@ -46,13 +45,6 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
             f"replicate_to_peers=True needs torch.distributed to send files to peers; "
             f"{type(coll).__name__} cannot carry bytes")
     groups = node_groups(coll, root) if multi else NodeGroups(["single"], 0)
-    if incremental and len(groups.leaders()) > 1:
-        # Each node's copy holds its own processes' files: a reference into an
-        # older step may point at a file another node holds (not built yet).
-        raise InvalidOptionError(
-            f"incremental=True with a local tier on several nodes ({len(groups.leaders())} "
-            f"directories for {root}) is not supported yet: use it on one node, or "
-            "incremental=True without local_tier")
     # Persistence runs in the background: on a channel of its own.
     persist_coll = coll.fork("statestream-persist") if multi else coll
     rank = coll.rank
@@ -96,6 +88,21 @@ def tier_steps(tier: LocalTier, coll: Collective,
     return sorted(out)
 
 
+def _complete_bases(tier: LocalTier, step: int, coll: Collective) -> bool:
+    """Complete every node's copy of each step ``step`` refers to (an incremental
+    step's chunks may live in files another node's processes wrote); collective.
+
+    References are flattened, so the direct bases hold every chunk referred to.
+    False on every rank if one cannot be completed (load from the directory).
+    """
+    bases = tier.retention.bases_of(step) if coll.rank == 0 else None
+    bases = coll.broadcast_object(bases, src=0)
+    if bases is None:
+        return False
+    channel = byte_channel(coll)
+    return all(complete_copies(coll, channel, tier.groups, tier.path(b)) for b in bases)
+
+
 def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,
               allow_pickle: AllowPickle, io: IOOptions | None, memory: MemoryOptions | None,
               collective: Collective) -> Any:
@@ -110,6 +117,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     from_persistent = not tier.is_committed(step)
     if collective.world_size > 1:
         ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step))
+        ok = ok and _complete_bases(tier, step, collective)
         from_persistent = not ok or not tier.is_committed(step)
     if not from_persistent:
         try:
