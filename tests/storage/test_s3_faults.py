@@ -291,6 +291,27 @@ def test_a_lease_taken_over_stops_the_manager(storage: S3Storage, base_url: str)
 
 
 
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+def test_a_lease_is_judged_on_the_stores_clock(storage: S3Storage, base_url: str,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               skew_s: float) -> None:
+    """A taker whose clock is an hour off neither takes a live lease nor waits on a dead one."""
+    path = f"{base_url}/run/.statestream.lock"
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)  # this host's clock only
+    held = storage.acquire_lease(path, holder="pid 1 on a", ttl_s=60)
+    try:
+        with pytest.raises(ss.ManagerLockedError, match="held by pid 1 on a, renewed 0 s ago"):
+            storage.acquire_lease(path, holder="pid 2 on b", ttl_s=60)
+    finally:
+        held.release()
+    dead = storage.acquire_lease(path, holder="pid 3 on c", ttl_s=0.5)
+    assert dead.holder == "pid 3 on c"
+    time.sleep(3.5)  # ttl + slack on the store's clock, whatever this host's says
+    storage.acquire_lease(path, holder="pid 4 on d", ttl_s=60).release()
+    assert [n for n in storage.list(f"{base_url}/run") if "clock" in n] == []
+
+
 # ----------------------------------------------------------------------------- garbage
 def test_gc_removes_unreferenced_roots_once_stale(storage: S3Storage, base_url: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

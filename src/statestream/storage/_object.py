@@ -26,7 +26,7 @@ import json
 import os
 import re
 import threading
-import time
+import uuid
 from typing import Any, ClassVar
 
 from statestream.errors import (
@@ -244,8 +244,9 @@ class ObjectStorage:
     def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> ObjectLease:
         """The lease object ``path``: created if absent, taken over once expired.
 
-        Expiry compares the object's Last-Modified (the store's clock) with this
-        host's clock, so clocks must agree to within a few seconds.
+        Expiry is judged on the store's clock alone: the lease's Last-Modified
+        against that of a probe object written at once (hosts' clocks may
+        disagree; see :meth:`_store_now`).
         """
         bucket, key = self.split_url(path)
         body = json.dumps({"holder": holder, "ttl_s": ttl_s}).encode()
@@ -272,13 +273,34 @@ class ObjectStorage:
                 return None  # released meanwhile: try to create it again
             raise err from exc
         holder, held_ttl = parse_lease(held, ttl_s)
-        age = time.time() - meta["last_modified"].timestamp()
+        age = self._store_now(bucket, key) - meta["last_modified"].timestamp()
         if age <= held_ttl + LEASE_SLACK_S:
             raise ManagerLockedError(
                 f"{where} is held by {holder}, renewed {max(age, 0):.0f} s ago "
                 f"(lease of {held_ttl:g} s)"
             )
         return self._put_if(bucket, key, body, version_of(meta))
+
+    def _store_now(self, bucket: str, key: str) -> float:
+        """The store's clock now: the Last-Modified of a probe object written beside
+        ``key`` (and deleted). A taker whose own clock runs ahead would otherwise see
+        a live lease as expired and take it from its holder."""
+        import obstore
+
+        st = self._store(bucket)
+        probe = f"{key}.clock-{uuid.uuid4().hex}"
+        where = self._url(bucket, probe)
+        try:
+            obstore.put(st, probe, b"")
+            return float(obstore.head(st, probe)["last_modified"].timestamp())
+        except Exception as exc:
+            raise self._map_error(exc, f"writing {where} (the store's time, to judge a "
+                                  "lease's age)") from exc
+        finally:
+            try:
+                obstore.delete(st, probe)
+            except Exception:
+                pass  # best effort: an empty object that names nothing
 
     def leftovers(self, parent: str) -> builtins.list[Leftover]:
         """Roots of the checkpoints directly under ``parent`` that no marker names.
