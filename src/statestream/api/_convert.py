@@ -11,9 +11,17 @@ import numpy as np
 
 from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.api._select import NO_TARGET, _select
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
+from statestream.engine import (
+    ByteBudget,
+    CompressionOption,
+    CompressionPolicy,
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    read_requests,
+)
 from statestream.errors import InvalidOptionError
-from statestream.format import Manifest, dtype_from_name
+from statestream.format import Compression, Manifest, dtype_from_name, itemsize_of
 from statestream.interop import (
     write_dcp,
     write_orbax,
@@ -81,12 +89,19 @@ def _first_paths(root: Node, old: list[int]) -> dict[int, KeyPath]:
     return paths
 
 
-def _target_format(dst: str, to: str | None) -> str:
+def _target_format(dst: str, to: str | None, compression: CompressionOption
+                   ) -> tuple[str, CompressionPolicy]:
+    """The format to write and how to compress it (statestream only)."""
     if to is None:
         to = _EXTENSIONS.get(os.path.splitext(dst)[1], "statestream")
     if to not in FORMATS:
         raise InvalidOptionError(f"convert(to={to!r}): known formats are {', '.join(FORMATS)}")
-    return to
+    policy = CompressionPolicy(compression)
+    if policy and to != "statestream":
+        raise InvalidOptionError(
+            f"convert(compression=...) compresses statestream checkpoints; {to} has no "
+            "compression of its own here (convert to statestream, or drop compression)")
+    return to, policy
 
 
 class _Slabs:
@@ -178,13 +193,23 @@ def _convert_root(tree: Node, items: Sequence[str] | None, location: str, *,
     return _renumber(root, old), old
 
 
+def _codecs(policy: CompressionPolicy, root: Node, specs: list[ArraySpec]
+            ) -> list[Compression | None]:
+    """Each converted array's compression, by the first key path naming it."""
+    paths: dict[int, KeyPath] = {}
+    for p, n in array_paths(root):
+        paths.setdefault(n.array or 0, p)
+    return [policy.for_array(paths[i], d, itemsize_of(d)) if i in paths else None
+            for i, (d, _) in enumerate(specs)]
+
+
 def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _Slabs,
               meta: dict[str, object], *, overwrite: bool, max_shard_bytes: int | None,
-              block_bytes: int) -> None:
+              block_bytes: int, codecs: list[Compression | None] | None) -> None:
     """Write the converted tree in format ``fmt``, its arrays' bytes from ``slabs``."""
     if fmt == "statestream":
         write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                          slab_bytes=slabs.slab_bytes)
+                          slab_bytes=slabs.slab_bytes, codecs=codecs)
     elif fmt == "torch":
         write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
     elif fmt == "dcp":
@@ -196,6 +221,24 @@ def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _
         write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,
                           sharded=sharded, max_shard_bytes=max_shard_bytes,
                           block_bytes=block_bytes)
+
+
+def _convert_open(reader: CheckpointReader, m: Manifest, fmt: str, dst_s: str, *,
+                  items: Sequence[str] | None, overwrite: bool, max_shard_bytes: int | None,
+                  io: IOOptions, memory: MemoryOptions, progress: Progress | None,
+                  policy: CompressionPolicy) -> None:
+    """Convert the opened source (``reader``, ``m``) to ``fmt`` at ``dst_s``."""
+    root, old = _convert_root(m.tree, items, reader.location,
+                              keep_aliases=fmt in ("statestream", "safetensors", "torch"))
+    specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
+    # the safetensors writer's two blocks come out of the budget too
+    block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
+    slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
+                   writer_bytes=2 * block, reuse=fmt in _STREAMING)
+    meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
+    _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
+              max_shard_bytes=max_shard_bytes, block_bytes=block,
+              codecs=_codecs(policy, root, specs) if policy else None)
 
 
 def convert(
@@ -210,6 +253,7 @@ def convert(
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
+    compression: CompressionOption = None,
 ) -> str:
     """Convert a checkpoint to another format, streaming it through the memory budget.
 
@@ -237,6 +281,10 @@ def convert(
             ``io.max_chunk_bytes``) is held at a time (``to="orbax"`` holds the
             whole state: orbax-checkpoint takes it at once).
         progress: called as ``progress(bytes_done, bytes_total)``.
+        compression: with ``to="statestream"``, compress the arrays as ``save``'s
+            ``compression`` does (a codec name, an ``ss.Compression``, or key-path
+            patterns to those); default raw. A compressed source is always
+            decoded on the way, so this also recompresses or decompresses.
 
     Returns:
         ``dst`` as a string.
@@ -247,6 +295,7 @@ def convert(
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is false.
         PickleNotAllowedError: a torch.save/DCP source's pickle names a
             global a weights-only load refuses.
+        InvalidOptionError: ``compression`` with a target other than statestream.
         MissingDependencyError: torch (``to="torch"``/``"dcp"``) or
             orbax-checkpoint (Orbax) is not installed; names the extra.
 
@@ -259,21 +308,12 @@ def convert(
         {'w': array([0., 1., 2.]), 'step': 7}
     """
     dst_s = os.fspath(dst)
-    fmt = _target_format(dst_s, to)
-    io = io or IOOptions()
+    fmt, policy = _target_format(dst_s, to, compression)
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
-        root, old = _convert_root(m.tree, items, reader.location,
-                                  keep_aliases=fmt in ("statestream", "safetensors", "torch"))
-        specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
-        memory = memory or MemoryOptions()
-        # the safetensors writer's two blocks come out of the budget too
-        block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
-        slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
-                       writer_bytes=2 * block, reuse=fmt in _STREAMING)
-        meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
-        _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                  max_shard_bytes=max_shard_bytes, block_bytes=block)
+        _convert_open(reader, m, fmt, dst_s, items=items, overwrite=overwrite,
+                      max_shard_bytes=max_shard_bytes, io=io or IOOptions(),
+                      memory=memory or MemoryOptions(), progress=progress, policy=policy)
     finally:
         reader.close()
     return dst_s

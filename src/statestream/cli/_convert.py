@@ -17,6 +17,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 EXAMPLE = """examples:
   statestream convert ckpts/step_0000001000 model.safetensors --items model
   statestream convert model.safetensors ckpts/imported
+  statestream convert model.safetensors ckpts/imported-zstd --compression zstd
   statestream convert ckpts/step_0000001000 hf-export/ --to safetensors --max-shard-size 5GB
 """
 
@@ -41,7 +42,8 @@ def _cmd(args: argparse.Namespace) -> int:
     with progress_bar("convert") as cb:
         out = ss.convert(args.src, args.dst, to=args.to, items=args.items,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                         max_shard_bytes=args.max_shard_size, progress=cb)
+                         max_shard_bytes=args.max_shard_size, progress=cb,
+                         compression=args.compression)
     print(f"converted {safe(str(args.src))} -> {safe(str(out))}")
     return 0
 
@@ -56,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--items", nargs="+", metavar="K", help="only these checkpointables")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                    help="largest safetensors shard when DST is a directory (e.g. 5GB)")
+    p.add_argument("--compression", choices=["zstd"], default=None,
+                   help="compress the arrays of a statestream DST (default: raw)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle in SRC (only for a source you trust)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")

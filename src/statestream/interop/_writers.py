@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from statestream._version import __version__
+from statestream.engine._codec import encode_chunk
 from statestream.errors import CheckpointExistsError, UnsupportedTypeError, storage_error
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     ArrayEntry,
     ChunkEntry,
+    Compression,
     FileEntry,
     Manifest,
     checksum,
@@ -37,6 +39,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE_KEY
+from statestream.plan import chunk_offset
 from statestream.storage import storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -153,35 +156,49 @@ def _layout(specs: Sequence[ArraySpec], slab_bytes: int) -> tuple[list[list[int]
 
 def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[ArraySpec],
                       slabs: Slabs, meta: dict[str, Any], *, overwrite: bool,
-                      slab_bytes: int) -> None:
+                      slab_bytes: int, codecs: Sequence[Compression | None] | None = None
+                      ) -> None:
     """Write a statestream checkpoint (one data file, one chunk per slab), atomically.
 
-    ``slabs`` must deliver the row ranges ``slab_rows(..., slab_bytes)`` gives."""
+    ``slabs`` must deliver the row ranges ``slab_rows(..., slab_bytes)`` gives.
+    ``codecs``: each array's compression (None: raw); a compressed slab is
+    stored raw where compressing does not pay, as a save does. With any codec
+    the chunks are laid out as they come (their sizes are known only then)."""
     storage, spath = storage_for(dst)
     txn = storage.begin_write(spath, overwrite=overwrite)
+    packed = codecs is not None and any(c is not None for c in codecs)
     try:
         name = "data/r0-0.bin"
         offsets, total = _layout(specs, slab_bytes)
-        fw = txn.create_file(name, total)
+        fw = txn.create_file(name, 0 if packed else total)
         arrays = []
+        end = 0
         for i, (dtype, shape) in enumerate(specs):
+            comp = codecs[i] if codecs is not None else None
             chunks: list[ChunkEntry] = []
             for row, buf in slabs(i):
                 flat = buf.reshape(-1).view(np.uint8)
                 if not flat.nbytes:
                     continue
-                pos = offsets[i][len(chunks)]
-                fw.write_at([flat], pos)
+                stored = encode_chunk(buf, itemsize_of(dtype), comp) if comp else None
+                data = flat if stored is None else stored
+                n = flat.nbytes if stored is None else len(stored)
+                pos = chunk_offset(end, n) if packed else offsets[i][len(chunks)]
+                fw.write_at([data], pos)
+                end = pos + n
                 start = (row,) + (0,) * (len(shape) - 1) if shape else ()
-                chunks.append(ChunkEntry(0, pos, flat.nbytes, checksum(flat), start,
-                                         tuple(buf.shape)))
-                del buf, flat  # before the next slab is read: one slab at a time
+                entry = ChunkEntry(0, pos, n, checksum(data), start, tuple(buf.shape))
+                if stored is not None and comp is not None:
+                    entry.codec, entry.shuffle = comp.codec, bool(comp.shuffle)
+                chunks.append(entry)
+                del buf, flat, data, stored  # before the next slab is read: one at a time
             arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
         fw.finish()
+        size = end if packed else total
         data_bytes = sum(math.prod(s) * itemsize_of(d) for d, s in specs)
         full = {**meta, "library": f"statestream {__version__}", "created_unix": time.time(),
                 "world_size": 1, "total_bytes": data_bytes}
-        mbytes = encode_manifest(Manifest(root, arrays, [FileEntry(name, total)], full))
+        mbytes = encode_manifest(Manifest(root, arrays, [FileEntry(name, size)], full))
         txn.write_bytes(MANIFEST_NAME, mbytes)
         txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
         txn.commit()
