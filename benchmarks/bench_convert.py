@@ -7,6 +7,8 @@ Cases (each in a fresh child process; wall time and peak-RSS growth measured the
   same state (what a user does without statestream; ``save_file`` does not fsync, so its
   bytes may still be in the page cache when it returns); ``safetensors load+save+fsync``:
   the same plus ``os.fsync`` of the written file (the durability ``ss.convert`` gives).
+- ``safetensors->ss zstd``: ``ss.convert(..., compression="zstd")`` (the output's size is
+  reported beside the raw one's).
 - ``ss->dcp``, ``dcp->ss``: ``ss.convert`` each way; ``dcp load+save``: ``dcp.load`` into a
   preallocated state dict + ``dcp.save`` of it (DCP's file writer fsyncs by default).
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import llama_shapes, med, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["ss->safetensors", "safetensors->ss", "safetensors load+save",
+CASES = ["ss->safetensors", "safetensors->ss", "safetensors->ss zstd", "safetensors load+save",
          "safetensors load+save+fsync", "ss->dcp", "dcp->ss", "dcp load+save"]
 
 
@@ -82,6 +84,8 @@ def child(task: dict) -> dict:
         ss.convert(d / "src-ss", f"{out}.safetensors", items=["model"])
     elif case == "safetensors->ss":
         ss.convert(d / "src.safetensors", out)
+    elif case == "safetensors->ss zstd":
+        ss.convert(d / "src.safetensors", out, compression="zstd")
     elif case == "safetensors load+save":
         save_file(load_file(d / "src.safetensors"), f"{out}.safetensors")
     elif case == "safetensors load+save+fsync":
@@ -99,7 +103,10 @@ def child(task: dict) -> dict:
         dcp.load(sd, checkpoint_id=str(d / "src-dcp"))
         dcp.save(sd, checkpoint_id=str(out))
     seconds = time.perf_counter() - t0
-    return {"ok": True, "seconds": seconds, "rss_growth_mb": (_hwm() - base) / 2**20}
+    written = sum(p.stat().st_size for p in d.glob(f"out-{task['i']}*/**/*") if p.is_file())
+    written += sum(p.stat().st_size for p in d.glob(f"out-{task['i']}*") if p.is_file())
+    return {"ok": True, "seconds": seconds, "rss_growth_mb": (_hwm() - base) / 2**20,
+            "written_mb": written / 2**20}
 
 
 def main() -> None:
@@ -109,6 +116,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dir", default="bench-data-convert")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
@@ -129,9 +137,10 @@ def main() -> None:
                      a.timeout, stderr_on_failure=True)
     if not prep.get("ok"):
         sys.exit(f"prepare failed: {prep}")
-    samples: dict[str, list[dict]] = {c: [] for c in CASES}
+    cases = [c for c in CASES if c in a.cases.split(",")]
+    samples: dict[str, list[dict]] = {c: [] for c in cases}
     for r in range(a.repeats):
-        for c in CASES:
+        for c in cases:
             res = run_child(me, src, {"case": c, "dir": str(d), "size_mb": a.size_mb,
                                       "i": f"{r}-{CASES.index(c)}"}, a.timeout,
                             stderr_on_failure=True)
@@ -145,14 +154,16 @@ def main() -> None:
     cmd = " ".join([Path(sys.executable).name] + sys.argv)
     lines = [f"# convert benchmark ({prep['bytes'] / 2**20:.0f} MiB state, "
              f"{a.repeats} repeat(s))", "", f"command: `{cmd}`", "",
-             "| case | median s [min-max] | GB/s | peak RSS growth MiB |", "|---|---|---|---|"]
-    for c in CASES:
+             "| case | median s [min-max] | GB/s | peak RSS growth MiB | written MiB |",
+             "|---|---|---|---|---|"]
+    for c in cases:
         secs = [x["seconds"] for x in samples[c] if x.get("seconds") is not None]
         s = med(secs)
         m = med([x.get("rss_growth_mb") for x in samples[c]])
         err = next((x.get("error") for x in samples[c] if not x.get("ok")), None)
-        lines.append(f"| {c} | {s:.2f} [{min(secs):.2f}-{max(secs):.2f}] | {gb / s:.2f} | {m:.0f} |"
-                     if s else f"| {c} | failed: {err} | | |")
+        w = med([x.get("written_mb") for x in samples[c]])
+        lines.append(f"| {c} | {s:.2f} [{min(secs):.2f}-{max(secs):.2f}] | {gb / s:.2f} | {m:.0f} "
+                     f"| {w:.0f} |" if s else f"| {c} | failed: {err} | | | |")
     lines += ["", "Page cache warm (sources read hot); os.sync() between cases, untimed. "
               "ss.convert and DCP fsync what they write; safetensors' save_file does not "
               "(the +fsync row adds it). "
