@@ -88,3 +88,15 @@ def test_the_cli_compresses(tmp_path: Path) -> None:
     assert main(["convert", str(src), str(tmp_path / "ck"), "--compression", "zstd"]) == 0
     assert ss.metadata(tmp_path / "ck").tree["model.w"].codec == "zstd"
     _check(ss.load(tmp_path / "ck"), _tensors())
+
+
+def test_compressed_chunks_are_at_most_4_mib_as_in_a_save(tmp_path: Path) -> None:
+    w = np.tile(np.arange(1024, dtype=np.float32), (3 * 1024, 1))  # 12 MiB, one slab
+    ss.save(tmp_path / "a", {"w": w})
+    ss.convert(tmp_path / "a", tmp_path / "b", compression="zstd")
+    md = ss.metadata(tmp_path / "b").tree["w"]
+    assert md.num_chunks == 3 and md.codec == "zstd"
+    ss.save(tmp_path / "c", {"w": w}, compression="zstd")  # what a save makes of it
+    assert ss.metadata(tmp_path / "c").tree["w"].num_chunks == md.num_chunks
+    np.testing.assert_array_equal(ss.load(tmp_path / "b")["w"], w)
+    assert ss.verify(str(tmp_path / "b")).ok

@@ -209,7 +209,8 @@ def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _
     """Write the converted tree in format ``fmt``, its arrays' bytes from ``slabs``."""
     if fmt == "statestream":
         write_statestream(dst_s, root, specs, slabs, meta, overwrite=overwrite,
-                          slab_bytes=slabs.slab_bytes, codecs=codecs)
+                          slab_bytes=slabs.slab_bytes, codecs=codecs,
+                          threads=slabs.io.write_threads())
     elif fmt == "torch":
         write_torch(dst_s, root, specs, slabs, overwrite=overwrite)
     elif fmt == "dcp":

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from statestream._version import __version__
+from statestream.engine import parallel_for
 from statestream.engine._codec import encode_chunk
 from statestream.errors import CheckpointExistsError, UnsupportedTypeError, storage_error
 from statestream.format import (
@@ -39,7 +40,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE_KEY
-from statestream.plan import chunk_offset
+from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
 from statestream.storage import storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -154,16 +155,39 @@ def _layout(specs: Sequence[ArraySpec], slab_bytes: int) -> tuple[list[list[int]
     return offsets, pos
 
 
+def _pieces(buf: np.ndarray, itemsize: int, comp: Compression | None, threads: int
+            ) -> list[tuple[int, np.ndarray, bytes | None]]:
+    """``buf`` (a slab) as (first row, rows, stored bytes or None for raw).
+
+    Raw: the slab whole. Compressed: row groups of at most
+    ``COMPRESSED_CHUNK_BYTES`` (as a save chunks compressed arrays), encoded on
+    ``threads`` threads (zstd releases the GIL).
+    """
+    if comp is None or buf.ndim == 0 or buf.shape[0] <= 1:
+        return [(0, buf, encode_chunk(buf, itemsize, comp) if comp is not None else None)]
+    row = buf.nbytes // buf.shape[0]
+    step = max(1, COMPRESSED_CHUNK_BYTES // max(row, 1))
+    groups = [(r, buf[r : r + step]) for r in range(0, buf.shape[0], step)]
+    out: list[bytes | None] = [None] * len(groups)
+
+    def encode(k: int) -> None:
+        out[k] = encode_chunk(groups[k][1], itemsize, comp)
+
+    parallel_for(encode, range(len(groups)), threads)
+    return [(r, g, o) for (r, g), o in zip(groups, out)]
+
+
 def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[ArraySpec],
                       slabs: Slabs, meta: dict[str, Any], *, overwrite: bool,
-                      slab_bytes: int, codecs: Sequence[Compression | None] | None = None
-                      ) -> None:
+                      slab_bytes: int, codecs: Sequence[Compression | None] | None = None,
+                      threads: int = 1) -> None:
     """Write a statestream checkpoint (one data file, one chunk per slab), atomically.
 
     ``slabs`` must deliver the row ranges ``slab_rows(..., slab_bytes)`` gives.
-    ``codecs``: each array's compression (None: raw); a compressed slab is
-    stored raw where compressing does not pay, as a save does. With any codec
-    the chunks are laid out as they come (their sizes are known only then)."""
+    ``codecs``: each array's compression (None: raw): a slab is then stored as
+    chunks of at most 4 MiB, compressed on ``threads`` threads, each stored raw
+    where compressing does not pay, as a save does; the chunks are laid out as
+    they come (their sizes are known only then)."""
     storage, spath = storage_for(dst)
     txn = storage.begin_write(spath, overwrite=overwrite)
     packed = codecs is not None and any(c is not None for c in codecs)
@@ -177,21 +201,20 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
             comp = codecs[i] if codecs is not None else None
             chunks: list[ChunkEntry] = []
             for row, buf in slabs(i):
-                flat = buf.reshape(-1).view(np.uint8)
-                if not flat.nbytes:
+                if not buf.nbytes:
                     continue
-                stored = encode_chunk(buf, itemsize_of(dtype), comp) if comp else None
-                data = flat if stored is None else stored
-                n = flat.nbytes if stored is None else len(stored)
-                pos = chunk_offset(end, n) if packed else offsets[i][len(chunks)]
-                fw.write_at([data], pos)
-                end = pos + n
-                start = (row,) + (0,) * (len(shape) - 1) if shape else ()
-                entry = ChunkEntry(0, pos, n, checksum(data), start, tuple(buf.shape))
-                if stored is not None and comp is not None:
-                    entry.codec, entry.shuffle = comp.codec, bool(comp.shuffle)
-                chunks.append(entry)
-                del buf, flat, data, stored  # before the next slab is read: one at a time
+                for r, part, stored in _pieces(buf, itemsize_of(dtype), comp, threads):
+                    data = part.reshape(-1).view(np.uint8) if stored is None else stored
+                    n = len(data)
+                    pos = chunk_offset(end, n) if packed else offsets[i][len(chunks)]
+                    fw.write_at([data], pos)
+                    end = pos + n
+                    start = (row + r,) + (0,) * (len(shape) - 1) if shape else ()
+                    entry = ChunkEntry(0, pos, n, checksum(data), start, tuple(part.shape))
+                    if stored is not None and comp is not None:
+                        entry.codec, entry.shuffle = comp.codec, bool(comp.shuffle)
+                    chunks.append(entry)
+                del buf  # before the next slab is read: one at a time
             arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
         fw.finish()
         size = end if packed else total
