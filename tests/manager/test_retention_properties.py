@@ -1,0 +1,150 @@
+"""The keep policy with references (Retention), checked against its promises on random
+histories (Hypothesis).
+
+Retention decides what a manager deletes, so a mistake there loses checkpoints.
+The steps here live in a dictionary (a fake directory: steps, their metrics, the
+steps each refers to, some unreadable); the real manager runs the same class on
+real checkpoints in test_incremental_manager.py and test_tier_incremental*.py.
+After every ``apply``:
+
+- no remaining step refers to a step that is gone;
+- the latest step, the protected steps and every step the policy keeps remain;
+- a step the policy drops and no kept step refers to is gone (unless a kept
+  step's references were unreadable: then nothing is deleted);
+- deletions go newest first; ``listed`` is the remaining steps minus the
+  retired ones (dropped by the policy, kept only for a reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import statestream as ss  # noqa: E402
+from statestream.errors import CheckpointError  # noqa: E402
+from statestream.manager import _retention  # noqa: E402
+from statestream.manager._retention import Retention  # noqa: E402
+
+
+class _Dir:
+    """A manager directory in memory: step -> (loss, the steps it refers to)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[float, list[int]]] = {}
+        self.unreadable: set[int] = set()
+        self.deleted: list[int] = []
+
+    def steps(self) -> list[int]:
+        return sorted(self.held)
+
+    def path(self, step: int) -> str:
+        return f"mem/{step}"
+
+    def delete(self, step: int) -> None:
+        del self.held[step]
+        self.deleted.append(step)
+
+
+def _policies() -> st.SearchStrategy[Any]:
+    simple = st.one_of(
+        st.builds(ss.KeepLatest, st.integers(1, 4)),
+        st.builds(ss.KeepBest, st.integers(1, 3), st.just("loss")),
+        st.builds(ss.KeepEvery, st.integers(2, 4)),
+    )
+    return st.one_of(simple, st.lists(simple, min_size=2, max_size=3).map(
+        lambda ps: ss.KeepUnion(*ps)))
+
+
+# one history event: a new step referring to some older ones, or an apply with some
+# steps protected, or a step's manifest becoming unreadable (or readable again)
+_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("save"), st.floats(0, 1), st.lists(st.integers(0, 20), max_size=3)),
+    st.tuples(st.just("apply"), st.lists(st.integers(0, 40), max_size=3)),
+    st.tuples(st.just("unreadable"), st.integers(0, 40)),
+), min_size=1, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=_policies(), events=_EVENTS)
+def test_retention_keeps_its_promises(policy: Any, events: list[Any]) -> None:
+    d = _Dir()
+
+    def info(path: str, step: int) -> dict[str, Any]:
+        if step in d.unreadable or step not in d.held:
+            raise CheckpointError(f"{path} cannot be read")
+        loss, bases = d.held[step]
+        return {"step": step, "time": float(step), "metrics": {"loss": loss},
+                "metadata": {}, "nbytes": 1, "bases": [f"step_{b:010d}" for b in bases]}
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_retention, "step_info", info)
+    try:
+        r = Retention(policy, d)  # type: ignore[arg-type]
+        step = 0
+        for ev in events:
+            if ev[0] == "save":
+                step += 1
+                have = d.steps()
+                # references point to older steps still there (a save's base and its bases)
+                bases = sorted({have[i % len(have)] for i in ev[2]}) if have else []
+                d.held[step] = (ev[1], bases)
+                r.forget(step)
+            elif ev[0] == "unreadable":
+                s = ev[1]
+                d.unreadable ^= {s}
+                r.forget(s)
+            else:
+                _check_apply(r, d, policy, {s for s in ev[1] if s in d.held})
+    finally:
+        mp.undo()
+
+
+def _check_apply(r: Retention, d: _Dir, policy: Any, protected: set[int]) -> None:
+    before = d.steps()
+    readable = {s for s in before if s not in d.unreadable}
+    infos = [r._info(s) for s in before]
+    kept_by_policy = set(policy.keep([i for i in infos if i is not None]))
+    d.deleted.clear()
+    gone = r.apply(protected)
+    after = d.steps()
+    assert gone == d.deleted == sorted(gone, reverse=True)  # newest first
+    if len(before) <= 1:
+        assert not gone
+        return
+    must_stay = kept_by_policy | protected | {before[-1]}
+    assert must_stay & set(before) <= set(after)
+    for s in after:  # no dangling reference among what remains (readable ones)
+        if s in readable:
+            assert set(d.held[s][1]) <= set(after), (s, d.held[s][1], after)
+    # a kept step with unreadable references: nothing deleted
+    needed, unknown = _closure(keep_of := must_stay & set(before), readable, d)
+    if unknown:
+        assert not gone
+    else:
+        assert set(after) == keep_of | (needed & set(before))
+    # listed: what remains, less the retired (dropped by the policy, needed by a kept one)
+    kept_now = set(policy.keep([i for i in map(r._info, after) if i is not None]))
+    kept_now |= {after[-1]} if after else set()
+    needed_now, _ = _closure(kept_now & set(after), readable, d)
+    assert set(r.listed()) == {s for s in after if s in kept_now or s not in needed_now}
+
+
+def _closure(keep: set[int], readable: set[int], d: _Dir) -> tuple[set[int], bool]:
+    """(steps the ``keep`` steps refer to, transitively; whether one was unreadable)."""
+    needed: set[int] = set()
+    todo, unknown = list(keep), False
+    while todo:
+        s = todo.pop()
+        if s not in readable:
+            unknown = True
+            continue
+        for b in d.held[s][1]:
+            if b not in needed:
+                needed.add(b)
+                todo.append(b)
+    return needed, unknown
