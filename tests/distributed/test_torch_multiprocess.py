@@ -441,6 +441,12 @@ def worker_main(ctx: Context) -> dict[str, Any]:
             ss.save(root / f"plans{i}", state(step, extra))
             out["reused"].append(len(reused) - before)
         _hooks.clear()
+        from statestream.engine import _plans
+
+        # rank 0 planned alone: only it keeps the whole tree; the others their own part
+        kept = list(_plans._KEPT.values())[-1]
+        out["kept"] = [len(kept.arrays), sorted(kept.index), kept.total_bytes,
+                       [[list(map(list, b)) for b in bx] for bx in kept.mine]]
         got = ss.load(root / "plans4")
         out["loaded"] = [got["step"], got["name"], got["lr"], got["shared"]["v"].tolist(),
                          got[f"r{rank}"]["w"].tolist(), sorted(got[f"r{rank}"])]
@@ -864,6 +870,18 @@ def test_a_save_of_the_same_structure_reuses_the_plan(runs: _Runs, world: int) -
         own = ["extra", "w"] if rank == 1 else ["w"]
         assert g["loaded"] == [5, "run-5", 1.25, [float(x + 5) for x in range(8)],
                                [float(50 + rank)] * 6, own], (rank, g)
+    # the plan of the last save: every rank's w, rank 1's extra, the shared v
+    arrays = world + 2
+    total = (6 * world + 3 + 8) * 4
+    keys = sorted(["shared/v"] + [f"r{r}/w" for r in range(world)] + ["r1/extra"])
+    assert got[0]["kept"][:3] == [arrays, keys, total]
+    for rank, g in enumerate(got[1:], 1):
+        own_keys = sorted([f"r{rank}/w", "shared/v"] + (["r1/extra"] if rank == 1 else []))
+        assert g["kept"][:3] == [0, own_keys, total], (rank, g["kept"])
+    # every rank writes its own arrays, and one of them the shared v
+    written = [sum(len(bx) for bx in g["kept"][3]) for g in got]
+    assert sum(written) == arrays
+    assert all(n >= (2 if rank == 1 else 1) for rank, n in enumerate(written)), written
 
 
 @timeout_mark

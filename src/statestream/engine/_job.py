@@ -140,6 +140,7 @@ class SaveJob:
                                      max_chunk_bytes=io.max_chunk_bytes)
         self.txn: WriteTransaction | None = None
         self.merged: MergedTree | None = None
+        self._total_bytes = 0  # the checkpoint's raw size (from the plan agreement)
         #: per local array: the boxes this process writes (None: one process, all)
         self.mine: list[list[_Box]] | None = None
         self.items: list[list[WriteItem]] = []
@@ -227,7 +228,7 @@ class SaveJob:
         boxes = [a.boxes if a.boxes is not None else [((0,) * len(a.shape), a.shape)]
                  for a in self.collector.arrays]
         # the plan of an earlier save of the same structure is reused (engine/_plans.py)
-        self.merged, self.mine = agree_on_plan(coll, tree, decls, boxes)
+        self.merged, self.mine, self._total_bytes = agree_on_plan(coll, tree, decls, boxes)
         try:
             self._open_transaction()  # rank 0's may exist when a join fails
             self._open_writer()
@@ -432,7 +433,8 @@ class SaveJob:
             "created_unix": time.time(),
             "world_size": self.coll.world_size,
             **({"save_id": self.save_id} if self.save_id is not None else {}),
-            "total_bytes": sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays),
+            "total_bytes": (self._total_bytes if self.multi else
+                            sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays)),
             **({"user": user} if user is not None else {}),
         }
 

@@ -79,13 +79,18 @@ class KeptPlan:
     """What a multi-process save agreed on, apart from the values.
 
     ``tree`` holds :class:`_Ref` placeholders in its plain leaves; ``mine``
-    the boxes of each local array this process writes.
+    the boxes of each local array this process writes. Where rank 0 planned
+    alone (the collective gathers to one rank), the other ranks keep only what
+    they need: ``index`` for their own arrays, ``mine`` and ``total_bytes``
+    (their ``tree`` is an empty placeholder and ``arrays`` is empty).
     """
 
     tree: Node
     arrays: list[Any]
     index: dict[str, int]
     mine: list[list[_Box]]
+    #: raw bytes of every array of the checkpoint (the manifest's ``total_bytes``)
+    total_bytes: int = 0
 
 
 def split_values(tree: Node) -> tuple[Node, list[Node]]:
@@ -190,12 +195,16 @@ def forget_plans() -> None:
 
 
 def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
-                  boxes: Sequence[Sequence[_Box]]) -> tuple[MergedTree, list[list[_Box]]]:
-    """The checkpoint's merged tree and the boxes this process writes (collective).
+                  boxes: Sequence[Sequence[_Box]]
+                  ) -> tuple[MergedTree, list[list[_Box]], int]:
+    """The checkpoint's merged tree, the boxes this process writes and the checkpoint's
+    raw size (collective).
 
-    The merged tree holds the plain values on rank 0, which builds the manifest; on
-    the other ranks its plain leaves are placeholders (their array numbering, the
-    index and the arrays are the same everywhere).
+    The merged tree is whole on rank 0, which builds the manifest, with the plain
+    values. The other ranks get only what they need: the global index of each of
+    their own arrays (``index``), with an empty tree and array table where the
+    collective can gather to rank 0 (then rank 0 alone merges and assigns the
+    writers), else the whole tree with placeholders for the plain values.
 
     ``tree`` is this process's walked tree, ``decls`` its arrays and ``boxes`` the
     boxes it holds of each. The plan of an earlier save of the same structure is
@@ -226,25 +235,87 @@ def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
     if coll.rank == 0:
         tree_out = fill_values(plan.tree,
                                [decode_tree(g["v"], 0).children or [] for g in first])
-    return MergedTree(tree_out, plan.arrays, plan.index), plan.mine
+    return MergedTree(tree_out, plan.arrays, plan.index), plan.mine, plan.total_bytes
 
 
 def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
                digests: tuple[str, ...]) -> KeptPlan:
-    """Gather every process's structure, merge the trees, assign the writers; keep
-    the plan for the next save of these digests (collective)."""
-    gathered = coll.all_gather_object({"tree": encoded, "arrays": arrays})
-    merged = _agree_on_tree(gathered)
-    err = None
-    mine: list[list[_Box]] = []
-    try:
-        mine = _my_boxes(gathered, coll.rank)
-    except BaseException as exc:
-        err = exc
-    agree(coll, "planning", err)
-    plan = KeptPlan(merged.tree, list(merged.arrays), merged.index, mine)
+    """Merge every process's structure and assign the writers; keep the plan for the
+    next save of these digests (collective).
+
+    With ``gather_object`` the structures go to rank 0 alone, which merges them,
+    assigns every writer and sends each process its own part of the plan (its
+    arrays' global numbers and which of its boxes it writes): the other processes
+    do no work and hold no memory in the size of the whole job. Otherwise every
+    process gathers every structure and plans the same.
+    """
+    mine_only = {"tree": encoded, "arrays": arrays}
+    gather = getattr(coll, "gather_object", None)
+    if gather is None:
+        gathered = coll.all_gather_object(mine_only)
+        merged = _agree_on_tree(gathered)
+        err = None
+        mine: list[list[_Box]] = []
+        try:
+            mine = _my_boxes(gathered, coll.rank)
+        except BaseException as exc:
+            err = exc
+        agree(coll, "planning", err)
+        plan = KeptPlan(merged.tree, list(merged.arrays), merged.index, mine,
+                        _total_bytes(merged.arrays))
+    else:
+        plan = _plan_on_rank0(coll, gather(mine_only, 0), arrays)
     keep_plan(coll.rank, digests, plan)
     return plan
+
+
+def _plan_on_rank0(coll: Collective, gathered: list[Any] | None, arrays: list[Any]
+                   ) -> KeptPlan:
+    """Rank 0 plans from every structure (``gathered``, there only) and sends each
+    process its part: the global number of each of its arrays and, per array, the
+    positions of the boxes it writes."""
+    plan: KeptPlan | None = None
+    parts: list[Any] = []
+    err: BaseException | None = None
+    if coll.rank == 0:
+        try:
+            assert gathered is not None
+            merged = _agree_on_tree(gathered)
+            owners = _owners(gathered)
+            total = _total_bytes(merged.arrays)
+            for r, g in enumerate(gathered):
+                parts.append(([merged.index[k] for k, _, _, _ in g["arrays"]],
+                              [[i for i, (s, b) in enumerate(bx)
+                                if owners[(k, tuple(s), tuple(b))] == r]
+                               for k, _, _, bx in g["arrays"]], total))
+            plan = KeptPlan(merged.tree, list(merged.arrays), merged.index,
+                            _boxes_at(arrays, parts[0][1]), total)
+        except BaseException as exc:
+            err = exc
+    agree(coll, "planning", err)
+    sent = coll.broadcast_object(parts if coll.rank == 0 else None, src=0)
+    if plan is not None:
+        return plan
+    numbers, writes, total = sent[coll.rank]
+    index = {k: int(n) for (k, _, _, _), n in zip(arrays, numbers)}
+    return KeptPlan(Node("dict", keys=[], children=[]), [], index,
+                    _boxes_at(arrays, writes), int(total))
+
+
+def _boxes_at(arrays: list[Any], writes: list[list[int]]) -> list[list[_Box]]:
+    """This process's boxes at the positions ``writes`` names, per array."""
+    return [[(tuple(bx[i][0]), tuple(bx[i][1])) for i in w]
+            for (_, _, _, bx), w in zip(arrays, writes)]
+
+
+def _total_bytes(arrays: Sequence[Any]) -> int:
+    total = 0
+    for a in arrays:
+        n = itemsize_of(a.dtype)
+        for d in a.shape:
+            n *= int(d)
+        total += n
+    return total
 
 
 def _agree_on_tree(gathered: list[Any]) -> MergedTree:
@@ -269,13 +340,18 @@ def _anyone(coll: Collective, flag: bool) -> bool:
     return any(bool(f) for f in coll.all_gather_object(flag))
 
 
-def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
-    """The boxes of each of this rank's arrays that this rank writes."""
+def _owners(gathered: list[Any]) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+    """The writing rank of every distinct box of every array."""
     per_rank = [
         [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
          for k, dt, sh, boxes in g["arrays"]]
         for g in gathered
     ]
-    owners = assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
-    return [[b for b in boxes if owners[(key, b[0], b[1])] == rank]
-            for key, _, _, boxes in per_rank[rank]]
+    return assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
+
+
+def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
+    """The boxes of each of this rank's arrays that this rank writes."""
+    owners = _owners(gathered)
+    return [[(tuple(s), tuple(b)) for s, b in boxes if owners[(key, tuple(s), tuple(b))] == rank]
+            for key, _, _, boxes in gathered[rank]["arrays"]]
