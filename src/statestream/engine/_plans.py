@@ -244,9 +244,9 @@ def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
     next save of these digests (collective).
 
     With ``gather_object`` the structures go to rank 0 alone, which merges them,
-    assigns every writer and sends each process its own part of the plan (its
-    arrays' global numbers and which of its boxes it writes): the other processes
-    do no work and hold no memory in the size of the whole job. Otherwise every
+    assigns every writer and broadcasts every process's part of the plan (its
+    arrays' global numbers and which of its boxes it writes: integers): the
+    other processes decode and merge no trees and keep no merged tree. Otherwise every
     process gathers every structure and plans the same.
     """
     mine_only = {"tree": encoded, "arrays": arrays}
@@ -271,8 +271,8 @@ def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
 
 def _plan_on_rank0(coll: Collective, gathered: list[Any] | None, arrays: list[Any]
                    ) -> KeptPlan:
-    """Rank 0 plans from every structure (``gathered``, there only) and sends each
-    process its part: the global number of each of its arrays and, per array, the
+    """Rank 0 plans from every structure (``gathered``, there only) and broadcasts each
+    process's part: the global number of each of its arrays and, per array, the
     positions of the boxes it writes."""
     plan: KeptPlan | None = None
     parts: list[Any] = []
