@@ -156,6 +156,31 @@ def worker(ctx: Context) -> dict[str, Any]:
         return {"got": None if got is None else [[g["rank"], len(g["n"])] for g in got],
                 "every": every}
 
+    def keys() -> Any:
+        # The coordination service keeps every key until the job ends: statestream
+        # deletes its own once every process is past them, so saves do not pile up.
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        coll = JaxCollective()
+
+        def count() -> int:
+            coll.all_gather_object(None)  # every process is past what came before
+            time.sleep(2.5)  # the heartbeat thread deletes (once a second)
+            n = len([k for k, _ in client.key_value_dir_get("statestream/")
+                     if not k.startswith("statestream/alive/")])
+            coll.barrier("counted")
+            return n
+
+        before = count()
+        for i in range(5):
+            ss.save(root / f"keys{i}", {"w": np.full(4, i, np.int64), f"p{rank}": i})
+        for i in range(50):
+            coll.all_gather_object([rank, i])
+            coll.broadcast_object(i if rank == 0 else None)
+            coll.gather_object(i, 1)
+        return {"before": before, "after": count()}
+
     def timeout() -> Any:
         # Last: after a timeout the processes' collective sequences differ.
         coll = JaxCollective(timeout_s=3)
@@ -177,7 +202,7 @@ def worker(ctx: Context) -> dict[str, Any]:
     for name, fn in [("setup", setup), ("save", save), ("same", lambda: load(2)),
                      ("reshard", lambda: load(3)), ("per_process", per_process_keys),
                      ("load_failure", load_failure), ("gather", gather), ("plans", plans),
-                     ("timeout", timeout)]:
+                     ("keys", keys), ("timeout", timeout)]:
         try:
             out[name] = {"ok": True, "value": fn()}
         except BaseException:  # noqa: BLE001
@@ -214,6 +239,14 @@ def test_gather_object_to_one_process(run: tuple[Path, list[Any]]) -> None:
     assert got[1]["got"] == [[r, 100 + r] for r in range(WORLD)]
     assert got[0]["got"] is None
     assert [g["every"] for g in got] == [list(range(WORLD))] * WORLD
+
+
+def test_the_coordination_service_does_not_fill_up(run: tuple[Path, list[Any]]) -> None:
+    _, res = run
+    for got in _values(res, "keys"):
+        # 5 saves and 150 exchanges later, no more keys than a few operations leave
+        assert got["after"] <= got["before"] + 8, got
+        assert got["after"] < 20, got
 
 
 def _values(res: list[Any], check: str) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import collections
 import itertools
 import json
 import threading
@@ -15,10 +16,15 @@ from statestream.errors import CollectiveTimeoutError, DistributedError
 __all__ = ["JaxCollective"]
 
 _SEQS: dict[str, itertools.count[int]] = {}
+#: Per channel, the keys of the operations since its last all-gather, which the last
+#: process to arrive at the next all-gather deletes (see ``JaxCollective._exchange``).
+_PENDING: dict[str, list[str]] = {}
 #: One heartbeat per coordination-service client, by the client's id (the thread
 #: holds the client until jax.distributed.shutdown() replaces it).
 _BEATS: dict[int, Heartbeat] = {}
 _BEATS_LOCK = threading.Lock()
+#: Keys to delete, by client id: the heartbeat thread deletes them.
+_TRASH: dict[int, collections.deque[str]] = {}
 #: A wait checks the peers' heartbeats this often (seconds).
 POLL_S = 1.0
 
@@ -28,17 +34,26 @@ def _alive_key(process: int) -> str:
 
 
 def _start_heartbeat(client: Any, process: int) -> None:
-    """Bump this process's counter in the coordination service every second."""
+    """Bump this process's counter in the coordination service every second, and
+    delete the keys thrown away meanwhile (off the collectives' critical path)."""
     from jax._src import distributed
 
     with _BEATS_LOCK:
         if id(client) in _BEATS and _BEATS[id(client)].alive():
             return
         key = _alive_key(process)
-        beat = Heartbeat(lambda: client.key_value_increment(key, 1),
-                         lambda: distributed.global_state.client is client,
-                         name="statestream-jax-heartbeat")
-        _BEATS[id(client)] = beat
+        trash = _TRASH.setdefault(id(client), collections.deque())
+
+        def beat() -> None:
+            client.key_value_increment(key, 1)
+            while trash:
+                try:
+                    client.key_value_delete(trash.popleft())
+                except Exception:  # garbage left behind costs memory, not correctness
+                    pass
+
+        _BEATS[id(client)] = Heartbeat(beat, lambda: distributed.global_state.client is client,
+                                       name="statestream-jax-heartbeat")
 
 
 def _is_deadline(exc: BaseException) -> bool:
@@ -183,7 +198,9 @@ class JaxCollective:
             raise self._fail(f"barrier '{name}'", exc) from exc
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out = self._exchange(self._key("gather"), obj, "all_gather", read=True)
+        key = self._key("gather")
+        older, _PENDING[self._channel] = _PENDING.get(self._channel, []), [key]
+        out = self._exchange(key, obj, "all_gather", read=True, delete=older)
         assert out is not None
         return out
 
@@ -191,44 +208,71 @@ class JaxCollective:
         """Every process's ``obj`` on process ``dst`` (None on the others): each
         sets its key and only ``dst`` reads them (an all-gather has every process
         read every key)."""
-        return self._exchange(self._key("gather1"), obj, what="gather",
-                              read=self._rank == dst)
+        key = self._key("gather1")
+        out = self._exchange(key, obj, what="gather", read=self._rank == dst, delete=[])
+        if out is not None:  # read by dst alone, which is done with them
+            self._delete([key])
+        return out
 
-    def _exchange(self, key: str, obj: Any, what: str, *, read: bool) -> list[Any] | None:
+    def _exchange(self, key: str, obj: Any, what: str, *, read: bool,
+                  delete: list[str]) -> list[Any] | None:
         """Set this process's ``obj`` under ``key``; with ``read``, wait for every
-        process's and return them in rank order (else None)."""
+        process's and return them in rank order (else None).
+
+        A constant number of requests per process, whatever the number of
+        processes: each sets its entry (``key/d/<rank>``) and counts itself in
+        (``key/n``); the last to arrive reads every entry with one directory read
+        and sets them all, in rank order, as ``key/done``, which the readers wait
+        for. Then it deletes the keys ``delete`` names: the coordination service
+        keeps every key until the job ends, and once every process has arrived
+        here every process is done with the operations before (each takes a
+        channel's operations one after the other).
+        """
         data = base64.b64encode(json.dumps(obj).encode()).decode()
         deadline = time.monotonic() + self._timeout_s
         watch: list[Watch] = []
-        r = self._rank
+        entries = f"{key}/d/"
         try:
-            self._client.key_value_set(f"{key}/{self._rank}", data)
+            self._client.key_value_set(f"{entries}{self._rank}", data)
+            raw = None
+            if int(self._client.key_value_increment(f"{key}/n", 1)) == self._world:
+                got = {int(k.rsplit("/", 1)[1]): v
+                       for k, v in self._client.key_value_dir_get(entries)}
+                if sorted(got) != list(range(self._world)):
+                    raise DistributedError(
+                        f"process {self._rank}: {what} found the entries of processes "
+                        f"{sorted(got)}, not of all {self._world}")
+                raw = json.dumps([got[r] for r in range(self._world)])
+                self._client.key_value_set(f"{key}/done", raw)
+                self._delete(delete)  # by the heartbeat thread
             if not read:
                 return None
-            out = []
-            for r in range(self._world):
-                pending = {q: f"{key}/{q}" for q in range(r, self._world)}
-                raw = self._wait(f"{key}/{r}", what, pending, deadline, watch)
-                out.append(json.loads(base64.b64decode(raw)))
+            if raw is None:
+                pending = {q: f"{entries}{q}" for q in range(self._world)}
+                raw = self._wait(f"{key}/done", what, pending, deadline, watch)
         except DistributedError:
             raise
         except Exception as exc:
             dead = watch[0].stalled(self._dead_after_s) if watch else []
-            raise self._fail(what, exc, self._absent(key, r), dead) from exc
-        return out
+            raise self._fail(what, exc, self._absent(entries), dead) from exc
+        return [json.loads(base64.b64decode(v)) for v in json.loads(raw)]
 
-    def _absent(self, key: str, first: int) -> list[int]:
-        """Processes whose all_gather entry is missing (``first`` timed out already)."""
-        missing = [first]
-        for r in range(first + 1, self._world):
-            try:  # the wait already expired: give each of the others a moment only
-                self._client.blocking_key_value_get(f"{key}/{r}", 100)
-            except Exception:  # not there within the moment: counted as absent, reported
-                missing.append(r)
-        return missing
+    def _absent(self, entries: str) -> list[int]:
+        """Processes without an entry under ``entries`` (after a wait timed out)."""
+        try:
+            have = {int(k.rsplit("/", 1)[1])
+                    for k, _ in self._client.key_value_dir_get(entries)}
+        except Exception:  # the service itself is gone: nothing to tell
+            return []
+        return [r for r in range(self._world) if r not in have]
+
+    def _delete(self, keys: list[str]) -> None:
+        """Have the heartbeat thread delete ``keys`` (within a second)."""
+        _TRASH.setdefault(id(self._client), collections.deque()).extend(keys)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         key = self._key("bcast")
+        _PENDING.setdefault(self._channel, []).append(key)  # the same list on every process
         watch: list[Watch] = []
         try:
             if self._rank == src:
