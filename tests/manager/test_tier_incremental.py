@@ -213,3 +213,59 @@ def test_sigkill_before_persistence_loses_nothing(tmp_path, mode):
     os.rename(local, str(local) + "-lost")  # a new machine: the directory alone
     with ss.CheckpointManager(str(persist), local_tier=str(local), incremental=True) as mgr:
         _equal(mgr.load(), last + 1)
+
+
+def test_a_resume_on_a_new_machine_makes_the_next_save_incremental(tmp_path):
+    persist = tmp_path / "persist"
+    with _mgr(tmp_path, keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, state_at(step))
+    os.rename(tmp_path / "local", tmp_path / "old-local")  # a new machine
+    with _mgr(tmp_path, keep_policy=ss.KeepLatest(2)) as mgr:
+        _equal(mgr.load(), 5)  # from the directory; then copied into the tier
+        mgr.wait()
+        local = tmp_path / "local"
+        assert _committed(local) == [4, 5]  # 5 refers to 4 (frozen changed at 4)
+        assert (local / "step_0000000005.persisted").exists()
+        mgr.save(6, state_at(6))
+        mgr.wait()
+        assert _bases(local, 6) == [4] and _own_bytes(local, 6) < FROZEN // 4
+        assert mgr.persisted_steps() == [5, 6]
+        _equal(mgr.load(6), 6)
+    _whole(persist)
+    _whole(local)
+
+
+def test_loading_an_older_step_copies_nothing(tmp_path):
+    with _mgr(tmp_path) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, state_at(step))
+    os.rename(tmp_path / "local", tmp_path / "old-local")
+    with _mgr(tmp_path) as mgr:
+        _equal(mgr.load(2), 2)  # evaluation of an old step, not a resume
+        mgr.wait()
+        assert _committed(tmp_path / "local") == []
+
+
+def test_a_failed_copy_into_the_tier_only_warns(tmp_path, monkeypatch):
+    from statestream.manager import _tier
+
+    with _mgr(tmp_path) as mgr:
+        for step in range(1, 3):
+            mgr.save(step, state_at(step))
+    os.rename(tmp_path / "local", tmp_path / "old-local")
+
+    def down(*a: Any, **k: Any) -> None:
+        raise ss.StorageError("the object store is down (injected)")
+
+    monkeypatch.setattr(_tier, "copy_checkpoint", down)
+    with _mgr(tmp_path) as mgr:
+        with pytest.warns(RuntimeWarning, match="could not copy step 2.*writes everything"):
+            _equal(mgr.load(), 2)  # the copy runs in the background: it warns
+            mgr.wait()
+        monkeypatch.undo()
+        assert _committed(tmp_path / "local") == []
+        mgr.save(3, state_at(3))  # a whole save; nothing was raised
+        mgr.wait()
+        assert mgr.persisted_steps() == [1, 2, 3]
+    _whole(tmp_path / "persist")

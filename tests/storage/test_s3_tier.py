@@ -94,15 +94,18 @@ def test_incremental_steps_through_a_local_tier_to_s3(tmp_path, url):
     assert ss.verify(f"{url}/step_0000000003").ok
     with pytest.raises(ss.CheckpointNotFoundError):
         ss.metadata(f"{url}/step_0000000002")
-    # a new machine: step 3 loads from S3 through its reference; the next save is whole
+    # a new machine: step 3 loads from S3 through its reference, and is copied into the
+    # local tier with step 1 meanwhile, so the next save refers to them again
     with ss.CheckpointManager(url, local_tier=str(tmp_path / "fresh"), incremental=True,
                               io=io, keep_policy=ss.KeepLatest(1)) as mgr:
         got = mgr.load()
         np.testing.assert_array_equal(got["w"], _frozen(3)["w"])
         assert got["step"] == 3
+        mgr.wait()
         mgr.save(4, _frozen(4))
         mgr.wait()
-        assert mgr.steps() == [4]
-    assert list(ss.metadata(f"{url}/step_0000000004").bases) == []
+        assert mgr.persisted_steps() == [4]
+    assert list(ss.metadata(f"{url}/step_0000000004").bases) == ["step_0000000001"]
     got = ss.load(f"{url}/step_0000000004")
     np.testing.assert_array_equal(got["b"], _frozen(4)["b"])
+    np.testing.assert_array_equal(got["w"], _frozen(4)["w"])

@@ -514,15 +514,18 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: no committed step (or not that one).
         """
+        resume = step is None or (self._tier is not None and self._incremental)
+        latest = self.latest_step() if resume else None
         if step is None:
-            step = self.latest_step()
+            step = latest
             if step is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint in {self.directory}; save one first"
                 )
         if self._tier is not None:
             return tier_load(self._tier, step, target, items=items, allow_pickle=allow_pickle,
-                             io=self._io, memory=self._memory, collective=self._coll)
+                             io=self._io, memory=self._memory, collective=self._coll,
+                             fetch=self._incremental and step == latest)
         return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
                     io=self._io, memory=self._memory, collective=self._coll)
 

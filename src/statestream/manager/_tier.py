@@ -26,9 +26,11 @@ manager's keep policy on ``directory`` protects its bases
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 from statestream import _hooks
+from statestream.api import metadata
 from statestream.distributed import Collective, agree, byte_channel
 from statestream.engine import (
     BackgroundTasks,
@@ -221,6 +223,46 @@ class LocalTier:
                 need.add(b)
                 todo.append(b)
         return sorted(need)
+
+    def fetch(self, step: int) -> TaskHandle | None:
+        """Copy ``step``, loaded from the persistent directory, into this tier in the
+        background, with every step it refers to, each recorded as persisted.
+
+        So the next save of an incremental manager on a new machine refers to it
+        instead of writing everything, and the next load of it reads the local
+        disk. One node only (a node's copy would otherwise need only its own
+        processes' files), by its leader. An optimisation: a failure warns and
+        leaves nothing behind.
+        """
+        if not self._leader or len(self.groups.leaders()) > 1:
+            return None
+
+        def task() -> None:
+            try:
+                for s in self._fetch_order(step):
+                    if not self.is_committed(s):
+                        copy_checkpoint(self.persistent.path(s), self.path(s))
+                        self._write_record(s)
+                _hooks.fire("tier.fetched")
+            except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
+                warnings.warn(f"could not copy step {step} from {self.persistent.directory} "
+                              f"into the local tier {self.root} ({exc}); the next save "
+                              "writes everything", RuntimeWarning, stacklevel=2)
+
+        return self.tasks.submit(task, f"fetching step {step} into {self.root}")
+
+    def _fetch_order(self, step: int) -> list[int]:
+        """``step`` and every step it refers to, directly or not, oldest first."""
+        seen: set[int] = set()
+        todo = [step]
+        while todo:
+            s = todo.pop()
+            if s in seen:
+                continue
+            seen.add(s)
+            todo += [b for b in map(parse_step, metadata(self.persistent.path(s)).bases)
+                     if b is not None]
+        return sorted(seen)
 
     def bases_to_keep(self) -> set[int]:
         """Steps the persistent keep policy must not delete yet: every step that a

@@ -105,11 +105,14 @@ def _complete_bases(tier: LocalTier, step: int, coll: Collective) -> bool:
 
 def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,
               allow_pickle: AllowPickle, io: IOOptions | None, memory: MemoryOptions | None,
-              collective: Collective) -> Any:
+              collective: Collective, fetch: bool = False) -> Any:
     """Load ``step`` from the local tier if it holds a copy that verifies, else persistent.
 
     Each process reads on its own (``load`` agrees only on errors), so a
     process whose local copy is damaged falls back alone, with a warning.
+    ``fetch``: loaded from the persistent directory, ``step`` (an incremental
+    manager's newest: a resume on a new machine) is then copied into the tier in
+    the background (:meth:`LocalTier.fetch`), so the next save can refer to it.
     """
     one = SingleProcess()
     result: Any = None
@@ -141,4 +144,6 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
         except BaseException as exc:
             err = exc
     agree(collective, "loading", err, outcome="no process returns a result")
+    if from_persistent and fetch:  # a resume on a new machine: keep a local copy
+        tier.fetch(step)
     return result
