@@ -24,7 +24,9 @@ Phases (medians over --repeats, every sample in the JSON):
    directories empty ("s3"). The time is the slowest rank's load.
 4. incremental: a LoRA-like state (95% frozen, 5% changing every step) saved through
    the tier to S3, sync, with wait() after each save (time until the step is durable
-   in S3), with and without incremental=True; bytes each step wrote (its own files).
+   in S3), with and without incremental=True; bytes each step wrote (its own files);
+   then a resume on a new machine (empty local tier): load, 2 s of "training", the next
+   save until durable.
 
 Outputs benchmarks/results/tiers/tiers-<timestamp>[-quick].{json,md}; the markdown is printed.
 """
@@ -144,7 +146,25 @@ def child_incremental(t: dict[str, Any]) -> dict[str, Any]:
         got = ss.load(f"{t['url']}/step_{t['saves']:010d}")
         want = lora_state(t["mib"], t["saves"])
         ok = all(np.array_equal(got["params"][k], v) for k, v in want["params"].items())
+    # a resume on a new machine (an empty local tier): load the newest step, train on
+    # (the copy into the tier runs meanwhile), save the next step and wait until durable
+    shutil.rmtree(t["local"])
+    nxt = t["saves"] + 1
+    with ss.CheckpointManager(t["url"], local_tier=t["local"], async_save=False,
+                              incremental=t["incremental"], keep_policy=ss.KeepLatest(2),
+                              local_keep_policy=ss.KeepLatest(1)) as mgr:
+        got = mgr.load()
+        ok = ok and got["step"] == t["saves"]
+        time.sleep(t.get("compute_s") or 2.0)
+        state = lora_state(t["mib"], nxt)
+        t0 = time.perf_counter()
+        mgr.save(nxt, state)
+        mgr.wait()
+        resumed = time.perf_counter() - t0
+        data = Path(mgr.step_path(nxt)) / "data"
+        resumed_written = sum(f.stat().st_size for f in data.iterdir())
     return {"ok": ok, "durable_s": durable, "written_bytes": written,
+            "resumed_s": resumed, "resumed_written_bytes": resumed_written,
             "peak_rss_mib": peak_rss_mib()}
 
 
@@ -343,6 +363,9 @@ def summarize(samples: dict[str, list[Any]]) -> dict[str, Any]:
                         "later_median_s": med(later),
                         "later_range_s": [min(later), max(later)] if later else None,
                         "later_written_mib": med(wrote) / MiB if wrote else None,
+                        "resumed_median_s": med([r.get("resumed_s") for r in rs]),
+                        "resumed_written_mib": (med([r.get("resumed_written_bytes")
+                                                     for r in rs]) or 0) / MiB,
                         "peak_rss_mib": max((r.get("peak_rss_mib") or 0) for r in rs)}
         else:
             times = [max(x.get("s") or 0 for x in r) if isinstance(r, list) else r.get("s")
@@ -394,7 +417,8 @@ def render(doc: dict[str, Any]) -> str:
                   "", "LoRA-like state: 95% frozen, 5% changes every step. Durable: until "
                   "the step is committed in S3. Later steps: every step after the first.", "",
                   "| manager | first step durable | later steps durable (range) | "
-                  "written per later step | peak RSS MiB | ok |", "|---|---|---|---|---|---|"]
+                  "written per later step | first save after a resume elsewhere | "
+                  "peak RSS MiB | ok |", "|---|---|---|---|---|---|---|"]
         for kind in ("full", "incremental"):
             v = s.get(f"incremental/{kind}")
             if v is None or v["later_median_s"] is None:
@@ -402,6 +426,7 @@ def render(doc: dict[str, Any]) -> str:
             lo, hi = v["later_range_s"]
             lines.append(f"| {kind} | {v['first_median_s']:.2f} s | {v['later_median_s']:.2f} s "
                          f"({lo:.2f}-{hi:.2f}) | {v['later_written_mib']:.1f} MiB | "
+                         f"{v['resumed_median_s']:.2f} s, {v['resumed_written_mib']:.1f} MiB | "
                          f"{v['peak_rss_mib']:.0f} | {v['ok']} |")
     return "\n".join(lines) + "\n"
 
