@@ -33,7 +33,7 @@ from statestream.format import (
 )
 from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
 
-__all__ = ["base_names", "copy_checkpoint", "read_committed"]
+__all__ = ["copy_checkpoint", "read_committed"]
 
 #: Bytes moved per read/write between chunks (gaps, padding); chunks go whole.
 _PIECE = 16 << 20
@@ -153,20 +153,10 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
         raise
 
 
-def base_names(m: Manifest) -> list[str]:
-    """The checkpoints ``m``'s chunks refer to (sibling names), in order."""
-    names = list(m.bases)
-    for a in m.arrays:
-        for c in a.chunks:
-            if c.ref is not None and c.ref.base not in names:
-                names.append(c.ref.base)
-    return names
-
-
 def _check_bases(m: Manifest, src: str, dst: str) -> None:
     """Refuse to commit a copy whose references would dangle at ``dst``."""
     storage, path = storage_for(dst)
-    for name in base_names(m):
+    for name in m.bases:  # decoded: exactly the checkpoints its chunks refer to
         there = sibling_path(path, name)
         if not storage.is_committed(there):
             raise CheckpointError(
