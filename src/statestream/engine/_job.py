@@ -29,7 +29,6 @@ nothing). The phases:
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import secrets
 import threading
@@ -55,7 +54,7 @@ from statestream.engine._core import (
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
-from statestream.engine._plans import agree_on_plan
+from statestream.engine._plans import agree_on_plan, total_bytes
 from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
@@ -140,7 +139,7 @@ class SaveJob:
                                      max_chunk_bytes=io.max_chunk_bytes)
         self.txn: WriteTransaction | None = None
         self.merged: MergedTree | None = None
-        self._total_bytes = 0  # the checkpoint's raw size (from the plan agreement)
+        self._total_bytes = 0  # the checkpoint's raw size (the manifest's total_bytes)
         #: per local array: the boxes this process writes (None: one process, all)
         self.mine: list[list[_Box]] | None = None
         self.items: list[list[WriteItem]] = []
@@ -209,6 +208,7 @@ class SaveJob:
             if self.snapshot_mode:
                 self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
             self.merged = single_tree(tree, self.collector.arrays)
+            self._total_bytes = total_bytes(self.collector.arrays)
         except BaseException:
             self._abort_local()
             raise
@@ -425,16 +425,13 @@ class SaveJob:
 
     def _meta(self) -> dict[str, Any]:
         """The manifest's metadata (stamped now)."""
-        merged = self.merged
-        assert merged is not None
         user = self.options.user_meta
         return {
             "library": f"statestream {__version__}",
             "created_unix": time.time(),
             "world_size": self.coll.world_size,
             **({"save_id": self.save_id} if self.save_id is not None else {}),
-            "total_bytes": (self._total_bytes if self.multi else
-                            sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in merged.arrays)),
+            "total_bytes": self._total_bytes,
             **({"user": user} if user is not None else {}),
         }
 

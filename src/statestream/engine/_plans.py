@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +50,7 @@ from statestream.plan import (
 from statestream.tree import Node
 
 __all__ = ["KeptPlan", "agree_on_plan", "fill_values", "forget_plans", "kept_plan",
-           "keep_plan", "plan_digest", "split_values", "with_refs"]
+           "keep_plan", "plan_digest", "split_values", "total_bytes", "with_refs"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -253,43 +254,47 @@ def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
     gather = getattr(coll, "gather_object", None)
     if gather is None:
         gathered = coll.all_gather_object(mine_only)
-        merged = _agree_on_tree(gathered)
+        plan: KeptPlan | None = None
         err = None
-        mine: list[list[_Box]] = []
         try:
-            mine = _my_boxes(gathered, coll.rank)
+            plan = _plan_from(gathered, coll.rank)[0]
         except BaseException as exc:
             err = exc
         agree(coll, "planning", err)
-        plan = KeptPlan(merged.tree, list(merged.arrays), merged.index, mine,
-                        _total_bytes(merged.arrays))
+        assert plan is not None
     else:
         plan = _plan_on_rank0(coll, gather(mine_only, 0), arrays)
     keep_plan(coll.rank, digests, plan)
     return plan
 
 
+def _plan_from(gathered: list[Any], rank: int) -> tuple[KeptPlan, list[Any]]:
+    """``rank``'s plan from every structure, and every rank's part of it: the global
+    number of each of its arrays, per array the positions of the boxes it writes,
+    and the checkpoint's raw size."""
+    merged = _agree_on_tree(gathered)
+    owners = _owners(gathered)
+    total = total_bytes(merged.arrays)
+    parts = [([merged.index[k] for k, _, _, _ in g["arrays"]],
+              [[i for i, (s, b) in enumerate(bx) if owners[(k, tuple(s), tuple(b))] == r]
+               for k, _, _, bx in g["arrays"]], total)
+             for r, g in enumerate(gathered)]
+    plan = KeptPlan(merged.tree, list(merged.arrays), merged.index,
+                    _boxes_at(gathered[rank]["arrays"], parts[rank][1]), total)
+    return plan, parts
+
+
 def _plan_on_rank0(coll: Collective, gathered: list[Any] | None, arrays: list[Any]
                    ) -> KeptPlan:
     """Rank 0 plans from every structure (``gathered``, there only) and broadcasts each
-    process's part: the global number of each of its arrays and, per array, the
-    positions of the boxes it writes."""
+    process's part (see :func:`_plan_from`); the others keep only theirs."""
     plan: KeptPlan | None = None
     parts: list[Any] = []
     err: BaseException | None = None
     if coll.rank == 0:
         try:
             assert gathered is not None
-            merged = _agree_on_tree(gathered)
-            owners = _owners(gathered)
-            total = _total_bytes(merged.arrays)
-            for r, g in enumerate(gathered):
-                parts.append(([merged.index[k] for k, _, _, _ in g["arrays"]],
-                              [[i for i, (s, b) in enumerate(bx)
-                                if owners[(k, tuple(s), tuple(b))] == r]
-                               for k, _, _, bx in g["arrays"]], total))
-            plan = KeptPlan(merged.tree, list(merged.arrays), merged.index,
-                            _boxes_at(arrays, parts[0][1]), total)
+            plan, parts = _plan_from(gathered, 0)
         except BaseException as exc:
             err = exc
     agree(coll, "planning", err)
@@ -308,14 +313,9 @@ def _boxes_at(arrays: list[Any], writes: list[list[int]]) -> list[list[_Box]]:
             for (_, _, _, bx), w in zip(arrays, writes)]
 
 
-def _total_bytes(arrays: Sequence[Any]) -> int:
-    total = 0
-    for a in arrays:
-        n = itemsize_of(a.dtype)
-        for d in a.shape:
-            n *= int(d)
-        total += n
-    return total
+def total_bytes(arrays: Sequence[Any]) -> int:
+    """Raw bytes of every array (``dtype``, ``shape``): a manifest's ``total_bytes``."""
+    return sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in arrays)
 
 
 def _agree_on_tree(gathered: list[Any]) -> MergedTree:
@@ -348,10 +348,3 @@ def _owners(gathered: list[Any]) -> dict[tuple[str, tuple[int, ...], tuple[int, 
         for g in gathered
     ]
     return assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})
-
-
-def _my_boxes(gathered: list[Any], rank: int) -> list[list[_Box]]:
-    """The boxes of each of this rank's arrays that this rank writes."""
-    owners = _owners(gathered)
-    return [[(tuple(s), tuple(b)) for s, b in boxes if owners[(key, tuple(s), tuple(b))] == rank]
-            for key, _, _, boxes in gathered[rank]["arrays"]]
