@@ -450,6 +450,26 @@ def worker_main(ctx: Context) -> dict[str, Any]:
         got = ss.load(root / "plans4")
         out["loaded"] = [got["step"], got["name"], got["lr"], got["shared"]["v"].tolist(),
                          got[f"r{rank}"]["w"].tolist(), sorted(got[f"r{rank}"])]
+
+        class NoGather:
+            """A collective without gather_object: every rank plans (all-gather)."""
+
+            def __init__(self, c: Any) -> None:
+                self._c = c
+
+            def __getattr__(self, name: str) -> Any:
+                if name == "gather_object":
+                    raise AttributeError(name)
+                return getattr(self._c, name)
+
+            def fork(self, channel: str) -> Any:
+                return NoGather(self._c.fork(channel))
+
+        forget_plans()
+        ss.save(root / "plans_nogather", state(6, rank == 1),
+                collective=NoGather(ss.TorchCollective()))
+        got = ss.load(root / "plans_nogather")
+        out["no_gather"] = [got["step"], got[f"r{rank}"]["w"].tolist(), sorted(got[f"r{rank}"])]
         return out
 
     return _run_checks(ctx, [
@@ -870,6 +890,9 @@ def test_a_save_of_the_same_structure_reuses_the_plan(runs: _Runs, world: int) -
         own = ["extra", "w"] if rank == 1 else ["w"]
         assert g["loaded"] == [5, "run-5", 1.25, [float(x + 5) for x in range(8)],
                                [float(50 + rank)] * 6, own], (rank, g)
+    for rank, g in enumerate(got):  # planned by every rank alike, without gather_object
+        own = ["extra", "w"] if rank == 1 else ["w"]
+        assert g["no_gather"] == [6, [float(60 + rank)] * 6, own], (rank, g["no_gather"])
     # the plan of the last save: every rank's w, rank 1's extra, the shared v
     arrays = world + 2
     total = (6 * world + 3 + 8) * 4
