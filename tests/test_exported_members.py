@@ -44,10 +44,10 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.storage": [
         "AzureOptions", "AzureStorage", "Buffer", "CheckpointReader", "FileWriter",
-        "GCSOptions", "GCSStorage", "IOV_MAX", "Lease", "Leftover",
+        "GCSOptions", "GCSStorage", "Lease", "Leftover",
         "LocalStorage", "MappedReader", "ReadAhead", "S3Options", "S3Storage", "Storage",
         "StorageCapabilities",
-        "WriteTransaction", "WriterId", "advance", "byte_views", "collect_garbage",
+        "WriteTransaction", "WriterId", "collect_garbage", "preadv_all",
         "set_backend", "storage_for",
     ],
     "statestream.plan": [

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from statestream.errors import CheckpointCorruptError, TruncatedFileError, UnsafeCheckpointError
-from statestream.storage import IOV_MAX, Buffer, advance, byte_views
+from statestream.storage import Buffer, preadv_all
 
 __all__ = ["FileSetReader"]
 
@@ -72,19 +72,15 @@ class FileSetReader:
                 offset += v.nbytes
             return
         fd = self._open(name)
-        views = byte_views(buffers)
-        while views:
-            try:
-                n = os.preadv(fd, views[:IOV_MAX], offset)
-            except OSError as exc:
-                raise TruncatedFileError(f"reading {self._paths[name]} failed: {exc}") from exc
-            if n == 0:
-                raise TruncatedFileError(
-                    f"{self._paths[name]} ends at byte {offset}, before the data its header "
-                    "lists; the file is truncated"
-                )
-            offset += n
-            advance(views, n)
+        try:
+            end = preadv_all(fd, buffers, offset)
+        except OSError as exc:
+            raise TruncatedFileError(f"reading {self._paths[name]} failed: {exc}") from exc
+        if end is not None:
+            raise TruncatedFileError(
+                f"{self._paths[name]} ends at byte {end}, before the data its header "
+                "lists; the file is truncated"
+            )
 
     def close(self) -> None:
         with self._lock:

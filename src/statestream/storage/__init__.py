@@ -19,7 +19,7 @@ from statestream.storage._base import (
     WriteTransaction,
 )
 from statestream.storage._gcs import GCSOptions, GCSStorage
-from statestream.storage._iov import IOV_MAX, advance, byte_views
+from statestream.storage._iov import preadv_all
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
 from statestream.storage._readahead import ReadAhead
@@ -27,7 +27,6 @@ from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
 
 __all__ = [
-    "IOV_MAX",
     "AzureOptions",
     "AzureStorage",
     "Buffer",
@@ -46,8 +45,7 @@ __all__ = [
     "StorageCapabilities",
     "WriteTransaction",
     "WriterId",
-    "advance",
-    "byte_views",
+    "preadv_all",
     "collect_garbage",
     "set_backend",
     "storage_for",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from statestream.storage._base import Buffer
 
-__all__ = ["IOV_MAX", "advance", "byte_views", "take"]
+__all__ = ["IOV_MAX", "advance", "byte_views", "preadv_all", "take"]
 
 #: at most this many buffers per preadv/pwritev call (Linux's IOV_MAX)
 IOV_MAX = 1024
@@ -41,3 +42,20 @@ def take(views: list[memoryview], n: int) -> list[memoryview]:
         left -= v.nbytes
     advance(views, n)
     return out
+
+
+def preadv_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int | None:
+    """Fill ``buffers`` from ``fd`` at ``offset`` (``preadv``, IOV_MAX views a call).
+
+    Returns None once every byte is read, or the offset at which the file ended
+    first (the caller names the file and says what it expected); an
+    :class:`OSError` is the caller's to word as well.
+    """
+    views = byte_views(buffers)
+    while views:
+        n = os.preadv(fd, views[:IOV_MAX], offset)
+        if n == 0:
+            return offset
+        offset += n
+        advance(views, n)
+    return None

@@ -20,7 +20,7 @@ from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
 from statestream.storage._base import Buffer
 from statestream.storage._compose import compose
 from statestream.storage._hints import manager_steps_hint
-from statestream.storage._iov import IOV_MAX, advance, byte_views
+from statestream.storage._iov import preadv_all
 from statestream.storage._pagecache import cold_ranges, drop_cached, read_ahead
 
 
@@ -283,20 +283,15 @@ class _LocalReader:
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
         fd = self._open(name)
-        views = byte_views(buffers)
-        while views:
-            batch = views[:IOV_MAX]
-            try:
-                n = os.preadv(fd, batch, offset)
-            except OSError as exc:
-                raise storage_error(f"reading {self.location}/{name} failed: {exc}", exc) from exc
-            if n == 0:
-                raise TruncatedFileError(
-                    f"data file {os.path.join(self.location, name)} ends at byte {offset}, "
-                    "before the data the manifest lists; the checkpoint is truncated"
-                )
-            offset += n
-            advance(views, n)
+        try:
+            end = preadv_all(fd, buffers, offset)
+        except OSError as exc:
+            raise storage_error(f"reading {self.location}/{name} failed: {exc}", exc) from exc
+        if end is not None:
+            raise TruncatedFileError(
+                f"data file {os.path.join(self.location, name)} ends at byte {end}, "
+                "before the data the manifest lists; the checkpoint is truncated"
+            )
 
     def close(self) -> None:
         with self._lock:
