@@ -493,6 +493,32 @@ def test_stateful_torch_objects(tmp_path):
     assert plain["sched"]["last_epoch"] == 1
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["adamw", "sgd-momentum"])
+def test_in_place_load_into_a_fresh_optimizer_keeps_the_weights(tmp_path, make_opt):
+    # A never-stepped optimizer's state is typed by its parameters (state hints);
+    # an in-place load used to read exp_avg/momentum_buffer into the parameters'
+    # own memory: the weights were overwritten and the load failed a checksum.
+    model, _, _ = _make_training(0)
+    opt = make_opt(model.parameters())
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    opt.step()
+    ss.save(tmp_path / "c", {"model": model, "opt": opt})
+
+    model2, _, _ = _make_training(1)
+    opt2 = make_opt(model2.parameters())
+    weights = [p.data_ptr() for p in model2.parameters()]
+    ss.load(tmp_path / "c", {"model": model2, "opt": opt2}, in_place=True)
+    assert [p.data_ptr() for p in model2.parameters()] == weights  # filled in place
+    _assert_state_dict_equal(model2.state_dict(), model.state_dict())
+    _assert_state_dict_equal(opt2.state_dict(), opt.state_dict())
+    state_ptrs = {v.data_ptr() for s in opt2.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim()}
+    assert state_ptrs and not state_ptrs & set(weights)
+
+
 # ----------------------------------------------------------------------------- partial loads
 
 

@@ -55,6 +55,9 @@ class _Job:
     plan: LoadPlan = dataclasses.field(default_factory=lambda: LoadPlan([]))
     #: starts the disk on the chunks the walk plans, while it goes on (local files)
     ahead: ReadAhead | None = None
+    #: ids of targets that give a layout only (providers' state hints, which may be
+    #: views of parameters): never filled in place
+    layout_only: set[int] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -74,7 +77,7 @@ class _Job:
         c = _whole_chunk(entry)
         if c is None or index in self.plan.touched:
             return None
-        in_place = self.in_place and prov.capabilities.in_place_restore
+        in_place = self.fills(prov, like)
         memory = (self._mapped_chunk(prov, index, entry, c, path)
                   if self.maps and not (in_place and like is not None) else None)
         got = prov.restore_flat(entry.dtype, entry.shape, c.nbytes, like, in_place, memory)
@@ -87,6 +90,11 @@ class _Job:
         if self.ahead is not None and c.ref is None:
             self.ahead.add(self.file_names[c.file], c.offset, c.nbytes)
         return (value,)
+
+    def fills(self, prov: ArrayProvider, like: Any) -> bool:
+        """Whether the load writes into target ``like``'s own memory (``in_place``)."""
+        return (self.in_place and prov.capabilities.in_place_restore
+                and id(like) not in self.layout_only)
 
     def _mapped_chunk(self, prov: ArrayProvider, index: int, entry: ArrayEntry,
                       c: ChunkEntry, path: KeyPath) -> Any:

@@ -101,7 +101,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             job.paths[node.array] = path
             return functools.partial(_value_of, flat)
         found = (prov.restore_into(entry.dtype, entry.shape, like, path)
-                 if job.in_place and prov.capabilities.in_place_restore else None)
+                 if job.fills(prov, like) else None)
         if found is None:
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
         dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
@@ -234,7 +234,8 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     sub_like = like.state_dict()
     for prov in providers():
         if prov.capabilities.state_hints:
-            prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
+            hinted = prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
+            job.layout_only.update(id(h) for h in hinted or ())
     build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
 
     def build_stateful() -> Any:

@@ -173,7 +173,8 @@ class ProviderCapabilities:
         step_guards: :meth:`ArrayProvider.guard_step` can make an optimizer's
             step wait for a lazy snapshot of what it will change.
         state_hints: :meth:`ArrayProvider.state_hints` can type the missing
-            entries of a stateful target (a never-stepped optimizer).
+            entries of a stateful target (a never-stepped optimizer); the hints
+            are layouts, never loaded into in place.
         aliases: :meth:`ArrayProvider.alias_key` says which values are views of
             exactly the same memory (tied weights), so they are stored once.
         buffer_restore: :meth:`ArrayProvider.restore_on` can build a value on
@@ -303,6 +304,11 @@ class ArrayProvider(abc.ABC):
         return False
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
-                    shape_of: Callable[[int], tuple[int, ...]]) -> None:
-        """Fill in the target ``sub_like`` of stateful ``obj`` from what was saved."""
-        return None
+                    shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
+        """Fill in the target ``sub_like`` of stateful ``obj`` from what was saved.
+
+        Returns the hint values placed. A hint gives a layout (type, dtype,
+        device, sharding) only, and may be a view of other state (a
+        parameter): a load never writes into its memory, even ``in_place``.
+        """
+        return []

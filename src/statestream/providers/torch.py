@@ -446,33 +446,36 @@ class TorchProvider(ArrayProvider):
         return removable
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
-                    shape_of: Callable[[int], tuple[int, ...]]) -> None:
+                    shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
         """Give a never-stepped optimizer's missing state the layout of its parameters.
 
         A fresh optimizer has no per-parameter state yet, so nothing says that a
         saved ``exp_avg`` should come back sharded like its (FSDP2/DTensor)
         parameter. Each saved state tensor with its parameter's shape gets that
-        parameter as its target: same type, dtype, device and placements.
+        parameter as its target: same type, dtype, device and placements. The
+        hints share the parameters' memory; the load (told by the returned list)
+        never fills them in place, so ``in_place=True`` cannot overwrite a weight.
         """
+        hinted: list[Any] = []
         if not self.is_optimizer(obj) or not isinstance(sub_like, dict):
-            return
+            return hinted
         hints = sub_like.get("state")
         state_node = saved.child("state")
         params = [p for g in obj.param_groups for p in g.get("params", [])]
         if not isinstance(hints, dict) or not params or state_node is None:
-            return
+            return hinted
         for idx, per_param in zip(state_node.keys or [], state_node.children or []):
             if type(idx) is not int or not 0 <= idx < len(params) or idx in hints:
                 continue
-            p = params[idx]
-            shape = tuple(p.shape)
-            entry: dict[Any, Any] = {}
-            for name, leaf in zip(per_param.keys or [], per_param.children or []):
-                if leaf.kind == "array" and leaf.array is not None and shape:
-                    if shape_of(leaf.array) == shape:
-                        entry[name] = p.detach()
+            shape = tuple(params[idx].shape)
+            entry = {name: params[idx].detach()
+                     for name, leaf in zip(per_param.keys or [], per_param.children or [])
+                     if leaf.kind == "array" and leaf.array is not None and shape
+                     and shape_of(leaf.array) == shape}
             if entry:
                 hints[idx] = entry
+                hinted.extend(entry.values())
+        return hinted
 
 
 _GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
