@@ -144,6 +144,31 @@ def test_typed_key_in_a_jax_pytree(tmp_path: Path) -> None:
         assert a.shape == b.shape
 
 
+def test_typed_keys_load_into_abstract_targets(tmp_path: Path) -> None:
+    # jax.eval_shape of a state with typed keys gives ShapeDtypeStructs of a key
+    # dtype; they used to be refused ("the target has an array ... holds a dict")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("a",))
+    state = {"key": jax.random.key(5), "rbg": jax.random.key(6, impl="rbg"),
+             "split": jax.device_put(jax.random.split(jax.random.key(7), 4),
+                                     NamedSharding(mesh, PartitionSpec("a")))}
+    ss.save(tmp_path / "c", state)
+    target = jax.eval_shape(lambda: state)
+    target["split"] = jax.ShapeDtypeStruct((4,), state["split"].dtype,
+                                           sharding=state["split"].sharding)
+    out = ss.load(tmp_path / "c", target)
+    for name, key in state.items():
+        assert out[name].dtype == key.dtype and out[name].shape == key.shape, name
+        assert np.array_equal(jax.random.key_data(out[name]), jax.random.key_data(key))
+        first = (lambda k: k) if key.shape == () else (lambda k: k[0])
+        assert np.array_equal(jax.random.uniform(first(out[name]), (3,)),
+                              jax.random.uniform(first(key), (3,)))
+    assert out["split"].sharding.is_equivalent_to(state["split"].sharding, 1)
+    with pytest.raises(TargetMismatchError, match="key path 'rbg/data'"):
+        ss.load(tmp_path / "c", {"rbg": jax.ShapeDtypeStruct((), state["key"].dtype)})
+
+
 def test_generator_state_mismatch_names_the_key_path(tmp_path: Path) -> None:
     ss.save(tmp_path / "c", {"g": np.random.default_rng(1)})
     with pytest.raises(CheckpointError, match="key path 'g"):

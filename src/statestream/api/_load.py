@@ -200,6 +200,9 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         return _walk_stateful_target(node, like, path, m, job)
     if k == "stateful":
         assert node.children
+        described = _walk_described(node, like, path, m, job)
+        if described is not None:
+            return described
         build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
         rebuild = adapter_by_name(node.type_name) if like is NO_TARGET else None
         if rebuild is None or default_kind != "saved":
@@ -314,6 +317,21 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
     sub_like = adapter.get_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
     return _adapted_build(adapter, like, inner, path)
+
+
+def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
+                    job: _Job) -> Build | None:
+    """A saved generator or key whose target only describes one (a typed JAX key as
+    a ``jax.ShapeDtypeStruct``): its state loads as the adapter says, and the value is
+    built new. None for any other target."""
+    named = adapter_by_name(node.type_name) if like is not NO_TARGET else None
+    if named is None:
+        return None
+    sub_like = named.abstract_state(like)
+    if sub_like is None:
+        return None
+    inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
+    return _adapted_build(named, None, inner, path)
 
 
 def _adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath) -> Build:

@@ -57,6 +57,13 @@ class StateAdapter(abc.ABC):
         """A fresh value holding ``state`` (loading with ``None`` in the target)."""
         return state
 
+    def abstract_state(self, like: Any) -> Any:
+        """The target tree of the state of a value that ``like`` describes without
+        being one (a typed JAX key as a ``jax.ShapeDtypeStruct``, from
+        ``jax.eval_shape``); the loaded state becomes a value through :meth:`new`.
+        None (the default) when ``like`` is no such description."""
+        return None
+
     def node_name(self, obj: Any) -> str:
         """The type name recorded for ``obj`` (default: :attr:`name`)."""
         return self.name

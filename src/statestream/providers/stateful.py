@@ -198,3 +198,29 @@ class JaxKeyAdapter(StateAdapter):
         import jax
 
         return jax.random.wrap_key_data(state["data"], impl=str(state["impl"]))
+
+    def abstract_state(self, like: Any) -> Any:
+        """A ``jax.ShapeDtypeStruct`` of a key dtype: its key data's shape, dtype and
+        sharding (the key's, with the key data's trailing axes unsharded)."""
+        jax = sys.modules.get("jax")
+        if (jax is None or not isinstance(like, jax.ShapeDtypeStruct)
+                or not jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key)):
+            return None
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(like.shape, like.dtype))
+        sharding = _key_data_sharding(getattr(like, "sharding", None), data.ndim)
+        return {"impl": None,
+                "data": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)}
+
+
+def _key_data_sharding(sharding: Any, ndim: int) -> Any:
+    """The sharding of the key data of keys laid out by ``sharding`` (None: the
+    default device, for a sharding that cannot be extended to the data's axes)."""
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    if isinstance(sharding, SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec, *[None] * (ndim - len(spec))),
+                             memory_kind=sharding.memory_kind)
+    return None
