@@ -493,6 +493,19 @@ def test_stateful_torch_objects(tmp_path):
     assert plain["sched"]["last_epoch"] == 1
 
 
+def test_load_into_a_meta_model_state_dict_then_assign(tmp_path):
+    # meta-device init: the target gives shapes and dtypes, the data comes back on
+    # the CPU (it used to be moved to the meta device, i.e. dropped)
+    model, _, _ = _make_training(0)
+    ss.save(tmp_path / "c", {"model": model})
+    with torch.device("meta"):
+        meta_model = _make_training(1)[0]
+    got = ss.load(tmp_path / "c", {"model": meta_model.state_dict()})["model"]
+    meta_model.load_state_dict(got, assign=True)
+    assert all(t.device.type == "cpu" for t in meta_model.state_dict().values())
+    _assert_state_dict_equal(meta_model.state_dict(), model.state_dict())
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

@@ -123,10 +123,21 @@ def test_restore_plain_tensor_target() -> None:
     assert out.tolist() == [[1, 2], [3, 4]]
 
 
-def test_restore_moves_to_target_device() -> None:
-    like = torch.empty(2, device="meta")
-    out = P.restore("float32", (2,), like, PATH).finish()
-    assert out.device.type == "meta"
+def test_meta_target_gives_shape_and_dtype_and_the_data_on_the_cpu() -> None:
+    # a meta tensor holds no data: moving the loaded values there dropped them
+    # (moves to real devices: tests/providers/test_cuda.py)
+    like = torch.empty(2, dtype=torch.float64, device="meta")
+    dest = P.restore("float32", (2,), like, PATH)
+    dest.boxes[0][1][...] = [1.5, -2.0]
+    out = dest.finish()
+    assert out.device.type == "cpu" and out.dtype == torch.float64
+    assert out.tolist() == [1.5, -2.0]
+    like = torch.nn.Parameter(torch.empty(2, device="meta"), requires_grad=False)
+    dest = P.restore("float32", (2,), like, PATH)
+    dest.boxes[0][1][...] = [3.0, 4.0]
+    out = dest.finish()
+    assert isinstance(out, torch.nn.Parameter) and not out.requires_grad
+    assert out.device.type == "cpu" and out.tolist() == [3.0, 4.0]
 
 
 def test_restore_scalar_and_empty() -> None:

@@ -417,7 +417,8 @@ def load(
     Args:
         path: a checkpoint directory written by :func:`save`.
         target: optional tree like the saved one. Its leaves say what to
-            return: torch tensors stay torch (target dtype and device), JAX
+            return: torch tensors stay torch (target dtype and device; the CPU
+            for a meta-device target), JAX
             arrays stay JAX (target sharding), NumPy stays NumPy; objects with
             ``load_state_dict`` get their state loaded and are returned. A
             target covering part of the checkpoint loads only that part.

@@ -307,14 +307,7 @@ class TorchProvider(ArrayProvider):
                             and like.device.type == "cpu"):
             finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
         else:
-            def finish() -> Any:
-                out = buf
-                if like.dtype != out.dtype or like.device != out.device:
-                    out = out.to(device=like.device, dtype=like.dtype)
-                if isinstance(like, torch.nn.Parameter):
-                    out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
-                return out
-
+            finish = functools.partial(_like_target, buf, like)
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
@@ -555,6 +548,21 @@ def _device_staging(t: Any, offset: tuple[int, ...]) -> dict[str, Any]:
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _like_target(loaded: Any, like: Any) -> Any:
+    """The loaded CPU tensor as ``like`` is: its dtype, device and Parameter-ness. A
+    target on the meta device gives shape and dtype only (it holds no data, so the
+    tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
+    import torch
+
+    out = loaded
+    device = out.device if like.device.type == "meta" else like.device
+    if like.dtype != out.dtype or device != out.device:
+        out = out.to(device=device, dtype=like.dtype)
+    if isinstance(like, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
+    return out
 
 
 def _is_dtensor(obj: Any) -> bool:
