@@ -493,6 +493,21 @@ def test_stateful_torch_objects(tmp_path):
     assert plain["sched"]["last_epoch"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["same", "cast"])
+def test_plain_tensor_target_that_requires_grad_comes_back_requiring_grad(tmp_path, dtype):
+    # a learnable leaf outside any module (SAC's log_alpha): a Parameter target kept
+    # requires_grad, a plain tensor target used to lose it
+    ss.save(tmp_path / "c", {"log_alpha": torch.tensor([0.25, -1.0]), "frozen": torch.ones(2)})
+    like = {"log_alpha": torch.zeros(2, dtype=dtype, requires_grad=True),
+            "frozen": torch.zeros(2, dtype=dtype)}
+    out = ss.load(tmp_path / "c", like)
+    assert out["log_alpha"].requires_grad and out["log_alpha"].is_leaf
+    assert out["log_alpha"].dtype == dtype and out["log_alpha"].tolist() == [0.25, -1.0]
+    assert not out["frozen"].requires_grad
+    out["log_alpha"].sum().backward()
+    assert out["log_alpha"].grad.tolist() == [1.0, 1.0]
+
+
 def test_load_into_a_meta_model_state_dict_then_assign(tmp_path):
     # meta-device init: the target gives shapes and dtypes, the data comes back on
     # the CPU (it used to be moved to the meta device, i.e. dropped)

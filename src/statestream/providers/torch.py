@@ -270,8 +270,8 @@ class TorchProvider(ArrayProvider):
                         or like.is_conj() or like.is_neg()):
                     return None
                 return _host_bytes(like), like
-            if type(like) is not _torch().Tensor:
-                return None  # a Parameter: restore() wraps the result
+            if type(like) is not _torch().Tensor or like.requires_grad:
+                return None  # a Parameter or a leaf that needs grad: restore() makes it
         flat = np.empty(nbytes, dtype=np.uint8) if memory is None else memory
         if dtype in _NUMPY_NATIVE:
             return flat, _torch().from_numpy(flat.view(dtype_from_name(dtype)).reshape(shape))
@@ -304,7 +304,7 @@ class TorchProvider(ArrayProvider):
             np_view = np.empty(shape, dtype=np_dtype)
 
         if like is None or (type(like) is torch.Tensor and like.dtype == saved
-                            and like.device.type == "cpu"):
+                            and like.device.type == "cpu" and not like.requires_grad):
             finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
         else:
             finish = functools.partial(_like_target, buf, like)
@@ -551,9 +551,10 @@ def _same(value: Any) -> Any:
 
 
 def _like_target(loaded: Any, like: Any) -> Any:
-    """The loaded CPU tensor as ``like`` is: its dtype, device and Parameter-ness. A
-    target on the meta device gives shape and dtype only (it holds no data, so the
-    tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
+    """The loaded CPU tensor as ``like`` is: its dtype, device, Parameter-ness and
+    ``requires_grad``. A target on the meta device gives shape and dtype only (it
+    holds no data, so the tensor stays on the CPU, ready for
+    ``load_state_dict(..., assign=True)``)."""
     import torch
 
     out = loaded
@@ -562,6 +563,8 @@ def _like_target(loaded: Any, like: Any) -> Any:
         out = out.to(device=device, dtype=like.dtype)
     if isinstance(like, torch.nn.Parameter):
         out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
+    elif like.requires_grad:
+        out.requires_grad_(True)
     return out
 
 
