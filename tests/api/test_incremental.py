@@ -222,6 +222,22 @@ def test_a_base_outside_the_parent_is_unsafe(tmp_path: Path, name: str) -> None:
         ss.load(s2)
 
 
+def test_a_base_replaced_by_a_symlink_out_of_the_parent_is_unsafe(tmp_path: Path) -> None:
+    """A base name is one path component, but the sibling itself may be a link:
+    following it would read a checkpoint outside the parent directory."""
+    (tmp_path / "parent").mkdir()
+    s1, s2 = _pair(tmp_path / "parent")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(s1, outside / "s1")
+    s1.symlink_to(outside / "s1", target_is_directory=True)
+    with pytest.raises(ss.UnsafeCheckpointError, match="symbolic link"):
+        ss.load(s2)
+    report = ss.verify(s2)
+    assert not report.ok and "symbolic link" in report.problems[0]
+    assert ss.load(outside / "s1")["step"] == 0  # the user may name a link themselves
+
+
 def test_an_uncommitted_base_is_unsafe(tmp_path: Path) -> None:
     s1, s2 = _pair(tmp_path)
     (s1 / "COMMITTED").unlink()

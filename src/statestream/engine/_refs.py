@@ -187,7 +187,7 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
 
     Raises:
         CheckpointError: the base is missing (deleted), naming it.
-        UnsafeCheckpointError: it exists but is not committed.
+        UnsafeCheckpointError: it exists but is not committed, or is a symbolic link.
     """
     path = sibling_path(spath, name)
     if not storage.is_committed(path):
@@ -198,7 +198,12 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
         raise CheckpointError(
             f"base checkpoint {name} ({path}) of {of} is missing: {of} refers to chunks "
             "stored there, so it cannot be read without it (was the base deleted?)")
-    reader = storage.open_read(path)
+    try:
+        reader = storage.open_read(path, follow_links=False)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(
+            f"base checkpoint {name} of {of} is not a plain directory next to it ({exc}): "
+            "references must not lead out of the parent directory") from None
     try:
         return reader, read_manifest(reader)
     except BaseException:

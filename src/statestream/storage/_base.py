@@ -239,11 +239,15 @@ class Storage(Protocol):
         """Join a save begun by another process (it alone commits or aborts)."""
         ...
 
-    def open_read(self, path: str) -> CheckpointReader:
+    def open_read(self, path: str, *, follow_links: bool = True) -> CheckpointReader:
         """Open the committed checkpoint at ``path``.
+
+        ``follow_links=False``: ``path`` itself must not be a symbolic link (a
+        base checkpoint a manifest names stays inside its parent directory).
 
         Raises:
             CheckpointNotFoundError: nothing committed lives there.
+            UnsafeCheckpointError: ``follow_links`` is False and ``path`` is a link.
         """
         ...
 

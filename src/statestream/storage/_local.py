@@ -256,8 +256,8 @@ class LocalStorage:
         return _LocalWriteTransaction(os.path.abspath(path), False, join=token,
                                       direct_io=self.direct_io)
 
-    def open_read(self, path: str) -> _LocalReader:
-        return _LocalReader(os.path.abspath(path))
+    def open_read(self, path: str, *, follow_links: bool = True) -> _LocalReader:
+        return _LocalReader(os.path.abspath(path), follow_links)
 
     def is_committed(self, path: str) -> bool:
         return os.path.isfile(os.path.join(path, COMMIT_NAME))

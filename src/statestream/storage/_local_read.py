@@ -86,15 +86,25 @@ def _open_regular(name: str, dir_fd: int, where: str) -> int:
     return fd
 
 
-class _LocalReader:
-    def __init__(self, path: str) -> None:
-        self.location = path
-        try:
-            self._root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
+def _open_root(path: str, follow_links: bool) -> int:
+    """The checkpoint directory's fd; ``follow_links=False`` refuses a symbolic link
+    at ``path`` itself (a base named by a manifest must not lead out of its parent)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        return os.open(path, flags if follow_links else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if not follow_links and os.path.islink(path):
+            raise UnsafeCheckpointError(
+                f"{path} is a symbolic link; refusing to follow it") from None
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
             raise CheckpointNotFoundError(_missing_reason(path)) from None
-        except OSError as exc:
-            raise storage_error(f"cannot open the checkpoint directory {path}: {exc}", exc) from exc
+        raise storage_error(f"cannot open the checkpoint directory {path}: {exc}", exc) from exc
+
+
+class _LocalReader:
+    def __init__(self, path: str, follow_links: bool = True) -> None:
+        self.location = path
+        self._root = _open_root(path, follow_links)
         try:
             os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
         except FileNotFoundError:

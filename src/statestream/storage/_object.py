@@ -352,8 +352,8 @@ class ObjectStorage:
             raise StorageError(f"cannot join write of {path}: bad token")
         return ObjectTxn(self, path, False, token)
 
-    def open_read(self, path: str) -> ObjectReader:
-        return ObjectReader(self, path)
+    def open_read(self, path: str, *, follow_links: bool = True) -> ObjectReader:
+        return ObjectReader(self, path)  # an object store has no links to follow
 
     def is_committed(self, path: str) -> bool:
         bucket, prefix = self.split_url(path)

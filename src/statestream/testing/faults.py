@@ -162,8 +162,8 @@ class FaultyStorage:
     def join_write(self, path: str, token: str) -> WriteTransaction:
         return _FaultyTxn(self.inner.join_write(path, token), self.fault)
 
-    def open_read(self, path: str) -> CheckpointReader:
-        return self.inner.open_read(path)
+    def open_read(self, path: str, *, follow_links: bool = True) -> CheckpointReader:
+        return self.inner.open_read(path, follow_links=follow_links)
 
     def is_committed(self, path: str) -> bool:
         return self.inner.is_committed(path)
