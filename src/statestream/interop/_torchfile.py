@@ -17,6 +17,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     PickleNotAllowedError,
     UnsupportedTypeError,
 )
@@ -116,6 +118,16 @@ def _device(kind: Any, index: Any = None) -> str:
     return str(kind) if index is None else f"{kind}:{index}"
 
 
+def _bytearray(*args: Any) -> bytearray:
+    """``bytearray`` as a pickle rebuilds one: from bytes, or from text and its encoding
+    (protocol 2) -- never from a count, which would allocate that many bytes."""
+    if not args or (len(args) == 1 and type(args[0]) is bytes):
+        return bytearray(*args)
+    if len(args) == 2 and type(args[0]) is str:
+        return bytearray(_encode(*args))
+    raise CheckpointCorruptError(f"bytearray{args!r:.80} is not how a pickle rebuilds one")
+
+
 def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
         raise PickleNotAllowedError(f"_codecs.encode with encoding {encoding!r:.40} refused")
@@ -133,10 +145,31 @@ _SAFE: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
     ("_codecs", "encode"): _encode,
-    ("torch.storage", "UntypedStorage"): StorageType("uint8"),
 }
+
+#: Opcodes that store into the unpickler's memo at an index the pickle chooses.
+_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo(data: bytes, where: str) -> None:
+    """Refuse a pickle that stores into the memo at an index beyond its opcode count.
+
+    Python's unpickler grows its memo table to twice the largest index it is
+    given (8 bytes each) before storing, so one LONG_BINPUT of 2**31 in a
+    15-byte pickle would allocate 32 GiB; a pickler numbers entries from 0.
+    """
+    try:
+        for n, (op, arg, _) in enumerate(pickletools.genops(data)):
+            if op.name in _PUTS and arg > n:
+                raise CheckpointCorruptError(
+                    f"{where}: the pickle stores memo entry {arg} after {n} opcodes "
+                    "(a pickler numbers them from 0); refusing to allocate for it")
+    except CheckpointCorruptError:
+        raise
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where} is not a valid pickle: {exc}") from None
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -150,15 +183,30 @@ class RestrictedUnpickler(pickle.Unpickler):
                  extra: dict[tuple[str, str], Any] | None = None,
                  persistent: Callable[[Any], Any] | None = None) -> None:
         super().__init__(io.BytesIO(data))
+        self.data = data
         self.where = where
         self.allow_pickle = allow_pickle
         self.extra = extra or {}
         self.persistent = persistent
 
+    def load(self) -> Any:
+        """The unpickled object; any failure is a :class:`CheckpointCorruptError`
+        naming the file (or :class:`PickleNotAllowedError`)."""
+        _check_memo(self.data, self.where)
+        try:
+            return super().load()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointCorruptError(f"{self.where} cannot be unpickled: {exc}") from None
+
     def find_class(self, module: str, name: str) -> Any:
         found = _SAFE.get((module, name), self.extra.get((module, name)))
         if found is not None:
             return found
+        # a fresh stand-in each time: a pickle may BUILD (set attributes on) what it finds
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return StorageType("uint8")
         if module == "torch" and name in STORAGE_DTYPES:
             return StorageType(STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_DTYPES:
