@@ -152,3 +152,11 @@ def test_metadata_claiming_a_huge_tensor_is_refused(tmp_path: Path) -> None:
         pickle.dump(md, f)
     with pytest.raises(ss.CheckpointCorruptError, match="outside"):
         ss.load(tmp_path / "d")
+
+
+def test_protocol_2_builtin_names_are_the_admitted_builtins(tmp_path: Path) -> None:
+    """DCP (torch.save) pickles values with protocol 2, which names builtins
+    ``__builtin__``: a bytearray value is read, not refused as a foreign global."""
+    _save({"w": torch.ones(2), "extra": {"blob": bytearray(b"a\x00\xff")}}, tmp_path / "d")
+    out = ss.load(tmp_path / "d")
+    assert out["extra"]["blob"] == b"a\x00\xff"

@@ -183,3 +183,11 @@ def test_missing_torch_names_the_extra_and_import_needs_only_numpy(tmp_path: Pat
     assert r.returncode == 0, r.stderr
     assert "ERR MissingDependencyError" in r.stdout and "statestream[torch]" in r.stdout
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_an_unrepresentable_builtin_is_named_not_called_foreign_code(tmp_path: Path) -> None:
+    """torch.save writes protocol 2, naming builtins ``__builtin__.set``: that is the
+    admitted builtins.set, so the error says what statestream cannot hold and where."""
+    torch.save({"w": torch.zeros(2), "tags": {"a", "b"}}, tmp_path / "set.pt")
+    with pytest.raises(ss.UnsupportedTypeError, match="'tags' holds a set"):
+        ss.load(tmp_path / "set.pt")

@@ -11,6 +11,7 @@ destination buffers.
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import dataclasses
 import io
@@ -201,6 +202,9 @@ class RestrictedUnpickler(pickle.Unpickler):
             raise CheckpointCorruptError(f"{self.where} cannot be unpickled: {exc}") from None
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol 2 (torch.save's) writes Python 2 names: __builtin__.set is builtins.set
+        module, name = _compat_pickle.NAME_MAPPING.get(
+            (module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
         found = _SAFE.get((module, name), self.extra.get((module, name)))
         if found is not None:
             return found
