@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
 import statestream as ss
 from statestream.interop._torchfile import RestrictedUnpickler, StorageType
+
+from .conftest import run_cli
 
 _CHILD = textwrap.dedent("""
     import json, resource, sys
@@ -83,3 +92,98 @@ def test_a_pickle_cannot_change_the_stand_ins_of_later_loads() -> None:
 def test_garbage_in_a_pickle_is_corrupt_naming_the_file() -> None:
     with pytest.raises(ss.CheckpointCorruptError, match="where.pkl"):
         RestrictedUnpickler(b"\x80\x02}q\x00(", "where.pkl").load()
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _safetensors(path: Path, a: np.ndarray) -> None:
+    header = json.dumps({"a": {"dtype": "F32", "shape": list(a.shape),
+                               "data_offsets": [0, a.nbytes]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + a.tobytes())
+
+
+def _to_symlink_out(p: Path) -> None:
+    outside = p.parent.parent / f"outside-{p.name}"
+    shutil.move(p, outside)
+    p.symlink_to(outside)
+
+
+def _to_fifo(p: Path) -> None:
+    p.unlink()
+    os.mkfifo(p)
+
+
+def _to_dir(p: Path) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+def _remove(p: Path) -> None:
+    p.unlink()
+
+
+_SPECIAL: dict[str, Callable[[Path], None]] = {
+    "symlink": _to_symlink_out, "fifo": _to_fifo, "dir": _to_dir, "missing": _remove}
+
+
+def _sharded(tmp_path: Path) -> Path:
+    d = tmp_path / "hf"
+    d.mkdir()
+    _safetensors(d / "s1.safetensors", np.arange(3, dtype=np.float32))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    return d
+
+
+@pytest.mark.timeout(60)  # a FIFO that blocks fails the test instead of hanging
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize("which", ["s1.safetensors", "model.safetensors.index.json"])
+def test_a_shard_or_index_that_is_not_a_plain_file(tmp_path: Path, kind: str,
+                                                   which: str) -> None:
+    d = _sharded(tmp_path)
+    if kind == "missing" and which != "s1.safetensors":
+        pytest.skip("without its index the directory is not sharded safetensors")
+    _SPECIAL[kind](d / which)
+    err = ss.UnsafeCheckpointError if kind != "missing" else ss.TruncatedFileError
+    for read in (ss.load, ss.metadata):
+        with pytest.raises(err, match=which):
+            read(d)
+    report = ss.verify(d)
+    assert not report.ok and which in report.problems[0]
+    r = run_cli("inspect", str(d))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and which in r.stderr
+
+
+def _dcp(tmp_path: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0), "step": 3}, checkpoint_id=str(tmp_path / "dcp"))
+    return tmp_path / "dcp"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", sorted(_SPECIAL))
+@pytest.mark.parametrize("which", [".metadata", "__0_0.distcp"])
+def test_dcp_files_that_are_not_plain_files(tmp_path: Path, kind: str, which: str) -> None:
+    d = _dcp(tmp_path)
+    if kind == "missing":
+        pytest.skip("without them the directory is not DCP")
+    _SPECIAL[kind](d / which)
+    for read in (ss.load, ss.metadata):
+        with pytest.raises(ss.UnsafeCheckpointError, match=which):
+            read(d)
+
+
+def test_a_file_the_caller_names_through_a_link_loads(tmp_path: Path) -> None:
+    """A hub cache links snapshots/<rev>/model.safetensors to blobs/<hash>: the link the
+    caller names is followed once, and header and data come from the same file."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snap").mkdir()
+    _safetensors(tmp_path / "blobs" / "abc", np.arange(3, dtype=np.float32))
+    (tmp_path / "snap" / "model.safetensors").symlink_to("../blobs/abc")
+    out = ss.load(tmp_path / "snap" / "model.safetensors")
+    np.testing.assert_array_equal(out["a"], np.arange(3, dtype=np.float32))
+    assert ss.verify(tmp_path / "snap" / "model.safetensors").ok

@@ -35,7 +35,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import check_tiling, row_chunks
-from statestream.interop._files import FileSetReader
+from statestream.interop._files import FileSetReader, open_binary, plain_size
 from statestream.interop._torchfile import (
     DType,
     RestrictedUnpickler,
@@ -106,7 +106,7 @@ def _attr(obj: Any, name: str, where: str) -> Any:
 
 
 def _read_range(path: str, offset: int, length: int) -> bytes:
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         f.seek(offset)
         data = f.read(length)
     if len(data) != length:
@@ -118,7 +118,7 @@ def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor:
                    allow_pickle: bool) -> Any:
     """Unpickle the small torch.save archive at [offset, offset+length) of ``path``."""
     if want_tensor:  # only the archive's directory and data.pkl are read here
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             view = _Slice(f, offset, length)
             try:
                 with zipfile.ZipFile(view) as z:
@@ -179,10 +179,10 @@ class _Slice(io.RawIOBase):
 
 def _metadata(directory: str, allow_pickle: bool) -> Any:
     path = os.path.join(directory, METADATA_NAME)
-    if os.path.getsize(path) > MAX_METADATA_BYTES:
+    with open_binary(path) as f:
+        data = f.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
         raise CheckpointCorruptError(f"{path} is larger than {MAX_METADATA_BYTES} bytes")
-    with open(path, "rb") as f:
-        data = f.read()
     try:
         return RestrictedUnpickler(data, path, allow_pickle=allow_pickle, extra=_ALLOWED).load()
     except (CheckpointCorruptError, UnsupportedTypeError, PickleNotAllowedError):
@@ -216,7 +216,7 @@ def open_dcp(directory: str, *, allow_pickle: bool = False
                 f"{where}: {fqn!r} is stored with transforms "
                 f"{info.__dict__['transform_descriptors']!r:.80}, which statestream does not read")
         files.setdefault(rel, len(files))
-    sizes = {rel: os.path.getsize(os.path.join(directory, rel)) for rel in files}
+    sizes = {rel: plain_size(os.path.join(directory, rel)) for rel in files}
     arrays: list[ArrayEntry] = []
     values: dict[str, Node] = {}
     memory = bytearray()

@@ -2,14 +2,82 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
-from statestream.errors import CheckpointCorruptError, TruncatedFileError, UnsafeCheckpointError
+from statestream.errors import (
+    CheckpointCorruptError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+    storage_error,
+)
 from statestream.storage import Buffer, preadv_all
 
-__all__ = ["FileSetReader"]
+__all__ = ["FileSetReader", "open_binary", "open_plain", "plain_size"]
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
+
+
+def _refuse(mode: int, path: str) -> UnsafeCheckpointError:
+    what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return UnsafeCheckpointError(f"cannot read {path}: it is {what}, not a regular file; "
+                                 "refusing to open it (the checkpoint is damaged or hostile)")
+
+
+def open_plain(path: str) -> int:
+    """A read-only fd of the regular file at ``path`` (a file of a foreign checkpoint).
+
+    As for statestream's own files (docs/security.md): a symbolic link, FIFO,
+    directory or device is refused without being opened, or waited on (lstat,
+    then ``O_NOFOLLOW | O_NONBLOCK``, then fstat). The caller resolves a path
+    it was given by the user (which may be a link) before asking.
+
+    Raises:
+        TruncatedFileError: nothing is there.
+        UnsafeCheckpointError: not a regular file.
+        StorageError: any other OS error.
+    """
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(st.st_mode, path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise TruncatedFileError(f"{path} is missing; the checkpoint is incomplete") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(stat.S_IFLNK, path) from None
+        raise storage_error(f"cannot open {path}: {exc}", exc) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(st.st_mode, path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_binary(path: str) -> BinaryIO:
+    """:func:`open_plain` as a buffered binary file object."""
+    return os.fdopen(open_plain(path), "rb")
+
+
+def plain_size(path: str) -> int:
+    """The size of the regular file at ``path`` (refused as :func:`open_plain` does)."""
+    fd = open_plain(path)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 
@@ -40,10 +108,7 @@ class FileSetReader:
             path = self._paths.get(name)
             if path is None:
                 raise UnsafeCheckpointError(f"{self.location}: no file {name!r} in this checkpoint")
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
-            except OSError as exc:
-                raise TruncatedFileError(f"cannot open {path}: {exc}") from exc
+            fd = open_plain(path)
             self._fds[name] = fd
             return fd
 

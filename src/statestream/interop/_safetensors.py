@@ -27,7 +27,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import row_chunks
-from statestream.interop._files import FileSetReader
+from statestream.interop._files import FileSetReader, open_binary
 from statestream.tree import Key, Node
 
 __all__ = [
@@ -174,7 +174,7 @@ def _check_overlaps(tensors: list[TensorInfo]) -> None:
 
 def read_header(path: str) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path``."""
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
         if len(first) == 8:
@@ -219,11 +219,17 @@ def _manifest(entries: list[tuple[int, TensorInfo]], files: list[FileEntry],
 
 
 def open_safetensors(path: str) -> tuple[FileSetReader, Manifest]:
-    """One ``.safetensors`` file as a reader and a manifest."""
-    h = read_header(path)
+    """One ``.safetensors`` file as a reader and a manifest.
+
+    ``path`` is the caller's and may be a symbolic link (a hub cache's snapshot
+    links to its blobs): it is resolved once, and the header and the data are
+    both read from the file it names.
+    """
+    real = os.path.realpath(path)
+    h = read_header(real)
     name = os.path.basename(path)
     m = _manifest([(0, t) for t in h.tensors], [FileEntry(name, h.file_size)], h.metadata, path)
-    return FileSetReader(path, {name: path}), m
+    return FileSetReader(path, {name: real}), m
 
 
 def find_index(directory: str) -> str | None:
@@ -244,7 +250,7 @@ def find_index(directory: str) -> str | None:
 def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
     """A Hugging Face sharded checkpoint: the index's ``weight_map`` decides where keys live."""
     directory = os.path.dirname(index_path)
-    with open(index_path, "rb") as f:
+    with open_binary(index_path) as f:
         raw = f.read(MAX_INDEX_BYTES + 1)
     if len(raw) > MAX_INDEX_BYTES:
         raise CheckpointCorruptError(f"{index_path} is larger than {MAX_INDEX_BYTES} bytes")

@@ -32,7 +32,7 @@ from statestream.errors import (
 )
 from statestream.format import DTYPE_NAMES, ArrayEntry, FileEntry, Manifest, itemsize_of
 from statestream.interop._chunks import row_chunks
-from statestream.interop._files import FileSetReader
+from statestream.interop._files import FileSetReader, open_binary
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = ["RestrictedUnpickler", "looks_like_torch_zip", "open_torch_file", "to_node"]
@@ -245,15 +245,10 @@ def looks_like_torch_zip(path: str) -> bool:
         return False
 
 
-def _data_offsets(path: str, z: zipfile.ZipFile, size: int) -> dict[str, tuple[int, int]]:
-    """Entry name -> (byte offset of its data in the file, length), stored entries only."""
-    with open(path, "rb") as f:
-        return _data_offsets_in(f, z, size, path)
-
-
 def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
                      ) -> dict[str, tuple[int, int]]:
-    """As ``_data_offsets`` for an open (seekable) file object ``f`` of ``size`` bytes."""
+    """Entry name -> (byte offset of its data in ``f``, length), stored entries only
+    (``f``: an open, seekable file object of ``size`` bytes)."""
     out = {}
     infos = z.infolist()
     if len(infos) > MAX_ZIP_ENTRIES:
@@ -276,10 +271,14 @@ def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
 
 def open_torch_file(path: str, *, allow_pickle: bool = False
                     ) -> tuple[FileSetReader, Manifest]:
-    """A torch.save zip file as a reader and a manifest (weights-only semantics)."""
-    size = os.path.getsize(path)
+    """A torch.save zip file as a reader and a manifest (weights-only semantics).
+
+    ``path`` may be a symbolic link (the caller's own): it is resolved once.
+    """
+    real = os.path.realpath(path)
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_binary(real) as f, zipfile.ZipFile(f) as z:
+            size = os.fstat(f.fileno()).st_size
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 raise CheckpointCorruptError(f"{path} is a zip file but not a torch.save file")
@@ -287,7 +286,7 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
             if info.file_size > MAX_PICKLE_BYTES:
                 raise CheckpointCorruptError(f"{path}: data.pkl is larger than allowed")
             data = z.read(info)
-            offsets = _data_offsets(path, z, size)
+            offsets = _data_offsets_in(f, z, size, path)
     except zipfile.BadZipFile as exc:
         raise CheckpointCorruptError(f"{path} is not a valid zip archive: {exc}") from None
     prefix = pkl[0][: -len("data.pkl")]
@@ -305,7 +304,7 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
 
     root = to_node(obj, (), arrays, tensor)
     name = os.path.basename(path)
-    return FileSetReader(path, {name: path}), Manifest(root, arrays, [FileEntry(name, size)])
+    return FileSetReader(path, {name: real}), Manifest(root, arrays, [FileEntry(name, size)])
 
 
 def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str,
