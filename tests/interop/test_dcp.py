@@ -160,3 +160,47 @@ def test_protocol_2_builtin_names_are_the_admitted_builtins(tmp_path: Path) -> N
     _save({"w": torch.ones(2), "extra": {"blob": bytearray(b"a\x00\xff")}}, tmp_path / "d")
     out = ss.load(tmp_path / "d")
     assert out["extra"]["blob"] == b"a\x00\xff"
+
+
+def _set_size_5(md: object) -> None:
+    md.state_dict_metadata["w"].size = 5  # type: ignore[attr-defined]
+
+
+def _set_chunks_5(md: object) -> None:
+    md.state_dict_metadata["w"].chunks = 5  # type: ignore[attr-defined]
+
+
+def _set_offsets_5(md: object) -> None:
+    md.state_dict_metadata["w"].chunks[0].offsets = 5  # type: ignore[attr-defined]
+
+
+def _set_properties_none(md: object) -> None:
+    md.state_dict_metadata["w"].properties = None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_set_size_5, "'w': size 5 is not a tuple"),
+    (_set_chunks_5, "'w': chunks 5 is not a list"),
+    (_set_offsets_5, "'w': offsets 5 is not a tuple"),
+    (_set_properties_none, "properties None is not a DCP record"),
+])
+def test_metadata_fields_of_the_wrong_type_are_corrupt(tmp_path: Path, edit, match) -> None:
+    _save({"w": torch.arange(4.0)}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written just above by dcp.save
+    edit(md)
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    for read in (ss.load, ss.metadata):
+        with pytest.raises(ss.CheckpointCorruptError, match=match):
+            read(tmp_path / "d")
+
+
+def test_a_planner_path_deeper_than_a_tree_falls_back_to_flat_keys(tmp_path: Path) -> None:
+    _save({"w": torch.arange(4.0)}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written just above by dcp.save
+    md.planner_data = {"w": ("a",) * 100_000}
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    assert list(ss.load(tmp_path / "d")) == ["w"]

@@ -44,7 +44,7 @@ from statestream.interop._torchfile import (
     _storage,
     to_node,
 )
-from statestream.tree import Key, KeyPath, Node
+from statestream.tree import MAX_TREE_DEPTH, Key, KeyPath, Node
 
 __all__ = ["METADATA_NAME", "looks_like_dcp", "open_dcp"]
 
@@ -103,6 +103,23 @@ def _attr(obj: Any, name: str, where: str) -> Any:
     if not isinstance(obj, Record) or name not in obj.__dict__:
         raise CheckpointCorruptError(f"{where}: expected a DCP record with {name!r}")
     return obj.__dict__[name]
+
+
+def _record_of(obj: Any, name: str, where: str) -> Record:
+    """The DCP record ``obj.<name>`` (``obj``: a record)."""
+    got = _attr(obj, name, where)
+    if not isinstance(got, Record):
+        raise CheckpointCorruptError(f"{where}: {name} {got!r:.80} is not a DCP record")
+    return got
+
+
+def _ints_of(obj: Any, name: str, where: str) -> tuple[int, ...]:
+    """``obj.<name>`` as a tuple of non-negative ints (a size or an offset)."""
+    got = _attr(obj, name, where)
+    if not isinstance(got, (tuple, list)) or any(type(x) is not int or x < 0 for x in got):
+        raise CheckpointCorruptError(f"{where}: {name} {got!r:.80} is not a tuple of "
+                                     "non-negative integers")
+    return tuple(got)
 
 
 def _read_range(path: str, offset: int, length: int) -> bytes:
@@ -272,20 +289,22 @@ class _Ctx:
         return to_node(obj, (), arrays, no_tensor, blob=blob)
 
     def tensor(self, meta: Any) -> ArrayEntry:
-        props = _attr(meta, "properties", self.where)
+        props = _record_of(meta, "properties", self.where)
         state = props.__dict__.get("_state", props.__dict__)
-        dtype = state[0] if isinstance(state, tuple) else state.get("dtype")
+        dtype = (state[0] if isinstance(state, tuple) and state
+                 else state.get("dtype") if isinstance(state, dict) else None)
         if not isinstance(dtype, DType) or dtype.name not in DTYPE_NAMES:
             raise UnsupportedTypeError(f"{self.where}: {self.fqn!r} has dtype {dtype!s:.40}, "
                                        "which statestream cannot hold")
-        shape = tuple(_attr(meta, "size", self.where))
+        where = f"{self.where}: {self.fqn!r}"
+        shape = _ints_of(meta, "size", where)
+        records = _attr(meta, "chunks", where)
+        if not isinstance(records, (list, tuple)):
+            raise CheckpointCorruptError(f"{where}: chunks {records!r:.80} is not a list")
         chunks: list[ChunkEntry] = []
-        for c in _attr(meta, "chunks", self.where):
-            origin = tuple(_attr(c, "offsets", self.where))
-            csize = tuple(_attr(c, "sizes", self.where))
+        for c in records:
+            origin, csize = _ints_of(c, "offsets", where), _ints_of(c, "sizes", where)
             chunks.extend(self._chunk(dtype.name, origin, csize))
-        if any(type(x) is not int or x < 0 for x in shape):
-            raise CheckpointCorruptError(f"{self.where}: {self.fqn!r} has shape {shape!r:.80}")
         entry = ArrayEntry(dtype.name, shape, tuple(chunks))
         check_tiling(entry, f"{self.where}: tensor {self.fqn!r}")
         return entry
@@ -314,7 +333,7 @@ def _nest(values: dict[str, Node], planner: Any) -> Node:
     """Nested dicts from DCP's planner_data (fqn -> original key path), else flat keys."""
     paths: dict[str, tuple[Key, ...]] = {}
     if isinstance(planner, dict) and all(
-            isinstance(planner.get(f), tuple) and planner[f]
+            isinstance(planner.get(f), tuple) and 0 < len(planner[f]) <= MAX_TREE_DEPTH
             and all(type(k) in (str, int) for k in planner[f]) for f in values):
         paths = {f: planner[f] for f in values}
     else:
