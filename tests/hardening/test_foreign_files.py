@@ -1,4 +1,4 @@
-"""Hostile foreign checkpoints (torch.save files, DCP): no allocation or state from a pickle's word."""
+"""Hostile foreign checkpoints (torch.save files, DCP): nothing allocated on a pickle's word."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 
 import statestream as ss

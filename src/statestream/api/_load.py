@@ -325,7 +325,7 @@ def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
     a ``jax.ShapeDtypeStruct``): its state loads as the adapter says, and the value is
     built new. None for any other target."""
     named = adapter_by_name(node.type_name) if like is not NO_TARGET else None
-    if named is None:
+    if named is None or not node.children:
         return None
     sub_like = named.abstract_state(like)
     if sub_like is None:

@@ -163,7 +163,7 @@ def _check_memo(data: bytes, where: str) -> None:
     """
     try:
         for n, (op, arg, _) in enumerate(pickletools.genops(data)):
-            if op.name in _PUTS and arg > n:
+            if op.name in _PUTS and isinstance(arg, int) and arg > n:
                 raise CheckpointCorruptError(
                     f"{where}: the pickle stores memo entry {arg} after {n} opcodes "
                     "(a pickler numbers them from 0); refusing to allocate for it")

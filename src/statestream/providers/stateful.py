@@ -221,6 +221,6 @@ def _key_data_sharding(sharding: Any, ndim: int) -> Any:
         return sharding
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec)
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec, *[None] * (ndim - len(spec))),
-                             memory_kind=sharding.memory_kind)
+        full = PartitionSpec(*spec, *[None] * (ndim - len(spec)))  # type: ignore[no-untyped-call]
+        return NamedSharding(sharding.mesh, full, memory_kind=sharding.memory_kind)
     return None
