@@ -475,16 +475,24 @@ class CheckpointManager:
         self._apply_keep_policy()
 
     def _wait_save(self) -> None:
-        """Wait for the in-flight save (its local commit, with a local tier)."""
-        h, self._inflight = self._inflight, None
-        self._inflight_step = None
-        if h is not None:
-            try:
-                h.result()
-            except BaseException:
-                # that step never committed: it may be saved again
-                self._last_saved_step = self.latest_step()
-                raise
+        """Wait for the in-flight save (its local commit, with a local tier).
+
+        An interrupted wait (KeyboardInterrupt) leaves the save in flight: it is
+        still running, so the next ``save``, ``wait`` or ``close`` waits for it.
+        """
+        h = self._inflight
+        if h is None:
+            return
+        try:
+            h.result()
+        except BaseException:
+            if not h.done():
+                raise  # the wait was interrupted, not the save
+            self._inflight, self._inflight_step = None, None
+            # that step never committed: it may be saved again
+            self._last_saved_step = self.latest_step()
+            raise
+        self._inflight, self._inflight_step = None, None
 
     def _apply_keep_policy(self) -> None:
         if self._tier is not None:

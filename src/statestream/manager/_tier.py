@@ -312,6 +312,8 @@ class LocalTier:
             try:
                 h.result()
             except BaseException as exc:
+                if not h.done():
+                    raise  # the wait was interrupted (KeyboardInterrupt), not the task
                 first = first or exc
         if first is not None:
             if isinstance(first, CheckpointError):

@@ -1,0 +1,123 @@
+"""Ctrl-C (KeyboardInterrupt) while a CheckpointManager waits for its background work.
+
+The interrupt stops the wait, not the work: the save (or the persistence)
+still runs, and the manager must keep waiting for it on its next ``save``,
+``wait`` or ``close`` instead of forgetting it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream.testing import faults
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    faults.clear()
+    yield
+    faults.clear()
+
+
+def state_at(step: int) -> dict:
+    return {"step": step, "w": np.arange(64, dtype=np.float32) + step}
+
+
+def _main_thread_waits_in(name: str) -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt_main_thread_in(name: str) -> threading.Thread:
+    """SIGINT this process once the main thread is inside a function called ``name``."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.01):
+            if _main_thread_waits_in(name):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.stop = stop  # type: ignore[attr-defined]
+    t.start()
+    return t
+
+
+def hold_at(point: str) -> threading.Event:
+    """Block the background thread at ``point`` until the returned event is set."""
+    gate = threading.Event()
+    faults.on(point, lambda: gate.wait(60), nth=1)
+    return gate
+
+
+def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path):
+    gate = hold_at("save.data_synced")
+    mgr = ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(1))
+    try:
+        assert mgr.save(1, state_at(1))
+        interrupt_main_thread_in("result")
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        # the save is still running: the manager still knows it
+        assert mgr.in_flight is not None and not mgr.in_flight.done()
+        gate.set()
+        # the same step is not saved again (it would collide with the running save)
+        assert not mgr.save(1, state_at(1))
+        mgr.wait()
+        assert mgr.steps() == [1]
+    finally:
+        gate.set()
+        mgr.close()
+    assert sorted(os.listdir(tmp_path)) == [".statestream.lock", "step_0000000001"]
+
+
+def test_close_after_an_interrupted_wait_waits_for_the_save(tmp_path):
+    gate = hold_at("save.data_synced")
+    mgr = ss.CheckpointManager(tmp_path)
+    try:
+        assert mgr.save(1, state_at(1))
+        interrupt_main_thread_in("result")
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        gate.set()
+    finally:
+        gate.set()
+        mgr.close()
+    # close() returned only after the save committed
+    assert sorted(os.listdir(tmp_path)) == [".statestream.lock", "step_0000000001"]
+    with ss.CheckpointManager(tmp_path) as again:
+        assert again.steps() == [1]
+
+
+def test_an_interrupted_wait_for_persistence_is_an_interrupt(tmp_path):
+    gate = hold_at("tier.persist")
+    mgr = ss.CheckpointManager(str(tmp_path / "persist"), local_tier=str(tmp_path / "local"))
+    try:
+        assert mgr.save(1, state_at(1))
+        interrupt_main_thread_in("result")
+        # a Ctrl-C is not a failed persistence (CheckpointError)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        gate.set()
+        mgr.wait()
+        assert mgr.persisted_steps() == [1]
+    finally:
+        gate.set()
+        mgr.close()
