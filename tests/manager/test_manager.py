@@ -476,3 +476,38 @@ def test_without_sigterm_never_preempted(tmp_path):
         for s in range(3):
             assert not mgr.save(s, state_at(s))
             assert not mgr.reached_preemption(s)
+
+
+# ---------------------------------------------------------------- what a step is
+@pytest.mark.parametrize("step", [np.int64(3), np.uint8(3)])
+def test_numpy_integer_steps_save_as_their_value(tmp_path, step):
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert mgr.save(step, state_at(3), metrics={"loss": 0.5})
+        assert mgr.steps() == [3] and type(mgr.steps()[0]) is int
+        assert mgr.step_info(3)["metrics"] == {"loss": 0.5}
+        check_step(mgr, 3)
+
+
+def test_torch_integer_step_saves_as_its_value(tmp_path):
+    torch = pytest.importorskip("torch")
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert mgr.save(torch.tensor(4), state_at(4))
+        assert mgr.steps() == [4]
+
+
+@pytest.mark.parametrize("step", [1.5, 2.0, "5", True, 10**18, 2**63])
+def test_steps_that_are_not_listable_integers_are_refused(tmp_path, step):
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert mgr.save(0, state_at(0))
+        with pytest.raises(ss.InvalidOptionError, match="step must be"):
+            mgr.save(step, state_at(1))
+        assert mgr.steps() == [0]
+    # nothing was written that no manager would ever list (or delete)
+    assert sorted(os.listdir(tmp_path)) == [".statestream.lock", "step_0000000000"]
+
+
+def test_the_newest_listable_step_saves(tmp_path):
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert mgr.save(10**18 - 1, state_at(0))
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [10**18 - 1]

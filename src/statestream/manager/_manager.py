@@ -32,7 +32,7 @@ from statestream.manager._policies import (
     is_score,
 )
 from statestream.manager._retention import Retention, encode_metrics, step_info
-from statestream.manager._steps import StepDirectory
+from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import open_tier, tier_load, tier_steps
 from statestream.storage import storage_for
@@ -357,17 +357,20 @@ class CheckpointManager:
         Returns:
             Whether a save was started.
 
+        ``step`` is an integer from 0 to 10**18 - 1 (NumPy, torch and JAX
+        integer scalars are taken as such).
+
         Raises:
             CheckpointError: ``step`` is older than the last saved step, or the
                 previous background save failed.
+            InvalidOptionError: ``step`` is not such an integer.
 
         Warns:
             UserWarning: ``metrics`` lacks a number for a ``KeepBest`` policy's metric.
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-        if step < 0:
-            raise InvalidOptionError(f"step must be >= 0, got {step}")
+        step = check_step(step)
         self._check_step_order(step)
         if force:
             self._decided = (step, True)  # a save of this step happens whatever the signal

@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import operator
 import re
+from typing import Any
 
+from statestream.errors import InvalidOptionError
 from statestream.storage import Storage
 from statestream.storage._leftovers import collect_garbage
 
-__all__ = ["LEASE_NAME", "StepDirectory", "parse_step"]
+__all__ = ["LEASE_NAME", "MAX_STEP", "StepDirectory", "check_step", "parse_step"]
 
 _STEP_RE = re.compile(r"^step_(0\d{9}|[1-9]\d{9,17})$")  # exactly what step names look like
 #: The manager's lease (lock) inside its directory.
 LEASE_NAME = ".statestream.lock"
+#: The newest step a step name holds (18 digits, as _STEP_RE and storage hints read them).
+MAX_STEP = 10**18 - 1
+
+
+def check_step(step: Any) -> int:
+    """``step`` as a plain int (NumPy, torch and JAX integer scalars included).
+
+    Raises:
+        InvalidOptionError: not an integer (a float, a bool, a string), negative,
+            or above :data:`MAX_STEP` (its directory would never be listed).
+    """
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise InvalidOptionError(
+            f"step must be an integer, got {type(step).__name__} {step!r}") from None
+    if value < 0:
+        raise InvalidOptionError(f"step must be >= 0, got {value}")
+    if value > MAX_STEP:
+        raise InvalidOptionError(
+            f"step must be at most {MAX_STEP} (18 digits), got {value}")
+    return value
 
 
 def parse_step(name: str) -> int | None:
