@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,3 +116,56 @@ def test_the_manager_works_on_a_new_backend(tmp_path: Path) -> None:
         ".statestream.lock", f"step_{2:010d}", f"step_{3:010d}"]
     assert {"acquire_lease", "leftovers", "list", "is_committed", "delete",
             "begin_write"} <= set(backend.calls)
+
+
+_SAVER_HOLDER = """
+import sys, time
+import numpy as np
+import statestream as ss
+mgr = ss.CheckpointManager(sys.argv[1], async_save=False)
+mgr.save(5, {"w": np.arange(3)})
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("remove", ["directory", "lock file"])
+def test_a_manager_whose_lock_was_removed_stops_saving_and_deleting(tmp_path: Path,
+                                                                     remove: str) -> None:
+    run = tmp_path / "run"
+    mgr = ss.CheckpointManager(run, keep_policy=ss.KeepLatest(1), async_save=False)
+    mgr.save(1, {"w": np.arange(3)})
+    if remove == "directory":
+        shutil.rmtree(run)
+    else:
+        os.unlink(run / ".statestream.lock")
+    # another job's manager (a real process) now holds a new lock there and saves
+    holder = _child(_SAVER_HOLDER, str(run), "HOLDING")
+    try:
+        with pytest.raises(ss.ManagerLockedError, match="removed or moved"):
+            mgr.save(2, {"w": np.arange(3)})
+        with pytest.raises(ss.ManagerLockedError):
+            mgr.wait()  # the keep policy deletes nothing of the other manager's
+        kept = [5] if remove == "directory" else [1, 5]
+        assert [s for s in kept if LocalStorage().is_committed(str(run / f"step_{s:010d}"))
+                ] == kept
+    finally:
+        holder.kill()
+        holder.communicate()
+        with pytest.raises(ss.ManagerLockedError):
+            mgr.close()
+    assert not (run / "step_0000000002").exists()
+    assert not _open_fds_to(run / ".statestream.lock")  # close() let go of the old lock
+
+
+def _open_fds_to(path: Path) -> list[str]:
+    """This process's open file descriptors on ``path`` (even once it is unlinked)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.removesuffix(" (deleted)") == str(path):
+            out.append(fd)
+    return out

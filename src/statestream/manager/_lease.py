@@ -75,14 +75,23 @@ class DirectoryLease:
     def check(self) -> None:
         """Raise unless this manager may write (holds a live lease).
 
+        A lease without a ttl (an ``flock``) is checked here and now: its lock
+        file must still be the one locked (not removed with its directory).
+
         Raises:
-            ManagerLockedError: the lease expired and another manager took it.
+            ManagerLockedError: the lease expired and another manager took it, or
+                the lock file was removed.
             StorageError: the directory is read-only (``errno`` EROFS/EACCES).
         """
+        if self._lost is None and self._lease is not None and self._lease.ttl_s is None:
+            try:
+                self._lease.renew()
+            except ManagerLockedError as exc:
+                self._lost = exc
         if self._lost is not None:
             raise ManagerLockedError(
                 f"{self.directory}: this CheckpointManager lost its lease ({self._lost}); "
-                "another manager took the directory over"
+                "it saves and deletes nothing there any more (another manager may hold it)"
             ) from self._lost
         if self.read_only is not None:
             raise storage_error(
@@ -97,5 +106,6 @@ class DirectoryLease:
             self._thread.join()
             self._thread = None
         lease, self._lease = self._lease, None
-        if lease is not None and self._lost is None:
+        # a lost lease object is someone else's now; a lost flock is only our fd
+        if lease is not None and (self._lost is None or lease.ttl_s is None):
             lease.release()

@@ -40,16 +40,35 @@ def _last_change(path: str) -> float | None:
 
 
 class _LocalLease:
-    """A lease by ``flock``: the kernel ends it when the holder dies, so it needs no ttl."""
+    """A lease by ``flock``: the kernel ends it when the holder dies, so it needs no ttl.
+
+    The lock holds only while ``path`` still names the locked file: once the
+    file (or its directory) is removed or replaced, another manager locks a new
+    file there. :meth:`renew` checks that.
+    """
 
     ttl_s: float | None = None
 
-    def __init__(self, fd: int, holder: str) -> None:
+    def __init__(self, fd: int, holder: str, path: str) -> None:
         self._fd = fd
         self.holder = holder
+        self.path = path
 
     def renew(self) -> None:
-        pass  # an flock lasts as long as its holder
+        """Raise ManagerLockedError if ``path`` is no longer the file this lease locked."""
+        if self._fd < 0:
+            return
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+        except OSError as exc:
+            raise ManagerLockedError(
+                f"the lock {self.path} is gone ({exc.strerror}): its directory was removed "
+                "or moved while this manager held it") from None
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise ManagerLockedError(
+                f"the lock {self.path} was replaced (its directory was removed or moved "
+                "while this manager held it); another manager may hold the new one")
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -77,4 +96,4 @@ def _lock_file(path: str, holder: str) -> _LocalLease:
     except OSError as exc:
         os.close(fd)
         raise storage_error(f"cannot write the lock {path}: {exc}", exc) from exc
-    return _LocalLease(fd, holder)
+    return _LocalLease(fd, holder, path)
