@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -511,3 +513,20 @@ def test_the_newest_listable_step_saves(tmp_path):
         assert mgr.save(10**18 - 1, state_at(0))
     with ss.CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == [10**18 - 1]
+
+
+def test_metrics_may_be_numpy_and_torch_scalars(tmp_path):
+    torch = pytest.importorskip("torch")
+    loss = (torch.ones(3, requires_grad=True) * 0.25).sum()  # a loss as a training loop has it
+    with ss.CheckpointManager(tmp_path, async_save=False,
+                              keep_policy=ss.KeepBest(1, "loss")) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none is "saved without a number"
+            assert mgr.save(1, state_at(1), metrics={"loss": loss, "n": np.int64(4)})
+            assert mgr.step_info(1)["metrics"] == {"loss": 0.75, "n": 4}
+            assert mgr.save(2, state_at(2), metrics={"loss": np.float32(0.5)})
+        with pytest.warns(UserWarning, match="without a number"):  # NaN never counts
+            assert mgr.save(3, state_at(3), metrics={"loss": np.float32("nan")})
+        assert math.isnan(mgr.step_info(3)["metrics"]["loss"])
+        assert mgr.best_step("loss") == 2
+        assert mgr.steps() == [2, 3]

@@ -31,7 +31,12 @@ from statestream.manager._policies import (
     best_metrics,
     is_score,
 )
-from statestream.manager._retention import Retention, encode_metrics, step_info
+from statestream.manager._retention import (
+    Retention,
+    encode_metrics,
+    plain_metrics,
+    step_info,
+)
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import open_tier, tier_load, tier_steps
@@ -358,7 +363,8 @@ class CheckpointManager:
             Whether a save was started.
 
         ``step`` is an integer from 0 to 10**18 - 1 (NumPy, torch and JAX
-        integer scalars are taken as such).
+        integer scalars are taken as such). ``metrics`` values are numbers;
+        NumPy, torch and JAX scalars (a 0-d loss tensor) are stored as theirs.
 
         Raises:
             CheckpointError: ``step`` is older than the last saved step, or the
@@ -370,8 +376,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-        step = check_step(step)
-        self._check_step_order(step)
+        step, metrics = self._checked_step(step), plain_metrics(metrics)
         if force:
             self._decided = (step, True)  # a save of this step happens whatever the signal
         elif not self.should_save(step):
@@ -434,8 +439,10 @@ class CheckpointManager:
             base = self._coll.broadcast_object(base, src=0)
         return base
 
-    def _check_step_order(self, step: int) -> None:
-        """Steps only go forward: an older step than the last saved one is an error."""
+    def _checked_step(self, step: Any) -> int:
+        """``step`` as an int (see check_step); steps only go forward: an older step
+        than the last saved one is an error."""
+        step = check_step(step)
         last = self._last_saved_step
         if last is not None and step < last:
             raise CheckpointError(
@@ -444,6 +451,7 @@ class CheckpointManager:
                 f"rewrite history). A resumed run continues from step {last} + 1 "
                 "(mgr.latest_step()); to start over, use another directory"
             )
+        return step
 
     def _warn_missing_metrics(self, step: int, metrics: Mapping[str, float] | None) -> None:
         missing = [m for m in self._best_metrics if not is_score((metrics or {}).get(m))]

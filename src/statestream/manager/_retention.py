@@ -13,10 +13,31 @@ from statestream.errors import CheckpointError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
 from statestream.manager._steps import StepDirectory, parse_step
 
-__all__ = ["Retention", "decode_metrics", "encode_metrics", "step_info"]
+__all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info"]
 
 #: Non-finite metric values, which JSON cannot hold, are stored as these strings.
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Metrics with NumPy, torch and JAX scalars (``np.float32(0.5)``, a 0-d loss
+    tensor) as the Python numbers they hold; other values as given.
+
+    Example:
+        >>> import numpy as np
+        >>> plain_metrics({"loss": np.float32(0.5), "n": np.int64(3), "tag": "a"})
+        {'loss': 0.5, 'n': 3, 'tag': 'a'}
+    """
+    return {k: _plain(v) for k, v in (metrics or {}).items()}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():  # one number
+        return item()
+    return value
 
 
 def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
