@@ -530,3 +530,41 @@ def test_metrics_may_be_numpy_and_torch_scalars(tmp_path):
         assert math.isnan(mgr.step_info(3)["metrics"]["loss"])
         assert mgr.best_step("loss") == 2
         assert mgr.steps() == [2, 3]
+
+
+# ---------------------------------------------------------------- a deletion that fails
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_step_that_cannot_be_deleted_does_not_stop_the_saves(tmp_path, monkeypatch,
+                                                                async_save):
+    import errno
+
+    from statestream.errors import storage_error
+    from statestream.storage import LocalStorage
+
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:  # keeps all
+        for s in (1, 2, 3):
+            mgr.save(s, state_at(s))
+    stuck = {str(tmp_path / "step_0000000002")}
+    real_delete = LocalStorage.delete
+
+    def delete(self, path):
+        if os.path.abspath(path) in stuck:
+            raise storage_error(f"deleting {path} failed: read-only", errno.EROFS)
+        real_delete(self, path)
+
+    monkeypatch.setattr(LocalStorage, "delete", delete)
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(1),
+                              async_save=async_save) as mgr:
+        with pytest.warns(RuntimeWarning, match="could not delete .*step_0000000002"):
+            for s in (4, 5):
+                assert mgr.save(s, state_at(s))  # the saves go on
+            mgr.wait()
+        # newest first, stopped at the failure: step 1 stays too (step 2 may refer to it)
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [
+            "step_0000000001", "step_0000000002", "step_0000000005"]
+        check_step(mgr, 5)
+        stuck.clear()  # the mount is writable again: the next apply deletes them
+        mgr.save(6, state_at(6))
+        mgr.wait()
+        assert mgr.steps() == [6]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_0000000006"]

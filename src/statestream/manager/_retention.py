@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -174,6 +175,14 @@ class Retention:
         The latest committed step and the ``protected`` ones are always kept;
         nothing is deleted while a kept step's references cannot be read.
         Returns the deleted steps (newest first, the order of deletion).
+
+        A deletion that fails (a step on a read-only mount, a store that is
+        down) warns and stops there: the steps not deleted yet stay (an older
+        one may hold chunks the failed one refers to) and the next apply tries
+        again. Cleaning up must not stop the saves of a training job.
+
+        Warns:
+            RuntimeWarning: a step could not be deleted (names it and the cause).
         """
         steps = self._steps.steps()
         if len(steps) <= 1:
@@ -182,8 +191,19 @@ class Retention:
         if not known:
             return []  # a kept step's manifest is unreadable: what it refers to is unknown
         dropped = [s for s in reversed(steps) if s not in keep and s not in needed]
-        for s in dropped:
+        for i, s in enumerate(dropped):
             self.forget(s)
-            self._steps.delete(s)  # marker first, then data
+            try:
+                self._steps.delete(s)  # marker first, then data
+            except OSError as exc:  # StorageError included
+                _warn_not_deleted(self._steps.path(s), dropped[i + 1:], exc)
+                return dropped[:i]
             _hooks.fire("manager.step_deleted")
         return dropped
+
+
+def _warn_not_deleted(path: str, later: list[int], exc: BaseException) -> None:
+    also = f"; steps {later} stay too until it is gone" if later else ""
+    warnings.warn(
+        f"the keep policy could not delete {path} ({exc}): it stays, and deleting it is "
+        f"tried again after the next save{also}", RuntimeWarning, stacklevel=5)
