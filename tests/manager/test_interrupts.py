@@ -121,3 +121,16 @@ def test_an_interrupted_wait_for_persistence_is_an_interrupt(tmp_path):
     finally:
         gate.set()
         mgr.close()
+
+
+@pytest.mark.parametrize("point", ["save.planned", "save.data_synced"])
+def test_a_sync_save_interrupted_after_planning_leaves_no_staging_directory(tmp_path, point):
+    # Ctrl-C right after the save job began (its staging directory exists): the save
+    # is aborted and its directory removed, and the same path saves afterwards
+    faults.on(point, lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        ss.save(tmp_path / "c", state_at(1))
+    faults.clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    ss.save(tmp_path / "c", state_at(2))
+    assert ss.load(tmp_path / "c")["step"] == 2

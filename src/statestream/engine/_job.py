@@ -320,8 +320,8 @@ class SaveJob:
         self.begin()
         err: BaseException | None = None
         written: dict[tuple[int, int], ChunkEntry] = {}
-        _hooks.fire("save.planned")
         try:
+            _hooks.fire("save.planned")  # in the try: an interrupt here aborts the save too
             if self.multi:
                 for i in range(len(self.collector.arrays)):
                     self.writer.submit(self._plan(i))
