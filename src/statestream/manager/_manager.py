@@ -442,16 +442,16 @@ class CheckpointManager:
     def _checked_step(self, step: Any) -> int:
         """``step`` as an int (see check_step); steps only go forward: an older step
         than the last saved one is an error."""
-        step = check_step(step)
+        checked = check_step(step)
         last = self._last_saved_step
-        if last is not None and step < last:
+        if last is not None and checked < last:
             raise CheckpointError(
-                f"cannot save step {step} in {self.directory}: step {last} is already saved "
+                f"cannot save step {checked} in {self.directory}: step {last} is already saved "
                 "there, and a manager's steps only go forward (an older step would silently "
                 f"rewrite history). A resumed run continues from step {last} + 1 "
                 "(mgr.latest_step()); to start over, use another directory"
             )
-        return step
+        return checked
 
     def _warn_missing_metrics(self, step: int, metrics: Mapping[str, float] | None) -> None:
         missing = [m for m in self._best_metrics if not is_score((metrics or {}).get(m))]
