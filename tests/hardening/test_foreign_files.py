@@ -186,3 +186,56 @@ def test_a_file_the_caller_names_through_a_link_loads(tmp_path: Path) -> None:
     out = ss.load(tmp_path / "snap" / "model.safetensors")
     np.testing.assert_array_equal(out["a"], np.arange(3, dtype=np.float32))
     assert ss.verify(tmp_path / "snap" / "model.safetensors").ok
+
+
+def _hub_snapshot(tmp_path: Path) -> Path:
+    """A hub cache repository: blobs/<hash> files, snapshots/<rev>/<name> links to them."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    _safetensors(repo / "blobs" / "b1", np.arange(3, dtype=np.float32))
+    header = json.dumps({"b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (repo / "blobs" / "b2").write_bytes(struct.pack("<Q", len(header)) + header
+                                        + (np.arange(4, dtype=np.float32) * 2).tobytes())
+    (repo / "blobs" / "bi").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                        "b": "model-00002-of-00002.safetensors"}}))
+    (snap / "model.safetensors.index.json").symlink_to("../../blobs/bi")
+    (snap / "model-00001-of-00002.safetensors").symlink_to("../../blobs/b1")
+    (snap / "model-00002-of-00002.safetensors").symlink_to("../../blobs/b2")
+    return snap
+
+
+def test_a_sharded_hub_cache_snapshot_loads_through_its_links(tmp_path: Path) -> None:
+    snap = _hub_snapshot(tmp_path)
+    out = ss.load(snap)
+    np.testing.assert_array_equal(out["a"], np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(out["b"], np.arange(4, dtype=np.float32) * 2)
+    meta = ss.metadata(snap)
+    assert meta.format == "safetensors-sharded" and meta.tree["b"].shape == (4,)
+    assert ss.verify(snap).ok
+    ss.convert(snap, tmp_path / "converted")
+    np.testing.assert_array_equal(ss.load(tmp_path / "converted")["b"], out["b"])
+
+
+@pytest.mark.parametrize("where", ["outside the repository", "another repository's blobs",
+                                   "a subdirectory of blobs"])
+def test_a_hub_snapshot_link_elsewhere_is_refused(tmp_path: Path, where: str) -> None:
+    snap = _hub_snapshot(tmp_path)
+    link = snap / "model-00002-of-00002.safetensors"
+    blob = snap.parent.parent / "blobs" / "b2"
+    if where == "outside the repository":
+        target = tmp_path / "elsewhere.safetensors"
+    elif where == "another repository's blobs":
+        (tmp_path / "models--other" / "blobs").mkdir(parents=True)
+        target = tmp_path / "models--other" / "blobs" / "b2"
+    else:
+        (blob.parent / "sub").mkdir()
+        target = blob.parent / "sub" / "b2"
+    shutil.copy(blob, target)
+    link.unlink()
+    link.symlink_to(target)
+    for read in (ss.load, ss.metadata):
+        with pytest.raises(ss.UnsafeCheckpointError, match="symbolic link"):
+            read(snap)

@@ -17,7 +17,7 @@ from statestream.errors import (
 )
 from statestream.storage import Buffer, preadv_all
 
-__all__ = ["FileSetReader", "open_binary", "open_plain", "plain_size"]
+__all__ = ["FileSetReader", "hub_blob", "open_binary", "open_plain", "plain_size"]
 
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
           stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
@@ -64,6 +64,27 @@ def open_plain(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def hub_blob(path: str) -> str:
+    """``path``, or the blob it links to when it is a file of a Hugging Face hub
+    cache snapshot.
+
+    The hub cache keeps each file once, as ``<repo>/blobs/<hash>``, and a
+    snapshot ``<repo>/snapshots/<revision>/<name>`` holds a symbolic link to
+    it. Such a link is followed when it resolves to a file directly in that
+    repository's ``blobs``, so a read never leaves ``<repo>``; any other link
+    is left as it is, and :func:`open_plain` refuses it.
+    """
+    if not os.path.islink(path):
+        return path
+    snapshot = os.path.dirname(os.path.abspath(path))
+    snapshots = os.path.dirname(snapshot)
+    if os.path.basename(snapshots) != "snapshots":
+        return path
+    blobs = os.path.realpath(os.path.join(os.path.dirname(snapshots), "blobs"))
+    real = os.path.realpath(path)
+    return real if os.path.dirname(real) == blobs else path
 
 
 def open_binary(path: str) -> BinaryIO:

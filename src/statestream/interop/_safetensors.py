@@ -27,7 +27,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import row_chunks
-from statestream.interop._files import FileSetReader, open_binary
+from statestream.interop._files import FileSetReader, hub_blob, open_binary
 from statestream.tree import Key, Node
 
 __all__ = [
@@ -248,9 +248,13 @@ def find_index(directory: str) -> str | None:
 
 
 def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
-    """A Hugging Face sharded checkpoint: the index's ``weight_map`` decides where keys live."""
+    """A Hugging Face sharded checkpoint: the index's ``weight_map`` decides where keys live.
+
+    In a hub cache snapshot the index and the shards are links to the
+    repository's blobs, which are followed (:func:`hub_blob`); no other link is.
+    """
     directory = os.path.dirname(index_path)
-    with open_binary(index_path) as f:
+    with open_binary(hub_blob(index_path)) as f:
         raw = f.read(MAX_INDEX_BYTES + 1)
     if len(raw) > MAX_INDEX_BYTES:
         raise CheckpointCorruptError(f"{index_path} is larger than {MAX_INDEX_BYTES} bytes")
@@ -267,7 +271,7 @@ def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
             raise UnsafeCheckpointError(
                 f"{index_path} names shard {shard!r:.120}, which is not a plain file in "
                 f"{directory}; refusing to read it")
-        shards[shard] = read_header(os.path.join(directory, shard))
+        shards[shard] = read_header(hub_blob(os.path.join(directory, shard)))
     order = list(shards)
     by_name = {s: {t.name: t for t in h.tensors} for s, h in shards.items()}
     entries: list[tuple[int, TensorInfo]] = []
@@ -281,5 +285,5 @@ def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
     meta = {k: v for k, v in meta_doc.items() if type(v) is str}
     if not any(k in meta for k in (TREE_KEY, META_KEY)) and order:
         meta.update(shards[order[0]].metadata)
-    reader = FileSetReader(directory, {s: os.path.join(directory, s) for s in order})
+    reader = FileSetReader(directory, {s: hub_blob(os.path.join(directory, s)) for s in order})
     return reader, _manifest(entries, files, meta, index_path)
