@@ -135,6 +135,43 @@ def test_convert_to_dcp_is_read_by_dcp_load(tmp_path: Path) -> None:
         ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
 
 
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_convert_to_dcp_flattens_as_dcp_save_does(tmp_path: Path) -> None:
+    """A list of plain values (an optimizer's ``params``) is one DCP item, as dcp.save
+    stores it, so dcp.load reads a converted model + optimizer into their state dicts."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, opt = _trained()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "ids": [[1, 2], [3]]}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    _save(state, tmp_path / "own")
+    keys = set(FileSystemReader(str(tmp_path / "d")).read_metadata().state_dict_metadata)
+    own = set(FileSystemReader(str(tmp_path / "own")).read_metadata().state_dict_metadata)
+    assert keys == own and "optim.param_groups.0.params" in keys
+    fresh, fresh_opt = _trained()
+    for p in fresh.parameters():
+        p.data.zero_()
+    target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "ids": [[0], [0]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "d"))
+    for k, v in state["model"].items():  # type: ignore[attr-defined]
+        assert torch.equal(target["model"][k], v), k  # type: ignore[index]
+    saved_group = state["optim"]["param_groups"][0]  # type: ignore[index]
+    assert target["optim"]["param_groups"][0]["params"] == saved_group["params"]  # type: ignore[index]
+    assert target["ids"] == [[1, 2], [3]]
+    assert ss.load(tmp_path / "d")["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+
+
 def test_metadata_claiming_a_huge_tensor_is_refused(tmp_path: Path) -> None:
     """A .metadata whose size is far larger than its chunks must not make load allocate it."""
     from torch.distributed.checkpoint.metadata import Metadata

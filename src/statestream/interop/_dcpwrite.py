@@ -34,16 +34,32 @@ __all__ = ["write_dcp"]
 DATA_NAME = "__0_0.distcp"
 
 
+_MAPPINGS = ("dict", "namedtuple", "dataclass", "pytree")
+
+
+def _walked(node: Node) -> bool:
+    """Whether DCP's flattening walks into ``node`` (``_traverse``'s ``_is_terminal``):
+    a mapping always; a list only when it holds a tensor, a mapping or such a list,
+    so a list of plain values (an optimizer's ``params``) is one item, as ``dcp.save``
+    and ``dcp.load`` flatten it."""
+    if node.kind == "stateful" or node.kind in _MAPPINGS:
+        return True
+    if node.kind != "list":
+        return False
+    return any(c.kind == "array" or _walked(c) for c in node.children or [])
+
+
 def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]]) -> None:
-    """DCP's flattening: dicts and lists are walked, anything else is one item."""
+    """DCP's flattening: mappings and lists holding tensors or mappings are walked,
+    anything else is one item."""
     if node.kind == "stateful":
         _items((node.children or [])[0], p, out)
         return
     kids = node.children or []
-    if node.kind == "list":
+    if node.kind == "list" and _walked(node):
         for i, c in enumerate(kids):
             _items(c, p + (i,), out)
-    elif node.kind in ("dict", "namedtuple", "dataclass", "pytree"):
+    elif node.kind in _MAPPINGS:
         for k, c in zip(node.keys or [], kids):
             _items(c, p + (k,), out)
     else:
