@@ -174,6 +174,25 @@ def test_diff_across_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert out["changed"][0]["max_abs_diff"] == 1.0
 
 
+def test_diff_large_integers_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Integers above 2**53 differ by 1 (float64 would round both to one value), and
+    the extremes of int64/uint64 (``a - b`` would overflow) give the exact distance."""
+    i64 = np.iinfo(np.int64)
+    ss.save(tmp_path / "a", {"ids": np.array([2**60, 5], np.int64),
+                             "u": np.array([2**63 + 2], np.uint64),
+                             "ext": np.array([i64.min], np.int64), "same": np.arange(3)})
+    ss.save(tmp_path / "b", {"ids": np.array([2**60 + 1, 5], np.int64),
+                             "u": np.array([2**63 + 1], np.uint64),
+                             "ext": np.array([i64.max], np.int64), "same": np.arange(3)})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1
+    got = {c["key"]: c["max_abs_diff"] for c in out["changed"]}
+    assert got == {"ids": 1.0, "u": 1.0, "ext": float(2**64 - 1)}
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "1"]) == 1
+    assert "~ ext" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+
+
 def test_diff_escapes_hostile_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ss.save(tmp_path / "a", {"k\x1b]0;pwn\x07": np.zeros(2), "v": "a\nb"})
     ss.save(tmp_path / "b", {"other": np.zeros(2), "v": "c\x1b[31m"})

@@ -87,9 +87,34 @@ class _Side:
         return self.batch.pop(key)
 
 
+def _int_distance(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``|a - b|`` of two integer arrays of one dtype, exact (as uint64): float64 holds
+    integers exactly only up to 2**53, so two int64 ids 2**60 and 2**60 + 1 would
+    compare equal, and ``a - b`` in the arrays' own dtype can overflow. The difference
+    of the larger and the smaller lies in [0, 2**64), which uint64 arithmetic (modulo
+    2**64) gives exactly."""
+    if a.dtype.kind == "b":
+        a, b = a.astype(np.uint8), b.astype(np.uint8)
+    hi, lo = np.maximum(a, b), np.minimum(a, b)
+    return hi.astype(np.uint64) - lo.astype(np.uint64)
+
+
+def _largest_int(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
+                 atol: float, rtol: float) -> tuple[bool, float | None]:
+    """:func:`_largest` of two integer arrays of one dtype, exactly."""
+    d = _int_distance(a, b)
+    if not d.size:
+        return True, 0.0
+    bound = atol + rtol * np.abs(b.astype(np.float64))
+    ok = bool(np.all((d == 0) | (d.astype(np.float64) <= bound)))
+    return ok, float(d.max())
+
+
 def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
              atol: float, rtol: float) -> tuple[bool, float | None]:
     """(equal within tolerance, largest absolute difference or None if not numeric)."""
+    if a.dtype == b.dtype and a.dtype.kind in "iub":
+        return _largest_int(a, b, atol, rtol)
     if a.dtype.kind in "fciub" and b.dtype.kind in "fciub":
         x, y = a.astype(np.float64) if a.dtype.kind != "c" else a, \
             b.astype(np.float64) if b.dtype.kind != "c" else b
