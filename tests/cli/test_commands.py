@@ -364,6 +364,23 @@ def test_diff_nan_is_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert out["changed"][0]["max_abs_diff"] == "nan"
 
 
+def test_diff_equal_infinities_are_equal(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An attention mask of -inf, or best_loss = inf, on both sides is no change (inf - inf
+    is NaN); an infinity against a finite value is one, whatever the tolerance."""
+    mask = np.array([[0.0, -np.inf], [0.0, 0.0]], np.float32)
+    ss.save(tmp_path / "a", {"mask": mask, "best": np.array([np.inf]), "x": np.ones(2)})
+    ss.save(tmp_path / "b", {"mask": mask.copy(), "best": np.array([np.inf]), "x": np.ones(2)})
+    ss.save(tmp_path / "c", {"mask": mask.copy(), "best": np.array([1.0]), "x": np.ones(2)})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out == "equal\n"
+    assert main(["diff", str(tmp_path / "c"), str(tmp_path / "a"), "--rtol", "0.5"]) == 1
+    capsys.readouterr()
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"])
+    assert rc == 1 and [(c["key"], c["max_abs_diff"]) for c in out["changed"]] == [
+        ("best", "inf")]
+
+
 def test_ls_shows_leftovers_of_killed_saves(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "run"

@@ -118,15 +118,17 @@ def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
     if a.dtype.kind in "fciub" and b.dtype.kind in "fciub":
         x, y = a.astype(np.float64) if a.dtype.kind != "c" else a, \
             b.astype(np.float64) if b.dtype.kind != "c" else b
-        d = np.abs(x - y)
-        both_nan = np.isnan(x) & np.isnan(y) if a.dtype.kind in "fc" else False
-        d = np.where(both_nan, 0.0, d)
-        big = float(np.nanmax(d)) if d.size else 0.0
-        if np.isnan(d).any():
-            big = math.nan
-        ok = bool(np.all(both_nan | (np.abs(x - y) <= atol + rtol * np.abs(y)))) if d.size \
-            else True
-        return ok, big
+        # equal elements (an infinity on both sides too: inf - inf is NaN) and NaN
+        # on both sides are distance 0
+        same = (x == y) | (np.isnan(x) & np.isnan(y))
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
+            d = np.where(same, 0.0, np.abs(x - y))
+            # an infinity is within no tolerance of a finite value
+            close = same | (np.isfinite(d) & (d <= atol + rtol * np.abs(y)))
+        if not d.size:
+            return True, 0.0
+        big = math.nan if np.isnan(d).any() else float(d.max())
+        return bool(np.all(close)), big
     return bool(np.array_equal(a, b)), None
 
 
