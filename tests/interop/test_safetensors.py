@@ -106,6 +106,31 @@ def test_sharded_directory_and_weight_map(tmp_path: Path) -> None:
                                        "model-00002-of-00002.safetensors"]
 
 
+def test_model_directory_with_one_file(tmp_path: Path) -> None:
+    """``save_pretrained`` of a model below its shard size writes one model.safetensors and
+    no index: the directory reads as that file (load, metadata, convert, the CLI)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    assert not list((tmp_path / "hf").glob("*.index.json"))
+    assert detect_format(tmp_path / "hf") == "safetensors"
+    out = ss.load(tmp_path / "hf")
+    for k, t in model.state_dict().items():
+        if k != "lm_head.weight":  # tied to wte: save_pretrained writes it once
+            assert _bits(out[k]) == _bits(t), k
+    md = ss.metadata(tmp_path / "hf")
+    assert md.format == "safetensors" and md.path.endswith("model.safetensors")
+    ss.convert(tmp_path / "hf", tmp_path / "ck")
+    assert set(ss.load(tmp_path / "ck")) == set(out)
+    from statestream.cli import main
+
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    # two files and no index: which one is meant is not guessed
+    st_torch.save_file({"x": torch.zeros(2)}, tmp_path / "hf" / "other.safetensors")
+    assert detect_format(tmp_path / "hf") is None
+
+
 def test_sharded_index_cannot_escape(tmp_path: Path) -> None:
     d = tmp_path / "hf"
     d.mkdir()

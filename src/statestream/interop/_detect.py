@@ -12,6 +12,7 @@ from statestream.interop._files import FileSetReader
 from statestream.interop._orbax import looks_like_orbax, open_orbax
 from statestream.interop._safetensors import (
     find_index,
+    find_single,
     looks_like_safetensors,
     open_safetensors,
     open_sharded,
@@ -53,7 +54,9 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
     safetensors when it holds a ``*.safetensors.index.json``, and DCP when it
     holds ``.metadata`` and ``*.distcp`` files, Orbax when it holds
-    ``_CHECKPOINT_METADATA`` or ``_METADATA`` (and no statestream manifest).
+    ``_CHECKPOINT_METADATA`` or ``_METADATA`` (and no statestream manifest),
+    and safetensors when it holds none of these and exactly one ``*.safetensors``
+    file (a Hugging Face model directory, read as that file).
     """
     p = os.fspath(path)
     if "://" in p:
@@ -68,6 +71,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "dcp"
         if looks_like_orbax(p):
             return "orbax"
+        if find_single(p) is not None:
+            return "safetensors"  # a Hugging Face model directory holding one file
         return None
     if os.path.isfile(p):
         head, size = _head(p)
@@ -93,7 +98,8 @@ def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
     fmt = detect_format(path)
     p = os.fspath(path)
     if fmt == "safetensors":
-        reader, m = open_safetensors(p)
+        one = find_single(p) if os.path.isdir(p) else None  # a model directory's file
+        reader, m = open_safetensors(one or p)
     elif fmt == "safetensors-sharded":
         index = find_index(p)
         if index is None:  # pragma: no cover - detect_format found it

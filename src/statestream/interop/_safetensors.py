@@ -247,6 +247,17 @@ def find_index(directory: str) -> str | None:
     return os.path.join(directory, names[0]) if names else None
 
 
+def find_single(directory: str) -> str | None:
+    """The one ``*.safetensors`` file of a directory without an index (what
+    ``save_pretrained`` writes for a model below its shard size), if it holds exactly one."""
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(".safetensors")
+                 and os.path.isfile(os.path.join(directory, n))]
+    except OSError:  # not a readable directory: the caller's open reports why
+        return None
+    return os.path.join(directory, names[0]) if len(names) == 1 else None
+
+
 def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
     """A Hugging Face sharded checkpoint: the index's ``weight_map`` decides where keys live.
 
