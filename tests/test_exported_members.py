@@ -48,7 +48,7 @@ EXPECTED: dict[str, list[str]] = {
         "LocalStorage", "MappedReader", "ReadAhead", "S3Options", "S3Storage", "Storage",
         "StorageCapabilities",
         "WriteTransaction", "WriterId", "collect_garbage", "preadv_all",
-        "set_backend", "storage_for",
+        "set_backend", "staging_dir", "storage_for",
     ],
     "statestream.plan": [
         "COMPRESSED_CHUNK_BYTES",

@@ -395,6 +395,58 @@ def test_ls_shows_leftovers_of_killed_saves(tmp_path: Path,
     assert (d / ".step_0000000002.tmp-0123456789ab").is_dir()  # ls removes nothing
 
 
+_KILLED_CONVERT = """
+import os, signal, sys
+import statestream as ss
+def die(done, total):
+    os.kill(os.getpid(), signal.SIGKILL)
+ss.convert(sys.argv[1], sys.argv[2], to=sys.argv[3], progress=die)
+"""
+
+
+@pytest.mark.parametrize("to", ["safetensors", "dcp"])
+def test_gc_removes_what_a_killed_convert_left(tmp_path: Path, to: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A conversion killed mid-way leaves its staging area beside DST: ls shows it as a
+    leftover and gc removes it (its writer is provably dead); a live one's is kept."""
+    ss.save(tmp_path / "ck", {"w": np.arange(1000, dtype=np.float32)})
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", _KILLED_CONVERT, str(tmp_path / "ck"),
+                        str(out / "export"), to], env=ENV, capture_output=True, timeout=120,
+                       check=False)
+    assert r.returncode == -9 and not (out / "export").exists()
+    left = os.listdir(out)
+    assert len(left) == 1  # the killed conversion's staging area
+    rc, listed = out_json(capsys, ["ls", str(out), "--json"])
+    assert [(e["name"], e["state"]) for e in listed["entries"]] == [("export", "leftover")]
+    assert main(["gc", str(out)]) == 0
+    assert "1 leftover staging directory removed" in capsys.readouterr().out
+    assert os.listdir(out) == []
+
+    def gc_now(done: int, total: int) -> None:  # this conversion is alive: gc keeps it
+        from statestream.storage import LocalStorage, collect_garbage
+
+        assert collect_garbage(LocalStorage(), str(out), max_age_s=0) == []
+
+    ss.convert(tmp_path / "ck", out / "export", to=to, progress=gc_now)
+    assert os.listdir(out) == ["export"]
+
+
+def test_converted_directories_have_the_umask_mode(tmp_path: Path) -> None:
+    """A DCP or sharded safetensors export is readable by the group and others, as any
+    directory made under umask 022 is (it was 0700, from a temporary directory)."""
+    ss.save(tmp_path / "ck", {"w": np.arange(10, dtype=np.float32)})
+    old = os.umask(0o022)
+    try:
+        ss.convert(tmp_path / "ck", tmp_path / "hf", to="safetensors")
+        ss.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "dcp").stat().st_mode & 0o777 == 0o755
+
+
 def test_ls_missing_directory_and_a_checkpoint(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     r = run_cli("ls", str(tmp_path / "missing"))

@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +40,7 @@ from statestream.format import (
 )
 from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE_KEY
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
-from statestream.storage import storage_for
+from statestream.storage import staging_dir, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -111,8 +110,10 @@ def tensor_names(root: Node) -> list[str]:
 
 
 def _staging_path(final: str) -> str:
-    parent = os.path.dirname(os.path.abspath(final)) or "."
-    return tempfile.mkdtemp(prefix=".statestream-convert-", dir=parent)
+    """Where a conversion to ``final`` is written before it is moved into place: a
+    directory with the umask's mode (a published shard directory is readable as any
+    other), that ``statestream gc`` removes when the conversion was killed."""
+    return staging_dir(final)
 
 
 def _claim(final: str, overwrite: bool) -> None:

@@ -22,6 +22,7 @@ from statestream.storage._gcs import GCSOptions, GCSStorage
 from statestream.storage._iov import preadv_all
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
+from statestream.storage._local_lease import staging_dir
 from statestream.storage._readahead import ReadAhead
 from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
@@ -48,5 +49,6 @@ __all__ = [
     "preadv_all",
     "collect_garbage",
     "set_backend",
+    "staging_dir",
     "storage_for",
 ]

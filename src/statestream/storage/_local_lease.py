@@ -26,6 +26,27 @@ def _staging_name(name: str) -> str:
     return f".{name}.tmp-{uuid.uuid4().hex[:12]}{tag}"
 
 
+def staging_dir(final: str) -> str:
+    """Make a fresh staging directory beside the local path ``final`` and return it.
+
+    For writers outside the save transaction (``convert`` to other formats): it
+    is made as any directory is (mode from the umask, so a directory published
+    from it reads like one ``mkdir`` made) and named as a save's staging area
+    recording its writer, so ``leftovers`` lists it and ``collect_garbage``
+    (``statestream gc``) removes it once its writer is provably dead.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = staging_dir(os.path.join(tempfile.mkdtemp(), "model.safetensors"))
+        >>> os.path.basename(d).startswith(".model.safetensors.tmp-")
+        True
+    """
+    parent, name = os.path.split(os.path.abspath(final))
+    path = os.path.join(parent, _staging_name(name))
+    os.mkdir(path)
+    return path
+
+
 def _last_change(path: str) -> float | None:
     """Newest mtime of a staging dir, its entries and its data files (None if gone)."""
     try:
