@@ -433,6 +433,17 @@ def test_gc_removes_what_a_killed_convert_left(tmp_path: Path, to: str,
     assert os.listdir(out) == ["export"]
 
 
+def test_gc_of_a_missing_directory_is_an_error(tmp_path: Path) -> None:
+    """A mistyped path is exit 2 with one line, not '0 leftover staging directories removed'."""
+    for path in (tmp_path / "mising", tmp_path / "file"):
+        if path.name == "file":
+            path.write_bytes(b"x")
+        r = run_cli("gc", str(path))
+        assert r.returncode == 2 and r.stdout == ""
+        assert r.stderr == f"error: no directory at {path}\n"
+    assert run_cli("gc", str(tmp_path)).returncode == 0
+
+
 def test_converted_directories_have_the_umask_mode(tmp_path: Path) -> None:
     """A DCP or sharded safetensors export is readable by the group and others, as any
     directory made under umask 022 is (it was 0700, from a temporary directory)."""

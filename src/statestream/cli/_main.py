@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -190,6 +191,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from statestream.storage import collect_garbage, storage_for
 
     storage, path = storage_for(args.directory)
+    if "://" not in args.directory and not os.path.isdir(path):
+        # a mistyped path is not "nothing to remove": say so, as ls does
+        raise ss.CheckpointNotFoundError(f"no directory at {args.directory}")
     removed = collect_garbage(storage, path, max_age_s=args.max_age_hours * 3600)
     for p in removed:
         print(f"removed {p if p.isprintable() else ascii(p)}")
