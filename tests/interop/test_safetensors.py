@@ -315,6 +315,31 @@ def test_convert_refuses_to_overwrite(tmp_path: Path) -> None:
         ss.convert(tmp_path / "x.safetensors", tmp_path / "ck2")
 
 
+@pytest.mark.parametrize("to", ["safetensors", "dcp", "torch"])
+def test_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, to: str) -> None:
+    """overwrite=True into a directory of other files (a project, a model directory's
+    parent) used to rename the output over it and delete everything it held."""
+    ss.save(tmp_path / "ck", {"w": np.arange(4.0)})
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "notes.txt").write_text("keep")
+    with pytest.raises(ss.CheckpointExistsError, match="never replaces it"):
+        ss.convert(tmp_path / "ck", proj, to=to, overwrite=True)
+    assert (proj / "notes.txt").read_text() == "keep"
+    if to != "torch":  # a directory output does not replace a file either
+        (tmp_path / "f").write_text("keep")
+        with pytest.raises(ss.CheckpointExistsError, match="is a file"):
+            ss.convert(tmp_path / "ck", tmp_path / "f", to=to, overwrite=True)
+        assert (tmp_path / "f").read_text() == "keep"
+        # an earlier export, or an empty directory, is replaced
+        ss.convert(tmp_path / "ck", tmp_path / "out", to=to)
+        ss.convert(tmp_path / "ck", tmp_path / "out", to=to, overwrite=True)
+        (tmp_path / "empty").mkdir()
+        ss.convert(tmp_path / "ck", tmp_path / "empty", to=to, overwrite=True)
+        assert ss.load(tmp_path / "empty")["w"].tolist() == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_progress_never_exceeds_total(tmp_path: Path) -> None:
     ss.save(tmp_path / "ck", {"w": np.zeros((1000, 100)), "v": np.ones(10)})
     seen: list[tuple[int, int]] = []

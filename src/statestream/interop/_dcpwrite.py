@@ -93,7 +93,7 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                 "stores only inside dicts and lists")
         fqns[fqn] = p
     small = small_bytes(root, specs, slabs)
-    _claim(dst, overwrite)
+    _claim(dst, overwrite, directory=True)
     staging = _staging_path(dst)
     try:
         sdm: dict[str, Any] = {}

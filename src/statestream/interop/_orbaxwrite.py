@@ -74,7 +74,7 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
             "an Orbax StandardCheckpointer checkpoint holds arrays and numbers only, not the "
             f"values at key paths {', '.join(bad[:20])}{' and more' if len(bad) > 20 else ''}; "
             "leave them out with items=")
-    _claim(dst, overwrite)
+    _claim(dst, overwrite, directory=True)
     tree = _tree(root, specs, slabs, ())
     staging = _staging_path(dst)
     try:

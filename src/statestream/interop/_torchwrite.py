@@ -133,7 +133,7 @@ def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     """A zip-format torch.save file that ``torch.load(weights_only=True)`` reads."""
     small = small_bytes(root, specs, slabs)
     data, tensors = pickle_state(python_state(root, specs, small, ()))
-    _claim(dst, overwrite)
+    _claim(dst, overwrite, directory=False)
     staging = _staging_path(dst)
     try:
         out = os.path.join(staging, "out.pt")

@@ -23,7 +23,12 @@ import numpy as np
 from statestream._version import __version__
 from statestream.engine import parallel_for
 from statestream.engine._codec import encode_chunk
-from statestream.errors import CheckpointExistsError, UnsupportedTypeError, storage_error
+from statestream.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    UnsupportedTypeError,
+    storage_error,
+)
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -38,7 +43,16 @@ from statestream.format import (
     encode_tree,
     itemsize_of,
 )
-from statestream.interop._safetensors import META_KEY, NAMES_KEY, ST_CODES, TREE_KEY
+from statestream.interop._dcp import looks_like_dcp
+from statestream.interop._orbax import looks_like_orbax
+from statestream.interop._safetensors import (
+    META_KEY,
+    NAMES_KEY,
+    ST_CODES,
+    TREE_KEY,
+    find_index,
+    find_single,
+)
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
 from statestream.storage import staging_dir, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
@@ -116,11 +130,37 @@ def _staging_path(final: str) -> str:
     return staging_dir(final)
 
 
-def _claim(final: str, overwrite: bool) -> None:
-    if os.path.lexists(final):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{final} already exists; pass overwrite=True to replace it")
+def _holds_checkpoint(path: str) -> bool:
+    """An empty directory, or one holding a checkpoint statestream reads."""
+    if not os.listdir(path) or os.path.exists(os.path.join(path, COMMIT_NAME)):
+        return True
+    try:
+        return (find_index(path) is not None or looks_like_dcp(path) or looks_like_orbax(path)
+                or find_single(path) is not None)
+    except CheckpointError:  # several safetensors indexes: shards all the same
+        return True
+
+
+def _claim(final: str, overwrite: bool, *, directory: bool) -> None:
+    """Refuse an existing ``final`` unless ``overwrite``, and even then anything the
+    output (a ``directory`` or a file) should not replace: a directory by a file, a
+    file by a directory, or a directory holding something other than a checkpoint
+    (publishing renames the output over it and removes what it held)."""
+    if not os.path.lexists(final):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{final} already exists; pass overwrite=True to replace it")
+    is_dir = os.path.isdir(final) and not os.path.islink(final)
+    if is_dir == directory and (not is_dir or _holds_checkpoint(final)):
+        return
+    what = ("a directory that is neither empty nor a checkpoint" if is_dir == directory
+            else "a directory" if is_dir else "a file")
+    out = "a directory" if directory else "one file"
+    raise CheckpointExistsError(
+        f"{final} exists and is {what}; this conversion writes {out} and never replaces "
+        "it, not even with overwrite=True (only a file by a file, or an empty or "
+        "checkpoint directory by a directory). Choose another path, or remove it yourself")
 
 
 def _publish(staged: str, final: str) -> None:
@@ -403,7 +443,7 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
     Each file is written through two blocks of ``block_bytes`` (see ``_SeqFile``)."""
     names = check_safetensors(root, specs)
     metadata = _st_metadata(root, names, meta)
-    _claim(dst, overwrite)
+    _claim(dst, overwrite, directory=sharded)
     staging = _staging_path(dst)
     try:
         if not sharded:
