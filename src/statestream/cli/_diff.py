@@ -96,7 +96,8 @@ def _int_distance(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarra
     if a.dtype.kind == "b":
         a, b = a.astype(np.uint8), b.astype(np.uint8)
     hi, lo = np.maximum(a, b), np.minimum(a, b)
-    return hi.astype(np.uint64) - lo.astype(np.uint64)
+    d: np.ndarray[Any, Any] = hi.astype(np.uint64) - lo.astype(np.uint64)
+    return d
 
 
 def _largest_int(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
