@@ -239,3 +239,20 @@ def test_a_hub_snapshot_link_elsewhere_is_refused(tmp_path: Path, where: str) ->
     for read in (ss.load, ss.metadata):
         with pytest.raises(ss.UnsafeCheckpointError, match="symbolic link"):
             read(snap)
+
+
+def test_the_one_file_of_a_model_directory_is_not_followed_out_of_it(tmp_path: Path) -> None:
+    # a directory holding one model.safetensors reads as that file; the directory is
+    # what the caller named, so a link there is refused unless it is a hub cache's
+    d = tmp_path / "model"
+    d.mkdir()
+    _safetensors(tmp_path / "outside.safetensors", np.arange(3, dtype=np.float32))
+    (d / "model.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    for read in (ss.load, ss.metadata):
+        with pytest.raises(ss.UnsafeCheckpointError, match="symbolic link"):
+            read(d)
+    snap = _hub_snapshot(tmp_path)  # its one-file form: no index, one linked file
+    for name in ("model.safetensors.index.json", "model-00002-of-00002.safetensors"):
+        (snap / name).unlink()
+    (snap / "model-00001-of-00002.safetensors").rename(snap / "model.safetensors")
+    np.testing.assert_array_equal(ss.load(snap)["a"], np.arange(3, dtype=np.float32))

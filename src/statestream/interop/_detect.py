@@ -8,7 +8,7 @@ import os
 from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
 from statestream.interop._dcp import looks_like_dcp, open_dcp
-from statestream.interop._files import FileSetReader
+from statestream.interop._files import FileSetReader, hub_blob
 from statestream.interop._orbax import looks_like_orbax, open_orbax
 from statestream.interop._safetensors import (
     find_index,
@@ -99,7 +99,7 @@ def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
     p = os.fspath(path)
     if fmt == "safetensors":
         one = find_single(p) if os.path.isdir(p) else None  # a model directory's file
-        reader, m = open_safetensors(one or p)
+        reader, m = open_safetensors(p) if one is None else open_safetensors(one, hub_blob(one))
     elif fmt == "safetensors-sharded":
         index = find_index(p)
         if index is None:  # pragma: no cover - detect_format found it

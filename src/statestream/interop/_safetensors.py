@@ -218,14 +218,16 @@ def _manifest(entries: list[tuple[int, TensorInfo]], files: list[FileEntry],
     return Manifest(tree=tree, arrays=arrays, files=files, meta=out_meta)
 
 
-def open_safetensors(path: str) -> tuple[FileSetReader, Manifest]:
+def open_safetensors(path: str, real: str | None = None) -> tuple[FileSetReader, Manifest]:
     """One ``.safetensors`` file as a reader and a manifest.
 
     ``path`` is the caller's and may be a symbolic link (a hub cache's snapshot
     links to its blobs): it is resolved once, and the header and the data are
-    both read from the file it names.
+    both read from the file it names. ``real``: the file to read instead, for a
+    ``path`` the caller did not name (the one file of a model directory: a link
+    there is followed only into a hub cache's blobs, see :func:`hub_blob`).
     """
-    real = os.path.realpath(path)
+    real = os.path.realpath(path) if real is None else real
     h = read_header(real)
     name = os.path.basename(path)
     m = _manifest([(0, t) for t in h.tensors], [FileEntry(name, h.file_size)], h.metadata, path)
