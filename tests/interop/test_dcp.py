@@ -172,6 +172,27 @@ def test_convert_to_dcp_flattens_as_dcp_save_does(tmp_path: Path) -> None:
     assert ss.load(tmp_path / "d")["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
 
 
+def test_converted_dcp_records_key_paths_as_dcp_save_does(tmp_path: Path) -> None:
+    """Mapping keys are str in DCP's planner paths (an optimizer's state is keyed by
+    int): a converted checkpoint reads back with the structure dcp.save's own has,
+    a dict keyed '0', '1', ..., not a list."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, opt = _trained()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    _save(state, tmp_path / "own")
+    ours = FileSystemReader(str(tmp_path / "d")).read_metadata().planner_data
+    own = FileSystemReader(str(tmp_path / "own")).read_metadata().planner_data
+    assert ours == own
+    back, ref = ss.load(tmp_path / "d"), ss.load(tmp_path / "own")
+    assert isinstance(back["optim"]["state"], dict)
+    assert sorted(back["optim"]["state"]) == sorted(ref["optim"]["state"]) == ["0", "1", "2", "3"]
+    for k, v in ref["optim"]["state"].items():
+        np.testing.assert_array_equal(back["optim"]["state"][k]["exp_avg"], v["exp_avg"])
+
+
 def test_metadata_claiming_a_huge_tensor_is_refused(tmp_path: Path) -> None:
     """A .metadata whose size is far larger than its chunks must not make load allocate it."""
     from torch.distributed.checkpoint.metadata import Metadata

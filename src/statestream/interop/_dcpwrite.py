@@ -59,9 +59,9 @@ def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]]) -> None:
     if node.kind == "list" and _walked(node):
         for i, c in enumerate(kids):
             _items(c, p + (i,), out)
-    elif node.kind in _MAPPINGS:
+    elif node.kind in _MAPPINGS:  # DCP's planner paths hold mapping keys as str
         for k, c in zip(node.keys or [], kids):
-            _items(c, p + (k,), out)
+            _items(c, p + (str(k),), out)
     else:
         out.append((p, node))
 
