@@ -139,6 +139,14 @@ def _describe(leaf: Any) -> dict[str, Any]:
     return {"dtype": type(leaf).__name__, "shape": None, "value": safe(repr(leaf))[:200]}
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal plain values of one type; a NaN equals a NaN (a ``best_loss`` saved as NaN
+    twice is no change)."""
+    if type(a) is not type(b):
+        return False
+    return bool(a == b) or (type(a) is float and math.isnan(a) and math.isnan(b))
+
+
 def _arrays_to_read(la: Any, lb: Any) -> bool:
     return (isinstance(la, ss.ArrayMetadata) and isinstance(lb, ss.ArrayMetadata)
             and tuple(la.shape) == tuple(lb.shape))
@@ -152,7 +160,7 @@ def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Na
     if ea != eb:
         return change
     if not ea:
-        return None if type(la) is type(lb) and la == lb else change
+        return None if _same_value(la, lb) else change
     if tuple(la.shape) != tuple(lb.shape):
         return change
     ok, big = _largest(sa.get(key), sb.get(key), opts.atol, opts.rtol)
