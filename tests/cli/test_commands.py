@@ -68,6 +68,10 @@ def test_convert_errors_are_one_line(tmp_path: Path) -> None:
     r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "exists.safetensors"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    assert "pass --overwrite" in r.stderr and "overwrite=True" not in r.stderr
+    ss.save(tmp_path / "ck2", state())  # a statestream destination says the same
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "ck2"))
+    assert r.returncode == 2 and "pass --overwrite" in r.stderr
 
 
 def test_parse_size() -> None:
@@ -379,6 +383,17 @@ def test_diff_equal_infinities_are_equal(tmp_path: Path,
     rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"])
     assert rc == 1 and [(c["key"], c["max_abs_diff"]) for c in out["changed"]] == [
         ("best", "inf")]
+
+
+def test_diff_equal_nan_plain_values_are_equal(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    ss.save(tmp_path / "a", {"best_loss": float("nan"), "lr": 0.1, "x": np.ones(2)})
+    ss.save(tmp_path / "b", {"best_loss": float("nan"), "lr": 0.1, "x": np.ones(2)})
+    ss.save(tmp_path / "c", {"best_loss": 1.0, "lr": 0.1, "x": np.ones(2)})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out == "equal\n"
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"])
+    assert rc == 1 and [c["key"] for c in out["changed"]] == ["best_loss"]
 
 
 def test_ls_shows_leftovers_of_killed_saves(tmp_path: Path,

@@ -39,11 +39,15 @@ def parse_size(text: str) -> int:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    with progress_bar("convert") as cb:
-        out = ss.convert(args.src, args.dst, to=args.to, items=args.items,
-                         overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                         max_shard_bytes=args.max_shard_size, progress=cb,
-                         compression=args.compression)
+    try:
+        with progress_bar("convert") as cb:
+            out = ss.convert(args.src, args.dst, to=args.to, items=args.items,
+                             overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                             max_shard_bytes=args.max_shard_size, progress=cb,
+                             compression=args.compression)
+    except ss.CheckpointExistsError as exc:  # the API's advice in the command's words
+        raise ss.CheckpointExistsError(
+            str(exc).replace("pass overwrite=True", "pass --overwrite")) from None
     print(f"converted {safe(str(args.src))} -> {safe(str(out))}")
     return 0
 
