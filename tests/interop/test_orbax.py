@@ -77,3 +77,23 @@ def test_convert_to_orbax_restored_by_orbax(tmp_path: Path) -> None:
     with pytest.raises(ss.UnsupportedTypeError, match=r"'name' \(str\), 'none' \(none\)"):
         ss.convert(tmp_path / "ck2", tmp_path / "o2", to="orbax")
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_checkpoint_manager_step_reads_its_one_item(tmp_path: Path) -> None:
+    """A CheckpointManager step holds one subdirectory per item: with one item (orbax's
+    ``default``) the step reads as it; with several the error names them."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    w = np.arange(6.0).reshape(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ocp.CheckpointManager(tmp_path / "one") as mgr:
+            mgr.save(1, args=ocp.args.StandardSave({"w": w, "step": 1}))
+        with ocp.CheckpointManager(tmp_path / "two", item_names=("state", "extra")) as mgr:
+            mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": w}),
+                                                extra=ocp.args.JsonSave({"a": 1})))
+    out = ss.load(tmp_path / "one" / "1")
+    assert out["step"] == 1 and out["w"].tobytes() == w.tobytes()
+    assert ss.metadata(tmp_path / "one" / "1").tree["w"].shape == (2, 3)
+    with pytest.raises(ss.CheckpointError, match=r"items extra, state; pass one item"):
+        ss.load(tmp_path / "two" / "1")
+    assert ss.load(tmp_path / "two" / "1" / "state")["w"].tobytes() == w.tobytes()

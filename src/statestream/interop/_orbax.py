@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream.errors import UnsupportedTypeError
+from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import ArrayEntry, FileEntry, Manifest, dtype_name
 from statestream.interop._chunks import row_chunks
 from statestream.interop._deps import require
@@ -31,12 +31,38 @@ def looks_like_orbax(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, m)) for m in _MARKERS)
 
 
+def _item_dir(directory: str) -> str:
+    """The PyTree item directory to restore: ``directory`` itself, or for a
+    CheckpointManager step (``_CHECKPOINT_METADATA`` and one subdirectory per item)
+    its one item's directory (``default``, or the single item's name).
+
+    Raises:
+        CheckpointError: a step with several items (naming them: pass one).
+    """
+    if os.path.isfile(os.path.join(directory, "_METADATA")):
+        return directory
+    try:
+        subs = sorted(e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return directory  # orbax's own restore reports what is wrong
+    items = [n for n in subs if looks_like_orbax(os.path.join(directory, n))]
+    if len(items) == 1 and len(subs) == 1:
+        return os.path.join(directory, items[0])
+    if len(subs) > 1:
+        raise CheckpointError(
+            f"{directory} is an Orbax CheckpointManager step with items {', '.join(subs)}; "
+            f"pass one item's directory (e.g. {os.path.join(directory, subs[0])})")
+    return directory
+
+
 def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
-    """Restore an Orbax checkpoint with orbax-checkpoint and describe it as a manifest."""
+    """Restore an Orbax checkpoint with orbax-checkpoint and describe it as a manifest
+    (a CheckpointManager step with one item reads that item)."""
     ocp = require("orbax.checkpoint", "orbax", "reading Orbax checkpoints")
+    item = _item_dir(directory)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = ocp.PyTreeCheckpointer().restore(os.path.abspath(directory))
+        state = ocp.PyTreeCheckpointer().restore(os.path.abspath(item))
     arrays: list[ArrayEntry] = []
     memory: dict[str, memoryview] = {}
     files: list[FileEntry] = []
