@@ -196,7 +196,15 @@ def storage_error(message: str, err: int | OSError | None) -> StorageError:
 
 
 class DistributedError(CheckpointError, RuntimeError):
-    """A collective save/load failed on some rank; the message names which."""
+    """A collective save/load failed on some rank; the message names which.
+
+    ``failed_types`` holds the class names of the failing ranks' errors (the
+    same on every rank; empty when a collective itself failed), so every rank
+    can tell what went wrong the same way, e.g. damage (a
+    ``ChecksumMismatchError`` on the rank that read it) from a dead peer.
+    """
+
+    failed_types: tuple[str, ...] = ()
 
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from statestream.distributed._base import ByteChannel, Collective, SingleProcess
-from statestream.errors import CheckpointError, DistributedError
+from statestream.errors import DistributedError
 
 __all__ = ["agree", "byte_channel", "default_collective"]
 
@@ -59,14 +59,10 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not failed:
         return
-    if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
-        # Keep the precise error type on the failing rank, naming the rank.
-        raise DistributedError(
-            f"rank {coll.rank} failed during {phase}: {failed[0][1]}; {outcome}"
-        ) from error
     text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s in failed)
     failure = DistributedError(f"{text}; {outcome}")
-    if error is not None:
+    failure.failed_types = tuple(str(s).split(":", 1)[0] for _, s in failed)
+    if error is not None:  # the precise error chained on the rank that had it
         raise failure from error
     raise failure
 

@@ -17,8 +17,10 @@ from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
 from statestream.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    DistributedError,
     InvalidOptionError,
     ManagerLockedError,
 )
@@ -525,22 +527,57 @@ class CheckpointManager:
         items: Sequence[str] | None = None,
         allow_pickle: AllowPickle = False,
     ) -> Any:
-        """Load ``step`` (default: the latest committed one).
+        """Load ``step`` (default: the newest committed one that is not damaged).
+
+        Without ``step``, a newest step that turns out damaged (a checksum
+        mismatch, a truncated or unsafe file: a ``CheckpointCorruptError`` on
+        any process) is skipped with a RuntimeWarning naming it and the damage,
+        and the next older step is loaded, so a resume goes on from the last
+        good step. (A load into a target may have filled part of it from the
+        damaged step; the older step's load then overwrites what it holds.) A
+        ``step`` asked for by number is never replaced by another.
 
         ``allow_pickle`` is :func:`statestream.load`'s: ``True``, ``False`` or the
         key paths whose pickle leaves may be unpickled.
 
         Raises:
             CheckpointNotFoundError: no committed step (or not that one).
+            CheckpointCorruptError: every committed step is damaged (the newest
+                one's error; with several processes a ``DistributedError``).
         """
         resume = step is None or (self._tier is not None and self._incremental)
         latest = self.latest_step() if resume else None
-        if step is None:
-            step = latest
-            if step is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint in {self.directory}; save one first"
-                )
+        if step is not None:
+            return self._load_step(step, target, latest, items, allow_pickle)
+        if latest is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint in {self.directory}; save one first")
+        try:
+            return self._load_step(latest, target, latest, items, allow_pickle)
+        except CheckpointError as exc:
+            if not _is_damage(exc):
+                raise
+            newest = exc
+        return self._load_older(latest, newest, target, items, allow_pickle)
+
+    def _load_older(self, damaged: int, newest: CheckpointError, target: Any,
+                    items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:
+        """The newest step before ``damaged`` that is not damaged, warning for each that
+        is; ``newest`` (the first damage found) when every one is."""
+        why: CheckpointError = newest
+        for s in sorted((s for s in self.steps() if s < damaged), reverse=True):
+            warnings.warn(f"step {damaged} in {self.directory} is damaged, loading step {s} "
+                          f"instead: {why}", RuntimeWarning, stacklevel=3)
+            try:
+                return self._load_step(s, target, None, items, allow_pickle)
+            except CheckpointError as exc:
+                if not _is_damage(exc):
+                    raise
+                damaged, why = s, exc
+        raise newest
+
+    def _load_step(self, step: int, target: Any, latest: int | None,
+                   items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:
         if self._tier is not None:
             return tier_load(self._tier, step, target, items=items, allow_pickle=allow_pickle,
                              io=self._io, memory=self._memory, collective=self._coll,
@@ -548,3 +585,21 @@ class CheckpointManager:
         return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
                     io=self._io, memory=self._memory, collective=self._coll)
 
+
+def _is_damage(exc: CheckpointError) -> bool:
+    """Whether a load failed because the checkpoint is damaged (on any process)."""
+    if isinstance(exc, DistributedError):
+        return bool(exc.failed_types) and all(t in _DAMAGE for t in exc.failed_types)
+    return isinstance(exc, CheckpointCorruptError)
+
+
+def _names(cls: type[Exception]) -> set[str]:
+    out = {cls.__name__}
+    subs: list[type[Exception]] = cls.__subclasses__()
+    for sub in subs:
+        out |= _names(sub)
+    return out
+
+
+#: CheckpointCorruptError and its subclasses by name, as DistributedError reports them
+_DAMAGE = frozenset(_names(CheckpointCorruptError))
