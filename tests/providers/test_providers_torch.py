@@ -213,3 +213,44 @@ def test_alias_and_prepare_matches_alias_key_and_prepare(make) -> None:
         if want.shape and want.shape[0] > 1:  # a row block
             rows = (1,) + want.shape[1:]
             assert bytes(prepared.chunk(whole, rows)) == bytes(want.chunk(whole, rows))
+
+
+def _torch_cut(shape: tuple[int, ...], mesh_shape: list[int], coord: list[int],
+               placements: list) -> list[list[int]]:
+    """Per dim, the global indices ``coord`` holds, cut by torch's own placements."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    idx = [torch.arange(n) for n in shape]
+    for k, pl in enumerate(placements):
+        if isinstance(pl, Replicate):
+            continue
+        one_d = (_StridedShard(0, split_factor=pl.split_factor)
+                 if isinstance(pl, _StridedShard) else Shard(0))
+        idx[pl.dim] = one_d._split_tensor(idx[pl.dim], mesh_shape[k], with_padding=False)[0][
+            coord[k]]
+    return [t.tolist() for t in idx]
+
+
+def test_dtensor_layouts_hold_the_indices_torch_gives_each_rank() -> None:
+    """FSDP2 + TP's _StridedShard (and Shard, Replicate) over uneven sizes: the runs of
+    global indices a mesh coordinate holds are those torch's own cut gives it, in order."""
+    import itertools
+    import random
+
+    placement_types = pytest.importorskip("torch.distributed.tensor.placement_types")
+    from torch.distributed.tensor import Replicate, Shard
+
+    from statestream.providers._dtensor import held_runs
+
+    strided = placement_types._StridedShard
+    rng = random.Random(0)
+    for _ in range(150):
+        shape = tuple(rng.randint(0, 11) for _ in range(rng.randint(1, 2)))
+        mesh_shape = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+        pls = [rng.choice([Replicate(), Shard(d), strided(d, split_factor=rng.randint(1, 4))])
+               for d in (rng.randrange(len(shape)) for _ in mesh_shape)]
+        for coord in itertools.product(*[range(m) for m in mesh_shape]):
+            runs = held_runs(shape, mesh_shape, list(coord), pls)
+            got = [[i for a, b in r for i in range(a, b)] for r in runs]
+            assert got == _torch_cut(shape, mesh_shape, list(coord), pls), (shape, pls, coord)

@@ -26,6 +26,7 @@ from statestream.providers._base import (
     box_slices,
     row_block_chunker,
 )
+from statestream.providers._dtensor import DTensorLayout, dtensor_layout, strided_split
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["TorchProvider"]
@@ -188,34 +189,26 @@ class TorchProvider(ArrayProvider):
         if not copies and t.numel():
             chunk = row_block_chunker(_byte_view(t), shape, t.element_size(), general)
         return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies,
-                             **_device_staging(t, (0,) * len(shape)))
+                             **_device_staging(t, _same_start))
 
     def _prepare_dtensor(self, obj: Any, path: KeyPath) -> PreparedArray:
-        from torch.distributed.tensor import Replicate, Shard
-
         to_name, _ = _tables()
         where = format_keypath(path)
-        for pl in obj.placements:
-            if not isinstance(pl, (Shard, Replicate)):
-                raise UnsupportedTypeError(
-                    f"DTensor at key path '{where}' has placement {pl}; only Shard and "
-                    "Replicate are supported (redistribute a Partial tensor first)"
-                )
+        layout = _layout(obj, f"DTensor at key path '{where}'")
         name = to_name.get(obj.dtype)
         if name is None:
             raise UnsupportedTypeError(
                 f"DTensor at key path '{where}' has dtype {obj.dtype}, which statestream "
                 "cannot store"
             )
-        lshape, offset = _local_box(obj.shape, obj.device_mesh, obj.placements)
+        lshape = layout.local_shape
         local = obj.to_local().detach()
         if tuple(local.shape) != lshape:  # padded local shards: keep the real part
             local = local[tuple(slice(0, n) for n in lshape)]
         shape = tuple(int(x) for x in obj.shape)
-        boxes = [(offset, lshape)] if math.prod(lshape) else []
 
         def chunk(start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
-            rel = tuple(s - o for s, o in zip(start, offset))
+            rel = layout.local_start(start, cshape)
             part = local[box_slices(rel, cshape)] if local.dim() else local
             if part.device.type != "cpu":
                 part = part.to("cpu")
@@ -224,8 +217,8 @@ class TorchProvider(ArrayProvider):
         return PreparedArray(
             kind=self.kind, dtype=name, shape=shape, chunk=chunk,
             copies=not local.is_contiguous() or local.device.type != "cpu",
-            boxes=boxes, distributed=True, attrs={"dtensor": True},
-            **_device_staging(local, offset),
+            boxes=layout.held(), distributed=True, attrs={"dtensor": True},
+            **_device_staging(local, layout.local_start),
         )
 
     def is_target(self, like: Any) -> bool:
@@ -317,27 +310,28 @@ class TorchProvider(ArrayProvider):
         saved = from_name.get(dtype)
         if saved is None or like.dtype != saved:
             return None
-        offset: tuple[int, ...] = (0,) * len(shape)
         local = like
+        layout: DTensorLayout | None = None
         if _is_dtensor(like):
-            lshape, offset = _local_box(like.shape, like.device_mesh, like.placements)
+            layout = _layout(like, f"target DTensor at key path '{format_keypath(path)}'")
             local = like.to_local()
-            if tuple(local.shape) != lshape:
+            if tuple(local.shape) != layout.local_shape:
                 return None
         if local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0:
             return None
         if getattr(local, "is_conj", lambda: False)() or local.is_neg():
             return None
         view = _host_bytes(local).view(dtype_from_name(dtype)).reshape(tuple(local.shape))
-        return Destination(boxes=[(offset, view)], finish=lambda: like)
+        boxes = [((0,) * len(shape), view)] if layout is None else _layout_views(layout, view)
+        return Destination(boxes=boxes, finish=lambda: like)
 
     def _restore_dtensor(self, dtype: str, shape: tuple[int, ...], like: Any,
                          path: KeyPath) -> Destination:
         import torch
         from torch.distributed.tensor import DTensor
 
-        lshape, offset = _local_box(like.shape, like.device_mesh, like.placements)
-        inner = self.restore(dtype, lshape, None, path)
+        layout = _layout(like, f"target DTensor at key path '{format_keypath(path)}'")
+        inner = self.restore(dtype, layout.local_shape, None, path)
         like_local = like.to_local()
 
         def finish() -> Any:
@@ -350,8 +344,7 @@ class TorchProvider(ArrayProvider):
                 out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
             return out
 
-        boxes = [(offset, buf) for _, buf in inner.boxes]
-        return Destination(boxes=boxes, finish=finish)
+        return Destination(boxes=_layout_views(layout, inner.boxes[0][1]), finish=finish)
 
 
     # -- capabilities used by saves ---------------------------------------------------
@@ -512,7 +505,8 @@ def _side_stream(device: Any) -> Any:
     return s
 
 
-def _device_staging(t: Any, offset: tuple[int, ...]) -> dict[str, Any]:
+def _device_staging(t: Any, local_start: Callable[[tuple[int, ...], tuple[int, ...]],
+                                                  tuple[int, ...]]) -> dict[str, Any]:
     """PreparedArray fields for a CUDA tensor: its device and an async stager.
 
     ``stage`` copies a box device-to-host on a side stream into the engine's
@@ -531,7 +525,7 @@ def _device_staging(t: Any, offset: tuple[int, ...]) -> dict[str, Any]:
 
     def stage(start: tuple[int, ...], cshape: tuple[int, ...],
               out: np.ndarray) -> Callable[[], None]:
-        rel = tuple(a - b for a, b in zip(start, offset))
+        rel = local_start(start, cshape)
         part = t[box_slices(rel, cshape)] if t.dim() else t
         side = _side_stream(t.device)
         side.wait_stream(producer)
@@ -573,10 +567,27 @@ def _is_dtensor(obj: Any) -> bool:
     return mod is not None and isinstance(obj, mod.DTensor)
 
 
-def _local_box(global_shape: Any, mesh: Any, placements: Any
-               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offset) of this rank's shard of a DTensor layout."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _same_start(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return start
 
-    lshape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-    return tuple(int(x) for x in lshape), tuple(int(x) for x in offset)
+
+def _layout(t: Any, what: str) -> DTensorLayout:
+    """The boxes this rank holds of DTensor ``t``; refuses placements that do not say
+    which data a rank holds (``Partial``: every rank holds a summand of the whole)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for pl in t.placements:
+        if not isinstance(pl, (Shard, Replicate)) and strided_split(pl) is None:
+            raise UnsupportedTypeError(
+                f"{what} has placement {pl}; only Shard, _StridedShard and Replicate are "
+                "supported (redistribute it first, e.g. to Replicate())"
+            )
+    return dtensor_layout(t.shape, t.device_mesh, t.placements)
+
+
+def _layout_views(layout: DTensorLayout, local: np.ndarray
+                  ) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """Each held box of ``layout`` paired with its view of the local array ``local``."""
+    if not local.ndim:
+        return [((), local)]
+    return [(g, local[box_slices(loc, s)]) for g, s, loc in layout.boxes if math.prod(s)]
