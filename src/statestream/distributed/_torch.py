@@ -17,7 +17,7 @@ from statestream.distributed._liveness import (
     describe_ranks,
     find_stalled,
 )
-from statestream.errors import CollectiveTimeoutError, DistributedError
+from statestream.errors import CollectiveTimeoutError, DistributedError, InvalidOptionError
 
 __all__ = ["TorchCollective"]
 
@@ -92,6 +92,67 @@ def _default_store() -> Any:
         return None
 
 
+def _gloo_group(dist: Any, group: Any, timeout_s: float, channel: str) -> Any:
+    """A gloo group over ``group``'s ranks (the job's when None).
+
+    Only a subgroup's own ranks call this (``use_local_synchronization``): torch's
+    plain ``new_group`` must be entered by every rank of the job, and one the other
+    ranks did not enter leaves the members counting groups differently from them, so
+    the job's next group (a user's, a device mesh's) hangs.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if group is None:
+        return dist.new_group(ranks=None, backend="gloo", timeout=timeout)
+    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0:
+        raise InvalidOptionError(
+            f"TorchCollective(group=...): this process (rank {dist.get_rank()} of the job) "
+            "is not a member of the group; create the collective (and save or load with "
+            "it) only on the group's ranks"
+        )
+    ranks = dist.get_process_group_ranks(group)
+    _align_group_counts(dist, ranks, f"{group.group_name}/{timeout_s:g}/{channel}", timeout_s)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                          use_local_synchronization=True)
+
+
+#: Subgroup gloo groups created so far per (user group, timeout, channel) in this process.
+_ALIGNED: dict[str, int] = {}
+
+
+def _align_group_counts(dist: Any, ranks: list[int], tag: str, timeout_s: float) -> None:
+    """Bring every member of ``ranks`` to the same number of registered process groups.
+
+    torch names a ``use_local_synchronization`` group after its ranks and the number
+    of groups the calling process has registered; that number differs between
+    processes that belong to different groups (ranks 0 and 1 of a job with a group
+    [1, 3]), and members that name the group differently wait for each other forever.
+    Each member posts its count in the rendezvous store; those below the largest
+    register one single-rank group per missing one.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    store = _default_store()
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    if store is None or names is None:  # another torch: nothing to align by
+        return
+    seq = _ALIGNED[tag] = _ALIGNED.get(tag, 0) + 1
+    prefix = f"statestream/groups/{tag}/{seq}"
+    me = dist.get_rank()
+    mine = len(names)
+    store.set(f"{prefix}/{me}", str(mine))
+    keys = [f"{prefix}/{r}" for r in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store's timeout: name who never came
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        raise CollectiveTimeoutError(
+            f"TorchCollective(group=...) on rank {me} of the job waited more than "
+            f"{timeout_s:g}s for ranks {missing} of the group to create it too"
+        ) from exc
+    for _ in range(max(int(store.get(k)) for k in keys) - mine):
+        dist.new_group([me], backend="gloo", use_local_synchronization=True)
+
+
 class TorchCollective:
     """Agreement through torch.distributed.
 
@@ -124,11 +185,7 @@ class TorchCollective:
         if pg is not None and not _registered(dist, pg):
             pg = None  # destroy_process_group() since: a group of the old job
         if pg is None:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            pg = dist.new_group(
-                ranks=ranks, backend="gloo",
-                timeout=datetime.timedelta(seconds=self._timeout_s),
-            )
+            pg = _gloo_group(dist, group, self._timeout_s, channel)
             _GROUPS[key] = weakref.ref(pg)
             _SEQ.pop(key, None)  # a new group: every rank counts from the start again
         self._pg = pg
