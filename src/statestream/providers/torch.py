@@ -413,9 +413,11 @@ class TorchProvider(ArrayProvider):
         """One persistent pre-step hook per optimizer; it never removes itself while
         torch iterates over the hooks, and costs nothing once snapshots are done."""
         entry = _GUARDS.get(optimizer)
-        if entry is not None:
+        if entry is not None and _hook_registered(optimizer, entry[0]):
             entry[1].append(save)
             return entry[0]
+        # None yet, or the caller removed the one registered before (with the
+        # handle returned): a fresh hook, or this save would be guarded by nothing.
         pending: list[SnapshotWaiter] = [save]
 
         def hook(opt: Any, args: Any, kwargs: Any) -> None:
@@ -465,6 +467,12 @@ class TorchProvider(ArrayProvider):
 
 
 _GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _hook_registered(optimizer: Any, removable: Any) -> bool:
+    """True while the hook behind ``removable`` is still among ``optimizer``'s pre-step hooks."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    return hooks is None or removable.id in hooks
 
 
 class _PlainTensors:
