@@ -8,6 +8,7 @@ against hangs.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -66,3 +67,40 @@ def test_guard_after_its_hook_was_removed_registers_a_new_one(tmp_path, hooks) -
     for k, v in want.items():
         np.testing.assert_array_equal(got["m"][k], v.numpy(), err_msg=k)
     assert not torch.equal(model.weight, want["weight"])  # it did step
+
+
+@pytest.mark.timeout(300)
+def test_guarded_step_over_a_flat_parameter_waits_for_every_saved_view(tmp_path, hooks) -> None:
+    # FSDP1/DeepSpeed style: the optimizer steps a flat parameter; the state saves
+    # the views of it that the model uses. The first view starts where the flat
+    # parameter does, the others do not: the guard must wait for all of them.
+    torch.manual_seed(0)
+    n = 4 << 20  # 16 MiB per view: the writer writes each view in its own batch
+    flat = torch.nn.Parameter(torch.randn(4 * n))
+    opt = torch.optim.SGD([flat], lr=0.1)
+    flat.grad = torch.ones_like(flat)
+    state = {"model": {f"w{i}": flat.detach()[i * n:(i + 1) * n] for i in range(4)}}
+    want = {k: v.clone() for k, v in state["model"].items()}
+    stepped = threading.Event()
+    opt.register_step_post_hook(lambda o, a, k: stepped.set())
+    writes = [0]
+
+    def hold_second_write() -> None:
+        # After w0 is written, hold the writer until the step has run: a guard that
+        # waited for w0 only lets the step change w1..w3 before they are written.
+        # A correct guard is still waiting, so the hold ends by its timeout.
+        writes[0] += 1
+        if writes[0] == 2:
+            stepped.wait(2.0)
+
+    ss.release_staging()  # a cold pool: the writer writes every chunk from the state
+    _hooks.register("save.chunk_written", hold_second_write)
+    h = ss.save_async(tmp_path / "flat", state, lazy=True,
+                      io=ss.IOOptions(num_threads=1, max_chunk_bytes=4 << 20))
+    ss.guard_optimizer(opt, h)
+    opt.step()
+    h.result(timeout=_WAIT_S)  # not torn: the step waited for every view
+    got = ss.load(tmp_path / "flat")
+    for k, v in want.items():
+        np.testing.assert_array_equal(got["model"][k], v.numpy(), err_msg=k)
+    assert not torch.equal(state["model"]["w3"], want["w3"])  # it did step

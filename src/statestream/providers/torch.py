@@ -385,9 +385,14 @@ class TorchProvider(ArrayProvider):
                 local.device, extra)
 
     def memory_id(self, obj: Any) -> int | None:
-        """The address of the tensor's (local shard's) memory."""
+        """The address of the storage the tensor (local shard) is a view of.
+
+        The storage's, not the view's own ``data_ptr()``: a step over a flat
+        parameter (FSDP1, DeepSpeed) changes every view of it saved in the state,
+        and a step over views changes a flat buffer saved instead; all of them
+        share one id, so a guarded step waits for all of them."""
         local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
-        return int(local.data_ptr())
+        return int(local.data_ptr()) - int(local.storage_offset()) * int(local.element_size())
 
     def version(self, obj: Any) -> Callable[[], int] | None:
         """Reader of the tensor's version counter (bumped by every in-place change;
