@@ -57,7 +57,10 @@ def save_async(
             (``p.add_(...)`` under ``no_grad``) must wait for ``wait_snapshot()``;
             a torch tensor changed in place before its copy fails the save
             (``result()`` raises CheckpointError naming its key path) rather
-            than committing a torn snapshot.
+            than committing a torn snapshot -- except changes torch does not
+            count in the version counter: ``.data`` writes, ``fused=True``
+            optimizer kernels (guard them) and BatchNorm running statistics
+            updated in forward (see docs/async.md).
         collective: in a multi-process job every rank calls ``save_async``; the
             plan is agreed in the blocking phase, each rank snapshots and writes
             only the chunks it owns, and the background phase agrees and commits
