@@ -23,8 +23,8 @@ EXPECTED: dict[str, list[str]] = {
         "StoragePermissionError", "StorageTimeoutError", "TargetMismatchError",
         "TorchCollective", "TruncatedFileError",
         "UnsafeCheckpointError", "UnsupportedTypeError", "VerifyReport", "__version__",
-        "guard_optimizer", "load", "metadata", "register_provider", "release_staging", "save",
-        "save_async", "verify", "convert",
+        "guard_module", "guard_optimizer", "load", "metadata", "register_provider",
+        "release_staging", "save", "save_async", "verify", "convert",
     ],
     "statestream.tree": [
         "CONTAINER_KINDS", "MAX_TREE_DEPTH", "Key", "KeyPath", "Node", "PytreeExpansion",
@@ -73,7 +73,8 @@ EXPECTED: dict[str, list[str]] = {
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",
         "ProviderCapabilities", "StateAdapter", "TorchProvider", "adapter_by_name",
         "adapter_for", "adapters", "array_provider_for", "box_slices",
-        "chunk_of_host_array", "find_box", "expand_pytree", "optimizer_provider_for",
+        "chunk_of_host_array", "find_box", "expand_pytree", "module_provider_for",
+        "optimizer_provider_for",
         "pinned_alloc", "provider_by_kind", "providers", "rebuild_pytree", "register_adapter",
         "register_provider", "target_provider_for",
     ],
@@ -82,8 +83,8 @@ EXPECTED: dict[str, list[str]] = {
         "agree", "byte_channel", "default_collective",
     ],
     "statestream.api": [
-        "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_optimizer",
-        "load", "metadata", "save", "save_async", "verify", "convert",
+        "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_module",
+        "guard_optimizer", "load", "metadata", "save", "save_async", "verify", "convert",
     ],
     "statestream.interop": [
         "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format",

@@ -1,6 +1,6 @@
 """The public, synchronous API: save, load, metadata, verify."""
 
-from statestream.api._async import SaveHandle, guard_optimizer, save_async
+from statestream.api._async import SaveHandle, guard_module, guard_optimizer, save_async
 from statestream.api._convert import convert
 from statestream.api._inspect import (
     ArrayMetadata,
@@ -18,6 +18,7 @@ __all__ = [
     "SaveHandle",
     "VerifyReport",
     "convert",
+    "guard_module",
     "guard_optimizer",
     "load",
     "metadata",

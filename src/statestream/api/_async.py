@@ -23,7 +23,7 @@ from statestream.engine import (
     start_save,
 )
 from statestream.errors import UnsupportedTypeError
-from statestream.providers import optimizer_provider_for
+from statestream.providers import module_provider_for, optimizer_provider_for
 
 __all__ = ["SaveHandle", "guard_optimizer", "save_async"]
 
@@ -102,9 +102,35 @@ def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:
     return p.guard_step(optimizer, handle)
 
 
-def guard_optimizers_in(state: Any, handle: SaveHandle) -> int:
-    """Guard every optimizer among the values of ``state`` (nested dicts, lists and
-    tuples); return how many. What the manager does for lazy saves."""
+def guard_module(module: Any, handle: SaveHandle) -> Any:
+    """Make ``module``'s forward pass wait for a lazy snapshot of its buffers.
+
+    A forward pass changes buffers in place (BatchNorm's running mean and
+    variance), and torch does not count those changes in the version counter
+    that catches other changes made during a lazy snapshot: unguarded, such a
+    change is committed torn without an error. One forward pre-hook per module
+    (later calls point it at the newest handle); it waits only while a
+    snapshot of the buffers is still being copied.
+
+    Returns:
+        The hook's removable handle, or None for a module without buffers.
+
+    Raises:
+        UnsupportedTypeError: no provider knows how to guard this module.
+    """
+    p = module_provider_for(module)
+    if p is None:
+        raise UnsupportedTypeError(
+            f"cannot guard a {type(module).__qualname__}: no provider knows its forward "
+            "passes (torch.nn modules are supported)")
+    return p.guard_forward(module, handle)
+
+
+def guard_state_in(state: Any, handle: SaveHandle) -> int:
+    """Guard every optimizer and module among the values of ``state`` (nested dicts,
+    lists and tuples): optimizer steps and forward passes wait for the lazy snapshot of
+    what they change. Returns how many hooks guard it. What the manager does for lazy
+    saves."""
     count = 0
     stack = [state]
     while stack:
@@ -116,4 +142,6 @@ def guard_optimizers_in(state: Any, handle: SaveHandle) -> int:
         elif optimizer_provider_for(x) is not None:
             guard_optimizer(x, handle)
             count += 1
+        elif module_provider_for(x) is not None:
+            count += guard_module(x, handle) is not None
     return count

@@ -12,7 +12,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
-from statestream.api._async import guard_optimizers_in
+from statestream.api._async import guard_state_in
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
@@ -406,8 +406,8 @@ class CheckpointManager:
                                         compression=self._compression, base=base,
                                         hashes=self._incremental,
                                         node_local=self._tier is not None)
-            if self._lazy:  # an optimizer.step() must not race the lazy snapshot
-                guard_optimizers_in(state, self._inflight)
+            if self._lazy:  # a step or a forward pass must not race the lazy snapshot
+                guard_state_in(state, self._inflight)
             self._inflight_step = step
             if self._tier is not None:
                 self._tier.persist(step, self._inflight, base=base_step)

@@ -29,6 +29,7 @@ from statestream.providers._base import (
 )
 from statestream.providers._registry import (
     array_provider_for,
+    module_provider_for,
     optimizer_provider_for,
     pinned_alloc,
     provider_by_kind,
@@ -66,6 +67,7 @@ __all__ = [
     "chunk_of_host_array",
     "expand_pytree",
     "find_box",
+    "module_provider_for",
     "optimizer_provider_for",
     "pinned_alloc",
     "provider_by_kind",

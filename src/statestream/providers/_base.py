@@ -171,7 +171,9 @@ class ProviderCapabilities:
         pinned_memory: :meth:`ArrayProvider.pinned_alloc` gives page-locked
             host buffers for device-to-host staging copies.
         step_guards: :meth:`ArrayProvider.guard_step` can make an optimizer's
-            step wait for a lazy snapshot of what it will change.
+            step, and :meth:`ArrayProvider.guard_forward` a module's forward
+            pass (which changes its buffers), wait for a lazy snapshot of what
+            they will change.
         state_hints: :meth:`ArrayProvider.state_hints` can type the missing
             entries of a stateful target (a never-stepped optimizer); the hints
             are layouts, never loaded into in place.
@@ -301,6 +303,20 @@ class ArrayProvider(abc.ABC):
 
     def is_optimizer(self, obj: Any) -> bool:
         """True if ``obj`` is an optimizer :meth:`guard_step` can guard."""
+        return False
+
+    def guard_forward(self, module: Any, save: SnapshotWaiter) -> Any:
+        """Before each forward pass of ``module``, wait for ``save``'s snapshot of the
+        module's buffers, which a forward pass may change (``step_guards``).
+
+        Returns a removable handle, or None when the module has no buffers
+        (nothing a forward pass changes); one hook per module, however often
+        it is called.
+        """
+        raise UnsupportedTypeError(f"{type(self).__qualname__} cannot guard forward passes")
+
+    def is_module(self, obj: Any) -> bool:
+        """True if ``obj`` is a module :meth:`guard_forward` can guard."""
         return False
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,

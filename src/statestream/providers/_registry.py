@@ -21,6 +21,7 @@ from statestream.providers._lookup import first_by_type
 
 __all__ = [
     "array_provider_for",
+    "module_provider_for",
     "optimizer_provider_for",
     "pinned_alloc",
     "provider_by_kind",
@@ -113,6 +114,14 @@ def optimizer_provider_for(obj: Any) -> ArrayProvider | None:
     """Provider that can guard ``obj``'s steps (capability ``step_guards``), or None."""
     for p in _with("step_guards"):
         if p.is_optimizer(obj):
+            return p
+    return None
+
+
+def module_provider_for(obj: Any) -> ArrayProvider | None:
+    """Provider that can guard ``obj``'s forward passes (capability ``step_guards``), or None."""
+    for p in _with("step_guards"):
+        if p.is_module(obj):
             return p
     return None
 

@@ -438,6 +438,36 @@ class TorchProvider(ArrayProvider):
         _GUARDS[optimizer] = [removable, pending]
         return removable
 
+    def is_module(self, obj: Any) -> bool:
+        torch = _torch()
+        return torch is not None and isinstance(obj, torch.nn.Module)
+
+    def guard_forward(self, module: Any, save: SnapshotWaiter) -> Any:
+        """One persistent forward pre-hook per module with buffers (BatchNorm's running
+        statistics: its forward pass changes them in place, and torch does not count
+        those changes in the version counter, so an unguarded one would go unseen);
+        None for a module without buffers."""
+        if next(module.buffers(), None) is None:
+            return None
+        entry = _FORWARD_GUARDS.get(module)
+        if entry is not None and entry[0].id in module._forward_pre_hooks:
+            entry[1].append(save)
+            return entry[0]
+        pending: list[SnapshotWaiter] = [save]
+
+        def hook(mod: Any, args: Any) -> None:
+            live = [h for h in pending if not h.snapshot_done()]
+            pending[:] = live
+            if live:
+                buffers = list(mod.buffers())
+                for h in live:
+                    h.wait_for(buffers)
+
+        # run as Python even inside a compiled model: traced, the waits would be gone
+        removable = module.register_forward_pre_hook(_torch().compiler.disable(hook))
+        _FORWARD_GUARDS[module] = [removable, pending]
+        return removable
+
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
                     shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
         """Give a never-stepped optimizer's missing state the layout of its parameters.
@@ -472,6 +502,7 @@ class TorchProvider(ArrayProvider):
 
 
 _GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_FORWARD_GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _hook_registered(optimizer: Any, removable: Any) -> bool:
