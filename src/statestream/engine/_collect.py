@@ -137,7 +137,7 @@ class Collector:
                     return Node("alias", array=first, attrs={"kind": p.kind})
         if prepared is None:
             if private:
-                x = p.private_copy(x)
+                x = self._private_copy(p, path, x)
             prepared = p.prepare(x, path)
         if prepared.attrs:
             attrs = {"kind": prepared.kind, **prepared.attrs}
@@ -155,6 +155,18 @@ class Collector:
             if read is not None:
                 self.versions[index] = (read, read())
         return Node("array", array=index, attrs=attrs)
+
+    @staticmethod
+    def _private_copy(p: ArrayProvider, path: KeyPath, x: Any) -> Any:
+        try:
+            return p.private_copy(x)
+        except UnsupportedTypeError as exc:  # the provider says why; add where
+            raise UnsupportedTypeError(f"at key path '{format_keypath(path)}': {exc}") from exc
+        except Exception as exc:  # report where it happened
+            raise UnsupportedTypeError(
+                f"taking a private copy of the {type_name(x)} at key path "
+                f"'{format_keypath(path)}' raised {type(exc).__name__}: {exc}"
+            ) from exc
 
     def fallback(self, path: KeyPath, x: Any) -> Node | None:
         spath = tuple(str(k) for k in path)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream.errors import TargetMismatchError
+from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.providers._base import (
     ArrayProvider,
     Destination,
@@ -70,6 +70,7 @@ class JaxProvider(ArrayProvider):
 
     def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
         jax = _jax()
+        _check_not_deleted(obj, f"at key path '{format_keypath(path)}': ")
         shards = getattr(obj, "addressable_shards", None)
         if not shards or (len(shards) == 1 and jax.process_count() == 1):
             # On the CPU this is a zero-copy view of the device buffer; holding the
@@ -105,6 +106,7 @@ class JaxProvider(ArrayProvider):
     def private_copy(self, obj: Any) -> Any:
         """A private device copy: a donated buffer is freed by the step that donates
         it, so a lazy snapshot reads this copy, never the original."""
+        _check_not_deleted(obj)
         return obj.copy()
 
     def is_target(self, like: Any) -> bool:
@@ -166,6 +168,19 @@ class JaxProvider(ArrayProvider):
             return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
+
+
+def _check_not_deleted(obj: Any, where: str = "") -> None:
+    """Raise UnsupportedTypeError if ``obj``'s buffers are gone (JAX's own error names
+    neither the key path nor the cause)."""
+    deleted = getattr(obj, "is_deleted", None)  # a tracer has none
+    if deleted is not None and deleted():
+        raise UnsupportedTypeError(
+            f"{where}the jax.Array ({obj.dtype}{list(obj.shape)}) has been deleted: "
+            "its buffers were donated to a jitted step (donate_argnums) or freed with "
+            ".delete(), so it holds no data. Save the state before the step that donates "
+            "it (a save_async or a manager's save returns before that step may run)"
+        )
 
 
 def _single_device(sharding: Any) -> bool:
