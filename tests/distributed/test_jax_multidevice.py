@@ -195,7 +195,30 @@ def worker_jax_main(ctx: Context) -> dict[str, Any]:
         ("concrete", lambda: load_with(other_sh, True)),
         ("cast", cast),
         ("numpy", as_numpy),
+        ("host_memory", lambda: _load_into_host_memory(root / "jax", want, other_sh)),
     ])
+
+
+def _load_into_host_memory(path: Path, want: dict[str, np.ndarray],
+                           shardings: dict[str, Any]) -> list[str]:
+    """Targets in host memory (a host-offloaded optimizer state: memory_kind
+    "pinned_host") load there, every shard of a sharded array too."""
+    import jax
+
+    import statestream as ss
+
+    host = {k: s.with_memory_kind("pinned_host") for k, s in shardings.items()}
+    like = {k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype, sharding=host[k])
+            for k in LAYOUTS}
+    out = ss.load(path, target={"params": like})
+    problems: list[str] = []
+    for k in LAYOUTS:
+        got = out["params"][k]
+        _check_jax(k, got, want[k], host[k], problems)
+        kinds = {sh.data.sharding.memory_kind for sh in got.addressable_shards}
+        if got.sharding.memory_kind != "pinned_host" or kinds != {"pinned_host"}:
+            problems.append(f"{k}: memory kind {got.sharding.memory_kind}, shards in {kinds}")
+    return problems
 
 
 def worker_torch_cross(ctx: Context) -> dict[str, Any]:
@@ -334,7 +357,7 @@ def test_save_sharded_and_partially_replicated(jax_run: tuple[Path, list[Any]]) 
 
 
 @timeout
-@pytest.mark.parametrize("case", ["same", "reshard", "concrete", "cast", "numpy"])
+@pytest.mark.parametrize("case", ["same", "reshard", "concrete", "cast", "numpy", "host_memory"])
 def test_load_sharded_jax(jax_run: tuple[Path, list[Any]], case: str) -> None:
     assert _values(jax_run[1], case) == [[]]
 

@@ -157,6 +157,8 @@ class JaxProvider(ArrayProvider):
                 bufs[box] = host_destination(dtype, box[1])
             per_device.append((device, box))
         want = np.dtype(like.dtype)
+        # each shard in the target's memory (a host-offloaded "pinned_host" state too)
+        memory_kind = getattr(sharding, "memory_kind", None)
 
         def finish() -> Any:
             arrays = []
@@ -164,7 +166,8 @@ class JaxProvider(ArrayProvider):
                 host = bufs[box]
                 if host.dtype != want:
                     host = host.astype(want)
-                arrays.append(jax.device_put(host, device))
+                place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+                arrays.append(jax.device_put(host, place))
             return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
