@@ -196,7 +196,23 @@ def worker_jax_main(ctx: Context) -> dict[str, Any]:
         ("cast", cast),
         ("numpy", as_numpy),
         ("host_memory", lambda: _load_into_host_memory(root / "jax", want, other_sh)),
+        ("indivisible", lambda: _load_into_indivisible_sharding(root / "jax", meshes)),
     ])
+
+
+def _load_into_indivisible_sharding(path: Path, meshes: dict[str, Any]) -> str:
+    """A target sharding that cannot lay out the saved shape (6 columns over 8
+    devices): the error says which key path, as a TargetMismatchError."""
+    import jax
+
+    import statestream as ss
+
+    sds = jax.ShapeDtypeStruct((4, 6), np.int32, sharding=_sharding(meshes, "D", (None, "d")))
+    try:
+        ss.load(path, target={"params": {"ints": sds}})
+    except ss.TargetMismatchError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _load_into_host_memory(path: Path, want: dict[str, np.ndarray],
@@ -360,6 +376,13 @@ def test_save_sharded_and_partially_replicated(jax_run: tuple[Path, list[Any]]) 
 @pytest.mark.parametrize("case", ["same", "reshard", "concrete", "cast", "numpy", "host_memory"])
 def test_load_sharded_jax(jax_run: tuple[Path, list[Any]], case: str) -> None:
     assert _values(jax_run[1], case) == [[]]
+
+
+@timeout
+def test_a_target_sharding_that_cannot_hold_the_array_names_its_key_path(
+        jax_run: tuple[Path, list[Any]]) -> None:
+    [msg] = _values(jax_run[1], "indivisible")
+    assert "key path 'params/ints'" in msg and "int32[4, 6]" in msg, msg
 
 
 @timeout

@@ -148,7 +148,13 @@ class JaxProvider(ArrayProvider):
                          path: KeyPath) -> Destination:
         import jax
 
-        index_map = sharding.addressable_devices_indices_map(shape)
+        try:
+            index_map = sharding.addressable_devices_indices_map(shape)
+        except ValueError as exc:  # e.g. a dimension the mesh axis does not divide
+            raise TargetMismatchError(
+                f"the target sharding at key path '{format_keypath(path)}' cannot hold the "
+                f"saved {dtype}{list(shape)} array: {exc}"
+            ) from exc
         bufs: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
         per_device = []
         for device, index in index_map.items():
