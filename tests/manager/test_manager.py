@@ -532,6 +532,31 @@ def test_metrics_may_be_numpy_and_torch_scalars(tmp_path):
         assert mgr.steps() == [2, 3]
 
 
+def test_metrics_may_be_jax_scalars(tmp_path):
+    jnp = pytest.importorskip("jax.numpy")
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepBest(1, "loss")) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none is "saved without a number"
+            for step, loss in ((1, jnp.float32(0.75)), (2, jnp.array(0.5, jnp.bfloat16)),
+                               (3, jnp.array(0.625))):
+                assert mgr.save(step, {"w": jnp.full(3, step)}, metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.step_info(2)["metrics"] == {"loss": 0.5}
+        assert mgr.best_step("loss") == 2 and mgr.steps() == [2, 3]
+
+
+@pytest.mark.parametrize("shape", [(1,), (2, 3)])
+def test_a_metric_that_is_not_a_scalar_is_refused_naming_it(tmp_path, shape):
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepBest(1, "loss")) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # refused before the missing-number warning
+            with pytest.raises(ss.InvalidOptionError,
+                               match=rf"metric 'loss' is a ndarray of shape \({shape[0]},"):
+                mgr.save(1, state_at(1), metrics={"loss": np.full(shape, 0.5), "n": 3})
+        assert mgr.steps() == []
+        assert mgr.save(1, state_at(1), metrics={"loss": np.float32(0.5)})  # then saves
+
+
 # ---------------------------------------------------------------- a deletion that fails
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_step_that_cannot_be_deleted_does_not_stop_the_saves(tmp_path, monkeypatch,

@@ -10,7 +10,7 @@ from typing import Any
 
 from statestream import _hooks
 from statestream.api import metadata
-from statestream.errors import CheckpointError
+from statestream.errors import CheckpointError, InvalidOptionError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
 from statestream.manager._steps import StepDirectory, parse_step
 
@@ -28,16 +28,26 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         >>> import numpy as np
         >>> plain_metrics({"loss": np.float32(0.5), "n": np.int64(3), "tag": "a"})
         {'loss': 0.5, 'n': 3, 'tag': 'a'}
+
+    Raises:
+        InvalidOptionError: a metric is an array that is not 0-d (``loss`` of
+            shape (1,)), naming the metric.
     """
-    return {k: _plain(v) for k, v in (metrics or {}).items()}
+    return {k: _plain(k, v) for k, v in (metrics or {}).items()}
 
 
-def _plain(value: Any) -> Any:
+def _plain(name: str, value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    shape = getattr(value, "shape", None)
     item = getattr(value, "item", None)
-    if callable(item) and getattr(value, "shape", None) == ():  # one number
+    if callable(item) and shape == ():  # one number
         return item()
+    if shape is not None:  # an array: stored as is, it failed later as "meta" not JSON-able
+        raise InvalidOptionError(
+            f"metric {name!r} is a {type(value).__name__} of shape {tuple(shape)}, not a "
+            "number: pass a scalar (a 0-d array, e.g. loss.mean() or loss.reshape(()))"
+        )
     return value
 
 
