@@ -3,8 +3,10 @@
 ``statestream.testing.faults`` registers callbacks; with none registered a
 point costs one dict lookup. Points: ``save.planned``, ``save.chunk_written``,
 ``save.data_synced``, ``commit.manifest_written``, ``commit.marker_written``,
-``commit.renamed``, ``async.snapshot_chunk``, ``save.plan_reused`` (a multi-process
-save reuses the plan of an earlier save of the same structure); deletion: ``delete.uncommitted``
+``commit.renamed``, ``async.snapshot_chunk``, ``async.warming`` (a committed async
+save, having let go of the state, maps staging buffers for the next),
+``save.plan_reused`` (a multi-process save reuses the plan of an earlier save of the
+same structure); deletion: ``delete.uncommitted``
 (a local checkpoint's commit marker is gone, its data not yet) and
 ``manager.step_deleted``; a manager's local tier: ``tier.persist`` (a step's
 persistence begins), ``tier.persisted`` (committed).

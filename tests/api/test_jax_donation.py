@@ -51,3 +51,34 @@ def test_an_array_deleted_by_hand_is_refused_naming_its_key_path(tmp_path: Path,
     x.delete()
     with pytest.raises(ss.UnsupportedTypeError, match=r"key path 'opt/0/mu'.*bfloat16\[4, 4\]"):
         _save(tmp_path / "c", {"opt": [{"mu": x}]}, mode)
+
+
+def test_a_committed_async_save_lets_go_of_the_state_before_warming_staging(
+        tmp_path: Path) -> None:
+    """After the commit the background thread maps staging buffers for the next save;
+    it must not hold host views of the state meanwhile: on the CPU, JAX does not donate
+    a buffer something else still views (the step copies instead)."""
+    import threading
+
+    from statestream import _hooks
+
+    step = jax.jit(lambda s: jax.tree.map(lambda a: a + 1, s), donate_argnums=0)
+    state = {"w": jnp.arange(1 << 16, dtype=jnp.float32)}
+    seen: list[bool] = []
+    done = threading.Event()
+
+    def donate_now() -> None:  # runs on the background thread, the job still alive
+        old = state["w"]
+        state.update(step(state))
+        seen.append(old.is_deleted())
+        done.set()
+
+    _hooks.register("async.warming", donate_now)
+    try:
+        ss.save_async(tmp_path / "c", {"w": state["w"]}).result(timeout=120)
+        assert done.wait(60)  # the warming runs after result() returns
+    finally:
+        _hooks.clear()
+    assert seen == [True]
+    np.testing.assert_array_equal(np.asarray(ss.load(tmp_path / "c")["w"]),
+                                  np.arange(1 << 16, dtype=np.float32))

@@ -334,6 +334,12 @@ class SaveJob:
         self.finish(written, err)
 
     # ----------------------------------------------------------------------- async
+    def release_values(self) -> None:
+        """Let go of the state and of what the walk made of it (host views of its
+        memory); only the plan's sizes remain. After the commit."""
+        self.state = None
+        self.collector.arrays.clear()
+
     def make_handle(self) -> SaveHandle:
         h = self.handle = SaveHandle(self.spath, len(self.collector.arrays))
         h.bytes_total = self.planner.total_bytes

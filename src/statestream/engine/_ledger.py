@@ -243,16 +243,21 @@ class StagingLedger:
                 sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
         return all(pool.can_serve(sz) for pool, sz in zip(self._pools, sizes))
 
-    def warm_up(self, items: Sequence[Sequence[WriteItem]]) -> int:
-        """Fill the pools with mapped buffers for this save's chunks, last first
-        (the order a racing snapshot copies them), within the budget; return
-        the bytes added. Nothing when buffers are not kept."""
-        if not self._keep:
-            return 0
+    def warm_sizes(self, items: Sequence[Sequence[WriteItem]]
+                   ) -> tuple[list[int], list[int]]:
+        """The buffer sizes :meth:`warm_up` maps for this save's chunks (host, pinned),
+        last first (the order a racing snapshot copies them); none when buffers are
+        not kept. Asked before the save lets go of its arrays."""
         sizes: tuple[list[int], list[int]] = ([], [])
-        for its in reversed(items):
-            for it in reversed(its):
-                sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
+        if self._keep:
+            for its in reversed(items):
+                for it in reversed(its):
+                    sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
+        return sizes
+
+    def warm_up(self, sizes: tuple[list[int], list[int]]) -> int:
+        """Fill the pools with mapped buffers of ``sizes`` (:meth:`warm_sizes`), within
+        the budget; return the bytes added."""
         return sum(pool.warm(sz) for pool, sz in zip(self._pools, sizes))
 
     def wait_covered(self, failed: Callable[[], bool]) -> None:

@@ -175,9 +175,14 @@ def run_background(job: SaveJob, run_snapshot: bool,
 
 def _warm_up(job: SaveJob) -> None:
     # Committed. Map the staging buffers the next save of this state will copy
-    # into now, at low priority, rather than in that save's blocking phase.
+    # into now, at low priority, rather than in that save's blocking phase. The
+    # state is let go of first: host views of its memory held here would keep a
+    # training step from donating (JAX) or freeing it meanwhile.
+    sizes = job.ledger.warm_sizes(job.items)
+    job.release_values()
+    _hooks.fire("async.warming")
     try:
-        job.ledger.warm_up(job.items)
+        job.ledger.warm_up(sizes)
     except MemoryError:
         # Warming is an optimisation for the next save; it may fault its own
         # buffers instead. The save itself is committed and reported.
