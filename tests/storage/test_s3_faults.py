@@ -100,6 +100,64 @@ class _StallingProxy:
             s.close()
 
 
+class _AnswerLosingProxy:
+    """Forwards to ``upstream``; the answer to each of the first ``times`` PUTs of a
+    commit marker is lost: the server stores the marker, the connection then drops."""
+
+    def __init__(self, upstream_port: int, times: int) -> None:
+        self._upstream, self._left = upstream_port, times
+        self.lost = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._open += [client, upstream]
+            lose = threading.Event()
+            threading.Thread(target=self._up, args=(client, upstream, lose), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, lose),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, lose: threading.Event) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                line = data.split(b"\r\n", 1)[0]
+                if line.startswith(b"PUT ") and b"/COMMITTED" in line and self._left > 0:
+                    self._left -= 1
+                    lose.set()
+                upstream.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, upstream: socket.socket, client: socket.socket, lose: threading.Event
+              ) -> None:
+        try:
+            while data := upstream.recv(1 << 16):
+                if lose.is_set():  # the server answered: the request took effect
+                    self.lost += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self._open:
+            s.close()
+
+
 @pytest.fixture
 def storage(s3_server: dict[str, Any]) -> Iterator[S3Storage]:
     st = S3Storage(_options(s3_server))
@@ -164,6 +222,32 @@ def test_a_stall_mid_upload_reports_the_upload_not_the_cleanup(
     assert "uploading" in text or "completing" in text or "writing" in text, text
     assert "deleting" not in text  # not the abort's failure
     np.testing.assert_array_equal(ss.load(old)["w"], np.arange(1000.0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("overwrite", "times"), [(False, 1), (False, 3), (True, 3)])
+def test_a_commit_whose_answer_is_lost_keeps_its_data(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str, overwrite: bool,
+        times: int) -> None:
+    """The marker PUT reaches the store but its answer is lost: the client's retry of a
+    create-only PUT is refused (the marker exists: our own), or every answer is lost
+    and the retries run out. The marker names the new root, so the save committed: it
+    must not delete that root (a checkpoint that no longer loads) nor report 'exists'."""
+    url = f"{base_url}/ckpt"
+    if overwrite:
+        ss.save(url, {"w": np.zeros(4)})
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    proxy = _AnswerLosingProxy(port, times)
+    set_backend("s3", S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                         **_FAST_FAIL)))
+    try:
+        ss.save(url, {"w": np.arange(4.0)}, overwrite=overwrite)
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    assert proxy.lost >= 1
+    np.testing.assert_array_equal(ss.load(url)["w"], np.arange(4.0))
+    assert storage.leftovers(base_url) == []  # an overwritten root is gone as usual
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -94,22 +94,57 @@ class ObjectTxn:
         doc = json.loads(self._marker)
         doc["root"] = self._root
         marker = json.dumps(doc, separators=(",", ":")).encode()
-        key = f"{self._prefix}/{COMMIT_NAME}"
         if not self._overwrite:
-            # Create-only (a conditional PUT): of two writers racing to the same
-            # path, exactly one commits; the other fails here and cleans up.
-            if not self._owner._put_new(self._bucket, key, marker):
-                self.abort()
-                raise CheckpointExistsError(
-                    f"{self.location} already holds a checkpoint; pass overwrite=True"
-                )
-            self._done = True
+            self._commit_new(marker)
             return
         old = self._owner._live_root(self._bucket, self._prefix)
-        self._owner._put(self._bucket, key, marker)
-        self._done = True
+        self._put_marker(marker)
         if old is not None and old != self._root:
             self._owner._delete_prefix(self._bucket, f"{self._prefix}/{old}/")
+
+    def _commit_new(self, marker: bytes) -> None:
+        """Create-only (a conditional PUT): of two writers racing to the same path,
+        exactly one commits; the other fails here and cleans up."""
+        key = f"{self._prefix}/{COMMIT_NAME}"
+        try:
+            created = self._owner._put_new(self._bucket, key, marker)
+        except CheckpointError:
+            if not self._settle():
+                raise
+            created = True
+        # A refusal may be the client's retry of our own PUT whose answer was lost:
+        # the marker then names this root, and deleting it would damage the checkpoint.
+        if not created and not self._settle():
+            self.abort()
+            raise CheckpointExistsError(
+                f"{self.location} already holds a checkpoint; pass overwrite=True"
+            )
+        self._done = True
+
+    def _put_marker(self, marker: bytes) -> None:
+        try:
+            self._owner._put(self._bucket, f"{self._prefix}/{COMMIT_NAME}", marker)
+        except CheckpointError:
+            if not self._settle():
+                raise
+        self._done = True
+
+    def _settle(self) -> bool:
+        """After a marker PUT failed or was refused: does the marker name this root?
+
+        The store may have written it although its answer never arrived (a dropped
+        connection, a timeout). True: committed. False: not (``abort`` may delete the
+        root). When the marker cannot be read either, the outcome is unknown: the root
+        is kept (``abort`` leaves it; garbage collection removes it if unreferenced),
+        so a committed checkpoint is never left without its data.
+        """
+        try:
+            ours = self._owner._live_root(self._bucket, self._prefix) == self._root
+        except CheckpointError:
+            self._done = True
+            return False
+        self._done = self._done or ours
+        return ours
 
     def abort(self) -> None:
         if not self._done and self._is_owner:
