@@ -9,6 +9,7 @@ import contextlib
 import os
 import pathlib
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,67 @@ def _missing_tool(message: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+# ----------------------------------------------------------------------------- faults
+class AnswerLosingProxy:
+    """Forwards to ``upstream``; the answer to each of the first ``times`` PUTs whose
+    request line holds ``match`` is lost: the server stores the object, then the
+    connection drops before the client reads the answer."""
+
+    def __init__(self, upstream_port: int, match: bytes, times: int) -> None:
+        self._upstream, self._match = upstream_port, match
+        self.left = times  # answers still to lose
+        self.lost = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._open += [client, upstream]
+            lose = threading.Event()
+            threading.Thread(target=self._up, args=(client, upstream, lose), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, lose),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, lose: threading.Event) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                line = data.split(b"\r\n", 1)[0]
+                if line.startswith(b"PUT ") and self._match in line and self.left > 0:
+                    self.left -= 1
+                    lose.set()
+                upstream.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, upstream: socket.socket, client: socket.socket, lose: threading.Event
+              ) -> None:
+        try:
+            while data := upstream.recv(1 << 16):
+                if lose.is_set():  # the server answered: the request took effect
+                    self.lost += 1
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    upstream.close()
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self._open:
+            s.close()
 
 
 #: Azurite's documented development account (public, the same in every installation).

@@ -8,6 +8,7 @@ of moto that stops forwarding on demand.
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import socket
 import subprocess
@@ -25,6 +26,9 @@ import pytest
 import statestream as ss
 from statestream.storage import S3Options, S3Storage, set_backend
 from statestream.storage._s3 import split_url
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _emulators import AnswerLosingProxy  # noqa: E402
 
 _FAST_FAIL = dict(timeout_s=2, max_retries=1, retry_timeout_s=5)
 
@@ -91,64 +95,6 @@ class _StallingProxy:
             while data := src.recv(1 << 16):
                 if not self.stalled.is_set():
                     dst.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for s in self._open:
-            s.close()
-
-
-class _AnswerLosingProxy:
-    """Forwards to ``upstream``; the answer to each of the first ``times`` PUTs of a
-    commit marker is lost: the server stores the marker, the connection then drops."""
-
-    def __init__(self, upstream_port: int, times: int) -> None:
-        self._upstream, self._left = upstream_port, times
-        self.lost = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self._open: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._upstream))
-            self._open += [client, upstream]
-            lose = threading.Event()
-            threading.Thread(target=self._up, args=(client, upstream, lose), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, lose),
-                             daemon=True).start()
-
-    def _up(self, client: socket.socket, upstream: socket.socket, lose: threading.Event) -> None:
-        try:
-            while data := client.recv(1 << 16):
-                line = data.split(b"\r\n", 1)[0]
-                if line.startswith(b"PUT ") and b"/COMMITTED" in line and self._left > 0:
-                    self._left -= 1
-                    lose.set()
-                upstream.sendall(data)
-        except OSError:
-            pass
-
-    def _down(self, upstream: socket.socket, client: socket.socket, lose: threading.Event
-              ) -> None:
-        try:
-            while data := upstream.recv(1 << 16):
-                if lose.is_set():  # the server answered: the request took effect
-                    self.lost += 1
-                    client.shutdown(socket.SHUT_RDWR)
-                    client.close()
-                    upstream.close()
-                    return
-                client.sendall(data)
         except OSError:
             pass
 
@@ -237,7 +183,7 @@ def test_a_commit_whose_answer_is_lost_keeps_its_data(
     if overwrite:
         ss.save(url, {"w": np.zeros(4)})
     port = int(s3_server["endpoint"].rsplit(":", 1)[1])
-    proxy = _AnswerLosingProxy(port, times)
+    proxy = AnswerLosingProxy(port, b"/COMMITTED", times)
     set_backend("s3", S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
                                          **_FAST_FAIL)))
     try:
@@ -314,6 +260,32 @@ def _start_holder(url: str, endpoint: str, ttl: float) -> subprocess.Popen[str]:
         proc.kill()
         pytest.fail(f"holder did not start: {line!r} {proc.communicate()[1]}")
     return proc
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_lease_whose_create_answer_is_lost_is_still_ours(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str, times: int) -> None:
+    """The lease PUT is stored but its answer lost; the client's retry is refused by
+    the lease itself, or its answer is lost too and the retries run out. The manager
+    holds it: it must not report itself as the other holder, nor fail and leave its
+    own lease blocking the directory for lease_ttl_s."""
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    proxy = AnswerLosingProxy(port, b"/.statestream.lock HTTP", times)
+    set_backend("s3", S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                         **_FAST_FAIL)))
+    try:
+        with ss.CheckpointManager(f"{base_url}/run", async_save=False) as mgr:
+            mgr.save(1, {"w": np.arange(3.0)})
+            # still exclusive: another manager, even one of this process, is refused
+            with pytest.raises(ss.ManagerLockedError):
+                ss.CheckpointManager(f"{base_url}/run")
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    assert proxy.lost == times
+    with ss.CheckpointManager(f"{base_url}/run") as mgr:  # released on close
+        assert mgr.steps() == [1]
 
 
 @pytest.mark.timeout(180)

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _emulators import (  # noqa: E402
     AZURITE_ACCOUNT,
     AZURITE_KEY,
+    AnswerLosingProxy,
     _free_port,
     azurite_account_sas,
     azurite_create_container,
@@ -211,6 +212,30 @@ def test_an_expired_lease_is_taken_over_and_its_holder_learns_it(storage: AzureS
         storage.acquire_lease(path, holder="pid 3 on c", ttl_s=60)
     second.release()
     storage.acquire_lease(path, holder="pid 3 on c", ttl_s=60).release()
+
+
+def test_a_lease_whose_answers_are_lost_is_still_ours(storage: AzureStorage, base_url: str,
+                                                      azurite: dict[str, Any]) -> None:
+    """The lease's create and its renewal are stored but their answers lost; the
+    client's retries are refused (Azure's ETag changed with our own write). The
+    holder keeps its lease instead of taking itself for another holder."""
+    path = f"{base_url}/run/.statestream.lock"
+    port = int(azurite["endpoint"].split(":")[2].split("/")[0])
+    proxy = AnswerLosingProxy(port, b"/.statestream.lock HTTP", 1)
+    endpoint = azurite["endpoint"].replace(f":{port}/", f":{proxy.port}/")
+    via = AzureStorage(_options(azurite, endpoint=endpoint, timeout_s=2, max_retries=1,
+                                retry_timeout_s=5))
+    try:
+        lease = via.acquire_lease(path, holder="pid 1 on a", ttl_s=60)
+        proxy.left = 1
+        lease.renew()
+        assert proxy.lost == 2
+        with pytest.raises(ss.ManagerLockedError, match="held by pid 1 on a"):
+            storage.acquire_lease(path, holder="pid 1 on a", ttl_s=60)  # same holder name
+        lease.release()  # still ours: its ETag is the one the lost renewal wrote
+    finally:
+        proxy.close()
+    storage.acquire_lease(path, holder="pid 2 on b", ttl_s=60).release()
 
 
 def test_large_state_goes_up_as_block_blobs(base_url: str, azurite: dict[str, Any]) -> None:

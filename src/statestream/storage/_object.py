@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ManagerLockedError,
@@ -249,29 +250,42 @@ class ObjectStorage:
         disagree; see :meth:`_store_now`).
         """
         bucket, key = self.split_url(path)
-        body = json.dumps({"holder": holder, "ttl_s": ttl_s}).encode()
+        # a nonce makes the body ours alone: a create or renewal whose answer was lost
+        # (the client's retry refused) is recognised by it, see _version_if_ours
+        body = json.dumps({"holder": holder, "ttl_s": ttl_s,
+                           "nonce": uuid.uuid4().hex}).encode()
         for _ in range(3):
-            version = self._put_if(bucket, key, body, "create")
+            version = self._create_lease(bucket, key, body)
             if version is None:
                 version = self._take_expired(bucket, key, body, ttl_s)
             if version is not None:
                 return ObjectLease(self, bucket, key, holder, ttl_s, body, version)
         raise ManagerLockedError(f"{path} is contended: it changed hands while being taken")
 
+    def _create_lease(self, bucket: str, key: str, body: bytes) -> dict[str, str] | None:
+        """Create lease ``key``; None if it exists. A PUT that failed may have been
+        stored all the same (its answer lost): then the lease is ours."""
+        try:
+            return self._put_if(bucket, key, body, "create")
+        except CheckpointError:
+            try:
+                version = self._version_if_ours(bucket, key, body)
+            except CheckpointError:
+                version = None  # the store is still unreachable: report the first failure
+            if version is None:
+                raise
+            return version
+
     def _take_expired(self, bucket: str, key: str, body: bytes, ttl_s: float
                       ) -> dict[str, str] | None:
         """Take the existing lease ``key`` over if it expired; None if it vanished meanwhile."""
-        import obstore
-
         where = self._url(bucket, key)
-        try:
-            meta = obstore.head(self._store(bucket), key)
-            held = bytes(obstore.get(self._store(bucket), key).bytes())[:4096]
-        except Exception as exc:
-            err = self._map_error(exc, f"reading {where}")
-            if isinstance(err, CheckpointNotFoundError):
-                return None  # released meanwhile: try to create it again
-            raise err from exc
+        got = self._read_lease(bucket, key)
+        if got is None:
+            return None  # released meanwhile: try to create it again
+        meta, held = got
+        if held == body:  # our own create, whose answer was lost (its retry refused)
+            return version_of(meta)
         holder, held_ttl = parse_lease(held, ttl_s)
         age = self._store_now(bucket, key) - meta["last_modified"].timestamp()
         if age <= held_ttl + LEASE_SLACK_S:
@@ -280,6 +294,25 @@ class ObjectStorage:
                 f"(lease of {held_ttl:g} s)"
             )
         return self._put_if(bucket, key, body, version_of(meta))
+
+    def _read_lease(self, bucket: str, key: str) -> tuple[Any, bytes] | None:
+        """(metadata, body) of the lease object ``key`` from one GET; None if absent."""
+        import obstore
+
+        try:
+            got = obstore.get(self._store(bucket), key)
+            return got.meta, bytes(got.bytes())[:4096]
+        except Exception as exc:
+            err = self._map_error(exc, f"reading {self._url(bucket, key)}")
+            if isinstance(err, CheckpointNotFoundError):
+                return None
+            raise err from exc
+
+    def _version_if_ours(self, bucket: str, key: str, body: bytes) -> dict[str, str] | None:
+        """The version of lease ``key`` if it holds exactly ``body`` (nonce included):
+        a conditional PUT refused only because its own first attempt had succeeded."""
+        got = self._read_lease(bucket, key)
+        return version_of(got[0]) if got is not None and got[1] == body else None
 
     def _store_now(self, bucket: str, key: str) -> float:
         """The store's clock now: the Last-Modified of a probe object written beside

@@ -39,6 +39,8 @@ class ObjectLease:
 
     def renew(self) -> None:
         version = self._owner._put_if(self._bucket, self._key, self._body, self._version)
+        if version is None:  # refused: taken over, or our own renewal whose answer was lost
+            version = self._owner._version_if_ours(self._bucket, self._key, self._body)
         if version is None:
             raise ManagerLockedError(
                 f"{self._owner._url(self._bucket, self._key)} expired and was taken over by "
