@@ -50,12 +50,13 @@ def _missing_tool(message: str) -> None:
 
 # ----------------------------------------------------------------------------- faults
 class AnswerLosingProxy:
-    """Forwards to ``upstream``; the answer to each of the first ``times`` PUTs whose
-    request line holds ``match`` is lost: the server stores the object, then the
-    connection drops before the client reads the answer."""
+    """Forwards to ``upstream``; the answer to each of the first ``times`` requests
+    (PUTs unless ``method`` says otherwise) whose request line holds ``match`` is lost:
+    the server acts on it, then the connection drops before the client reads the answer."""
 
-    def __init__(self, upstream_port: int, match: bytes, times: int) -> None:
-        self._upstream, self._match = upstream_port, match
+    def __init__(self, upstream_port: int, match: bytes, times: int, method: bytes = b"PUT"
+                 ) -> None:
+        self._upstream, self._match, self._method = upstream_port, match, method + b" "
         self.left = times  # answers still to lose
         self.lost = 0
         self.sock = socket.socket()
@@ -82,7 +83,7 @@ class AnswerLosingProxy:
         try:
             while data := client.recv(1 << 16):
                 line = data.split(b"\r\n", 1)[0]
-                if line.startswith(b"PUT ") and self._match in line and self.left > 0:
+                if line.startswith(self._method) and self._match in line and self.left > 0:
                     self.left -= 1
                     lose.set()
                 upstream.sendall(data)

@@ -196,6 +196,37 @@ def test_a_commit_whose_answer_is_lost_keeps_its_data(
     assert storage.leftovers(base_url) == []  # an overwritten root is gone as usual
 
 
+@pytest.mark.timeout(120)
+def test_verify_raises_a_store_failure_instead_of_reporting_damage(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreachable store says nothing about the checkpoint's bytes: ss.verify raises
+    the StorageError and `statestream verify` exits 2 (an error), not 1 (DAMAGED)."""
+    from statestream.cli import main
+
+    url = f"{base_url}/ckpt"
+    ss.save(url, {"w": np.arange(100.0)})
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    proxy = AnswerLosingProxy(port, b"/data/", 100, method=b"HEAD")  # the data objects' sizes
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]  # nothing listens there once closed
+    try:
+        for where in (proxy.port, dead):
+            set_backend("s3", S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{where}",
+                                                 **_FAST_FAIL)))
+            with pytest.raises(ss.StorageError):
+                ss.verify(url)
+            assert main(["verify", url]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and "DAMAGED" not in err, err
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    assert proxy.lost > 0
+    assert ss.verify(url).ok
+
+
 # ----------------------------------------------------------------------------- configuration
 def _moto(port: int = 0) -> Any:
     from moto.server import ThreadedMotoServer

@@ -11,7 +11,7 @@ from statestream._gc import gc_paused
 from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import CheckpointCorruptError, CheckpointError
+from statestream.errors import CheckpointCorruptError, CheckpointError, StorageError
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, plan_verify
@@ -174,6 +174,11 @@ def verify(
     list. A checkpoint whose manifest cannot be read
     at all is reported as one problem.
 
+    Raises:
+        StorageError: the store could not be read (unreachable, a timeout, access
+            denied, a missing bucket): that says nothing about the checkpoint's
+            bytes, so it is not reported as damage.
+
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
         >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -186,6 +191,8 @@ def verify(
     report = VerifyReport(path=os.fspath(path))
     try:
         reader, m = open_checkpoint(path)
+    except StorageError:
+        raise  # the store failed, not the checkpoint
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report
@@ -196,6 +203,8 @@ def verify(
         for f in m.files:
             try:
                 size = reader.file_size(f.name)
+            except StorageError:
+                raise
             except CheckpointError as exc:
                 report.problems.append(str(exc))
                 continue
