@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     TruncatedFileError,
     UnsafeCheckpointError,
@@ -55,11 +56,28 @@ class ObjectReader:
             validate_file_name(name)
         return f"{self._prefix}/{self._root}/{name}"
 
+    def _gone(self, where: str) -> TruncatedFileError:
+        """The error for object ``where`` of this checkpoint that is not there: overwritten
+        (or deleted) since this reader read the marker, else damage."""
+        try:
+            now = self._owner._live_root(self._bucket, self._prefix)
+        except CheckpointError:
+            now = self._root  # cannot tell: report what is known
+        if now != self._root:
+            state = "now names another save" if now else "is gone"
+            return TruncatedFileError(
+                f"{where} is gone: {self.location} was overwritten or deleted while being "
+                f"read (its {COMMIT_NAME} marker {state}); load it again"
+            )
+        return TruncatedFileError(f"{where} is missing; the checkpoint is damaged")
+
     def read_bytes(self, name: str, max_bytes: int) -> bytes:
         if name == COMMIT_NAME:
             return self._marker
-        data = self._owner._get_small(self._bucket, self._key(name), max_bytes)
-        assert data is not None
+        key = self._key(name)
+        data = self._owner._get_small(self._bucket, key, max_bytes, missing_ok=True)
+        if data is None:
+            raise self._gone(self._owner._url(self._bucket, key))
         return data
 
     def file_size(self, name: str) -> int:
@@ -75,9 +93,7 @@ class ObjectReader:
         except Exception as exc:
             err = self._owner._map_error(exc, where)
             if isinstance(err, CheckpointNotFoundError):
-                raise TruncatedFileError(
-                    f"data object {where} is missing; the checkpoint is damaged"
-                ) from None
+                raise self._gone(f"data object {where}") from None
             raise err from exc
         with self._lock:
             self._sizes[name] = size
@@ -103,7 +119,10 @@ class ObjectReader:
             got = obstore.get_range(self._owner._store(self._bucket), key, start=offset,
                                     length=total)
         except Exception as exc:
-            raise self._owner._map_error(exc, f"reading {where}") from exc
+            err = self._owner._map_error(exc, f"reading {where}")
+            if isinstance(err, CheckpointNotFoundError):  # its size was known: it vanished
+                raise self._gone(f"data object {where}") from None
+            raise err from exc
         src = np.frombuffer(memoryview(got), dtype=np.uint8)
         if src.nbytes != total:
             raise TruncatedFileError(f"short read of {where}")
