@@ -434,3 +434,35 @@ def test_manager_removes_its_unreferenced_roots_when_it_opens(storage: S3Storage
         assert storage.leftovers(url) == []
         assert mgr.steps() == [1]
         np.testing.assert_array_equal(mgr.load()["w"], np.arange(3))
+
+
+def test_a_damaged_commit_marker_is_a_damaged_step_never_garbage(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    """A COMMITTED marker that is there but unreadable: the step is listed (and refused
+    as damaged when read), a manager goes back past it, and neither the manager's
+    cleanup nor gc takes its data for a killed save's leftovers (it deleted it all)."""
+    from statestream.storage import collect_garbage
+
+    client, bucket = s3_server["client"], s3_server["bucket"]
+    d = f"{base_url}/run"
+    with ss.CheckpointManager(d, async_save=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"w": np.arange(100.0) + s, "step": s})
+    _, prefix = split_url(d)
+    marker = f"{prefix}/step_0000000002/COMMITTED"
+
+    def objects() -> list[str]:
+        got = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step_0000000002/")
+        return sorted(o["Key"] for o in got.get("Contents", []))
+
+    client.put_object(Bucket=bucket, Key=marker, Body=b"{not json")
+    before = objects()
+    assert len(before) >= 3  # the marker, the manifest, data
+    with ss.CheckpointManager(d) as mgr:  # opening cleans up leftovers
+        assert mgr.steps() == [1, 2]
+        with pytest.warns(RuntimeWarning, match="step 2 .* is damaged, loading step 1"):
+            assert mgr.load()["step"] == 1
+    assert collect_garbage(storage, d, max_age_s=0) == []
+    assert objects() == before
+    with pytest.raises(ss.CheckpointCorruptError, match="commit marker"):
+        ss.load(f"{d}/step_0000000002")

@@ -41,6 +41,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, MAX_COMMIT_BYTES
 from statestream.storage._base import Leftover, StorageCapabilities
 from statestream.storage._object_config import (
+    DAMAGED_MARKER,
     ROOT_RE,
     TransferOptions,
     check_transfer_options,
@@ -205,15 +206,18 @@ class ObjectStorage:
             raise self._map_error(exc, f"accessing {self._url(bucket)}") from exc
 
     def _live_root(self, bucket: str, prefix: str) -> str | None:
+        """The root the commit marker at ``prefix`` names; None without a marker;
+        :data:`DAMAGED_MARKER` for a marker that names no valid root (the checkpoint is
+        there but damaged: listed, refused when read, and none of its data is garbage)."""
         data = self._get_small(bucket, f"{prefix}/{COMMIT_NAME}", MAX_COMMIT_BYTES,
                                missing_ok=True)
         if data is None:
             return None
         try:
             root = json.loads(data).get("root")
-        except (ValueError, AttributeError):
-            return None
-        return root if isinstance(root, str) and ROOT_RE.match(root) else None
+        except (ValueError, AttributeError, RecursionError):
+            return DAMAGED_MARKER
+        return root if isinstance(root, str) and ROOT_RE.match(root) else DAMAGED_MARKER
 
     def _delete_prefix(self, bucket: str, prefix: str) -> None:
         import obstore
@@ -357,16 +361,22 @@ class ObjectStorage:
         except Exception as exc:
             raise self._map_error(exc, f"listing {parent}") from exc
         live = {name: self._live_root(bucket, f"{prefix}/{name}") for name, _ in roots}
+        # a damaged marker cannot say which root is live: none of them is garbage
         return [Leftover(self._url(bucket, f"{prefix}/{name}/{root}"), name, None, when)
-                for (name, root), when in sorted(roots.items()) if live[name] != root]
+                for (name, root), when in sorted(roots.items())
+                if live[name] not in (root, DAMAGED_MARKER)]
 
     def remove_leftover(self, leftover: Leftover) -> None:
         bucket, key = self.split_url(leftover.path)
         checkpoint, _, root = key.rpartition("/")
         if not ROOT_RE.match(root) or not checkpoint:
             raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
-        if self._live_root(bucket, checkpoint) == root:
+        live = self._live_root(bucket, checkpoint)
+        if live == root:
             raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
+        if live == DAMAGED_MARKER:
+            raise StorageError(f"the commit marker of {self._url(bucket, checkpoint)} is "
+                               f"damaged, so {leftover.path} may be its data; not removing it")
         self._delete_prefix(bucket, key + "/")
 
     # -- Storage protocol ------------------------------------------------------------

@@ -10,10 +10,14 @@ from typing import Any
 
 from statestream.errors import StorageError
 
-__all__ = ["ROOT_RE", "TransferOptions", "check_transfer_options", "client_and_retry",
-           "env_client_options", "redact", "split_object_url", "version_of"]
+__all__ = ["DAMAGED_MARKER", "ROOT_RE", "TransferOptions", "check_transfer_options",
+           "client_and_retry", "env_client_options", "redact", "split_object_url", "version_of"]
 
 ROOT_RE = re.compile(r"^[0-9a-f]{32}$")
+
+#: What ObjectStorage._live_root answers for a commit marker that is there but names
+#: no valid root (not a root name: those are 32 hex digits).
+DAMAGED_MARKER = "damaged"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

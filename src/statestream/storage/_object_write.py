@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from statestream.errors import CheckpointError, CheckpointExistsError, StorageError
 from statestream.format import COMMIT_NAME
 from statestream.storage._base import Buffer, check_member_name
+from statestream.storage._object_config import DAMAGED_MARKER
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -99,7 +100,7 @@ class ObjectTxn:
             return
         old = self._owner._live_root(self._bucket, self._prefix)
         self._put_marker(marker)
-        if old is not None and old != self._root:
+        if old is not None and old not in (self._root, DAMAGED_MARKER):
             self._owner._delete_prefix(self._bucket, f"{self._prefix}/{old}/")
 
     def _commit_new(self, marker: bytes) -> None:
