@@ -86,7 +86,9 @@ class JaxProvider(ArrayProvider):
             if box not in held and math.prod(box[1]) > 0:
                 held[box] = sh
         host: dict[tuple[int, ...], np.ndarray] = {}
-        first = prepare_host_array(np.asarray(order[0].data), path, self.kind)
+        # the dtype checked and named on an empty host array: reading a shard here
+        # (a device-to-host copy on a GPU) only for its dtype was a second copy
+        first = prepare_host_array(np.empty((0,), dtype=np.dtype(obj.dtype)), path, self.kind)
         boxes = list(held)
         by_start = {b[0]: sh for b, sh in held.items()}
 
