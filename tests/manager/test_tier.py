@@ -268,3 +268,14 @@ def test_a_failed_persistence_is_raised_and_retried_by_the_next_manager(tmp_path
         mgr.wait()
         assert mgr.persisted_steps() == [1, 2]
         _equal(mgr.load(1), state_at(1))
+
+
+def test_the_local_tier_cannot_be_the_directory_itself(tmp_path):
+    persist = tmp_path / "persist"
+    os.makedirs(persist)
+    os.symlink(persist, tmp_path / "link")
+    for local in (persist, tmp_path / "link"):  # the same directory, by another name too
+        with pytest.raises(ss.InvalidOptionError, match="is the checkpoint directory itself"):
+            ss.CheckpointManager(str(persist), local_tier=str(local))
+    with ss.CheckpointManager(str(persist), local_tier=str(tmp_path / "local")) as mgr:
+        assert mgr.save(1, state_at(1))  # the failed managers held no lease

@@ -52,6 +52,13 @@ __all__ = ["LocalTier"]
 _RECORD = ".persisted"
 
 
+def _identity(persistent: StepDirectory) -> str:
+    """``persistent`` as compared with the local tier (a local path without links)."""
+    if isinstance(persistent.storage, LocalStorage):
+        return os.path.realpath(persistent.directory)
+    return persistent.directory
+
+
 class LocalTier:
     """The local steps of a manager and their persistence to its directory.
 
@@ -89,14 +96,28 @@ class LocalTier:
         self._base_of: dict[int, int | None] = {}
         self.lease: DirectoryLease | None = None
         if leader:
-            try:
-                os.makedirs(path, exist_ok=True)
-            except OSError as exc:
-                raise storage_error(f"cannot create the local tier {path}: {exc}", exc) from exc
-            self.lease = DirectoryLease(storage, path, self.dir.lease_path(), 60.0)
+            self._open_as_leader(storage)
+
+    def _open_as_leader(self, storage: LocalStorage) -> None:
+        """Take the local lease and clean the tier up."""
+        if (isinstance(self.persistent.storage, LocalStorage)
+                and os.path.realpath(self.root) == _identity(self.persistent)):
+            raise InvalidOptionError(
+                f"local_tier {self.root} is the checkpoint directory itself; give the "
+                "local tier a directory of its own on the node's local disk")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise storage_error(f"cannot create the local tier {self.root}: {exc}",
+                                exc) from exc
+        self.lease = DirectoryLease(storage, self.root, self.dir.lease_path(), 60.0)
+        try:
             self.lease.check()  # a local tier that cannot be written is no tier
             self.dir.remove_leftovers()
             self._forget_orphan_records()
+        except BaseException:
+            self.lease.release()  # a tier that failed to open holds nothing
+            raise
 
     # ------------------------------------------------------------------ state
     def path(self, step: int) -> str:
