@@ -279,3 +279,29 @@ def test_the_local_tier_cannot_be_the_directory_itself(tmp_path):
             ss.CheckpointManager(str(persist), local_tier=str(local))
     with ss.CheckpointManager(str(persist), local_tier=str(tmp_path / "local")) as mgr:
         assert mgr.save(1, state_at(1))  # the failed managers held no lease
+
+
+def test_two_runs_cannot_share_a_local_tier(tmp_path):
+    local = str(tmp_path / "local")
+    run_a, run_b = str(tmp_path / "a"), str(tmp_path / "b")
+    with ss.CheckpointManager(run_a, local_tier=local, async_save=False) as mgr:
+        mgr.save(5, state_at(5))
+    # run b would list and load run a's step 5 as its own latest step
+    with pytest.raises(ss.InvalidOptionError, match=r"holds steps \[5\] of the checkpoint "
+                       rf"directory {run_a} .*not of {run_b}"):
+        ss.CheckpointManager(run_b, local_tier=local)
+    os.symlink(run_a, tmp_path / "link")
+    with ss.CheckpointManager(str(tmp_path / "link"), local_tier=local) as mgr:
+        assert mgr.steps() == [5]  # run a by another name is run a
+        _equal(mgr.load(), state_at(5))
+    with ss.CheckpointManager(run_b) as mgr:  # the refused manager held no lease
+        assert mgr.steps() == []
+    # a tier whose steps are all gone can serve another run
+    for name in os.listdir(local):
+        if name.startswith("step_") and "." not in name:
+            ss.storage.LocalStorage().delete(os.path.join(local, name))
+    with ss.CheckpointManager(run_b, local_tier=local, async_save=False) as mgr:
+        assert mgr.steps() == []
+        mgr.save(1, state_at(1))
+    with pytest.raises(ss.InvalidOptionError, match=r"holds steps \[1\]"):
+        ss.CheckpointManager(run_a, local_tier=local)

@@ -8,7 +8,10 @@ Layout of the local tier (a local directory, one per node):
 - ``step_<N>.persisted``: an empty file written once ``step_<N>`` is
   committed in the persistent directory (so a step the persistent keep policy
   already deleted is never persisted again);
-- ``.statestream.lock``: the local lease (``flock``) of the node's manager.
+- ``.statestream.lock``: the local lease (``flock``) of the node's manager;
+- ``.statestream-directory``: the persistent directory this tier belongs to
+  (a tier holding another directory's steps is refused, so a run never lists,
+  loads or persists another run's steps).
 
 Persisting a step copies its files to ``directory/step_<N>`` with every
 chunk's checksum verified on the way, and commits there last
@@ -50,10 +53,12 @@ from statestream.storage import LocalStorage, storage_for
 __all__ = ["LocalTier"]
 
 _RECORD = ".persisted"
+#: The file naming the persistent directory a local tier's steps belong to.
+OWNER_NAME = ".statestream-directory"
 
 
 def _identity(persistent: StepDirectory) -> str:
-    """``persistent`` as compared with the local tier (a local path without links)."""
+    """``persistent`` as the tier's owner file names it (a local path without links)."""
     if isinstance(persistent.storage, LocalStorage):
         return os.path.realpath(persistent.directory)
     return persistent.directory
@@ -99,7 +104,7 @@ class LocalTier:
             self._open_as_leader(storage)
 
     def _open_as_leader(self, storage: LocalStorage) -> None:
-        """Take the local lease and clean the tier up."""
+        """Take the local lease, check the tier is this directory's, clean it up."""
         if (isinstance(self.persistent.storage, LocalStorage)
                 and os.path.realpath(self.root) == _identity(self.persistent)):
             raise InvalidOptionError(
@@ -113,11 +118,39 @@ class LocalTier:
         self.lease = DirectoryLease(storage, self.root, self.dir.lease_path(), 60.0)
         try:
             self.lease.check()  # a local tier that cannot be written is no tier
+            self._claim()
             self.dir.remove_leftovers()
             self._forget_orphan_records()
         except BaseException:
             self.lease.release()  # a tier that failed to open holds nothing
             raise
+
+    def _claim(self) -> None:
+        """Record that this tier's steps belong to the persistent directory.
+
+        Raises:
+            InvalidOptionError: the tier holds committed steps of another
+                directory (another run, or a directory that moved).
+        """
+        path = os.path.join(self.root, OWNER_NAME)
+        want = _identity(self.persistent)
+        try:
+            with open(path) as f:
+                owner: str | None = f.read()
+        except FileNotFoundError:
+            owner = None  # a new tier (or one made before the owner file existed)
+        except OSError as exc:
+            raise storage_error(f"cannot read {path}: {exc}", exc) from exc
+        if owner == want:
+            return
+        held = self.steps()
+        if owner is not None and held:
+            raise InvalidOptionError(
+                f"the local tier {self.root} holds steps {held} of the checkpoint directory "
+                f"{owner} (recorded in {path}), not of {want}: two runs cannot share a "
+                f"local tier. Give this run another local_tier, or remove {self.root} once "
+                f"{owner} holds every step it needs")
+        _write_file(path, want)
 
     # ------------------------------------------------------------------ state
     def path(self, step: int) -> str:
@@ -366,3 +399,16 @@ class LocalTier:
     def close(self) -> None:
         if self.lease is not None:
             self.lease.release()
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write ``path`` atomically and durably (under the local lease: one writer)."""
+    tmp = f"{path}.new"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise storage_error(f"cannot write {path}: {exc}", exc) from exc
