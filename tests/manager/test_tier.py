@@ -305,3 +305,43 @@ def test_two_runs_cannot_share_a_local_tier(tmp_path):
         mgr.save(1, state_at(1))
     with pytest.raises(ss.InvalidOptionError, match=r"holds steps \[1\]"):
         ss.CheckpointManager(run_a, local_tier=local)
+
+
+def test_a_forced_save_counts_as_persisted_only_once_its_new_copy_is(tmp_path):
+    with _mgr(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        _hooks.register("tier.persist", _store_down)
+        try:
+            mgr.save(1, state_at(2), force=True)
+            with pytest.raises(ss.StorageError, match="down"):
+                mgr.wait()
+        finally:
+            _hooks.clear()
+    with _mgr(tmp_path) as mgr:  # the next manager persists the new copy
+        mgr.wait()
+        _equal(mgr.load(1), state_at(2))
+    _equal(ss.load(str(tmp_path / "persist" / "step_0000000001")), state_at(2))
+    assert os.listdir(tmp_path / "local").count("step_0000000001.persisted") == 1
+    assert not glob.glob(str(tmp_path / "local" / "step_*.unpersisted"))
+
+
+def test_an_incremental_step_after_a_forced_save_persists_its_new_base(tmp_path):
+    with _mgr(tmp_path, async_save=False, incremental=True) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.wait()
+        _hooks.register("tier.persist", _store_down)
+        try:
+            mgr.save(1, state_at(2), force=True)
+            with pytest.raises(ss.StorageError, match="down"):
+                mgr.wait()
+        finally:
+            _hooks.clear()
+        mgr.save(2, state_at(2))  # refers to step 1's new chunks (all of them)
+        mgr.wait()
+    for s in (1, 2):  # step 1's new copy went first: step 2's references hold there
+        _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(2))
+
+
+def _store_down() -> None:
+    raise ss.StorageError("the object store is down (injected)")

@@ -397,8 +397,8 @@ class CheckpointManager:
         overwrite = target.is_committed(step)
         base_step = self._base_for(step)
         base = None if base_step is None else target.path(base_step)
-        if self._tier is not None and overwrite:
-            self._tier.forget_persisted(step)
+        if self._tier is not None and (overwrite or force):
+            self._tier.forget_persisted(step)  # the directory may hold an older copy
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,

@@ -8,6 +8,9 @@ Layout of the local tier (a local directory, one per node):
 - ``step_<N>.persisted``: an empty file written once ``step_<N>`` is
   committed in the persistent directory (so a step the persistent keep policy
   already deleted is never persisted again);
+- ``step_<N>.unpersisted``: an empty file written before ``step_<N>`` is saved
+  again (``force``) while ``directory`` may hold its older copy: until the new
+  copy is persisted, that older copy does not count as persisted;
 - ``.statestream.lock``: the local lease (``flock``) of the node's manager;
 - ``.statestream-directory``: the persistent directory this tier belongs to
   (a tier holding another directory's steps is refused, so a run never lists,
@@ -53,6 +56,8 @@ from statestream.storage import LocalStorage, storage_for
 __all__ = ["LocalTier"]
 
 _RECORD = ".persisted"
+#: Marks a step saved again locally: the persistent directory's copy is outdated.
+_REPLACED = ".unpersisted"
 #: The file naming the persistent directory a local tier's steps belong to.
 OWNER_NAME = ".statestream-directory"
 
@@ -166,9 +171,18 @@ class LocalTier:
     def _record(self, step: int) -> str:
         return self.dir.path(step) + _RECORD
 
+    def _replaced(self, step: int) -> str:
+        return self.dir.path(step) + _REPLACED
+
     def is_persisted(self, step: int) -> bool:
-        """Committed in the persistent directory now, or was (the record)."""
-        return os.path.exists(self._record(step)) or self.persistent.is_committed(step)
+        """Committed in the persistent directory now, or was (the record); a step
+        saved again locally counts only once its new copy is persisted."""
+        return os.path.exists(self._record(step)) or self._current_in_persistent(step)
+
+    def _current_in_persistent(self, step: int) -> bool:
+        """The persistent directory holds ``step`` as the local tier holds it."""
+        return (not os.path.exists(self._replaced(step))
+                and self.persistent.is_committed(step))
 
     def pending_steps(self) -> set[int]:
         """Steps whose persistence is queued or running."""
@@ -183,22 +197,21 @@ class LocalTier:
     def _forget_orphan_records(self) -> None:
         committed = set(self.steps())
         for name in os.listdir(self.root):
-            if name.endswith(_RECORD):
-                step = parse_step(name[: -len(_RECORD)])
-                if step is not None and step not in committed:
-                    os.unlink(os.path.join(self.root, name))
+            for suffix in (_RECORD, _REPLACED):
+                if name.endswith(suffix):
+                    step = parse_step(name[: -len(suffix)])
+                    if step is not None and step not in committed:
+                        os.unlink(os.path.join(self.root, name))
 
     # ------------------------------------------------------------------ persistence
     def forget_persisted(self, step: int) -> None:
-        """``step`` is about to be saved again: its new copy is not persisted yet."""
+        """``step`` is about to be saved again: its new copy is not persisted yet,
+        whatever copy the persistent directory holds (a crash or a failed
+        persistence leaves the marker; the next persistence replaces that copy)."""
         self.retention.forget(step)
         if self._leader:
-            try:
-                os.unlink(self._record(step))
-            except FileNotFoundError:
-                pass  # never persisted: nothing to forget
-            except OSError as exc:
-                raise storage_error(f"cannot reset {self._record(step)}: {exc}", exc) from exc
+            _unlink(self._record(step))  # first: a crash in between leaves the old copies
+            _write_file(self._replaced(step), "")
 
     def persist(self, step: int, after: SaveHandle | None = None,
                 base: int | None = None) -> TaskHandle:
@@ -234,6 +247,7 @@ class LocalTier:
                         collective=self._coll, files=self._files)
         if self._leader:
             self._write_record(step)
+            _unlink(self._replaced(step))  # after the record: the step counts as persisted
 
     def _agreed_missing_bases(self, step: int) -> list[int]:
         """:meth:`missing_bases` as rank 0 of the persistence channel sees it."""
@@ -267,7 +281,7 @@ class LocalTier:
                     f"cannot persist step {step}: the manifest of {self.path(s)} cannot be "
                     "read, so what it refers to is unknown")
             for b in bases:
-                if b in need or self.persistent.is_committed(b):
+                if b in need or self._current_in_persistent(b):
                     continue  # committed there: the directory keeps what it refers to
                 if not self.is_committed(b):
                     raise CheckpointError(
@@ -390,10 +404,8 @@ class LocalTier:
         protected |= {b for b in self._base_of.values() if b is not None}
         dropped = self.retention.apply(protected)
         for s in dropped:
-            try:
-                os.unlink(self._record(s))
-            except FileNotFoundError:
-                pass  # never written (persisted by another manager, seen in the directory)
+            _unlink(self._record(s))
+            _unlink(self._replaced(s))
         return dropped
 
     def close(self) -> None:
@@ -412,3 +424,13 @@ def _write_file(path: str, text: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         raise storage_error(f"cannot write {path}: {exc}", exc) from exc
+
+
+def _unlink(path: str) -> None:
+    """Remove ``path`` if it is there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # never written, or already gone: nothing to remove
+    except OSError as exc:
+        raise storage_error(f"cannot remove {path}: {exc}", exc) from exc
