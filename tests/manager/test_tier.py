@@ -345,3 +345,35 @@ def test_an_incremental_step_after_a_forced_save_persists_its_new_base(tmp_path)
 
 def _store_down() -> None:
     raise ss.StorageError("the object store is down (injected)")
+
+
+def test_an_earlier_attempts_local_steps_are_dropped_not_loaded_or_persisted(tmp_path):
+    """Node A saved steps 1 and 2 and never persisted them; the run went on from
+    node B, which saved step 1 again; then the run comes back to A."""
+    persist, node_a = str(tmp_path / "persist"), str(tmp_path / "node-a")
+    _hooks.register("tier.persist", _store_down)
+    try:
+        mgr = ss.CheckpointManager(persist, local_tier=node_a, async_save=False,
+                                   incremental=True)
+        mgr.save(1, state_at(1))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.wait()
+        mgr.save(2, state_at(2))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.close()
+    finally:
+        _hooks.clear()
+    with ss.CheckpointManager(persist, local_tier=str(tmp_path / "node-b"),
+                              incremental=True) as mgr:
+        assert mgr.steps() == []  # node A's steps never reached the directory
+        mgr.save(1, state_at(11))
+    with pytest.warns(RuntimeWarning, match=r"step 1 as another save.*steps \[1, 2\]"):
+        mgr = ss.CheckpointManager(persist, local_tier=node_a, incremental=True)
+    with mgr:
+        mgr.wait()
+        assert mgr.steps() == [1]  # node A's step 2 is not persisted into the run
+        _equal(mgr.load(1), state_at(11))
+        mgr.save(2, state_at(12))  # refers to the directory's step 1, not A's old one
+    assert ss.CheckpointManager(persist).steps() == [1, 2]
+    for s in (1, 2):
+        _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(10 + s))

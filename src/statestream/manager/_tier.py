@@ -126,6 +126,7 @@ class LocalTier:
             self._claim()
             self.dir.remove_leftovers()
             self._forget_orphan_records()
+            self._drop_stale()
         except BaseException:
             self.lease.release()  # a tier that failed to open holds nothing
             raise
@@ -202,6 +203,37 @@ class LocalTier:
                     step = parse_step(name[: -len(suffix)])
                     if step is not None and step not in committed:
                         os.unlink(os.path.join(self.root, name))
+
+    def _drop_stale(self) -> None:
+        """Remove the local steps from the oldest one that the persistent directory
+        holds as another save on: an earlier attempt's copies on a node the run
+        moved away from (the run went on from an older step elsewhere and saved
+        that step again). They are no longer the run's history: never loaded,
+        persisted or used as a base."""
+        steps = self.steps()
+        first = next((s for s in steps if self._is_stale(s)), None)
+        if first is None:
+            return
+        stale = [s for s in steps if s >= first]
+        warnings.warn(
+            f"the local tier {self.root} holds step {first} as another save than "
+            f"{self.persistent.directory} holds: the local steps {stale} are an earlier "
+            "attempt's, removed (a step the directory holds loads from there)",
+            RuntimeWarning, stacklevel=2)
+        for s in reversed(stale):  # newest first: no dangling reference
+            self.dir.delete(s)
+            _unlink(self._record(s))
+            self.retention.forget(s)
+
+    def _is_stale(self, step: int) -> bool:
+        """The persistent directory holds ``step`` committed as another save."""
+        if os.path.exists(self._replaced(step)) or not self.persistent.is_committed(step):
+            return False  # saved again here (newer), or the local copy is the only one
+        try:
+            here, there = metadata(self.path(step)), metadata(self.persistent.path(step))
+        except CheckpointError:
+            return False  # unreadable: a load of it falls back or says what is wrong
+        return here.meta != there.meta
 
     # ------------------------------------------------------------------ persistence
     def forget_persisted(self, step: int) -> None:
