@@ -97,3 +97,23 @@ def test_a_checkpoint_manager_step_reads_its_one_item(tmp_path: Path) -> None:
     with pytest.raises(ss.CheckpointError, match=r"items extra, state; pass one item"):
         ss.load(tmp_path / "two" / "1")
     assert ss.load(tmp_path / "two" / "1" / "state")["w"].tobytes() == w.tobytes()
+
+
+def test_a_0d_array_round_trips_through_orbax_as_0d(tmp_path: Path) -> None:
+    """Step counters and scalar losses are 0-d: reading an Orbax checkpoint (or one
+    converted to Orbax) keeps their shape () instead of making them shape (1,)."""
+    pytest.importorskip("orbax.checkpoint")
+    state = {"count": np.array(7, np.int32), "loss": np.array(0.25, np.float64),
+             "w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    ss.save(tmp_path / "ck", state)
+    ss.convert(tmp_path / "ck", tmp_path / "o", to="orbax")
+    assert ss.metadata(tmp_path / "o").tree["count"].shape == ()
+    out = ss.load(tmp_path / "o")
+    for k, v in state.items():
+        assert out[k].shape == v.shape and out[k].dtype == v.dtype
+        assert out[k].tobytes() == v.tobytes()
+    into = ss.load(tmp_path / "o", {k: np.zeros_like(v) for k, v in state.items()},
+                   in_place=True)
+    assert into["count"].shape == () and int(into["count"]) == 7
+    ss.convert(tmp_path / "o", tmp_path / "back")
+    assert ss.load(tmp_path / "back")["loss"].shape == ()

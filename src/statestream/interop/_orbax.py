@@ -90,7 +90,7 @@ def _node(x: Any, p: KeyPath, arrays: list[ArrayEntry], memory: dict[str, memory
         raise UnsupportedTypeError(
             f"key path '{format_keypath(p)}' holds a {type(x).__name__} restored by orbax, "
             "which statestream cannot represent")
-    a = np.ascontiguousarray(np.asarray(x))
+    a = np.require(np.asarray(x), requirements="C")  # ascontiguousarray makes 0-d 1-d
     name = dtype_name(a.dtype)
     if name is None:
         raise UnsupportedTypeError(f"key path '{format_keypath(p)}' has dtype {a.dtype}, "
