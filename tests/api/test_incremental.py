@@ -286,6 +286,38 @@ def test_a_base_replaced_behind_the_writers_back_is_read_again(tmp_path: Path) -
     _check(ss.load(tmp_path / "s2"), other)
 
 
+def test_a_base_whose_own_base_is_gone_is_not_referred_through(tmp_path: Path) -> None:
+    """References are flattened, so a save against s2 would refer to s1's chunks: with s1
+    deleted, those chunks are written (with a warning naming both), never committed as
+    references nothing can follow."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    s["lora"] = s["lora"] + 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")  # 'frozen' refers to s1
+    shutil.rmtree(tmp_path / "s1")
+    s["step"] = 3
+    with pytest.warns(RuntimeWarning, match=r"base checkpoint s2 .* s1 .* is missing"):
+        ss.save(tmp_path / "s3", s, base=tmp_path / "s2")
+    assert _manifest(tmp_path / "s3")["bases"] == ["s2"]  # 'lora', held by s2
+    assert _data_bytes(tmp_path / "s3") == s["frozen"].nbytes
+    _check(ss.load(tmp_path / "s3"), s)
+
+
+def test_a_base_whose_own_base_was_replaced_is_not_referred_through(tmp_path: Path) -> None:
+    """s1 overwritten with other bytes: s2's references into it no longer hold, so a save
+    against s2 writes those chunks; the chunks s2 holds itself are still referred to."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    s["lora"] = s["lora"] + 1
+    ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    ss.save(tmp_path / "s1", _state(seed=9), hashes=True, overwrite=True)
+    with pytest.warns(RuntimeWarning, match="no longer list those chunks"):
+        ss.save(tmp_path / "s3", s, base=tmp_path / "s2")
+    assert _manifest(tmp_path / "s3")["bases"] == ["s2"]  # 'lora', held by s2
+    assert _data_bytes(tmp_path / "s3") == s["frozen"].nbytes
+    _check(ss.load(tmp_path / "s3"), s)
+
+
 def test_golden_v2_incremental_loads_through_its_base() -> None:
     """The format's golden incremental checkpoint (tests/golden/v2) reads through ``base``."""
     golden = Path(__file__).resolve().parents[1] / "golden" / "v2"

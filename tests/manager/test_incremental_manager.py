@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,26 @@ def test_overwriting_the_latest_step_never_refers_to_itself(tmp_path: Path) -> N
         assert _bases(d, 2) == [1]
         got = mgr.load(2)
         np.testing.assert_array_equal(got["lora"], state_at(3)["lora"])
+
+
+def test_a_step_deleted_by_hand_is_not_referred_to_by_the_next_steps(tmp_path: Path) -> None:
+    """Step 1 holds 'frozen' for steps 2 and 3; deleted outside the manager, the next
+    step (based on step 3) writes 'frozen' again instead of referring to step 1, so it
+    loads, and so does every step after it."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step))
+        assert _bases(d, 3) == [1]
+        shutil.rmtree(d / "step_0000000001")
+        with pytest.warns(RuntimeWarning, match="step_0000000001 .* is missing"):
+            mgr.save(4, state_at(3) | {"step": 4})
+        mgr.save(5, state_at(3) | {"step": 5})
+        assert _bases(d, 4) == [3] and _bases(d, 5) == [3, 4]
+        for step in (4, 5):
+            got = mgr.load(step)
+            np.testing.assert_array_equal(got["frozen"], state_at(3)["frozen"])
+            assert got["step"] == step
 
 
 # (point, nth): where the child is killed. Deletions happen after step 4 (step 2)

@@ -16,9 +16,11 @@ if they were the checkpoint's own.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
     InvalidOptionError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from statestream.format import (
@@ -118,6 +121,11 @@ def digest_and_checksums(data: np.ndarray, block_bytes: int
 
 def read_manifest(reader: CheckpointReader) -> Manifest:
     """Read and verify the commit marker and manifest of an open checkpoint."""
+    return _read_committed(reader)[0]
+
+
+def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
+    """:func:`read_manifest`, with the manifest's size and CRC-32C (its commit marker's)."""
     where = f"{reader.location}/{MANIFEST_NAME}"
     size, crc = decode_commit(
         reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
@@ -133,7 +141,7 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
     except UnicodeDecodeError as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
     del data
-    return decode_manifest(text, where)
+    return decode_manifest(text, where), size, crc
 
 
 # ----------------------------------------------------------------------------- siblings
@@ -189,6 +197,13 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
         CheckpointError: the base is missing (deleted), naming it.
         UnsafeCheckpointError: it exists but is not committed, or is a symbolic link.
     """
+    reader, m, _, _ = _open_committed(storage, spath, name, of=of)
+    return reader, m
+
+
+def _open_committed(storage: Storage, spath: str, name: str, *, of: str
+                    ) -> tuple[CheckpointReader, Manifest, int, int]:
+    """:func:`open_base`, with the manifest's size and CRC-32C from its commit marker."""
     path = sibling_path(spath, name)
     if not storage.is_committed(path):
         if name in storage.list(_split(spath)[0]):
@@ -205,7 +220,7 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
             f"base checkpoint {name} of {of} is not a plain directory next to it ({exc}): "
             "references must not lead out of the parent directory") from None
     try:
-        return reader, read_manifest(reader)
+        return (reader, *_read_committed(reader))
     except BaseException:
         reader.close()
         raise
@@ -239,9 +254,12 @@ class BaseChunks:
                 if c.digest is None:
                     continue
                 key = (c.digest, c.shape, math.prod(c.shape) * isz)
-                if key not in self._by:  # a reference is already flattened: kept as is
-                    self._by[key] = c if c.ref is not None else _moved(
-                        c, c.start, c.shape, ChunkRef(name, c.file))
+                if c.ref is None:  # a chunk of its own, preferred to a reference
+                    held = self._by.get(key)
+                    if held is None or (held.ref is not None and held.ref.base != name):
+                        self._by[key] = _moved(c, c.start, c.shape, ChunkRef(name, c.file))
+                elif key not in self._by:  # a reference is already flattened: kept as is
+                    self._by[key] = c
 
     def __len__(self) -> int:
         return len(self._by)
@@ -249,6 +267,34 @@ class BaseChunks:
     def bases(self) -> set[str]:
         """Every checkpoint a reference from here may point to."""
         return {c.ref.base for c in self._by.values() if c.ref is not None}
+
+    def holders(self) -> set[str]:
+        """The other checkpoints that hold bytes this base refers to (its own ``bases``)."""
+        return self.bases() - {self.name}
+
+    def _holds(self, key: tuple[bytes, tuple[int, ...], int], c: ChunkEntry) -> bool:
+        """Whether this checkpoint stores ``c`` (a reference to it) as a chunk of its own."""
+        own = self._by.get(key)
+        return (own is not None and own.ref is not None and own.ref.base == self.name
+                and own.file == c.file and own.offset == c.offset and _same_record(own, c))
+
+    def followable(self, holders: dict[str, BaseChunks | None]) -> tuple[BaseChunks, int]:
+        """This index without the references that their holder (``holders``: None for one
+        that cannot be read) does not list exactly as its own chunk, and how many were
+        left out: a new chunk equal to one of those is written, never referred to a
+        checkpoint that does not hold it."""
+        def ok(key: tuple[bytes, tuple[int, ...], int], c: ChunkEntry) -> bool:
+            if c.ref is None or c.ref.base == self.name:
+                return True
+            h = holders.get(c.ref.base)
+            return h is not None and h._holds(key, c)
+
+        kept = {k: c for k, c in self._by.items() if ok(k, c)}
+        if len(kept) == len(self._by):
+            return self, 0
+        out = copy.copy(self)
+        out._by = kept
+        return out, len(self._by) - len(kept)
 
     def match(self, digest: bytes, nbytes: int, start: tuple[int, ...],
               shape: tuple[int, ...]) -> ChunkEntry | None:
@@ -265,32 +311,32 @@ class BaseChunks:
         return _moved(c, start, shape, c.ref)
 
 
-#: The hashed chunks of checkpoints this process committed last (path -> (manifest
-#: size, manifest CRC-32C, chunks)): the next incremental save uses one as its base
-#: without decoding the manifest it just wrote, once the base's commit marker shows
-#: that exactly that manifest is committed there.
+#: The hashed chunks of checkpoints this process committed, or read as a base or as what
+#: a base refers to, last (path -> (manifest size, manifest CRC-32C, chunks)), the most
+#: recently used last: the next incremental save uses one without decoding that manifest
+#: again, once the checkpoint's commit marker shows that exactly that manifest is
+#: committed there.
 _RECENT: dict[str, tuple[int, int, BaseChunks]] = {}
 _RECENT_LOCK = threading.Lock()
-_RECENT_MAX = 4
+_RECENT_MAX = 8
 
 
-def remember_committed(spath: str, mbytes: bytes, manifest: Manifest) -> None:
-    """Record a checkpoint this process just committed with hashed chunks."""
-    chunks = BaseChunks(_split(spath)[1], manifest)
+def _remember(spath: str, size: int, crc: int, chunks: BaseChunks) -> None:
     with _RECENT_LOCK:
         _RECENT.pop(spath, None)
-        _RECENT[spath] = (len(mbytes), checksum(mbytes), chunks)
+        _RECENT[spath] = (size, crc, chunks)
         while len(_RECENT) > _RECENT_MAX:
             del _RECENT[next(iter(_RECENT))]
 
 
-def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:
-    """The hashed chunks of the committed sibling ``name`` of ``spath`` (a save's base).
+def remember_committed(spath: str, mbytes: bytes, manifest: Manifest) -> None:
+    """Record a checkpoint this process just committed with hashed chunks."""
+    _remember(spath, len(mbytes), checksum(mbytes), BaseChunks(_split(spath)[1], manifest))
 
-    Raises:
-        CheckpointError: the base is missing, naming it; UnsafeCheckpointError:
-            it is not committed.
-    """
+
+def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> BaseChunks:
+    """The hashed chunks of the committed sibling ``name`` of ``spath``: the index kept
+    for it while its commit marker names the same manifest, else read (and kept)."""
     path = sibling_path(spath, name)
     with _RECENT_LOCK:
         known = _RECENT.get(path)
@@ -302,10 +348,55 @@ def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:
         finally:
             reader.close()
         if (size, crc) == known[:2]:
+            _remember(path, size, crc, known[2])  # used again: the last to be evicted
             return known[2]
-    reader, m = open_base(storage, spath, name, of=f"the save to {spath}")
+    reader, m, size, crc = _open_committed(storage, spath, name, of=of)
     reader.close()
-    return BaseChunks(name, m)
+    chunks = BaseChunks(name, m)
+    _remember(path, size, crc, chunks)
+    return chunks
+
+
+def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:
+    """The hashed chunks of the committed sibling ``name`` of ``spath`` (a save's base).
+
+    The chunks the base itself refers to are offered only where their holder
+    (a sibling) is committed and lists that very chunk as its own; the others
+    are left out, with a warning, so that the save writes them instead of
+    committing a reference nothing can follow.
+
+    Raises:
+        CheckpointError: the base is missing, naming it; UnsafeCheckpointError:
+            it is not committed.
+
+    Warns:
+        RuntimeWarning: the base refers to a checkpoint that is missing, not
+            committed, unreadable or no longer holds those chunks (the base
+            itself cannot be loaded then), naming both.
+    """
+    chunks = _committed_chunks(storage, spath, name, of=f"the save to {spath}")
+    holders: dict[str, BaseChunks | None] = {}
+    why: dict[str, str] = {}
+    for h in sorted(chunks.holders()):
+        try:
+            holders[h] = _committed_chunks(storage, spath, h, of=f"base checkpoint {name}")
+        except StorageError:
+            raise  # the store failed, not the checkpoint
+        except CheckpointError as exc:
+            holders[h], why[h] = None, str(exc)
+    usable, dropped = chunks.followable(holders)
+    if dropped:
+        _warn_unfollowable(spath, name, why, dropped)
+    return usable
+
+
+def _warn_unfollowable(spath: str, name: str, why: dict[str, str], dropped: int) -> None:
+    cause = "; ".join(why.values()) or (
+        "the checkpoints it refers to no longer list those chunks (replaced since?)")
+    warnings.warn(
+        f"base checkpoint {name} of the save to {spath} refers to {dropped} chunk(s) that "
+        f"cannot be followed ({cause}); the save writes them instead of referring to them, "
+        f"but {name} itself cannot be loaded", RuntimeWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -399,6 +490,13 @@ def _own_chunks(m: Manifest) -> dict[tuple[int, int], tuple[ChunkEntry, int]]:
     return out
 
 
+def _same_record(b: ChunkEntry, c: ChunkEntry) -> bool:
+    """Whether two records of a chunk agree on its stored bytes (raw size aside)."""
+    return (b.nbytes == c.nbytes and b.checksum == c.checksum and b.codec == c.codec
+            and b.shuffle == c.shuffle and b.digest == c.digest
+            and b.block_rows == c.block_rows and b.block_checksums == c.block_checksums)
+
+
 def _check_ref(c: ChunkEntry, raw: int, held: tuple[ChunkEntry, int] | None, key: str,
                where: str) -> None:
     """Refuse a reference unless the base lists exactly this chunk there."""
@@ -410,10 +508,7 @@ def _check_ref(c: ChunkEntry, raw: int, held: tuple[ChunkEntry, int] | None, key
             f"file {c.file} of base checkpoint {base}, where {base}'s manifest lists no chunk "
             "of its own; refusing to follow the reference (corrupt or hostile manifest)")
     b, braw = held
-    same = (b.nbytes == c.nbytes and b.checksum == c.checksum and b.codec == c.codec
-            and b.shuffle == c.shuffle and b.digest == c.digest and braw == raw
-            and b.block_rows == c.block_rows and b.block_checksums == c.block_checksums)
-    if not same:
+    if not (braw == raw and _same_record(b, c)):
         raise UnsafeCheckpointError(
             f"array at key path '{key}' of {where} refers to a chunk of base checkpoint "
             f"{base} (file {c.file}, offset {c.offset}) whose record there differs (stored "
