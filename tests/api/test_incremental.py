@@ -180,7 +180,7 @@ def test_loading_after_the_base_was_deleted_names_it(tmp_path: Path) -> None:
     ss.save(tmp_path / "s1", s, hashes=True)
     ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
     shutil.rmtree(tmp_path / "s1")
-    with pytest.raises(ss.CheckpointError, match="base checkpoint s1 .* is missing"):
+    with pytest.raises(ss.TruncatedFileError, match="base checkpoint s1 .* is missing"):
         ss.load(tmp_path / "s2")
     rep = ss.verify(tmp_path / "s2")
     assert not rep.ok and "s1" in rep.problems[0]

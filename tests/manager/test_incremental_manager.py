@@ -149,6 +149,25 @@ def test_a_step_deleted_by_hand_is_not_referred_to_by_the_next_steps(tmp_path: P
             assert got["step"] == step
 
 
+def test_load_skips_a_newest_step_whose_base_was_deleted(tmp_path: Path) -> None:
+    """A step whose base is gone cannot be read, as if its data files were missing:
+    load() warns and resumes from the step before it instead of stopping."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, state_at(step))
+        assert _bases(d, 4) == [] and _bases(d, 3) == [1]
+        mgr.save(5, state_at(4) | {"step": 5})  # refers to step 4 only
+        assert _bases(d, 5) == [4]
+        shutil.rmtree(d / "step_0000000004")
+        with pytest.warns(RuntimeWarning, match=r"step 5 .* damaged, loading step 3"):
+            got = mgr.load()
+        _check_state(got, 3)
+        with pytest.raises(ss.TruncatedFileError, match="base checkpoint step_0000000004 .* "
+                           "is missing"):
+            mgr.load(5)  # asked for by number: never replaced
+
+
 # (point, nth): where the child is killed. Deletions happen after step 4 (step 2)
 # and after step 5 (steps 3 then 1).
 KILLS = [

@@ -31,6 +31,7 @@ from statestream.errors import (
     CheckpointError,
     InvalidOptionError,
     StorageError,
+    TruncatedFileError,
     UnsafeCheckpointError,
 )
 from statestream.format import (
@@ -201,16 +202,18 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
     return reader, m
 
 
-def _open_committed(storage: Storage, spath: str, name: str, *, of: str
+def _open_committed(storage: Storage, spath: str, name: str, *, of: str,
+                    missing: type[CheckpointError] = CheckpointError
                     ) -> tuple[CheckpointReader, Manifest, int, int]:
-    """:func:`open_base`, with the manifest's size and CRC-32C from its commit marker."""
+    """:func:`open_base`, with the manifest's size and CRC-32C from its commit marker;
+    a missing base raises ``missing``."""
     path = sibling_path(spath, name)
     if not storage.is_committed(path):
         if name in storage.list(_split(spath)[0]):
             raise UnsafeCheckpointError(
                 f"base checkpoint {name} ({path}) of {of} is not committed (a save never "
                 "finished, or it is being deleted); refusing to follow references into it")
-        raise CheckpointError(
+        raise missing(
             f"base checkpoint {name} ({path}) of {of} is missing: {of} refers to chunks "
             "stored there, so it cannot be read without it (was the base deleted?)")
     try:
@@ -530,7 +533,9 @@ class _Bases:
 
     def open(self, names: Iterable[str]) -> None:
         for name in names:
-            r, m = open_base(self.storage, self.spath, name, of=self.where)
+            # a checkpoint whose base is gone is damaged (its chunks' files are missing)
+            r, m, _, _ = _open_committed(self.storage, self.spath, name, of=self.where,
+                                         missing=TruncatedFileError)
             self.readers[name] = r
             self.manifests[name] = m
             self.own[name] = _own_chunks(m)
@@ -550,7 +555,8 @@ def follow_bases(storage: Storage, spath: str, reader: CheckpointReader, m: Mani
     manifest without bases comes back unchanged.
 
     Raises:
-        CheckpointError: a base is missing, naming it.
+        TruncatedFileError: a base is missing, naming it (the files holding the
+            referenced chunks are gone: the checkpoint is damaged).
         UnsafeCheckpointError: a base is not committed, or does not list a
             referenced chunk exactly as the reference records it.
     """
