@@ -77,6 +77,11 @@ def test_convert_to_orbax_restored_by_orbax(tmp_path: Path) -> None:
     with pytest.raises(ss.UnsupportedTypeError, match=r"'name' \(str\), 'none' \(none\)"):
         ss.convert(tmp_path / "ck2", tmp_path / "o2", to="orbax")
     assert not (tmp_path / "o2").exists()
+    ss.save(tmp_path / "ck3", {"w": np.zeros(2), "opt": {"empty": np.zeros((0, 4))}})
+    with pytest.raises(ss.UnsupportedTypeError,
+                       match=r"'opt/empty' \(an empty array, shape \(0, 4\)\)"):
+        ss.convert(tmp_path / "ck3", tmp_path / "o3", to="orbax")
+    assert not (tmp_path / "o3").exists()
 
 
 def test_a_checkpoint_manager_step_reads_its_one_item(tmp_path: Path) -> None:

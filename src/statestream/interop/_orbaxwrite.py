@@ -24,18 +24,21 @@ from statestream.tree import KeyPath, Node, format_keypath
 __all__ = ["write_orbax"]
 
 
-def _unholdable(node: Node, p: KeyPath, out: list[str]) -> None:
-    """Key paths of leaves StandardCheckpointer refuses (strings, None, bytes, pickles)."""
+def _unholdable(node: Node, specs: Sequence[ArraySpec], p: KeyPath, out: list[str]) -> None:
+    """Key paths of leaves StandardCheckpointer refuses (strings, None, bytes, pickles,
+    arrays of zero size)."""
     if node.kind in ("none", "str", "bytes", "pickle"):
         out.append(f"'{format_keypath(p)}' ({node.kind})")
+    if node.kind == "array" and 0 in specs[node.array or 0][1]:
+        out.append(f"'{format_keypath(p)}' (an empty array, shape {specs[node.array or 0][1]})")
     kids = node.children or []
     if node.kind == "stateful":
         for c in kids:
-            _unholdable(c, p, out)
+            _unholdable(c, specs, p, out)
         return
     keys = list(node.keys) if node.keys is not None else list(range(len(kids)))
     for key, c in zip(keys, kids):
-        _unholdable(c, p + (key,), out)
+        _unholdable(c, specs, p + (key,), out)
 
 
 def _tree(node: Node, specs: Sequence[ArraySpec], slabs: Slabs, p: KeyPath) -> Any:
@@ -68,10 +71,11 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     """What ``orbax.checkpoint.StandardCheckpointer().restore(dst)`` reads."""
     ocp = require("orbax.checkpoint", "orbax", "writing Orbax checkpoints")
     bad: list[str] = []
-    _unholdable(root, (), bad)
+    _unholdable(root, specs, (), bad)
     if bad:
         raise UnsupportedTypeError(
-            "an Orbax StandardCheckpointer checkpoint holds arrays and numbers only, not the "
+            "an Orbax StandardCheckpointer checkpoint holds non-empty arrays and numbers only, "
+            "not the "
             f"values at key paths {', '.join(bad[:20])}{' and more' if len(bad) > 20 else ''}; "
             "leave them out with items=")
     _claim(dst, overwrite, directory=True)
