@@ -505,3 +505,25 @@ def test_ls_shows_what_each_checkpoint_keeps_on_disk(tmp_path: Path,
     assert main(["ls", str(d)]) == 0
     text = capsys.readouterr().out
     assert "on disk" in text
+
+
+def test_ls_says_so_when_a_directory_holds_another_formats_checkpoints(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An Orbax CheckpointManager directory: ls lists no statestream steps, and says that
+    the steps it holds are Orbax checkpoints that inspect reads by path."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ocp.CheckpointManager(tmp_path / "orbax_run") as mgr:
+            for s in (1, 2):
+                mgr.save(s, args=ocp.args.StandardSave({"w": np.arange(4.0) + s}))
+    assert main(["ls", str(tmp_path / "orbax_run")]) == 0
+    out = capsys.readouterr().out
+    assert "0 committed checkpoints" in out
+    assert "2 orbax checkpoints here (1, 2): ls lists statestream's" in out
+    assert main(["inspect", str(tmp_path / "orbax_run" / "2")]) == 0
+    ss.save(tmp_path / "plain" / "ck", state())  # statestream's own: no hint
+    assert main(["ls", str(tmp_path / "plain")]) == 0
+    assert "here (" not in capsys.readouterr().out

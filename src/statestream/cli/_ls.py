@@ -124,7 +124,35 @@ def _cmd(args: argparse.Namespace) -> int:
               f"{size:>10}  {disk:>10}  {_metrics_text(e['metrics'])}{_bases_text(e['bases'])}")
     n = sum(1 for e in rows if e["state"] == "committed")
     print(f"{n} committed checkpoint{'s' if n != 1 else ''}, {len(rows) - n} other")
+    if not rows:
+        _foreign_hint(args.directory)
     return 0
+
+
+def _foreign_hint(directory: str) -> None:
+    """Say so when a local directory without statestream checkpoints holds checkpoints of
+    another format (an Orbax CheckpointManager's steps, DCP directories, ...), which
+    ``ls`` does not list but ``inspect``, ``load`` and ``convert`` read by path."""
+    if "://" in directory:
+        return
+    from statestream.interop import detect_format
+
+    found: dict[str, list[str]] = {}
+    try:
+        names = sorted(os.listdir(directory))[:10_000]
+    except OSError:
+        return
+    for name in names:
+        try:
+            fmt = detect_format(os.path.join(directory, name))
+        except ss.CheckpointError:
+            continue
+        if fmt is not None:
+            found.setdefault(fmt, []).append(name)
+    for fmt, hits in found.items():
+        shown = ", ".join(safe(h) for h in hits[:4]) + (" ..." if len(hits) > 4 else "")
+        print(f"{len(hits)} {fmt} checkpoint{'s' if len(hits) != 1 else ''} here ({shown}): "
+              "ls lists statestream's; inspect, verify and convert read these by path")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
