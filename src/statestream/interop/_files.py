@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import threading
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO
@@ -13,30 +11,18 @@ from statestream.errors import (
     CheckpointCorruptError,
     TruncatedFileError,
     UnsafeCheckpointError,
-    storage_error,
 )
 from statestream.storage import Buffer, preadv_all
+from statestream.storage._local_read import open_regular
 
 __all__ = ["FileSetReader", "hub_blob", "open_binary", "open_plain", "plain_size"]
 
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
-          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
-
-
-def _refuse(mode: int, path: str) -> UnsafeCheckpointError:
-    what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-    return UnsafeCheckpointError(f"cannot read {path}: it is {what}, not a regular file; "
-                                 "refusing to open it (the checkpoint is damaged or hostile)")
-
 
 def open_plain(path: str) -> int:
-    """A read-only fd of the regular file at ``path`` (a file of a foreign checkpoint).
-
-    As for statestream's own files (docs/security.md): a symbolic link, FIFO,
-    directory or device is refused without being opened, or waited on (lstat,
-    then ``O_NOFOLLOW | O_NONBLOCK``, then fstat). The caller resolves a path
-    it was given by the user (which may be a link) before asking.
+    """A read-only fd of the regular file at ``path`` (a file of a foreign checkpoint),
+    opened as statestream's own files are (docs/security.md): a symbolic link, FIFO,
+    directory or device is refused without being opened, or waited on. The caller
+    resolves a path it was given by the user (which may be a link) before asking.
 
     Raises:
         TruncatedFileError: nothing is there.
@@ -44,26 +30,9 @@ def open_plain(path: str) -> int:
         StorageError: any other OS error.
     """
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(st.st_mode, path)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-                     | os.O_NOCTTY)
+        return open_regular(path, None, path)
     except FileNotFoundError:
         raise TruncatedFileError(f"{path} is missing; the checkpoint is incomplete") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _refuse(stat.S_IFLNK, path) from None
-        raise storage_error(f"cannot open {path}: {exc}", exc) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(st.st_mode, path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def hub_blob(path: str) -> str:

@@ -47,8 +47,9 @@ def _not_regular(mode: int, where: str) -> UnsafeCheckpointError:
     )
 
 
-def _open_regular(name: str, dir_fd: int, where: str) -> int:
-    """Open ``name`` under ``dir_fd`` for reading, only if it is a regular file.
+def open_regular(name: str, dir_fd: int | None, where: str) -> int:
+    """Open ``name`` under ``dir_fd`` (an absolute path when None) for reading, only if
+    it is a regular file (also the opener of foreign checkpoints' files).
 
     Never blocks (a FIFO or a device in place of a file would): the entry is
     checked with lstat first, so special files are not even opened, then
@@ -155,7 +156,7 @@ class _LocalReader:
                     ) from None
                 raise storage_error(f"cannot open {where}: {exc}", exc) from exc
             try:
-                fd = _open_regular(name[len(DATA_DIR) + 1 :], self._data, where)
+                fd = open_regular(name[len(DATA_DIR) + 1 :], self._data, where)
             except FileNotFoundError:
                 raise TruncatedFileError(
                     f"data file {where} is missing; the checkpoint is damaged"
@@ -172,7 +173,7 @@ class _LocalReader:
         if "/" in name or name in ("", ".", ".."):
             raise UnsafeCheckpointError(f"refusing to read {name!r} outside the checkpoint")
         try:
-            fd = _open_regular(name, self._root, where)
+            fd = open_regular(name, self._root, where)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{where} is missing; the checkpoint is damaged") from None
         try:
