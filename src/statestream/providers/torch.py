@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name
+from statestream.providers import _torch_guards as _guards
 from statestream.providers._base import (
     ArrayProvider,
     Destination,
@@ -415,28 +415,8 @@ class TorchProvider(ArrayProvider):
         return torch is not None and isinstance(obj, torch.optim.Optimizer)
 
     def guard_step(self, optimizer: Any, save: SnapshotWaiter) -> Any:
-        """One persistent pre-step hook per optimizer; it never removes itself while
-        torch iterates over the hooks, and costs nothing once snapshots are done."""
-        entry = _GUARDS.get(optimizer)
-        if entry is not None and _hook_registered(optimizer, entry[0]):
-            entry[1].append(save)
-            return entry[0]
-        # None yet, or the caller removed the one registered before (with the
-        # handle returned): a fresh hook, or this save would be guarded by nothing.
-        pending: list[SnapshotWaiter] = [save]
-
-        def hook(opt: Any, args: Any, kwargs: Any) -> None:
-            live = [h for h in pending if not h.snapshot_done()]
-            pending[:] = live
-            if not live:
-                return
-            tensors = _optimizer_tensors(opt)
-            for h in live:
-                h.wait_for(tensors)
-
-        removable = optimizer.register_step_pre_hook(hook)
-        _GUARDS[optimizer] = [removable, pending]
-        return removable
+        """One persistent pre-step hook per optimizer (providers/_torch_guards.py)."""
+        return _guards.guard_step(optimizer, save)
 
     def is_module(self, obj: Any) -> bool:
         torch = _torch()
@@ -449,24 +429,7 @@ class TorchProvider(ArrayProvider):
         None for a module without buffers."""
         if next(module.buffers(), None) is None:
             return None
-        entry = _FORWARD_GUARDS.get(module)
-        if entry is not None and entry[0].id in module._forward_pre_hooks:
-            entry[1].append(save)
-            return entry[0]
-        pending: list[SnapshotWaiter] = [save]
-
-        def hook(mod: Any, args: Any) -> None:
-            live = [h for h in pending if not h.snapshot_done()]
-            pending[:] = live
-            if live:
-                buffers = list(mod.buffers())
-                for h in live:
-                    h.wait_for(buffers)
-
-        # run as Python even inside a compiled model: traced, the waits would be gone
-        removable = module.register_forward_pre_hook(_torch().compiler.disable(hook))
-        _FORWARD_GUARDS[module] = [removable, pending]
-        return removable
+        return _guards.guard_forward(module, save)
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
                     shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
@@ -501,16 +464,6 @@ class TorchProvider(ArrayProvider):
         return hinted
 
 
-_GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-_FORWARD_GUARDS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def _hook_registered(optimizer: Any, removable: Any) -> bool:
-    """True while the hook behind ``removable`` is still among ``optimizer``'s pre-step hooks."""
-    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
-    return hooks is None or removable.id in hooks
-
-
 class _PlainTensors:
     """``torch.Tensor`` and ``nn.Parameter`` (looked up once torch is loaded)."""
 
@@ -525,15 +478,6 @@ _PLAIN_TENSORS = _PlainTensors()
 def _local(obj: Any) -> Any:
     """A DTensor's local shard; any other tensor as it is."""
     return obj.to_local() if _is_dtensor(obj) else obj
-
-
-def _optimizer_tensors(opt: Any) -> list[Any]:
-    """The parameters and state tensors an optimizer step changes in place."""
-    torch = _torch()
-    tensors: list[Any] = [p for g in opt.param_groups for p in g["params"]]
-    for st in opt.state.values():
-        tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-    return tensors
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
