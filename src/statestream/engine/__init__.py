@@ -1,5 +1,6 @@
 """The engine: the only layer that owns threads, queues, buffers and the save job."""
 
+from statestream.engine._chain import ChainReader, follow_bases
 from statestream.engine._codec import CompressionOption, CompressionPolicy
 from statestream.engine._copy import copy_checkpoint, read_committed
 from statestream.engine._core import (
@@ -15,7 +16,7 @@ from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
-from statestream.engine._refs import ChainReader, follow_bases, read_manifest
+from statestream.engine._refs import read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
 from statestream.engine._transfer import complete_copies, replicate_to_peers
