@@ -9,7 +9,9 @@ save, having let go of the state, maps staging buffers for the next),
 same structure); deletion: ``delete.uncommitted``
 (a local checkpoint's commit marker is gone, its data not yet) and
 ``manager.step_deleted``; a manager's local tier: ``tier.persist`` (a step's
-persistence begins), ``tier.persisted`` (committed).
+persistence begins, a saved step's or an earlier one's retried), ``tier.persisted``
+(the saved step committed), ``tier.caught_up`` (after it, the earlier unpersisted
+steps too).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -121,16 +123,18 @@ def test_a_damaged_local_copy_without_a_persisted_one_raises(tmp_path):
     gate = threading.Event()
     _hooks.register("tier.persist", lambda: gate.wait(30))
     try:
-        with _mgr(tmp_path, async_save=False) as mgr:
-            mgr.save(1, state_at(1))
-            _damage(mgr.step_path(1))
-            with pytest.raises(ss.ChecksumMismatchError):
-                mgr.load()
-            gate.set()
-            # the damage is found while persisting too: nothing bad is committed
-            with pytest.raises(ss.ChecksumMismatchError, match="damaged; nothing was committed"):
-                mgr.wait()
-            assert mgr.persisted_steps() == []
+        mgr = _mgr(tmp_path, async_save=False)
+        mgr.save(1, state_at(1))
+        _damage(mgr.step_path(1))
+        with pytest.raises(ss.ChecksumMismatchError):
+            mgr.load()
+        gate.set()
+        # the damage is found while persisting too: nothing bad is committed
+        with pytest.raises(ss.ChecksumMismatchError, match="damaged; nothing was committed"):
+            mgr.wait()
+        assert mgr.persisted_steps() == [] and mgr.unpersisted_steps() == [1]
+        with pytest.raises(ss.ChecksumMismatchError):  # still local only: close says so too
+            mgr.close()
     finally:
         gate.set()
         _hooks.clear()
@@ -244,30 +248,75 @@ def test_force_rewrites_both_tiers(tmp_path):
     _equal(ss.load(str(tmp_path / "persist" / "step_0000000001")), state_at(2))
 
 
-def test_a_failed_persistence_is_raised_and_retried_by_the_next_manager(tmp_path):
-    calls = [0]
+def test_a_failed_persistence_warns_costs_no_local_step_and_is_retried(tmp_path):
+    """The store is down for steps 1 and 2: both still commit locally (save warns,
+    never raises), wait() raises; once it is back, the next save's persistence
+    catches the earlier steps up, without a new manager."""
+    down = threading.Event()
+    down.set()
 
-    def fail_first() -> None:
-        calls[0] += 1
-        if calls[0] == 1:
+    def store() -> None:
+        if down.is_set():
             raise ss.StorageError("the object store is down (injected)")
 
-    _hooks.register("tier.persist", fail_first)
+    caught_up = threading.Event()
+    _hooks.register("tier.persist", store)
+    _hooks.register("tier.caught_up", caught_up.set)
     try:
         mgr = _mgr(tmp_path, async_save=False)
         mgr.save(1, state_at(1))
         with pytest.raises(ss.StorageError, match="down"):
-            mgr.wait()
-        assert mgr.persisted_steps() == [] and mgr.steps() == [1]
-        mgr.save(2, state_at(2))  # the error was reported once; saving goes on
+            mgr.wait()  # the outage does not go unnoticed
+        mgr.save(2, state_at(2))
+        _settle(mgr)
+        with pytest.warns(RuntimeWarning, match=r"persisting step 2 .*failed .*down.*steps "
+                          r"\[1, 2\] are only in the local tier"):
+            assert mgr.save(3, state_at(3))  # step 2's failure is reported, step 3 saved
+        assert mgr.unpersisted_steps() == [1, 2, 3] and mgr.persisted_steps() == []
+        _settle(mgr)
+        down.clear()  # the store is back
+        caught_up.clear()
+        with pytest.warns(RuntimeWarning, match=r"persisting step 3 .*steps \[1, 2, 3\]"):
+            mgr.save(4, state_at(4))
+        assert caught_up.wait(60)  # step 4's persistence, then steps 1 to 3 again
+        assert mgr.persisted_steps() == [1, 2, 3, 4] and mgr.unpersisted_steps() == []
         mgr.close()
-        assert mgr.persisted_steps() == [2]
     finally:
         _hooks.clear()
-    with _mgr(tmp_path) as mgr:  # the next manager persists step 1
+    for s in (1, 2, 3, 4):
+        _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(s))
+
+
+def _settle(mgr) -> None:
+    """Wait until the queued persistences have run (without asking their outcome)."""
+    for _ in range(6000):
+        if not mgr._tier.tasks.pending():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the persistence worker never finished")
+
+
+def test_a_store_down_at_every_save_loses_no_local_step(tmp_path):
+    """Persistence always fails: every save still commits locally, none raises."""
+    _hooks.register("tier.persist", _store_down)
+    try:
+        mgr = _mgr(tmp_path, async_save=True, local_keep_policy=ss.KeepLatest(1))
+        for step in range(1, 6):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                assert mgr.save(step, state_at(step))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.wait()
+        assert mgr.unpersisted_steps() == [1, 2, 3, 4, 5]  # kept locally: not persisted
+        for step in range(1, 6):
+            _equal(mgr.load(step), state_at(step))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.close()
+    finally:
+        _hooks.clear()
+    with _mgr(tmp_path) as mgr:  # the next manager persists them all
         mgr.wait()
-        assert mgr.persisted_steps() == [1, 2]
-        _equal(mgr.load(1), state_at(1))
+        assert mgr.persisted_steps() == [1, 2, 3, 4, 5]
 
 
 def test_the_local_tier_cannot_be_the_directory_itself(tmp_path):

@@ -9,6 +9,7 @@ import contextlib
 import os
 import pathlib
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -103,6 +104,55 @@ class AnswerLosingProxy:
                 client.sendall(data)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self._open:
+            s.close()
+
+
+class OutageProxy:
+    """Forwards to ``upstream`` on loopback; while :attr:`down` is set the store is
+    unreachable: new connections are reset at once, open ones are dropped."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.down = threading.Event()
+        self._upstream = upstream_port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.down.is_set():  # reset: SO_LINGER with a zero timeout
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if self.down.is_set():
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass  # the other side closed: so does this one
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
 
     def close(self) -> None:
         self.sock.close()

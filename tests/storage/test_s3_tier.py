@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
+import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +15,11 @@ import numpy as np
 import pytest
 
 import statestream as ss
+from statestream import _hooks
 from statestream.storage import S3Options, S3Storage, set_backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _emulators import OutageProxy  # noqa: E402
 
 
 @pytest.fixture
@@ -109,3 +116,63 @@ def test_incremental_steps_through_a_local_tier_to_s3(tmp_path, url):
     got = ss.load(f"{url}/step_0000000004")
     np.testing.assert_array_equal(got["b"], _frozen(4)["b"])
     np.testing.assert_array_equal(got["w"], _frozen(4)["w"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
+        tmp_path, s3_server, async_save):
+    """S3 (moto behind a proxy that refuses connections) goes down after step 1:
+    steps 2 to 4 still commit locally (no save raises, not even the keep
+    policy's listing), wait() raises; once S3 is back, step 5's persistence
+    persists steps 2 to 4 too, in the same manager."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"],
+        timeout_s=5, max_retries=1, retry_timeout_s=3)))
+    url = f"s3://{s3_server['bucket']}/outage-{uuid.uuid4().hex[:8]}"
+    caught_up = threading.Event()
+    _hooks.register("tier.caught_up", caught_up.set)
+    try:
+        mgr = ss.CheckpointManager(url, local_tier=str(tmp_path / "local"),
+                                   async_save=async_save, keep_policy=ss.KeepLatest(2),
+                                   local_keep_policy=ss.KeepLatest(1))
+        mgr.save(1, _small(1))
+        mgr.wait()
+        proxy.down.set()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in (2, 3, 4):
+                assert mgr.save(step, _small(step))
+            with pytest.raises(ss.StorageError):
+                mgr.wait()
+        assert any("could not list" in str(w.message) for w in seen)  # the keep policy
+        assert mgr.unpersisted_steps() == [2, 3, 4]  # every step kept locally
+        proxy.down.clear()  # S3 is back
+        caught_up.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert mgr.save(5, _small(5))
+        assert caught_up.wait(120)  # step 5, then the steps the outage left behind
+        for s in (2, 3, 4, 5):
+            assert ss.verify(f"{url}/step_{s:010d}").ok
+        assert mgr.unpersisted_steps() == []
+        mgr.close()  # the keep policy applies again
+        with ss.CheckpointManager(url) as after:
+            assert after.steps() == [4, 5]
+            _check_small(after.load(), 5)
+    finally:
+        _hooks.clear()
+        set_backend("s3", None)
+        proxy.close()
+
+
+def _small(step: int) -> dict[str, Any]:
+    return {"w": np.arange(100_000, dtype=np.float32) + step, "step": step}
+
+
+def _check_small(got: dict[str, Any], step: int) -> None:
+    np.testing.assert_array_equal(got["w"], _small(step)["w"])
+    assert got["step"] == step

@@ -245,6 +245,13 @@ class CheckpointManager:
         like :meth:`steps`, without those kept only because a kept step refers to them."""
         return self._retention.listed()
 
+    def unpersisted_steps(self) -> list[int]:
+        """Steps this node's local tier holds that are not persisted to ``directory``
+        yet (queued, or left by a persistence that failed), ascending; ``[]``
+        without a local tier. Reads the local disk only (the store may be down):
+        e.g. stop a job whose store has been down for too many steps."""
+        return [] if self._tier is None else self._tier.unpersisted()
+
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
         s = self.steps()
@@ -375,6 +382,7 @@ class CheckpointManager:
 
         Warns:
             UserWarning: ``metrics`` lacks a number for a ``KeepBest`` policy's metric.
+            RuntimeWarning: a local tier's step could not be persisted (this one commits).
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
@@ -385,7 +393,7 @@ class CheckpointManager:
             return False
         self._wait_save()
         if self._tier is not None:
-            self._tier.raise_failed()
+            self._tier.report_failed()  # warns: a store that is down costs no local step
         self._apply_keep_policy()
         self._check_writable()
         self._warn_missing_metrics(step, metrics)
@@ -513,6 +521,8 @@ class CheckpointManager:
         # Only the lease holder deletes; a read-only or lost lease deletes nothing.
         if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
             return
+        if self._tier is not None and self._tier.directory_failing:
+            return  # the store is down: tried again once a persistence went through
         self._lease.check()
         protected = self._pending_steps()
         if self._tier is not None:

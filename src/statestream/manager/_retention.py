@@ -189,12 +189,18 @@ class Retention:
         A deletion that fails (a step on a read-only mount, a store that is
         down) warns and stops there: the steps not deleted yet stay (an older
         one may hold chunks the failed one refers to) and the next apply tries
-        again. Cleaning up must not stop the saves of a training job.
+        again; so does a listing that fails (nothing is deleted). Cleaning up
+        must not stop the saves of a training job.
 
         Warns:
-            RuntimeWarning: a step could not be deleted (names it and the cause).
+            RuntimeWarning: a step could not be deleted (names it and the cause),
+                or the directory could not be listed.
         """
-        steps = self._steps.steps()
+        try:
+            steps = self._steps.steps()
+        except OSError as exc:  # StorageError included: a store that is down
+            _warn_not_listed(self._steps.directory, exc)
+            return []
         if len(steps) <= 1:
             return []
         keep, needed, known = self._plan(steps, protected)
@@ -217,3 +223,9 @@ def _warn_not_deleted(path: str, later: list[int], exc: BaseException) -> None:
     warnings.warn(
         f"the keep policy could not delete {path} ({exc}): it stays, and deleting it is "
         f"tried again after the next save{also}", RuntimeWarning, stacklevel=5)
+
+
+def _warn_not_listed(directory: str, exc: BaseException) -> None:
+    warnings.warn(
+        f"the keep policy could not list {directory} ({exc}): nothing is deleted there "
+        "now; it is tried again after the next save", RuntimeWarning, stacklevel=5)

@@ -105,6 +105,8 @@ class LocalTier:
         #: the base each queued step was saved against (known before it commits)
         self._base_of: dict[int, int | None] = {}
         self.lease: DirectoryLease | None = None
+        #: the last persistence failed: the directory is probably unreachable
+        self.directory_failing = False
         if leader:
             self._open_as_leader(storage)
 
@@ -176,9 +178,9 @@ class LocalTier:
         return self.dir.path(step) + _REPLACED
 
     def is_persisted(self, step: int) -> bool:
-        """Committed in the persistent directory now, or was (the record); a step
-        saved again locally counts only once its new copy is persisted."""
-        return os.path.exists(self._record(step)) or self._current_in_persistent(step)
+        """Recorded as persisted (``step_<N>.persisted``). Reads the local disk only:
+        the training thread asks it, and the persistent directory may be down."""
+        return os.path.exists(self._record(step))
 
     def _current_in_persistent(self, step: int) -> bool:
         """The persistent directory holds ``step`` as the local tier holds it."""
@@ -192,8 +194,21 @@ class LocalTier:
         return set(self._running)
 
     def unpersisted(self) -> list[int]:
-        """Locally committed steps not (yet) persisted, ascending."""
+        """Locally committed steps not recorded as persisted, ascending (local disk only)."""
         return [s for s in self.steps() if not self.is_persisted(s)]
+
+    def settle_records(self) -> list[int]:
+        """:meth:`unpersisted`, less the steps the persistent directory holds as the
+        tier does (a crash between the commit there and the record): those are
+        recorded now (by the leader). Asks the directory: at open and in the
+        background only."""
+        out = []
+        for s in self.unpersisted():
+            if not self._current_in_persistent(s):
+                out.append(s)
+            elif self._leader:
+                self._write_record(s)
+        return out
 
     def _forget_orphan_records(self) -> None:
         committed = set(self.steps())
@@ -262,16 +277,58 @@ class LocalTier:
             if self._peers:
                 replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
                                    self.path(step))
-            _hooks.fire("tier.persist")
-            for b in self._agreed_missing_bases(step):
-                self._copy(b)
-            self._copy(step)
+            self._persist_one(step)
             _hooks.fire("tier.persisted")
+            self._catch_up(before=step)
+            _hooks.fire("tier.caught_up")
 
         self._base_of[step] = base
-        h = self.tasks.submit(task, f"persisting step {step} to {self.persistent.directory}")
+        h = self.tasks.submit(self._watched(task),
+                              f"persisting step {step} to {self.persistent.directory}")
         self._running[step] = h
         return h
+
+    def _watched(self, task: Callable[[], None]) -> Callable[[], None]:
+        """``task``, recording whether it reached the persistent directory."""
+
+        def run() -> None:
+            try:
+                task()
+            except BaseException:
+                self.directory_failing = True
+                raise
+            self.directory_failing = False
+
+        return run
+
+    def _persist_one(self, step: int) -> list[int]:
+        """Persist ``step`` after the steps it refers to that the directory lacks;
+        returns the steps copied (the same on every process)."""
+        _hooks.fire("tier.persist")
+        bases = self._agreed_missing_bases(step)
+        for b in bases:
+            self._copy(b)
+        self._copy(step)
+        return [*bases, step]
+
+    def _catch_up(self, before: int | None) -> None:
+        """Persist the local steps that earlier persistences left unpersisted (a store
+        that was down), older than ``before`` (all: None), oldest first, so that
+        once the store is back everything catches up without a restart. Stops at the
+        first failure (raised: the store is still down); every process copies the
+        same steps (the nodes' lists are agreed)."""
+        done: set[int] = set()
+        for s in self._agreed_unpersisted():
+            if s not in done and (before is None or s < before):
+                done.update(self._persist_one(s))
+
+    def _agreed_unpersisted(self) -> list[int]:
+        """The steps every node holds committed and unpersisted (its leader says)."""
+        mine = self.settle_records() if self._leader else None
+        if self._coll.world_size == 1:
+            return mine or []
+        lists = [set(x) for x in self._coll.all_gather_object(mine) if x is not None]
+        return sorted(set.intersection(*lists))
 
     def _copy(self, step: int) -> None:
         overwrite = self.persistent.is_committed(step)
@@ -401,30 +458,61 @@ class LocalTier:
                                 exc) from exc
 
     def wait(self) -> None:
-        """Wait for every queued persistence; raise the first failure.
+        """Wait for every queued persistence, then try once more, every process
+        together, to persist what is still unpersisted; raise if that fails.
 
         Raises:
             CheckpointError: a step could not be persisted (it stays in the local
-                tier and the next manager on it persists it again).
+                tier; later saves, ``wait`` and the next manager persist it again);
+                with several processes a ``DistributedError`` on every process.
         """
-        first: BaseException | None = None
         for h in self.tasks.handles():
             try:
                 h.result()
-            except BaseException as exc:
+            except BaseException:
                 if not h.done():
                     raise  # the wait was interrupted (KeyboardInterrupt), not the task
-                first = first or exc
-        if first is not None:
-            if isinstance(first, CheckpointError):
-                raise first
-            raise CheckpointError(f"persisting a local step failed: {first}") from first
+                # a step left unpersisted is retried (and reported) just below
+        h = self.tasks.submit(self._watched(self._retry_all),
+                              f"persisting the unpersisted local steps to "
+                              f"{self.persistent.directory}")
+        try:
+            h.result()
+        except BaseException as exc:
+            if not h.done() or isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"persisting a local step failed: {exc}") from exc
 
-    def raise_failed(self) -> None:
-        """Raise the error of a finished persistence nobody asked about yet."""
+    def _retry_all(self) -> None:
+        err: BaseException | None = None
+        try:
+            self._catch_up(before=None)
+        except BaseException as exc:
+            err = exc
+        agree(self._coll, f"persisting the local steps to {self.persistent.directory}", err,
+              outcome=f"the steps stay in the local tier {self.root}")
+
+    def report_failed(self) -> None:
+        """Warn about each finished persistence that failed and was not reported yet.
+
+        Never raises: the step being saved commits locally whatever the store
+        does, and every process goes on the same way (a warning decides nothing).
+
+        Warns:
+            RuntimeWarning: naming the failure and the local-only steps.
+        """
         for h in self.tasks.handles():
-            if h.done():
+            if not h.done():
+                continue
+            try:
                 h.result()
+            except Exception as exc:  # noqa: BLE001 - reported as a warning, see above
+                warnings.warn(
+                    f"{h.what} failed ({type(exc).__name__}: {exc}); the steps "
+                    f"{self.unpersisted()} are only in the local tier {self.root}. Saves go "
+                    "on: each later save's persistence retries them (oldest first), and "
+                    "wait() and close() raise if they still cannot be persisted",
+                    RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ retention
     def apply_keep(self) -> list[int]:

@@ -58,7 +58,7 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
         err = exc
     agree(coll, "opening the local tier", err)
     assert tier is not None
-    mine = tier.unpersisted() if groups.is_leader else None
+    mine = tier.settle_records() if groups.is_leader else None
     everyone = coll.all_gather_object(mine) if multi else [mine]
     lists = [set(x) for x in everyone if x is not None]
     # a crash after a local commit loses nothing (steps every node holds)

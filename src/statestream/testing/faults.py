@@ -61,6 +61,7 @@ POINTS = (
     "manager.step_deleted",
     "tier.persist",
     "tier.persisted",
+    "tier.caught_up",
 )
 
 
