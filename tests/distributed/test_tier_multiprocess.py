@@ -12,7 +12,9 @@ Each process gets its own local directory, standing for its node's disk
   those completed too, restored from a peer's copies;
 * with ``replicate_to_peers=True`` each node also holds its peer's files:
   after deleting one node's directory *and* the persistent directory, a
-  restarted job restores exactly from the surviving node's copy.
+  restarted job restores exactly from the surviving node's copy;
+* a store outage that one rank learns of before another: every rank saves
+  on, ``wait()`` raises on every rank, and catches up once the store is back.
 """
 
 from __future__ import annotations
@@ -272,3 +274,64 @@ def test_incremental_steps_through_node_local_tiers(tmp_path: Path) -> None:
     for r in res:
         assert r.value["steps"] == [3], r.value
         assert "step_0000000001" in r.value["local"], r.value
+
+
+def outage_worker(ctx: Context) -> dict[str, Any]:
+    """The store is down for steps 1 and 2 on every process, and rank 0 learns it
+    only after rank 1 has finished saving step 2 (its persistence waits for a
+    file rank 1 writes then): rank 1 already knows, rank 0 does not yet."""
+    import threading
+    import time
+    import warnings
+
+    from statestream import _hooks
+
+    _init(ctx)
+    a = ctx.args
+    gate = os.path.join(a["root"], "rank1-saved-2")
+    down = threading.Event()
+    down.set()
+
+    def store() -> None:
+        if not down.is_set():
+            return
+        for _ in range(6000):
+            if ctx.rank != 0 or os.path.exists(gate):
+                break
+            time.sleep(0.01)
+        raise ss.StorageError("the object store is down (injected)")
+
+    _hooks.register("tier.persist", store)
+    out: dict[str, Any] = {}
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                              local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
+                              async_save=False, io=ss.IOOptions(max_chunk_bytes=256 << 10)) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in (1, 2):  # rank 1 may see step 1's failure here, rank 0 cannot
+                out[f"saved{step}"] = mgr.save(step, state_at(step, ctx.rank))
+        if ctx.rank == 1:
+            with open(gate, "w"):
+                pass
+        try:
+            mgr.wait()
+        except ss.DistributedError as exc:
+            out["wait"] = sorted(set(exc.failed_types))
+        out["unpersisted"] = mgr.unpersisted_steps()
+        dist.barrier()
+        down.clear()  # the store is back
+        mgr.wait()
+        out["persisted"] = mgr.persisted_steps()
+        _equal(mgr.load(1), expected(1))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_store_outage_is_decided_alike_on_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "outage_worker", WORLD, tmp_path, args={"root": root}, timeout_s=180)
+    for r in res:
+        assert r.value == {"saved1": True, "saved2": True, "wait": ["StorageError"],
+                           "unpersisted": [1, 2], "persisted": [1, 2]}, r.value
+    for step in (1, 2):
+        _equal(ss.load(os.path.join(root, "persist", f"step_{step:010d}")), expected(step))
