@@ -426,3 +426,24 @@ def test_an_earlier_attempts_local_steps_are_dropped_not_loaded_or_persisted(tmp
     assert ss.CheckpointManager(persist).steps() == [1, 2]
     for s in (1, 2):
         _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(10 + s))
+
+
+def test_a_damaged_unpersisted_step_does_not_hold_back_the_later_ones(tmp_path):
+    _hooks.register("tier.persist", _store_down)
+    try:
+        mgr = _mgr(tmp_path, async_save=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in (1, 2, 3):
+                mgr.save(step, state_at(step))
+        _settle(mgr)
+    finally:
+        _hooks.clear()  # the store is back
+    _damage(mgr.step_path(1))  # the node's disk damaged step 1 meanwhile
+    with pytest.raises(ss.ChecksumMismatchError, match="step_0000000001"):
+        mgr.wait()  # steps 1 to 3 retried, oldest first: 1 fails, 2 and 3 go on
+    assert mgr.persisted_steps() == [2, 3] and mgr.unpersisted_steps() == [1]
+    with pytest.raises(ss.ChecksumMismatchError):
+        mgr.close()
+    for s in (2, 3):
+        _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(s))

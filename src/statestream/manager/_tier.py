@@ -46,7 +46,13 @@ from statestream.engine import (
     copy_checkpoint,
     replicate_to_peers,
 )
-from statestream.errors import CheckpointError, InvalidOptionError, storage_error
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    DistributedError,
+    InvalidOptionError,
+    storage_error,
+)
 from statestream.manager._lease import DirectoryLease
 from statestream.manager._policies import KeepPolicy
 from statestream.manager._retention import Retention
@@ -316,11 +322,20 @@ class LocalTier:
         that was down), older than ``before`` (all: None), oldest first, so that
         once the store is back everything catches up without a restart. Stops at the
         first failure (raised: the store is still down); every process copies the
-        same steps (the nodes' lists are agreed)."""
+        same steps (the nodes' lists are agreed). A step whose local copy is
+        damaged does not stop the others (its error is raised at the end)."""
         done: set[int] = set()
+        damaged: CheckpointError | None = None
         for s in self._agreed_unpersisted():
             if s not in done and (before is None or s < before):
-                done.update(self._persist_one(s))
+                try:
+                    done.update(self._persist_one(s))
+                except CheckpointError as exc:
+                    if not _is_damage(exc):
+                        raise
+                    damaged = damaged or exc
+        if damaged is not None:
+            raise damaged
 
     def _agreed_unpersisted(self) -> list[int]:
         """The steps every node holds committed and unpersisted (its leader says)."""
@@ -531,6 +546,21 @@ class LocalTier:
     def close(self) -> None:
         if self.lease is not None:
             self.lease.release()
+
+
+def _is_damage(exc: CheckpointError) -> bool:
+    """A copy failed because the local copy is damaged (on every failing process)."""
+    if isinstance(exc, DistributedError):
+        return bool(exc.failed_types) and all(t in _DAMAGE for t in exc.failed_types)
+    return isinstance(exc, CheckpointCorruptError)
+
+
+def _names(cls: type[Exception]) -> set[str]:
+    return {cls.__name__}.union(*(_names(sub) for sub in cls.__subclasses__()))
+
+
+#: CheckpointCorruptError and its subclasses by name, as DistributedError reports them
+_DAMAGE = frozenset(_names(CheckpointCorruptError))
 
 
 def _write_file(path: str, text: str) -> None:
