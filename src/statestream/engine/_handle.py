@@ -22,6 +22,9 @@ _LOCK = threading.Lock()
 _LAST: SaveHandle | None = None
 _PENDING: set[SaveHandle] = set()
 _ATEXIT = False
+#: Set when the interpreter exits: a finished save's thread stops warming staging
+#: buffers for a next save that will not come (see ``_drain_at_exit``).
+EXITING = threading.Event()
 
 
 class SaveHandle:
@@ -41,6 +44,8 @@ class SaveHandle:
         self._finished = threading.Event()
         #: set when the save's thread is done, after warming the staging pool
         self._settled = threading.Event()
+        #: the save's background thread, joined at interpreter exit
+        self._thread: threading.Thread | None = None
         self._array_ready = [threading.Event() for _ in range(n_arrays)]
         self._error: BaseException | None = None
         self._snapshot_failed = False
@@ -139,14 +144,27 @@ class SaveHandle:
 
 
 def _drain_at_exit() -> None:
+    EXITING.set()
     with _LOCK:
         pending = list(_PENDING)
+        last = _LAST
     for h in pending:
         try:
             h.result()
         except BaseException as exc:  # report, never drop silently
             print(f"statestream: background save to {h.path} failed: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    # The save's thread is a daemon: it must be out of the library's code before the
+    # interpreter finalizes. A daemon thread that lets go of a torch tensor while
+    # the interpreter is finalizing is unwound from inside torch's C++ and aborts
+    # the process ("terminate called without an active exception", exit 134).
+    # One save runs at a time, so the last one is the only one that may be running.
+    if last is not None:
+        last._settled.wait()
+        if last._thread is not None:
+            # Until the thread has ended: threading.Thread.run() itself drops the
+            # job (its target) after the target returns.
+            last._thread.join()
 
 
 def previous_save() -> SaveHandle | None:

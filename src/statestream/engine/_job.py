@@ -545,5 +545,8 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
 
 
 def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
-    threading.Thread(target=job.background, args=(run_snapshot,), name="statestream-save",
-                     daemon=True).start()
+    t = threading.Thread(target=job.background, args=(run_snapshot,), name="statestream-save",
+                         daemon=True)
+    assert job.handle is not None
+    job.handle._thread = t
+    t.start()

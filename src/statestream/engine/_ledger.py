@@ -255,10 +255,11 @@ class StagingLedger:
                     sizes[0 if self._arrays[it.array].stage is None else 1].append(it.nbytes)
         return sizes
 
-    def warm_up(self, sizes: tuple[list[int], list[int]]) -> int:
+    def warm_up(self, sizes: tuple[list[int], list[int]],
+                stop: Callable[[], bool] = lambda: False) -> int:
         """Fill the pools with mapped buffers of ``sizes`` (:meth:`warm_sizes`), within
-        the budget; return the bytes added."""
-        return sum(pool.warm(sz) for pool, sz in zip(self._pools, sizes))
+        the budget, until ``stop()``; return the bytes added."""
+        return sum(pool.warm(sz, stop) for pool, sz in zip(self._pools, sizes))
 
     def wait_covered(self, failed: Callable[[], bool]) -> None:
         """Wait until every chunk is copied or written (or ``failed()``)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from statestream import _hooks
 from statestream.engine._core import lower_thread_priority, parallel_for
+from statestream.engine._handle import EXITING
 from statestream.errors import CheckpointError
 from statestream.plan import WriteItem
 
@@ -142,6 +143,7 @@ def run_background(job: SaveJob, run_snapshot: bool,
     h = job.handle
     assert h is not None
     agreed = False
+    warm: tuple[list[int], list[int]] | None = None
     try:
         if early is not None:
             raise early
@@ -157,8 +159,12 @@ def run_background(job: SaveJob, run_snapshot: bool,
         agreed = True
         job.finish(written, None)
         job.ledger.reclaim(True)
+        warm = job.ledger.warm_sizes(job.items)
+        # Let go of the state before the caller hears of the commit: after
+        # result() the library holds no reference to it (a training step may
+        # donate or free it, and nothing of it is dropped later on this thread).
+        job.release_values()
         h.finish()
-        _warm_up(job)
     except BaseException as exc:
         job.writer.abort()
         job.ledger.reclaim(False)
@@ -168,21 +174,22 @@ def run_background(job: SaveJob, run_snapshot: bool,
             except BaseException as agreed_exc:
                 exc = agreed_exc
         job._abort_txn()
+        job.release_values()
         h.fail(exc)
+    try:
+        if warm is not None:
+            _warm_up(job, warm)
     finally:
         h._settled.set()
 
 
-def _warm_up(job: SaveJob) -> None:
+def _warm_up(job: SaveJob, sizes: tuple[list[int], list[int]]) -> None:
     # Committed. Map the staging buffers the next save of this state will copy
-    # into now, at low priority, rather than in that save's blocking phase. The
-    # state is let go of first: host views of its memory held here would keep a
-    # training step from donating (JAX) or freeing it meanwhile.
-    sizes = job.ledger.warm_sizes(job.items)
-    job.release_values()
+    # into now, at low priority, rather than in that save's blocking phase (the
+    # state was let go of before the commit was reported). Interpreter exit stops it.
     _hooks.fire("async.warming")
     try:
-        job.ledger.warm_up(sizes)
+        job.ledger.warm_up(sizes, stop=EXITING.is_set)
     except MemoryError:
         # Warming is an optimisation for the next save; it may fault its own
         # buffers instead. The save itself is committed and reported.

@@ -122,15 +122,17 @@ class StagingPool:
         with self._lock:
             return all(len(self._by_size.get(n, ())) >= k for n, k in need.items())
 
-    def warm(self, sizes: Sequence[int]) -> int:
+    def warm(self, sizes: Sequence[int], stop: Callable[[], bool] = lambda: False) -> int:
         """Allocate and touch idle buffers for ``sizes``, in order, until the
-        capacity is reached, so a later save copies into memory already mapped
-        (fresh pages fault at a fraction of copy speed). Sizes already idle
-        count; return the bytes added."""
+        capacity is reached or ``stop()``, so a later save copies into memory
+        already mapped (fresh pages fault at a fraction of copy speed). Sizes
+        already idle count; return the bytes added."""
         added = 0
         with self._lock:
             have = collections.Counter({n: len(ids) for n, ids in self._by_size.items()})
         for n in sizes:
+            if stop():
+                break
             if have[n] > 0:
                 have[n] -= 1
                 continue
