@@ -11,7 +11,7 @@ same structure); deletion: ``delete.uncommitted``
 ``manager.step_deleted``; a manager's local tier: ``tier.persist`` (a step's
 persistence begins, a saved step's or an earlier one's retried), ``tier.persisted``
 (the saved step committed), ``tier.caught_up`` (after it, the earlier unpersisted
-steps too).
+steps too, and the directory's keep policy applied).
 """
 
 from __future__ import annotations

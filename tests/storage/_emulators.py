@@ -11,6 +11,7 @@ import pathlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,10 +114,13 @@ class AnswerLosingProxy:
 
 class OutageProxy:
     """Forwards to ``upstream`` on loopback; while :attr:`down` is set the store is
-    unreachable: new connections are reset at once, open ones are dropped."""
+    unreachable: new connections are reset at once, open ones are dropped. While
+    :attr:`stall` is set the store hangs instead: connections are accepted, nothing
+    is forwarded or answered, and they are dropped once it is cleared."""
 
     def __init__(self, upstream_port: int) -> None:
         self.down = threading.Event()
+        self.stall = threading.Event()
         self._upstream = upstream_port
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -135,14 +139,28 @@ class OutageProxy:
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 client.close()
                 continue
+            if self.stall.is_set():
+                self._open.append(client)
+                threading.Thread(target=self._hold, args=(client,), daemon=True).start()
+                continue
             upstream = socket.create_connection(("127.0.0.1", self._upstream))
             self._open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
+    def _hold(self, client: socket.socket) -> None:
+        """A connection made while the store hangs: unanswered, dropped once it is back."""
+        while self.stall.is_set():
+            time.sleep(0.05)
+        client.close()
+
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(1 << 16):
+                if self.stall.is_set():  # hang: nothing goes through, then drop
+                    while self.stall.is_set():
+                        time.sleep(0.05)
+                    break
                 if self.down.is_set():
                     break
                 dst.sendall(data)

@@ -123,9 +123,10 @@ def test_incremental_steps_through_a_local_tier_to_s3(tmp_path, url):
 def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
         tmp_path, s3_server, async_save):
     """S3 (moto behind a proxy that refuses connections) goes down after step 1:
-    steps 2 to 4 still commit locally (no save raises, not even the keep
-    policy's listing), wait() raises; once S3 is back, step 5's persistence
-    persists steps 2 to 4 too, in the same manager."""
+    steps 2 to 4 still commit locally (no save raises or touches the store: the
+    keep policy of the directory is applied after persistences), wait() raises;
+    once S3 is back, step 5's persistence persists steps 2 to 4 too, in the same
+    manager."""
     proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
     set_backend("s3", S3Storage(S3Options(
         endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
@@ -148,7 +149,8 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
                 assert mgr.save(step, _small(step))
             with pytest.raises(ss.StorageError):
                 mgr.wait()
-        assert any("could not list" in str(w.message) for w in seen)  # the keep policy
+        # the keep policy of the directory waits for a persistence that goes through
+        assert not any("could not list" in str(w.message) for w in seen)
         assert mgr.unpersisted_steps() == [2, 3, 4]  # every step kept locally
         proxy.down.clear()  # S3 is back
         caught_up.clear()
@@ -156,10 +158,11 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
             warnings.simplefilter("ignore", RuntimeWarning)
             assert mgr.save(5, _small(5))
         assert caught_up.wait(120)  # step 5, then the steps the outage left behind
-        for s in (2, 3, 4, 5):
-            assert ss.verify(f"{url}/step_{s:010d}").ok
         assert mgr.unpersisted_steps() == []
-        mgr.close()  # the keep policy applies again
+        assert mgr.persisted_steps() == [4, 5]  # the keep policy applied again
+        for s in (4, 5):
+            assert ss.verify(f"{url}/step_{s:010d}").ok
+        mgr.close()
         with ss.CheckpointManager(url) as after:
             assert after.steps() == [4, 5]
             _check_small(after.load(), 5)
@@ -176,3 +179,54 @@ def _small(step: int) -> dict[str, Any]:
 def _check_small(got: dict[str, Any], step: int) -> None:
     np.testing.assert_array_equal(got["w"], _small(step)["w"])
     assert got["step"] == step
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_save_does_no_store_round_trip_on_the_training_thread(tmp_path, s3_server, mode):
+    """The store hangs (moto behind a proxy that accepts connections and never
+    answers; the client waits 10 minutes per request): save() with a local tier
+    commits locally and returns, the keep policy of the directory included (it is
+    applied in the background, after a persistence); only persistence waits."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"], timeout_s=600)))
+    url = f"s3://{s3_server['bucket']}/stall-{uuid.uuid4().hex[:8]}"
+    done = threading.Event()
+    try:
+        mgr = ss.CheckpointManager(url, local_tier=str(tmp_path / "local"),
+                                   async_save=mode != "sync", lazy=mode == "lazy",
+                                   keep_policy=ss.KeepLatest(2),
+                                   local_keep_policy=ss.KeepLatest(1))
+        for step in (1, 2, 3):
+            mgr.save(step, _small(step))
+        mgr.wait()
+        assert mgr.persisted_steps() == [2, 3]
+        proxy.stall.set()
+
+        def train() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for step in (4, 5, 6):
+                    mgr.save(step, _small(step))
+            done.set()
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        try:
+            # no bound on a save: any store request it made would hang 10 minutes
+            assert done.wait(300), "save() waited on the hung store"
+        finally:
+            proxy.stall.clear()
+            trainer.join()
+        mgr.wait()  # the store is back: everything is persisted, the keep policy applied
+        assert mgr.persisted_steps() == [5, 6]
+        assert mgr.unpersisted_steps() == []
+        mgr.close()
+        with ss.CheckpointManager(url) as after:
+            _check_small(after.load(), 6)
+    finally:
+        set_backend("s3", None)
+        proxy.close()

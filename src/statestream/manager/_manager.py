@@ -147,7 +147,7 @@ class CheckpointManager:
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
-                                       replicate_to_peers)
+                                       replicate_to_peers, self._keep_after_persist)
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()
@@ -394,7 +394,7 @@ class CheckpointManager:
         self._wait_save()
         if self._tier is not None:
             self._tier.report_failed()  # warns: a store that is down costs no local step
-        self._apply_keep_policy()
+        self._apply_keep_policy(directory=self._tier is None)
         self._check_writable()
         self._warn_missing_metrics(step, metrics)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
@@ -425,7 +425,7 @@ class CheckpointManager:
                  hashes=self._incremental, node_local=self._tier is not None)
             if self._tier is not None:
                 self._tier.persist(step, base=base_step)
-            self._apply_keep_policy()
+            self._apply_keep_policy(directory=self._tier is None)
         self._last_saved_step = step
         self._last_saved_time = time.time()
         return True
@@ -515,13 +515,32 @@ class CheckpointManager:
             raise
         self._inflight, self._inflight_step = None, None
 
-    def _apply_keep_policy(self) -> None:
+    def _apply_keep_policy(self, *, directory: bool = True) -> None:
+        """The local tier's keep policy, then (``directory``) the directory's.
+
+        With a local tier, ``save`` applies the local one only: the directory's
+        is applied on the persistence worker after each persistence that went
+        through (:meth:`_keep_after_persist`), so the training thread never waits
+        on the store to clean up; ``wait`` and ``close`` apply both.
+        """
         if self._tier is not None:
             self._tier.apply_keep()
+        if directory:
+            self._apply_directory_keep()
+
+    def _keep_after_persist(self) -> None:
+        """The directory's keep policy, on the persistence worker (a lost lease is
+        reported by the next ``save``; here it only means deleting nothing)."""
+        try:
+            self._apply_directory_keep(after_persist=True)
+        except ManagerLockedError:
+            return  # deletes nothing; the training thread's next save raises it
+
+    def _apply_directory_keep(self, *, after_persist: bool = False) -> None:
         # Only the lease holder deletes; a read-only or lost lease deletes nothing.
         if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
             return
-        if self._tier is not None and self._tier.directory_failing:
+        if self._tier is not None and self._tier.directory_failing and not after_persist:
             return  # the store is down: tried again once a persistence went through
         self._lease.check()
         protected = self._pending_steps()

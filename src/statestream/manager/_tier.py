@@ -32,6 +32,7 @@ manager's keep policy on ``directory`` protects its bases
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -88,11 +89,15 @@ class LocalTier:
         files: which data files this process persists (None: all).
         peers: after each local commit, send this process's files to the next
             node's local tier too (``replicate_to_peers``).
+        after_persist: called on the background worker after each persistence that
+            went through (the manager applies the directory's keep policy there:
+            the training thread never waits on the store to clean up).
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
                  coll: Collective, groups: NodeGroups, *,
-                 files: Callable[[str], bool] | None = None, peers: bool = False) -> None:
+                 files: Callable[[str], bool] | None = None, peers: bool = False,
+                 after_persist: Callable[[], None] | None = None) -> None:
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -106,7 +111,10 @@ class LocalTier:
         self._leader = leader = groups.is_leader
         self._files = files
         self._peers = peers
+        self._after_persist = after_persist
         self.tasks = BackgroundTasks("statestream-persist", nice=10)
+        #: guards _running and _base_of (the worker asks for them too)
+        self._lock = threading.Lock()
         self._running: dict[int, TaskHandle] = {}
         #: the base each queued step was saved against (known before it commits)
         self._base_of: dict[int, int | None] = {}
@@ -195,9 +203,15 @@ class LocalTier:
 
     def pending_steps(self) -> set[int]:
         """Steps whose persistence is queued or running."""
-        self._running = {s: h for s, h in self._running.items() if not h.done()}
-        self._base_of = {s: b for s, b in self._base_of.items() if s in self._running}
-        return set(self._running)
+        with self._lock:
+            self._running = {s: h for s, h in self._running.items() if not h.done()}
+            self._base_of = {s: b for s, b in self._base_of.items() if s in self._running}
+            return set(self._running)
+
+    def queued_bases(self) -> set[int]:
+        """The bases the queued steps were saved against (known before they commit)."""
+        with self._lock:
+            return {b for b in self._base_of.values() if b is not None}
 
     def unpersisted(self) -> list[int]:
         """Locally committed steps not recorded as persisted, ascending (local disk only)."""
@@ -286,12 +300,15 @@ class LocalTier:
             self._persist_one(step)
             _hooks.fire("tier.persisted")
             self._catch_up(before=step)
+            if self._after_persist is not None:
+                self._after_persist()
             _hooks.fire("tier.caught_up")
 
-        self._base_of[step] = base
-        h = self.tasks.submit(self._watched(task),
-                              f"persisting step {step} to {self.persistent.directory}")
-        self._running[step] = h
+        with self._lock:
+            self._base_of[step] = base
+            h = self.tasks.submit(self._watched(task),
+                                  f"persisting step {step} to {self.persistent.directory}")
+            self._running[step] = h
         return h
 
     def _watched(self, task: Callable[[], None]) -> Callable[[], None]:
@@ -451,7 +468,8 @@ class LocalTier:
             if bases is None:
                 if self.is_committed(s):
                     return set(self.steps())
-                b = self._base_of.get(s)
+                with self._lock:
+                    b = self._base_of.get(s)
                 bases = [] if b is None else [b]
             todo += bases
         while todo:
@@ -536,7 +554,7 @@ class LocalTier:
             return []
         self.lease.check()
         protected = set(self.unpersisted()) | self.pending_steps()
-        protected |= {b for b in self._base_of.values() if b is not None}
+        protected |= self.queued_bases()
         dropped = self.retention.apply(protected)
         for s in dropped:
             _unlink(self._record(s))

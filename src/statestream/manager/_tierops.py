@@ -33,8 +33,11 @@ __all__ = ["open_tier", "tier_load", "tier_steps"]
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
-              coll: Collective, read_only: bool, peers: bool) -> LocalTier:
-    """Open the local tier and queue the persistence of what the last manager left."""
+              coll: Collective, read_only: bool, peers: bool,
+              after_persist: Callable[[], None] | None = None) -> LocalTier:
+    """Open the local tier and queue the persistence of what the last manager left.
+
+    ``after_persist``: see :class:`LocalTier` (the directory's keep policy)."""
     if read_only:
         raise CheckpointError(
             f"{persistent.directory} is read-only: a local tier in front of it could never "
@@ -53,7 +56,7 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     try:
         tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
                          files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
-                         peers=peers and multi)
+                         peers=peers and multi, after_persist=after_persist)
     except BaseException as exc:
         err = exc
     agree(coll, "opening the local tier", err)
