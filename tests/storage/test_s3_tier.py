@@ -125,8 +125,8 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
     """S3 (moto behind a proxy that refuses connections) goes down after step 1:
     steps 2 to 4 still commit locally (no save raises or touches the store: the
     keep policy of the directory is applied after persistences), wait() raises;
-    once S3 is back, step 5's persistence persists steps 2 to 4 too, in the same
-    manager."""
+    once S3 is back, step 5's persistence persists step 4 too (step 3, which the
+    keep policy would delete at once, is not uploaded), in the same manager."""
     proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
     set_backend("s3", S3Storage(S3Options(
         endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
@@ -151,7 +151,9 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
                 mgr.wait()
         # the keep policy of the directory waits for a persistence that goes through
         assert not any("could not list" in str(w.message) for w in seen)
-        assert mgr.unpersisted_steps() == [2, 3, 4]  # every step kept locally
+        # every step committed locally; step 2 counts as persisted: KeepLatest(2) would
+        # delete it from the directory as soon as it was there
+        assert mgr.unpersisted_steps() == [3, 4]
         proxy.down.clear()  # S3 is back
         caught_up.clear()
         with warnings.catch_warnings():
@@ -228,5 +230,63 @@ def test_save_does_no_store_round_trip_on_the_training_thread(tmp_path, s3_serve
         with ss.CheckpointManager(url) as after:
             _check_small(after.load(), 6)
     finally:
+        set_backend("s3", None)
+        proxy.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_after_an_outage_only_the_steps_the_keep_policy_keeps_are_uploaded(
+        tmp_path, s3_server, async_save):
+    """S3 is down for steps 2 to 12 with KeepLatest(2) + KeepBest(1, "loss") on the
+    directory: the local tier keeps only what that policy would keep (step 2, the
+    best, and the two newest; the others count as persisted, with a warning, and
+    leave by the local keep policy), so its disk stays bounded; once S3 is back,
+    only those are uploaded, besides the new step."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"],
+        timeout_s=5, max_retries=1, retry_timeout_s=3)))
+    url = f"s3://{s3_server['bucket']}/bounded-{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    uploads: list[int] = []
+    _hooks.register("tier.persist", lambda: uploads.append(1))
+    try:
+        mgr = ss.CheckpointManager(
+            url, local_tier=str(local), async_save=async_save,
+            keep_policy=ss.KeepUnion(ss.KeepLatest(2), ss.KeepBest(1, "loss")),
+            local_keep_policy=ss.KeepLatest(1))
+        mgr.save(1, _small(1), metrics={"loss": 0.5})
+        mgr.wait()
+        proxy.down.set()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(2, 13):
+                assert mgr.save(step, _small(step), metrics={"loss": 0.1 if step == 2 else 0.9})
+                # the unpersisted steps it keeps, one being copied, the new one
+                assert len(glob.glob(str(local / "step_??????????"))) <= 5
+            with pytest.raises(ss.StorageError):
+                mgr.wait()
+        assert mgr.unpersisted_steps() == [2, 11, 12]
+        assert any("are not persisted" in str(w.message) and "keep policy" in str(w.message)
+                   for w in seen)
+        proxy.down.clear()  # S3 is back
+        uploads.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert mgr.save(13, _small(13), metrics={"loss": 0.9})
+            mgr.wait()
+        assert len(uploads) == 3  # 13, then 2 and 12 (11 is outdated by 13)
+        assert mgr.unpersisted_steps() == []
+        assert mgr.persisted_steps() == [2, 12, 13]
+        mgr.close()
+        with ss.CheckpointManager(url) as after:
+            assert after.steps() == [2, 12, 13]
+            _check_small(after.load(2), 2)
+            _check_small(after.load(), 13)
+    finally:
+        _hooks.clear()
         set_backend("s3", None)
         proxy.close()

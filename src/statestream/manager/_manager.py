@@ -31,6 +31,7 @@ from statestream.manager._policies import (
     SaveContext,
     SavePolicy,
     best_metrics,
+    drops_for_good,
     is_score,
 )
 from statestream.manager._retention import (
@@ -147,7 +148,8 @@ class CheckpointManager:
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
-                                       replicate_to_peers, self._keep_after_persist)
+                                       replicate_to_peers, self._keep_after_persist,
+                                       keep_policy if drops_for_good(keep_policy) else None)
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()

@@ -31,6 +31,7 @@ __all__ = [
     "SavePolicy",
     "StepInfo",
     "best_metrics",
+    "drops_for_good",
     "is_score",
 ]
 
@@ -237,3 +238,19 @@ def best_metrics(policy: object) -> list[str]:
     for sub in getattr(policy, "policies", ()):
         out += [m for m in best_metrics(sub) if m not in out]
     return out
+
+
+def drops_for_good(policy: object) -> bool:
+    """Whether a step ``policy`` drops from some steps stays dropped from any more steps
+    (each built-in policy: newer or better steps never bring a dropped one back; a
+    ``KeepUnion`` of such). Unknown policies: False (nothing is decided early).
+
+    Example:
+        >>> drops_for_good(KeepUnion(KeepLatest(2), KeepBest(1, "loss"))), drops_for_good(object())
+        (True, False)
+    """
+    if isinstance(policy, (KeepAll, KeepLatest, KeepEvery, KeepBest)):
+        return True
+    if isinstance(policy, KeepUnion):
+        return all(drops_for_good(p) for p in policy.policies)
+    return False

@@ -156,11 +156,24 @@ class Retention:
         keep, needed, _ = self._plan(steps, set())
         return [s for s in steps if s in keep or s not in needed]
 
-    def _plan(self, steps: list[int], protected: set[int]
+    def dropped_by(self, policy: KeepPolicy, steps: list[int], protected: set[int]
+                   ) -> list[int]:
+        """The ``steps`` (committed here) that ``policy`` drops and no step it keeps
+        refers to, as :meth:`apply` would see them if they were all there is; the
+        newest, the ``protected`` and unreadable ones are kept. [] while a kept
+        step's references cannot be read."""
+        keep, needed, known = self._plan(sorted(steps), protected, policy)
+        if not known:
+            return []
+        return [s for s in sorted(steps)
+                if s not in keep and s not in needed and self._info(s) is not None]
+
+    def _plan(self, steps: list[int], protected: set[int], policy: KeepPolicy | None = None
               ) -> tuple[set[int], set[int], bool]:
         """(kept by the policy, referred to by a kept step, every reference known)."""
         read = {s: self._read(s) for s in steps}
-        keep = set(self._policy.keep([si for si, _ in read.values() if si is not None]))
+        policy = self._policy if policy is None else policy
+        keep = set(policy.keep([si for si, _ in read.values() if si is not None]))
         keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step

@@ -7,7 +7,8 @@ Layout of the local tier (a local directory, one per node):
   the data files its own processes wrote, see docs/manager.md);
 - ``step_<N>.persisted``: an empty file written once ``step_<N>`` is
   committed in the persistent directory (so a step the persistent keep policy
-  already deleted is never persisted again);
+  already deleted is never persisted again), or once that keep policy would
+  delete it as soon as it was (:meth:`LocalTier.drop_unwanted`: never uploaded);
 - ``step_<N>.unpersisted``: an empty file written before ``step_<N>`` is saved
   again (``force``) while ``directory`` may hold its older copy: until the new
   copy is persisted, that older copy does not count as persisted;
@@ -92,12 +93,16 @@ class LocalTier:
         after_persist: called on the background worker after each persistence that
             went through (the manager applies the directory's keep policy there:
             the training thread never waits on the store to clean up).
+        directory_keep: the directory's keep policy, when a step it drops stays
+            dropped (``drops_for_good``): unpersisted steps it would delete as soon
+            as they were persisted are not persisted (:meth:`drop_unwanted`).
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
                  coll: Collective, groups: NodeGroups, *,
                  files: Callable[[str], bool] | None = None, peers: bool = False,
-                 after_persist: Callable[[], None] | None = None) -> None:
+                 after_persist: Callable[[], None] | None = None,
+                 directory_keep: KeepPolicy | None = None) -> None:
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -112,9 +117,12 @@ class LocalTier:
         self._files = files
         self._peers = peers
         self._after_persist = after_persist
+        self._directory_keep = directory_keep
         self.tasks = BackgroundTasks("statestream-persist", nice=10)
-        #: guards _running and _base_of (the worker asks for them too)
-        self._lock = threading.Lock()
+        #: guards _running, _base_of, _active and the records drop_unwanted writes
+        self._lock = threading.RLock()
+        #: the step this process is persisting now (never dropped meanwhile)
+        self._active: int | None = None
         self._running: dict[int, TaskHandle] = {}
         #: the base each queued step was saved against (known before it commits)
         self._base_of: dict[int, int | None] = {}
@@ -211,6 +219,7 @@ class LocalTier:
     def queued_bases(self) -> set[int]:
         """The bases the queued steps were saved against (known before they commit)."""
         with self._lock:
+            self.pending_steps()  # forgets the finished ones
             return {b for b in self._base_of.values() if b is not None}
 
     def unpersisted(self) -> list[int]:
@@ -294,10 +303,7 @@ class LocalTier:
                     after.result()
                 except BaseException:
                     return  # the save failed: its own handle reports it; nothing to persist
-            if self._peers:
-                replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
-                                   self.path(step))
-            self._persist_one(step)
+            self._persist_one(step, replicate=self._peers)
             _hooks.fire("tier.persisted")
             self._catch_up(before=step)
             if self._after_persist is not None:
@@ -324,15 +330,39 @@ class LocalTier:
 
         return run
 
-    def _persist_one(self, step: int) -> list[int]:
-        """Persist ``step`` after the steps it refers to that the directory lacks;
-        returns the steps copied (the same on every process)."""
-        _hooks.fire("tier.persist")
-        bases = self._agreed_missing_bases(step)
-        for b in bases:
-            self._copy(b)
-        self._copy(step)
+    def _persist_one(self, step: int, replicate: bool = False) -> list[int]:
+        """Persist ``step`` after the steps it refers to that the directory lacks
+        (``replicate``: send this process's files to the next node first); returns
+        the steps copied (the same on every process): none when ``step`` is
+        recorded by then (persisted, or dropped by :meth:`drop_unwanted`)."""
+        if not self._take(step):
+            return []
+        try:
+            if replicate:
+                replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
+                                   self.path(step))
+            _hooks.fire("tier.persist")
+            bases = self._agreed_missing_bases(step)
+            for b in bases:
+                self._copy(b)
+            self._copy(step)
+        finally:
+            with self._lock:
+                self._active = None
         return [*bases, step]
+
+    def _take(self, step: int) -> bool:
+        """Whether ``step`` is still to be persisted (no process sees it recorded);
+        while it is, :meth:`drop_unwanted` leaves it alone. Agreed."""
+        with self._lock:
+            todo = not self.is_persisted(step)
+            self._active = step if todo else None
+        if self._coll.world_size > 1:
+            todo = all(self._coll.all_gather_object(todo))
+        if not todo:
+            with self._lock:
+                self._active = None
+        return todo
 
     def _catch_up(self, before: int | None) -> None:
         """Persist the local steps that earlier persistences left unpersisted (a store
@@ -343,6 +373,7 @@ class LocalTier:
         damaged does not stop the others (its error is raised at the end)."""
         done: set[int] = set()
         damaged: CheckpointError | None = None
+        self.drop_unwanted()  # the step just persisted may outdate older ones
         for s in self._agreed_unpersisted():
             if s not in done and (before is None or s < before):
                 try:
@@ -548,13 +579,49 @@ class LocalTier:
                     RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ retention
+    def drop_unwanted(self) -> list[int]:
+        """Record as persisted the unpersisted steps that the directory's keep
+        policy would delete as soon as they were persisted: it drops them among
+        the local steps (persisted or not), so among the directory's steps too
+        (a step it drops stays dropped: a newer or better step stays or was
+        dropped for one newer or better still), and no step it keeps refers to
+        them. They are never uploaded, and the local keep policy deletes them as
+        it deletes persisted steps: this bounds the local tier during an outage.
+        Local disk only (the leader: the training thread, and the worker before a
+        catch-up).
+
+        Warns:
+            RuntimeWarning: naming the steps that will not be persisted.
+        """
+        if self._directory_keep is None or not self._leader:
+            return []
+        with self._lock:
+            todo = set(self.unpersisted())
+            protected = self.queued_bases()
+            if self._active is not None:
+                protected.add(self._active)
+            dropped = [s for s in self.retention.dropped_by(self._directory_keep, self.steps(),
+                                                            protected)
+                       if s in todo and s not in protected]
+            for s in dropped:
+                self._write_record(s)
+        if dropped:
+            warnings.warn(
+                f"the local steps {dropped} are not persisted to {self.persistent.directory}: "
+                "its keep policy would delete them as soon as they were (newer steps wait "
+                f"to be persisted); they count as persisted and leave the local tier "
+                f"{self.root} by its keep policy", RuntimeWarning, stacklevel=5)
+        return dropped
+
     def apply_keep(self) -> list[int]:
         """Apply the local keep policy to persisted steps (the leader only)."""
         if not self._leader or self.lease is None:
             return []
         self.lease.check()
-        protected = set(self.unpersisted()) | self.pending_steps()
-        protected |= self.queued_bases()
+        self.drop_unwanted()
+        with self._lock:
+            active = set() if self._active is None else {self._active}
+        protected = set(self.unpersisted()) | active | self.queued_bases()
         dropped = self.retention.apply(protected)
         for s in dropped:
             _unlink(self._record(s))

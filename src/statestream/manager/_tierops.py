@@ -34,10 +34,12 @@ __all__ = ["open_tier", "tier_load", "tier_steps"]
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
               coll: Collective, read_only: bool, peers: bool,
-              after_persist: Callable[[], None] | None = None) -> LocalTier:
+              after_persist: Callable[[], None] | None = None,
+              directory_keep: KeepPolicy | None = None) -> LocalTier:
     """Open the local tier and queue the persistence of what the last manager left.
 
-    ``after_persist``: see :class:`LocalTier` (the directory's keep policy)."""
+    ``after_persist``, ``directory_keep``: see :class:`LocalTier` (the directory's
+    keep policy; steps it would delete at once are not persisted, even after a crash)."""
     if read_only:
         raise CheckpointError(
             f"{persistent.directory} is read-only: a local tier in front of it could never "
@@ -56,12 +58,17 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     try:
         tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
                          files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
-                         peers=peers and multi, after_persist=after_persist)
+                         peers=peers and multi, after_persist=after_persist,
+                         directory_keep=directory_keep)
     except BaseException as exc:
         err = exc
     agree(coll, "opening the local tier", err)
     assert tier is not None
-    mine = tier.settle_records() if groups.is_leader else None
+    mine = None
+    if groups.is_leader:
+        tier.settle_records()
+        tier.drop_unwanted()
+        mine = tier.unpersisted()
     everyone = coll.all_gather_object(mine) if multi else [mine]
     lists = [set(x) for x in everyone if x is not None]
     # a crash after a local commit loses nothing (steps every node holds)
