@@ -12,7 +12,8 @@ Each process gets its own local directory, standing for its node's disk
   those completed too, restored from a peer's copies;
 * with ``replicate_to_peers=True`` each node also holds its peer's files:
   after deleting one node's directory *and* the persistent directory, a
-  restarted job restores exactly from the surviving node's copy;
+  restarted job restores exactly from the surviving node's copy, and a stale
+  peer copy (another step's bytes under the same names) is never loaded;
 * a store outage that one rank learns of before another: every rank saves
   on, ``wait()`` raises on every rank, and catches up once the store is back.
 """
@@ -335,3 +336,50 @@ def test_a_store_outage_is_decided_alike_on_every_rank(tmp_path: Path) -> None:
                            "unpersisted": [1, 2], "persisted": [1, 2]}, r.value
     for step in (1, 2):
         _equal(ss.load(os.path.join(root, "persist", f"step_{step:010d}")), expected(step))
+
+
+def stale_peer_worker(ctx: Context) -> dict[str, Any]:
+    """Open after node 1 lost its tier; load the newest step, recording warnings."""
+    import warnings
+
+    _init(ctx)
+    a = ctx.args
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                              local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
+                              replicate_to_peers=True) as mgr:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = mgr.load()
+        step = int(got["shared"]["step"])
+        _equal(got, expected(step))  # never another step's bytes, never a mix
+    return {"step": step, "warnings": [str(w.message) for w in seen]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("persistent", ["kept", "lost"])
+def test_a_stale_peer_copy_is_never_loaded(tmp_path: Path, persistent: str) -> None:
+    """Node 1 lost its tier, and node 0's copy of node 1's files of step 3 is stale:
+    step 2's bytes under step 3's names (same sizes, so the copy looks whole).
+    Completing node 1's copy from it must not load wrong or mixed data: the
+    checksums catch it on every rank, and the load falls back to the persisted
+    step 3, or (the persistent directory lost too) to step 2, with a warning."""
+    root = str(tmp_path / "job")
+    launch(THIS, "save_worker", WORLD, tmp_path, args={"root": root, "mode": "async",
+                                                       "peers": True}, timeout_s=180)
+    node0 = os.path.join(root, "node0")
+    stale = [f for f in _data_files(os.path.join(node0, "step_0000000003"))
+             if f.startswith("r1-")]
+    assert stale and stale == [f for f in _data_files(os.path.join(node0, "step_0000000002"))
+                               if f.startswith("r1-")]
+    for f in stale:
+        shutil.copyfile(os.path.join(node0, "step_0000000002", "data", f),
+                        os.path.join(node0, "step_0000000003", "data", f))
+    shutil.rmtree(os.path.join(root, "node1"))  # node 1 lost its disk
+    if persistent == "lost":
+        shutil.rmtree(os.path.join(root, "persist"))
+    res = launch(THIS, "stale_peer_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=180, tag="stale")
+    want = 3 if persistent == "kept" else 2
+    for r in res:
+        assert r.value["step"] == want, r.value
+        assert any("damaged" in w for w in r.value["warnings"]), r.value
