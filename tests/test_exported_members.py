@@ -83,8 +83,9 @@ EXPECTED: dict[str, list[str]] = {
         "agree", "byte_channel", "default_collective",
     ],
     "statestream.api": [
-        "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "guard_module",
-        "guard_optimizer", "load", "metadata", "save", "save_async", "verify", "convert",
+        "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "files_read",
+        "guard_module", "guard_optimizer", "load", "metadata", "save", "save_async", "verify",
+        "convert",
     ],
     "statestream.interop": [
         "FileSetReader", "ForeignCheckpoint", "MissingDependencyError", "detect_format",

@@ -9,7 +9,7 @@ from statestream.api._inspect import (
     metadata,
     verify,
 )
-from statestream.api._load import load
+from statestream.api._load import files_read, load
 from statestream.api._save import save
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "SaveHandle",
     "VerifyReport",
     "convert",
+    "files_read",
     "guard_module",
     "guard_optimizer",
     "load",

@@ -181,6 +181,10 @@ class _Job:
         ranges = _row_block_ranges(entry)
         if ranges is None:
             return None
+        if like is not None and not self._present({f for f, _, _ in ranges}):
+            # a node's partial copy (docs/manager.md): a target that takes part of the
+            # array (a shard) reads its boxes; a missing file it needs fails that read
+            return None
         self.check_supply(index, entry, path)  # a short file fails here, with the key path
         reader = cast(MappedReader, self.reader)
         if len(ranges) == 1:
@@ -191,6 +195,16 @@ class _Job:
         if buf is None:
             return None
         return prov.restore_on(entry.dtype, entry.shape, like, path, buf, scalar=scalar)
+
+    def _present(self, files: set[int]) -> bool:
+        """Whether the reader has each of these data files (of any size)."""
+        reader = cast(CheckpointReader, self.reader)
+        for f in files:
+            try:
+                reader.file_size(self.file_names[f])
+            except TruncatedFileError:
+                return False
+        return True
 
     def _short_arrays(self, file: int, size: int, skip: int) -> str:
         """Key paths of (up to 5) other arrays whose data lies past ``size`` in ``file``."""

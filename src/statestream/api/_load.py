@@ -57,7 +57,7 @@ from statestream.tree import (
     type_name,
 )
 
-__all__ = ["array_paths", "load", "open_checkpoint", "read_manifest"]
+__all__ = ["array_paths", "files_read", "load", "open_checkpoint", "read_manifest"]
 
 _NUMPY = NumpyProvider()
 
@@ -482,6 +482,46 @@ def load(
     return result
 
 
+def _selected(m: Manifest, target: Any, items: Sequence[str] | None,
+              where: str) -> tuple[Node, Any]:
+    """The saved tree and the target the walk matches: cut down to ``items``."""
+    like = NO_TARGET if target is None else target
+    if items is None:
+        return m.tree, like
+    if like is not NO_TARGET and not isinstance(like, dict):
+        raise TargetMismatchError(
+            "with items=, the target must be a dict like the saved state (keyed by "
+            "the items' first keys)"
+        )
+    # items without a target entry load with defaults
+    return _select(m.tree, list(items), like, where)
+
+
+def files_read(m: Manifest, target: Any = None, *, items: Sequence[str] | None = None,
+               allow_pickle: AllowPickle = False, where: str = "the checkpoint"
+               ) -> dict[str, set[int]]:
+    """Which data files :func:`load` of ``m`` into ``target`` reads, found without
+    reading anything: checkpoint -> indices of its manifest's ``files``.
+
+    ``m`` is a manifest as stored (references not followed): ``""`` is the
+    checkpoint itself; a base's name (a reference's ``base``) maps to indices into
+    *that base's* files. The walk is :func:`load`'s on the manifest alone: it
+    allocates the destinations (untouched, then dropped), maps and reads nothing.
+    A target that does not match raises as :func:`load` would.
+    """
+    root, like = _selected(m, target, items, where)
+    job = _Job(pickles=_PickleTrust(allow_pickle), file_names=[f.name for f in m.files],
+               manifest=m)
+    _walk(root, like, (), m, job, "numpy", False)
+    for w in job.wanted:
+        job.plan.add(w)
+    out: dict[str, set[int]] = {}
+    for p in job.plan.pieces.values():
+        c = m.arrays[p.array].chunks[p.chunk]
+        out.setdefault("" if c.ref is None else c.ref.base, set()).add(c.file)
+    return out
+
+
 def _default_io(path: str | os.PathLike[str]) -> IOOptions:
     """Engine options when the caller gives none: the backend's read preferences."""
     caps = storage_for(path)[0].capabilities
@@ -505,16 +545,7 @@ def _load(
 ) -> Any:
     reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
     try:
-        root = m.tree
-        like = NO_TARGET if target is None else target
-        if items is not None:
-            if like is not NO_TARGET and not isinstance(like, dict):
-                raise TargetMismatchError(
-                    "with items=, the target must be a dict like the saved state (keyed by "
-                    "the items' first keys)"
-                )
-            # items without a target entry load with defaults
-            root, like = _select(root, list(items), like, reader.location)
+        root, like = _selected(m, target, items, reader.location)
         names = [f.name for f in m.files]
         local = reader if isinstance(reader, MappedReader) else None
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,

@@ -10,9 +10,9 @@ file system or the persistent store:
   next node (its *peer*), which adds them to its copy, so a lost node's files
   survive on its peer;
 - :func:`complete_copies`: every node fetches the files its copy lacks (all of
-  the manifest's) from a node that holds them, writing a copy from scratch
-  (manifest included) where a node has none, so each node can then load the
-  checkpoint from its own disk.
+  the manifest's, or those its processes' load reads) from a node that holds
+  them, writing a copy from scratch (manifest included) where a node has none,
+  so each node can then load the checkpoint from its own disk.
 
 Transfers run in one order known to every process (each involves two ranks,
 so the earliest one not done always has both of its ranks at it: no
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from statestream.distributed import ByteChannel, Collective, agree
 from statestream.engine._copy import read_committed
@@ -35,6 +35,7 @@ from statestream.format import (
     COMMIT_NAME,
     DATA_DIR,
     MANIFEST_NAME,
+    Manifest,
     decode_manifest,
     validate_file_name,
 )
@@ -43,6 +44,9 @@ from statestream.storage import LocalStorage
 __all__ = ["Transfer", "complete_copies", "replicate_to_peers"]
 
 _PIECE = 16 << 20
+
+#: Which files of a manifest one process reads (indices into its ``files``; None: all).
+WantedFiles = Callable[[Manifest], Collection[int] | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +169,17 @@ def replicate_to_peers(coll: Collective, channel: ByteChannel | None, groups: No
 
 
 def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeGroups,
-                    path: str) -> bool:
-    """Give every node a whole copy of the node-local checkpoint ``path``; collective.
+                    path: str, wanted: WantedFiles | None = None) -> bool:
+    """Give every node the files of the node-local checkpoint ``path`` that its
+    processes read; collective.
+
+    ``wanted(manifest)``: the indices of the manifest's files this process reads
+    (None, or no ``wanted``: all of them). A node fetches the files its processes
+    want and its processes' own (``data/r<rank>-*``, which persistence uploads from
+    it) that it lacks; a node with no committed copy writes one (manifest
+    included) and commits it. A copy completed in part is like any node-local copy:
+    committed, but whole only together with the other nodes' (a later call with
+    other wants fetches the rest).
 
     Returns False on every rank, changing nothing, when some file of the
     manifest is held by no node, no node has a committed copy, or files
@@ -202,6 +215,7 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
             for n, size in i["files"]:
                 if sizes.get(n) == size:  # a short or stray file is no source
                     holders.setdefault(n, []).append(r)
+    wants = coll.all_gather_object(_wanted_names(m, wanted))
     if any(not holders.get(n) for n in sizes):
         return False
     transfers = []
@@ -209,16 +223,45 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
         if i is None:
             continue
         have = dict(i["files"]) if i["committed"] else {}
+        need = _node_needs(groups.members(r), wants, sizes)
         for n, size in sizes.items():
-            if have.get(n) != size:
+            if n in need and have.get(n) != size:
                 hs = holders[n]
                 transfers.append(Transfer(hs[r % len(hs)], r, n, size))
-    if not transfers:
+    fresh = any(i is not None and not i["committed"] for i in infos)
+    if not transfers and not fresh:
         return True
     if channel is None:
         return False
     _complete(coll, channel, groups, path, transfers, infos, (marker_text, manifest_text))
     return True
+
+
+def _wanted_names(m: Manifest, wanted: WantedFiles | None) -> list[str] | None:
+    """The names of the files ``wanted`` picks in ``m``; None for all of them (also
+    when ``wanted`` fails: the load that follows reports what is wrong)."""
+    if wanted is None:
+        return None
+    try:
+        picked = wanted(m)
+    except Exception:  # noqa: BLE001 - the load that follows raises it, on every rank
+        return None
+    if picked is None:
+        return None
+    return sorted(m.files[i].name for i in picked if 0 <= i < len(m.files))
+
+
+def _node_needs(members: list[int], wants: list[list[str] | None],
+                sizes: dict[str, int]) -> set[str]:
+    """The files a node's copy must hold: what its processes read, and their own."""
+    need: set[str] = set()
+    for r in members:
+        w = wants[r]
+        if w is None:
+            return set(sizes)
+        need.update(w)
+        need.update(n for n in sizes if n.startswith(f"{DATA_DIR}/r{r}-"))
+    return need
 
 
 def _complete(coll: Collective, channel: ByteChannel, groups: NodeGroups, path: str,

@@ -4,17 +4,19 @@ With several processes each node's local tier holds a node-local copy of
 each step (its processes' files, plus its peer's with ``replicate_to_peers``).
 Listing and loading are then collective: every process sees the steps any
 node holds, and before a local load the nodes complete each other's copies
-over the collective (``engine.complete_copies``); a step no node can complete
+over the collective (``engine.complete_copies``: with a target or ``items``,
+only with the files their processes' loads read); a step no node can complete
 loads from the persistent directory.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from statestream.api import load
+from statestream.api import files_read, load
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, SingleProcess, agree, byte_channel
 from statestream.engine import (
@@ -25,6 +27,7 @@ from statestream.engine import (
     node_groups,
 )
 from statestream.errors import CheckpointCorruptError, CheckpointError, InvalidOptionError
+from statestream.format import Manifest
 from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory
 from statestream.manager._tier import LocalTier
@@ -98,7 +101,30 @@ def tier_steps(tier: LocalTier, coll: Collective,
     return sorted(out)
 
 
-def _complete_bases(tier: LocalTier, step: int, coll: Collective) -> bool:
+class _Reads:
+    """The files this process's load of a step reads, of the step and of each step
+    it refers to (:func:`statestream.api.files_read`), for ``complete_copies``."""
+
+    def __init__(self, target: Any, items: Sequence[str] | None,
+                 allow_pickle: AllowPickle) -> None:
+        self._args = (target, items, allow_pickle)
+        #: checkpoint name ("" for the step) -> file indices; None: not known (all)
+        self._found: dict[str, set[int]] | None = None
+
+    def of_step(self, m: Manifest) -> set[int]:
+        target, items, allow_pickle = self._args
+        self._found = files_read(m, target, items=items, allow_pickle=allow_pickle)
+        return self._found.get("", set())
+
+    def of_base(self, name: str) -> Callable[[Manifest], set[int] | None]:
+        def pick(_: Manifest) -> set[int] | None:
+            return None if self._found is None else self._found.get(name, set())
+
+        return pick
+
+
+def _complete_bases(tier: LocalTier, step: int, coll: Collective,
+                    reads: _Reads | None) -> bool:
     """Complete every node's copy of each step ``step`` refers to (an incremental
     step's chunks may live in files another node's processes wrote); collective.
 
@@ -110,7 +136,14 @@ def _complete_bases(tier: LocalTier, step: int, coll: Collective) -> bool:
     if bases is None:
         return False
     channel = byte_channel(coll)
-    return all(complete_copies(coll, channel, tier.groups, tier.path(b)) for b in bases)
+    return all(complete_copies(coll, channel, tier.groups, tier.path(b),
+                               None if reads is None else reads.of_base(_name(tier, b)))
+               for b in bases)
+
+
+def _name(tier: LocalTier, step: int) -> str:
+    """The directory name of ``step`` (a reference's ``base``)."""
+    return os.path.basename(tier.path(step))
 
 
 def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,
@@ -129,8 +162,12 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     err: BaseException | None = None
     from_persistent = not tier.is_committed(step)
     if collective.world_size > 1:
-        ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step))
-        ok = ok and _complete_bases(tier, step, collective)
+        # with a target (or items), each node fetches only what its processes read
+        reads = None if target is None and items is None else _Reads(target, items,
+                                                                     allow_pickle)
+        ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step),
+                             None if reads is None else reads.of_step)
+        ok = ok and _complete_bases(tier, step, collective, reads)
         from_persistent = not ok or not tier.is_committed(step)
     if not from_persistent:
         try:
