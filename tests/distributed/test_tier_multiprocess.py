@@ -383,3 +383,66 @@ def test_a_stale_peer_copy_is_never_loaded(tmp_path: Path, persistent: str) -> N
     for r in res:
         assert r.value["step"] == want, r.value
         assert any("damaged" in w for w in r.value["warnings"]), r.value
+
+
+def resume_worker(ctx: Context) -> dict[str, Any]:
+    """Incremental steps on node-local tiers; then (``resume``) a job on new machines
+    (empty tiers) loads the newest step, waits for its background copy, saves one more."""
+    _init(ctx)
+    a = ctx.args
+    local = os.path.join(a["root"], f"node{ctx.rank}")
+    out: dict[str, Any] = {}
+    with ss.CheckpointManager(os.path.join(a["root"], "persist"), local_tier=local,
+                              incremental=True, io=ss.IOOptions(max_chunk_bytes=256 << 10)
+                              ) as mgr:
+        if not a["resume"]:
+            for step in (1, 2):
+                mgr.save(step, with_frozen(step, ctx.rank))
+            mgr.wait()
+            return out
+        got = mgr.load()  # from the persistent directory: the tiers are empty
+        np.testing.assert_array_equal(got.pop("frozen"), with_frozen(2, 0)["frozen"])
+        _equal(got, expected(2))
+        mgr.wait()  # the background copy of step 2 (and what it refers to) into each tier
+        out["fetched"] = {s: _data_files(os.path.join(local, s))
+                          for s in sorted(os.listdir(local)) if s.startswith("step_")
+                          and "." not in s}
+        out["verify_fetched"] = ss.verify(os.path.join(local, "step_0000000002")).ok
+        mgr.save(3, with_frozen(3, ctx.rank))
+        mgr.wait()
+        got = mgr.load()  # from the tiers: the nodes complete step 3 and what it refers to
+        np.testing.assert_array_equal(got.pop("frozen"), with_frozen(3, 0)["frozen"])
+        _equal(got, expected(3))
+    return out
+
+
+def _data_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, "data", n)) for n in _data_files(path))
+
+
+@pytest.mark.timeout(300)
+def test_first_save_after_a_multi_node_resume_is_incremental(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    launch(THIS, "resume_worker", WORLD, tmp_path, args={"root": root, "resume": False},
+           timeout_s=180)
+    for r in range(WORLD):  # new machines: every node's tier is empty
+        shutil.rmtree(os.path.join(root, f"node{r}"))
+    res = launch(THIS, "resume_worker", WORLD, tmp_path, tag="resume",
+                 args={"root": root, "resume": True}, timeout_s=180)
+    for r in res:
+        v = r.value
+        # each node's copy holds its own process's files, as a node-local save leaves it
+        assert v["fetched"] and "step_0000000002" in v["fetched"], v
+        for files in v["fetched"].values():
+            assert files and all(f.startswith(f"r{r.rank}-") for f in files), v
+        assert v["verify_fetched"] is False  # not whole on its own, and not taken for it
+    persist = os.path.join(root, "persist")
+    step3 = os.path.join(persist, "step_0000000003")
+    # step 3 refers to the chunks it shares with the loaded step's chain ('frozen')
+    assert ss.metadata(step3).bases, ss.metadata(step3).bases
+    frozen = with_frozen(3, 0)["frozen"].nbytes  # not written again
+    assert _data_bytes(step3) <= _data_bytes(os.path.join(persist, "step_0000000001")) - frozen
+    assert ss.verify(step3).ok
+    got = ss.load(step3)
+    np.testing.assert_array_equal(got.pop("frozen"), with_frozen(3, 0)["frozen"])
+    _equal(got, expected(3))

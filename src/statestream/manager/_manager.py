@@ -438,10 +438,17 @@ class CheckpointManager:
 
         With a local tier the save commits there, and references stay among
         siblings: the base is the newest step before ``step`` in the local tier
-        (none: a full save, e.g. the first on a new machine).
+        (none: a full save, e.g. the first on a new machine); with several nodes,
+        in every node's tier (each process reads the base's manifest there).
         """
         if not self._incremental:
             return None
+        if self._tier is not None and len(self._tier.groups.leaders()) > 1:
+            held = ([s for s in self._tier.steps() if s < step]
+                    if self._tier.groups.is_leader else None)
+            common = set.intersection(*(set(h) for h in self._coll.all_gather_object(held)
+                                        if h is not None))
+            return max(common) if common else None
         base = None
         if self._coll.rank == 0:
             have = self._retention.listed() if self._tier is None else self._tier.steps()

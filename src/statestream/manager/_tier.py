@@ -450,18 +450,21 @@ class LocalTier:
 
         So the next save of an incremental manager on a new machine refers to it
         instead of writing everything, and the next load of it reads the local
-        disk. One node only (a node's copy would otherwise need only its own
-        processes' files), by its leader. An optimisation: a failure warns and
-        leaves nothing behind.
+        disk. Each node's leader copies into its node's tier; with several nodes a
+        node's copy holds, as a node-local save leaves it, the manifest and its
+        own processes' files (``data/r<rank>-*``): committed, whole with the other
+        nodes' copies. An optimisation: a failure warns and leaves nothing behind.
         """
-        if not self._leader or len(self.groups.leaders()) > 1:
+        if not self._leader:
             return None
+        own = tuple(f"data/r{r}-" for r in self.groups.members())
+        files = None if len(self.groups.leaders()) == 1 else (lambda n: n.startswith(own))
 
         def task() -> None:
             try:
                 for s in self._fetch_order(step):
                     if not self.is_committed(s):
-                        copy_checkpoint(self.persistent.path(s), self.path(s))
+                        copy_checkpoint(self.persistent.path(s), self.path(s), files=files)
                         self._write_record(s)
                 _hooks.fire("tier.fetched")
             except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
