@@ -1,40 +1,177 @@
-"""Every ``python`` block of docs/integrations.md runs as it is written."""
+"""Every ``python`` and ``sh`` block of README.md and docs/*.md runs as it is written.
+
+How a block runs (setups, checks, processes, servers) is said next to it in the
+markdown; see _doc_blocks.py. A block that cannot run here is marked
+``skip=REASON`` there, and the reason is part of its test id.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "integrations.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _doc_blocks import (  # noqa: E402
+    PAGES,
+    ROOT,
+    Block,
+    apply_replacements,
+    group_id,
+    page_blocks,
+    runnable_groups,
+)
+from _doc_setups import CHECKS, SETUPS  # noqa: E402
+
+GROUPS = runnable_groups()
+BUCKETS = ("my-bucket", "bucket")
 
 
 def _needs(code: str) -> list[str]:
     mods = {"lightning": "lightning", "flax": "flax", "optax": "optax", "torch": "torch",
-            "jax": "jax", "transformers": "transformers"}
-    return [m for k, m in mods.items() if re.search(rf"^(import|from) {k}\b", code, re.M)]
+            "jax": "jax", "transformers": "transformers", "safetensors": "safetensors"}
+    return [m for k, m in mods.items() if re.search(rf"^\s*(import|from) {k}\b", code, re.M)]
 
 
-def test_the_page_has_examples():
-    assert len(BLOCKS) >= 3
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[tuple[str, Any]]:
+    """A moto server on loopback with the buckets the pages name."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(),
+                                         verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing-secret")
+    for bucket in BUCKETS:
+        client.create_bucket(Bucket=bucket)
+    try:
+        yield endpoint, client
+    finally:
+        srv.stop()
+
+
+def _s3(request: pytest.FixtureRequest) -> str:
+    """The loopback server's endpoint, its buckets emptied of earlier blocks' objects."""
+    endpoint, client = request.getfixturevalue("s3_server")
+    for bucket in BUCKETS:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for obj in page.get("Contents", []):
+                client.delete_object(Bucket=bucket, Key=obj["Key"])
+    return str(endpoint)
+
+
+def _script(group: list[Block], values: dict[str, str]) -> str:
+    first = group[0]
+    parts = [SETUPS[name] for name in filter(None, first.opts.get("setup", "").split(","))]
+    for block in group:
+        parts.append(apply_replacements(block, values))
+        for name in filter(None, block.opts.get("check", "").split(",")):
+            # after a shell block, a check runs in Python with the variables it exported
+            parts.append(CHECKS[name] if block.lang == "python"
+                         else f"python - <<'CHECK'\n{CHECKS[name]}\nCHECK")
+    return "\n".join(parts)
+
+
+def _env(opts: dict[str, str], values: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "XLA_", "JAX_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if "devices" in opts:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={opts['devices']}"
+    if "s3" in opts:
+        env.update(AWS_ENDPOINT_URL=values["s3_endpoint"], AWS_ALLOW_HTTP="true",
+                   AWS_REGION="us-east-1", AWS_ACCESS_KEY_ID="testing",
+                   AWS_SECRET_ACCESS_KEY="testing-secret")
+    return env
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str], procs: int) -> list[tuple[int, str]]:
+    """Run ``procs`` copies (ranks) of ``argv``; every one is killed by the end."""
+    port = str(_free_port())
+    running = []
+    for rank in range(procs):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        log = open(cwd / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
+        running.append((subprocess.Popen(argv, cwd=cwd, env=rank_env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True), log))
+    out = []
+    try:
+        for proc, _log in running:
+            proc.wait(timeout=240)
+    finally:
+        for proc, log in running:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.seek(0)
+            out.append((proc.returncode, log.read()))
+            log.close()
+    return out
+
+
+def test_every_page_is_collected() -> None:
+    names = {p.name for p in PAGES}
+    assert {"README.md", "integrations.md", "distributed.md", "storage.md"} <= names
+    assert len(GROUPS) >= 30
+
+
+def test_directives_are_known() -> None:
+    known = {"setup", "check", "continues", "procs", "s3", "s3-server", "devices", "replace",
+             "skip"}
+    for page in PAGES:
+        for block in page_blocks(page):
+            assert set(block.opts) <= known, (block.name, set(block.opts) - known)
+            for key, table in (("setup", SETUPS), ("check", CHECKS)):
+                for name in filter(None, block.opts.get(key, "").split(",")):
+                    assert name in table, f"{block.name}: no {key} named {name!r}"
+
+
+def _params() -> list[Any]:
+    out = []
+    for group in GROUPS:
+        reason = group[0].opts.get("skip")
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        out.append(pytest.param(group, id=group_id(group), marks=marks))
+    return out
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_doc_example_runs(tmp_path, index):
-    code = BLOCKS[index]
+@pytest.mark.parametrize("group", _params())
+def test_doc_example_runs(tmp_path: Path, request: pytest.FixtureRequest,
+                          group: list[Block]) -> None:
+    opts = group[0].opts
+    values = {"tmp": str(tmp_path)}
+    if "s3" in opts or "s3-server" in opts:
+        values["s3_endpoint"] = _s3(request)
+    code = _script(group, values)
     for mod in _needs(code):
         pytest.importorskip(mod)
-    script = tmp_path / f"example_{index}.py"
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=280, env=env)
-    assert r.returncode == 0, f"example {index} of {DOC.name} failed:\n{r.stderr[-4000:]}"
+    if group[0].lang == "sh":
+        (tmp_path / "block.sh").write_text(code)
+        argv = ["bash", "-e", str(tmp_path / "block.sh")]
+    else:
+        (tmp_path / "block.py").write_text(code)
+        argv = [sys.executable, str(tmp_path / "block.py")]
+    results = _run(argv, tmp_path, _env(opts, values), int(opts.get("procs", "1")))
+    for rank, (rc, log) in enumerate(results):
+        assert rc == 0, f"{group_id(group)} failed (rank {rank}, exit {rc}):\n{log[-4000:]}"
