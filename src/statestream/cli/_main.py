@@ -213,12 +213,8 @@ def _quiet_stdout() -> None:
         pass
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``statestream`` command.
-
-    Example:
-        >>> main(["--version"])  # doctest: +SKIP
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The ``statestream`` command's parser: every subcommand and option (docs/cli.md)."""
     parser = argparse.ArgumentParser(
         prog="statestream", description="Inspect, verify, list, compare and convert checkpoints."
     )
@@ -249,7 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_gc)
     for mod in (_convert, _ls, _diff):
         mod.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``statestream`` command.
+
+    Example:
+        >>> main(["--version"])  # doctest: +SKIP
+    """
+    args = build_parser().parse_args(argv)
     try:
         rc = int(args.fn(args))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
