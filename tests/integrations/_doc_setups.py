@@ -216,3 +216,8 @@ assert ss.load("s3://my-bucket/runs/exp1/step-1000")["w"].tolist() == [0, 1, 2, 
 CHECKS["s3-options"] = """
 assert ss.verify("s3://my-bucket/runs/exp1/step-1000").ok
 """
+
+CHECKS["policies"] = """
+with ss.CheckpointManager("ckpt") as again:
+    assert again.steps() == [0, 8, 12], again.steps()
+"""

@@ -175,3 +175,12 @@ def test_doc_example_runs(tmp_path: Path, request: pytest.FixtureRequest,
     results = _run(argv, tmp_path, _env(opts, values), int(opts.get("procs", "1")))
     for rank, (rc, log) in enumerate(results):
         assert rc == 0, f"{group_id(group)} failed (rank {rank}, exit {rc}):\n{log[-4000:]}"
+
+
+def test_every_public_name_is_documented() -> None:
+    import statestream as ss
+
+    text = "\n".join(p.read_text(encoding="utf-8") for p in PAGES)
+    missing = [n for n in ss.__all__
+               if not n.startswith("_") and not re.search(rf"\b{re.escape(n)}\b", text)]
+    assert not missing, f"public names no page mentions: {missing}"
