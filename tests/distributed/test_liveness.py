@@ -205,3 +205,39 @@ def test_agree_after_commit_is_success_when_the_checkpoint_is_committed() -> Non
         agree(_Broken(dead, [None, "StorageError: disk full"]), "committing",  # type: ignore[arg-type]
               None, committed=lambda: True)
     assert "disk full" in str(ei.value)
+
+
+def test_interpreter_exit_stops_and_joins_the_heartbeat(tmp_path) -> None:
+    """A beat that comes back from the store's C++ client while the interpreter
+    finalizes aborts the process ("terminate called without an active exception",
+    exit 134), after a job that succeeded; found with a 2-process doc example whose
+    rank 1 returned right after a save. Exit stops every heartbeat and waits for it."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading
+
+        def _check():  # registered before statestream's, so it runs after it
+            alive = [t.name for t in threading.enumerate() if "heartbeat" in t.name]
+            print("ALIVE" if alive else "ENDED", flush=True)
+
+        atexit.register(_check)
+        import datetime
+        import torch.distributed as dist
+        from statestream.distributed._liveness import Heartbeat
+
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+        # beats back to back: one is nearly always in flight in the C++ client
+        hb = Heartbeat(lambda: store.add("beat", 1), lambda: True, interval_s=0.0001)
+    """))
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=120, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "ENDED", (r.stdout, r.stderr[-2000:])

@@ -13,14 +13,20 @@ Nothing here decides whether a collective failed — only who is to blame.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 __all__ = ["Heartbeat", "StoreLost", "Watch", "describe_ranks", "find_stalled"]
 
 #: Seconds between two beats of one process. One tiny store write each.
 INTERVAL_S = 1.0
+#: How long interpreter exit waits for a beat in flight (see ``_stop_at_exit``).
+EXIT_JOIN_S = 10.0
+
+_LIVE: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
 
 class Heartbeat:
@@ -41,6 +47,7 @@ class Heartbeat:
         beat()  # the first beat on the caller's thread: a broken store fails loudly here
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -57,6 +64,21 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _stop_at_exit() -> None:
+    """Stop every heartbeat and wait for a beat in flight before the interpreter
+    finalizes. A daemon thread that comes back from the store's C++ client while
+    the interpreter finalizes is unwound from inside it, which aborts the process
+    ("terminate called without an active exception") after a job that succeeded."""
+    beats = list(_LIVE)
+    for hb in beats:
+        hb.stop()
+    for hb in beats:
+        hb._thread.join(EXIT_JOIN_S)
+
+
+atexit.register(_stop_at_exit)
 
 
 class Watch:
