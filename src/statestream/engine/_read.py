@@ -60,7 +60,7 @@ def read_requests(
     # lets the page cache drop what the reads bring in (storage/_pagecache.py)
     dropper = (_DropBehind(reader) if isinstance(reader, MappedReader) and options.drop_behind
                else None)
-    requests = split_streamed(reader, list(requests))
+    requests = split_checked(split_streamed(reader, list(requests)))
     prog = _Progress(sum(r.nbytes for r in requests), progress)
     lock = threading.Lock()
     n = max(1, min(_read_threads(options), len(requests)))
@@ -113,6 +113,13 @@ def _read_request(reader: CheckpointReader, name: str, req: ReadRequest,
         for p in req.pieces:
             _record(_read_checked(reader, name, p, describe, dropper), collect, lock)
         return
+    if len(req.pieces) == 1 and _checked_in_steps(req.pieces[0]):
+        p = req.pieces[0]
+        _record(_check_in_steps(reader, name, p, describe, _SLICE if local else _CHECK_STEP),
+                collect, lock)
+        if dropper is not None:
+            dropper.drop(name, p.offset, p.offset + p.nbytes)
+        return
     mapped = req.pieces[0].mapped
     if mapped:  # the bytes are mapped: touching them reads them
         views = [p.direct for p in req.pieces if p.direct is not None]
@@ -146,14 +153,37 @@ def split_streamed(reader: CheckpointReader, requests: list[ReadRequest]) -> lis
     Object stores keep whole requests (a read there is an HTTP request)."""
     if not isinstance(reader, MappedReader):
         return requests
+    return _split_out(requests, _streamable)
+
+
+#: A piece read only to check it (``verify``: no destination, no codec) larger than
+#: this is read through one scratch buffer of at most this size, not whole: a 64 MiB
+#: chunk took 64 MiB of scratch (two reader threads: 128 MiB), whatever the budget.
+_CHECK_STEP = 8 << 20
+
+
+def _checked_in_steps(p: ReadPiece) -> bool:
+    return p.direct is None and p.codec is None and not p.scatter and p.nbytes > _CHECK_STEP
+
+
+def split_checked(requests: list[ReadRequest]) -> list[ReadRequest]:
+    """``requests`` with each piece read only to be checked, larger than
+    :data:`_CHECK_STEP`, in a request of its own (:func:`_check_in_steps`)."""
+    return _split_out(requests, _checked_in_steps)
+
+
+def _split_out(requests: list[ReadRequest], alone: Callable[[ReadPiece], bool]
+               ) -> list[ReadRequest]:
+    """``requests`` with each piece for which ``alone`` holds in a request of its own;
+    the pieces between them stay coalesced."""
     out: list[ReadRequest] = []
     for r in requests:
-        if len(r.pieces) == 1 or not any(_streamable(p) for p in r.pieces):
+        if len(r.pieces) == 1 or not any(alone(p) for p in r.pieces):
             out.append(r)
             continue
         run: list[ReadPiece] = []
         for p in [*r.pieces, None]:
-            if p is None or _streamable(p):
+            if p is None or alone(p):
                 if run:
                     end = run[-1].offset + run[-1].nbytes
                     out.append(ReadRequest(r.file, run[0].offset, end - run[0].offset, run))
@@ -163,6 +193,28 @@ def split_streamed(reader: CheckpointReader, requests: list[ReadRequest]) -> lis
             else:
                 run.append(p)
     return out
+
+
+def _check_in_steps(reader: CheckpointReader, name: str, p: ReadPiece,
+                    describe: Callable[[ReadPiece], str], step: int
+                    ) -> ChecksumMismatchError | None:
+    """Read piece ``p`` (no destination) through one scratch buffer of ``step`` bytes,
+    checksumming each step as it lands; the first mismatch, or None. A piece without
+    checksums (a foreign format's) is still read through, as a whole read would."""
+    checks: list[tuple[int, int, int | None]] = [*p.checks()] or [(0, p.nbytes, None)]
+    buf = np.empty(min(step, p.nbytes), dtype=np.uint8)
+    for a, b, want in checks:
+        got = 0
+        for s in range(a, b, step):
+            view = buf[:min(b, s + step) - s]
+            try:
+                reader.read_into(name, p.offset + s, [view])
+            except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
+                raise type(exc)(f"{exc} (affects {describe(p)})") from None
+            got = checksum(view, got)
+        if want is not None and got != want:
+            return _mismatch(reader, name, p, a, b, got, want, describe)
+    return None
 
 
 def _read_checked(reader: CheckpointReader, name: str, p: ReadPiece,
@@ -243,6 +295,8 @@ def _record(err: CheckpointCorruptError | None, collect: list[CheckpointCorruptE
 def _scratch_bytes(req: ReadRequest) -> int:
     """Memory reading ``req`` takes beyond its destinations: its pieces' scratch and
     decoding buffers, and the gaps between them (read and dropped)."""
+    if len(req.pieces) == 1 and _checked_in_steps(req.pieces[0]):
+        return _CHECK_STEP  # read through one buffer of at most this
     need = sum(p.staging_bytes for p in req.pieces)
     if not req.pieces[0].mapped:  # mapped requests read nothing into buffers
         need += req.nbytes - sum(p.nbytes for p in req.pieces)
