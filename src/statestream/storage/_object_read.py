@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from statestream.errors import (
     CheckpointCorruptError,
@@ -23,6 +23,30 @@ if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
 
 __all__ = ["ObjectReader"]
+
+
+#: the pieces a ranged read's response is copied into place in
+_STREAM_PIECE = 1 << 20
+
+
+def _copy_stream(pieces: Any, views: Sequence[memoryview]) -> int:
+    """Copy the byte pieces of ``pieces`` into ``views`` one after another; the number of
+    bytes received (more than the views hold is not copied)."""
+    import numpy as np
+
+    dst = [np.frombuffer(v, dtype=np.uint8) for v in views]
+    vi, vpos, got = 0, 0, 0
+    for piece in pieces:
+        src = np.frombuffer(memoryview(piece), dtype=np.uint8)
+        got += src.nbytes
+        spos = 0
+        while spos < src.nbytes and vi < len(dst):
+            n = min(src.nbytes - spos, dst[vi].nbytes - vpos)
+            dst[vi][vpos:vpos + n] = src[spos:spos + n]
+            spos, vpos = spos + n, vpos + n
+            if vpos == dst[vi].nbytes:
+                vi, vpos = vi + 1, 0
+    return got
 
 
 class ObjectReader:
@@ -100,7 +124,6 @@ class ObjectReader:
         return size
 
     def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
-        import numpy as np
         import obstore
 
         views = [memoryview(b).cast("B") for b in buffers]
@@ -116,20 +139,19 @@ class ObjectReader:
                 f"bytes up to {offset + total}; the checkpoint is truncated"
             )
         try:
-            got = obstore.get_range(self._owner._store(self._bucket), key, start=offset,
-                                    length=total)
+            # streamed: each piece of the response is copied into place as it comes,
+            # never a whole response (up to max_request_bytes per reader thread, and
+            # the HTTP client's pieces of it) held at once
+            got = obstore.get(self._owner._store(self._bucket), key,
+                              options={"range": (offset, offset + total)})
+            n = _copy_stream(got.stream(min_chunk_size=_STREAM_PIECE), views)
         except Exception as exc:
             err = self._owner._map_error(exc, f"reading {where}")
             if isinstance(err, CheckpointNotFoundError):  # its size was known: it vanished
                 raise self._gone(f"data object {where}") from None
             raise err from exc
-        src = np.frombuffer(memoryview(got), dtype=np.uint8)
-        if src.nbytes != total:
+        if n != total:
             raise TruncatedFileError(f"short read of {where}")
-        pos = 0
-        for v in views:
-            np.frombuffer(v, dtype=np.uint8)[...] = src[pos : pos + v.nbytes]
-            pos += v.nbytes
 
     def list_files(self) -> list[str]:
         """Every object of the checkpoint, named like the local reader's entries.
