@@ -77,11 +77,11 @@ class _ChunkCheck:
         self.crc = 0
         self.blocks: list[int] = []
 
-    def piece(self) -> int:
-        """Bytes to read at a time: whole blocks, at least one."""
+    def piece(self, limit: int) -> int:
+        """Bytes to read at a time: at most ``limit`` in whole blocks, at least one."""
         if not self.step:
-            return _PIECE
-        return max(self.step, _PIECE // self.step * self.step)
+            return limit
+        return max(self.step, limit // self.step * self.step)
 
     def add(self, view: memoryview) -> None:
         if self.step:
@@ -102,13 +102,13 @@ class _ChunkCheck:
 
 
 def _copy_range(reader: CheckpointReader, w: FileWriter, name: str, start: int, end: int,
-                buf: bytearray | None, check: _ChunkCheck | None) -> None:
+                buf: bytearray | None, check: _ChunkCheck | None, limit: int) -> None:
     """Copy bytes ``[start, end)`` of ``name`` through ``buf``, feeding ``check``.
 
     ``buf`` None: the writer keeps the buffers it is given (``retains_buffers``,
     S3 until the part is uploaded), so each piece gets a buffer of its own.
     """
-    piece = check.piece() if check is not None else _PIECE
+    piece = check.piece(limit) if check is not None else limit
     pos = start
     while pos < end:
         n = min(piece, end - pos)
@@ -126,10 +126,10 @@ def _copy_range(reader: CheckpointReader, w: FileWriter, name: str, start: int, 
 
 
 def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size: int,
-               chunks: Sequence[ChunkEntry], retains: bool) -> None:
+               chunks: Sequence[ChunkEntry], retains: bool, limit: int) -> None:
     """Copy one data file in order (object stores write sequentially), verifying chunks.
 
-    Memory: one buffer of at most 16 MiB (or one block of rows, if larger),
+    Memory: one buffer of at most ``limit`` bytes (or one block of rows, if larger),
     plus what a writer that ``retains`` buffers holds until it uploads them.
     """
     where = f"{reader.location}/{name}"
@@ -141,16 +141,24 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
         pos = 0
         buf = None if retains else bytearray()
         for c in chunks:
-            _copy_range(reader, w, name, pos, c.offset, buf, None)  # padding, as it is
+            _copy_range(reader, w, name, pos, c.offset, buf, None, limit)  # padding, as it is
             check = _ChunkCheck(c)
-            _copy_range(reader, w, name, c.offset, c.offset + c.nbytes, buf, check)
+            _copy_range(reader, w, name, c.offset, c.offset + c.nbytes, buf, check, limit)
             check.check(where)
             pos = c.offset + c.nbytes
-        _copy_range(reader, w, name, pos, size, buf, None)
+        _copy_range(reader, w, name, pos, size, buf, None, limit)
         w.finish()
     except BaseException:
         w.abort()
         raise
+
+
+def _piece_limit(memory_bytes: int | None, threads: int) -> int:
+    """Each copying thread's buffer: at most 16 MiB, and its share of ``memory_bytes``
+    (in 4 KiB pages, at least 1 MiB)."""
+    if memory_bytes is None:
+        return _PIECE
+    return max(1 << 20, min(_PIECE, memory_bytes // threads) // 4096 * 4096)
 
 
 def _check_bases(m: Manifest, src: str, dst: str) -> None:
@@ -188,8 +196,12 @@ def _open_dst(coll: Collective, dst: str, overwrite: bool) -> WriteTransaction:
 def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
                     collective: Collective | None = None,
                     files: Callable[[str], bool] | None = None,
-                    threads: int = 4) -> None:
+                    threads: int = 4, memory_bytes: int | None = None) -> None:
     """Copy the committed checkpoint ``src`` to ``dst`` and commit it there.
+
+    Memory: ``threads`` data files are copied at once, each through one buffer of at
+    most 16 MiB, or of ``memory_bytes / threads`` (at least 1 MiB, or one block of
+    rows) when ``memory_bytes`` (a manager's memory budget) is given.
 
     Every chunk's checksum is verified as it is read. Collective: each
     process opens its own ``src`` (its node's copy) and copies the data
@@ -223,10 +235,12 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         try:
             by_file = _chunks_by_file(m)
             mine = [(i, f) for i, f in enumerate(m.files) if files is None or files(f.name)]
+            n = max(1, min(threads, len(mine)))
+            limit = _piece_limit(memory_bytes, n)
             try:
                 parallel_for(lambda job: _copy_file(reader, txn, job[1].name, job[1].size,
-                                                    by_file.get(job[0], []), retains),
-                             mine, max(1, min(threads, len(mine))))
+                                                    by_file.get(job[0], []), retains, limit),
+                             mine, n)
             except BaseException as exc:
                 err = exc
             agree(coll, f"copying {src} to {dst}", err)

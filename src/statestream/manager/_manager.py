@@ -149,7 +149,8 @@ class CheckpointManager:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
                                        replicate_to_peers, self._keep_after_persist,
-                                       keep_policy if drops_for_good(keep_policy) else None)
+                                       keep_policy if drops_for_good(keep_policy) else None,
+                                       (memory or MemoryOptions()).resolved())
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()

@@ -96,13 +96,16 @@ class LocalTier:
         directory_keep: the directory's keep policy, when a step it drops stays
             dropped (``drops_for_good``): unpersisted steps it would delete as soon
             as they were persisted are not persisted (:meth:`drop_unwanted`).
+        memory_bytes: the manager's memory budget, which the copies' buffers stay
+            within (None: 16 MiB per file copied at once).
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
                  coll: Collective, groups: NodeGroups, *,
                  files: Callable[[str], bool] | None = None, peers: bool = False,
                  after_persist: Callable[[], None] | None = None,
-                 directory_keep: KeepPolicy | None = None) -> None:
+                 directory_keep: KeepPolicy | None = None,
+                 memory_bytes: int | None = None) -> None:
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -115,6 +118,7 @@ class LocalTier:
         self.groups = groups
         self._leader = leader = groups.is_leader
         self._files = files
+        self._memory_bytes = memory_bytes  # the persistence copy's buffers stay within it
         self._peers = peers
         self._after_persist = after_persist
         self._directory_keep = directory_keep
@@ -396,7 +400,8 @@ class LocalTier:
     def _copy(self, step: int) -> None:
         overwrite = self.persistent.is_committed(step)
         copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
-                        collective=self._coll, files=self._files)
+                        collective=self._coll, files=self._files,
+                        memory_bytes=self._memory_bytes)
         if self._leader:
             self._write_record(step)
             _unlink(self._replaced(step))  # after the record: the step counts as persisted
@@ -464,7 +469,8 @@ class LocalTier:
             try:
                 for s in self._fetch_order(step):
                     if not self.is_committed(s):
-                        copy_checkpoint(self.persistent.path(s), self.path(s), files=files)
+                        copy_checkpoint(self.persistent.path(s), self.path(s), files=files,
+                                        memory_bytes=self._memory_bytes)
                         self._write_record(s)
                 _hooks.fire("tier.fetched")
             except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on

@@ -38,11 +38,13 @@ __all__ = ["open_tier", "tier_load", "tier_steps"]
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
               coll: Collective, read_only: bool, peers: bool,
               after_persist: Callable[[], None] | None = None,
-              directory_keep: KeepPolicy | None = None) -> LocalTier:
+              directory_keep: KeepPolicy | None = None,
+              memory_bytes: int | None = None) -> LocalTier:
     """Open the local tier and queue the persistence of what the last manager left.
 
     ``after_persist``, ``directory_keep``: see :class:`LocalTier` (the directory's
-    keep policy; steps it would delete at once are not persisted, even after a crash)."""
+    keep policy; steps it would delete at once are not persisted, even after a crash);
+    ``memory_bytes``: the manager's budget, which the persistence copies stay within."""
     if read_only:
         raise CheckpointError(
             f"{persistent.directory} is read-only: a local tier in front of it could never "
@@ -62,7 +64,8 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
         tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
                          files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
                          peers=peers and multi, after_persist=after_persist,
-                         directory_keep=directory_keep)
+                         directory_keep=directory_keep,
+                         memory_bytes=memory_bytes)
     except BaseException as exc:
         err = exc
     agree(coll, "opening the local tier", err)
