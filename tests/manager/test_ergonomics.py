@@ -99,6 +99,31 @@ def test_a_failed_async_save_does_not_block_its_step(tmp_path):
         assert mgr.steps() == [1, 2]
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_waits_for_the_save_in_flight(tmp_path, lazy):
+    import time
+
+    faults.on("save.data_synced", lambda: time.sleep(0.5), nth=1)  # a slow commit
+    with ss.CheckpointManager(tmp_path, lazy=lazy) as mgr:
+        assert mgr.save(1, state_at(1))
+        assert int(mgr.load()["step"]) == 1  # not "no committed checkpoint"
+        assert mgr.in_flight is None or mgr.in_flight.done()
+
+
+def test_load_after_a_failed_save_in_flight_reads_what_is_committed(tmp_path):
+    def boom():
+        raise OSError("disk on fire")
+
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(1, state_at(1))
+        mgr.wait()
+        faults.on("save.data_synced", boom, nth=1)
+        assert mgr.save(2, state_at(2))
+        assert int(mgr.load()["step"]) == 1
+        with pytest.raises(OSError, match="disk on fire"):  # still reported
+            mgr.wait()
+
+
 def test_keep_best_metric_missing_warns(tmp_path):
     keep = ss.KeepUnion(ss.KeepLatest(1), ss.KeepBest(1, "val_loss"))
     with ss.CheckpointManager(tmp_path, keep_policy=keep, async_save=False) as mgr:

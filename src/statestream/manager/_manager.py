@@ -525,6 +525,18 @@ class CheckpointManager:
             raise
         self._inflight, self._inflight_step = None, None
 
+    def _settle_save(self) -> None:
+        """Wait for the in-flight save to end; its error stays for the next ``save``,
+        ``wait`` or ``close`` (the handle stays in flight and raises it again)."""
+        h = self._inflight
+        if h is None:
+            return
+        try:
+            h.result()
+        except BaseException:
+            if not h.done():
+                raise  # the wait was interrupted, not the save
+
     def _apply_keep_policy(self, *, directory: bool = True) -> None:
         """The local tier's keep policy, then (``directory``) the directory's.
 
@@ -579,11 +591,18 @@ class CheckpointManager:
         ``allow_pickle`` is :func:`statestream.load`'s: ``True``, ``False`` or the
         key paths whose pickle leaves may be unpickled.
 
+        A save of this manager still in flight is waited for first (its commit,
+        not its persistence): a load right after ``save`` sees that step, and a
+        load into the state being saved never changes it under a lazy snapshot.
+        If that save failed, its error is left for the next ``save``, ``wait`` or
+        ``close`` to raise, and the load reads what is committed.
+
         Raises:
             CheckpointNotFoundError: no committed step (or not that one).
             CheckpointCorruptError: every committed step is damaged (the newest
                 one's error; with several processes a ``DistributedError``).
         """
+        self._settle_save()
         resume = step is None or (self._tier is not None and self._incremental)
         latest = self.latest_step() if resume else None
         if step is not None:
