@@ -93,3 +93,58 @@ def test_items_selecting_only_the_alias(tmp_path, tied):
     got = ss.load(out)
     assert sorted(got) == ["head.weight", "x"]
     assert torch.equal(torch.as_tensor(got["head.weight"]), sd["head.weight"])
+
+
+def test_torch_save_file_with_tied_weights_reads_the_tie(tmp_path):
+    """A Hugging Face pytorch_model.bin (torch.save of a state_dict whose lm_head.weight
+    and transformer.wte.weight are one parameter) reads as one array under both names,
+    as statestream's own save stores it: loaded tied, converted and exported once."""
+    from safetensors import safe_open
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    sd = model.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    src = tmp_path / "pytorch_model.bin"
+    own = tmp_path / "own"
+    ss.save(own, sd)
+    assert ss.metadata(src).num_arrays == ss.metadata(own).num_arrays == len(sd) - 1
+    got = ss.load(src)
+    _same(got, sd)
+    assert got["lm_head.weight"] is got["transformer.wte.weight"]
+    fresh = transformers.GPT2LMHeadModel(cfg).eval()
+    ss.load(src, target=fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    x = torch.arange(6).reshape(1, 6)
+    assert torch.equal(fresh(x).logits, model(x).logits)
+    out = ss.convert(src, tmp_path / "ck")
+    assert ss.metadata(out).num_arrays == len(sd) - 1
+    conv = ss.load(out)
+    assert conv["lm_head.weight"] is conv["transformer.wte.weight"]
+    st = ss.convert(src, tmp_path / "model.safetensors")
+    with safe_open(st, "np") as f:
+        assert "lm_head.weight" not in f.keys() and "transformer.wte.weight" in f.keys()
+    back = ss.load(st)
+    assert back["lm_head.weight"] is back["transformer.wte.weight"]
+    # only the tied name selected: it is that array
+    one = ss.load(src, items=["lm_head.weight"])
+    assert torch.equal(torch.as_tensor(one["lm_head.weight"]), sd["lm_head.weight"])
+
+
+def test_torch_save_views_of_one_storage_are_aliases_only_when_the_same_view(tmp_path):
+    """Tensors over one storage are one array only when they are the same view (offset,
+    shape, strides, dtype), as statestream's own save decides; other views of the
+    storage read as their own arrays (bytes read from the one stored copy)."""
+    base = torch.arange(12.0)
+    state = {"a": base, "same": base.detach(), "part": base[4:8], "shaped": base.view(3, 4),
+             "e1": torch.zeros(0), "e2": torch.zeros(0)}
+    torch.save(state, tmp_path / "v.pt")
+    ss.save(tmp_path / "own", state)
+    md = ss.metadata(tmp_path / "v.pt")
+    assert md.num_arrays == ss.metadata(tmp_path / "own").num_arrays == 5
+    got = ss.load(tmp_path / "v.pt")
+    assert got["a"] is got["same"] and got["part"] is not got["a"]
+    _same(got, state)

@@ -298,9 +298,20 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
     except Exception as exc:
         raise CheckpointCorruptError(f"{path}: data.pkl cannot be read: {exc}") from None
     arrays: list[ArrayEntry] = []
+    #: (storage, offset, shape, strides, dtype) -> the array first found there
+    seen: dict[tuple[Any, ...], int] = {}
 
-    def tensor(t: TensorRef, p: KeyPath) -> ArrayEntry:
-        return _tensor_entry(t, offsets, prefix, path, p)
+    def tensor(t: TensorRef, p: KeyPath) -> ArrayEntry | int:
+        # a second tensor over the same bytes with the same view (tied weights: a
+        # model's state_dict() gives each name its own tensor over one parameter)
+        # is an alias of the first, as statestream's own save stores it
+        key = (t.storage, t.offset, t.shape, t.stride, t.dtype)
+        if key in seen:
+            return seen[key]
+        entry = _tensor_entry(t, offsets, prefix, path, p)
+        if math.prod(t.shape):  # as the providers' alias keys, never an empty tensor
+            seen[key] = len(arrays)
+        return entry
 
     root = to_node(obj, (), arrays, tensor)
     name = os.path.basename(path)
@@ -336,16 +347,21 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
 
 
 def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
-            tensor: Callable[[Any, KeyPath], ArrayEntry], depth: int = 0,
+            tensor: Callable[[Any, KeyPath], ArrayEntry | int], depth: int = 0,
             blob: Callable[[bytes], ArrayEntry] | None = None) -> Node:
     """A statestream tree for an unpickled state (containers, scalars, tensor references).
 
-    ``blob`` stores a bytes value (without it, bytes are refused).
+    ``tensor`` describes a tensor's array, or gives the index of an earlier array
+    that holds the same bytes (an ``alias`` leaf: tied weights). ``blob`` stores a
+    bytes value (without it, bytes are refused).
     """
     if depth > 200:
         raise CheckpointCorruptError(f"state nested deeper than 200 at '{format_keypath(p)}'")
     if isinstance(obj, TensorRef) or type(obj).__name__ == "TensorStorageMetadata":
-        arrays.append(tensor(obj, p))
+        entry = tensor(obj, p)
+        if isinstance(entry, int):
+            return Node("alias", array=entry, attrs={"kind": "torch"})
+        arrays.append(entry)
         return Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
     if obj is None:
         return Node("none")
