@@ -222,6 +222,55 @@ def test_compiled_module_loads_either_way(tmp_path: Path, direction: str) -> Non
     assert torch.equal(dst(x), src(x))
 
 
+@pytest.mark.parametrize("saved", ["compiled", "plain"])
+@pytest.mark.parametrize("into", ["compiled", "plain"])
+def test_state_dict_saved_as_a_dict_loads_into_either_module(tmp_path: Path, saved: str,
+                                                             into: str) -> None:
+    """``{"model": m.state_dict()}``: a compiled module's keys carry ``_orig_mod.``, a
+    plain one's do not; either loads into a compiled or a plain module (the prefix is
+    mapped, as it is when the module itself is saved)."""
+    torch.manual_seed(0)
+    src_plain = _net()
+    src = torch.compile(src_plain, backend="eager") if saved == "compiled" else src_plain
+    src(torch.ones(1, 3))
+    ss.save(tmp_path / "c", {"model": src.state_dict(), "step": 3})
+    prefix = "_orig_mod." if saved == "compiled" else ""
+    assert list(ss.metadata(tmp_path / "c").tree["model"])[0] == prefix + "0.weight"
+    dst_plain = _net()
+    dst = torch.compile(dst_plain, backend="eager") if into == "compiled" else dst_plain
+    out = ss.load(tmp_path / "c", {"model": dst, "step": None})
+    assert out["model"] is dst and out["step"] == 3
+    for a, b in zip(src_plain.state_dict().values(), dst_plain.state_dict().values()):
+        assert torch.equal(a, b)
+    x = torch.randn(2, 3)
+    assert torch.equal(dst(x), src(x))
+
+
+def test_compiled_state_dict_into_a_plain_dict_target_names_the_prefix(tmp_path: Path) -> None:
+    """A dict target is matched key by key (as torch's load_state_dict would refuse it):
+    the error names the key the checkpoint has and says to load into the module."""
+    src = torch.compile(_net(), backend="eager")
+    ss.save(tmp_path / "c", {"model": src.state_dict()})
+    with pytest.raises(ss.MissingKeyError, match="has it as '_orig_mod.0.weight'.*module"):
+        ss.load(tmp_path / "c", {"model": _net().state_dict()})
+    ss.save(tmp_path / "p", {"model": _net().state_dict()})
+    with pytest.raises(ss.MissingKeyError, match="has it as '0.weight'"):
+        ss.load(tmp_path / "p", {"model": src.state_dict()})
+
+
+def test_prefix_is_kept_when_the_target_has_it_too(tmp_path: Path) -> None:
+    """A plain module whose own parameters live under a submodule named ``_orig_mod``
+    loads its saved keys as they are (the prefix is mapped only when the target has none)."""
+    holder = torch.nn.Module()
+    holder._orig_mod = _net()
+    ss.save(tmp_path / "h", {"model": holder.state_dict()})
+    dst = torch.nn.Module()
+    dst._orig_mod = _net()
+    ss.load(tmp_path / "h", {"model": dst})
+    for a, b in zip(holder.state_dict().values(), dst.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- new kinds
 
 

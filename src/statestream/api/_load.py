@@ -39,6 +39,7 @@ from statestream.providers import (
     StateAdapter,
     adapter_by_name,
     adapter_for,
+    adapters,
     expand_pytree,
     provider_by_kind,
     providers,
@@ -235,6 +236,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     """Load a stateful target's state (all of it), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     sub_like = like.state_dict()
+    inner = _unprefixed(inner, sub_like)
     for prov in providers():
         if prov.capabilities.state_hints:
             hinted = prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
@@ -253,6 +255,36 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
         return like
 
     return build_stateful
+
+
+def _unprefixed(node: Node, sub_like: Any) -> Node:
+    """A saved state whose keys all carry a wrapper's prefix (an adapter's
+    ``key_prefix``: ``_orig_mod.`` of a ``torch.compile``'d module's state_dict()),
+    loaded into a stateful target none of whose keys does: the keys without it. The
+    mapping is one to one; any other state is returned as it is."""
+    if node.kind != "dict" or not node.keys or not isinstance(sub_like, dict):
+        return node
+    for prefix in {a.key_prefix for a in adapters() if a.key_prefix}:
+        if (all(type(k) is str and k.startswith(prefix) for k in node.keys)
+                and not any(type(k) is str and k.startswith(prefix) for k in sub_like)):
+            keys: list[Key] = [str(k)[len(prefix):] for k in node.keys]
+            return dataclasses.replace(node, keys=keys)
+    return node
+
+
+def _prefix_hint(key: Key, saved: dict[tuple[type, Key], Node]) -> str:
+    """A hint for a target key the checkpoint has only with (or without) a wrapper's
+    key prefix: a compiled module's state_dict() saved, a plain one wanted (or back)."""
+    if type(key) is not str:
+        return ""
+    for a in adapters():
+        p = a.key_prefix
+        other = key[len(p):] if p and key.startswith(p) else p + key if p else None
+        if other is not None and (str, other) in saved:
+            return (f"the checkpoint has it as '{other}' (a wrapper's key prefix "
+                    f"'{p}', which a torch.compile'd module's state_dict() has): load "
+                    "into the module itself, wrapped or not, which maps the prefix")
+    return ""
 
 
 def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath,
@@ -287,8 +319,8 @@ def _walk_mapping(kids: list[tuple[Key, Node]], like: Any, path: KeyPath, m: Man
             avail = ", ".join(repr(x) for x, _ in kids[:20])
             raise MissingKeyError(
                 f"key path '{format_keypath(path + (key,))}' is in the target but not in the "
-                f"checkpoint (it has: {avail}{', ...' if len(kids) > 20 else ''}); remove it "
-                "from the target"
+                f"checkpoint (it has: {avail}{', ...' if len(kids) > 20 else ''}); "
+                f"{_prefix_hint(key, saved) or 'remove it from the target'}"
             )
         seen.add((type(key), key))
         builds.append((key, _walk(c, t, path + (key,), m, job, default_kind, merge)))
@@ -306,7 +338,12 @@ def _walk_mapping(kids: list[tuple[Key, Node]], like: Any, path: KeyPath, m: Man
 
 def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m: Manifest,
                   job: _Job) -> Build:
-    """Load a value that a state adapter restores (its saved state is a stateful node)."""
+    """Load a value that a state adapter restores (its saved state is a stateful node,
+    or a plain state_dict when the adapter's value wraps a stateful object)."""
+    inner_like = adapter.wrapped(like) if node.kind != "stateful" else None
+    if inner_like is not None:  # e.g. {"model": model.state_dict()} into a compiled model
+        build_wrapped = _walk_stateful_target(node, inner_like, path, m, job)
+        return lambda: (build_wrapped(), like)[1]
     if node.kind != "stateful" or not node.children or (
             adapter.name and node.type_name != adapter.name):
         saved = node.type_name if node.kind == "stateful" else node.kind

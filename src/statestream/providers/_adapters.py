@@ -38,6 +38,10 @@ class StateAdapter(abc.ABC):
     name: str = ""
     #: a module that must already be imported before :meth:`new` is used
     module: str | None = None
+    #: a wrapper's prefix to the keys of the ``state_dict()`` it wraps (a
+    #: ``torch.compile``'d module's ``_orig_mod.``): a saved state whose keys all
+    #: carry it loads into a stateful target whose keys carry none, without it
+    key_prefix: str = ""
 
     @abc.abstractmethod
     def handles(self, obj: Any) -> bool:
@@ -62,6 +66,13 @@ class StateAdapter(abc.ABC):
         being one (a typed JAX key as a ``jax.ShapeDtypeStruct``, from
         ``jax.eval_shape``); the loaded state becomes a value through :meth:`new`.
         None (the default) when ``like`` is no such description."""
+        return None
+
+    def wrapped(self, obj: Any) -> Any:
+        """The stateful object (``state_dict()``/``load_state_dict()``) that ``obj``
+        wraps and whose state is ``obj``'s, or None (the default): a saved plain
+        state (a ``state_dict()`` saved as a dict) then loads into ``obj`` as
+        into that object."""
         return None
 
     def node_name(self, obj: Any) -> str:

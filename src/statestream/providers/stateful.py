@@ -154,10 +154,12 @@ class CompiledModuleAdapter(StateAdapter):
 
     Its ``state_dict()`` keys carry an ``_orig_mod.`` prefix; saving the
     wrapped module's state instead makes a compiled and a plain module
-    interchangeable, in either direction.
+    interchangeable, in either direction. A ``state_dict()`` saved as a dict
+    (either module's) loads into either module too: the load maps the prefix.
     """
 
     module = "torch"
+    key_prefix = "_orig_mod."
 
     def handles(self, obj: Any) -> bool:
         mod = sys.modules.get("torch._dynamo.eval_frame")
@@ -169,6 +171,9 @@ class CompiledModuleAdapter(StateAdapter):
 
     def get_state(self, obj: Any) -> Any:
         return obj._orig_mod.state_dict()
+
+    def wrapped(self, obj: Any) -> Any:
+        return obj._orig_mod
 
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
         obj._orig_mod.load_state_dict(state)
