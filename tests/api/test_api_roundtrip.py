@@ -521,6 +521,23 @@ def test_load_into_a_meta_model_state_dict_then_assign(tmp_path):
     _assert_state_dict_equal(meta_model.state_dict(), model.state_dict())
 
 
+def test_load_into_a_meta_model_itself_assigns(tmp_path):
+    # the module as the target: copying into meta parameters does nothing (torch only
+    # warns), so the loaded tensors take their place (load_state_dict(assign=True))
+    model, _, _ = _make_training(0)
+    ss.save(tmp_path / "c", {"model": model})
+    with torch.device("meta"):
+        meta_model = _make_training(1)[0]
+    out = ss.load(tmp_path / "c", {"model": meta_model})
+    assert out["model"] is meta_model
+    assert all(t.device.type == "cpu" for t in meta_model.state_dict().values())
+    _assert_state_dict_equal(meta_model.state_dict(), model.state_dict())
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad
+               for p in meta_model.parameters())
+    x = torch.randn(5, 4)
+    assert torch.equal(meta_model(x), model(x))
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

@@ -237,16 +237,18 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     sub_like = like.state_dict()
     inner = _unprefixed(inner, sub_like)
+    options: dict[str, Any] = {}
     for prov in providers():
         if prov.capabilities.state_hints:
             hinted = prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
             job.layout_only.update(id(h) for h in hinted or ())
+            options.update(prov.load_options(like, sub_like))  # a meta module: assign
     build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
 
     def build_stateful() -> Any:
         value = build_inner()
         try:
-            like.load_state_dict(value)
+            like.load_state_dict(value, **options)
         except Exception as exc:
             raise TargetMismatchError(
                 f"{type_name(like)}.load_state_dict() at key path "
@@ -455,11 +457,11 @@ def load(
         path: a checkpoint directory written by :func:`save`.
         target: optional tree like the saved one. Its leaves say what to
             return: torch tensors stay torch (target dtype and device; the CPU
-            for a meta-device target), JAX
-            arrays stay JAX (target sharding), NumPy stays NumPy; objects with
-            ``load_state_dict`` get their state loaded and are returned. A
-            target covering part of the checkpoint loads only that part.
-            Without a target: NumPy arrays and plain dicts/lists/tuples.
+            for a meta target, a meta DTensor's mesh's device), JAX arrays stay
+            JAX (target sharding), NumPy stays NumPy; objects with
+            ``load_state_dict`` get their state loaded (meta modules with
+            ``assign=True``) and are returned. A partial target loads only that
+            part. Without a target: NumPy arrays and plain dicts/lists/tuples.
         items: key paths to load (``"model"``, ``"model/layers.0.weight"``;
             ``~1`` stands for ``/`` inside a key): top-level checkpointables,
             subtrees or leaves; others are not read. Levels above a selected

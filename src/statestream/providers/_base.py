@@ -176,7 +176,8 @@ class ProviderCapabilities:
             they will change.
         state_hints: :meth:`ArrayProvider.state_hints` can type the missing
             entries of a stateful target (a never-stepped optimizer); the hints
-            are layouts, never loaded into in place.
+            are layouts, never loaded into in place. :meth:`ArrayProvider.load_options`
+            gives the keyword arguments of the target's ``load_state_dict``.
         aliases: :meth:`ArrayProvider.alias_key` says which values are views of
             exactly the same memory (tied weights), so they are stored once.
         buffer_restore: :meth:`ArrayProvider.restore_on` can build a value on
@@ -328,3 +329,8 @@ class ArrayProvider(abc.ABC):
         parameter): a load never writes into its memory, even ``in_place``.
         """
         return []
+
+    def load_options(self, obj: Any, sub_like: Any) -> dict[str, Any]:
+        """Keyword arguments for stateful ``obj``'s ``load_state_dict`` (``sub_like``:
+        its ``state_dict()``); ``{}`` for the call as it is (``state_hints``)."""
+        return {}

@@ -334,10 +334,15 @@ class TorchProvider(ArrayProvider):
         inner = self.restore(dtype, layout.local_shape, None, path)
         like_local = like.to_local()
 
+        # a target on the meta device gives the layout only: the shard is put on its
+        # mesh's device (never left on meta, which would drop the loaded values)
+        device = (_mesh_device(like.device_mesh) if like_local.device.type == "meta"
+                  else like_local.device)
+
         def finish() -> Any:
             local = inner.finish()
-            if local.dtype != like.dtype or local.device != like_local.device:
-                local = local.to(device=like_local.device, dtype=like.dtype)
+            if local.dtype != like.dtype or local.device != device:
+                local = local.to(device=device, dtype=like.dtype)
             out: Any = DTensor.from_local(local, like.device_mesh, like.placements,
                                           run_check=False, shape=like.shape, stride=like.stride())
             if isinstance(like, torch.nn.Parameter):
@@ -430,6 +435,18 @@ class TorchProvider(ArrayProvider):
         if next(module.buffers(), None) is None:
             return None
         return _guards.guard_forward(module, save)
+
+    def load_options(self, obj: Any, sub_like: Any) -> dict[str, Any]:
+        """``assign=True`` for a module with a tensor on the meta device (built under
+        ``torch.device("meta")``, FSDP2-sharded or not): copying into a meta tensor
+        does nothing, so the loaded tensors (FSDP2 shards) take the meta ones' place."""
+        if not self.is_module(obj) or not isinstance(sub_like, dict):
+            return {}
+        for v in sub_like.values():
+            local = _local(v)
+            if type(local) in _PLAIN_TENSORS and local.device.type == "meta":
+                return {"assign": True}
+        return {}
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
                     shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
@@ -548,6 +565,16 @@ def _like_target(loaded: Any, like: Any) -> Any:
     elif like.requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def _mesh_device(mesh: Any) -> Any:
+    """The device this process's shards of a ``mesh`` live on (the CPU for gloo's)."""
+    import torch
+
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def _is_dtensor(obj: Any) -> bool:
