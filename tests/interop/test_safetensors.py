@@ -394,3 +394,29 @@ def test_jax_target_with_sharding(tmp_path: Path) -> None:
     assert isinstance(out["w"], jax.Array) and out["w"].sharding == sharding
     assert np.asarray(out["w"]).tobytes() == w.numpy().tobytes()
     assert out["b"].dtype == jnp.bfloat16 and np.asarray(out["b"], np.float32).tolist() == [0, 1, 2]
+
+
+def test_save_pretrained_directory_loads_into_a_tied_model(tmp_path: Path) -> None:
+    """``save_pretrained`` writes a tied GPT-2's lm_head.weight only as
+    transformer.wte.weight; loading the directory into the model fills the tied
+    name from it (the target's own tie says which), as from_pretrained does. An
+    untied missing key is still a MissingKeyError, and so is one of a meta model
+    (meta tensors have no memory to tell a tie by)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    fresh = transformers.GPT2LMHeadModel(cfg).eval()
+    assert ss.load(tmp_path / "hf", target=fresh) is fresh
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    x = torch.arange(6).reshape(1, 6)
+    assert torch.equal(fresh(x).logits, model(x).logits)
+    untied = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{**cfg.to_dict(), "tie_word_embeddings": False}))
+    with pytest.raises(ss.MissingKeyError, match="lm_head.weight"):
+        ss.load(tmp_path / "hf", target=untied)
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(ss.MissingKeyError, match="lm_head.weight"):
+        ss.load(tmp_path / "hf", target=meta)

@@ -236,7 +236,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     """Load a stateful target's state (all of it), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     sub_like = like.state_dict()
-    inner = _unprefixed(inner, sub_like)
+    inner = _with_target_ties(_unprefixed(inner, sub_like), sub_like)
     options: dict[str, Any] = {}
     for prov in providers():
         if prov.capabilities.state_hints:
@@ -272,6 +272,42 @@ def _unprefixed(node: Node, sub_like: Any) -> Node:
             keys: list[Key] = [str(k)[len(prefix):] for k in node.keys]
             return dataclasses.replace(node, keys=keys)
     return node
+
+
+def _with_target_ties(node: Node, sub_like: Any) -> Node:
+    """A saved state that lacks a key of a stateful target whose value is tied to
+    (the same memory as) another key's that it holds: that key reads the same array.
+    A tied model saved by a format that writes a tie once under one name
+    (``save_pretrained``'s safetensors omit ``lm_head.weight``) then loads into it."""
+    if node.kind != "dict" or node.keys is None or not isinstance(sub_like, dict):
+        return node
+    saved = {(type(k), k): c for k, c in zip(node.keys, node.children or [])}
+    missing = [k for k in sub_like if (type(k), k) not in saved]
+    if not missing:
+        return node
+    held: dict[Any, Node] = {}  # alias key of a target value -> the saved leaf
+    for k, v in sub_like.items():
+        c = saved.get((type(k), k))
+        if c is not None and c.kind in ("array", "alias"):
+            tie = _alias_key(v)
+            if tie is not None:
+                held.setdefault(tie, c)
+    keys, kids = list(node.keys), list(node.children or [])
+    for k in missing:
+        c = held.get(_alias_key(sub_like[k]) or ())
+        if c is not None:
+            keys.append(k)
+            kids.append(Node("alias", array=c.array, attrs=c.attrs))
+    return dataclasses.replace(node, keys=keys, children=kids)
+
+
+def _alias_key(value: Any) -> Any:
+    """Which memory a target value is (tied values share it), or None."""
+    prov = target_provider_for(value)
+    if prov is None or not prov.capabilities.aliases:
+        return None
+    key = prov.alias_key(value)
+    return None if key is None else (prov.kind, key)
 
 
 def _prefix_hint(key: Key, saved: dict[tuple[type, Key], Node]) -> str:

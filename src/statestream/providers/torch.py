@@ -377,14 +377,16 @@ class TorchProvider(ArrayProvider):
 
     def alias_key(self, obj: Any) -> Hashable | None:
         """Tensors (or DTensors' local shards) over the same memory with the same
-        offset, shape, strides and dtype: tied weights. None for empty tensors."""
+        offset, shape, strides and dtype: tied weights. None for empty tensors and
+        for tensors on the meta device (no memory: every one has address 0)."""
         if type(obj) in _PLAIN_TENSORS:
             local, extra = obj, None
         elif _is_dtensor(obj):
             local, extra = obj.to_local(), (tuple(obj.shape), str(obj.placements))
         else:
             return None
-        if local.layout != _torch().strided or not local.numel():
+        if (local.layout != _torch().strided or not local.numel()
+                or local.device.type == "meta"):
             return None
         return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
                 local.device, extra)
