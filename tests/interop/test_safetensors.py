@@ -315,6 +315,18 @@ def test_convert_refuses_to_overwrite(tmp_path: Path) -> None:
         ss.convert(tmp_path / "x.safetensors", tmp_path / "ck2")
 
 
+@pytest.mark.parametrize("dst,to", [("o.safetensors", None), ("hf", "safetensors"),
+                                    ("o.pt", None), ("d", "dcp"), ("ck", None)])
+def test_convert_makes_missing_parent_directories(tmp_path: Path, dst: str,
+                                                  to: str | None) -> None:
+    """As a save does: a conversion into a directory that does not exist yet makes it
+    (it raised FileNotFoundError naming a hidden staging directory)."""
+    ss.save(tmp_path / "ck0", {"w": np.arange(3.0)})
+    out = ss.convert(tmp_path / "ck0", tmp_path / "new" / "sub" / dst, to=to)
+    assert ss.load(out)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert [p.name for p in (tmp_path / "new" / "sub").iterdir()] == [dst]  # no staging left
+
+
 @pytest.mark.parametrize("to", ["safetensors", "dcp", "torch"])
 def test_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, to: str) -> None:
     """overwrite=True into a directory of other files (a project, a model directory's

@@ -126,7 +126,9 @@ def tensor_names(root: Node) -> list[str]:
 def _staging_path(final: str) -> str:
     """Where a conversion to ``final`` is written before it is moved into place: a
     directory with the umask's mode (a published shard directory is readable as any
-    other), that ``statestream gc`` removes when the conversion was killed."""
+    other), that ``statestream gc`` removes when the conversion was killed. Missing
+    parent directories of ``final`` are made, as a save makes them."""
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
     return staging_dir(final)
 
 
