@@ -262,3 +262,23 @@ def test_a_planner_path_deeper_than_a_tree_falls_back_to_flat_keys(tmp_path: Pat
     with open(tmp_path / "d" / ".metadata", "wb") as f:
         pickle.dump(md, f)
     assert list(ss.load(tmp_path / "d")) == ["w"]
+
+
+def test_metadata_read_reserves_its_size_not_the_limit(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading ``.metadata`` asks for its own size, not the 1 GiB limit plus one."""
+    import tracemalloc
+
+    from statestream.interop import _dcp
+    _save({"w": torch.ones(4)}, tmp_path / "d")
+    tracemalloc.start()
+    try:
+        _dcp._metadata(str(tmp_path / "d"), allow_pickle=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    (tmp_path / "d" / ".metadata").write_bytes(b"\x80" * 64)
+    monkeypatch.setattr(_dcp, "MAX_METADATA_BYTES", 63)
+    with pytest.raises(ss.CheckpointCorruptError, match=r"\.metadata is larger than 63 bytes"):
+        ss.load(tmp_path / "d")

@@ -106,6 +106,28 @@ def test_sharded_directory_and_weight_map(tmp_path: Path) -> None:
                                        "model-00002-of-00002.safetensors"]
 
 
+def test_index_larger_than_its_limit_is_refused_and_read_at_its_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    from statestream.interop import _safetensors
+    d = tmp_path / "hf"
+    d.mkdir()
+    st_torch.save_file({"w": torch.ones(3)}, d / "model-00001-of-00001.safetensors")
+    idx = json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    (d / "model.safetensors.index.json").write_text(idx)
+    tracemalloc.start()
+    try:
+        assert torch.equal(torch.as_tensor(ss.load(d)["w"]), torch.ones(3))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # not the 256 MiB limit reserved for a tiny index
+    monkeypatch.setattr(_safetensors, "MAX_INDEX_BYTES", len(idx) - 1)
+    with pytest.raises(ss.CheckpointCorruptError, match=r"index\.json is larger than"):
+        ss.load(d)
+
+
 def test_model_directory_with_one_file(tmp_path: Path) -> None:
     """``save_pretrained`` of a model below its shard size writes one model.safetensors and
     no index: the directory reads as that file (load, metadata, convert, the CLI)."""

@@ -35,7 +35,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import check_tiling, row_chunks
-from statestream.interop._files import FileSetReader, open_binary, plain_size
+from statestream.interop._files import FileSetReader, open_binary, plain_size, read_capped
 from statestream.interop._torchfile import (
     DType,
     RestrictedUnpickler,
@@ -196,10 +196,7 @@ class _Slice(io.RawIOBase):
 
 def _metadata(directory: str, allow_pickle: bool) -> Any:
     path = os.path.join(directory, METADATA_NAME)
-    with open_binary(path) as f:
-        data = f.read(MAX_METADATA_BYTES + 1)
-    if len(data) > MAX_METADATA_BYTES:
-        raise CheckpointCorruptError(f"{path} is larger than {MAX_METADATA_BYTES} bytes")
+    data = read_capped(path, MAX_METADATA_BYTES)
     try:
         return RestrictedUnpickler(data, path, allow_pickle=allow_pickle, extra=_ALLOWED).load()
     except (CheckpointCorruptError, UnsupportedTypeError, PickleNotAllowedError):

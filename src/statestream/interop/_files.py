@@ -61,6 +61,20 @@ def open_binary(path: str) -> BinaryIO:
     return os.fdopen(open_plain(path), "rb")
 
 
+def read_capped(path: str, cap: int, what: str | None = None) -> bytes:
+    """The whole regular file at ``path``, refused when larger than ``cap`` bytes.
+
+    The size is taken from ``fstat`` and only that many bytes are asked for:
+    ``read(cap + 1)`` would reserve ``cap + 1`` bytes of buffer for a file of
+    any size (a gigabyte for a DCP ``.metadata`` of a few kilobytes).
+    """
+    with open_binary(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise CheckpointCorruptError(f"{what or path} is larger than {cap} bytes")
+        return f.read(size)
+
+
 def plain_size(path: str) -> int:
     """The size of the regular file at ``path`` (refused as :func:`open_plain` does)."""
     fd = open_plain(path)

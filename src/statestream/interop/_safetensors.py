@@ -27,7 +27,7 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import row_chunks
-from statestream.interop._files import FileSetReader, hub_blob, open_binary
+from statestream.interop._files import FileSetReader, hub_blob, open_binary, read_capped
 from statestream.tree import Key, Node
 
 __all__ = [
@@ -267,10 +267,7 @@ def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
     repository's blobs, which are followed (:func:`hub_blob`); no other link is.
     """
     directory = os.path.dirname(index_path)
-    with open_binary(hub_blob(index_path)) as f:
-        raw = f.read(MAX_INDEX_BYTES + 1)
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CheckpointCorruptError(f"{index_path} is larger than {MAX_INDEX_BYTES} bytes")
+    raw = read_capped(hub_blob(index_path), MAX_INDEX_BYTES, index_path)
     doc = _json(raw, index_path)
     wmap = doc.get("weight_map") if type(doc) is dict else None
     if type(wmap) is not dict or any(type(v) is not str for v in wmap.values()):
