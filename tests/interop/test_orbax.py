@@ -122,3 +122,30 @@ def test_a_0d_array_round_trips_through_orbax_as_0d(tmp_path: Path) -> None:
     assert into["count"].shape == () and int(into["count"]) == 7
     ss.convert(tmp_path / "o", tmp_path / "back")
     assert ss.load(tmp_path / "back")["loss"].shape == ()
+
+
+@pytest.mark.parametrize("damage", ["truncate_data", "garble_metadata", "remove_data"])
+def test_a_damaged_orbax_checkpoint_is_a_corrupt_error(tmp_path: Path, damage: str) -> None:
+    """Whatever orbax or tensorstore raise for a damaged checkpoint, load, metadata and
+    convert raise CheckpointCorruptError naming the directory."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck = ocp.StandardCheckpointer()
+        ck.save(tmp_path / "o", {"w": np.arange(4096, dtype=np.float32), "s": 3})
+        ck.wait_until_finished()
+    files = sorted(p for p in (tmp_path / "o").rglob("*") if p.is_file())
+    data = [p for p in files if "d" in p.parent.name or p.parent.name.startswith("ocdbt")]
+    data = data or [max(files, key=lambda p: p.stat().st_size)]
+    if damage == "truncate_data":
+        for p in data:
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+    elif damage == "remove_data":
+        for p in data:
+            p.unlink()
+    else:
+        (tmp_path / "o" / "_METADATA").write_text("{not json")
+    for call in (lambda: ss.load(tmp_path / "o"),
+                 lambda: ss.convert(tmp_path / "o", tmp_path / "ck")):
+        with pytest.raises(ss.CheckpointCorruptError, match="orbax could not restore"):
+            call()

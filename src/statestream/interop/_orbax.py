@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.errors import CheckpointCorruptError, CheckpointError, UnsupportedTypeError
 from statestream.format import ArrayEntry, FileEntry, Manifest, dtype_name
 from statestream.interop._chunks import row_chunks
 from statestream.interop._deps import require
@@ -60,9 +60,16 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     (a CheckpointManager step with one item reads that item)."""
     ocp = require("orbax.checkpoint", "orbax", "reading Orbax checkpoints")
     item = _item_dir(directory)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = ocp.PyTreeCheckpointer().restore(os.path.abspath(item))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = ocp.PyTreeCheckpointer().restore(os.path.abspath(item))
+    except (MemoryError, PermissionError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # orbax and tensorstore raise many types for one damage
+        raise CheckpointCorruptError(
+            f"{item}: orbax could not restore this Orbax checkpoint "
+            f"({type(exc).__name__}: {str(exc)[:500]})") from exc
     arrays: list[ArrayEntry] = []
     memory: dict[str, memoryview] = {}
     files: list[FileEntry] = []
