@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
+from statestream.format import COMMIT_NAME, MANIFEST_NAME, encode_commit
 from statestream.storage import S3Options, S3Storage, set_backend
 from statestream.testing.storage import StorageTests
 
@@ -223,10 +224,12 @@ def test_a_checkpoint_overwritten_while_read_says_so(storage: S3Storage, base_ur
 
 
 def test_save_async_to_s3_never_uploads_the_live_state(storage: S3Storage, base_url: str) -> None:
-    # S3 keeps reading a written buffer until its part is uploaded: a snapshot
-    # that races the writers must hand it private copies, not the state, so
-    # changing the state right after save_async returns changes nothing saved.
-    assert storage.capabilities.retains_buffers
+    # obstore keeps reading a buffer it was given until its part is uploaded: the
+    # writer's write_at returns only once the store is done with the caller's bytes
+    # (copying what falls short of a whole part), so a snapshot that races the
+    # writers may write from the state, and changing the state right after
+    # save_async returns changes nothing saved.
+    assert not storage.capabilities.retains_buffers
     state = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(6)}  # 6 x 2 MiB
     h = ss.save_async(f"{base_url}/a", state, io=ss.IOOptions(max_chunk_bytes=1 << 20))
     for v in state.values():
@@ -235,3 +238,54 @@ def test_save_async_to_s3_never_uploads_the_live_state(storage: S3Storage, base_
     got = ss.load(f"{base_url}/a")
     for i in range(6):
         np.testing.assert_array_equal(got[f"w{i}"], np.full((512, 1024), i, np.float32))
+
+
+@pytest.mark.parametrize("lend", [False, True])
+def test_writes_of_any_size_reach_the_object_and_leave_the_buffers_free(
+        s3_server: dict[str, Any], base_url: str, lend: bool) -> None:
+    """The writer hands obstore whole parts of the caller's bytes and copies the rest
+    into its own part buffers: writes of every size, across and within parts, in one
+    or many buffers, give the object byte for byte, and each buffer may be overwritten
+    as soon as write_at returns. With ``lend``, every other call is a lend_at, whose
+    buffers stay as they are until finish() and are uploaded from where they are."""
+    part = 5 << 20  # S3's smallest part
+    st = S3Storage(_options(s3_server, part_bytes=part, max_concurrency=2))
+    rng = np.random.default_rng(7)
+    sizes = [1, part - 1, 1, part, 3 * part + 17, 100, 2 * part, part // 2, part // 2 + 1,
+             *rng.integers(1, 3 * part, 6).tolist()]
+    want = bytearray()
+    txn = st.begin_write(base_url, overwrite=False)
+    w = txn.create_file("data/r0-0.bin", 0)
+    pos = 0
+    lent = []
+    for i, n in enumerate(sizes):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        bufs = np.array_split(data, 1 + i % 3)  # one, two or three buffers per call
+        want += data.tobytes()
+        if lend and i % 2:
+            w.lend_at(bufs, pos)
+            lent.append(data)
+        else:
+            w.write_at(bufs, pos)
+            data[:] = 0  # the caller reuses its buffers at once
+        pos += n
+    w.write_at([np.frombuffer(b"tail", np.uint8)], pos + 10)  # a gap is zeros
+    want += bytes(10) + b"tail"
+    w.finish()
+    txn.write_bytes(MANIFEST_NAME, b"{}")
+    txn.write_bytes(COMMIT_NAME, encode_commit(b"{}"))
+    txn.commit()
+    r = st.open_read(base_url)
+    try:
+        got = bytearray(len(want))
+        r.read_into("data/r0-0.bin", 0, [got])
+    finally:
+        r.close()
+    assert got == want
+
+
+def test_transfer_options_refuse_a_part_size_below_one(s3_server: dict[str, Any]) -> None:
+    with pytest.raises(ss.StorageError, match="part_bytes must be a positive int"):
+        _options(s3_server, part_bytes=0)
+    with pytest.raises(ss.StorageError, match="max_concurrency must be a positive int"):
+        _options(s3_server, max_concurrency=0)

@@ -105,8 +105,8 @@ def _copy_range(reader: CheckpointReader, w: FileWriter, name: str, start: int, 
                 buf: bytearray | None, check: _ChunkCheck | None, limit: int) -> None:
     """Copy bytes ``[start, end)`` of ``name`` through ``buf``, feeding ``check``.
 
-    ``buf`` None: the writer keeps the buffers it is given (``retains_buffers``,
-    S3 until the part is uploaded), so each piece gets a buffer of its own.
+    ``buf`` None: the writer keeps the buffers it is given (a backend that
+    declares ``retains_buffers``), so each piece gets a buffer of its own.
     """
     piece = check.piece(limit) if check is not None else limit
     pos = start

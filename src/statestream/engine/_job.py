@@ -298,7 +298,8 @@ class SaveJob:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
                 progress=self.options.progress, after_write=self.ledger.after_write,
-                relayout=self._relayout(), hashes=self.options.hashes, base=self.base)
+                relayout=self._relayout(), hashes=self.options.hashes, base=self.base,
+                lendable=self.ledger.lendable)
 
     def _relayout(self) -> bool:
         # chunks placed one after the other by what is really written (stored sizes;

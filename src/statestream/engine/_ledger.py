@@ -92,6 +92,12 @@ class StagingLedger:
                 f"reading the value at key path '{self._key_of(item.array)}' failed: {exc}"
             ) from exc
 
+    def lendable(self, item: WriteItem) -> bool:
+        """Whether :meth:`read` hands out the state's own memory for this chunk
+        (not a copy, not a staging buffer), which a synchronous save leaves as is."""
+        a = self._arrays[item.array]
+        return a.stage is None and not a.copies
+
     # -- snapshot --------------------------------------------------------------------
     def copy_out(self, item: WriteItem, charged: int) -> Callable[[], None] | None:
         """Copy one chunk into a staging buffer; return the wait for a device copy.

@@ -106,8 +106,13 @@ class StreamWriter:
         hashes: bool = False,
         base: BaseChunks | None = None,
         nice_later: bool = False,
+        lendable: Callable[[WriteItem], bool] | None = None,
     ) -> None:
         self._nice = nice
+        #: whether an item's bytes from ``source`` stay unchanged and alive until
+        #: close (a synchronous save's own arrays): a writer with ``lend_at``
+        #: (object stores) then uploads them from where they are
+        self._lendable = lendable
         #: set: writer threads take ``nice`` (at once, or from the next batch on
         #: when ``nice_later``, after :meth:`yield_to_training`)
         self._yield = threading.Event()
@@ -269,6 +274,9 @@ class StreamWriter:
         batch: list[Any] = []
         done_items: list[WriteItem] = []
         batch_off = end = 0
+        lendable = self._lendable
+        lend_at = getattr(w, "lend_at", None) if lendable is not None else None
+        lends = True  # every payload of the batch may be lent (alignment gaps may)
         for it in work:
             if self._failed.is_set():
                 break
@@ -278,15 +286,19 @@ class StreamWriter:
             if got is None:
                 if done_items:  # never wait while holding staged bytes: write first
                     if batch:
-                        w.write_at(batch, batch_off)
-                        batch = []
+                        (lend_at if lend_at and lends else w.write_at)(batch, batch_off)
+                        batch, lends = [], True
                     self._written(done_items)
                     budget.release(st.held)
                     st.held = 0
                     done_items = []
                 got = budget.acquire(need)
             st.held += got
-            entry, payload = self._record(it, self._source(it), st.cursor)
+            data = self._source(it)
+            entry, payload = self._record(it, data, st.cursor)
+            if lendable is not None and payload is not None:
+                lends = lends and payload is data and lendable(it)
+            del data
             st.written[(it.array, it.chunk)] = entry
             if payload is None:  # a reference to the base: nothing to write
                 done_items.append(it)
@@ -299,7 +311,7 @@ class StreamWriter:
             done_items.append(it)
             end = st.cursor = entry.offset + entry.nbytes
         if batch:
-            w.write_at(batch, batch_off)
+            (lend_at if lend_at and lends else w.write_at)(batch, batch_off)
             batch = []  # the buffers are freed before their budget is
         if done_items:  # written, or references that needed no write
             self._written(done_items)

@@ -48,17 +48,25 @@ class StorageCapabilities:
     read_request_bytes: int | None = None
     read_threads: int | None = None
     #: ``FileWriter.write_at`` may keep referencing the buffers it was given
-    #: after it returns (until ``finish``), so callers must not reuse them:
-    #: an object-store client that uploads parts in the background without
-    #: copying. Staging buffers are then not recycled.
+    #: after it returns (until ``finish``), so callers must not reuse them.
+    #: Staging buffers are then not recycled. The object stores do not: their
+    #: writers return once the store is done with the bytes (``lend_at`` is
+    #: the zero-copy way for buffers that stay put).
     retains_buffers: bool = False
 
 
 class FileWriter(Protocol):
-    """One data file being written inside a transaction."""
+    """One data file being written inside a transaction.
+
+    A writer may also have ``lend_at(buffers, offset)``, called as ``write_at``
+    for buffers the caller leaves unchanged and alive until ``finish`` (a
+    synchronous save's own arrays): it may keep referencing them after it
+    returns (an object store uploading them in the background, zero-copy).
+    """
 
     def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
-        """Write ``buffers`` back to back starting at byte ``offset``."""
+        """Write ``buffers`` back to back starting at byte ``offset``; on return
+        the writer is done with them (the caller may reuse them at once)."""
         ...
 
     def finish(self) -> None:

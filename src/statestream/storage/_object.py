@@ -79,8 +79,7 @@ class ObjectStorage:
     # Measured on a local S3-compatible server: 256 MiB GETs with 8 readers
     # loaded ~3x faster than 32 MiB with 4 (benchmarks/results/s3-*).
     capabilities = StorageCapabilities(atomic_rename=False, random_write=False,
-                                       read_request_bytes=256 << 20, read_threads=8,
-                                       retains_buffers=True)
+                                       read_request_bytes=256 << 20, read_threads=8)
 
     def __init__(self, options: Any) -> None:
         self.options = options

@@ -37,13 +37,18 @@ class TransferOptions:
 
 
 def check_transfer_options(options: Any) -> None:
-    """Refuse timeouts that are not positive and negative retry counts."""
+    """Refuse timeouts that are not positive, negative retry counts, and part sizes
+    or concurrencies below one."""
     cls = type(options).__name__
     for name in ("timeout_s", "connect_timeout_s", "retry_timeout_s"):
         if not getattr(options, name) > 0:
             raise StorageError(f"{cls}.{name} must be > 0, got {getattr(options, name)!r}")
     if options.max_retries < 0:
         raise StorageError(f"{cls}.max_retries must be >= 0, got {options.max_retries}")
+    for name in ("part_bytes", "max_concurrency"):
+        if type(getattr(options, name)) is not int or getattr(options, name) < 1:
+            raise StorageError(f"{cls}.{name} must be a positive int, got "
+                               f"{getattr(options, name)!r}")
 
 
 def split_object_url(url: str, scheme: str, word: str = "bucket") -> tuple[str, str]:

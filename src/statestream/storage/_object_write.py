@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from statestream.errors import CheckpointError, CheckpointExistsError, StorageError
 from statestream.format import COMMIT_NAME
@@ -18,46 +22,215 @@ if TYPE_CHECKING:
 __all__ = ["ObjectFileWriter", "ObjectTxn"]
 
 
+#: Part buffers kept between saves, per part size (a fresh buffer's first touch is slow).
+_KEPT_PARTS = 8
+_parts: dict[int, list[np.ndarray]] = {}
+_parts_lock = threading.Lock()
+
+
+def _take_part(size: int) -> np.ndarray:
+    with _parts_lock:
+        free = _parts.get(size)
+        if free:
+            return free.pop()
+    return np.empty(size, np.uint8)
+
+
+def _give_part(buf: np.ndarray) -> None:
+    with _parts_lock:
+        free = _parts.setdefault(buf.nbytes, [])
+        if len(free) < _KEPT_PARTS:
+            free.append(buf)
+
+
+class _Pieces:
+    """Memoryviews read in order, ``take(n)`` bytes at a time (as slices)."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._i = self._at = 0
+        self.left = sum(mv.nbytes for mv in views)
+
+    def take(self, n: int) -> Iterator[memoryview]:
+        n = min(n, self.left)
+        self.left -= n
+        while n:
+            mv = self._views[self._i]
+            k = min(n, mv.nbytes - self._at)
+            yield mv[self._at:self._at + k]
+            n -= k
+            self._at += k
+            if self._at == mv.nbytes:
+                self._i, self._at = self._i + 1, 0
+
+
 class ObjectFileWriter:
+    """One object written as a multipart upload, parts uploaded in the background.
+
+    obstore keeps a reference to what it is given until that part is uploaded,
+    and holds bytes short of a whole part until more arrive. So:
+
+    - ``write_at`` returns only once the store is done with the caller's
+      buffers, which the caller may then reuse (save_async's staging buffers go
+      back to their pool, within the memory budget): the caller's bytes are
+      handed over zero-copy only where they complete parts, and the rest is
+      copied into part buffers of the writer's own, at most :attr:`OWN_PARTS`
+      of ``part_bytes`` per file (one filling while one uploads);
+    - ``lend_at`` hands everything over zero-copy and returns at once, for
+      buffers that stay unchanged and alive until :meth:`finish` (a synchronous
+      save's own arrays): obstore bounds what it holds to ``max_concurrency``
+      parts in flight.
+
+    When obstore drops a reference is seen by a ``weakref.finalize`` on the
+    view it was given (run on its I/O thread; never hold ``_cv`` while calling
+    obstore, which may wait for that thread).
+    """
+
+    #: Part buffers of its own a writer has at once: one filling while one uploads.
+    OWN_PARTS = 2
+
     def __init__(self, owner: ObjectStorage, bucket: str, key: str) -> None:
         import obstore
 
         self._where = owner._url(bucket, key)
         self._owner = owner
+        self._part = owner.options.part_bytes
         try:
             self._w = obstore.open_writer(owner._store(bucket), key,
-                                          buffer_size=owner.options.part_bytes,
+                                          buffer_size=self._part,
                                           max_concurrency=owner.options.max_concurrency)
         except Exception as exc:
             raise owner._map_error(exc, f"opening {self._where}") from exc
-        self._pos = 0
+        self._pos = 0  # the object's size so far, as the caller sees it
+        self._sent = 0  # bytes handed to obstore (it holds _sent % part in its buffer)
+        self._cv = threading.Condition()
+        self._borrowed = 0  # views of the caller's buffers obstore still holds
+        self._own = 0  # own part buffers taken (filling or uploading)
+        self._spare: list[np.ndarray] = []
+        self._fill: np.ndarray | None = None  # own bytes after _sent, not handed over
+        self._filled = 0
 
-    def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+    # -- handing bytes to obstore -------------------------------------------------
+    def _borrowed_released(self) -> None:
+        with self._cv:
+            self._borrowed -= 1
+            self._cv.notify_all()
+
+    def _own_released(self, buf: np.ndarray) -> None:
+        with self._cv:
+            self._spare.append(buf)
+            self._cv.notify_all()
+
+    def _send(self, data: Buffer, n: int) -> None:
+        self._sent += n
+        self._w.write(data)
+
+    def _send_borrowed(self, mv: memoryview) -> None:
+        view = np.frombuffer(mv, np.uint8)
+        with self._cv:
+            self._borrowed += 1
+        weakref.finalize(view, self._borrowed_released)
+        self._send(view, mv.nbytes)
+
+    def _send_fill(self) -> None:
+        assert self._fill is not None
+        view = self._fill[:self._filled]
+        weakref.finalize(view, self._own_released, self._fill)
+        n, self._fill, self._filled = self._filled, None, 0
+        self._send(view, n)
+
+    def _take_fill(self) -> np.ndarray:
+        # Every own buffer taken is in a whole part by now, so it comes back.
+        with self._cv:
+            while not self._spare and self._own >= self.OWN_PARTS:
+                self._cv.wait()
+            if self._spare:
+                return self._spare.pop()
+            self._own += 1
+        return _take_part(self._part)
+
+    def _copy_in(self, mv: memoryview) -> None:
+        assert self._fill is not None
+        self._fill[self._filled:self._filled + mv.nbytes] = np.frombuffer(mv, np.uint8)
+        self._filled += mv.nbytes
+
+    def _feed(self, pieces: _Pieces) -> None:
+        part = self._part
+        short = -self._sent % part  # lent bytes wait in obstore for this many more
+        if short:
+            if pieces.left < short:  # still short: a private copy waits with them
+                for mv in pieces.take(pieces.left):
+                    self._send(mv.tobytes(), mv.nbytes)
+                return
+            for mv in pieces.take(short):
+                self._send_borrowed(mv)
+        if self._fill is not None:
+            for mv in pieces.take(part - self._filled):
+                self._copy_in(mv)
+            if self._filled == part:
+                self._send_fill()
+        for mv in pieces.take(pieces.left // part * part):
+            self._send_borrowed(mv)
+        if pieces.left:
+            self._fill = self._take_fill()
+            for mv in pieces.take(pieces.left):
+                self._copy_in(mv)
+
+    def _views(self, buffers: Sequence[Buffer], offset: int) -> tuple[list[memoryview], int]:
         if offset < self._pos:
             raise StorageError(f"object writes must be sequential ({self._where})")
+        views = [mv for mv in (memoryview(b).cast("B") for b in buffers) if mv.nbytes]
+        end = offset + sum(mv.nbytes for mv in views)
+        if offset > self._pos:
+            views.insert(0, memoryview(bytes(offset - self._pos)))
+        return views, end
+
+    def write_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+        views, end = self._views(buffers, offset)
         try:
-            if offset > self._pos:
-                self._w.write(bytes(offset - self._pos))
-            for b in buffers:
-                mv = memoryview(b).cast("B")
-                if mv.nbytes:
-                    # Zero-copy: obstore keeps a reference to the buffer until its
-                    # part is uploaded (capabilities.retains_buffers), so callers do
-                    # not recycle buffers they hand to an object-store writer.
-                    self._w.write(mv)
-                    offset += mv.nbytes
+            self._feed(_Pieces(views))
+            with self._cv:
+                while self._borrowed:
+                    self._cv.wait()
         except Exception as exc:
             raise self._owner._map_error(exc, f"uploading {self._where}") from exc
-        self._pos = offset
+        self._pos = end
+
+    def lend_at(self, buffers: Sequence[Buffer], offset: int) -> None:
+        """As :meth:`write_at`, for buffers the caller leaves unchanged and alive until
+        :meth:`finish`: they are uploaded from where they are, without waiting."""
+        views, end = self._views(buffers, offset)
+        try:
+            if self._fill is not None:
+                self._send_fill()  # it comes back once the lent bytes complete its part
+            for mv in views:
+                self._send(mv, mv.nbytes)
+        except Exception as exc:
+            raise self._owner._map_error(exc, f"uploading {self._where}") from exc
+        self._pos = end
 
     def finish(self) -> None:
         try:
+            if self._fill is not None:
+                self._send_fill()
             self._w.close()
         except Exception as exc:
             raise self._owner._map_error(exc, f"completing {self._where}") from exc
+        finally:
+            self._recycle()
 
     def abort(self) -> None:
-        pass  # an unfinished multipart upload is never visible
+        # an unfinished multipart upload is never visible; own buffers obstore may
+        # still hold are not reused
+        self._fill = None
+        with self._cv:
+            self._spare.clear()
+
+    def _recycle(self) -> None:
+        with self._cv:
+            spare, self._spare = self._spare, []
+        for buf in spare:
+            _give_part(buf)
 
 
 class ObjectTxn:
