@@ -83,6 +83,8 @@ from statestream.storage import WriteTransaction, storage_for
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
+#: The smallest chunk of an array whose chunks are copies, whatever the budget.
+MIN_COPY_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,9 +136,13 @@ class SaveJob:
         self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
                                    private_copies=lazy)
         io = options.io
+        # An array whose chunks are copies (non-contiguous, byte-swapped) takes each
+        # chunk whole: at most a quarter of the budget, so writers copy side by side.
         self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",
                                      max_files=io.write_threads(),
-                                     max_chunk_bytes=io.max_chunk_bytes)
+                                     max_chunk_bytes=io.max_chunk_bytes,
+                                     copy_chunk_bytes=max(MIN_COPY_CHUNK_BYTES,
+                                                          options.memory.resolved() // 4))
         self.txn: WriteTransaction | None = None
         self.merged: MergedTree | None = None
         self._total_bytes = 0  # the checkpoint's raw size (the manifest's total_bytes)
@@ -312,7 +318,8 @@ class SaveJob:
         isz = itemsize_of(a.dtype)
         codec = (self.options.compression.for_array(self.collector.paths[i], a.dtype, isz)
                  if self.options.compression else None)
-        spec = ArraySpec(a.shape, isz, a.copies and not self.snapshot_mode, codec)
+        spec = ArraySpec(a.shape, isz, a.copies and not self.snapshot_mode, codec,
+                         copied_whole=a.copies)
         return self.planner.add(i, spec, boxes)
 
     # ----------------------------------------------------------------------- sync

@@ -41,9 +41,13 @@ class ArraySpec:
 
     shape: tuple[int, ...]
     itemsize: int
+    #: the writer allocates each chunk (charged to its budget as ``staging_bytes``)
     copies: bool = False
     #: how its chunks are compressed (None: stored raw)
     codec: Compression | None = None
+    #: each chunk is a copy taken whole (by the writer or a snapshot's direct read):
+    #: chunks of at most the planner's ``copy_chunk_bytes``
+    copied_whole: bool = False
 
 
 @dataclasses.dataclass(slots=True)  # not frozen: frozen __init__ is ~3x slower
@@ -154,10 +158,13 @@ class StreamPlanner:
     """
 
     def __init__(self, *, file_prefix: str, max_files: int, max_chunk_bytes: int,
-                 block_bytes: int = 16 << 20) -> None:
+                 block_bytes: int = 16 << 20, copy_chunk_bytes: int | None = None) -> None:
         self._prefix = file_prefix
         self._max_files = max(1, max_files)
         self._max_chunk = max_chunk_bytes
+        #: the largest chunk of an array whose chunks are copies (``ArraySpec.copies``):
+        #: each is allocated whole, so it is kept within the memory budget
+        self._copy_chunk = min(max_chunk_bytes, copy_chunk_bytes or max_chunk_bytes)
         self._block = max(1, block_bytes)
         self._sizes: list[int] = [0]
         self._file = 0
@@ -175,9 +182,10 @@ class StreamPlanner:
         """
         assert array == len(self.chunks), "arrays must be added in order"
         shape = spec.shape
+        limit = self._copy_chunk if spec.copies or spec.copied_whole else self._max_chunk
         if boxes is None:
             nb = math.prod(shape) * spec.itemsize
-            if 0 < nb <= CHECKSUM_BLOCK_BYTES and nb <= self._max_chunk:
+            if 0 < nb <= CHECKSUM_BLOCK_BYTES and nb <= limit:
                 # Fast path for small arrays (most leaves of a big state): one
                 # chunk, no block checksums.
                 start = (0,) * len(shape)
@@ -196,8 +204,7 @@ class StreamPlanner:
                                   nb if spec.copies else 0, codec=spec.codec)]
         per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         items: list[WriteItem] = []
-        max_chunk = (self._max_chunk if spec.codec is None else
-                     min(self._max_chunk, COMPRESSED_CHUNK_BYTES))
+        max_chunk = limit if spec.codec is None else min(limit, COMPRESSED_CHUNK_BYTES)
         if boxes is None:
             whole = math.prod(shape) * spec.itemsize
             if 0 < whole <= max_chunk:  # the common case: one chunk
