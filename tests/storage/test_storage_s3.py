@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -289,3 +290,32 @@ def test_transfer_options_refuse_a_part_size_below_one(s3_server: dict[str, Any]
         _options(s3_server, part_bytes=0)
     with pytest.raises(ss.StorageError, match="max_concurrency must be a positive int"):
         _options(s3_server, max_concurrency=0)
+
+
+_EXIT_WITHOUT_CLOSE = """
+import json, sys
+import numpy as np
+import statestream as ss
+from statestream.storage import S3Options, S3Storage, set_backend
+set_backend("s3", S3Storage(S3Options(**json.loads(sys.argv[1]))))
+mgr = ss.CheckpointManager(sys.argv[2], lease_ttl_s=600)
+mgr.save(1, {"w": np.arange(4)})
+print("SAVED", flush=True)
+"""  # returns without mgr.close(): the interpreter's exit gives the lease up
+
+
+def test_a_manager_never_closed_gives_its_lease_up_at_exit(s3_server: dict[str, Any],
+                                                           storage: S3Storage,
+                                                           base_url: str) -> None:
+    import subprocess
+    import sys
+
+    opts = dict(endpoint=s3_server["endpoint"], region="us-east-1",
+                access_key_id=s3_server["aws_access_key_id"],
+                secret_access_key=s3_server["aws_secret_access_key"])
+    url = f"{base_url}/run"
+    r = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, json.dumps(opts), url],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
+    with ss.CheckpointManager(url) as mgr:  # at once, not after the 600 s ttl
+        assert mgr.steps() == [1]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import threading
+import weakref
 
 from statestream.errors import CheckpointError, ManagerLockedError, StorageError, storage_error
 from statestream.storage import Lease, Storage
@@ -13,6 +15,10 @@ __all__ = ["DirectoryLease", "holder_name"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+#: How long interpreter exit waits for a renewal in flight.
+EXIT_JOIN_S = 10.0
+
+_HELD: weakref.WeakSet[DirectoryLease] = weakref.WeakSet()
 
 
 def holder_name() -> str:
@@ -56,6 +62,7 @@ class DirectoryLease:
             self._thread = threading.Thread(target=self._renew_loop, args=(ttl / 3,),
                                             name="statestream-lease", daemon=True)
             self._thread.start()
+        _HELD.add(self)
 
     def _renew_loop(self, every: float) -> None:
         lease = self._lease
@@ -99,13 +106,34 @@ class DirectoryLease:
                 "it can list and load steps but not save or delete them", self._read_only_errno
             )
 
-    def release(self) -> None:
-        """Stop renewing and give the lease up (idempotent)."""
+    def release(self, join_s: float | None = None) -> None:
+        """Stop renewing and give the lease up (idempotent); ``join_s`` bounds the
+        wait for a renewal in flight."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(join_s)
             self._thread = None
         lease, self._lease = self._lease, None
         # a lost lease object is someone else's now; a lost flock is only our fd
         if lease is not None and (self._lost is None or lease.ttl_s is None):
             lease.release()
+
+
+def _release_at_exit() -> None:
+    """Give up the leases of managers never closed when the interpreter exits normally.
+
+    Registered when this module is imported, so it runs after the exit drains of
+    saves and persistence (registered later; atexit runs last-in first-out). The
+    renewal thread is stopped first: a daemon thread inside the object store's
+    client while the interpreter finalizes can abort the process. A ttl lease
+    left behind would lock the directory out until it expires (60 s by default)
+    for the next run; a crashed process still leaves it to expire.
+    """
+    for lease in list(_HELD):
+        try:
+            lease.release(EXIT_JOIN_S)
+        except Exception:  # noqa: BLE001 - best effort: the ttl ends it anyway
+            pass
+
+
+atexit.register(_release_at_exit)
