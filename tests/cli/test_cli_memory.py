@@ -98,3 +98,28 @@ def test_diff_in_blocks_keeps_nan_and_tolerance(tmp_path: Path,
     assert not ok and big is not None and np.isnan(big)
     ok, big = _diff._largest(a, np.where(np.arange(5000) == 4999, 0.5, 0.0), 1.0, 0.0)
     assert ok and big == 0.5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_memory_budget_bounds_what_diff_and_convert_hold(tmp_path: Path) -> None:
+    """64 arrays of 2 MiB per side: diff reads 64 MiB per side at a time by default, half
+    of --memory-budget per side with it; convert and verify take the option too."""
+    state = {f"w{i}": np.full((2 * MiB) // 4, i, np.float32) for i in range(64)}
+    ss.save(tmp_path / "a", state)
+    state["w63"][0] = -1.0
+    ss.save(tmp_path / "b", state)
+    del state
+    args = ("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    rc, default = _cli_growth(*args)
+    assert rc == 1
+    rc, budgeted = _cli_growth(*args, "--memory-budget", "8MiB")
+    assert rc == 1
+    assert default > 96 * MiB, f"default diff grew by {default / MiB:.0f} MiB"
+    assert budgeted < 40 * MiB, f"diff --memory-budget 8MiB grew by {budgeted / MiB:.0f} MiB"
+    rc, _ = _cli_growth("convert", str(tmp_path / "a"), str(tmp_path / "a.safetensors"),
+                        "--memory-budget", "4MiB")
+    assert rc == 0
+    rc, _ = _cli_growth("verify", str(tmp_path / "a"), "--memory-budget", "4MiB")
+    assert rc == 0
+    out = ss.load(tmp_path / "a.safetensors")
+    assert float(out["w63"][0]) == 63.0 and len(out) == 64

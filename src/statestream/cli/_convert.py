@@ -6,7 +6,7 @@ import argparse
 import re
 
 import statestream as ss
-from statestream.cli._main import safe
+from statestream.cli._main import add_memory_budget, memory_options, safe
 from statestream.cli._progress import progress_bar
 
 __all__ = ["add_parser", "parse_size"]
@@ -44,7 +44,7 @@ def _cmd(args: argparse.Namespace) -> int:
             out = ss.convert(args.src, args.dst, to=args.to, items=args.items,
                              overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                              max_shard_bytes=args.max_shard_size, progress=cb,
-                             compression=args.compression)
+                             compression=args.compression, memory=memory_options(args))
     except ss.CheckpointExistsError as exc:  # the API's advice in the command's words
         raise ss.CheckpointExistsError(
             str(exc).replace("pass overwrite=True", "pass --overwrite")) from None
@@ -67,4 +67,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle in SRC (only for a source you trust)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    add_memory_budget(p)
     p.set_defaults(fn=_cmd)

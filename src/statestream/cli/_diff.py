@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import statestream as ss
-from statestream.cli._main import _json_default, safe
+from statestream.cli._main import _json_default, add_memory_budget, memory_options, safe
 from statestream.cli._progress import progress_bar
 from statestream.tree import parse_keypath
 
@@ -66,8 +66,11 @@ class _Side:
     """Serves one checkpoint's arrays in the order they are asked for, reading them in
     batches of at most :data:`BATCH_BYTES` (or one array) and dropping each batch after."""
 
-    def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool) -> None:
+    def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool,
+                 batch_bytes: int = BATCH_BYTES,
+                 memory: ss.MemoryOptions | None = None) -> None:
         self.path, self.order, self.allow_pickle = path, order, allow_pickle
+        self.batch_bytes, self.memory = batch_bytes, memory
         self.pos = 0
         self.batch: dict[str, np.ndarray[Any, Any]] = {}
 
@@ -78,12 +81,13 @@ class _Side:
             size = 0
             while self.pos < len(self.order):
                 k, n = self.order[self.pos]
-                if keys and size + n > BATCH_BYTES:
+                if keys and size + n > self.batch_bytes:
                     break
                 keys.append(k)
                 size += n
                 self.pos += 1
-            tree = ss.load(self.path, items=keys, allow_pickle=self.allow_pickle)
+            tree = ss.load(self.path, items=keys, allow_pickle=self.allow_pickle,
+                           memory=self.memory)
             self.batch = {k: _as_numpy(_dig(tree, k)) for k in keys}
         return self.batch.pop(key)
 
@@ -209,8 +213,11 @@ def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     la, lb = dict(ma.leaves()), dict(mb.leaves())
     common = [k for k in la if k in lb]
     read = [k for k in common if _arrays_to_read(la[k], lb[k])]
-    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle)
-    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle)
+    # Each side's batch holds its arrays; with a budget, half of it per side.
+    mem = memory_options(opts)
+    batch = BATCH_BYTES if mem is None else max(1, mem.resolved() // 2)
+    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle, batch, mem)
+    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle, batch, mem)
     total = sum(la[k].nbytes + lb[k].nbytes for k in read)
     changed: list[dict[str, Any]] = []
     done = [0]
@@ -273,4 +280,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle (only for checkpoints you trust)")
+    add_memory_budget(p)
     p.set_defaults(fn=_cmd)

@@ -170,7 +170,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from statestream.cli._progress import progress_bar
 
     with progress_bar("verify") as cb:
-        rep = ss.verify(args.path, progress=cb)
+        rep = ss.verify(args.path, progress=cb, memory=memory_options(args))
     if args.json:
         print(json.dumps({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
                           "checked_bytes": rep.checked_bytes,
@@ -213,6 +213,20 @@ def _quiet_stdout() -> None:
         pass
 
 
+def add_memory_budget(p: argparse.ArgumentParser) -> None:
+    """The ``--memory-budget SIZE`` option (``MemoryOptions.memory_budget_bytes``)."""
+    from statestream.cli._convert import parse_size
+
+    p.add_argument("--memory-budget", type=parse_size, metavar="SIZE", default=None,
+                   help="host memory for buffers beyond what is read, e.g. 512MiB "
+                        "(default: 25%% of RAM, at most 4 GiB)")
+
+
+def memory_options(args: argparse.Namespace) -> ss.MemoryOptions | None:
+    n = getattr(args, "memory_budget", None)
+    return None if n is None else ss.MemoryOptions(memory_budget_bytes=n)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``statestream`` command's parser: every subcommand and option (docs/cli.md)."""
     parser = argparse.ArgumentParser(
@@ -235,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "ckpts/step_0000001000\n  statestream verify ckpt --json\n")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_memory_budget(p)
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
                        formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
