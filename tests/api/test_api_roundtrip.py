@@ -538,6 +538,38 @@ def test_load_into_a_meta_model_itself_assigns(tmp_path):
     assert torch.equal(meta_model(x), model(x))
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(4))
+        self.inner = torch.nn.Module()
+        self.inner.register_buffer("scale", self.scale)  # a tied buffer too
+
+
+def test_a_tied_meta_model_stays_tied_when_loaded(tmp_path):
+    # load_state_dict(assign=True) gives each name a Parameter of its own (torch
+    # itself unties them); the load ties them again, as the target had them
+    model = _Tied()
+    with torch.no_grad():
+        model.scale.mul_(3)
+    ss.save(tmp_path / "c", {"model": model})
+    with torch.device("meta"):
+        meta = _Tied()
+    assert meta.head.weight is meta.emb.weight
+    ss.load(tmp_path / "c", {"model": meta})
+    assert meta.head.weight is meta.emb.weight and meta.inner.scale is meta.scale
+    assert len(list(meta.parameters())) == 1 and meta.emb.weight.device.type == "cpu"
+    assert torch.equal(meta.emb.weight, model.emb.weight)
+    assert torch.equal(meta.scale, torch.full((4,), 3.0))
+    opt = torch.optim.SGD(meta.parameters(), lr=0.1)
+    meta.head(meta.emb(torch.arange(3))).sum().backward()
+    opt.step()
+    assert torch.equal(meta.head.weight, meta.emb.weight)  # one parameter, one step
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

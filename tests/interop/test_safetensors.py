@@ -434,8 +434,9 @@ def test_save_pretrained_directory_loads_into_a_tied_model(tmp_path: Path) -> No
     """``save_pretrained`` writes a tied GPT-2's lm_head.weight only as
     transformer.wte.weight; loading the directory into the model fills the tied
     name from it (the target's own tie says which), as from_pretrained does. An
-    untied missing key is still a MissingKeyError, and so is one of a meta model
-    (meta tensors have no memory to tell a tie by)."""
+    untied missing key is still a MissingKeyError. A model built on the meta
+    device (whose tensors have no memory to tell a tie by) is tied by its own
+    Parameters and stays tied after the load assigns them."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
@@ -450,7 +451,9 @@ def test_save_pretrained_directory_loads_into_a_tied_model(tmp_path: Path) -> No
         transformers.GPT2Config(**{**cfg.to_dict(), "tie_word_embeddings": False}))
     with pytest.raises(ss.MissingKeyError, match="lm_head.weight"):
         ss.load(tmp_path / "hf", target=untied)
-    with torch.device("meta"):
-        meta = transformers.GPT2LMHeadModel(cfg)
-    with pytest.raises(ss.MissingKeyError, match="lm_head.weight"):
-        ss.load(tmp_path / "hf", target=meta)
+    with torch.device("meta"):  # a meta model's tie is told by its own Parameters
+        meta = transformers.GPT2LMHeadModel(cfg).eval()
+    assert ss.load(tmp_path / "hf", target=meta) is meta
+    assert meta.lm_head.weight is meta.transformer.wte.weight
+    assert meta.lm_head.weight.device.type == "cpu"
+    assert torch.equal(meta(x).logits, model(x).logits)

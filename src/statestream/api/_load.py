@@ -236,7 +236,9 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     """Load a stateful target's state (all of it), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     sub_like = like.state_dict()
-    inner = _with_target_ties(_unprefixed(inner, sub_like), sub_like)
+    named_ties = [names for prov in providers() if prov.capabilities.state_hints
+                  for names in prov.tied_names(like)]
+    inner = _with_target_ties(_unprefixed(inner, sub_like), sub_like, named_ties)
     options: dict[str, Any] = {}
     for prov in providers():
         if prov.capabilities.state_hints:
@@ -247,6 +249,8 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
 
     def build_stateful() -> Any:
         value = build_inner()
+        restore = [r for r in (prov.keep_ties(like, options) for prov in providers()
+                               if prov.capabilities.state_hints) if r is not None]
         try:
             like.load_state_dict(value, **options)
         except Exception as exc:
@@ -254,6 +258,8 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
                 f"{type_name(like)}.load_state_dict() at key path "
                 f"'{format_keypath(path)}' rejected the checkpoint's state: {exc}"
             ) from exc
+        for r in restore:
+            r()
         return like
 
     return build_stateful
@@ -274,11 +280,13 @@ def _unprefixed(node: Node, sub_like: Any) -> Node:
     return node
 
 
-def _with_target_ties(node: Node, sub_like: Any) -> Node:
+def _with_target_ties(node: Node, sub_like: Any,
+                      named_ties: list[list[str]] | None = None) -> Node:
     """A saved state that lacks a key of a stateful target whose value is tied to
-    (the same memory as) another key's that it holds: that key reads the same array.
-    A tied model saved by a format that writes a tie once under one name
-    (``save_pretrained``'s safetensors omit ``lm_head.weight``) then loads into it."""
+    (the same memory as, or one of ``named_ties`` with) another key's that it
+    holds: that key reads the same array. A tied model saved by a format that
+    writes a tie once under one name (``save_pretrained``'s safetensors omit
+    ``lm_head.weight``) then loads into it, also built on the meta device."""
     if node.kind != "dict" or node.keys is None or not isinstance(sub_like, dict):
         return node
     saved = {(type(k), k): c for k, c in zip(node.keys, node.children or [])}
@@ -292,9 +300,14 @@ def _with_target_ties(node: Node, sub_like: Any) -> Node:
             tie = _alias_key(v)
             if tie is not None:
                 held.setdefault(tie, c)
+    for names in named_ties or ():
+        have = [saved[(str, n)] for n in names
+                if (str, n) in saved and saved[(str, n)].kind in ("array", "alias")]
+        for n in names if have else ():
+            held.setdefault(("named", n), have[0])
     keys, kids = list(node.keys), list(node.children or [])
     for k in missing:
-        c = held.get(_alias_key(sub_like[k]) or ())
+        c = held.get(_alias_key(sub_like[k]) or ()) or held.get(("named", k))
         if c is not None:
             keys.append(k)
             kids.append(Node("alias", array=c.array, attrs=c.attrs))

@@ -334,3 +334,14 @@ class ArrayProvider(abc.ABC):
         """Keyword arguments for stateful ``obj``'s ``load_state_dict`` (``sub_like``:
         its ``state_dict()``); ``{}`` for the call as it is (``state_hints``)."""
         return {}
+
+    def tied_names(self, obj: Any) -> list[list[str]]:
+        """Names of stateful ``obj``'s ``state_dict()`` that are one value (ties), one
+        list per tie; told by the object itself, not by memory (``state_hints``)."""
+        return []
+
+    def keep_ties(self, obj: Any, options: dict[str, Any]) -> Callable[[], None] | None:
+        """Called before ``obj.load_state_dict(..., **options)``: a function to call
+        after it that restores what that call undid (tied parameters, which
+        ``assign=True`` replaces one by one); None when there is nothing to restore."""
+        return None

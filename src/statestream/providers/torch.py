@@ -450,6 +450,43 @@ class TorchProvider(ArrayProvider):
                 return {"assign": True}
         return {}
 
+    def tied_names(self, obj: Any) -> list[list[str]]:
+        """The names of a module's tied parameters (or buffers), one list per tie:
+        the same Parameter under several names (an embedding and an output layer).
+        Told by identity, so a model on the meta device has them too. DTensor
+        (FSDP2) ties are left to the framework."""
+        if not self.is_module(obj):
+            return []
+        groups: list[list[str]] = []
+        for named in (obj.named_parameters(remove_duplicate=False),
+                      obj.named_buffers(remove_duplicate=False)):
+            seen: dict[int, tuple[Any, list[str]]] = {}
+            for name, t in named:
+                seen.setdefault(id(t), (t, []))[1].append(name)
+            groups += [names for t, names in seen.values()
+                       if len(names) > 1 and not _is_dtensor(t)]
+        return groups
+
+    def keep_ties(self, obj: Any, options: dict[str, Any]) -> Callable[[], None] | None:
+        """With ``assign=True`` torch gives each name a Parameter of its own, so tied
+        parameters come back untied (as after ``load_state_dict(..., assign=True)``
+        itself); afterwards every name of a tie is set to what its first name got."""
+        groups = self.tied_names(obj) if options.get("assign") else []
+        if not groups:
+            return None
+
+        def retie() -> None:
+            for names in groups:
+                try:
+                    first = obj.get_parameter(names[0])
+                except AttributeError:
+                    first = obj.get_buffer(names[0])
+                for name in names[1:]:
+                    mod, _, attr = name.rpartition(".")
+                    setattr(obj.get_submodule(mod), attr, first)
+
+        return retie
+
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
                     shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
         """Give a never-stepped optimizer's missing state the layout of its parameters.
