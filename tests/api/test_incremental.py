@@ -359,3 +359,16 @@ def test_scalars_empty_arrays_and_odd_dtypes(tmp_path: Path) -> None:
     assert 0 < _data_bytes(tmp_path / "s3") <= 64 << 10
     _check(ss.load(tmp_path / "s3"), s)
     assert ss.verify(tmp_path / "s3").ok
+
+
+def test_a_base_replaced_by_overwrite_fails_its_dependents_loudly(tmp_path):
+    """README: a base saved again with overwrite=True leaves a checkpoint that refers to
+    it unloadable (UnsafeCheckpointError naming the base), never reading other bytes."""
+    frozen = np.arange(1 << 18, dtype=np.float32)
+    ss.save(tmp_path / "a", {"frozen": frozen, "lora": np.zeros(8)}, hashes=True)
+    ss.save(tmp_path / "b", {"frozen": frozen, "lora": np.ones(8)}, base=tmp_path / "a")
+    assert ss.metadata(tmp_path / "b").bases
+    ss.save(tmp_path / "a", {"frozen": frozen + 1, "lora": np.zeros(8)}, overwrite=True,
+            hashes=True)
+    with pytest.raises(ss.UnsafeCheckpointError, match="refers to a chunk of base checkpoint a"):
+        ss.load(tmp_path / "b")
