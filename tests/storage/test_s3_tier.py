@@ -154,6 +154,11 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
         # every step committed locally; step 2 counts as persisted: KeepLatest(2) would
         # delete it from the directory as soon as it was there
         assert mgr.unpersisted_steps() == [3, 4]
+        # listing and loading still work from the local tier while the store is down
+        with pytest.warns(RuntimeWarning, match="could not list the steps of"):
+            assert mgr.latest_step() == 4
+        with pytest.warns(RuntimeWarning, match="could not list the steps of"):
+            _check_small(mgr.load(), 4)
         proxy.down.clear()  # S3 is back
         caught_up.clear()
         with warnings.catch_warnings():

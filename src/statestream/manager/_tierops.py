@@ -92,15 +92,30 @@ def tier_steps(tier: LocalTier, coll: Collective,
     only because a kept local step refers to it is left out once persisted.
     Collective with several processes (every process gets the same list): each
     node's leader, which applies the local keep policy, speaks for its directory
-    (another process could list a step its leader is deleting).
+    (another process could list a step its leader is deleting). When the
+    directory cannot be listed (its store is down), every process warns alike
+    and the local tiers' steps are the list (rank 0 raising alone would leave
+    the others waiting in the collective).
     """
     local: list[int] = []
     if tier.groups.is_leader:
         local = sorted(set(tier.retention.listed()) | set(tier.unpersisted()))
-    mine = (local, persistent() if coll.rank == 0 else [])
+    listed: list[int] = []
+    failed = ""
+    if coll.rank == 0:
+        try:
+            listed = persistent()
+        except CheckpointError as exc:  # the store is down: what the local tiers hold
+            failed = str(exc)
     out: set[int] = set()
-    for steps, listed in (coll.all_gather_object(mine) if coll.world_size > 1 else [mine]):
+    mine = (local, listed, failed)
+    for steps, listed, failed in (coll.all_gather_object(mine) if coll.world_size > 1
+                                  else [mine]):
         out.update(steps, listed)
+        if failed:
+            warnings.warn(f"could not list the steps of {tier.persistent.directory}: {failed}; "
+                          "listing the steps the local tier holds only", RuntimeWarning,
+                          stacklevel=3)
     return sorted(out)
 
 
