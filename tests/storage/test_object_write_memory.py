@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from statestream.storage import AzureOptions, AzureStorage, S3Options, S3Storage, set_backend
-
 MiB = 1 << 20
 _STATE = 192 * MiB
 _BUDGET = 32 * MiB
@@ -82,33 +80,25 @@ def _check(growth: int, shape: str) -> None:
                             f"{_BUDGET // MiB} MiB budget grew peak RSS by {growth / MiB:.0f} MiB")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("shape", ["one", "small"])
-def test_s3_save_async_stays_within_the_budget(s3_server: dict[str, Any], shape: str) -> None:
+def _s3_growth(s3_server: dict[str, Any], shape: str, mode: str) -> int:
     opts = dict(endpoint=s3_server["endpoint"], region="us-east-1",
                 access_key_id=s3_server["aws_access_key_id"],
                 secret_access_key=s3_server["aws_secret_access_key"])
-    set_backend("s3", S3Storage(S3Options(**opts)))
-    try:
-        url = f"s3://{s3_server['bucket']}/w-{uuid.uuid4().hex[:8]}"
-        _check(_save_growth("s3", opts, url, shape), shape)
-    finally:
-        set_backend("s3", None)
+    url = f"s3://{s3_server['bucket']}/w-{uuid.uuid4().hex[:8]}"
+    return _save_growth("s3", opts, url, shape, mode)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("shape", ["one", "small"])
+def test_s3_save_async_stays_within_the_budget(s3_server: dict[str, Any], shape: str) -> None:
+    _check(_s3_growth(s3_server, shape, "async"), shape)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_s3_save_uploads_the_arrays_from_where_they_are(s3_server: dict[str, Any]) -> None:
     """A synchronous save lends its arrays to the writer (lend_at): small ones too are
     uploaded zero-copy, not copied through the writers' part buffers."""
-    opts = dict(endpoint=s3_server["endpoint"], region="us-east-1",
-                access_key_id=s3_server["aws_access_key_id"],
-                secret_access_key=s3_server["aws_secret_access_key"])
-    set_backend("s3", S3Storage(S3Options(**opts)))
-    try:
-        url = f"s3://{s3_server['bucket']}/w-{uuid.uuid4().hex[:8]}"
-        growth = _save_growth("s3", opts, url, "small", "sync")
-    finally:
-        set_backend("s3", None)
+    growth = _s3_growth(s3_server, "small", "sync")
     # through the part buffers it would be about _THREADS * 2 * _PART more
     assert growth < 24 * MiB, (f"ss.save of 4,096 small arrays grew peak RSS by "
                                f"{growth / MiB:.0f} MiB")
@@ -118,9 +108,5 @@ def test_s3_save_uploads_the_arrays_from_where_they_are(s3_server: dict[str, Any
 def test_azure_save_async_stays_within_the_budget(azurite: dict[str, Any]) -> None:
     opts = dict(endpoint=azurite["endpoint"], account_name=azurite["account_name"],
                 account_key=azurite["account_key"])
-    set_backend("az", AzureStorage(AzureOptions(**opts)))
-    try:
-        url = f"az://{azurite['container']}/w-{uuid.uuid4().hex[:8]}"
-        _check(_save_growth("az", opts, url, "one"), "one")
-    finally:
-        set_backend("az", None)
+    url = f"az://{azurite['container']}/w-{uuid.uuid4().hex[:8]}"
+    _check(_save_growth("az", opts, url, "one"), "one")
