@@ -121,6 +121,34 @@ def test_hostile_archives(tmp_path: Path) -> None:
         ss.load(tmp_path / "legacy.pt")
 
 
+def test_a_zip_entry_name_that_is_not_utf8_is_a_corrupt_error(tmp_path: Path) -> None:
+    """zipfile raises UnicodeDecodeError (and other non-BadZipFile errors) for damaged
+    names and headers: every byte of the entries' names, in the local headers and the
+    central directory, set to 0x80 or 0xff gives a result or a CheckpointError."""
+    torch.save({"model": {"w": torch.arange(8.0)}, "step": 3}, tmp_path / "ok.pt")
+    raw = (tmp_path / "ok.pt").read_bytes()
+    spots = []
+    for sig, head in ((b"PK\x03\x04", 30), (b"PK\x01\x02", 46)):
+        at = raw.find(sig)
+        while at >= 0:
+            n = int.from_bytes(raw[at + head - (4 if head == 30 else 18):][:2], "little")
+            spots += range(at + head, at + head + n)
+            at = raw.find(sig, at + 4)
+    assert len(spots) > 40
+    outcomes = set()
+    for off in spots:
+        for byte in (0x80, 0xFF):
+            bad = bytearray(raw)
+            bad[off] = byte
+            (tmp_path / "bad.pt").write_bytes(bytes(bad))
+            try:
+                ss.load(tmp_path / "bad.pt")
+                outcomes.add("ok")
+            except ss.CheckpointError as exc:
+                outcomes.add(type(exc).__name__)
+    assert "CheckpointCorruptError" in outcomes, outcomes
+
+
 def test_non_contiguous_tensor_named(tmp_path: Path) -> None:
     torch.save({"t": torch.randn(4, 3).t()}, tmp_path / "t.pt")
     with pytest.raises(ss.UnsupportedTypeError, match="key path 't'.*non-contiguous"):

@@ -22,6 +22,7 @@ from typing import Any
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     PickleNotAllowedError,
     UnsafeCheckpointError,
     UnsupportedTypeError,
@@ -35,7 +36,13 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop._chunks import check_tiling, row_chunks
-from statestream.interop._files import FileSetReader, open_binary, plain_size, read_capped
+from statestream.interop._files import (
+    ZIP_ERRORS,
+    FileSetReader,
+    open_binary,
+    plain_size,
+    read_capped,
+)
 from statestream.interop._torchfile import (
     DType,
     RestrictedUnpickler,
@@ -144,8 +151,11 @@ def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor:
                         raise CheckpointCorruptError(f"{where}: not a torch.save archive")
                     data = z.read(pkl[0])
                     offsets = _data_offsets_in(view, z, length, where)
-            except zipfile.BadZipFile as exc:
-                raise CheckpointCorruptError(f"{where}: bad torch.save archive: {exc}") from None
+            except CheckpointError:
+                raise
+            except ZIP_ERRORS as exc:
+                raise CheckpointCorruptError(f"{where}: bad torch.save archive: "
+                                             f"{type(exc).__name__}: {exc}") from None
         obj = RestrictedUnpickler(data, where, allow_pickle=allow_pickle,
                                   persistent=_storage).load()
         return obj, offsets, pkl[0][: -len("data.pkl")]
@@ -158,8 +168,11 @@ def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor:
             if len(pkl) != 1:
                 raise CheckpointCorruptError(f"{where}: not a torch.save archive")
             data = z.read(pkl[0])
-    except zipfile.BadZipFile as exc:
-        raise CheckpointCorruptError(f"{where}: bad torch.save archive: {exc}") from None
+    except CheckpointError:
+        raise
+    except ZIP_ERRORS as exc:
+        raise CheckpointCorruptError(f"{where}: bad torch.save archive: "
+                                     f"{type(exc).__name__}: {exc}") from None
     return RestrictedUnpickler(data, where, allow_pickle=allow_pickle).load()
 
 

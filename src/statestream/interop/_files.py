@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
@@ -59,6 +62,14 @@ def hub_blob(path: str) -> str:
 def open_binary(path: str) -> BinaryIO:
     """:func:`open_plain` as a buffered binary file object."""
     return os.fdopen(open_plain(path), "rb")
+
+
+#: What Python's zipfile raises for a damaged archive besides BadZipFile: a name
+#: that is not UTF-8 (UnicodeDecodeError, a ValueError), an unknown compression
+#: method, a truncated or corrupt deflate stream, a bad header field. Catch
+#: CheckpointError before these (it is a ValueError too).
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, NotImplementedError,
+              EOFError, zlib.error, struct.error, OverflowError, KeyError)
 
 
 def read_capped(path: str, cap: int, what: str | None = None) -> bytes:

@@ -32,7 +32,7 @@ from statestream.errors import (
 )
 from statestream.format import DTYPE_NAMES, ArrayEntry, FileEntry, Manifest, itemsize_of
 from statestream.interop._chunks import row_chunks
-from statestream.interop._files import FileSetReader, open_binary
+from statestream.interop._files import ZIP_ERRORS, FileSetReader, open_binary
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = ["RestrictedUnpickler", "looks_like_torch_zip", "open_torch_file", "to_node"]
@@ -287,8 +287,11 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
                 raise CheckpointCorruptError(f"{path}: data.pkl is larger than allowed")
             data = z.read(info)
             offsets = _data_offsets_in(f, z, size, path)
-    except zipfile.BadZipFile as exc:
-        raise CheckpointCorruptError(f"{path} is not a valid zip archive: {exc}") from None
+    except CheckpointError:
+        raise
+    except ZIP_ERRORS as exc:
+        raise CheckpointCorruptError(
+            f"{path} is not a valid zip archive: {type(exc).__name__}: {exc}") from None
     prefix = pkl[0][: -len("data.pkl")]
     try:
         obj = RestrictedUnpickler(data, f"{path} ({pkl[0]})", allow_pickle=allow_pickle,
