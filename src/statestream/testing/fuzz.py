@@ -47,8 +47,10 @@ from statestream.format import COMMIT_NAME, MANIFEST_NAME, encode_commit
 
 __all__ = [
     "TARGETS",
+    "apply_bytes_to_copy",
     "apply_mutations",
     "apply_to_copy",
+    "byte_mutations",
     "failures",
     "json_values",
     "mutations",
@@ -250,6 +252,58 @@ def apply_to_copy(base: str, muts: list[Mutation]) -> str:
     path = os.path.join(work, "ckpt")
     shutil.copytree(base, path)
     apply_mutations(path, muts)
+    return path
+
+
+# ----------------------------------------------------------------------------- foreign
+
+#: 8-byte little-endian values written over a foreign file's bytes (sizes, offsets).
+_WIDE = [0, 1, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1, 10**12]
+
+
+def byte_mutations() -> st.SearchStrategy[list[Mutation]]:
+    """Lists of 1-3 byte-level edits of any file of a checkpoint in a format of its own
+    (safetensors, torch.save, DCP, a Hugging Face directory): a byte set anywhere or
+    in the first 600 bytes (headers, zip entry names), an 8-byte integer written
+    over, a truncation, appended garbage."""
+    sel = st.integers(0, 10**9)
+    one = st.one_of(
+        st.tuples(st.just("byte"), sel, sel, st.integers(0, 255)),
+        st.tuples(st.just("head"), sel, st.integers(0, 599), st.integers(0, 255)),
+        st.tuples(st.just("wide"), sel, sel, st.sampled_from(_WIDE)),
+        st.tuples(st.just("cut"), sel, st.floats(0, 1)),
+        st.tuples(st.just("grow"), sel, st.binary(min_size=1, max_size=64)),
+    )
+    return st.lists(one, min_size=1, max_size=3)
+
+
+def _files_of(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
+def apply_bytes_to_copy(base: str, muts: list[Mutation]) -> str:
+    """A copy of the file or directory ``base``, in a fresh temporary directory under
+    the same name, damaged by :func:`byte_mutations`."""
+    work = tempfile.mkdtemp(prefix="ss-fuzz-")
+    path = os.path.join(work, os.path.basename(base))
+    (shutil.copytree if os.path.isdir(base) else shutil.copyfile)(base, path)
+    files = _files_of(path)
+    for m in muts:
+        f = files[m[1] % len(files)]
+        with open(f, "rb") as fh:
+            data = bytearray(fh.read())
+        if m[0] in ("byte", "head", "wide") and data:
+            at = m[2] % len(data) if m[0] != "head" else min(m[2], len(data) - 1)
+            new = m[3].to_bytes(8, "little") if m[0] == "wide" else bytes([m[3]])
+            data[at:at + len(new)] = new
+        elif m[0] == "cut":
+            del data[int(len(data) * m[2]):]
+        elif m[0] == "grow":
+            data += m[2]
+        with open(f, "wb") as fh:
+            fh.write(bytes(data))
     return path
 
 

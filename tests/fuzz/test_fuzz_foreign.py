@@ -1,0 +1,80 @@
+"""Fuzzing the formats of others: byte-damaged safetensors files, torch.save files, DCP
+directories and Hugging Face sharded directories against load, metadata, verify and the
+CLI. As for statestream's own format (test_fuzz_checkpoints.py), every example must end
+in a result or a CheckpointError, within a timeout and a memory cap. The default run is
+bounded; ``STATESTREAM_FUZZ_FOREIGN_EXAMPLES=500`` runs a longer campaign."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from statestream.testing.fuzz import (
+    apply_bytes_to_copy,
+    byte_mutations,
+    failures,
+    run_targets,
+)
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+
+EXAMPLES = int(os.environ.get("STATESTREAM_FUZZ_FOREIGN_EXAMPLES", "40"))
+TIMEOUT_S = float(os.environ.get("STATESTREAM_FUZZ_TIMEOUT_S", "60"))
+FORMATS = ["safetensors", "torch", "dcp", "hf"]
+
+pytestmark = pytest.mark.timeout(max(600, int(EXAMPLES * TIMEOUT_S)))
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("foreign")
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(16, 8, generator=g), "b": torch.arange(5),
+             "h": torch.randn(3, generator=g).half()}
+    st_torch.save_file(state, root / "m.safetensors")
+    torch.save({"params": state, "step": 3, "lr": [0.1, 0.2]}, root / "m.pt")
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"params": state, "step": 4}, checkpoint_id=str(root / "dcp"))
+    hf = root / "hf"
+    hf.mkdir()
+    st_torch.save_file({"w": state["w"]}, hf / "model-00001-of-00002.safetensors")
+    st_torch.save_file({"b": state["b"], "h": state["h"]}, hf / "model-00002-of-00002.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+        "h": "model-00002-of-00002.safetensors"}}))
+    return {"safetensors": str(root / "m.safetensors"), "torch": str(root / "m.pt"),
+            "dcp": str(root / "dcp"), "hf": str(hf)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_undamaged_foreign_checkpoints_pass_every_target(bases: dict[str, str],
+                                                          fmt: str) -> None:
+    res = run_targets(bases[fmt], timeout_s=TIMEOUT_S)
+    assert not failures(res), res
+    assert res["load"] == "ok" and res["metadata"] == "ok", res
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_foreign_checkpoints_fail_cleanly(bases: dict[str, str], fmt: str) -> None:
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(muts=byte_mutations())
+    def check(muts: list[tuple[object, ...]]) -> None:
+        path = apply_bytes_to_copy(bases[fmt], muts)
+        try:
+            res = run_targets(path, timeout_s=TIMEOUT_S)
+        finally:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        bad = failures(res)
+        assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+    check()
