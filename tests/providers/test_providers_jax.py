@@ -52,6 +52,34 @@ def test_prepare_bytes(arr: Any) -> None:
             np.ascontiguousarray(host[:, 1:]).tobytes()
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_accelerator_array_is_read_to_the_host_by_its_first_chunk(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+    """Off the CPU, np.asarray of a single-device array is a device-to-host copy: prepare
+    (the walk, all a lazy save blocks for) only starts it (copy_to_host_async), and the
+    first chunk read waits for it, once. Run on the CPU with the device check forced."""
+    import statestream as ss
+    from statestream.providers import jax as pj
+
+    monkeypatch.setattr(pj, "_host_view_is_free", lambda obj: False)
+    reads: list[Any] = []
+    real = pj._to_host
+    monkeypatch.setattr(pj, "_to_host", lambda obj: reads.append(obj) or real(obj))
+    arr = jnp.arange(24, dtype=jnp.float32).reshape(4, 6)
+    prep = P.prepare(arr, ("j",))
+    assert reads == [] and prep.dtype == "float32" and prep.copies is False
+    assert prep.chunk((1, 0), (3, 6)).tobytes() == np.asarray(arr)[1:].tobytes()
+    assert prep.chunk((0, 0), (1, 6)).tobytes() == np.asarray(arr)[:1].tobytes()
+    assert len(reads) == 1
+    state = {"w": jnp.arange(1 << 16, dtype=jnp.bfloat16).reshape(256, 256),
+             "s": jnp.asarray(3, jnp.int32)}
+    ss.save_async(tmp_path / "c", state, lazy=lazy,
+                  io=ss.IOOptions(max_chunk_bytes=16 << 10)).result()
+    got = ss.load(tmp_path / "c")
+    for k, v in state.items():
+        assert np.asarray(got[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
 def test_restore_default_is_a_jax_array() -> None:
     dest = P.restore("float32", (2, 2), None, ("j",))
     ((start, buf),) = dest.boxes

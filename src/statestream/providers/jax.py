@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -73,9 +74,11 @@ class JaxProvider(ArrayProvider):
         _check_not_deleted(obj, f"at key path '{format_keypath(path)}': ")
         shards = getattr(obj, "addressable_shards", None)
         if not shards or (len(shards) == 1 and jax.process_count() == 1):
-            # On the CPU this is a zero-copy view of the device buffer; holding the
-            # reference keeps the (immutable) array alive until the save is done.
-            return prepare_host_array(np.asarray(obj), path, self.kind)
+            if _host_view_is_free(obj):
+                # On the CPU this is a zero-copy view of the device buffer; holding the
+                # reference keeps the (immutable) array alive until the save is done.
+                return prepare_host_array(np.asarray(obj), path, self.kind)
+            return _prepared_on_device(obj, path, self.kind)
         shape = tuple(int(x) for x in obj.shape)
         # Sharded or replicated: one host view per distinct box this process holds
         # (the lowest replica of each), never the whole gathered array.
@@ -179,6 +182,41 @@ class JaxProvider(ArrayProvider):
             return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
+
+
+def _host_view_is_free(obj: Any) -> bool:
+    """Whether ``np.asarray(obj)`` is a view of the array's own memory (its device is
+    the CPU), not a device-to-host copy."""
+    try:
+        return all(d.platform == "cpu" for d in obj.devices())
+    except Exception:  # a tracer, or an array type without devices()
+        return True
+
+
+def _to_host(obj: Any) -> np.ndarray:
+    return np.asarray(obj)
+
+
+def _prepared_on_device(obj: Any, path: KeyPath, kind: str) -> PreparedArray:
+    """A single-device array on an accelerator: its device-to-host copy starts now
+    (``copy_to_host_async``) and is waited for by the first chunk read, on the
+    writer or snapshot thread, so the walk (a lazy save's whole blocking phase)
+    never waits for it."""
+    first = prepare_host_array(np.empty((0,), dtype=np.dtype(obj.dtype)), path, kind)
+    start = getattr(obj, "copy_to_host_async", None)
+    if start is not None:
+        start()
+    host: list[np.ndarray] = []
+    lock = threading.Lock()
+
+    def chunk(at: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+        with lock:
+            if not host:
+                host.append(_to_host(obj))
+        return chunk_of_host_array(host[0], at, cshape)
+
+    shape = tuple(int(x) for x in obj.shape)
+    return PreparedArray(kind=kind, dtype=first.dtype, shape=shape, chunk=chunk, copies=False)
 
 
 def _check_not_deleted(obj: Any, where: str = "") -> None:
