@@ -296,7 +296,7 @@ class StreamWriter:
             st.held += got
             data = self._source(it)
             entry, payload = self._record(it, data, st.cursor)
-            if lendable is not None and payload is not None:
+            if lend_at is not None and lendable is not None and payload is not None:
                 lends = lends and payload is data and lendable(it)
             del data
             st.written[(it.array, it.chunk)] = entry
