@@ -171,6 +171,33 @@ def test_a_stall_mid_upload_reports_the_upload_not_the_cleanup(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_stall_mid_upload_fails_save_async_in_bounded_time(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str, lazy: bool) -> None:
+    """save_async's writers wait until the store is done with each whole part they
+    handed over (so staging buffers can be reused): a store that stops answering
+    mid-upload fails the save within the client's timeouts, never hangs a writer."""
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    proxy = _StallingProxy(port)
+    via_proxy = S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                   part_bytes=5 << 20, **_FAST_FAIL))
+
+    def progress(done: int, total: int) -> None:
+        proxy.stalled.set()  # after the first chunk: every later request hangs
+
+    set_backend("s3", via_proxy)
+    try:
+        h = ss.save_async(f"{base_url}/a", {"w": np.ones((4096, 1024))}, lazy=lazy,
+                          progress=progress, io=ss.IOOptions(max_chunk_bytes=8 << 20))
+        with pytest.raises(ss.StorageError):
+            h.result(timeout=90)
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    assert not storage.is_committed(f"{base_url}/a")
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("overwrite", "times"), [(False, 1), (False, 3), (True, 3)])
 def test_a_commit_whose_answer_is_lost_keeps_its_data(
         s3_server: dict[str, Any], storage: S3Storage, base_url: str, overwrite: bool,
