@@ -96,6 +96,40 @@ class StorageTests:
         txn.commit()
         assert _read_back(storage, url, 8192) == b"A" * 4096 + b"B" * 4096
 
+    def test_writes_of_any_size_and_lent_buffers_reach_the_file(self, storage: Any,
+                                                                base_url: str) -> None:
+        # Sizes below, at and across 1 MiB and several MiB, in one to three buffers a
+        # call, with a gap; each write_at buffer is overwritten as soon as it returns.
+        # A writer with lend_at gets every other call through it, and those buffers
+        # stay as they are until finish().
+        rng = np.random.default_rng(3)
+        mib = 1 << 20
+        sizes = [1, mib - 1, 1, mib, 3 * mib + 17, 100, 2 * mib, mib // 2, mib // 2 + 1,
+                 *rng.integers(1, 3 * mib, 4).tolist()]
+        url = _url(base_url, "sizes")
+        txn = storage.begin_write(url, overwrite=False)
+        w = txn.create_file("data/r0-0.bin", 0)
+        lend = getattr(w, "lend_at", None)
+        want, pos, lent = bytearray(), 0, []
+        for i, n in enumerate(sizes):
+            data = rng.integers(0, 256, n, dtype=np.uint8)
+            want += data.tobytes()
+            bufs = np.array_split(data, 1 + i % 3)
+            if lend is not None and i % 2:
+                lend(bufs, pos)
+                lent.append(data)
+            else:
+                w.write_at(bufs, pos)
+                data[:] = 0
+            pos += n
+        w.write_at([b"tail"], pos + 10)
+        want += bytes(10) + b"tail"
+        w.finish()
+        txn.write_bytes(MANIFEST_NAME, b"{}")
+        txn.write_bytes(COMMIT_NAME, encode_commit(b"{}"))
+        txn.commit()
+        assert _read_back(storage, url, len(want)) == bytes(want)
+
     def test_racing_writers_without_overwrite_commit_exactly_one(
             self, storage: Any, base_url: str) -> None:
         # Both begin before either commits, so both pass any check made at begin.
