@@ -149,6 +149,31 @@ def test_a_zip_entry_name_that_is_not_utf8_is_a_corrupt_error(tmp_path: Path) ->
     assert "CheckpointCorruptError" in outcomes, outcomes
 
 
+@pytest.mark.parametrize("field", [20, 24])  # compressed size, uncompressed size
+def test_a_zip_entry_claiming_gigabytes_is_refused_before_it_is_read(tmp_path: Path,
+                                                                     field: int) -> None:
+    """zipfile asks for an entry's recorded size at once: a small torch.save file whose
+    central directory says data.pkl holds 2 GiB would have it reserve 2 GiB (found by
+    fuzzing, as a MemoryError under a 1 GiB address-space limit)."""
+    import tracemalloc
+
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "ok.pt")
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    at = raw.find(b"PK\x01\x02")
+    while not raw[at + 46:at + 46 + 40].split(b"/", 1)[-1].startswith(b"data.pkl"):
+        at = raw.find(b"PK\x01\x02", at + 4)
+    raw[at + field:at + field + 4] = (1 << 31).to_bytes(4, "little")
+    (tmp_path / "big.pt").write_bytes(bytes(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ss.CheckpointCorruptError, match="data.pkl"):
+            ss.load(tmp_path / "big.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
 def test_non_contiguous_tensor_named(tmp_path: Path) -> None:
     torch.save({"t": torch.randn(4, 3).t()}, tmp_path / "t.pt")
     with pytest.raises(ss.UnsupportedTypeError, match="key path 't'.*non-contiguous"):

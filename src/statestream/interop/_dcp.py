@@ -49,6 +49,7 @@ from statestream.interop._torchfile import (
     TensorRef,
     _data_offsets_in,
     _storage,
+    read_entry,
     to_node,
 )
 from statestream.tree import MAX_TREE_DEPTH, Key, KeyPath, Node
@@ -131,6 +132,8 @@ def _ints_of(obj: Any, name: str, where: str) -> tuple[int, ...]:
 
 def _read_range(path: str, offset: int, length: int) -> bytes:
     with open_binary(path) as f:
+        if offset + length > os.fstat(f.fileno()).st_size:  # never reserve what is not there
+            raise CheckpointCorruptError(f"{path} ends before byte {offset + length}")
         f.seek(offset)
         data = f.read(length)
     if len(data) != length:
@@ -147,9 +150,9 @@ def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor:
             try:
                 with zipfile.ZipFile(view) as z:
                     pkl = [n for n in z.namelist() if n.endswith("/data.pkl")]
-                    if len(pkl) != 1 or z.getinfo(pkl[0]).file_size > MAX_BYTES_ITEM:
+                    if len(pkl) != 1:
                         raise CheckpointCorruptError(f"{where}: not a torch.save archive")
-                    data = z.read(pkl[0])
+                    data = read_entry(z, z.getinfo(pkl[0]), length, MAX_BYTES_ITEM, where)
                     offsets = _data_offsets_in(view, z, length, where)
             except CheckpointError:
                 raise
@@ -167,7 +170,7 @@ def _torch_archive(path: str, offset: int, length: int, where: str, want_tensor:
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl")]
             if len(pkl) != 1:
                 raise CheckpointCorruptError(f"{where}: not a torch.save archive")
-            data = z.read(pkl[0])
+            data = read_entry(z, z.getinfo(pkl[0]), length, MAX_BYTES_ITEM, where)
     except CheckpointError:
         raise
     except ZIP_ERRORS as exc:

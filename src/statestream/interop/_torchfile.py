@@ -245,6 +245,22 @@ def looks_like_torch_zip(path: str) -> bool:
         return False
 
 
+def read_entry(z: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, cap: int,
+               where: str) -> bytes:
+    """The bytes of zip entry ``info`` of an archive of ``size`` bytes, refusing
+    sizes the archive cannot hold or above ``cap`` before reading: zipfile asks
+    for the recorded compressed size at once (a 1 KiB file claiming 2 GiB would
+    have it reserve 2 GiB)."""
+    if info.file_size > cap:
+        raise CheckpointCorruptError(f"{where}: {info.filename} is larger than allowed")
+    if info.compress_size > size or (info.compress_type == zipfile.ZIP_STORED
+                                      and info.compress_size != info.file_size):
+        raise CheckpointCorruptError(
+            f"{where}: zip entry {info.filename} claims {info.compress_size} stored bytes "
+            f"in an archive of {size}")
+    return z.read(info)
+
+
 def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
                      ) -> dict[str, tuple[int, int]]:
     """Entry name -> (byte offset of its data in ``f``, length), stored entries only
@@ -282,10 +298,7 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 raise CheckpointCorruptError(f"{path} is a zip file but not a torch.save file")
-            info = z.getinfo(pkl[0])
-            if info.file_size > MAX_PICKLE_BYTES:
-                raise CheckpointCorruptError(f"{path}: data.pkl is larger than allowed")
-            data = z.read(info)
+            data = read_entry(z, z.getinfo(pkl[0]), size, MAX_PICKLE_BYTES, str(path))
             offsets = _data_offsets_in(f, z, size, path)
     except CheckpointError:
         raise
