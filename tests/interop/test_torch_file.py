@@ -174,6 +174,20 @@ def test_a_zip_entry_claiming_gigabytes_is_refused_before_it_is_read(tmp_path: P
     assert peak < 64 << 20, peak
 
 
+def test_a_zip_version_zipfile_cannot_read_is_no_torch_file(tmp_path: Path) -> None:
+    """zipfile raises NotImplementedError for a 'version needed to extract' it does not
+    know (found by fuzzing): format detection says the file is no torch.save file."""
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "ok.pt")
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    at = raw.find(b"PK\x01\x02")
+    raw[at + 6:at + 8] = (255).to_bytes(2, "little")
+    (tmp_path / "v.pt").write_bytes(bytes(raw))
+    with pytest.raises(ss.CheckpointError):
+        ss.load(tmp_path / "v.pt")
+    with pytest.raises(ss.CheckpointError):
+        ss.metadata(tmp_path / "v.pt")
+
+
 def test_non_contiguous_tensor_named(tmp_path: Path) -> None:
     torch.save({"t": torch.randn(4, 3).t()}, tmp_path / "t.pt")
     with pytest.raises(ss.UnsupportedTypeError, match="key path 't'.*non-contiguous"):

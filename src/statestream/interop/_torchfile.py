@@ -241,7 +241,7 @@ def looks_like_torch_zip(path: str) -> bool:
     try:
         with zipfile.ZipFile(path) as z:
             return any(n.endswith("/data.pkl") and n.count("/") == 1 for n in z.namelist())
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (OSError, *ZIP_ERRORS):  # not a zip zipfile can read: not this format
         return False
 
 
