@@ -265,9 +265,18 @@ def byte_mutations() -> st.SearchStrategy[list[Mutation]]:
     """Lists of 1-3 byte-level edits of any file of a checkpoint in a format of its own
     (safetensors, torch.save, DCP, a Hugging Face directory): a byte set anywhere or
     in the first 600 bytes (headers, zip entry names), an 8-byte integer written
-    over, a truncation, appended garbage."""
+    over, a truncation, appended garbage; or an edit of a JSON document inside a
+    file (a safetensors header, re-sealed with its new length so the edit reaches
+    the parser; a ``.json`` index), as the format fuzzer edits manifests."""
     sel = st.integers(0, 10**9)
+    edit = st.one_of(
+        st.tuples(st.just("set"), sel, json_values()),
+        st.tuples(st.just("set"), sel, st.sampled_from(_INTERESTING_INTS)),
+        st.tuples(st.just("delete"), sel),
+        st.tuples(st.just("swap"), sel, sel),
+    )
     one = st.one_of(
+        st.tuples(st.just("json"), sel, edit),
         st.tuples(st.just("byte"), sel, sel, st.integers(0, 255)),
         st.tuples(st.just("head"), sel, st.integers(0, 599), st.integers(0, 255)),
         st.tuples(st.just("wide"), sel, sel, st.sampled_from(_WIDE)),
@@ -283,6 +292,25 @@ def _files_of(path: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _edit_json_in(f: str, data: bytearray, edit: Mutation) -> bytearray:
+    """``edit`` applied to the JSON document of file ``f``: a ``.json`` file, or the
+    header of a ``.safetensors`` file (its 8-byte length rewritten); else unchanged."""
+    try:
+        if f.endswith(".json"):
+            doc = json.loads(bytes(data))
+            _edit_doc(doc, edit)
+            return bytearray(json.dumps(doc).encode())
+        if f.endswith(".safetensors") and len(data) >= 8:
+            n = int.from_bytes(data[:8], "little")
+            doc = json.loads(bytes(data[8:8 + n]))
+            _edit_doc(doc, edit)
+            head = json.dumps(doc).encode()
+            return bytearray(len(head).to_bytes(8, "little") + head + data[8 + n:])
+    except (ValueError, TypeError, RecursionError):  # already damaged, or not JSON
+        pass
+    return data
+
+
 def apply_bytes_to_copy(base: str, muts: list[Mutation]) -> str:
     """A copy of the file or directory ``base``, in a fresh temporary directory under
     the same name, damaged by :func:`byte_mutations`."""
@@ -294,7 +322,9 @@ def apply_bytes_to_copy(base: str, muts: list[Mutation]) -> str:
         f = files[m[1] % len(files)]
         with open(f, "rb") as fh:
             data = bytearray(fh.read())
-        if m[0] in ("byte", "head", "wide") and data:
+        if m[0] == "json":
+            data = _edit_json_in(f, data, m[2])
+        elif m[0] in ("byte", "head", "wide") and data:
             at = m[2] % len(data) if m[0] != "head" else min(m[2], len(data) - 1)
             new = m[3].to_bytes(8, "little") if m[0] == "wide" else bytes([m[3]])
             data[at:at + len(new)] = new
