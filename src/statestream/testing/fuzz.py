@@ -60,7 +60,8 @@ __all__ = [
 Mutation = tuple[Any, ...]
 
 #: What each example is run against.
-TARGETS = ("load", "load_items", "metadata", "verify", "cli_inspect", "cli_verify")
+TARGETS = ("load", "load_items", "metadata", "verify", "cli_inspect", "cli_verify",
+           "convert")
 
 _INTERESTING_INTS = [0, 1, -1, 2, 7, 255, 4096, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48,
                      2**48 + 1, 2**52, 2**62, 2**63 - 1, 2**63, 2**64, 10**12, 4 * 10**12,
@@ -364,6 +365,17 @@ def _cli(args: list[str]) -> None:
     err.getvalue().encode("utf-8")
 
 
+def _convert(path: str) -> None:
+    """Convert to a statestream checkpoint in a scratch directory (removed after)."""
+    import statestream as ss
+
+    out = tempfile.mkdtemp(prefix="ss-fuzz-out-")
+    try:
+        ss.convert(path, os.path.join(out, "ck"), io=ss.IOOptions(num_threads=2))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def _vm_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -384,6 +396,7 @@ def _child(path: str, memory_bytes: int, conn: Any) -> None:
         "verify": _outcome(lambda: ss.verify(path, io=io_opts)),
         "cli_inspect": _outcome(lambda: _cli(["inspect", "--all", path])),
         "cli_verify": _outcome(lambda: _cli(["verify", path])),
+        "convert": _outcome(lambda: _convert(path)),
     }
     conn.send(results)
     conn.close()
