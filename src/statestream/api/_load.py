@@ -21,6 +21,7 @@ from statestream.api._open import (
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, _select
+from statestream.api._target_keys import prefix_hint, unprefixed, with_target_ties
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
@@ -39,7 +40,6 @@ from statestream.providers import (
     StateAdapter,
     adapter_by_name,
     adapter_for,
-    adapters,
     expand_pytree,
     provider_by_kind,
     providers,
@@ -238,7 +238,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     sub_like = like.state_dict()
     named_ties = [names for prov in providers() if prov.capabilities.state_hints
                   for names in prov.tied_names(like)]
-    inner = _with_target_ties(_unprefixed(inner, sub_like), sub_like, named_ties)
+    inner = with_target_ties(unprefixed(inner, sub_like), sub_like, named_ties)
     options: dict[str, Any] = {}
     for prov in providers():
         if prov.capabilities.state_hints:
@@ -249,7 +249,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
 
     def build_stateful() -> Any:
         value = build_inner()
-        restore = [r for r in (prov.keep_ties(like, options) for prov in providers()
+        restore = [r for r in (prov.keep_ties(like, options, named_ties) for prov in providers()
                                if prov.capabilities.state_hints) if r is not None]
         try:
             like.load_state_dict(value, **options)
@@ -263,79 +263,6 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
         return like
 
     return build_stateful
-
-
-def _unprefixed(node: Node, sub_like: Any) -> Node:
-    """A saved state whose keys all carry a wrapper's prefix (an adapter's
-    ``key_prefix``: ``_orig_mod.`` of a ``torch.compile``'d module's state_dict()),
-    loaded into a stateful target none of whose keys does: the keys without it. The
-    mapping is one to one; any other state is returned as it is."""
-    if node.kind != "dict" or not node.keys or not isinstance(sub_like, dict):
-        return node
-    for prefix in {a.key_prefix for a in adapters() if a.key_prefix}:
-        if (all(type(k) is str and k.startswith(prefix) for k in node.keys)
-                and not any(type(k) is str and k.startswith(prefix) for k in sub_like)):
-            keys: list[Key] = [str(k)[len(prefix):] for k in node.keys]
-            return dataclasses.replace(node, keys=keys)
-    return node
-
-
-def _with_target_ties(node: Node, sub_like: Any,
-                      named_ties: list[list[str]] | None = None) -> Node:
-    """A saved state that lacks a key of a stateful target whose value is tied to
-    (the same memory as, or one of ``named_ties`` with) another key's that it
-    holds: that key reads the same array. A tied model saved by a format that
-    writes a tie once under one name (``save_pretrained``'s safetensors omit
-    ``lm_head.weight``) then loads into it, also built on the meta device."""
-    if node.kind != "dict" or node.keys is None or not isinstance(sub_like, dict):
-        return node
-    saved = {(type(k), k): c for k, c in zip(node.keys, node.children or [])}
-    missing = [k for k in sub_like if (type(k), k) not in saved]
-    if not missing:
-        return node
-    held: dict[Any, Node] = {}  # alias key of a target value -> the saved leaf
-    for k, v in sub_like.items():
-        c = saved.get((type(k), k))
-        if c is not None and c.kind in ("array", "alias"):
-            tie = _alias_key(v)
-            if tie is not None:
-                held.setdefault(tie, c)
-    for names in named_ties or ():
-        have = [saved[(str, n)] for n in names
-                if (str, n) in saved and saved[(str, n)].kind in ("array", "alias")]
-        for n in names if have else ():
-            held.setdefault(("named", n), have[0])
-    keys, kids = list(node.keys), list(node.children or [])
-    for k in missing:
-        c = held.get(_alias_key(sub_like[k]) or ()) or held.get(("named", k))
-        if c is not None:
-            keys.append(k)
-            kids.append(Node("alias", array=c.array, attrs=c.attrs))
-    return dataclasses.replace(node, keys=keys, children=kids)
-
-
-def _alias_key(value: Any) -> Any:
-    """Which memory a target value is (tied values share it), or None."""
-    prov = target_provider_for(value)
-    if prov is None or not prov.capabilities.aliases:
-        return None
-    key = prov.alias_key(value)
-    return None if key is None else (prov.kind, key)
-
-
-def _prefix_hint(key: Key, saved: dict[tuple[type, Key], Node]) -> str:
-    """A hint for a target key the checkpoint has only with (or without) a wrapper's
-    key prefix: a compiled module's state_dict() saved, a plain one wanted (or back)."""
-    if type(key) is not str:
-        return ""
-    for a in adapters():
-        p = a.key_prefix
-        other = key[len(p):] if p and key.startswith(p) else p + key if p else None
-        if other is not None and (str, other) in saved:
-            return (f"the checkpoint has it as '{other}' (a wrapper's key prefix "
-                    f"'{p}', which a torch.compile'd module's state_dict() has): load "
-                    "into the module itself, wrapped or not, which maps the prefix")
-    return ""
 
 
 def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath,
@@ -371,7 +298,7 @@ def _walk_mapping(kids: list[tuple[Key, Node]], like: Any, path: KeyPath, m: Man
             raise MissingKeyError(
                 f"key path '{format_keypath(path + (key,))}' is in the target but not in the "
                 f"checkpoint (it has: {avail}{', ...' if len(kids) > 20 else ''}); "
-                f"{_prefix_hint(key, saved) or 'remove it from the target'}"
+                f"{prefix_hint(key, saved) or 'remove it from the target'}"
             )
         seen.add((type(key), key))
         builds.append((key, _walk(c, t, path + (key,), m, job, default_kind, merge)))

@@ -340,8 +340,10 @@ class ArrayProvider(abc.ABC):
         list per tie; told by the object itself, not by memory (``state_hints``)."""
         return []
 
-    def keep_ties(self, obj: Any, options: dict[str, Any]) -> Callable[[], None] | None:
-        """Called before ``obj.load_state_dict(..., **options)``: a function to call
-        after it that restores what that call undid (tied parameters, which
-        ``assign=True`` replaces one by one); None when there is nothing to restore."""
+    def keep_ties(self, obj: Any, options: dict[str, Any], ties: list[list[str]]
+                  ) -> Callable[[], None] | None:
+        """Called before ``obj.load_state_dict(..., **options)`` with the ``ties``
+        :meth:`tied_names` found: a function to call after it that restores what
+        that call undid (tied parameters, which ``assign=True`` replaces one by
+        one); None when there is nothing to restore."""
         return None

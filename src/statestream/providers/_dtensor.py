@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from typing import Any
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -139,3 +140,9 @@ def _layout_of_runs(runs: list[Runs]) -> DTensorLayout:
     boxes = [(tuple(e[0] for e in combo), tuple(e[1] for e in combo),
               tuple(e[2] for e in combo)) for combo in itertools.product(*per_dim)]
     return DTensorLayout(lshape, boxes)
+
+
+def is_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.tensor.DTensor`` (never imports torch)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(obj, mod.DTensor)

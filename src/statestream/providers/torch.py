@@ -17,6 +17,7 @@ import numpy as np
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name
 from statestream.providers import _torch_guards as _guards
+from statestream.providers import _torch_targets
 from statestream.providers._base import (
     ArrayProvider,
     Destination,
@@ -27,6 +28,7 @@ from statestream.providers._base import (
     row_block_chunker,
 )
 from statestream.providers._dtensor import DTensorLayout, dtensor_layout, strided_split
+from statestream.providers._dtensor import is_dtensor as _is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["TorchProvider"]
@@ -451,73 +453,25 @@ class TorchProvider(ArrayProvider):
         return {}
 
     def tied_names(self, obj: Any) -> list[list[str]]:
-        """The names of a module's tied parameters (or buffers), one list per tie:
-        the same Parameter under several names (an embedding and an output layer).
-        Told by identity, so a model on the meta device has them too. DTensor
-        (FSDP2) ties are left to the framework."""
-        if not self.is_module(obj):
-            return []
-        groups: list[list[str]] = []
-        for named in (obj.named_parameters(remove_duplicate=False),
-                      obj.named_buffers(remove_duplicate=False)):
-            seen: dict[int, tuple[Any, list[str]]] = {}
-            for name, t in named:
-                seen.setdefault(id(t), (t, []))[1].append(name)
-            groups += [names for t, names in seen.values()
-                       if len(names) > 1 and not _is_dtensor(t)]
-        return groups
+        """A module's tied parameters and buffers, told by identity (so a model on the
+        meta device has them too); providers/_torch_targets.py."""
+        return _torch_targets.tied_names(obj) if self.is_module(obj) else []
 
-    def keep_ties(self, obj: Any, options: dict[str, Any]) -> Callable[[], None] | None:
-        """With ``assign=True`` torch gives each name a Parameter of its own, so tied
-        parameters come back untied (as after ``load_state_dict(..., assign=True)``
-        itself); afterwards every name of a tie is set to what its first name got."""
-        groups = self.tied_names(obj) if options.get("assign") else []
-        if not groups:
+    def keep_ties(self, obj: Any, options: dict[str, Any], ties: list[list[str]]
+                  ) -> Callable[[], None] | None:
+        """With ``assign=True`` torch gives each name a Parameter of its own: retie
+        ``ties`` afterwards (providers/_torch_targets.py)."""
+        if not options.get("assign") or not ties or not self.is_module(obj):
             return None
-
-        def retie() -> None:
-            for names in groups:
-                try:
-                    first = obj.get_parameter(names[0])
-                except AttributeError:
-                    first = obj.get_buffer(names[0])
-                for name in names[1:]:
-                    mod, _, attr = name.rpartition(".")
-                    setattr(obj.get_submodule(mod), attr, first)
-
-        return retie
+        return functools.partial(_torch_targets.retie, obj, ties)
 
     def state_hints(self, obj: Any, sub_like: Any, saved: Node,
                     shape_of: Callable[[int], tuple[int, ...]]) -> list[Any]:
-        """Give a never-stepped optimizer's missing state the layout of its parameters.
-
-        A fresh optimizer has no per-parameter state yet, so nothing says that a
-        saved ``exp_avg`` should come back sharded like its (FSDP2/DTensor)
-        parameter. Each saved state tensor with its parameter's shape gets that
-        parameter as its target: same type, dtype, device and placements. The
-        hints share the parameters' memory; the load (told by the returned list)
-        never fills them in place, so ``in_place=True`` cannot overwrite a weight.
-        """
-        hinted: list[Any] = []
+        """Give a never-stepped optimizer's missing state the layout of its parameters
+        (providers/_torch_targets.py)."""
         if not self.is_optimizer(obj) or not isinstance(sub_like, dict):
-            return hinted
-        hints = sub_like.get("state")
-        state_node = saved.child("state")
-        params = [p for g in obj.param_groups for p in g.get("params", [])]
-        if not isinstance(hints, dict) or not params or state_node is None:
-            return hinted
-        for idx, per_param in zip(state_node.keys or [], state_node.children or []):
-            if type(idx) is not int or not 0 <= idx < len(params) or idx in hints:
-                continue
-            shape = tuple(params[idx].shape)
-            entry = {name: params[idx].detach()
-                     for name, leaf in zip(per_param.keys or [], per_param.children or [])
-                     if leaf.kind == "array" and leaf.array is not None and shape
-                     and shape_of(leaf.array) == shape}
-            if entry:
-                hints[idx] = entry
-                hinted.extend(entry.values())
-        return hinted
+            return []
+        return _torch_targets.optimizer_state_hints(obj, sub_like, saved, shape_of)
 
 
 class _PlainTensors:
@@ -614,11 +568,6 @@ def _mesh_device(mesh: Any) -> Any:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
-
-
-def _is_dtensor(obj: Any) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(obj, mod.DTensor)
 
 
 def _same_start(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
