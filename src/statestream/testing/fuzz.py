@@ -52,6 +52,7 @@ __all__ = [
     "apply_to_copy",
     "byte_mutations",
     "failures",
+    "failures_of_copy",
     "json_values",
     "mutations",
     "run_targets",
@@ -446,6 +447,17 @@ def run_targets(path: str, *, timeout_s: float = 60.0,
     if not res:
         res = {"all": f"CRASHED exit code {proc.exitcode}"}
     return res
+
+
+def failures_of_copy(path: str, *, timeout_s: float = 60.0) -> str:
+    """Run every target against the damaged copy at ``path`` (from
+    :func:`apply_to_copy` or :func:`apply_bytes_to_copy`), remove the copy's
+    temporary directory, and describe the failures ("" when there are none)."""
+    try:
+        res = run_targets(path, timeout_s=timeout_s)
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return "\n".join(f"{k}: {v}" for k, v in failures(res).items())
 
 
 def failures(results: dict[str, str]) -> dict[str, str]:
