@@ -213,18 +213,33 @@ class CheckpointManager:
             if self._tier is not None:
                 self._tier.close()
 
-    def _check_writable(self) -> None:
-        """Raise (on every rank) unless rank 0 still holds the lease."""
+    def _keep_and_check(self, phase: str, *, directory: bool = True, check: bool = False,
+                        outcome: str = "nothing was committed") -> None:
+        """The keep policies, then (``check``) the lease check, agreed: all ranks
+        raise if one failed.
+
+        Both are one process's work (rank 0 holds the lease and deletes from the
+        directory, a node's leader keeps its local tier), so a failure there
+        (a lost lease, an unwritable directory) must reach the other ranks
+        before the save's first collective; they would otherwise wait for it
+        until the collective's timeout, and report the failing rank as dead.
+        One collective call (an all-reduce) when all went well.
+        """
         err: BaseException | None = None
-        if self._read_only is not None or self._lease is not None:
-            try:
-                if self._lease is not None:
-                    self._lease.check()
-                else:  # another rank's view: rank 0 found the directory read-only
-                    raise CheckpointError(f"{self.directory} is read-only: {self._read_only}")
-            except CheckpointError as exc:
-                err = exc
-        agree(self._coll, "checking the manager's lease", err)
+        try:
+            self._apply_keep_policy(directory=directory)
+            if check:
+                self._check_writable()
+        except Exception as exc:  # noqa: BLE001 - agreed and raised on every rank
+            err = exc
+        agree(self._coll, phase, err, outcome=outcome)
+
+    def _check_writable(self) -> None:
+        """Raise unless rank 0 still holds the lease (rank 0 alone decides)."""
+        if self._lease is not None:
+            self._lease.check()
+        elif self._read_only is not None:  # another rank's view: rank 0 found it read-only
+            raise CheckpointError(f"{self.directory} is read-only: {self._read_only}")
 
     # ------------------------------------------------------------------ discovery
     def step_path(self, step: int) -> str:
@@ -397,8 +412,8 @@ class CheckpointManager:
         self._wait_save()
         if self._tier is not None:
             self._tier.report_failed()  # warns: a store that is down costs no local step
-        self._apply_keep_policy(directory=self._tier is None)
-        self._check_writable()
+        self._keep_and_check(f"preparing to save step {step}", directory=self._tier is None,
+                             check=True)
         self._warn_missing_metrics(step, metrics)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
         target = self._dir if self._tier is None else self._tier.dir
@@ -428,7 +443,9 @@ class CheckpointManager:
                  hashes=self._incremental, node_local=self._tier is not None)
             if self._tier is not None:
                 self._tier.persist(step, base=base_step)
-            self._apply_keep_policy(directory=self._tier is None)
+            self._keep_and_check(f"applying the keep policy after step {step}",
+                                 directory=self._tier is None,
+                                 outcome=f"step {step} was committed")
         self._last_saved_step = step
         self._last_saved_time = time.time()
         return True
@@ -503,7 +520,7 @@ class CheckpointManager:
         finally:
             if self._tier is not None:
                 self._tier.wait()
-        self._apply_keep_policy()
+        self._keep_and_check("applying the keep policy", outcome="every save was committed")
 
     def _wait_save(self) -> None:
         """Wait for the in-flight save (its local commit, with a local tier).

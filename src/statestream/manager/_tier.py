@@ -377,7 +377,6 @@ class LocalTier:
         damaged does not stop the others (its error is raised at the end)."""
         done: set[int] = set()
         damaged: CheckpointError | None = None
-        self.drop_unwanted()  # the step just persisted may outdate older ones
         for s in self._agreed_unpersisted():
             if s not in done and (before is None or s < before):
                 try:
@@ -390,8 +389,19 @@ class LocalTier:
             raise damaged
 
     def _agreed_unpersisted(self) -> list[int]:
-        """The steps every node holds committed and unpersisted (its leader says)."""
-        mine = self.settle_records() if self._leader else None
+        """The steps every node holds committed and unpersisted (its leader says),
+        after :meth:`drop_unwanted` (the step just persisted may outdate older ones).
+        Reading the local disk can fail on one node alone (its disk is gone): that is
+        agreed before the lists are gathered, so every process raises it together."""
+        mine: list[int] | None = None
+        err: BaseException | None = None
+        try:
+            self.drop_unwanted()
+            mine = self.settle_records() if self._leader else None
+        except Exception as exc:  # noqa: BLE001 - agreed and raised on every process
+            err = exc
+        agree(self._coll, "listing the unpersisted steps of every node's local tier", err,
+              outcome="nothing more was persisted")
         if self._coll.world_size == 1:
             return mine or []
         lists = [set(x) for x in self._coll.all_gather_object(mine) if x is not None]
@@ -402,9 +412,15 @@ class LocalTier:
         copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
                         collective=self._coll, files=self._files,
                         memory_bytes=self._memory_bytes)
+        err: BaseException | None = None
         if self._leader:
-            self._write_record(step)
-            _unlink(self._replaced(step))  # after the record: the step counts as persisted
+            try:
+                self._write_record(step)
+                _unlink(self._replaced(step))  # after the record: the step counts as persisted
+            except Exception as exc:  # noqa: BLE001 - agreed: the next collective must match
+                err = exc
+        agree(self._coll, f"recording step {step} as persisted in {self.root}", err,
+              outcome=f"step {step} was persisted but is not recorded so: it is copied again")
 
     def _agreed_missing_bases(self, step: int) -> list[int]:
         """:meth:`missing_bases` as rank 0 of the persistence channel sees it."""

@@ -1,0 +1,143 @@
+"""A fault that one rank alone sees in a manager's own bookkeeping reaches every rank
+at once (2 gloo processes, loopback only).
+
+The lease, the keep policies and a local tier's records are one process's work
+(rank 0 holds the lease, each node's leader keeps its tier). A failure there used
+to raise on that rank alone, before the save's first collective: the other ranks
+waited for it until the collective's timeout and then called it dead, and the
+ranks' collective calls no longer matched (``close`` timed out too). Each case
+keeps the failing process alive and checks that every rank raises the same
+error, naming the rank and what failed, and that the ranks stay in step.
+
+* rank 0 loses the directory's lease (its lock file is removed);
+* a node's local tier is gone (its directory replaced by a file);
+* recording a persisted step fails once on one node: the step is copied again.
+
+A wrong outcome shows as a ``CollectiveTimeoutError`` (the collectives' timeout
+here is 60 s) or a rank "died or disconnected" in the results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+THIS = os.path.abspath(__file__)
+pytestmark = pytest.mark.timeout(300)
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    return {"own": {f"r{rank}": np.full(50_000, 10 * rank + step, dtype=np.float32)},
+            "step": step}
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the result is compared in the test
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def worker(ctx: Context) -> dict[str, Any]:
+    import statestream as ss
+    from statestream.manager import _tier
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=90))
+    case, root = ctx.args["case"], ctx.args["root"]
+    local = None if case == "lease" else os.path.join(root, f"node{ctx.rank}")
+    mgr = ss.CheckpointManager(os.path.join(root, "persist"), local_tier=local,
+                               async_save=ctx.args["async"],
+                               collective=ss.TorchCollective(timeout_s=60))
+    mgr.save(1, _state(ctx.rank, 1))
+    mgr.wait()
+    out: dict[str, Any] = {}
+    failed: list[int] = []
+    if case == "lease" and ctx.rank == 0:
+        os.unlink(os.path.join(root, "persist", ".statestream.lock"))
+    elif case == "tier-gone" and ctx.rank == 1:
+        os.rename(local, local + ".gone")
+        Path(local).write_text("not a directory any more")
+    elif case == "record" and ctx.rank == 1:
+        real = _tier.LocalTier._write_record
+
+        def write_record(self: Any, step: int) -> None:
+            if step == 2 and not failed:
+                failed.append(step)
+                raise ss.StorageError(f"recording step {step} failed (injected)")
+            real(self, step)
+
+        _tier.LocalTier._write_record = write_record  # type: ignore[method-assign]
+    if case == "record":
+        for step in (2, 3):  # wait() copies step 2 again, recorded this time
+            mgr.save(step, _state(ctx.rank, step))
+            mgr.wait()
+        out["injected"] = failed
+        out["persisted"] = mgr.persisted_steps()
+        out["loaded"] = float(mgr.load(2)["own"][f"r{ctx.rank}"][0])
+    else:
+        out["save"] = _outcome(lambda: mgr.save(2, _state(ctx.rank, 2)))
+        out["again"] = _outcome(lambda: mgr.save(2, _state(ctx.rank, 2)))
+    out["close"] = _outcome(mgr.close)
+    return out
+
+
+def _run(tmp_path: Path, case: str, async_save: bool) -> list[dict[str, Any]]:
+    results = launch(THIS, "worker", 2, tmp_path,
+                     args={"case": case, "root": str(tmp_path), "async": async_save},
+                     timeout_s=240)
+    return [r.value for r in results]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_lost_lease_on_rank_0_raises_on_every_rank(tmp_path: Path, async_save: bool) -> None:
+    for rank, got in enumerate(_run(tmp_path, "lease", async_save)):
+        for what in ("save", "again"):
+            assert got[what].startswith("DistributedError: rank 0 failed during preparing "
+                                        "to save step 2: ManagerLockedError"), (rank, got)
+            assert "lost its lease" in got[what], (rank, got)
+        assert got["close"].startswith("DistributedError: rank 0 failed"), (rank, got)
+    import statestream as ss
+
+    assert ss.load(str(tmp_path / "persist" / "step_0000000001"))["step"] == 1
+    assert not (tmp_path / "persist" / "step_0000000002").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_nodes_lost_local_tier_raises_on_every_rank(tmp_path: Path, async_save: bool) -> None:
+    for rank, got in enumerate(_run(tmp_path, "tier-gone", async_save)):
+        for what in ("save", "again"):
+            assert got[what].startswith("DistributedError: rank 1 failed during preparing "
+                                        "to save step 2: ManagerLockedError"), (rank, got)
+            assert "node1" in got[what], (rank, got)
+        # close tries once more to persist; rank 1 cannot even list its steps
+        assert got["close"].startswith("DistributedError:"), (rank, got)
+        assert "rank 1 failed during listing the unpersisted steps" in got["close"], (rank, got)
+        assert "CollectiveTimeout" not in got["close"], (rank, got)
+    import statestream as ss
+
+    assert ss.load(str(tmp_path / "persist" / "step_0000000001"))["step"] == 1
+
+
+def test_a_record_that_one_node_cannot_write_is_copied_again(tmp_path: Path) -> None:
+    for rank, got in enumerate(_run(tmp_path, "record", async_save=True)):
+        assert got["injected"] == ([2] if rank == 1 else []), (rank, got)
+        assert got["persisted"] == [1, 2, 3], (rank, got)
+        assert got["loaded"] == 10 * rank + 2, (rank, got)
+        assert got["close"] == "ok", (rank, got)
