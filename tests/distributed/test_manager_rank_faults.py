@@ -55,7 +55,7 @@ def _outcome(fn: Any) -> str:
 
 def worker(ctx: Context) -> dict[str, Any]:
     import statestream as ss
-    from statestream.manager import _tier
+    from statestream.manager import _records
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
@@ -75,7 +75,7 @@ def worker(ctx: Context) -> dict[str, Any]:
         os.rename(local, local + ".gone")
         Path(local).write_text("not a directory any more")
     elif case == "record" and ctx.rank == 1:
-        real = _tier.LocalTier._write_record
+        real = _records.StepRecords.record
 
         def write_record(self: Any, step: int) -> None:
             if step == 2 and not failed:
@@ -83,7 +83,7 @@ def worker(ctx: Context) -> dict[str, Any]:
                 raise ss.StorageError(f"recording step {step} failed (injected)")
             real(self, step)
 
-        _tier.LocalTier._write_record = write_record  # type: ignore[method-assign]
+        _records.StepRecords.record = write_record  # type: ignore[method-assign]
     if case == "record":
         for step in (2, 3):  # wait() copies step 2 again, recorded this time
             mgr.save(step, _state(ctx.rank, step))

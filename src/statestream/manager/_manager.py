@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any
@@ -17,10 +16,8 @@ from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
 from statestream.errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    DistributedError,
     InvalidOptionError,
     ManagerLockedError,
 )
@@ -33,16 +30,18 @@ from statestream.manager._policies import (
     best_metrics,
     drops_for_good,
     is_score,
+    warn_missing_metrics,
 )
+from statestream.manager._resume import load_newest_good
 from statestream.manager._retention import (
     Retention,
     encode_metrics,
     plain_metrics,
     step_info,
 )
-from statestream.manager._steps import StepDirectory, check_step
+from statestream.manager._steps import StepDirectory, check_forward
 from statestream.manager._tier import LocalTier
-from statestream.manager._tierops import open_tier, tier_load, tier_steps
+from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
 from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
@@ -404,24 +403,20 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-        step, metrics = self._checked_step(step), plain_metrics(metrics)
+        step = check_forward(step, self._last_saved_step, self.directory)
+        metrics = plain_metrics(metrics)
         if force:
             self._decided = (step, True)  # a save of this step happens whatever the signal
         elif not self.should_save(step):
             return False
-        self._wait_save()
-        if self._tier is not None:
-            self._tier.report_failed()  # warns: a store that is down costs no local step
-        self._keep_and_check(f"preparing to save step {step}", directory=self._tier is None,
-                             check=True)
-        self._warn_missing_metrics(step, metrics)
-        self._retention.forget(step)  # an overwrite changes what the keep policy sees
+        self._prepare_save(step, metrics)
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
         overwrite = target.is_committed(step)
-        base_step = self._base_for(step)
+        base_step = (base_for(step, self._coll, self._tier, self._retention.listed)
+                     if self._incremental else None)
         base = None if base_step is None else target.path(base_step)
         if self._tier is not None and (overwrite or force):
             self._tier.forget_persisted(step)  # the directory may hold an older copy
@@ -450,57 +445,16 @@ class CheckpointManager:
         self._last_saved_time = time.time()
         return True
 
-    def _base_for(self, step: int) -> int | None:
-        """An incremental save's base step: the newest kept step before ``step`` (never
-        ``step`` itself, which an overwrite replaces), the same on every rank.
-
-        With a local tier the save commits there, and references stay among
-        siblings: the base is the newest step before ``step`` in the local tier
-        (none: a full save, e.g. the first on a new machine); with several nodes,
-        in every node's tier (each process reads the base's manifest there).
-        """
-        if not self._incremental:
-            return None
-        if self._tier is not None and len(self._tier.groups.leaders()) > 1:
-            held = ([s for s in self._tier.steps() if s < step]
-                    if self._tier.groups.is_leader else None)
-            common = set.intersection(*(set(h) for h in self._coll.all_gather_object(held)
-                                        if h is not None))
-            return max(common) if common else None
-        base = None
-        if self._coll.rank == 0:
-            have = self._retention.listed() if self._tier is None else self._tier.steps()
-            older = [s for s in have if s < step]
-            base = older[-1] if older else None
-        if self._coll.world_size > 1:
-            base = self._coll.broadcast_object(base, src=0)
-        return base
-
-    def _checked_step(self, step: Any) -> int:
-        """``step`` as an int (see check_step); steps only go forward: an older step
-        than the last saved one is an error."""
-        checked = check_step(step)
-        last = self._last_saved_step
-        if last is not None and checked < last:
-            raise CheckpointError(
-                f"cannot save step {checked} in {self.directory}: step {last} is already saved "
-                "there, and a manager's steps only go forward (an older step would silently "
-                f"rewrite history). A resumed run continues from step {last} + 1 "
-                "(mgr.latest_step()); to start over, use another directory"
-            )
-        return checked
-
-    def _warn_missing_metrics(self, step: int, metrics: Mapping[str, float] | None) -> None:
-        missing = [m for m in self._best_metrics if not is_score((metrics or {}).get(m))]
-        if missing:
-            warnings.warn(
-                f"step {step} in {self.directory} is saved without a number for the metric "
-                f"{', '.join(repr(m) for m in missing)} of the KeepBest keep policy (metrics "
-                f"given: {sorted(metrics or {})}): it never counts as a best step, and it is "
-                "deleted once it is no longer the latest unless another policy keeps it",
-                UserWarning,
-                stacklevel=3,
-            )
+    def _prepare_save(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        """Before ``step`` is saved: the previous save done, the keep policies
+        applied and the lease checked (agreed: every rank raises alike)."""
+        self._wait_save()
+        if self._tier is not None:
+            self._tier.report_failed()  # warns: a store that is down costs no local step
+        self._keep_and_check(f"preparing to save step {step}", directory=self._tier is None,
+                             check=True)
+        warn_missing_metrics(step, metrics, self._best_metrics, self.directory)
+        self._retention.forget(step)  # an overwrite changes what the keep policy sees
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -627,29 +581,11 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
-        try:
-            return self._load_step(latest, target, latest, items, allow_pickle)
-        except CheckpointError as exc:
-            if not _is_damage(exc):
-                raise
-            newest = exc
-        return self._load_older(latest, newest, target, items, allow_pickle)
-
-    def _load_older(self, damaged: int, newest: CheckpointError, target: Any,
-                    items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:
-        """The newest step before ``damaged`` that is not damaged, warning for each that
-        is; ``newest`` (the first damage found) when every one is."""
-        why: CheckpointError = newest
-        for s in sorted((s for s in self.steps() if s < damaged), reverse=True):
-            warnings.warn(f"step {damaged} in {self.directory} is damaged, loading step {s} "
-                          f"instead: {why}", RuntimeWarning, stacklevel=3)
-            try:
-                return self._load_step(s, target, None, items, allow_pickle)
-            except CheckpointError as exc:
-                if not _is_damage(exc):
-                    raise
-                damaged, why = s, exc
-        raise newest
+        return load_newest_good(
+            latest, self.steps,
+            lambda s: self._load_step(s, target, latest if s == latest else None, items,
+                                      allow_pickle),
+            self.directory)
 
     def _load_step(self, step: int, target: Any, latest: int | None,
                    items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:
@@ -660,21 +596,3 @@ class CheckpointManager:
         return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
                     io=self._io, memory=self._memory, collective=self._coll)
 
-
-def _is_damage(exc: CheckpointError) -> bool:
-    """Whether a load failed because the checkpoint is damaged (on any process)."""
-    if isinstance(exc, DistributedError):
-        return bool(exc.failed_types) and all(t in _DAMAGE for t in exc.failed_types)
-    return isinstance(exc, CheckpointCorruptError)
-
-
-def _names(cls: type[Exception]) -> set[str]:
-    out = {cls.__name__}
-    subs: list[type[Exception]] = cls.__subclasses__()
-    for sub in subs:
-        out |= _names(sub)
-    return out
-
-
-#: CheckpointCorruptError and its subclasses by name, as DistributedError reports them
-_DAMAGE = frozenset(_names(CheckpointCorruptError))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Sequence
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from statestream.errors import InvalidOptionError
@@ -33,6 +34,7 @@ __all__ = [
     "best_metrics",
     "drops_for_good",
     "is_score",
+    "warn_missing_metrics",
 ]
 
 
@@ -223,6 +225,25 @@ class KeepUnion:
 def is_score(value: object) -> bool:
     """True for a number a metric can be ranked by (not NaN)."""
     return isinstance(value, (int, float)) and not math.isnan(float(value))
+
+
+def warn_missing_metrics(step: int, metrics: Mapping[str, object] | None,
+                         wanted: Sequence[str], directory: str) -> None:
+    """Warn when ``metrics`` lacks a number for a metric in ``wanted`` (a ``KeepBest``'s).
+
+    Warns:
+        UserWarning: naming the metrics missing and what the step's fate is.
+    """
+    missing = [m for m in wanted if not is_score((metrics or {}).get(m))]
+    if missing:
+        warnings.warn(
+            f"step {step} in {directory} is saved without a number for the metric "
+            f"{', '.join(repr(m) for m in missing)} of the KeepBest keep policy (metrics "
+            f"given: {sorted(metrics or {})}): it never counts as a best step, and it is "
+            "deleted once it is no longer the latest unless another policy keeps it",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def best_metrics(policy: object) -> list[str]:

@@ -6,11 +6,11 @@ import operator
 import re
 from typing import Any
 
-from statestream.errors import InvalidOptionError
+from statestream.errors import CheckpointError, InvalidOptionError
 from statestream.storage import Storage
 from statestream.storage._leftovers import collect_garbage
 
-__all__ = ["LEASE_NAME", "MAX_STEP", "StepDirectory", "check_step", "parse_step"]
+__all__ = ["LEASE_NAME", "MAX_STEP", "StepDirectory", "check_forward", "check_step", "parse_step"]
 
 _STEP_RE = re.compile(r"^step_(0\d{9}|[1-9]\d{9,17})$")  # exactly what step names look like
 #: The manager's lease (lock) inside its directory.
@@ -47,6 +47,25 @@ def parse_step(name: str) -> int | None:
     if m is None or name != f"step_{int(m.group(1)):010d}":
         return None
     return int(m.group(1))
+
+
+def check_forward(step: Any, last: int | None, directory: str) -> int:
+    """``step`` as an int (:func:`check_step`) that is not older than ``last``, the
+    last step saved in ``directory``: a manager's steps only go forward.
+
+    Raises:
+        CheckpointError: ``step`` is older than ``last``.
+        InvalidOptionError: ``step`` is not a step number.
+    """
+    checked = check_step(step)
+    if last is not None and checked < last:
+        raise CheckpointError(
+            f"cannot save step {checked} in {directory}: step {last} is already saved "
+            "there, and a manager's steps only go forward (an older step would silently "
+            f"rewrite history). A resumed run continues from step {last} + 1 "
+            "(mgr.latest_step()); to start over, use another directory"
+        )
+    return checked
 
 
 class StepDirectory:

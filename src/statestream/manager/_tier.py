@@ -5,13 +5,10 @@ Layout of the local tier (a local directory, one per node):
 - ``step_<N>/``: the step as committed locally (a normal checkpoint; with
   several processes on several nodes, each node's copy holds the manifest and
   the data files its own processes wrote, see docs/manager.md);
-- ``step_<N>.persisted``: an empty file written once ``step_<N>`` is
-  committed in the persistent directory (so a step the persistent keep policy
-  already deleted is never persisted again), or once that keep policy would
-  delete it as soon as it was (:meth:`LocalTier.drop_unwanted`: never uploaded);
-- ``step_<N>.unpersisted``: an empty file written before ``step_<N>`` is saved
-  again (``force``) while ``directory`` may hold its older copy: until the new
-  copy is persisted, that older copy does not count as persisted;
+- ``step_<N>.persisted``, ``step_<N>.unpersisted``: which steps are persisted
+  (manager/_records.py; a step the persistent keep policy already deleted is
+  never persisted again, nor one it would delete as soon as it was:
+  :meth:`LocalTier.drop_unwanted`);
 - ``.statestream.lock``: the local lease (``flock``) of the node's manager;
 - ``.statestream-directory``: the persistent directory this tier belongs to
   (a tier holding another directory's steps is refused, so a run never lists,
@@ -49,33 +46,19 @@ from statestream.engine import (
     replicate_to_peers,
 )
 from statestream.errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    DistributedError,
     InvalidOptionError,
     storage_error,
 )
 from statestream.manager._lease import DirectoryLease
 from statestream.manager._policies import KeepPolicy
+from statestream.manager._records import StepRecords, claim, identity
+from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.storage import LocalStorage, storage_for
 
 __all__ = ["LocalTier"]
-
-_RECORD = ".persisted"
-#: Marks a step saved again locally: the persistent directory's copy is outdated.
-_REPLACED = ".unpersisted"
-#: The file naming the persistent directory a local tier's steps belong to.
-OWNER_NAME = ".statestream-directory"
-
-
-def _identity(persistent: StepDirectory) -> str:
-    """``persistent`` as the tier's owner file names it (a local path without links)."""
-    if isinstance(persistent.storage, LocalStorage):
-        return os.path.realpath(persistent.directory)
-    return persistent.directory
-
 
 class LocalTier:
     """The local steps of a manager and their persistence to its directory.
@@ -114,6 +97,7 @@ class LocalTier:
         self.root = path
         self.persistent = persistent
         self.retention = Retention(keep, self.dir)
+        self.records = StepRecords(self.dir)
         self._coll = coll
         self.groups = groups
         self._leader = leader = groups.is_leader
@@ -139,7 +123,7 @@ class LocalTier:
     def _open_as_leader(self, storage: LocalStorage) -> None:
         """Take the local lease, check the tier is this directory's, clean it up."""
         if (isinstance(self.persistent.storage, LocalStorage)
-                and os.path.realpath(self.root) == _identity(self.persistent)):
+                and os.path.realpath(self.root) == identity(self.persistent)):
             raise InvalidOptionError(
                 f"local_tier {self.root} is the checkpoint directory itself; give the "
                 "local tier a directory of its own on the node's local disk")
@@ -151,40 +135,13 @@ class LocalTier:
         self.lease = DirectoryLease(storage, self.root, self.dir.lease_path(), 60.0)
         try:
             self.lease.check()  # a local tier that cannot be written is no tier
-            self._claim()
+            claim(self.root, self.persistent, self.steps)
             self.dir.remove_leftovers()
-            self._forget_orphan_records()
+            self.records.forget_orphans()
             self._drop_stale()
         except BaseException:
             self.lease.release()  # a tier that failed to open holds nothing
             raise
-
-    def _claim(self) -> None:
-        """Record that this tier's steps belong to the persistent directory.
-
-        Raises:
-            InvalidOptionError: the tier holds committed steps of another
-                directory (another run, or a directory that moved).
-        """
-        path = os.path.join(self.root, OWNER_NAME)
-        want = _identity(self.persistent)
-        try:
-            with open(path) as f:
-                owner: str | None = f.read()
-        except FileNotFoundError:
-            owner = None  # a new tier (or one made before the owner file existed)
-        except OSError as exc:
-            raise storage_error(f"cannot read {path}: {exc}", exc) from exc
-        if owner == want:
-            return
-        held = self.steps()
-        if owner is not None and held:
-            raise InvalidOptionError(
-                f"the local tier {self.root} holds steps {held} of the checkpoint directory "
-                f"{owner} (recorded in {path}), not of {want}: two runs cannot share a "
-                f"local tier. Give this run another local_tier, or remove {self.root} once "
-                f"{owner} holds every step it needs")
-        _write_file(path, want)
 
     # ------------------------------------------------------------------ state
     def path(self, step: int) -> str:
@@ -197,21 +154,14 @@ class LocalTier:
     def is_committed(self, step: int) -> bool:
         return self.dir.is_committed(step)
 
-    def _record(self, step: int) -> str:
-        return self.dir.path(step) + _RECORD
-
-    def _replaced(self, step: int) -> str:
-        return self.dir.path(step) + _REPLACED
-
     def is_persisted(self, step: int) -> bool:
-        """Recorded as persisted (``step_<N>.persisted``). Reads the local disk only:
-        the training thread asks it, and the persistent directory may be down."""
-        return os.path.exists(self._record(step))
+        """Recorded as persisted. Reads the local disk only: the training thread
+        asks it, and the persistent directory may be down."""
+        return self.records.is_persisted(step)
 
     def _current_in_persistent(self, step: int) -> bool:
         """The persistent directory holds ``step`` as the local tier holds it."""
-        return (not os.path.exists(self._replaced(step))
-                and self.persistent.is_committed(step))
+        return not self.records.is_replaced(step) and self.persistent.is_committed(step)
 
     def pending_steps(self) -> set[int]:
         """Steps whose persistence is queued or running."""
@@ -240,17 +190,8 @@ class LocalTier:
             if not self._current_in_persistent(s):
                 out.append(s)
             elif self._leader:
-                self._write_record(s)
+                self.records.record(s)
         return out
-
-    def _forget_orphan_records(self) -> None:
-        committed = set(self.steps())
-        for name in os.listdir(self.root):
-            for suffix in (_RECORD, _REPLACED):
-                if name.endswith(suffix):
-                    step = parse_step(name[: -len(suffix)])
-                    if step is not None and step not in committed:
-                        os.unlink(os.path.join(self.root, name))
 
     def _drop_stale(self) -> None:
         """Remove the local steps from the oldest one that the persistent directory
@@ -270,12 +211,12 @@ class LocalTier:
             RuntimeWarning, stacklevel=2)
         for s in reversed(stale):  # newest first: no dangling reference
             self.dir.delete(s)
-            _unlink(self._record(s))
+            self.records.forget(s)
             self.retention.forget(s)
 
     def _is_stale(self, step: int) -> bool:
         """The persistent directory holds ``step`` committed as another save."""
-        if os.path.exists(self._replaced(step)) or not self.persistent.is_committed(step):
+        if self.records.is_replaced(step) or not self.persistent.is_committed(step):
             return False  # saved again here (newer), or the local copy is the only one
         try:
             here, there = metadata(self.path(step)), metadata(self.persistent.path(step))
@@ -290,8 +231,7 @@ class LocalTier:
         persistence leaves the marker; the next persistence replaces that copy)."""
         self.retention.forget(step)
         if self._leader:
-            _unlink(self._record(step))  # first: a crash in between leaves the old copies
-            _write_file(self._replaced(step), "")
+            self.records.replaced(step)
 
     def persist(self, step: int, after: SaveHandle | None = None,
                 base: int | None = None) -> TaskHandle:
@@ -382,7 +322,7 @@ class LocalTier:
                 try:
                     done.update(self._persist_one(s))
                 except CheckpointError as exc:
-                    if not _is_damage(exc):
+                    if not is_damage(exc):
                         raise
                     damaged = damaged or exc
         if damaged is not None:
@@ -415,8 +355,7 @@ class LocalTier:
         err: BaseException | None = None
         if self._leader:
             try:
-                self._write_record(step)
-                _unlink(self._replaced(step))  # after the record: the step counts as persisted
+                self.records.persisted(step)
             except Exception as exc:  # noqa: BLE001 - agreed: the next collective must match
                 err = exc
         agree(self._coll, f"recording step {step} as persisted in {self.root}", err,
@@ -487,7 +426,7 @@ class LocalTier:
                     if not self.is_committed(s):
                         copy_checkpoint(self.persistent.path(s), self.path(s), files=files,
                                         memory_bytes=self._memory_bytes)
-                        self._write_record(s)
+                        self.records.record(s)
                 _hooks.fire("tier.fetched")
             except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
                 warnings.warn(f"could not copy step {step} from {self.persistent.directory} "
@@ -535,16 +474,6 @@ class LocalTier:
             out.add(b)
             todo += self.retention.bases_of(b) or []
         return out
-
-    def _write_record(self, step: int) -> None:
-        path = self._record(step)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            os.fsync(fd)
-            os.close(fd)
-        except OSError as exc:
-            raise storage_error(f"cannot record that step {step} is persisted ({path}): {exc}",
-                                exc) from exc
 
     def wait(self) -> None:
         """Wait for every queued persistence, then try once more, every process
@@ -629,7 +558,7 @@ class LocalTier:
                                                             protected)
                        if s in todo and s not in protected]
             for s in dropped:
-                self._write_record(s)
+                self.records.record(s)
         if dropped:
             warnings.warn(
                 f"the local steps {dropped} are not persisted to {self.persistent.directory}: "
@@ -649,48 +578,10 @@ class LocalTier:
         protected = set(self.unpersisted()) | active | self.queued_bases()
         dropped = self.retention.apply(protected)
         for s in dropped:
-            _unlink(self._record(s))
-            _unlink(self._replaced(s))
+            self.records.forget(s)
         return dropped
 
     def close(self) -> None:
         if self.lease is not None:
             self.lease.release()
 
-
-def _is_damage(exc: CheckpointError) -> bool:
-    """A copy failed because the local copy is damaged (on every failing process)."""
-    if isinstance(exc, DistributedError):
-        return bool(exc.failed_types) and all(t in _DAMAGE for t in exc.failed_types)
-    return isinstance(exc, CheckpointCorruptError)
-
-
-def _names(cls: type[Exception]) -> set[str]:
-    return {cls.__name__}.union(*(_names(sub) for sub in cls.__subclasses__()))
-
-
-#: CheckpointCorruptError and its subclasses by name, as DistributedError reports them
-_DAMAGE = frozenset(_names(CheckpointCorruptError))
-
-
-def _write_file(path: str, text: str) -> None:
-    """Write ``path`` atomically and durably (under the local lease: one writer)."""
-    tmp = f"{path}.new"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise storage_error(f"cannot write {path}: {exc}", exc) from exc
-
-
-def _unlink(path: str) -> None:
-    """Remove ``path`` if it is there."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # never written, or already gone: nothing to remove
-    except OSError as exc:
-        raise storage_error(f"cannot remove {path}: {exc}", exc) from exc

@@ -32,7 +32,7 @@ from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory
 from statestream.manager._tier import LocalTier
 
-__all__ = ["open_tier", "tier_load", "tier_steps"]
+__all__ = ["base_for", "open_tier", "tier_load", "tier_steps"]
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
@@ -212,3 +212,28 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     if from_persistent and fetch:  # a resume on a new machine: keep a local copy
         tier.fetch(step)
     return result
+
+
+def base_for(step: int, coll: Collective, tier: LocalTier | None,
+             listed: Callable[[], list[int]]) -> int | None:
+    """An incremental save's base step: the newest kept step before ``step`` (never
+    ``step`` itself, which an overwrite replaces), the same on every rank;
+    ``listed`` gives the directory's kept steps (asked on rank 0).
+
+    With a local tier the save commits there, and references stay among
+    siblings: the base is the newest step before ``step`` in the local tier
+    (none: a full save, e.g. the first on a new machine); with several nodes,
+    in every node's tier (each process reads the base's manifest there).
+    """
+    if tier is not None and len(tier.groups.leaders()) > 1:
+        held = [s for s in tier.steps() if s < step] if tier.groups.is_leader else None
+        common = set.intersection(*(set(h) for h in coll.all_gather_object(held)
+                                    if h is not None))
+        return max(common) if common else None
+    base = None
+    if coll.rank == 0:
+        older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
+        base = older[-1] if older else None
+    if coll.world_size > 1:
+        base = coll.broadcast_object(base, src=0)
+    return base
