@@ -80,7 +80,7 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.distributed": [
         "ByteChannel", "Collective", "JaxCollective", "SingleProcess", "TorchCollective",
-        "agree", "byte_channel", "default_collective",
+        "agree", "byte_channel", "default_collective", "gather_each", "share_from_0",
     ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "files_read",

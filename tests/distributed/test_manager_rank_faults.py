@@ -141,3 +141,134 @@ def test_a_record_that_one_node_cannot_write_is_copied_again(tmp_path: Path) -> 
         assert got["persisted"] == [1, 2, 3], (rank, got)
         assert got["loaded"] == 10 * rank + 2, (rank, got)
         assert got["close"] == "ok", (rank, got)
+
+
+# ----------------------------------------------------------------------------------------
+# One rank's own fault right before a collective (found by an audit of every collective
+# path): each case fails on one rank only, then every rank checks that the collective
+# calls still line up (an all_gather that must return [0, 1] at once).
+
+def _injected(msg: str) -> Any:
+    import statestream as ss
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise ss.StorageError(f"{msg} (injected)")
+    return fail
+
+
+class _Patch:
+    """Set attributes on one rank for one case; undone after it."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self._undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+
+
+def _one_rank_case(case: str, rank: int, root: str, coll: Any, patch: _Patch) -> str:
+    import statestream as ss
+    from statestream.engine import _transfer
+    from statestream.manager import _steps, _tier
+
+    persist, node = os.path.join(root, "persist"), os.path.join(root, f"node{rank}")
+    Mgr = ss.CheckpointManager
+    if case == "meta-nan":  # a per-rank value in the metadata is NaN on one rank
+        meta = {"loss": float("nan") if rank == 1 else 0.5}
+        return _outcome(lambda: ss.save(os.path.join(root, "ck"), _state(rank, 1), meta=meta,
+                                        collective=coll))
+    if case == "policy-raises":  # a user's save policy runs on rank 0 only
+        class Flaky:
+            def should_save(self, c: Any) -> bool:
+                raise RuntimeError("the policy failed (injected)")
+        mgr = Mgr(persist, async_save=False, collective=coll, save_policy=Flaky())
+        return _outcome(lambda: mgr.save(1, _state(rank, 1)))
+    tier = case in ("tier-steps", "open-tier", "persist-head", "replicate", "complete")
+    mgr = Mgr(persist, async_save=False, collective=coll, incremental=case == "base-list",
+              local_tier=node if tier else None, replicate_to_peers=case == "replicate")
+    mgr.save(1, _state(rank, 1))
+    mgr.wait()
+    if case == "base-list" and rank == 0:  # rank 0 lists the base of an incremental step
+        patch.set(_steps.StepDirectory, "steps", _injected("listing the directory failed"))
+    elif case == "head" and rank == 1:  # whether the step is there: every rank asks
+        patch.set(_steps.StepDirectory, "is_committed", _injected("a HEAD failed"))
+    elif case == "resume-list" and rank == 0:  # rank 0 lists for every rank
+        patch.set(_steps.StepDirectory, "steps", _injected("listing the directory failed"))
+    elif case == "tier-steps" and rank == 1:
+        patch.set(_tier.LocalTier, "unpersisted", _injected("listing the local tier failed"))
+    elif case == "open-tier":
+        mgr.close()
+        if rank == 1:
+            patch.set(_tier.LocalTier, "unpersisted", _injected("listing the local tier failed"))
+        return _outcome(lambda: Mgr(persist, local_tier=node, async_save=False,
+                                    collective=coll))
+    elif case == "persist-head" and rank == 1:  # the store, on the persistence worker
+        real = _steps.StepDirectory.is_committed
+
+        def is_committed(self: Any, step: int) -> bool:
+            if step == 2 and self.directory == persist:
+                raise ss.StorageError("a HEAD of step 2 failed (injected)")
+            return bool(real(self, step))
+        patch.set(_steps.StepDirectory, "is_committed", is_committed)
+    elif case in ("replicate", "complete") and rank == 1:
+        patch.set(_transfer, "_held", _injected("listing the node's files failed"))
+    if case in ("base-list", "head", "persist-head", "replicate"):
+        return _outcome(lambda: (mgr.save(2, _state(rank, 2)), mgr.wait()))
+    if case == "resume-list":
+        return _outcome(mgr.load)
+    if case == "tier-steps":
+        return _outcome(mgr.steps)
+    assert case == "complete"
+    return _outcome(lambda: mgr.load(1))
+
+
+ONE_RANK_CASES = ["meta-nan", "policy-raises", "base-list", "head", "resume-list",
+                  "tier-steps", "open-tier", "persist-head", "replicate", "complete"]
+
+
+def one_rank_worker(ctx: Context) -> dict[str, Any]:
+    import statestream as ss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=90))
+    coll = ss.TorchCollective(timeout_s=20)
+    out: dict[str, Any] = {}
+    for case in ctx.args["cases"]:
+        root = os.path.join(ctx.args["root"], case)
+        patch = _Patch()
+        try:
+            got = _one_rank_case(case, ctx.rank, root, coll, patch)
+        finally:
+            patch.undo()
+        key = f"{case}-in-step"
+        out[case] = [got, _outcome(lambda k=key: out.setdefault(  # type: ignore[misc]
+            k, coll.all_gather_object(ctx.rank)))]
+    return out
+
+
+def test_one_ranks_fault_before_a_collective_raises_on_every_rank(tmp_path: Path) -> None:
+    results = launch(THIS, "one_rank_worker", 2, tmp_path,
+                     args={"cases": ONE_RANK_CASES, "root": str(tmp_path)}, timeout_s=240)
+    # the rank whose fault every rank reports; None: the fault no longer reaches the
+    # outcome (rank 0 alone asks the store whether the copy overwrites; a persistence
+    # that failed to replicate is persisted again by wait()), and every rank goes on
+    failing = {"meta-nan": 1, "policy-raises": 0, "base-list": 0, "head": 1,
+               "resume-list": 0, "tier-steps": 1, "open-tier": 1, "persist-head": None,
+               "replicate": None, "complete": 1}
+    for r in results:
+        for case in ONE_RANK_CASES:
+            got, in_step = r.value[case]
+            assert in_step == "ok" and r.value[f"{case}-in-step"] == [0, 1], (case, r.rank, got)
+            if failing[case] is None:
+                assert got == "ok", (case, r.rank, got)
+                continue
+            assert got.startswith("DistributedError: "), (case, r.rank, got)
+            assert f"rank {failing[case]} failed during" in got, (case, r.rank, got)
+            assert "(injected)" in got or "JSON" in got, (case, r.rank, got)
+            assert "CollectiveTimeout" not in got and "died" not in got, (case, r.rank, got)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
-from statestream.manager import _manager
+from statestream.manager import _decide, _manager
 from statestream.testing import faults
 
 pytestmark = [
@@ -100,7 +100,8 @@ def test_every_n_seconds_with_injected_clock(tmp_path, monkeypatch):
         def time() -> float:
             return now[0]
 
-    monkeypatch.setattr(_manager, "time", Clock)
+    monkeypatch.setattr(_manager, "time", Clock)  # the step time it records
+    monkeypatch.setattr(_decide, "time", Clock)  # the save policy's clock
     with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSeconds(60)) as mgr:
         saved = []
         for step, t in enumerate([1000, 1010, 1059, 1060, 1070, 1200, 1201]):
@@ -461,7 +462,7 @@ def test_reached_preemption_is_consistent_with_the_save_decision(tmp_path):
         assert not mgr.save(2, state_at(2))
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(1000):  # the Python handler runs at the next bytecode boundary
-            if mgr._preempted.is_set():
+            if mgr._decisions.preempted.is_set():
                 break
             time.sleep(0.01)
         # ... so step 2 was not saved: not the exit point yet

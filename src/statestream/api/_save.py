@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -17,7 +16,6 @@ from statestream.engine import (
     SaveOptions,
     run_save,
 )
-from statestream.errors import UnsupportedTypeError
 
 __all__ = ["save"]
 
@@ -111,23 +109,8 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
         overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
         memory=memory or MemoryOptions(),
         collective=collective if collective is not None else default_collective(),
-        progress=progress, user_meta=check_user_meta(meta),
+        progress=progress, user_meta=meta,
         compression=CompressionPolicy(compression), base=base, hashes=bool(hashes),
         node_local=node_local)
 
 
-
-def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Validate user metadata: a JSON-able mapping of at most 1 MiB."""
-    if meta is None:
-        return None
-    try:
-        text = json.dumps(dict(meta), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedTypeError(
-            f"meta must be a JSON-able mapping (str keys; numbers, strings, lists, dicts): {exc}"
-        ) from exc
-    if len(text) > 1 << 20:
-        raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
-    out: dict[str, Any] = json.loads(text)
-    return out

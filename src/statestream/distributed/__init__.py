@@ -5,7 +5,13 @@ initialised, multi-process JAX when ``jax.process_count() > 1``, and a
 single process otherwise. Implementations import their framework lazily.
 """
 
-from statestream.distributed._agree import agree, byte_channel, default_collective
+from statestream.distributed._agree import (
+    agree,
+    byte_channel,
+    default_collective,
+    gather_each,
+    share_from_0,
+)
 from statestream.distributed._base import ByteChannel, Collective, SingleProcess
 from statestream.distributed._jax import JaxCollective
 from statestream.distributed._torch import TorchCollective
@@ -19,4 +25,6 @@ __all__ = [
     "agree",
     "byte_channel",
     "default_collective",
+    "gather_each",
+    "share_from_0",
 ]

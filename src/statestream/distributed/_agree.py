@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from statestream.distributed._base import ByteChannel, Collective, SingleProcess
 from statestream.errors import DistributedError
 
-__all__ = ["agree", "byte_channel", "default_collective"]
+__all__ = ["agree", "byte_channel", "default_collective", "gather_each", "share_from_0"]
+
+T = TypeVar("T")
 
 
 def agree(coll: Collective, phase: str, error: BaseException | None, *,
@@ -40,9 +42,7 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
         if error is not None:
             raise error
         return
-    mine: Any = None
-    if error is not None:
-        mine = f"{type(error).__name__}: {error}"
+    mine = _status(error)
     # A collective with ``any_true`` (torch) first says whether anyone failed, which is
     # far cheaper than gathering every status; the statuses come only when one did.
     any_true: Callable[[bool], bool] | None = getattr(coll, "any_true", None)
@@ -56,6 +56,16 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
                           f"to each other: {exc}", RuntimeWarning, stacklevel=2)
             return
         raise type(exc)(f"{exc}; while agreeing on {phase}; {outcome}") from (error or exc)
+    _raise_failed(phase, statuses, error, outcome)
+
+
+def _status(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_failed(phase: str, statuses: list[Any], error: BaseException | None,
+                  outcome: str) -> None:
+    """Raise on every rank if any rank's status (None: it went well) says it failed."""
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if not failed:
         return
@@ -65,6 +75,61 @@ def agree(coll: Collective, phase: str, error: BaseException | None, *,
     if error is not None:  # the precise error chained on the rank that had it
         raise failure from error
     raise failure
+
+
+def gather_each(coll: Collective, phase: str, fn: Callable[[], T], *,
+                outcome: str = "nothing was changed") -> list[T]:
+    """Every process's ``fn()``, in rank order, or an error on every process if any
+    process's ``fn`` raised: one ``all_gather_object``, which carries the error.
+
+    For work that can fail on one process alone (its own disk, its own listing)
+    right before a collective: raised there alone, it would leave the others
+    waiting in that collective until its timeout. ``fn()`` is JSON-able plain data.
+
+    Raises:
+        DistributedError: naming each failing rank and its error (chained on the
+            ranks that had it); with one process, ``fn``'s own error.
+    """
+    if coll.world_size == 1:
+        return [fn()]
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+        error = exc
+    try:
+        got = coll.all_gather_object([value, _status(error)])
+    except DistributedError as exc:
+        raise type(exc)(f"{exc}; while agreeing on {phase}; {outcome}") from (error or exc)
+    _raise_failed(phase, [g[1] for g in got], error, outcome)
+    return [g[0] for g in got]
+
+
+def share_from_0(coll: Collective, phase: str, fn: Callable[[], T], *,
+                 outcome: str = "nothing was changed") -> T:
+    """Rank 0's ``fn()`` on every process (``fn`` runs on rank 0 only), or rank 0's
+    error raised on every process: one ``broadcast_object``, which carries it.
+
+    Raises:
+        DistributedError: rank 0's error (chained on rank 0); with one process,
+            ``fn``'s own error.
+    """
+    if coll.world_size == 1:
+        return fn()
+    value: Any = None
+    error: BaseException | None = None
+    if coll.rank == 0:
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+            error = exc
+    try:
+        value, status = coll.broadcast_object([value, _status(error)], src=0)
+    except DistributedError as exc:
+        raise type(exc)(f"{exc}; while agreeing on {phase}; {outcome}") from (error or exc)
+    _raise_failed(phase, [status], error, outcome)
+    return value  # type: ignore[no-any-return]
 
 
 def _check(committed: Callable[[], bool]) -> bool:

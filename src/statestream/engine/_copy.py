@@ -172,12 +172,14 @@ def _check_bases(m: Manifest, src: str, dst: str) -> None:
                 f"{name}, which is not committed at {there}; copy the base there first")
 
 
-def _open_dst(coll: Collective, dst: str, overwrite: bool) -> WriteTransaction:
+def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransaction:
     storage, path = storage_for(dst)
     txn: WriteTransaction | None = None
     err: BaseException | None = None
     if coll.rank == 0:
         try:
+            if overwrite is None:
+                overwrite = storage.is_committed(path)
             txn = storage.begin_write(path, overwrite=overwrite)
         except BaseException as exc:
             err = exc
@@ -193,7 +195,7 @@ def _open_dst(coll: Collective, dst: str, overwrite: bool) -> WriteTransaction:
     return txn
 
 
-def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
+def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                     collective: Collective | None = None,
                     files: Callable[[str], bool] | None = None,
                     threads: int = 4, memory_bytes: int | None = None) -> None:
@@ -207,6 +209,9 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     process opens its own ``src`` (its node's copy) and copies the data
     files ``files`` selects (default: all of them, which is right for one
     process); rank 0 writes the manifest and marker and commits.
+
+    ``overwrite``: replace ``dst`` if it is committed (None: if it is, which rank 0
+    looks up, so a store that fails there fails the copy on every process).
 
     Chunks ``src`` keeps in its bases (an incremental save's references)
     are not copied: the bases must already be committed next to ``dst``

@@ -29,11 +29,12 @@ nothing). The phases:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ from statestream.engine._plans import agree_on_plan, total_bytes
 from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
+from statestream.errors import UnsupportedTypeError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -97,7 +99,8 @@ class SaveOptions:
     memory: MemoryOptions = dataclasses.field(default_factory=MemoryOptions)
     collective: Collective = dataclasses.field(default_factory=SingleProcess)
     progress: Progress | None = None
-    user_meta: dict[str, Any] | None = None
+    #: the caller's metadata, checked when the save begins (:func:`check_user_meta`)
+    user_meta: Mapping[str, Any] | None = None
     #: which arrays are compressed, with what (default: none)
     compression: CompressionPolicy = dataclasses.field(
         default_factory=lambda: CompressionPolicy(None))
@@ -108,6 +111,26 @@ class SaveOptions:
     #: the path is on each node's own disk: every node commits its own copy
     #: (the manifest and its processes' data files; see engine/_nodelocal.py)
     node_local: bool = False
+
+
+def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Validate user metadata: a JSON-able mapping of at most 1 MiB (a copy of it).
+
+    Raises:
+        UnsupportedTypeError: not JSON (NaN and infinities included), or too large.
+    """
+    if meta is None:
+        return None
+    try:
+        text = json.dumps(dict(meta), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedTypeError(
+            f"meta must be a JSON-able mapping (str keys; numbers, strings, lists, dicts): {exc}"
+        ) from exc
+    if len(text) > 1 << 20:
+        raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
+    out: dict[str, Any] = json.loads(text)
+    return out
 
 
 class SaveJob:
@@ -172,6 +195,7 @@ class SaveJob:
         self._built: Manifest | None = None
         #: with several processes: this save's id, agreed with the transaction (meta.save_id)
         self.save_id: str | None = None
+        self._user_meta: dict[str, Any] | None = None
 
     def _open_base(self) -> None:
         """Read the base's manifest (before anything is written)."""
@@ -200,6 +224,7 @@ class SaveJob:
             self._begin_single()
 
     def _begin_single(self) -> None:
+        self._user_meta = check_user_meta(self.options.user_meta)
         self._open_base()
         self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
         try:
@@ -223,7 +248,8 @@ class SaveJob:
         coll = self.coll
         tree = None
         err: BaseException | None = None
-        try:
+        try:  # a fault of one rank's own (its metadata, its base, its state) is agreed
+            self._user_meta = check_user_meta(self.options.user_meta)
             self._open_base()
             tree = self.collector.walk(self.state)
         except BaseException as exc:
@@ -439,7 +465,7 @@ class SaveJob:
 
     def _meta(self) -> dict[str, Any]:
         """The manifest's metadata (stamped now)."""
-        user = self.options.user_meta
+        user = self._user_meta
         return {
             "library": f"statestream {__version__}",
             "created_unix": time.time(),

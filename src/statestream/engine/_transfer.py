@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
-from statestream.distributed import ByteChannel, Collective, agree
+from statestream.distributed import ByteChannel, Collective, agree, gather_each
 from statestream.engine._copy import read_committed
 from statestream.engine._nodelocal import NodeGroups
 from statestream.errors import DistributedError, TruncatedFileError, storage_error
@@ -66,11 +67,16 @@ def _held(path: str) -> dict[str, int]:
         names = os.listdir(data)
     except FileNotFoundError:
         return {}
+    except OSError as exc:
+        raise storage_error(f"cannot list {data}: {exc}", exc) from exc
     out = {}
     for n in names:
         full = os.path.join(data, n)
-        if not n.startswith(".") and os.path.isfile(full):
-            out[f"{DATA_DIR}/{n}"] = os.path.getsize(full)
+        try:
+            if not n.startswith(".") and os.path.isfile(full):
+                out[f"{DATA_DIR}/{n}"] = os.path.getsize(full)
+        except OSError as exc:
+            raise storage_error(f"cannot read the size of {full}: {exc}", exc) from exc
     return out
 
 
@@ -155,9 +161,9 @@ def replicate_to_peers(coll: Collective, channel: ByteChannel | None, groups: No
     leaders = groups.leaders()
     if len(leaders) < 2:
         return
-    own = {n: s for n, s in _held(path).items()
-           if n.startswith(f"{DATA_DIR}/r{coll.rank}-")}
-    everyone = coll.all_gather_object(sorted(own.items()))
+    everyone = gather_each(coll, f"listing the files of {path} to send to the peer node",
+                           lambda: sorted((n, s) for n, s in _held(path).items()
+                                          if n.startswith(f"{DATA_DIR}/r{coll.rank}-")))
     transfers = []
     for r, files in enumerate(everyone):
         node = leaders.index(groups.leader(r))
@@ -185,11 +191,14 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
     manifest is held by no node, no node has a committed copy, or files
     would have to move and the collective has no byte channel.
     """
-    info = None
-    if groups.is_leader:
-        committed = LocalStorage().is_committed(path)
-        info = {"committed": committed, "files": sorted(_held(path).items())}
-    infos = coll.all_gather_object(info)
+
+    def info() -> dict[str, Any] | None:
+        if not groups.is_leader:
+            return None
+        return {"committed": LocalStorage().is_committed(path),
+                "files": sorted(_held(path).items())}
+
+    infos: list[Any] = gather_each(coll, f"listing the nodes' copies of {path}", info)
     src = next((r for r, i in enumerate(infos) if i is not None and i["committed"]), None)
     if src is None:
         return False

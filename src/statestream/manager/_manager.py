@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
-from collections.abc import Mapping, Sequence
-from types import FrameType, TracebackType
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
 from statestream.api._pickles import AllowPickle
-from statestream.distributed import Collective, agree, default_collective
+from statestream.distributed import (
+    Collective,
+    agree,
+    default_collective,
+    share_from_0,
+)
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
 from statestream.errors import (
     CheckpointError,
@@ -21,11 +24,11 @@ from statestream.errors import (
     InvalidOptionError,
     ManagerLockedError,
 )
+from statestream.manager._decide import SaveDecisions
 from statestream.manager._lease import DirectoryLease
 from statestream.manager._policies import (
     KeepAll,
     KeepPolicy,
-    SaveContext,
     SavePolicy,
     best_metrics,
     drops_for_good,
@@ -122,7 +125,6 @@ class CheckpointManager:
         self._incremental = bool(incremental)
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
-        self._save_policy = save_policy
         self._retention = Retention(keep_policy or KeepAll(), self._dir)
         self._best_metrics = best_metrics(keep_policy)
         self._coll = collective if collective is not None else default_collective()
@@ -135,12 +137,11 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._inflight_step: int | None = None
         self._last_saved_time: float | None = None
-        self._preempted = threading.Event()
-        self._old_handler: Any = None
         self._closed = False
-        #: (step, preempted) as seen by the last save decision; keeps
-        #: reached_preemption(step) consistent with save(step) (see there).
-        self._decided: tuple[int, bool] | None = None
+        self._decisions = SaveDecisions(
+            save_policy, self._coll,
+            lambda step: step == self._last_saved_step or step in self._pending_steps(),
+            lambda: (self._last_saved_step, self._last_saved_time))
         self._lease = self._open(lease_ttl_s)
         self._tier: LocalTier | None = None
         if local_tier is not None:
@@ -154,9 +155,9 @@ class CheckpointManager:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()
                 raise
-        self._last_saved_step = self.latest_step()
+        self._last_saved_step = self._agreed_latest()
         if preemption:
-            self._install_sigterm()
+            self._decisions.install_sigterm()
 
     def _open(self, lease_ttl_s: float) -> DirectoryLease | None:
         """Rank 0 takes the lease and cleans up; every rank learns the outcome."""
@@ -204,18 +205,17 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._old_handler is not None:
-                signal.signal(signal.SIGTERM, self._old_handler)
-                self._old_handler = None
+            self._decisions.restore_sigterm()
             if self._lease is not None:
                 self._lease.release()
             if self._tier is not None:
                 self._tier.close()
 
     def _keep_and_check(self, phase: str, *, directory: bool = True, check: bool = False,
+                        then: Callable[[], None] | None = None,
                         outcome: str = "nothing was committed") -> None:
-        """The keep policies, then (``check``) the lease check, agreed: all ranks
-        raise if one failed.
+        """The keep policies, then (``check``) the lease check, then ``then()``,
+        agreed: all ranks raise if one failed.
 
         Both are one process's work (rank 0 holds the lease and deletes from the
         directory, a node's leader keeps its local tier), so a failure there
@@ -229,6 +229,8 @@ class CheckpointManager:
             self._apply_keep_policy(directory=directory)
             if check:
                 self._check_writable()
+            if then is not None:
+                then()
         except Exception as exc:  # noqa: BLE001 - agreed and raised on every rank
             err = exc
         agree(self._coll, phase, err, outcome=outcome)
@@ -274,6 +276,19 @@ class CheckpointManager:
         s = self.steps()
         return s[-1] if s else None
 
+    def _agreed_steps(self) -> list[int]:
+        """:meth:`steps`, the same on every rank: without a local tier, rank 0's
+        listing (each rank listing the store itself could see another list, or
+        fail alone and leave the others waiting in the next collective)."""
+        if self._tier is not None:
+            return self.steps()  # collective already
+        return share_from_0(self._coll, f"listing the steps of {self.directory}",
+                            self._retention.listed)
+
+    def _agreed_latest(self) -> int | None:
+        s = self._agreed_steps()
+        return s[-1] if s else None
+
     def step_info(self, step: int) -> dict[str, Any]:
         """Recorded metadata of a step: wall time, metrics, size, user metadata."""
         return step_info(self.step_path(step), step)
@@ -304,36 +319,13 @@ class CheckpointManager:
         return min((-v, s) for v, s in scored)[1]
 
     # ------------------------------------------------------------------ policies
-    def _context(self, step: int, preempted: bool) -> SaveContext:
-        return SaveContext(step, self._last_saved_step, self._last_saved_time,
-                           preempted, time.time())
-
-    def _decide(self, step: int, preempted: bool) -> bool:
-        if step == self._last_saved_step or step in self._pending_steps():
-            return False
-        if self._save_policy is None:
-            return True
-        return bool(self._save_policy.should_save(self._context(step, preempted)))
-
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` at ``step`` would save (decided by rank 0, shared).
 
         Every rank's preemption flag counts: a SIGTERM seen by any rank fires
         ``OnPreemption`` on all of them.
         """
-        flag = self._preempted.is_set()
-        choices = None
-        if self._coll.rank == 0:  # rank 0 decides, for either answer about preemption
-            choices = (self._decide(step, False), self._decide(step, True))
-        if self._coll.world_size > 1:
-            got = self._coll.all_gather_object((flag, choices))
-            flag = any(f for f, _ in got)
-            choices = got[0][1]
-            if flag:
-                self._preempted.set()
-        assert choices is not None
-        self._decided = (step, flag)
-        return bool(choices[1] if flag else choices[0])
+        return self._decisions.should_save(step)
 
     def _pending_steps(self) -> set[int]:
         pending = {self._inflight_step} if self._inflight_step is not None else set()
@@ -349,21 +341,7 @@ class CheckpointManager:
         so that the next ``save(step + 1)`` saves and this returns True there.
         Call ``save`` on every step, as in the example loop.
         """
-        flag = self._preempted.is_set()
-        if self._coll.world_size > 1:
-            flags = self._coll.all_gather_object(flag)
-            flag = any(flags)
-            if flag:
-                self._preempted.set()
-        if flag and self._decided is not None and self._decided == (step, False):
-            return False
-        return flag
-
-    def _install_sigterm(self) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            self._preempted.set()
-
-        self._old_handler = signal.signal(signal.SIGTERM, handler)
+        return self._decisions.reached_preemption(step)
 
     # ------------------------------------------------------------------ save/load
     def save(
@@ -406,20 +384,17 @@ class CheckpointManager:
         step = check_forward(step, self._last_saved_step, self.directory)
         metrics = plain_metrics(metrics)
         if force:
-            self._decided = (step, True)  # a save of this step happens whatever the signal
+            self._decisions.forced(step)  # a save of this step happens whatever the signal
         elif not self.should_save(step):
             return False
-        self._prepare_save(step, metrics)
+        overwrite = self._prepare_save(step, metrics, force)
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
         meta = {"step": step, "time": time.time(),
                 "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
-        overwrite = target.is_committed(step)
         base_step = (base_for(step, self._coll, self._tier, self._retention.listed)
                      if self._incremental else None)
         base = None if base_step is None else target.path(base_step)
-        if self._tier is not None and (overwrite or force):
-            self._tier.forget_persisted(step)  # the directory may hold an older copy
         if self._async:
             self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
                                         io=self._io, memory=self._memory,
@@ -445,16 +420,27 @@ class CheckpointManager:
         self._last_saved_time = time.time()
         return True
 
-    def _prepare_save(self, step: int, metrics: Mapping[str, float] | None) -> None:
+    def _prepare_save(self, step: int, metrics: Mapping[str, float] | None,
+                      force: bool) -> bool:
         """Before ``step`` is saved: the previous save done, the keep policies
-        applied and the lease checked (agreed: every rank raises alike)."""
+        applied, the lease checked, whether the save overwrites ``step`` found
+        (returned) and the local tier told (agreed: every rank raises alike)."""
         self._wait_save()
         if self._tier is not None:
             self._tier.report_failed()  # warns: a store that is down costs no local step
-        self._keep_and_check(f"preparing to save step {step}", directory=self._tier is None,
-                             check=True)
         warn_missing_metrics(step, metrics, self._best_metrics, self.directory)
         self._retention.forget(step)  # an overwrite changes what the keep policy sees
+        overwrite = False
+
+        def overwrites() -> None:
+            nonlocal overwrite
+            overwrite = (self._dir if self._tier is None else self._tier.dir).is_committed(step)
+            if self._tier is not None and (overwrite or force):
+                self._tier.forget_persisted(step)  # the directory may hold an older copy
+
+        self._keep_and_check(f"preparing to save step {step}", directory=self._tier is None,
+                             check=True, then=overwrites)
+        return overwrite
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -575,14 +561,14 @@ class CheckpointManager:
         """
         self._settle_save()
         resume = step is None or (self._tier is not None and self._incremental)
-        latest = self.latest_step() if resume else None
+        latest = self._agreed_latest() if resume else None
         if step is not None:
             return self._load_step(step, target, latest, items, allow_pickle)
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
         return load_newest_good(
-            latest, self.steps,
+            latest, self._agreed_steps,
             lambda s: self._load_step(s, target, latest if s == latest else None, items,
                                       allow_pickle),
             self.directory)

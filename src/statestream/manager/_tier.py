@@ -348,8 +348,7 @@ class LocalTier:
         return sorted(set.intersection(*lists))
 
     def _copy(self, step: int) -> None:
-        overwrite = self.persistent.is_committed(step)
-        copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=overwrite,
+        copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=None,
                         collective=self._coll, files=self._files,
                         memory_bytes=self._memory_bytes)
         err: BaseException | None = None

@@ -18,7 +18,14 @@ from typing import Any
 
 from statestream.api import files_read, load
 from statestream.api._pickles import AllowPickle
-from statestream.distributed import Collective, SingleProcess, agree, byte_channel
+from statestream.distributed import (
+    Collective,
+    SingleProcess,
+    agree,
+    byte_channel,
+    gather_each,
+    share_from_0,
+)
 from statestream.engine import (
     IOOptions,
     MemoryOptions,
@@ -70,12 +77,19 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
         err = exc
     agree(coll, "opening the local tier", err)
     assert tier is not None
-    mine = None
-    if groups.is_leader:
+
+    def unpersisted() -> list[int] | None:
+        if not groups.is_leader:
+            return None
         tier.settle_records()
         tier.drop_unwanted()
-        mine = tier.unpersisted()
-    everyone = coll.all_gather_object(mine) if multi else [mine]
+        return tier.unpersisted()
+
+    try:
+        everyone = gather_each(coll, "settling the local tiers", unpersisted)
+    except BaseException:
+        tier.close()  # a tier that failed to open holds nothing
+        raise
     lists = [set(x) for x in everyone if x is not None]
     # a crash after a local commit loses nothing (steps every node holds)
     for step in sorted(set.intersection(*lists)):
@@ -97,20 +111,22 @@ def tier_steps(tier: LocalTier, coll: Collective,
     and the local tiers' steps are the list (rank 0 raising alone would leave
     the others waiting in the collective).
     """
-    local: list[int] = []
-    if tier.groups.is_leader:
-        local = sorted(set(tier.retention.listed()) | set(tier.unpersisted()))
-    listed: list[int] = []
-    failed = ""
-    if coll.rank == 0:
-        try:
-            listed = persistent()
-        except CheckpointError as exc:  # the store is down: what the local tiers hold
-            failed = str(exc)
+
+    def mine() -> tuple[list[int], list[int], str]:
+        local: list[int] = []
+        if tier.groups.is_leader:  # its node's disk: an error raises on every process
+            local = sorted(set(tier.retention.listed()) | set(tier.unpersisted()))
+        listed: list[int] = []
+        failed = ""
+        if coll.rank == 0:
+            try:
+                listed = persistent()
+            except CheckpointError as exc:  # the store is down: what the local tiers hold
+                failed = str(exc)
+        return local, listed, failed
+
     out: set[int] = set()
-    mine = (local, listed, failed)
-    for steps, listed, failed in (coll.all_gather_object(mine) if coll.world_size > 1
-                                  else [mine]):
+    for steps, listed, failed in gather_each(coll, "listing the steps", mine):
         out.update(steps, listed)
         if failed:
             warnings.warn(f"could not list the steps of {tier.persistent.directory}: {failed}; "
@@ -192,7 +208,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
             result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
                           io=io, memory=memory, collective=one)
         except CheckpointCorruptError as exc:
-            if tier.persistent.is_committed(step):
+            if _is_committed(tier.persistent, step):
                 warnings.warn(
                     f"the local copy of step {step} ({tier.path(step)}) is damaged ({exc}); "
                     f"loading the persisted copy {tier.persistent.path(step)} instead",
@@ -214,6 +230,15 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     return result
 
 
+def _is_committed(directory: StepDirectory, step: int) -> bool:
+    """Whether ``directory`` holds ``step`` committed (False: it cannot tell, e.g.
+    its store is down; the caller reports what it knows instead of raising alone)."""
+    try:
+        return directory.is_committed(step)
+    except CheckpointError:
+        return False
+
+
 def base_for(step: int, coll: Collective, tier: LocalTier | None,
              listed: Callable[[], list[int]]) -> int | None:
     """An incremental save's base step: the newest kept step before ``step`` (never
@@ -225,15 +250,15 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
     (none: a full save, e.g. the first on a new machine); with several nodes,
     in every node's tier (each process reads the base's manifest there).
     """
+    phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
-        held = [s for s in tier.steps() if s < step] if tier.groups.is_leader else None
-        common = set.intersection(*(set(h) for h in coll.all_gather_object(held)
-                                    if h is not None))
+        held = gather_each(coll, phase, lambda: [s for s in tier.steps() if s < step]
+                           if tier.groups.is_leader else None)
+        common = set.intersection(*(set(h) for h in held if h is not None))
         return max(common) if common else None
-    base = None
-    if coll.rank == 0:
+
+    def newest_older() -> int | None:
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
-        base = older[-1] if older else None
-    if coll.world_size > 1:
-        base = coll.broadcast_object(base, src=0)
-    return base
+        return older[-1] if older else None
+
+    return share_from_0(coll, phase, newest_older)
