@@ -254,7 +254,7 @@ def test_loading_an_older_step_copies_nothing(tmp_path):
 
 
 def test_a_failed_copy_into_the_tier_only_warns(tmp_path, monkeypatch):
-    from statestream.manager import _tier
+    from statestream.manager import _tierops
 
     with _mgr(tmp_path) as mgr:
         for step in range(1, 3):
@@ -264,7 +264,7 @@ def test_a_failed_copy_into_the_tier_only_warns(tmp_path, monkeypatch):
     def down(*a: Any, **k: Any) -> None:
         raise ss.StorageError("the object store is down (injected)")
 
-    monkeypatch.setattr(_tier, "copy_checkpoint", down)
+    monkeypatch.setattr(_tierops, "copy_checkpoint", down)  # the copy into the tier
     with _mgr(tmp_path) as mgr:
         with pytest.warns(RuntimeWarning, match="could not copy step 2.*writes everything"):
             _equal(mgr.load(), 2)  # the copy runs in the background: it warns

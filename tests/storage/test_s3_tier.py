@@ -179,6 +179,86 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
         proxy.close()
 
 
+def _behind_proxy(s3_server: dict[str, Any]) -> tuple[OutageProxy, str]:
+    """S3 behind an :class:`OutageProxy` (short timeouts); a fresh prefix's URL."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"],
+        timeout_s=5, max_retries=1, retry_timeout_s=3)))
+    return proxy, f"s3://{s3_server['bucket']}/down-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.timeout(180)
+def test_a_manager_opens_while_the_store_is_down_and_persists_once_it_is_back(
+        tmp_path, s3_server):
+    """A job that starts during an outage trains on: the manager opens without the
+    lease (warning), saves commit to the local tier, and the first persistence once
+    the store is back takes the lease and uploads every step."""
+    proxy, url = _behind_proxy(s3_server)
+    try:
+        proxy.down.set()
+        with pytest.warns(RuntimeWarning, match="cannot be reached.*opens without its lease"):
+            mgr = ss.CheckpointManager(url, local_tier=str(tmp_path / "local"),
+                                       async_save=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the outage, at each step
+            for step in (1, 2):
+                assert mgr.save(step, _small(step))
+            with pytest.raises(ss.StorageError):
+                mgr.wait()
+        assert mgr.unpersisted_steps() == [1, 2]
+        proxy.down.clear()  # the store is back
+        mgr.wait()  # takes the lease, then persists both steps
+        assert mgr.unpersisted_steps() == []
+        assert mgr.persisted_steps() == [1, 2]
+        with pytest.raises(ss.ManagerLockedError):  # this manager holds the lease now
+            ss.CheckpointManager(url)
+        mgr.close()
+        with ss.CheckpointManager(url) as after:
+            assert after.steps() == [1, 2]
+            _check_small(after.load(), 2)
+    finally:
+        set_backend("s3", None)
+        proxy.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_manager_opened_during_an_outage_yields_to_the_lease_holder(tmp_path, s3_server):
+    """Another manager took the directory while this one waited for the store: this
+    one persists nothing there, and its next save raises ManagerLockedError; its
+    steps stay in its local tier."""
+    proxy, url = _behind_proxy(s3_server)
+    try:
+        proxy.down.set()
+        with pytest.warns(RuntimeWarning, match="cannot be reached"):
+            late = ss.CheckpointManager(url, local_tier=str(tmp_path / "local"),
+                                        async_save=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert late.save(1, _small(1))
+        proxy.down.clear()
+        holder = ss.CheckpointManager(url, async_save=False)  # got there first
+        holder.save(7, _small(7))
+        with pytest.raises(ss.ManagerLockedError):
+            late.wait()  # the lease is taken before anything is persisted
+        with pytest.raises(ss.ManagerLockedError, match="managed by another"):
+            late.save(2, _small(2))
+        assert late.unpersisted_steps() == [1]
+        assert holder.steps() == [7]
+        holder.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(ss.ManagerLockedError):
+                late.close()  # its last try to persist step 1 is refused too
+        with ss.CheckpointManager(url) as after:
+            assert after.steps() == [7]
+    finally:
+        set_backend("s3", None)
+        proxy.close()
+
+
 def _small(step: int) -> dict[str, Any]:
     return {"w": np.arange(100_000, dtype=np.float32) + step, "step": step}
 

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import os
 import threading
+import warnings
 import weakref
 
+from statestream.distributed import Collective, agree
 from statestream.errors import CheckpointError, ManagerLockedError, StorageError, storage_error
-from statestream.storage import Lease, Storage
+from statestream.manager._steps import StepDirectory
+from statestream.storage import Lease, LocalStorage, Storage
 
-__all__ = ["DirectoryLease", "holder_name"]
+__all__ = ["DirectoryLease", "OpenedLease", "holder_name", "open_lease", "take_lease",
+           "warn_deferred"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -117,6 +122,91 @@ class DirectoryLease:
         # a lost lease object is someone else's now; a lost flock is only our fd
         if lease is not None and (self._lost is None or lease.ttl_s is None):
             lease.release()
+
+
+@dataclasses.dataclass
+class OpenedLease:
+    """How a manager's directory opened, the same on every rank."""
+
+    #: rank 0's lease (None on the other ranks, and when not taken)
+    lease: DirectoryLease | None
+    #: why the directory is read-only (None: it is not)
+    read_only: str | None
+    #: why the lease could not be taken yet (its store could not be reached): it is
+    #: taken before the first persistence of a local tier (None: not deferred)
+    deferred: str | None
+
+
+def open_lease(coll: Collective, directory: StepDirectory, ttl_s: float, *,
+               may_defer: bool) -> OpenedLease:
+    """Rank 0 takes the lease of ``directory`` and cleans it up; every rank learns
+    the outcome (collective).
+
+    ``may_defer`` (a manager with a local tier): when an object store cannot be
+    reached, the manager opens without the lease, so saves commit to the local
+    tier during the outage; :func:`take_lease` takes it later. A lease held by
+    another manager, or any other error, raises as always.
+
+    Raises:
+        ManagerLockedError: another manager holds the directory (on every rank).
+        CheckpointError: opening failed (on every rank).
+    """
+    lease: DirectoryLease | None = None
+    err: BaseException | None = None
+    read_only: str | None = None
+    deferred: str | None = None
+    if coll.rank == 0:
+        try:
+            lease = DirectoryLease(directory.storage, directory.directory,
+                                   directory.lease_path(), ttl_s)
+            read_only = lease.read_only
+            if read_only is None:
+                directory.remove_leftovers()
+        except StorageError as exc:
+            if (may_defer and not isinstance(exc, ManagerLockedError)
+                    and not isinstance(directory.storage, LocalStorage)):
+                deferred = f"{type(exc).__name__}: {exc}"
+            else:
+                err = exc
+        except BaseException as exc:
+            err = exc
+    try:
+        agree(coll, "opening the checkpoint manager", err)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    if coll.world_size > 1:
+        read_only, deferred = coll.broadcast_object([read_only, deferred], src=0)
+    return OpenedLease(lease, read_only, deferred)
+
+
+def take_lease(directory: StepDirectory, ttl_s: float) -> DirectoryLease:
+    """The lease of ``directory`` that :func:`open_lease` deferred, taken now (rank 0),
+    and the directory cleaned up.
+
+    Raises:
+        ManagerLockedError: another manager holds the directory.
+        StorageError: the store still cannot be reached, or the directory is read-only.
+    """
+    lease = DirectoryLease(directory.storage, directory.directory, directory.lease_path(),
+                           ttl_s)
+    try:
+        lease.check()  # read-only: a StorageError carrying its errno
+        directory.remove_leftovers()
+    except BaseException:
+        lease.release()
+        raise
+    return lease
+
+
+def warn_deferred(directory: str, local_tier: str, why: str) -> None:
+    """Warn (on every rank) that a manager opened without its directory's lease."""
+    warnings.warn(
+        f"{directory} cannot be reached ({why}): the CheckpointManager opens without its "
+        f"lease. Saves commit to the local tier {local_tier} and are persisted once the "
+        "store is back; the lease is taken first (should another manager hold it by "
+        "then, saves raise ManagerLockedError)", RuntimeWarning, stacklevel=3)
 
 
 def _release_at_exit() -> None:

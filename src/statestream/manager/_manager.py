@@ -25,7 +25,7 @@ from statestream.errors import (
     ManagerLockedError,
 )
 from statestream.manager._decide import SaveDecisions
-from statestream.manager._lease import DirectoryLease
+from statestream.manager._lease import open_lease, take_lease, warn_deferred
 from statestream.manager._policies import (
     KeepAll,
     KeepPolicy,
@@ -81,7 +81,9 @@ class CheckpointManager:
         local_tier: a fast local directory (a node's own disk): saves commit
             there and are persisted to ``directory`` in the background (see
             docs/manager.md, "The local tier"); steps the last manager on it did
-            not persist are persisted when the manager opens.
+            not persist are persisted when the manager opens. An object store
+            that cannot be reached then does not stop the job: the lease is
+            taken before the first persistence (RuntimeWarning).
         local_keep_policy: which persisted steps the local tier keeps (default
             ``KeepLatest(2)``); a step leaves it only once persisted.
         replicate_to_peers: with several nodes, each process's local files are
@@ -142,15 +144,25 @@ class CheckpointManager:
             save_policy, self._coll,
             lambda step: step == self._last_saved_step or step in self._pending_steps(),
             lambda: (self._last_saved_step, self._last_saved_time))
-        self._lease = self._open(lease_ttl_s)
+        opened = open_lease(self._coll, self._dir, lease_ttl_s,
+                            may_defer=local_tier is not None)
+        self._lease, self._read_only = opened.lease, opened.read_only
+        self._lease_ttl_s = lease_ttl_s
+        #: why another manager's lease keeps this one from the directory (a lease
+        #: taken late, after an outage at open, found it held)
+        self._refused: ManagerLockedError | None = None
         self._tier: LocalTier | None = None
         if local_tier is not None:
+            if opened.deferred is not None:
+                warn_deferred(self.directory, os.fspath(local_tier), opened.deferred)
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._read_only is not None,
                                        replicate_to_peers, self._keep_after_persist,
                                        keep_policy if drops_for_good(keep_policy) else None,
-                                       (memory or MemoryOptions()).resolved())
+                                       (memory or MemoryOptions()).resolved(),
+                                       take_lease=(None if opened.deferred is None
+                                                   else self._take_deferred_lease))
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()
@@ -158,31 +170,6 @@ class CheckpointManager:
         self._last_saved_step = self._agreed_latest()
         if preemption:
             self._decisions.install_sigterm()
-
-    def _open(self, lease_ttl_s: float) -> DirectoryLease | None:
-        """Rank 0 takes the lease and cleans up; every rank learns the outcome."""
-        lease: DirectoryLease | None = None
-        err: BaseException | None = None
-        read_only: str | None = None
-        if self._coll.rank == 0:
-            try:
-                lease = DirectoryLease(self._dir.storage, self.directory,
-                                       self._dir.lease_path(), lease_ttl_s)
-                read_only = lease.read_only
-                if read_only is None:
-                    self._dir.remove_leftovers()
-            except BaseException as exc:
-                err = exc
-        try:
-            agree(self._coll, "opening the checkpoint manager", err)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        if self._coll.world_size > 1:
-            read_only = self._coll.all_gather_object(read_only)[0]
-        self._read_only = read_only
-        return lease
 
     @property
     def read_only(self) -> bool:
@@ -237,6 +224,12 @@ class CheckpointManager:
 
     def _check_writable(self) -> None:
         """Raise unless rank 0 still holds the lease (rank 0 alone decides)."""
+        if self._refused is not None:
+            raise ManagerLockedError(
+                f"{self.directory} is managed by another CheckpointManager, found when this "
+                f"one took the directory's lease after the store came back ({self._refused}); "
+                "it saves and deletes nothing any more; its steps since stay in its local "
+                "tier") from self._refused
         if self._lease is not None:
             self._lease.check()
         elif self._read_only is not None:  # another rank's view: rank 0 found it read-only
@@ -506,6 +499,19 @@ class CheckpointManager:
             self._tier.apply_keep()
         if directory:
             self._apply_directory_keep()
+
+    def _take_deferred_lease(self) -> None:
+        """Rank 0, on the persistence worker, before the first persistence of a manager
+        that opened while its store could not be reached (agreed by the tier)."""
+        if self._lease is not None:
+            return
+        if self._refused is not None:  # refused once: never again (as a lost lease)
+            raise self._refused
+        try:
+            self._lease = take_lease(self._dir, self._lease_ttl_s)
+        except ManagerLockedError as exc:
+            self._refused = exc  # the next save raises it on every rank
+            raise
 
     def _keep_after_persist(self) -> None:
         """The directory's keep policy, on the persistence worker (a lost lease is

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from statestream import _hooks
 from statestream.api import metadata
-from statestream.distributed import Collective, agree, byte_channel
+from statestream.distributed import Collective, agree, byte_channel, share_from_0
 from statestream.engine import (
     BackgroundTasks,
     NodeGroups,
@@ -48,6 +48,7 @@ from statestream.engine import (
 from statestream.errors import (
     CheckpointError,
     InvalidOptionError,
+    StorageError,
     storage_error,
 )
 from statestream.manager._lease import DirectoryLease
@@ -55,7 +56,7 @@ from statestream.manager._policies import KeepPolicy
 from statestream.manager._records import StepRecords, claim, identity
 from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
-from statestream.manager._steps import StepDirectory, parse_step
+from statestream.manager._steps import StepDirectory
 from statestream.storage import LocalStorage, storage_for
 
 __all__ = ["LocalTier"]
@@ -81,6 +82,9 @@ class LocalTier:
             as they were persisted are not persisted (:meth:`drop_unwanted`).
         memory_bytes: the manager's memory budget, which the copies' buffers stay
             within (None: 16 MiB per file copied at once).
+        take_lease: the manager opened without the directory's lease (its store
+            could not be reached): this takes it (on rank 0, agreed) before the
+            first persistence; until it succeeds nothing is persisted.
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
@@ -88,7 +92,8 @@ class LocalTier:
                  files: Callable[[str], bool] | None = None, peers: bool = False,
                  after_persist: Callable[[], None] | None = None,
                  directory_keep: KeepPolicy | None = None,
-                 memory_bytes: int | None = None) -> None:
+                 memory_bytes: int | None = None,
+                 take_lease: Callable[[], None] | None = None) -> None:
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -102,10 +107,11 @@ class LocalTier:
         self.groups = groups
         self._leader = leader = groups.is_leader
         self._files = files
-        self._memory_bytes = memory_bytes  # the persistence copy's buffers stay within it
+        self.memory_bytes = memory_bytes  # the persistence copy's buffers stay within it
         self._peers = peers
         self._after_persist = after_persist
         self._directory_keep = directory_keep
+        self._take_lease = take_lease
         self.tasks = BackgroundTasks("statestream-persist", nice=10)
         #: guards _running, _base_of, _active and the records drop_unwanted writes
         self._lock = threading.RLock()
@@ -187,7 +193,11 @@ class LocalTier:
         background only."""
         out = []
         for s in self.unpersisted():
-            if not self._current_in_persistent(s):
+            try:
+                there = self._current_in_persistent(s)
+            except StorageError:  # the store is down: persisted again once it is back
+                there = False
+            if not there:
                 out.append(s)
             elif self._leader:
                 self.records.record(s)
@@ -216,8 +226,11 @@ class LocalTier:
 
     def _is_stale(self, step: int) -> bool:
         """The persistent directory holds ``step`` committed as another save."""
-        if self.records.is_replaced(step) or not self.persistent.is_committed(step):
-            return False  # saved again here (newer), or the local copy is the only one
+        try:
+            if self.records.is_replaced(step) or not self.persistent.is_committed(step):
+                return False  # saved again here (newer), or the local copy is the only one
+        except StorageError:
+            return False  # the store is down: cannot tell; the next open looks again
         try:
             here, there = metadata(self.path(step)), metadata(self.persistent.path(step))
         except CheckpointError:
@@ -286,6 +299,7 @@ class LocalTier:
                 replicate_to_peers(self._coll, byte_channel(self._coll), self.groups,
                                    self.path(step))
             _hooks.fire("tier.persist")
+            self._ensure_lease()
             bases = self._agreed_missing_bases(step)
             for b in bases:
                 self._copy(b)
@@ -294,6 +308,14 @@ class LocalTier:
             with self._lock:
                 self._active = None
         return [*bases, step]
+
+    def _ensure_lease(self) -> None:
+        """Take the directory's lease the manager could not take when it opened."""
+        if self._take_lease is None:
+            return
+        share_from_0(self._coll, f"taking the lease of {self.persistent.directory}",
+                     self._take_lease, outcome="nothing was persisted")
+        self._take_lease = None
 
     def _take(self, step: int) -> bool:
         """Whether ``step`` is still to be persisted (no process sees it recorded);
@@ -350,7 +372,7 @@ class LocalTier:
     def _copy(self, step: int) -> None:
         copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=None,
                         collective=self._coll, files=self._files,
-                        memory_bytes=self._memory_bytes)
+                        memory_bytes=self.memory_bytes)
         err: BaseException | None = None
         if self._leader:
             try:
@@ -402,50 +424,6 @@ class LocalTier:
                 need.add(b)
                 todo.append(b)
         return sorted(need)
-
-    def fetch(self, step: int) -> TaskHandle | None:
-        """Copy ``step``, loaded from the persistent directory, into this tier in the
-        background, with every step it refers to, each recorded as persisted.
-
-        So the next save of an incremental manager on a new machine refers to it
-        instead of writing everything, and the next load of it reads the local
-        disk. Each node's leader copies into its node's tier; with several nodes a
-        node's copy holds, as a node-local save leaves it, the manifest and its
-        own processes' files (``data/r<rank>-*``): committed, whole with the other
-        nodes' copies. An optimisation: a failure warns and leaves nothing behind.
-        """
-        if not self._leader:
-            return None
-        own = tuple(f"data/r{r}-" for r in self.groups.members())
-        files = None if len(self.groups.leaders()) == 1 else (lambda n: n.startswith(own))
-
-        def task() -> None:
-            try:
-                for s in self._fetch_order(step):
-                    if not self.is_committed(s):
-                        copy_checkpoint(self.persistent.path(s), self.path(s), files=files,
-                                        memory_bytes=self._memory_bytes)
-                        self.records.record(s)
-                _hooks.fire("tier.fetched")
-            except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
-                warnings.warn(f"could not copy step {step} from {self.persistent.directory} "
-                              f"into the local tier {self.root} ({exc}); the next save "
-                              "writes everything", RuntimeWarning, stacklevel=2)
-
-        return self.tasks.submit(task, f"fetching step {step} into {self.root}")
-
-    def _fetch_order(self, step: int) -> list[int]:
-        """``step`` and every step it refers to, directly or not, oldest first."""
-        seen: set[int] = set()
-        todo = [step]
-        while todo:
-            s = todo.pop()
-            if s in seen:
-                continue
-            seen.add(s)
-            todo += [b for b in map(parse_step, metadata(self.persistent.path(s)).bases)
-                     if b is not None]
-        return sorted(seen)
 
     def bases_to_keep(self) -> set[int]:
         """Steps the persistent keep policy must not delete yet: every step that a

@@ -16,7 +16,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from statestream.api import files_read, load
+from statestream import _hooks
+from statestream.api import files_read, load, metadata
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import (
     Collective,
@@ -30,28 +31,32 @@ from statestream.engine import (
     IOOptions,
     MemoryOptions,
     NodeGroups,
+    TaskHandle,
     complete_copies,
+    copy_checkpoint,
     node_groups,
 )
 from statestream.errors import CheckpointCorruptError, CheckpointError, InvalidOptionError
 from statestream.format import Manifest
 from statestream.manager._policies import KeepLatest, KeepPolicy
-from statestream.manager._steps import StepDirectory
+from statestream.manager._steps import StepDirectory, parse_step
 from statestream.manager._tier import LocalTier
 
-__all__ = ["base_for", "open_tier", "tier_load", "tier_steps"]
+__all__ = ["base_for", "fetch_into_tier", "open_tier", "tier_load", "tier_steps"]
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
               coll: Collective, read_only: bool, peers: bool,
               after_persist: Callable[[], None] | None = None,
               directory_keep: KeepPolicy | None = None,
-              memory_bytes: int | None = None) -> LocalTier:
+              memory_bytes: int | None = None, *,
+              take_lease: Callable[[], None] | None = None) -> LocalTier:
     """Open the local tier and queue the persistence of what the last manager left.
 
     ``after_persist``, ``directory_keep``: see :class:`LocalTier` (the directory's
     keep policy; steps it would delete at once are not persisted, even after a crash);
-    ``memory_bytes``: the manager's budget, which the persistence copies stay within."""
+    ``memory_bytes``: the manager's budget, which the persistence copies stay within;
+    ``take_lease``: see :class:`LocalTier`."""
     if read_only:
         raise CheckpointError(
             f"{persistent.directory} is read-only: a local tier in front of it could never "
@@ -72,7 +77,7 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
                          files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
                          peers=peers and multi, after_persist=after_persist,
                          directory_keep=directory_keep,
-                         memory_bytes=memory_bytes)
+                         memory_bytes=memory_bytes, take_lease=take_lease)
     except BaseException as exc:
         err = exc
     agree(coll, "opening the local tier", err)
@@ -189,7 +194,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     process whose local copy is damaged falls back alone, with a warning.
     ``fetch``: loaded from the persistent directory, ``step`` (an incremental
     manager's newest: a resume on a new machine) is then copied into the tier in
-    the background (:meth:`LocalTier.fetch`), so the next save can refer to it.
+    the background (:func:`fetch_into_tier`), so the next save can refer to it.
     """
     one = SingleProcess()
     result: Any = None
@@ -226,7 +231,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
             err = exc
     agree(collective, "loading", err, outcome="no process returns a result")
     if from_persistent and fetch:  # a resume on a new machine: keep a local copy
-        tier.fetch(step)
+        fetch_into_tier(tier, step)
     return result
 
 
@@ -262,3 +267,48 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
         return older[-1] if older else None
 
     return share_from_0(coll, phase, newest_older)
+
+
+def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
+    """Copy ``step``, loaded from the persistent directory, into ``tier`` in the
+    background, with every step it refers to, each recorded as persisted.
+
+    So the next save of an incremental manager on a new machine refers to it
+    instead of writing everything, and the next load of it reads the local
+    disk. Each node's leader copies into its node's tier; with several nodes a
+    node's copy holds, as a node-local save leaves it, the manifest and its
+    own processes' files (``data/r<rank>-*``): committed, whole with the other
+    nodes' copies. An optimisation: a failure warns and leaves nothing behind.
+    """
+    if not tier.groups.is_leader:
+        return None
+    own = tuple(f"data/r{r}-" for r in tier.groups.members())
+    files = None if len(tier.groups.leaders()) == 1 else (lambda n: n.startswith(own))
+
+    def task() -> None:
+        try:
+            for s in _fetch_order(tier.persistent, step):
+                if not tier.is_committed(s):
+                    copy_checkpoint(tier.persistent.path(s), tier.path(s), files=files,
+                                    memory_bytes=tier.memory_bytes)
+                    tier.records.record(s)
+            _hooks.fire("tier.fetched")
+        except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
+            warnings.warn(f"could not copy step {step} from {tier.persistent.directory} "
+                          f"into the local tier {tier.root} ({exc}); the next save "
+                          "writes everything", RuntimeWarning, stacklevel=2)
+
+    return tier.tasks.submit(task, f"fetching step {step} into {tier.root}")
+
+def _fetch_order(persistent: StepDirectory, step: int) -> list[int]:
+    """``step`` and every step it refers to, directly or not, oldest first."""
+    seen: set[int] = set()
+    todo = [step]
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        todo += [b for b in map(parse_step, metadata(persistent.path(s)).bases)
+                 if b is not None]
+    return sorted(seen)
