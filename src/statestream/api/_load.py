@@ -163,13 +163,19 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
         return lambda: None
     entry = m.arrays[node.array]
     job.check_supply(node.array, entry, path)
-    dest = _NUMPY.restore(entry.dtype, entry.shape, None, path)
+    # A large bytes leaf is read from a mapping of its file where it can be, so that its
+    # only anonymous memory is the value returned (read into fresh memory first, it was
+    # twice). Never a pickle: the pages of a mapping could change after the checksum
+    # pass if the file were written meanwhile, and a pickle must be what was checked.
+    mapped = (job.restore_mapped(_NUMPY, node.array, entry, None, path, False)
+              if node.kind == "bytes" else None)
+    dest = mapped or _NUMPY.restore(entry.dtype, entry.shape, None, path)
     for start, buf in dest.boxes:
-        job.wanted.append(Wanted(node.array, start, buf))
+        job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     if node.kind == "bytes":
         return lambda: dest.finish().tobytes()
-    return lambda: pickle.loads(dest.finish().tobytes())
+    return lambda: pickle.loads(dest.finish())  # from the checked buffer: no copy of it
 
 
 def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,

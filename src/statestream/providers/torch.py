@@ -29,6 +29,7 @@ from statestream.providers._base import (
 )
 from statestream.providers._dtensor import DTensorLayout, dtensor_layout, strided_split
 from statestream.providers._dtensor import is_dtensor as _is_dtensor
+from statestream.providers._torch_bytes import byte_view, contiguous_bytes, host_bytes
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["TorchProvider"]
@@ -63,46 +64,9 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def _byte_view(t: Any) -> np.ndarray:
-    """1-D uint8 NumPy view of a contiguous CPU tensor's bytes (no copy)."""
-    import torch
-
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    if flat.stride(0) != 1:  # one element with an odd stride still counts as contiguous
-        flat = flat.as_strided((1,), (1,))
-    out: np.ndarray = flat.view(torch.uint8).numpy()
-    return out
-
-
-class _HostMemory:
-    """Exposes a CPU tensor's bytes to NumPy and keeps the tensor alive."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-        n = tensor.numel() * tensor.element_size()
-        self.__array_interface__ = {
-            "data": (tensor.data_ptr(), False),
-            "shape": (n,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-
-def _host_bytes(t: Any) -> np.ndarray:
-    """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
-    holder = _HostMemory(t)
-    out = np.asarray(holder)
-    del holder.__array_interface__  # read once; the view keeps only the tensor alive
-    return out
-
-
 def _slow_chunk(t: Any, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
     part = t.detach()[box_slices(start, cshape)] if t.dim() else t.detach()
-    return _byte_view(part.contiguous())
+    return contiguous_bytes(part)
 
 
 class TorchProvider(ArrayProvider):
@@ -167,7 +131,7 @@ class TorchProvider(ArrayProvider):
             # process each one can wait a whole switch interval to get it back
             # while writer threads run; 20,000 small tensors paid seconds for that.
             shape = tuple(obj.shape)
-            flat = _host_bytes(obj)
+            flat = host_bytes(obj)
             return PreparedArray(
                 kind=self.kind, dtype=name, shape=shape, copies=False,
                 chunk=row_block_chunker(flat, shape, obj.element_size(),
@@ -185,11 +149,11 @@ class TorchProvider(ArrayProvider):
             part = t[box_slices(start, cshape)] if t.dim() else t
             if part.device.type != "cpu":
                 part = part.to("cpu")
-            return _byte_view(part.contiguous())
+            return contiguous_bytes(part)
 
         chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray] = general
         if not copies and t.numel():
-            chunk = row_block_chunker(_byte_view(t), shape, t.element_size(), general)
+            chunk = row_block_chunker(byte_view(t), shape, t.element_size(), general)
         return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies,
                              **_device_staging(t, _same_start))
 
@@ -214,7 +178,7 @@ class TorchProvider(ArrayProvider):
             part = local[box_slices(rel, cshape)] if local.dim() else local
             if part.device.type != "cpu":
                 part = part.to("cpu")
-            return _byte_view(part.contiguous())
+            return contiguous_bytes(part)
 
         return PreparedArray(
             kind=self.kind, dtype=name, shape=shape, chunk=chunk,
@@ -264,7 +228,7 @@ class TorchProvider(ArrayProvider):
                 if (like.layout != _torch().strided or not like.is_contiguous()
                         or like.is_conj() or like.is_neg()):
                     return None
-                return _host_bytes(like), like
+                return host_bytes(like), like
             if type(like) is not _torch().Tensor or like.requires_grad:
                 return None  # a Parameter or a leaf that needs grad: restore() makes it
         flat = np.empty(nbytes, dtype=np.uint8) if memory is None else memory
@@ -323,7 +287,7 @@ class TorchProvider(ArrayProvider):
             return None
         if getattr(local, "is_conj", lambda: False)() or local.is_neg():
             return None
-        view = _host_bytes(local).view(dtype_from_name(dtype)).reshape(tuple(local.shape))
+        view = host_bytes(local).view(dtype_from_name(dtype)).reshape(tuple(local.shape))
         boxes = [((0,) * len(shape), view)] if layout is None else _layout_views(layout, view)
         return Destination(boxes=boxes, finish=lambda: like)
 
@@ -372,7 +336,7 @@ class TorchProvider(ArrayProvider):
                     key = (obj.data_ptr(), shape, obj.stride(), obj.dtype, dev, None)
                     return key, PreparedArray(
                         kind=self.kind, dtype=name, shape=shape, copies=False,
-                        chunk=row_block_chunker(_host_bytes(obj), shape, obj.element_size(),
+                        chunk=row_block_chunker(host_bytes(obj), shape, obj.element_size(),
                                                 functools.partial(_slow_chunk, obj)),
                     )
         return self.alias_key(obj), self.prepare(obj, path)
