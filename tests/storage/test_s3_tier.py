@@ -34,6 +34,19 @@ def url(s3_server: dict[str, Any]) -> Iterator[str]:
         set_backend("s3", None)
 
 
+def _behind_proxy(s3_server: dict[str, Any], prefix: str = "down",
+                  **options: Any) -> tuple[OutageProxy, str]:
+    """S3 behind an :class:`OutageProxy` (short timeouts unless ``options`` say
+    otherwise) as the s3:// backend; the URL of a fresh prefix."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    set_backend("s3", S3Storage(S3Options(
+        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"],
+        **(options or {"timeout_s": 5, "max_retries": 1, "retry_timeout_s": 3}))))
+    return proxy, f"s3://{s3_server['bucket']}/{prefix}-{uuid.uuid4().hex[:8]}"
+
+
 def _state(step: int) -> dict[str, Any]:
     return {"w": np.arange(3_000_000, dtype=np.float32) + step,  # 12 MB: multipart uploads
             "b": np.full(100, step, dtype=np.int64), "step": step}
@@ -127,13 +140,7 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
     keep policy of the directory is applied after persistences), wait() raises;
     once S3 is back, step 5's persistence persists step 4 too (step 3, which the
     keep policy would delete at once, is not uploaded), in the same manager."""
-    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    set_backend("s3", S3Storage(S3Options(
-        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
-        access_key_id=s3_server["aws_access_key_id"],
-        secret_access_key=s3_server["aws_secret_access_key"],
-        timeout_s=5, max_retries=1, retry_timeout_s=3)))
-    url = f"s3://{s3_server['bucket']}/outage-{uuid.uuid4().hex[:8]}"
+    proxy, url = _behind_proxy(s3_server, "outage")
     caught_up = threading.Event()
     _hooks.register("tier.caught_up", caught_up.set)
     try:
@@ -177,17 +184,6 @@ def test_an_s3_outage_costs_no_step_and_catches_up_without_a_restart(
         _hooks.clear()
         set_backend("s3", None)
         proxy.close()
-
-
-def _behind_proxy(s3_server: dict[str, Any]) -> tuple[OutageProxy, str]:
-    """S3 behind an :class:`OutageProxy` (short timeouts); a fresh prefix's URL."""
-    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    set_backend("s3", S3Storage(S3Options(
-        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
-        access_key_id=s3_server["aws_access_key_id"],
-        secret_access_key=s3_server["aws_secret_access_key"],
-        timeout_s=5, max_retries=1, retry_timeout_s=3)))
-    return proxy, f"s3://{s3_server['bucket']}/down-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.mark.timeout(180)
@@ -275,12 +271,7 @@ def test_save_does_no_store_round_trip_on_the_training_thread(tmp_path, s3_serve
     answers; the client waits 10 minutes per request): save() with a local tier
     commits locally and returns, the keep policy of the directory included (it is
     applied in the background, after a persistence); only persistence waits."""
-    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    set_backend("s3", S3Storage(S3Options(
-        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
-        access_key_id=s3_server["aws_access_key_id"],
-        secret_access_key=s3_server["aws_secret_access_key"], timeout_s=600)))
-    url = f"s3://{s3_server['bucket']}/stall-{uuid.uuid4().hex[:8]}"
+    proxy, url = _behind_proxy(s3_server, "stall", timeout_s=600)
     done = threading.Event()
     try:
         mgr = ss.CheckpointManager(url, local_tier=str(tmp_path / "local"),
@@ -328,13 +319,7 @@ def test_after_an_outage_only_the_steps_the_keep_policy_keeps_are_uploaded(
     best, and the two newest; the others count as persisted, with a warning, and
     leave by the local keep policy), so its disk stays bounded; once S3 is back,
     only those are uploaded, besides the new step."""
-    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
-    set_backend("s3", S3Storage(S3Options(
-        endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
-        access_key_id=s3_server["aws_access_key_id"],
-        secret_access_key=s3_server["aws_secret_access_key"],
-        timeout_s=5, max_retries=1, retry_timeout_s=3)))
-    url = f"s3://{s3_server['bucket']}/bounded-{uuid.uuid4().hex[:8]}"
+    proxy, url = _behind_proxy(s3_server, "bounded")
     local = tmp_path / "local"
     uploads: list[int] = []
     _hooks.register("tier.persist", lambda: uploads.append(1))

@@ -163,7 +163,9 @@ def open_lease(coll: Collective, directory: StepDirectory, ttl_s: float, *,
             if read_only is None:
                 directory.remove_leftovers()
         except StorageError as exc:
-            if (may_defer and not isinstance(exc, ManagerLockedError)
+            # only taking the lease itself is deferred (once it is held, the store was
+            # there a moment ago: an error cleaning up is raised, as without a tier)
+            if (may_defer and lease is None and not isinstance(exc, ManagerLockedError)
                     and not isinstance(directory.storage, LocalStorage)):
                 deferred = f"{type(exc).__name__}: {exc}"
             else:
