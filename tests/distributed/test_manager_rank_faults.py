@@ -182,6 +182,12 @@ def _one_rank_case(case: str, rank: int, root: str, coll: Any, patch: _Patch) ->
         meta = {"loss": float("nan") if rank == 1 else 0.5}
         return _outcome(lambda: ss.save(os.path.join(root, "ck"), _state(rank, 1), meta=meta,
                                         collective=coll))
+    if case in ("step-back", "step-back-forced"):  # one rank's step goes backwards
+        mgr = Mgr(persist, async_save=False, collective=coll)
+        mgr.save(2, _state(rank, 2))
+        step = 1 if rank == 1 else 3
+        return _outcome(lambda: mgr.save(step, _state(rank, step),
+                                         force=case == "step-back-forced"))
     if case == "policy-raises":  # a user's save policy runs on rank 0 only
         class Flaky:
             def should_save(self, c: Any) -> bool:
@@ -227,8 +233,9 @@ def _one_rank_case(case: str, rank: int, root: str, coll: Any, patch: _Patch) ->
     return _outcome(lambda: mgr.load(1))
 
 
-ONE_RANK_CASES = ["meta-nan", "policy-raises", "base-list", "head", "resume-list",
-                  "tier-steps", "open-tier", "persist-head", "replicate", "complete"]
+ONE_RANK_CASES = ["meta-nan", "step-back", "step-back-forced", "policy-raises", "base-list",
+                  "head", "resume-list", "tier-steps", "open-tier", "persist-head", "replicate",
+                  "complete"]
 
 
 def one_rank_worker(ctx: Context) -> dict[str, Any]:
@@ -258,9 +265,9 @@ def test_one_ranks_fault_before_a_collective_raises_on_every_rank(tmp_path: Path
     # the rank whose fault every rank reports; None: the fault no longer reaches the
     # outcome (rank 0 alone asks the store whether the copy overwrites; a persistence
     # that failed to replicate is persisted again by wait()), and every rank goes on
-    failing = {"meta-nan": 1, "policy-raises": 0, "base-list": 0, "head": 1,
-               "resume-list": 0, "tier-steps": 1, "open-tier": 1, "persist-head": None,
-               "replicate": None, "complete": 1}
+    failing = {"meta-nan": 1, "step-back": 1, "step-back-forced": 1, "policy-raises": 0,
+               "base-list": 0, "head": 1, "resume-list": 0, "tier-steps": 1, "open-tier": 1,
+               "persist-head": None, "replicate": None, "complete": 1}
     for r in results:
         for case in ONE_RANK_CASES:
             got, in_step = r.value[case]
@@ -270,5 +277,6 @@ def test_one_ranks_fault_before_a_collective_raises_on_every_rank(tmp_path: Path
                 continue
             assert got.startswith("DistributedError: "), (case, r.rank, got)
             assert f"rank {failing[case]} failed during" in got, (case, r.rank, got)
-            assert "(injected)" in got or "JSON" in got, (case, r.rank, got)
+            assert any(w in got for w in ("(injected)", "JSON", "only go forward")), (
+                case, r.rank, got)
             assert "CollectiveTimeout" not in got and "died" not in got, (case, r.rank, got)

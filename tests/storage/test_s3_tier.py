@@ -234,6 +234,8 @@ def test_a_manager_opened_during_an_outage_yields_to_the_lease_holder(tmp_path, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             assert late.save(1, _small(1))
+            with pytest.raises(ss.StorageError):
+                late.wait()  # its persistence failed: nothing retries until the next call
         proxy.down.clear()
         holder = ss.CheckpointManager(url, async_save=False)  # got there first
         holder.save(7, _small(7))

@@ -12,12 +12,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
 from statestream.distributed import Collective, gather_each
 from statestream.manager._policies import SaveContext, SavePolicy
+from statestream.manager._retention import plain_metrics
+from statestream.manager._steps import check_forward
 
 __all__ = ["SaveDecisions"]
 
@@ -52,11 +54,15 @@ class SaveDecisions:
         return bool(self._policy.should_save(
             SaveContext(step, last_step, last_time, preempted, time.time())))
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, check: Callable[[], int] | None = None) -> bool:
         """Whether ``step`` is saved (collective: rank 0 decides; a save policy that
-        raises there raises on every rank)."""
+        raises there raises on every rank). ``check()``, run first on every rank,
+        returns the step as checked (its error, on any rank, raises on every rank)."""
 
         def mine() -> tuple[bool, tuple[bool, bool] | None]:
+            nonlocal step
+            if check is not None:
+                step = check()
             return self.preempted.is_set(), ((self._decide(step, False),
                                               self._decide(step, True))
                                              if self._coll.rank == 0 else None)
@@ -69,6 +75,30 @@ class SaveDecisions:
         assert choices is not None
         self._decided = (step, flag)
         return bool(choices[1] if flag else choices[0])
+
+    def decide_save(self, step: Any, metrics: Mapping[str, Any] | None, force: bool,
+                    directory: str) -> tuple[int, dict[str, Any]] | None:
+        """The step and metrics of a save to ``directory``, checked, if it is saved
+        (None: it is not). Checked on every rank inside the save decision's collective
+        (a forced save's own), so a step or metrics wrong on one rank raise on all.
+
+        Raises:
+            CheckpointError: ``step`` is older than the last step saved.
+            InvalidOptionError: ``step`` is not a step number.
+        """
+        checked: list[Any] = [step, metrics]
+
+        def check() -> int:
+            checked[:] = [check_forward(step, self._last()[0], directory),
+                          plain_metrics(metrics)]
+            return int(checked[0])
+
+        if force:
+            gather_each(self._coll, f"checking step {step}", check)
+            self.forced(checked[0])  # saved whatever the signal says
+        elif not self.should_save(step, check):
+            return None
+        return checked[0], checked[1]
 
     def forced(self, step: int) -> None:
         """``step`` is saved whatever the policy or the signal says."""

@@ -36,13 +36,8 @@ from statestream.manager._policies import (
     warn_missing_metrics,
 )
 from statestream.manager._resume import load_newest_good
-from statestream.manager._retention import (
-    Retention,
-    encode_metrics,
-    plain_metrics,
-    step_info,
-)
-from statestream.manager._steps import StepDirectory, check_forward
+from statestream.manager._retention import Retention, encode_metrics, step_info
+from statestream.manager._steps import StepDirectory
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
 from statestream.storage import storage_for
@@ -374,12 +369,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-        step = check_forward(step, self._last_saved_step, self.directory)
-        metrics = plain_metrics(metrics)
-        if force:
-            self._decisions.forced(step)  # a save of this step happens whatever the signal
-        elif not self.should_save(step):
+        decided = self._decisions.decide_save(step, metrics, force, self.directory)
+        if decided is None:
             return False
+        step, metrics = decided
         overwrite = self._prepare_save(step, metrics, force)
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
