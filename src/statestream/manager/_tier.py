@@ -36,7 +36,13 @@ from collections.abc import Callable
 
 from statestream import _hooks
 from statestream.api import metadata
-from statestream.distributed import Collective, agree, byte_channel, share_from_0
+from statestream.distributed import (
+    Collective,
+    agree,
+    byte_channel,
+    gather_each,
+    share_from_0,
+)
 from statestream.engine import (
     BackgroundTasks,
     NodeGroups,
@@ -353,20 +359,16 @@ class LocalTier:
     def _agreed_unpersisted(self) -> list[int]:
         """The steps every node holds committed and unpersisted (its leader says),
         after :meth:`drop_unwanted` (the step just persisted may outdate older ones).
-        Reading the local disk can fail on one node alone (its disk is gone): that is
-        agreed before the lists are gathered, so every process raises it together."""
-        mine: list[int] | None = None
-        err: BaseException | None = None
-        try:
+        Reading the local disk can fail on one node alone (its disk is gone): the
+        error travels in the gather, so every process raises it together."""
+
+        def mine() -> list[int] | None:
             self.drop_unwanted()
-            mine = self.settle_records() if self._leader else None
-        except Exception as exc:  # noqa: BLE001 - agreed and raised on every process
-            err = exc
-        agree(self._coll, "listing the unpersisted steps of every node's local tier", err,
-              outcome="nothing more was persisted")
-        if self._coll.world_size == 1:
-            return mine or []
-        lists = [set(x) for x in self._coll.all_gather_object(mine) if x is not None]
+            return self.settle_records() if self._leader else None
+
+        lists = [set(x) for x in gather_each(
+            self._coll, "listing the unpersisted steps of every node's local tier", mine,
+            outcome="nothing more was persisted") if x is not None]
         return sorted(set.intersection(*lists))
 
     def _copy(self, step: int) -> None:
