@@ -11,6 +11,10 @@ Cases (each in a fresh child process; wall time and peak-RSS growth measured the
   reported beside the raw one's).
 - ``ss->dcp``, ``dcp->ss``: ``ss.convert`` each way; ``dcp load+save``: ``dcp.load`` into a
   preallocated state dict + ``dcp.save`` of it (DCP's file writer fsyncs by default).
+- ``orbax->ss``: ``ss.convert`` of an Orbax checkpoint (``StandardCheckpointer``'s defaults:
+  OCDBT, zstd) of the same state as NumPy; ``orbax restore``: orbax's own
+  ``StandardCheckpointer().restore`` of it, as NumPy (reading it, nothing written);
+  ``ss.load orbax``: ``ss.load`` of it (allocating); ``ss->orbax``: ``ss.convert`` to Orbax.
 
 Usage (from the repo root)::
 
@@ -37,7 +41,8 @@ from _common import llama_shapes, med, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["ss->safetensors", "safetensors->ss", "safetensors->ss zstd", "safetensors load+save",
-         "safetensors load+save+fsync", "ss->dcp", "dcp->ss", "dcp load+save"]
+         "safetensors load+save+fsync", "ss->dcp", "dcp->ss", "dcp load+save", "orbax->ss", "orbax restore", "ss.load orbax",
+         "ss->orbax"]
 
 
 def _hwm() -> int:
@@ -61,6 +66,12 @@ def _state(size_mb: int) -> dict[str, object]:
             for n, s in _shapes(size_mb)}
 
 
+def ml_bf16() -> object:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
 def child(task: dict) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -77,6 +88,16 @@ def child(task: dict) -> dict:
         ss.save(d / "src-ss", {"model": state})
         save_file(state, d / "src.safetensors")
         dcp.save({"model": state}, checkpoint_id=str(d / "src-dcp"))
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError:
+            pass
+        else:
+            ck = ocp.StandardCheckpointer()
+            ck.save(d / "src-orbax", {"model": {n: t.view(torch.int16).numpy().view(ml_bf16())
+                                                if t.dtype == torch.bfloat16 else t.numpy()
+                                                for n, t in state.items()}})
+            ck.wait_until_finished()
         return {"ok": True, "bytes": sum(t.nbytes for t in state.values())}
     base = _hwm()
     t0 = time.perf_counter()
@@ -97,6 +118,16 @@ def child(task: dict) -> dict:
         ss.convert(d / "src-ss", out, to="dcp")
     elif case == "dcp->ss":
         ss.convert(d / "src-dcp", out)
+    elif case == "orbax->ss":
+        ss.convert(d / "src-orbax", out)
+    elif case == "orbax restore":
+        import orbax.checkpoint as ocp
+
+        ocp.StandardCheckpointer().restore(d / "src-orbax")
+    elif case == "ss.load orbax":
+        ss.load(d / "src-orbax")
+    elif case == "ss->orbax":
+        ss.convert(d / "src-ss", out, to="orbax", items=["model"])
     elif case == "dcp load+save":
         sd = {"model": {n: torch.empty(s, dtype=torch.bfloat16 if "norm" in n else torch.float32)
                         for n, s in _shapes(task["size_mb"])}}

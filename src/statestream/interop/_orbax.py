@@ -1,29 +1,69 @@
-"""Orbax checkpoints, read through orbax-checkpoint (the optional extra ``statestream[orbax]``).
+"""Orbax checkpoints, read through orbax-checkpoint and tensorstore (the optional extra
+``statestream[orbax]``).
 
-Orbax stores arrays through tensorstore (OCDBT or not), whose layout is
-orbax's own business: the checkpoint is restored by orbax itself, as NumPy,
-and served from memory. Unlike the other formats this holds the whole state
-in memory while it is read or converted.
+Orbax stores arrays through tensorstore (OCDBT or not), whose layout is orbax's own
+business, so statestream does not parse it. It asks orbax for the tree's metadata
+(shapes, dtypes, how each array is chunked in storage) and has orbax restore only the
+values that are not arrays (numbers, strings). Each array is then read when the load asks
+for it, one storage chunk at a time, through the tensorstore spec orbax itself builds to
+read that array: a load or a conversion holds what it is working on, not the whole state
+(restored whole it held the state, +624 MiB for 512 MiB).
+
+A storage chunk is the unit tensorstore reads and decompresses (orbax writes one per
+array or shard by default), so each becomes one chunk of the manifest: a read of part of
+it would decompress all of it again.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import stat
+import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from statestream.errors import CheckpointCorruptError, CheckpointError, UnsupportedTypeError
-from statestream.format import ArrayEntry, FileEntry, Manifest, dtype_name
-from statestream.interop._chunks import row_chunks
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    TruncatedFileError,
+    UnsafeCheckpointError,
+    UnsupportedTypeError,
+)
+from statestream.format import (
+    ArrayEntry,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    dtype_from_name,
+    dtype_name,
+)
+from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
+from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = ["looks_like_orbax", "open_orbax"]
 
 _MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+
+#: An array stored in more chunks than this is described in bands of whole chunk rows
+#: (each read decompresses every chunk it touches, once), so that hostile or odd metadata
+#: cannot make the manifest hold millions of chunk entries.
+MAX_BLOCKS = 1024
+
+#: Blocks read ahead of the one asked for, in the background (tensorstore decompresses them
+#: on its own threads while the caller writes out the block it has): at most this many
+#: bytes, so that a conversion, which reads one block at a time, decompresses on every
+#: core. A block read ahead and not asked for next is dropped.
+READ_AHEAD_BYTES = 32 << 20
+
+#: Tensorstore's cache of OCDBT B-tree nodes (orbax uses 100 MB); data is never cached.
+_BTREE_CACHE_BYTES = 16 << 20
 
 
 def looks_like_orbax(directory: str) -> bool:
@@ -55,56 +95,396 @@ def _item_dir(directory: str) -> str:
     return directory
 
 
+def _refuse_links(item: str) -> None:
+    """Tensorstore opens the item's files by path and follows links: refuse a symbolic
+    link, FIFO, socket or device anywhere under the item, as statestream's own files are
+    refused (docs/security.md), so no read leaves the checkpoint's directory or blocks."""
+    stack = [item]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{d}: cannot list this Orbax directory ({exc})") from exc
+        for e in entries:
+            mode = e.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                stack.append(e.path)
+            elif not stat.S_ISREG(mode):
+                raise UnsafeCheckpointError(
+                    f"{e.path} is not a regular file or directory (a symbolic link, FIFO or "
+                    "device); refused in an Orbax checkpoint")
+
+
+def _corrupt(item: str, exc: BaseException,
+             what: str = "this Orbax checkpoint") -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{item}: orbax could not restore {what} ({type(exc).__name__}: {str(exc)[:500]})")
+
+
 def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
-    """Restore an Orbax checkpoint with orbax-checkpoint and describe it as a manifest
+    """Describe an Orbax checkpoint as a manifest whose arrays are read when asked for
     (a CheckpointManager step with one item reads that item)."""
     ocp = require("orbax.checkpoint", "orbax", "reading Orbax checkpoints")
-    item = _item_dir(directory)
+    from orbax.checkpoint._src.metadata import value as ometa  # the metadata classes
+
+    item = os.path.abspath(_item_dir(directory))
+    _refuse_links(item)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            state = ocp.PyTreeCheckpointer().restore(os.path.abspath(item))
+            ck = ocp.PyTreeCheckpointer()
+            meta = ck.metadata(item)
+            tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+            if tree is None:
+                raise ValueError("no tree metadata (_METADATA)")
+
+            def is_array(m: Any) -> bool:
+                return (isinstance(m, ometa.ArrayMetadata)
+                        and not isinstance(m, ometa.ScalarMetadata))
+
+            # orbax restores everything but the arrays (numbers, strings): small
+            values = ck.restore(item, args=ocp.args.PyTreeRestore(
+                item=_map_leaves(tree, lambda m: ocp.PLACEHOLDER if is_array(m) else m)))
     except (MemoryError, PermissionError, KeyboardInterrupt):
         raise
     except Exception as exc:  # orbax and tensorstore raise many types for one damage
-        raise CheckpointCorruptError(
-            f"{item}: orbax could not restore this Orbax checkpoint "
-            f"({type(exc).__name__}: {str(exc)[:500]})") from exc
-    arrays: list[ArrayEntry] = []
-    memory: dict[str, memoryview] = {}
-    files: list[FileEntry] = []
-    root = _node(state, (), arrays, memory, files)
-    return FileSetReader(directory, {}, memory=memory), Manifest(root, arrays, files)
+        raise _corrupt(item, exc) from exc
+    use_zarr3 = bool(getattr(getattr(meta, "item_metadata", None), "use_zarr3", False))
+    # orbax's own test for the layout: OCDBT keeps its manifest at the item's top
+    use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
+    walk = _Walk(item, use_ocdbt)
+    root = walk.node(values, tree, (), is_array)
+    reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
+                          use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
+    return reader, Manifest(root, walk.arrays, walk.files)
 
 
-def _node(x: Any, p: KeyPath, arrays: list[ArrayEntry], memory: dict[str, memoryview],
-          files: list[FileEntry]) -> Node:
-    if x is None:
-        return Node("none")
-    for t, kind in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
-        if type(x) is t:
-            return Node(kind, value=x)
-    if isinstance(x, dict):
-        keys: list[Key] = [k for k in x if type(k) in (str, int)]
-        if len(keys) != len(x):
-            raise UnsupportedTypeError(f"a key at key path '{format_keypath(p)}' is not str/int")
-        return Node("dict", keys=keys,
-                    children=[_node(x[k], p + (k,), arrays, memory, files) for k in keys])
-    if isinstance(x, (list, tuple)):
-        kids = [_node(v, p + (i,), arrays, memory, files) for i, v in enumerate(x)]
-        return Node("list" if isinstance(x, list) else "tuple", children=kids)
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise UnsupportedTypeError(
-            f"key path '{format_keypath(p)}' holds a {type(x).__name__} restored by orbax, "
-            "which statestream cannot represent")
-    a = np.require(np.asarray(x), requirements="C")  # ascontiguousarray makes 0-d 1-d
-    name = dtype_name(a.dtype)
-    if name is None:
-        raise UnsupportedTypeError(f"key path '{format_keypath(p)}' has dtype {a.dtype}, "
-                                   "which statestream cannot hold")
-    fname = f"<array {len(files)}>"
-    memory[fname] = memoryview(a.reshape(-1).view(np.uint8).data)
-    files.append(FileEntry(fname, a.nbytes))
-    arrays.append(ArrayEntry(name, tuple(a.shape), row_chunks(len(files) - 1, 0, name,
-                                                              tuple(a.shape))))
-    return Node("array", array=len(arrays) - 1)
+def _map_leaves(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _map_leaves(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_leaves(v, fn) for v in tree)
+    return fn(tree)
+
+
+class _Leaf:
+    """One array of the checkpoint: where orbax keeps it, what it must be, and its
+    tensorstore once opened."""
+
+    def __init__(self, path: KeyPath, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self.path, self.name, self.dtype, self.shape = path, name, dtype, shape
+        self.store: Any = None
+
+
+class _Walk:
+    """Builds the manifest from orbax's restored values and metadata, side by side."""
+
+    def __init__(self, item: str, use_ocdbt: bool) -> None:
+        self.item, self.use_ocdbt = item, use_ocdbt
+        self.arrays: list[ArrayEntry] = []
+        self.files: list[FileEntry] = []
+        self.memory: dict[str, memoryview] = {}
+        #: file name -> (leaf index, the block's start and shape)
+        self.blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+        self.leaves: list[_Leaf] = []
+
+    def node(self, x: Any, m: Any, p: KeyPath, is_array: Any) -> Node:
+        if is_array(m):
+            return self._lazy(m, p)
+        if x is None:
+            return Node("none")
+        for t, kind in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
+            if type(x) is t:
+                return Node(kind, value=x)
+        if isinstance(x, dict):
+            keys: list[Key] = [k for k in x if type(k) in (str, int)]
+            if len(keys) != len(x):
+                raise UnsupportedTypeError(
+                    f"a key at key path '{format_keypath(p)}' is not str/int")
+            sub = m if isinstance(m, dict) else {}
+            return Node("dict", keys=keys,
+                        children=[self.node(x[k], sub.get(k), p + (k,), is_array) for k in keys])
+        if isinstance(x, (list, tuple)):
+            seq = list(m) if isinstance(m, (list, tuple)) and len(m) == len(x) else [None] * len(x)
+            kids = [self.node(v, s, p + (i,), is_array) for i, (v, s) in enumerate(zip(x, seq))]
+            return Node("list" if isinstance(x, list) else "tuple", children=kids)
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            raise UnsupportedTypeError(
+                f"key path '{format_keypath(p)}' holds a {type(x).__name__} restored by orbax, "
+                "which statestream cannot represent")
+        a = np.require(np.asarray(x), requirements="C")  # ascontiguousarray makes 0-d 1-d
+        name = dtype_name(a.dtype)
+        if name is None:
+            raise UnsupportedTypeError(f"key path '{format_keypath(p)}' has dtype {a.dtype}, "
+                                       "which statestream cannot hold")
+        fname = f"<array {len(self.files)}>"
+        self.memory[fname] = memoryview(a.reshape(-1).view(np.uint8).data)
+        self.files.append(FileEntry(fname, a.nbytes))
+        chunk = ChunkEntry(len(self.files) - 1, 0, a.nbytes, 0, (0,) * a.ndim, tuple(a.shape))
+        self.arrays.append(ArrayEntry(name, tuple(a.shape), (chunk,) if a.nbytes else ()))
+        return Node("array", array=len(self.arrays) - 1)
+
+    def _lazy(self, m: Any, p: KeyPath) -> Node:
+        where = f"{self.item}: key path '{format_keypath(p)}'"
+        try:
+            shape = tuple(int(n) for n in m.shape)
+            name = dtype_name(np.dtype(m.dtype))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{where}: unreadable shape or dtype ({exc})") from exc
+        if name is None:
+            raise UnsupportedTypeError(f"{where} has dtype {m.dtype}, "
+                                       "which statestream cannot hold")
+        oname = str(m.name)
+        if not isinstance(m.name, str) or "\0" in oname or (
+                not self.use_ocdbt and ("/" in oname or oname in (".", ".."))):
+            raise UnsafeCheckpointError(f"{where}: orbax's name {oname!r} for it is not a "
+                                        "name inside the checkpoint")
+        leaf = len(self.leaves)
+        self.leaves.append(_Leaf(p, oname, name, shape))
+        itemsize = dtype_from_name(name).itemsize
+        chunks: list[ChunkEntry] = []
+        storage_chunk = getattr(getattr(m, "storage", None), "chunk_shape", None)
+        for start, bshape in _blocks(shape, storage_chunk, itemsize):
+            fname = f"<array {len(self.arrays)} block {len(chunks)}>"
+            nbytes = math.prod(bshape) * itemsize
+            self.blocks[fname] = (leaf, start, bshape)
+            self.files.append(FileEntry(fname, nbytes))
+            chunks.append(ChunkEntry(len(self.files) - 1, 0, nbytes, 0, start, bshape))
+        entry = ArrayEntry(name, shape, tuple(chunks))
+        check_tiling(entry, where)
+        self.arrays.append(entry)
+        return Node("array", array=len(self.arrays) - 1)
+
+
+def _blocks(shape: tuple[int, ...], chunk_shape: Any, itemsize: int
+            ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The storage chunks of an array of ``shape`` as (start, shape) boxes, from orbax's
+    ``chunk_shape`` (the whole array when it names none or an unusable one); in bands of
+    whole chunk rows of about ``ROW_BLOCK_BYTES`` when there would be more than
+    ``MAX_BLOCKS``."""
+    if math.prod(shape) == 0:
+        return []
+    try:
+        cs = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else ()
+    except (TypeError, ValueError):
+        cs = ()
+    if len(cs) != len(shape) or any(c < 1 for c in cs) or not shape:
+        return [((0,) * len(shape), shape)]
+    cs = tuple(min(c, n) for c, n in zip(cs, shape))
+    grid = [math.ceil(n / c) for n, c in zip(shape, cs)]
+    if math.prod(grid) > MAX_BLOCKS:
+        row = math.prod(shape[1:]) * itemsize
+        rows = cs[0] * max(1, ROW_BLOCK_BYTES // max(1, row * cs[0]))
+        if math.ceil(shape[0] / rows) > MAX_BLOCKS:
+            rows = math.ceil(shape[0] / MAX_BLOCKS)
+        return [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
+                for r in range(0, shape[0], rows)]
+    out = []
+    for idx in np.ndindex(*grid):
+        start = tuple(i * c for i, c in zip(idx, cs))
+        out.append((start, tuple(min(c, n - s) for c, n, s in zip(cs, shape, start))))
+    return out
+
+
+class _OrbaxReader(FileSetReader):
+    """Values orbax restored from memory; each array block read through tensorstore when
+    it is asked for, straight into the caller's buffer when the read is the whole block."""
+
+    def __init__(self, location: str, item: str, memory: dict[str, memoryview],
+                 blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]],
+                 leaves: list[_Leaf], *, use_zarr3: bool, use_ocdbt: bool) -> None:
+        super().__init__(location, {}, memory=memory)
+        self._item = item
+        self._blocks = blocks
+        self._leaves = leaves
+        self._use_zarr3 = use_zarr3
+        self._use_ocdbt = use_ocdbt
+        self._ts_context: Any = None
+        self._open_lock = threading.Lock()
+        self._order = {n: i for i, n in enumerate(blocks)}
+        self._names = list(blocks)
+        #: blocks being read ahead: name -> (tensorstore write future, buffer)
+        self._ahead: dict[str, tuple[Any, np.ndarray]] = {}
+        self._free: list[np.ndarray] = []
+        self._ahead_lock = threading.RLock()
+
+    def file_size(self, name: str) -> int:
+        b = self._blocks.get(name)
+        if b is None:
+            return super().file_size(name)
+        return math.prod(b[2]) * dtype_from_name(self._leaves[b[0]].dtype).itemsize
+
+    def _store(self, leaf: _Leaf) -> Any:
+        with self._open_lock:
+            if leaf.store is not None:
+                return leaf.store
+            ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
+            from etils import epath
+            from orbax.checkpoint import type_handlers
+
+            if self._ts_context is None:
+                self._ts_context = ts.Context(
+                    {"cache_pool#ocdbt": {"total_bytes_limit": _BTREE_CACHE_BYTES}})
+            where = f"key path '{format_keypath(leaf.path)}'"
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    info = type_handlers.ParamInfo(
+                        name=leaf.name, parent_dir=epath.Path(self._item),
+                        use_zarr3=self._use_zarr3, ts_context=self._ts_context)
+                    spec = type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
+                    store = ts.open(spec, context=self._ts_context, open=True, read=True).result()
+            except (MemoryError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                raise _corrupt(self._item, exc, where) from exc
+            shape = tuple(int(n) for n in store.shape)
+            if shape != leaf.shape or dtype_name(np.dtype(store.dtype.numpy_dtype)) != leaf.dtype:
+                raise CheckpointCorruptError(
+                    f"{self._item}: {where} is stored as {store.dtype.name} {shape}, but its "
+                    f"metadata says {leaf.dtype} {leaf.shape}")
+            leaf.store = store
+            return store
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        b = self._blocks.get(name)
+        if b is None:
+            return super().read_into(name, offset, buffers)
+        leaf = self._leaves[b[0]]
+        start, bshape = b[1], b[2]
+        dt = dtype_from_name(leaf.dtype)
+        size = math.prod(bshape) * dt.itemsize
+        views = [memoryview(x).cast("B") for x in buffers]
+        total = sum(v.nbytes for v in views)
+        if offset < 0 or offset + total > size:
+            raise TruncatedFileError(f"{self.location}: {name} is too short")
+        store = self._store(leaf)
+        box = tuple(slice(s, s + n) for s, n in zip(start, bshape))
+        ahead = self._take_ahead(name)
+        try:
+            got = self._read_block(leaf, store, box, views, size, dt, ahead, bshape)
+            for v in views:
+                if got is None:
+                    break
+                v[:] = got[offset:offset + v.nbytes].data
+                offset += v.nbytes
+        finally:
+            if ahead is not None:
+                self._give_back(ahead)
+
+    def _read_block(self, leaf: _Leaf, store: Any, box: tuple[slice, ...],
+                    views: list[memoryview], size: int, dt: np.dtype,
+                    ahead: tuple[Any, np.ndarray] | None, bshape: tuple[int, ...]
+                    ) -> np.ndarray | None:
+        """The block's bytes: from its read ahead, or read now (None when read straight
+        into the one view that is the whole block)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if ahead is not None:
+                    ahead[0].result()
+                    return ahead[1][:size]
+                if len(views) == 1 and views[0].nbytes == size and size:
+                    ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
+                    dst = np.frombuffer(views[0], dtype=dt).reshape(bshape)
+                    ts.array(dst, copy=False, write=True).write(store[box]).result()
+                    return None
+                return np.ascontiguousarray(store[box].read().result()).reshape(-1).view(np.uint8)
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise _corrupt(self._item, exc, f"key path '{format_keypath(leaf.path)}'") from exc
+
+    def _size(self, name: str) -> int:
+        b = self._blocks[name]
+        return math.prod(b[2]) * dtype_from_name(self._leaves[b[0]].dtype).itemsize
+
+    def _take_ahead(self, name: str) -> tuple[Any, np.ndarray] | None:
+        """The read of ``name`` already under way, as (future, buffer), or None; after
+        starting the reads of the blocks that follow it, up to ``READ_AHEAD_BYTES``, into
+        buffers reused from block to block. Reads ahead of an earlier block are dropped
+        (the caller went past them).
+
+        Whoever takes an entry with a future out of ``_ahead`` owns its buffer and gives
+        it back (:meth:`_give_back`) once tensorstore is done with it; an entry still
+        being started (no future yet) stays its starter's, who gives it back on finding
+        it gone."""
+        i = self._order[name]
+        stale: list[tuple[Any, np.ndarray]] = []
+        start: list[tuple[str, tuple[Any, np.ndarray]]] = []
+        with self._ahead_lock:
+            got = self._ahead.pop(name, None)
+            for n in [n for n in self._ahead if self._order[n] < i]:
+                stale.append(self._ahead.pop(n))
+            for n in self._names[i + 1:i + 5]:
+                if n in self._ahead or n == name:
+                    continue
+                buf = self._spare(self._size(n))
+                if buf is None:
+                    break
+                claim = (None, buf)
+                self._ahead[n] = claim
+                start.append((n, claim))
+        for e in stale:
+            if e[0] is not None:
+                self._give_back(e)
+        for n, claim in start:
+            b = self._blocks[n]
+            try:
+                store = self._store(self._leaves[b[0]])
+                dst = claim[1][:self._size(n)].view(dtype_from_name(self._leaves[b[0]].dtype))
+                ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
+                f = ts.array(dst.reshape(b[2]), copy=False, write=True).write(
+                    store[tuple(slice(s, s + k) for s, k in zip(b[1], b[2]))])
+            except Exception:  # the block's own read reports what is wrong
+                f = None
+            with self._ahead_lock:
+                mine = self._ahead.get(n) is not claim  # taken or dropped meanwhile
+                if not mine and f is not None:
+                    self._ahead[n] = (f, claim[1])
+                elif not mine:
+                    del self._ahead[n]
+                    mine = True
+            if mine:
+                self._give_back((f, claim[1]))
+        return got if got is not None and got[0] is not None else None
+
+    def _spare(self, n: int) -> np.ndarray | None:
+        """A free read-ahead buffer of at least ``n`` bytes (under ``_ahead_lock``), or None
+        when the read-ahead buffers would exceed ``READ_AHEAD_BYTES``."""
+        fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        held = sum(b.nbytes for b in self._free) + sum(
+            x[1].nbytes for x in self._ahead.values())
+        while self._free and held + n > READ_AHEAD_BYTES:
+            held -= self._free.pop(0).nbytes
+        if held + n > READ_AHEAD_BYTES:
+            return None
+        return np.empty(n, np.uint8)
+
+    def _give_back(self, entry: tuple[Any, np.ndarray]) -> None:
+        """Return a read-ahead buffer to the free list once tensorstore is done with it."""
+        f, buf = entry
+        if f is not None:
+            try:
+                f.result()
+            except Exception:  # nobody asked for this block (or will read it again)
+                pass
+        with self._ahead_lock:
+            self._free.append(buf)
+
+    def close(self) -> None:
+        with self._ahead_lock:
+            taken = [e for e in self._ahead.values() if e[0] is not None]
+            self._ahead.clear()
+        for e in taken:
+            self._give_back(e)
+        with self._ahead_lock:
+            self._free.clear()
+        with self._open_lock:
+            for leaf in self._leaves:
+                leaf.store = None
+            self._ts_context = None
+        super().close()
