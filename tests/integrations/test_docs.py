@@ -163,18 +163,41 @@ def test_doc_example_runs(tmp_path: Path, request: pytest.FixtureRequest,
     values = {"tmp": str(tmp_path)}
     if "s3" in opts or "s3-server" in opts:
         values["s3_endpoint"] = _s3(request)
-    code = _script(group, values)
-    for mod in _needs(code):
+    for mod in _needs(_script(group, values)):
         pytest.importorskip(mod)
-    if group[0].lang == "sh":
-        (tmp_path / "block.sh").write_text(code)
-        argv = ["bash", "-e", str(tmp_path / "block.sh")]
-    else:
-        (tmp_path / "block.py").write_text(code)
-        argv = [sys.executable, str(tmp_path / "block.py")]
-    results = _run(argv, tmp_path, _env(opts, values), int(opts.get("procs", "1")))
+    results = _attempt(group, tmp_path, values)
+    if any(rc != 0 and _TORCH_EXIT_ABORT in log for rc, log in results):
+        # torch's own abort at interpreter exit (see _TORCH_EXIT_ABORT): once more, afresh
+        (tmp_path / "again").mkdir()
+        results = _attempt(group, tmp_path / "again", {**values, "tmp": str(tmp_path / "again")})
     for rank, (rc, log) in enumerate(results):
         assert rc == 0, f"{group_id(group)} failed (rank {rank}, exit {rc}):\n{log[-4000:]}"
+
+
+#: What a process prints when torch's gloo worker thread lets go of a finished
+#: collective's work (holding tensors with Python objects) after the interpreter began
+#: to finalize: the thread cannot take the GIL any more and the process aborts
+#: (pytorch/pytorch#190489). FSDP2 keeps the default group, and so its threads, alive
+#: until then even after destroy_process_group(), so the FSDP2 example of
+#: docs/integrations.md aborted at exit about once in 20 runs on a loaded machine,
+#: after its checks had passed (core dumps: pt_gloo_runloop in
+#: ~AsyncAllgatherCoalescedWork, the main thread in Py_FinalizeEx). statestream's own
+#: group and the store no longer outlive destroy_process_group()
+#: (tests/distributed/test_torch_group_release.py); a run that aborts this way is run
+#: once more, so a real failure (every time) still fails.
+_TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _attempt(group: list[Block], where: Path, values: dict[str, str]) -> list[tuple[int, str]]:
+    """Run the example once in ``where``: each rank's exit code and output."""
+    code = _script(group, values)
+    if group[0].lang == "sh":
+        (where / "block.sh").write_text(code)
+        argv = ["bash", "-e", str(where / "block.sh")]
+    else:
+        (where / "block.py").write_text(code)
+        argv = [sys.executable, str(where / "block.py")]
+    return _run(argv, where, _env(group[0].opts, values), int(group[0].opts.get("procs", "1")))
 
 
 def test_every_public_name_is_documented() -> None:

@@ -50,20 +50,29 @@ class Heartbeat:
         _LIVE.add(self)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                if not self._keep_going():
+        try:
+            while not self._stop.wait(self._interval_s):
+                try:
+                    if not self._keep_going():
+                        return
+                    self._beat()
+                except BaseException as exc:  # noqa: BLE001 - the store is gone; stop beating
+                    self.error = exc
                     return
-                self._beat()
-            except BaseException as exc:  # noqa: BLE001 - the store is gone; stop beating
-                self.error = exc
-                return
+        finally:
+            # what beat() holds (a connection to the store, which on the store's host
+            # keeps its server running) goes with the thread, not with this object
+            self._beat = self._keep_going = _never
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _never() -> bool:
+    return False
 
 
 def _stop_at_exit() -> None:

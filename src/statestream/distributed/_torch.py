@@ -188,7 +188,12 @@ class TorchCollective:
             pg = _gloo_group(dist, group, self._timeout_s, channel)
             _GROUPS[key] = weakref.ref(pg)
             _SEQ.pop(key, None)  # a new group: every rank counts from the start again
-        self._pg = pg
+        # held weakly, like the store below: torch's registry holds the group while it
+        # is registered, and a collective kept after destroy_process_group() (a closed
+        # manager not yet collected) must not keep the group's threads running into
+        # the interpreter's exit, where a gloo thread that lets go of finished work
+        # holding Python tensors aborts the process
+        self._pg_ref = weakref.ref(pg)
         self._rank = dist.get_rank(pg)
         self._world = dist.get_world_size(pg)
         self._global_ranks = dist.get_process_group_ranks(pg)
@@ -196,14 +201,33 @@ class TorchCollective:
         # records how many it has entered, so a timeout can name the ranks that
         # never came (gloo's own error does not say).
         self._key = key
-        self._store = _default_store()
+        store = _default_store()
+        self._store_ref = weakref.ref(store) if store is not None else None
         self._prefix = (f"statestream/arrive/{channel}/{self._timeout_s:g}/"
                         + "-".join(str(r) for r in self._global_ranks))
-        if self._store is not None and self._world > 1:
+        if store is not None and self._world > 1:
             try:  # liveness, so a failed collective can name the rank that died
-                _start_heartbeat(dist, self._store)
+                _start_heartbeat(dist, store)
             except Exception:  # diagnostics only
                 pass
+
+    @property
+    def _pg(self) -> Any:
+        pg = self._pg_ref()
+        if pg is None:
+            raise DistributedError(
+                "the process group of this collective was destroyed "
+                "(torch.distributed.destroy_process_group()); create a new one")
+        return pg
+
+    @property
+    def _store(self) -> Any:
+        """The rendezvous store (diagnostics only), or None once it is gone."""
+        return self._store_ref() if self._store_ref is not None else None
+
+    @_store.setter
+    def _store(self, value: None) -> None:
+        self._store_ref = None
 
     def fork(self, channel: str) -> TorchCollective:
         """The same ranks on a separate gloo group (for a background save's messages).
