@@ -127,7 +127,9 @@ def child(task: dict) -> dict:
     elif case == "ss.load orbax":
         ss.load(d / "src-orbax")
     elif case == "ss->orbax":
-        ss.convert(d / "src-ss", out, to="orbax", items=["model"])
+        ss.convert(d / "src-ss", out, to="orbax", items=["model"],
+                   memory=ss.MemoryOptions(memory_budget_bytes=task["budget_mb"] << 20)
+                   if task.get("budget_mb") else None)
     elif case == "dcp load+save":
         sd = {"model": {n: torch.empty(s, dtype=torch.bfloat16 if "norm" in n else torch.float32)
                         for n, s in _shapes(task["size_mb"])}}
@@ -148,6 +150,8 @@ def main() -> None:
     ap.add_argument("--dir", default="bench-data-convert")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    ap.add_argument("--budget-mb", type=int, default=0,
+                    help="memory budget of the ss->orbax case (default: the library's)")
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
@@ -173,7 +177,8 @@ def main() -> None:
     for r in range(a.repeats):
         for c in cases:
             res = run_child(me, src, {"case": c, "dir": str(d), "size_mb": a.size_mb,
-                                      "i": f"{r}-{CASES.index(c)}"}, a.timeout,
+                                      "i": f"{r}-{CASES.index(c)}", "budget_mb": a.budget_mb},
+                            a.timeout,
                             stderr_on_failure=True)
             samples[c].append(res)
             for p in d.glob("out-*"):

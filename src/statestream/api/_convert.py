@@ -122,6 +122,10 @@ class _Slabs:
         # budget wrote (no whole-chunk staging to verify a checksum); the writer's
         # buffers come out of the other half, the reads' staging
         self.slab_bytes = max(1, min(budget // 2, io.max_chunk_bytes))
+        #: what a writer that must hold arrays whole until it writes them (orbax) may
+        #: give it at once: orbax's own copies and buffers come to about as much again
+        #: (+27 MiB for batches of 8 MiB under 32 MiB), and the slab being read is on top
+        self.hold_bytes = max(budget // 4, 1 << 20)
         self.budget = ByteBudget(max(budget - self.slab_bytes - writer_bytes, 1 << 20))
         self.reuse = reuse
         self._raw: np.ndarray | None = None
@@ -216,7 +220,8 @@ def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _
     elif fmt == "dcp":
         write_dcp(dst_s, root, specs, slabs, overwrite=overwrite)
     elif fmt == "orbax":
-        write_orbax(dst_s, root, specs, slabs, overwrite=overwrite)
+        write_orbax(dst_s, root, specs, slabs, overwrite=overwrite,
+                    batch_bytes=slabs.hold_bytes)
     else:
         sharded = max_shard_bytes is not None or not dst_s.endswith(".safetensors")
         write_safetensors(dst_s, root, specs, slabs, meta, overwrite=overwrite,

@@ -1,12 +1,17 @@
-"""Write an Orbax checkpoint with orbax-checkpoint's ``StandardCheckpointer``.
+"""Write an Orbax checkpoint with orbax-checkpoint.
 
-orbax-checkpoint takes the whole tree at once, so this writer assembles
-every array in memory first (docs/interop.md says so); it is the one writer
-that does not stream.
+orbax-checkpoint takes a tree and holds its arrays until they are written, so a tree
+larger than a quarter of the memory budget goes to orbax in batches, each one partial
+save of the same checkpoint (``orbax.checkpoint.experimental.v1.partial``; a dict's
+entries may go in different batches, a list goes whole), and the PyTree item the
+finalized checkpoint holds is published. A tree within it goes in one
+``StandardCheckpointer`` save. Either way ``StandardCheckpointer().restore(dst)``
+reads the result.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import warnings
@@ -15,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from statestream.errors import UnsupportedTypeError
-from statestream.format import dtype_from_name
+from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.format import dtype_from_name, itemsize_of
 from statestream.interop._deps import require
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
 from statestream.tree import KeyPath, Node, format_keypath
@@ -66,9 +71,48 @@ def _tree(node: Node, specs: Sequence[ArraySpec], slabs: Slabs, p: KeyPath) -> A
     return {key: _tree(c, specs, slabs, p + (key,)) for key, c in zip(node.keys or [], kids)}
 
 
+def _units(node: Node, p: KeyPath) -> list[tuple[KeyPath, Node]]:
+    """The subtrees an Orbax partial save can add one at a time: a dict's entries
+    (recursively); a list or tuple whole (a partial save names dict keys, not
+    positions), and so the root when it is not a dict."""
+    if node.kind == "stateful":
+        return _units((node.children or [])[0], p)
+    if node.kind == "dict" and node.children:
+        out: list[tuple[KeyPath, Node]] = []
+        for key, c in zip(node.keys or [], node.children):
+            out += _units(c, p + (key,))
+        return out
+    return [(p, node)]
+
+
+def _array_bytes(node: Node, specs: Sequence[ArraySpec]) -> int:
+    if node.kind == "array":
+        dtype, shape = specs[node.array or 0]
+        return math.prod(shape) * itemsize_of(dtype)
+    return sum(_array_bytes(c, specs) for c in node.children or [])
+
+
+def _batches(units: list[tuple[KeyPath, Node]], specs: Sequence[ArraySpec],
+             batch_bytes: int) -> list[list[tuple[KeyPath, Node]]]:
+    """Units in tree order, in batches of at most ``batch_bytes`` of arrays (a larger
+    unit alone)."""
+    out: list[list[tuple[KeyPath, Node]]] = [[]]
+    held = 0
+    for u in units:
+        n = _array_bytes(u[1], specs)
+        if out[-1] and held + n > batch_bytes:
+            out.append([])
+            held = 0
+        out[-1].append(u)
+        held += n
+    return out
+
+
 def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
-                overwrite: bool) -> None:
-    """What ``orbax.checkpoint.StandardCheckpointer().restore(dst)`` reads."""
+                overwrite: bool, batch_bytes: int = 1 << 62) -> None:
+    """What ``orbax.checkpoint.StandardCheckpointer().restore(dst)`` reads, given to
+    orbax at most ``batch_bytes`` of arrays at a time (one array or list larger than
+    that goes alone)."""
     ocp = require("orbax.checkpoint", "orbax", "writing Orbax checkpoints")
     bad: list[str] = []
     _unholdable(root, specs, (), bad)
@@ -79,16 +123,46 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
             f"values at key paths {', '.join(bad[:20])}{' and more' if len(bad) > 20 else ''}; "
             "leave them out with items=")
     _claim(dst, overwrite, directory=True)
-    tree = _tree(root, specs, slabs, ())
+    batches = _batches(_units(root, ()), specs, batch_bytes)
     staging = _staging_path(dst)
     try:
         out = os.path.join(staging, "out")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ck = ocp.StandardCheckpointer()
-            ck.save(out, tree)
-            ck.wait_until_finished()
-            ck.close()
-        _publish(out, dst)
+            if len(batches) == 1:  # one tree: the plain StandardCheckpointer save
+                ck = ocp.StandardCheckpointer()
+                ck.save(out, _tree(root, specs, slabs, ()))
+                ck.wait_until_finished()
+                ck.close()
+                item = out
+            else:
+                partial = require("orbax.checkpoint.experimental.v1", "orbax",
+                                  "writing Orbax checkpoints").partial
+                for batch in batches:
+                    tree: dict[Any, Any] = {}
+                    for path, node in batch:
+                        _put(tree, path, _tree(node, specs, slabs, path))
+                    partial.save(out, tree)
+                    del tree  # written: its arrays go before the next batch is read
+                partial.finalize(out)
+                item = _pytree_item(out)
+        _publish(item, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _put(tree: dict[Any, Any], path: KeyPath, value: Any) -> None:
+    d = tree
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+    d[path[-1]] = value
+
+
+def _pytree_item(out: str) -> str:
+    """The directory of the PyTree item a finalized partial save made in ``out``."""
+    items = [e.path for e in os.scandir(out) if e.is_dir(follow_symlinks=False)
+             and os.path.isfile(os.path.join(e.path, "_METADATA"))]
+    if len(items) != 1:
+        raise CheckpointError(f"{out}: orbax's partial save made {len(items)} PyTree items, "
+                              "not one")
+    return items[0]
