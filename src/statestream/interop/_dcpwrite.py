@@ -10,7 +10,6 @@ only, when this writer runs.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import shutil
@@ -24,6 +23,7 @@ from statestream.interop._torchwrite import (
     pickle_state,
     python_state,
     small_bytes,
+    with_big_bytes,
     write_zip,
 )
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
@@ -111,10 +111,10 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                         size=torch.Size(shape),
                         chunks=[md.ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(shape))])
                     index = md.MetadataIndex(fqn, zeros, 0)
-                else:
-                    buf = io.BytesIO()
-                    torch.save(python_state(node, specs, small, p), buf)
-                    f.write(buf.getbuffer())
+                else:  # what torch.save writes, its large bytes values streamed
+                    data, tensors = pickle_state(python_state(node, specs, small, p))
+                    write_zip(f, with_big_bytes(data, node, specs, slabs, small), tensors,
+                              slabs)
                     sdm[fqn] = md.BytesStorageMetadata()
                     index = md.MetadataIndex(fqn)
                 storage[index] = storage_info(DATA_NAME, start, f.tell() - start)

@@ -2,8 +2,9 @@
 
 The pickle (``data.pkl``) names only what ``torch.load(weights_only=True)``
 admits; tensors are written slab by slab into stored (uncompressed),
-64-byte-aligned ``data/<n>`` entries, as torch.save lays them out. torch is
-imported here only, when this writer runs.
+64-byte-aligned ``data/<n>`` entries, as torch.save lays them out, and a large
+``bytes`` value is written into the pickle itself slab by slab
+(:class:`StreamedPickle`). torch is imported here only, when this writer runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pickle
 import shutil
 import struct
+import uuid
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +28,8 @@ from statestream.interop._torchfile import STORAGE_DTYPES
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["pickle_state", "python_state", "small_bytes", "write_torch", "write_zip"]
+__all__ = ["StreamedPickle", "big_marker", "pickle_state", "python_state", "small_bytes",
+           "with_big_bytes", "write_torch", "write_zip"]
 
 _PREFIX = "archive"
 _ALIGN = 64
@@ -59,7 +62,8 @@ def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes]
             seen[i] = _Tensor(i, specs[i])
         return seen[i]
     if k == "bytes":
-        return small[node.array or 0]
+        i = node.array or 0
+        return small[i] if i in small else big_marker(i)
     if k == "pickle":
         raise PickleNotAllowedError(
             f"key path '{format_keypath(p)}' holds a pickled object; torch.load("
@@ -132,7 +136,8 @@ def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
                 overwrite: bool) -> None:
     """A zip-format torch.save file that ``torch.load(weights_only=True)`` reads."""
     small = small_bytes(root, specs, slabs)
-    data, tensors = pickle_state(python_state(root, specs, small, ()))
+    raw, tensors = pickle_state(python_state(root, specs, small, ()))
+    data = with_big_bytes(raw, root, specs, slabs, small)
     _claim(dst, overwrite, directory=False)
     staging = _staging_path(dst)
     try:
@@ -174,12 +179,20 @@ class _Window(io.RawIOBase):
         self.f.flush()
 
 
-def write_zip(f: Any, data: bytes, tensors: list[_Tensor], slabs: Slabs) -> None:
-    """A torch.save archive at ``f``'s position (offsets relative to it), tensors streamed."""
+def write_zip(f: Any, data: bytes | StreamedPickle, tensors: list[_Tensor],
+              slabs: Slabs) -> None:
+    """A torch.save archive at ``f``'s position (offsets relative to it), tensors streamed
+    (and large ``bytes`` values of the pickle, :class:`StreamedPickle`)."""
     import numpy as np
 
     with zipfile.ZipFile(_Window(f), "w", zipfile.ZIP_STORED) as z:
-        z.writestr(f"{_PREFIX}/data.pkl", data)
+        if isinstance(data, StreamedPickle):
+            info = zipfile.ZipInfo(f"{_PREFIX}/data.pkl", date_time=(1980, 1, 1, 0, 0, 0))
+            info.file_size = data.size
+            with z.open(info, "w", force_zip64=data.size * 1.05 > zipfile.ZIP64_LIMIT) as w:
+                data.write_to(w, slabs)
+        else:
+            z.writestr(f"{_PREFIX}/data.pkl", data)
         z.writestr(f"{_PREFIX}/byteorder", "little")
         for k, t in enumerate(tensors):
             size = math.prod(t.spec[1]) * itemsize_of(t.spec[0])
@@ -193,11 +206,91 @@ def write_zip(f: Any, data: bytes, tensors: list[_Tensor], slabs: Slabs) -> None
 
 
 def small_bytes(root: Node, specs: Sequence[ArraySpec], slabs: Slabs) -> dict[int, bytes]:
-    """The contents of the tree's ``bytes`` leaves (they become Python bytes values)."""
+    """The contents of the tree's ``bytes`` leaves of at most ``INLINE_BYTES`` (they
+    become Python bytes values in the pickle); larger ones are streamed into it
+    (:func:`with_big_bytes`)."""
     import numpy as np
 
     return {i: b"".join(bytes(b.reshape(-1).view(np.uint8)) for _, b in slabs(i))
-            for i, (dtype, _) in enumerate(specs) if dtype == "uint8" and _is_bytes(root, i)}
+            for i, (dtype, shape) in enumerate(specs)
+            if dtype == "uint8" and math.prod(shape) <= INLINE_BYTES and _is_bytes(root, i)}
+
+
+#: A ``bytes`` leaf up to this size is pickled as a Python value; a larger one is
+#: written into the pickle slab by slab (:class:`StreamedPickle`).
+INLINE_BYTES = 1 << 20
+_MARK = "\x00statestream-bytes-" + uuid.uuid4().hex + "-"
+#: How protocol 2 pickles bytes (and torch.load(weights_only=True) allows):
+#: ``_codecs.encode(text, "latin1")`` with the bytes as latin-1 text (UTF-8 in the pickle).
+_ENCODE = b"c_codecs\nencode\n"
+_LATIN1 = b"X" + struct.pack("<I", 6) + b"latin1" + b"\x86R"  # the argument, TUPLE2, REDUCE
+
+
+def big_marker(index: int) -> str:
+    """The string that stands for large ``bytes`` leaf ``index`` in a pickle until
+    :func:`with_big_bytes` writes the leaf in its place."""
+    return f"{_MARK}{index}\x00"
+
+
+class StreamedPickle:
+    """A pickle whose large ``bytes`` values are read from the source as it is written:
+    ``pieces`` are the pickle's own bytes and, between them, the index of a leaf and the
+    length of its latin-1 text in UTF-8 (each byte of 0x80 or more takes two)."""
+
+    def __init__(self, pieces: list[bytes | tuple[int, int]]) -> None:
+        self.pieces = pieces
+        self.size = sum(len(p) if isinstance(p, bytes)
+                        else len(_ENCODE) + 5 + p[1] + len(_LATIN1) for p in pieces)
+
+    def write_to(self, w: Any, slabs: Slabs) -> None:
+        import numpy as np
+
+        for p in self.pieces:
+            if isinstance(p, bytes):
+                w.write(p)
+                continue
+            w.write(_ENCODE + b"X" + struct.pack("<I", p[1]))
+            for _, buf in slabs(p[0]):
+                flat = buf.reshape(-1).view(np.uint8)
+                for at in range(0, flat.size, 4 << 20):  # the text costs 3x: pieces of 4 MiB
+                    w.write(bytes(flat[at:at + (4 << 20)]).decode("latin-1").encode("utf-8"))
+                del buf
+            w.write(_LATIN1)
+
+
+def with_big_bytes(data: bytes, root: Node, specs: Sequence[ArraySpec], slabs: Slabs,
+                   small: dict[int, bytes]) -> bytes | StreamedPickle:
+    """``data`` (a pickle of :func:`python_state` with ``small``) with each large ``bytes``
+    leaf's marker replaced by the leaf itself, streamed (``data`` when there are none).
+
+    The leaf is read twice: once to count the bytes of 0x80 or more (the text's
+    length comes first), once as it is written."""
+    import numpy as np
+
+    big = [i for i, (dtype, _) in enumerate(specs)
+           if dtype == "uint8" and i not in small and _is_bytes(root, i)]
+    if not big:
+        return data
+    pieces: list[bytes | tuple[int, int]] = []
+    rest = data
+    for i in sorted(big, key=lambda i: data.find(big_marker(i).encode())):
+        mark = big_marker(i).encode()
+        op = b"X" + struct.pack("<I", len(mark)) + mark
+        at = rest.find(op)
+        if at < 0:  # not in this pickle (another DCP item's leaf)
+            continue
+        n = 0
+        for _, buf in slabs(i):
+            flat = buf.reshape(-1).view(np.uint8)
+            n += flat.size + int(np.count_nonzero(flat >= 0x80))
+            del buf
+        if n >= 1 << 32:
+            raise UnsupportedTypeError(
+                f"a bytes value of {n} bytes as pickled text is too large for a torch.save "
+                "pickle (protocol 2 holds up to 4 GiB)")
+        pieces += [rest[:at], (i, n)]
+        rest = rest[at + len(op):]
+    return StreamedPickle(pieces + [rest]) if len(pieces) else data
 
 
 def _is_bytes(node: Node, index: int) -> bool:
