@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 def _state() -> dict[str, object]:
     rng = np.random.default_rng(7)
     return {"blob": rng.integers(0, 256, (5 << 20) + 3, dtype=np.uint8).tobytes(),
-            "small": b"\x00\xff abc",
+            "small": b"\x00\xff abc", "empty": b"",
             "w": torch.arange(6.0),
             "meta": {"name": "run", "every_byte": bytes(range(256)) * 8192,
                      "ascii": b"x" * (3 << 20)}}
@@ -36,8 +36,12 @@ def test_large_bytes_leaves_into_a_torch_file(tmp_path: Path) -> None:
     ss.save(tmp_path / "ck", state)
     ss.convert(tmp_path / "ck", tmp_path / "o.pt",
                memory=ss.MemoryOptions(memory_budget_bytes=1 << 20))
+    back = ss.load(tmp_path / "o.pt")  # statestream reads bytes values of torch files too
+    assert back["blob"] == state["blob"] and back["small"] == state["small"]
+    assert back["empty"] == b"" and back["meta"]["ascii"] == state["meta"]["ascii"]  # type: ignore[index]
     got = torch.load(tmp_path / "o.pt", weights_only=True)
     assert got["blob"] == state["blob"] and got["small"] == state["small"]
+    assert got["empty"] == b""
     assert got["meta"] == {**state["meta"]}  # type: ignore[dict-item]
     assert torch.equal(got["w"], state["w"])
     # an aligned tensor entry after the streamed pickle still maps
@@ -53,9 +57,9 @@ def test_large_bytes_leaves_into_dcp(tmp_path: Path) -> None:
     ss.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp",
                memory=ss.MemoryOptions(memory_budget_bytes=1 << 20))
     back = ss.load(tmp_path / "dcp")
-    assert back["blob"] == state["blob"]
+    assert back["blob"] == state["blob"] and back["empty"] == b""
     assert back["meta"]["every_byte"] == state["meta"]["every_byte"]  # type: ignore[index]
-    sd = {"blob": io.BytesIO(), "small": io.BytesIO(), "w": torch.zeros(6),
+    sd = {"blob": io.BytesIO(), "small": io.BytesIO(), "empty": io.BytesIO(), "w": torch.zeros(6),
           "meta": {"name": "", "every_byte": io.BytesIO(), "ascii": io.BytesIO()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -329,9 +329,26 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
             seen[key] = len(arrays)
         return entry
 
-    root = to_node(obj, (), arrays, tensor)
+    # bytes values are unpickled from data.pkl (inline, as torch.save pickles them):
+    # served from memory, after the archive's own file
+    memory = bytearray()
+
+    def blob(data: bytes) -> ArrayEntry:
+        memory.extend(data)
+        return ArrayEntry("uint8", (len(data),),
+                          row_chunks(1, len(memory) - len(data), "uint8", (len(data),)))
+
+    root = to_node(obj, (), arrays, tensor, blob=blob)
     name = os.path.basename(path)
-    return FileSetReader(path, {name: real}), Manifest(root, arrays, [FileEntry(name, size)])
+    files = [FileEntry(name, size)]
+    if memory:
+        files.append(FileEntry(_BYTES, len(memory)))
+    reader = FileSetReader(path, {name: real}, memory={_BYTES: bytes(memory)} if memory else None)
+    return reader, Manifest(root, arrays, files)
+
+
+#: The name of the in-memory "file" holding a torch.save file's bytes values.
+_BYTES = "<bytes values>"
 
 
 def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str,

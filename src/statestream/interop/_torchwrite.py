@@ -208,12 +208,13 @@ def write_zip(f: Any, data: bytes | StreamedPickle, tensors: list[_Tensor],
 def small_bytes(root: Node, specs: Sequence[ArraySpec], slabs: Slabs) -> dict[int, bytes]:
     """The contents of the tree's ``bytes`` leaves of at most ``INLINE_BYTES`` (they
     become Python bytes values in the pickle); larger ones are streamed into it
-    (:func:`with_big_bytes`)."""
+    (:func:`with_big_bytes`), and so are empty ones: protocol 2 pickles ``b""`` as
+    ``bytes()``, which torch.load(weights_only=True) refuses."""
     import numpy as np
 
     return {i: b"".join(bytes(b.reshape(-1).view(np.uint8)) for _, b in slabs(i))
             for i, (dtype, shape) in enumerate(specs)
-            if dtype == "uint8" and math.prod(shape) <= INLINE_BYTES and _is_bytes(root, i)}
+            if dtype == "uint8" and 0 < math.prod(shape) <= INLINE_BYTES and _is_bytes(root, i)}
 
 
 #: A ``bytes`` leaf up to this size is pickled as a Python value; a larger one is
