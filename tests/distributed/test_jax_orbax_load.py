@@ -1,8 +1,8 @@
 """An Orbax checkpoint loaded by two real JAX processes into sharded targets.
 
-Every process opens the checkpoint (orbax's restore of the non-array values waits for
-the others at its own barrier) and reads, through tensorstore, only the storage chunks
-that hold its own shards.
+Every process opens the checkpoint on its own (one rank's ``ss.metadata`` does not wait
+for the other: orbax's handler, not its Checkpointer, whose restore is a barrier) and
+reads, through tensorstore, only the storage chunks that hold its own shards.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def worker_orbax(ctx: Context) -> dict[str, Any]:
               "b": jax.ShapeDtypeStruct((16,), jnp.int32,
                                         sharding=NamedSharding(mesh, PartitionSpec())),
               "step": 0, "name": ""}
+    if ctx.rank == 0:  # one rank alone: orbax's Checkpointer waited here for the other
+        assert ss.metadata(ctx.args["dir"]).format == "orbax"
     out = ss.load(ctx.args["dir"], target=target)
     want = _state()
     shards_ok = all(

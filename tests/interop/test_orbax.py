@@ -362,3 +362,12 @@ def test_converting_to_orbax_does_not_hold_the_state(tmp_path: Path) -> None:
     assert growth < (96 << 20), f"peak RSS grew by {growth} bytes converting 256 MiB"
     out = ss.load(tmp_path / "o", items=["w63"])["w63"]
     assert out.shape == (1024, 1024) and (out == 63).all()
+
+
+def test_an_orbax_checkpoint_still_being_written_is_refused(tmp_path: Path) -> None:
+    """orbax writes into ``<name>.orbax-checkpoint-tmp-<n>`` and renames it when done:
+    such a directory is incomplete, as orbax's own restore says."""
+    _save_orbax(tmp_path / "o", {"w": np.arange(8.0)})
+    (tmp_path / "o").rename(tmp_path / "o.orbax-checkpoint-tmp-1733400000")
+    with pytest.raises(ss.CheckpointCorruptError, match="still being written"):
+        ss.load(tmp_path / "o.orbax-checkpoint-tmp-1733400000")

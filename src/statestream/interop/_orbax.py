@@ -62,6 +62,9 @@ MAX_BLOCKS = 1024
 #: core. A block read ahead and not asked for next is dropped.
 READ_AHEAD_BYTES = 32 << 20
 
+#: In the name of the directory orbax writes a checkpoint into before it renames it.
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
 #: Tensorstore's cache of OCDBT B-tree nodes (orbax uses 100 MB); data is never cached.
 _BTREE_CACHE_BYTES = 16 << 20
 
@@ -126,16 +129,24 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     """Describe an Orbax checkpoint as a manifest whose arrays are read when asked for
     (a CheckpointManager step with one item reads that item)."""
     ocp = require("orbax.checkpoint", "orbax", "reading Orbax checkpoints")
+    from etils import epath
     from orbax.checkpoint._src.metadata import value as ometa  # the metadata classes
 
     item = os.path.abspath(_item_dir(directory))
+    for d in {item, os.path.abspath(directory)}:
+        if _TMP_MARK in os.path.basename(d):  # what orbax's own restore refuses, locally
+            raise CheckpointCorruptError(
+                f"{d} is an Orbax checkpoint still being written (orbax's temporary "
+                "directory); it is incomplete")
     _refuse_links(item)
+    # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
+    # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
+    handler = ocp.PyTreeCheckpointHandler()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ck = ocp.PyTreeCheckpointer()
-            meta = ck.metadata(item)
-            tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+            meta = handler.metadata(epath.Path(item))
+            tree = getattr(meta, "tree", None)
             if tree is None:
                 raise ValueError("no tree metadata (_METADATA)")
 
@@ -144,13 +155,15 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                         and not isinstance(m, ometa.ScalarMetadata))
 
             # orbax restores everything but the arrays (numbers, strings): small
-            values = ck.restore(item, args=ocp.args.PyTreeRestore(
+            values = handler.restore(epath.Path(item), args=ocp.args.PyTreeRestore(
                 item=_map_leaves(tree, lambda m: ocp.PLACEHOLDER if is_array(m) else m)))
     except (MemoryError, PermissionError, KeyboardInterrupt):
         raise
     except Exception as exc:  # orbax and tensorstore raise many types for one damage
         raise _corrupt(item, exc) from exc
-    use_zarr3 = bool(getattr(getattr(meta, "item_metadata", None), "use_zarr3", False))
+    finally:
+        handler.close()
+    use_zarr3 = bool(getattr(meta, "use_zarr3", False))
     # orbax's own test for the layout: OCDBT keeps its manifest at the item's top
     use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     walk = _Walk(item, use_ocdbt)
