@@ -213,8 +213,7 @@ def small_bytes(root: Node, specs: Sequence[ArraySpec], slabs: Slabs) -> dict[in
     import numpy as np
 
     return {i: b"".join(bytes(b.reshape(-1).view(np.uint8)) for _, b in slabs(i))
-            for i, (dtype, shape) in enumerate(specs)
-            if dtype == "uint8" and 0 < math.prod(shape) <= INLINE_BYTES and _is_bytes(root, i)}
+            for i in sorted(_bytes_leaves(root)) if 0 < math.prod(specs[i][1]) <= INLINE_BYTES}
 
 
 #: A ``bytes`` leaf up to this size is pickled as a Python value; a larger one is
@@ -268,8 +267,7 @@ def with_big_bytes(data: bytes, root: Node, specs: Sequence[ArraySpec], slabs: S
     length comes first), once as it is written."""
     import numpy as np
 
-    big = [i for i, (dtype, _) in enumerate(specs)
-           if dtype == "uint8" and i not in small and _is_bytes(root, i)]
+    big = [i for i in sorted(_bytes_leaves(root)) if i not in small]
     if not big:
         return data
     pieces: list[bytes | tuple[int, int]] = []
@@ -294,7 +292,11 @@ def with_big_bytes(data: bytes, root: Node, specs: Sequence[ArraySpec], slabs: S
     return StreamedPickle(pieces + [rest]) if len(pieces) else data
 
 
-def _is_bytes(node: Node, index: int) -> bool:
-    if node.array == index:
-        return node.kind == "bytes"
-    return any(_is_bytes(c, index) for c in node.children or [])
+def _bytes_leaves(node: Node, out: set[int] | None = None) -> set[int]:
+    """The array indices of the ``bytes`` leaves under ``node``."""
+    out = set() if out is None else out
+    if node.kind == "bytes":
+        out.add(node.array or 0)
+    for c in node.children or []:
+        _bytes_leaves(c, out)
+    return out
