@@ -8,8 +8,7 @@ in UTF-8, its length counted first. torch.load(weights_only=True) and dcp.load r
 from __future__ import annotations
 
 import io
-import json
-import subprocess
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +17,9 @@ import numpy as np
 import pytest
 
 import statestream as ss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import peak_growth  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
@@ -67,23 +69,6 @@ def test_large_bytes_leaves_into_dcp(tmp_path: Path) -> None:
     assert sd["blob"] == state["blob"] and sd["meta"]["ascii"] == state["meta"]["ascii"]  # type: ignore[index]
 
 
-_CHILD = r"""
-import json, sys, warnings
-warnings.simplefilter("ignore")
-import statestream as ss
-import torch, torch.distributed.checkpoint
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-src, dst, to, small = sys.argv[1:5]
-ss.convert(small, dst + "-warm", to=to)
-before = hwm()
-ss.convert(src, dst, to=to, memory=ss.MemoryOptions(memory_budget_bytes=32 << 20))
-print(json.dumps({"growth_bytes": hwm() - before}))
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("to", ["torch", "dcp"])
 def test_a_large_bytes_leaf_is_not_held_whole(tmp_path: Path, to: str) -> None:
@@ -93,9 +78,10 @@ def test_a_large_bytes_leaf_is_not_held_whole(tmp_path: Path, to: str) -> None:
     ss.save(tmp_path / "ck", {"blob": blob, "w": np.arange(4.0)})
     del blob
     ss.save(tmp_path / "small", {"blob": b"abc" * 1000, "w": np.arange(4.0)})
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "ck"), str(tmp_path / "o"),
-                        to, str(tmp_path / "small")], capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr
-    growth = json.loads(r.stdout.strip().splitlines()[-1])["growth_bytes"]
+    growth = peak_growth(
+        "import statestream as ss, torch, torch.distributed.checkpoint\n"
+        "ss.convert(argv[3], argv[1] + '-warm', to=argv[2])",
+        "ss.convert(argv[0], argv[1], to=argv[2], "
+        "memory=ss.MemoryOptions(memory_budget_bytes=32 << 20))",
+        str(tmp_path / "ck"), str(tmp_path / "o"), to, str(tmp_path / "small"))
     assert growth < (96 << 20), f"peak RSS grew by {growth} bytes converting 128 MiB of bytes"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 import warnings
@@ -15,6 +15,9 @@ import pytest
 
 import statestream as ss
 from statestream.interop import detect_format
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import peak_growth  # noqa: E402
 
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
           np.uint64, np.float16, np.float32, np.float64, ml_dtypes.bfloat16]
@@ -247,25 +250,6 @@ def test_a_link_in_an_orbax_checkpoint_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "ck").exists()
 
 
-_ORBAX_CHILD = r"""
-import json, sys, warnings
-warnings.simplefilter("ignore")
-import statestream as ss
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-src, dst, budget, small = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-ss.load(small)  # imports orbax and tensorstore, first reads, before the baseline
-before = hwm()
-if dst == "-":
-    ss.load(src, items=["w3"])
-else:
-    ss.convert(src, dst, memory=ss.MemoryOptions(memory_budget_bytes=budget))
-print(json.dumps({"growth_bytes": hwm() - before}))
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_converting_an_orbax_checkpoint_does_not_hold_the_state(tmp_path: Path) -> None:
     """Arrays are read one storage chunk at a time: converting 256 MiB of Orbax under a
@@ -276,13 +260,14 @@ def test_converting_an_orbax_checkpoint_does_not_hold_the_state(tmp_path: Path) 
     del state
     _save_orbax(tmp_path / "small", {"w": np.arange(1024.0), "step": 1})
     # the budget, 32 MiB read ahead, slack (measured: +32 and +28 MiB; +268 before)
-    for dst, bound in ((str(tmp_path / "ck"), 96 << 20), ("-", 80 << 20)):
-        r = subprocess.run([sys.executable, "-c", _ORBAX_CHILD, str(tmp_path / "o"), dst,
-                            str(32 << 20), str(tmp_path / "small")], capture_output=True,
-                           text=True, timeout=600, check=False)
-        assert r.returncode == 0, r.stderr
-        growth = json.loads(r.stdout.strip().splitlines()[-1])["growth_bytes"]
-        assert growth < bound, f"peak RSS grew by {growth} bytes reading 256 MiB ({dst})"
+    warm = "import statestream as ss; ss.load(argv[1])"  # orbax, tensorstore, first reads
+    for work, bound in (
+            ("ss.convert(argv[0], argv[2], memory=ss.MemoryOptions(memory_budget_bytes=32 << 20))",
+             96 << 20),
+            ("ss.load(argv[0], items=['w3'])", 80 << 20)):
+        growth = peak_growth(warm, work, str(tmp_path / "o"), str(tmp_path / "small"),
+                             str(tmp_path / "ck"))
+        assert growth < bound, f"peak RSS grew by {growth} bytes reading 256 MiB ({work})"
     out = ss.load(tmp_path / "ck", items=["w63"])["w63"]
     assert out.shape == (1024, 1024) and (out == 63).all()
 
@@ -326,24 +311,6 @@ def test_convert_to_orbax_goes_in_batches_under_a_small_budget(
     assert out["params"]["l5"]["w"].tobytes() == state["params"]["l5"]["w"].tobytes()  # type: ignore[index]
 
 
-_TO_ORBAX_CHILD = r"""
-import json, sys, warnings
-warnings.simplefilter("ignore")
-import statestream as ss
-import orbax.checkpoint
-from orbax.checkpoint.experimental import v1
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-src, dst, budget, small = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-ss.convert(small, dst + "-warm", to="orbax")  # first use of orbax and tensorstore
-before = hwm()
-ss.convert(src, dst, to="orbax", memory=ss.MemoryOptions(memory_budget_bytes=budget))
-print(json.dumps({"growth_bytes": hwm() - before}))
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_converting_to_orbax_does_not_hold_the_state(tmp_path: Path) -> None:
     """256 MiB converted to Orbax under a 32 MiB budget: the arrays go to orbax 8 MiB
@@ -354,11 +321,11 @@ def test_converting_to_orbax_does_not_hold_the_state(tmp_path: Path) -> None:
     ss.save(tmp_path / "ck", state)
     del state
     ss.save(tmp_path / "small", {"w": np.arange(1024.0), "step": 1})
-    r = subprocess.run([sys.executable, "-c", _TO_ORBAX_CHILD, str(tmp_path / "ck"),
-                        str(tmp_path / "o"), str(32 << 20), str(tmp_path / "small")],
-                       capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stderr
-    growth = json.loads(r.stdout.strip().splitlines()[-1])["growth_bytes"]
+    growth = peak_growth(
+        "import statestream as ss; ss.convert(argv[2], argv[1] + '-warm', to='orbax')",
+        "ss.convert(argv[0], argv[1], to='orbax', "
+        "memory=ss.MemoryOptions(memory_budget_bytes=32 << 20))",
+        str(tmp_path / "ck"), str(tmp_path / "o"), str(tmp_path / "small"))
     assert growth < (96 << 20), f"peak RSS grew by {growth} bytes converting 256 MiB"
     out = ss.load(tmp_path / "o", items=["w63"])["w63"]
     assert out.shape == (1024, 1024) and (out == 63).all()
