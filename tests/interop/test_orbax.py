@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -338,3 +339,29 @@ def test_an_orbax_checkpoint_still_being_written_is_refused(tmp_path: Path) -> N
     (tmp_path / "o").rename(tmp_path / "o.orbax-checkpoint-tmp-1733400000")
     with pytest.raises(ss.CheckpointCorruptError, match="still being written"):
         ss.load(tmp_path / "o.orbax-checkpoint-tmp-1733400000")
+
+
+@pytest.mark.parametrize("key", ["<planted>", "../elsewhere", "a/../../elsewhere"])
+def test_an_orbax_array_name_outside_the_checkpoint_is_refused_before_orbax_reads(
+        tmp_path: Path, key: str) -> None:
+    """Without OCDBT an array is the directory its key path names: a _METADATA whose key
+    path is absolute or climbs out is refused before orbax reads a file (orbax's own
+    metadata() read the zarr metadata an absolute one pointed at)."""
+    _save_orbax(tmp_path / "o", {"w": np.arange(8.0), "s": 1}, use_ocdbt=False)
+    planted = tmp_path / "elsewhere"
+    (tmp_path / "o" / "w").rename(planted)
+    key = str(planted) if key == "<planted>" else key
+    meta_path = tmp_path / "o" / "_METADATA"
+    meta = json.loads(meta_path.read_text())
+    entry = meta["tree_metadata"].pop("('w',)")
+    entry["key_metadata"][0]["key"] = key
+    meta["tree_metadata"][repr((key,))] = entry
+    meta_path.write_text(json.dumps(meta))
+    for call in (lambda: ss.load(tmp_path / "o"), lambda: ss.metadata(tmp_path / "o")):
+        with pytest.raises(ss.UnsafeCheckpointError, match="not names inside the checkpoint"):
+            call()
+
+
+def test_an_orbax_key_with_a_slash_stays_inside_and_loads(tmp_path: Path) -> None:
+    _save_orbax(tmp_path / "o", {"a/b": np.arange(8.0), "s": 1}, use_ocdbt=False)
+    assert ss.load(tmp_path / "o")["a/b"].tobytes() == np.arange(8.0).tobytes()

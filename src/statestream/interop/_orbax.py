@@ -16,6 +16,7 @@ it would decompress all of it again.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -43,7 +44,7 @@ from statestream.format import (
 )
 from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
-from statestream.interop._files import FileSetReader
+from statestream.interop._files import FileSetReader, read_capped
 from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -64,6 +65,10 @@ READ_AHEAD_BYTES = 32 << 20
 
 #: In the name of the directory orbax writes a checkpoint into before it renames it.
 _TMP_MARK = ".orbax-checkpoint-tmp"
+
+#: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
+#: per array).
+_MAX_METADATA = 256 << 20
 
 #: Tensorstore's cache of OCDBT B-tree nodes (orbax uses 100 MB); data is never cached.
 _BTREE_CACHE_BYTES = 16 << 20
@@ -119,6 +124,31 @@ def _refuse_links(item: str) -> None:
                     "device); refused in an Orbax checkpoint")
 
 
+def _outside(name: str) -> bool:
+    """Whether ``name``, joined to the item's directory, could leave it (an absolute
+    path, a ``..`` component, a NUL byte)."""
+    return name.startswith("/") or "\0" in name or ".." in name.split("/")
+
+
+def _refuse_outside_names(item: str) -> None:
+    """Without OCDBT each array is a directory named after its key path (joined with
+    "."), which orbax and tensorstore join to the item's path: a key path of
+    ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
+    The names are checked in ``_METADATA`` before orbax reads anything; a file that
+    does not parse is left to orbax (a CheckpointCorruptError)."""
+    try:
+        meta = json.loads(read_capped(os.path.join(item, "_METADATA"), _MAX_METADATA))
+        entries = meta["tree_metadata"].values()
+        names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
+    except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    bad = [n for n in names if _outside(n)]
+    if bad:
+        raise UnsafeCheckpointError(
+            f"{item}: the array names {', '.join(repr(n) for n in bad[:5])} in _METADATA are "
+            "not names inside the checkpoint (each array is a directory of that name)")
+
+
 def _corrupt(item: str, exc: BaseException,
              what: str = "this Orbax checkpoint") -> CheckpointCorruptError:
     return CheckpointCorruptError(
@@ -139,6 +169,9 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
     _refuse_links(item)
+    use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
+    if not use_ocdbt:
+        _refuse_outside_names(item)
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()
@@ -164,8 +197,6 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     finally:
         handler.close()
     use_zarr3 = bool(getattr(meta, "use_zarr3", False))
-    # orbax's own test for the layout: OCDBT keeps its manifest at the item's top
-    use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     walk = _Walk(item, use_ocdbt)
     root = walk.node(values, tree, (), is_array)
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
@@ -250,7 +281,7 @@ class _Walk:
                                        "which statestream cannot hold")
         oname = str(m.name)
         if not isinstance(m.name, str) or "\0" in oname or (
-                not self.use_ocdbt and ("/" in oname or oname in (".", ".."))):
+                not self.use_ocdbt and _outside(oname)):
             raise UnsafeCheckpointError(f"{where}: orbax's name {oname!r} for it is not a "
                                         "name inside the checkpoint")
         leaf = len(self.leaves)
