@@ -363,10 +363,7 @@ class _OrbaxReader(FileSetReader):
         self._ahead_lock = threading.RLock()
 
     def file_size(self, name: str) -> int:
-        b = self._blocks.get(name)
-        if b is None:
-            return super().file_size(name)
-        return math.prod(b[2]) * dtype_from_name(self._leaves[b[0]].dtype).itemsize
+        return self._size(name) if name in self._blocks else super().file_size(name)
 
     def _store(self, leaf: _Leaf) -> Any:
         """``leaf``'s tensorstore, opened and checked against the metadata. Opening
@@ -429,7 +426,7 @@ class _OrbaxReader(FileSetReader):
         leaf = self._leaves[b[0]]
         start, bshape = b[1], b[2]
         dt = dtype_from_name(leaf.dtype)
-        size = math.prod(bshape) * dt.itemsize
+        size = self._size(name)
         views = [memoryview(x).cast("B") for x in buffers]
         total = sum(v.nbytes for v in views)
         if offset < 0 or offset + total > size:
@@ -472,6 +469,7 @@ class _OrbaxReader(FileSetReader):
             raise _corrupt(self._item, exc, f"key path '{format_keypath(leaf.path)}'") from exc
 
     def _size(self, name: str) -> int:
+        """Bytes of block ``name`` (C order)."""
         b = self._blocks[name]
         return math.prod(b[2]) * dtype_from_name(self._leaves[b[0]].dtype).itemsize
 

@@ -267,17 +267,18 @@ def with_big_bytes(data: bytes, root: Node, specs: Sequence[ArraySpec], slabs: S
     length comes first), once as it is written."""
     import numpy as np
 
-    big = [i for i in sorted(_bytes_leaves(root)) if i not in small]
-    if not big:
+    found = []  # (where the leaf's marker is in the pickle, its opcode's length, the leaf)
+    for i in _bytes_leaves(root) - small.keys():
+        mark = big_marker(i).encode()
+        op = b"X" + struct.pack("<I", len(mark)) + mark  # BINUNICODE of the marker
+        at = data.find(op)
+        if at >= 0:  # a leaf the pickled value does not reach is not written
+            found.append((at, len(op), i))
+    if not found:
         return data
     pieces: list[bytes | tuple[int, int]] = []
-    rest = data
-    for i in sorted(big, key=lambda i: data.find(big_marker(i).encode())):
-        mark = big_marker(i).encode()
-        op = b"X" + struct.pack("<I", len(mark)) + mark
-        at = rest.find(op)
-        if at < 0:  # not in this pickle (another DCP item's leaf)
-            continue
+    end = 0
+    for at, oplen, i in sorted(found):
         n = 0
         for _, buf in slabs(i):
             flat = buf.reshape(-1).view(np.uint8)
@@ -287,9 +288,9 @@ def with_big_bytes(data: bytes, root: Node, specs: Sequence[ArraySpec], slabs: S
             raise UnsupportedTypeError(
                 f"a bytes value of {n} bytes as pickled text is too large for a torch.save "
                 "pickle (protocol 2 holds up to 4 GiB)")
-        pieces += [rest[:at], (i, n)]
-        rest = rest[at + len(op):]
-    return StreamedPickle(pieces + [rest]) if len(pieces) else data
+        pieces += [data[end:at], (i, n)]
+        end = at + oplen
+    return StreamedPickle(pieces + [data[end:]])
 
 
 def _bytes_leaves(node: Node, out: set[int] | None = None) -> set[int]:
