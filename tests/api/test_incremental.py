@@ -310,7 +310,8 @@ def test_a_base_whose_own_base_was_replaced_is_not_referred_through(tmp_path: Pa
     ss.save(tmp_path / "s1", s, hashes=True)
     s["lora"] = s["lora"] + 1
     ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
-    ss.save(tmp_path / "s1", _state(seed=9), hashes=True, overwrite=True)
+    shutil.rmtree(tmp_path / "s1")  # replaced behind statestream's back (overwrite refuses)
+    ss.save(tmp_path / "s1", _state(seed=9), hashes=True)
     with pytest.warns(RuntimeWarning, match="no longer list those chunks"):
         ss.save(tmp_path / "s3", s, base=tmp_path / "s2")
     assert _manifest(tmp_path / "s3")["bases"] == ["s2"]  # 'lora', held by s2
@@ -361,14 +362,50 @@ def test_scalars_empty_arrays_and_odd_dtypes(tmp_path: Path) -> None:
     assert ss.verify(tmp_path / "s3").ok
 
 
-def test_a_base_replaced_by_overwrite_fails_its_dependents_loudly(tmp_path):
-    """README: a base saved again with overwrite=True leaves a checkpoint that refers to
-    it unloadable (UnsafeCheckpointError naming the base), never reading other bytes."""
+def test_overwriting_a_base_is_refused_naming_its_dependents(tmp_path: Path) -> None:
+    """A committed checkpoint that incremental siblings refer to is not replaced by
+    save, save_async or convert with overwrite=True (that would leave the siblings
+    unloadable); nothing is written, and once the dependents are gone it is replaced."""
+    frozen = np.arange(1 << 18, dtype=np.float32)
+    ss.save(tmp_path / "a", {"frozen": frozen, "lora": np.zeros(8)}, hashes=True)
+    ss.save(tmp_path / "b", {"frozen": frozen, "lora": np.ones(8)}, base=tmp_path / "a",
+            hashes=True)
+    c = {"frozen": frozen, "lora": np.full(8, 2.0)}
+    ss.save(tmp_path / "c", c, base=tmp_path / "b")  # 'frozen' refers to a (flattened)
+    ss.save(tmp_path / "plain", {"x": np.ones(3)})  # format v1: not read
+    before = (tmp_path / "a" / "manifest.json").read_bytes()
+    other = {"frozen": frozen + 1, "lora": np.zeros(8)}
+    match = r"a is the base of the incremental checkpoint\(s\) b, c next to it"
+    with pytest.raises(ss.CheckpointError, match=match):
+        ss.save(tmp_path / "a", other, overwrite=True)
+    with pytest.raises(ss.CheckpointError, match=match):
+        ss.save_async(tmp_path / "a", other, overwrite=True).result()
+    with pytest.raises(ss.CheckpointError, match=match):
+        ss.convert(tmp_path / "plain", tmp_path / "a", overwrite=True)
+    with pytest.raises(ss.CheckpointError, match=match):  # another format's directory
+        ss.convert(tmp_path / "plain", tmp_path / "a", to="dcp", overwrite=True)
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c", "plain"]
+    _check(ss.load(tmp_path / "c"), c)
+    # nothing refers to b (c's references were flattened to a): replacing b is fine
+    ss.save(tmp_path / "b", other, overwrite=True)
+    # a full copy of c (convert follows the references) frees a once c is gone
+    ss.convert(tmp_path / "c", tmp_path / "c-full")
+    assert not ss.metadata(tmp_path / "c-full").bases
+    shutil.rmtree(tmp_path / "c")
+    ss.save(tmp_path / "a", other, overwrite=True)
+    _check(ss.load(tmp_path / "c-full"), c)
+
+
+def test_a_base_replaced_behind_its_dependents_fails_them_loudly(tmp_path: Path) -> None:
+    """A base replaced outside statestream (deleted and saved again) leaves a checkpoint
+    that refers to it unloadable (UnsafeCheckpointError naming the base), never reading
+    other bytes."""
     frozen = np.arange(1 << 18, dtype=np.float32)
     ss.save(tmp_path / "a", {"frozen": frozen, "lora": np.zeros(8)}, hashes=True)
     ss.save(tmp_path / "b", {"frozen": frozen, "lora": np.ones(8)}, base=tmp_path / "a")
     assert ss.metadata(tmp_path / "b").bases
-    ss.save(tmp_path / "a", {"frozen": frozen + 1, "lora": np.zeros(8)}, overwrite=True,
-            hashes=True)
+    shutil.rmtree(tmp_path / "a")
+    ss.save(tmp_path / "a", {"frozen": frozen + 1, "lora": np.zeros(8)}, hashes=True)
     with pytest.raises(ss.UnsafeCheckpointError, match="refers to a chunk of base checkpoint a"):
         ss.load(tmp_path / "b")

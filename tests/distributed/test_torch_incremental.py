@@ -66,6 +66,11 @@ def worker(ctx: Context) -> dict[str, Any]:  # runs in the child processes
         ss.save(os.path.join(d, "s2"), state(2), io=io, base=os.path.join(d, "s1"))
         h = ss.save_async(os.path.join(d, "s3"), state(3), io=io, base=os.path.join(d, "s2"))
         h.result()
+        try:  # s1 holds what s2 and s3 refer to: replacing it is refused on every rank
+            ss.save(os.path.join(d, "s1"), state(9), io=io, overwrite=True)
+            refused = ""
+        except ss.CheckpointError as exc:
+            refused = str(exc)
         target = {"frozen": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(1)]),
                   "trained": distribute_tensor(torch.zeros(256, 32), mesh, [Shard(1)])}
         out = ss.load(os.path.join(d, "s3"), target, items=["frozen", "trained"])
@@ -79,7 +84,7 @@ def worker(ctx: Context) -> dict[str, Any]:  # runs in the child processes
                 mgr.save(step, state(step))
             steps = mgr.steps()
             got = mgr.load()
-        return {"reshard_ok": ok, "steps": steps, "step": got["step"]}
+        return {"reshard_ok": ok, "steps": steps, "step": got["step"], "refused": refused}
     finally:
         dist.destroy_process_group()
 
@@ -91,6 +96,8 @@ def _files_bytes(ck: Path) -> dict[str, int]:
 def test_two_process_incremental_saves(tmp_path: Path) -> None:
     res = launch(THIS, "worker", 2, tmp_path, args={"dir": str(tmp_path)}, timeout_s=170)
     assert [r.value["reshard_ok"] for r in res] == [True, True]
+    for r in res:
+        assert "is the base of the incremental checkpoint(s) s2, s3" in r.value["refused"], r.value
     assert res[0].value["steps"] == [3]  # rank 0 deletes (the others may list before it did)
     assert [r.value["step"] for r in res] == [3, 3]
     trained_bytes = 256 * 32 * 4

@@ -61,6 +61,9 @@ def test_incremental_save_and_load_on_s3(storage: S3Storage, base_url: str,
     assert ss.verify(f"{base_url}/s2").ok
     with pytest.raises(ss.CheckpointError, match="not a sibling"):
         ss.save(f"{base_url}/other/s3", _state(3), base=f"{base_url}/s1")
+    with pytest.raises(ss.CheckpointError, match=r"s1 is the base of .*checkpoint\(s\) s2 "):
+        ss.save(f"{base_url}/s1", _state(3), overwrite=True)
+    np.testing.assert_array_equal(ss.load(f"{base_url}/s2")["frozen"], _state(2)["frozen"])
     storage.delete(f"{base_url}/s1")
     with pytest.raises(ss.CheckpointError, match="base checkpoint s1"):
         ss.load(f"{base_url}/s2")

@@ -70,8 +70,9 @@ def save_async(
         A :class:`SaveHandle`; ``result()`` raises any background error.
 
     Raises:
-        UnsupportedTypeError, CheckpointExistsError: from the blocking phase,
-            before anything runs in the background.
+        UnsupportedTypeError, CheckpointExistsError, CheckpointError (as
+            :func:`save`): from the blocking phase, before anything runs in
+            the background.
     """
     return start_save(path, state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,

@@ -45,7 +45,8 @@ def save(
             ``state_dict()``/``load_state_dict()``. Top-level keys are the
             checkpointables that ``load(items=...)`` selects.
         overwrite: replace an existing checkpoint atomically (the old one
-            stays loadable until the new one is committed).
+            stays loadable until the new one is committed); refused while
+            an incremental sibling refers to its chunks.
         pickle_paths: key paths (``"a/b"``) whose otherwise unsupported
             values may be pickled; loading them needs ``allow_pickle=True``.
         io: thread count and chunk sizes.
@@ -81,7 +82,8 @@ def save(
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
             nothing is written.
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
-        CheckpointError: ``base`` is missing, not committed or not a sibling.
+        CheckpointError: ``base`` is missing, not committed or not a sibling;
+            or ``overwrite`` would replace the base of a committed sibling.
         StorageError: the file system failed; nothing is committed.
 
     Example:

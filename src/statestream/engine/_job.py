@@ -56,7 +56,13 @@ from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._plans import agree_on_plan, total_bytes
-from statestream.engine._refs import BaseChunks, base_chunks, base_name_for, remember_committed
+from statestream.engine._refs import (
+    BaseChunks,
+    base_chunks,
+    base_name_for,
+    refuse_replacing_a_base,
+    remember_committed,
+)
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
 from statestream.errors import UnsupportedTypeError
@@ -204,6 +210,12 @@ class SaveJob:
         name = base_name_for(self.storage, self.spath, self.options.base)
         self.base = base_chunks(self.storage, self.spath, name)
 
+    def _begin_write(self) -> WriteTransaction:
+        """Open the save's transaction; a committed checkpoint that incremental
+        siblings refer to is not replaced (``overwrite=True`` would break them)."""
+        refuse_replacing_a_base(self.storage, self.spath, self.options.overwrite)
+        return self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+
     @property
     def writer(self) -> StreamWriter:
         assert self._writer is not None, "the save job has not begun"
@@ -226,7 +238,7 @@ class SaveJob:
     def _begin_single(self) -> None:
         self._user_meta = check_user_meta(self.options.user_meta)
         self._open_base()
-        self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+        self.txn = self._begin_write()
         try:
             self._open_writer()
             if not self.snapshot_mode:
@@ -278,7 +290,7 @@ class SaveJob:
         err: BaseException | None = None
         if coll.rank == 0:
             try:
-                self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+                self.txn = self._begin_write()
             except BaseException as exc:
                 err = exc
         agree(coll, "starting the save", err)
@@ -299,7 +311,7 @@ class SaveJob:
         err: BaseException | None = None
         if groups.is_leader:
             try:
-                self.txn = self.storage.begin_write(self.spath, overwrite=self.options.overwrite)
+                self.txn = self._begin_write()
             except BaseException as exc:
                 err = exc
         agree(coll, "starting the save", err)

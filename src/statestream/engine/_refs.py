@@ -14,6 +14,7 @@ is in ``_chain``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import threading
 import warnings
@@ -53,6 +54,7 @@ __all__ = [
     "remember_committed",
     "open_base",
     "read_manifest",
+    "refuse_replacing_a_base",
     "sibling_path",
 ]
 
@@ -149,6 +151,58 @@ def _split(spath: str) -> tuple[str, str]:
 def sibling_path(spath: str, name: str) -> str:
     """The path of checkpoint ``name`` next to the checkpoint at ``spath``."""
     return f"{_split(spath)[0]}/{name}"
+
+
+def dependents_of(storage: Storage, spath: str) -> list[str]:
+    """The committed siblings of ``spath`` that refer to chunks of it (their
+    manifests' ``bases`` name it), sorted. A sibling that cannot be read is
+    skipped: whatever it refers to, nothing can load it now. Reads the manifest
+    of every committed sibling of format v2 or later (v1 cannot refer)."""
+    parent, own = _split(spath)
+    found = []
+    for name in sorted(storage.list(parent)):
+        if name == own:
+            continue
+        path = sibling_path(spath, name)
+        try:
+            if not storage.is_committed(path):
+                continue
+            reader = storage.open_read(path)
+            try:
+                marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
+                decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
+                if json.loads(marker)["version"] == 1:
+                    continue  # format v1 has no references: its manifest is not read
+                if own in read_manifest(reader).bases:
+                    found.append(name)
+            finally:
+                reader.close()
+        except (CheckpointError, OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def refuse_replacing_a_base(storage: Storage, spath: str, overwrite: bool) -> None:
+    """Before ``overwrite`` replaces the committed checkpoint at ``spath``: refuse
+    if an incremental sibling refers to its chunks (replacing it would leave that
+    sibling unloadable; a load would refuse its references, but the data is gone).
+
+    Raises:
+        CheckpointError: naming the checkpoints that refer to ``spath``.
+    """
+    if not overwrite or not storage.is_committed(spath):
+        return
+    try:
+        deps = dependents_of(storage, spath)
+    except InvalidOptionError:
+        return  # no parent directory: no siblings
+    if deps:
+        raise CheckpointError(
+            f"{spath} is the base of the incremental checkpoint(s) {', '.join(deps)} next "
+            "to it, which keep chunks only there; overwrite=True would leave them "
+            "unloadable. Delete them first (or convert them to full checkpoints with "
+            "ss.convert), or save to another path"
+        )
 
 
 def base_name_for(storage: Storage, spath: str, base: Any) -> str:

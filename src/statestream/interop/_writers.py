@@ -23,6 +23,7 @@ import numpy as np
 from statestream._version import __version__
 from statestream.engine import parallel_for
 from statestream.engine._codec import encode_chunk
+from statestream.engine._refs import refuse_replacing_a_base
 from statestream.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -155,6 +156,8 @@ def _claim(final: str, overwrite: bool, *, directory: bool) -> None:
             f"{final} already exists; pass overwrite=True to replace it")
     is_dir = os.path.isdir(final) and not os.path.islink(final)
     if is_dir == directory and (not is_dir or _holds_checkpoint(final)):
+        if is_dir:  # a statestream checkpoint that incremental siblings refer to stays
+            refuse_replacing_a_base(storage_for(final)[0], final, overwrite)
         return
     what = ("a directory that is neither empty nor a checkpoint" if is_dir == directory
             else "a directory" if is_dir else "a file")
@@ -232,6 +235,7 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
     where compressing does not pay, as a save does; the chunks are laid out as
     they come (their sizes are known only then)."""
     storage, spath = storage_for(dst)
+    refuse_replacing_a_base(storage, spath, overwrite)
     txn = storage.begin_write(spath, overwrite=overwrite)
     packed = codecs is not None and any(c is not None for c in codecs)
     try:
