@@ -47,7 +47,7 @@ EXPECTED: dict[str, list[str]] = {
         "GCSOptions", "GCSStorage", "Lease", "Leftover",
         "LocalStorage", "MappedReader", "ReadAhead", "S3Options", "S3Storage", "Storage",
         "StorageCapabilities",
-        "WriteTransaction", "WriterId", "collect_garbage", "preadv_all",
+        "WriteTransaction", "WriterId", "collect_garbage", "preadv_all", "release_part_buffers",
         "set_backend", "staging_dir", "storage_for",
     ],
     "statestream.plan": [

@@ -283,6 +283,9 @@ def test_writes_of_any_size_reach_the_object_and_leave_the_buffers_free(
     finally:
         r.close()
     assert got == want
+    # the writer's own part buffers are kept for the next save, until release_staging()
+    assert ss.release_staging() >= part
+    assert ss.release_staging() == 0
 
 
 def test_transfer_options_refuse_a_part_size_below_one(s3_server: dict[str, Any]) -> None:

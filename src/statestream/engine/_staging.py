@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from statestream.providers import pinned_alloc
+from statestream.storage import release_part_buffers
 
 __all__ = ["StagingPool", "host_pool", "pinned_pool", "release_staging"]
 
@@ -198,7 +199,8 @@ def release_staging() -> int:
     """Free the staging buffers kept between asynchronous saves.
 
     ``save_async`` keeps its staging buffers (up to the memory budget) so the
-    next save copies into memory that is already mapped (or pinned). Call this
+    next save copies into memory that is already mapped (or pinned); object
+    store writers keep up to 8 part buffers per part size (docs/storage.md). Call this
     when no more saves are coming, or to give the memory back for a while.
 
     Returns:
@@ -209,4 +211,4 @@ def release_staging() -> int:
         >>> ss.release_staging() >= 0
         True
     """
-    return _HOST.release() + _PINNED.release()
+    return _HOST.release() + _PINNED.release() + release_part_buffers()

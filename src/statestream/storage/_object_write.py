@@ -19,7 +19,7 @@ from statestream.storage._object_config import DAMAGED_MARKER
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
 
-__all__ = ["ObjectFileWriter", "ObjectTxn"]
+__all__ = ["ObjectFileWriter", "ObjectTxn", "release_part_buffers"]
 
 
 #: Part buffers kept between saves, per part size (a fresh buffer's first touch is slow).
@@ -41,6 +41,14 @@ def _give_part(buf: np.ndarray) -> None:
         free = _parts.setdefault(buf.nbytes, [])
         if len(free) < _KEPT_PARTS:
             free.append(buf)
+
+
+def release_part_buffers() -> int:
+    """Free the part buffers object writers keep between saves; return the bytes."""
+    with _parts_lock:
+        freed = sum(b.nbytes for free in _parts.values() for b in free)
+        _parts.clear()
+    return freed
 
 
 class _Pieces:
