@@ -365,3 +365,29 @@ def test_an_orbax_array_name_outside_the_checkpoint_is_refused_before_orbax_read
 def test_an_orbax_key_with_a_slash_stays_inside_and_loads(tmp_path: Path) -> None:
     _save_orbax(tmp_path / "o", {"a/b": np.arange(8.0), "s": 1}, use_ocdbt=False)
     assert ss.load(tmp_path / "o")["a/b"].tobytes() == np.arange(8.0).tobytes()
+
+
+def test_a_damaged_array_metadata_fails_without_printing_orbax_abandoned_work(
+        tmp_path: Path) -> None:
+    """orbax opens every array at once on an event loop of its own and closes the loop
+    when one fails; the other opens, finishing later, printed a 'RuntimeError: Event
+    loop is closed' traceback each on stderr (found by fuzzing). The caller gets the
+    error, and stderr stays quiet."""
+    state = {f"a{i:02d}": np.arange(64.0) + i for i in range(40)}
+    _save_orbax(tmp_path / "o", state, use_ocdbt=False)
+    (tmp_path / "o" / "a07" / ".zarray").write_text("{not json")
+    code = ("import time, statestream as ss\n"
+            "for call in (ss.metadata, ss.load, ss.verify):\n"
+            "    try:\n"
+            f"        r = call({str(tmp_path / 'o')!r})\n"
+            "        print('RESULT', getattr(r, 'ok', r) if call is ss.verify else 'no error')\n"
+            "    except ss.CheckpointCorruptError as e:\n"
+            "        print('ERR', e)\n"
+            "time.sleep(1)  # the abandoned opens finish meanwhile\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and all("a07/.zarray" in ln for ln in lines[:2]), r.stdout
+    assert lines[2] == "RESULT False", r.stdout
+    assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
