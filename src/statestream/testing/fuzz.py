@@ -449,12 +449,13 @@ def run_targets(path: str, *, timeout_s: float = 60.0,
     return res
 
 
-def failures_of_copy(path: str, *, timeout_s: float = 60.0) -> str:
+def failures_of_copy(path: str, *, timeout_s: float = 60.0,
+                     memory_bytes: int = 1 << 30) -> str:
     """Run every target against the damaged copy at ``path`` (from
     :func:`apply_to_copy` or :func:`apply_bytes_to_copy`), remove the copy's
     temporary directory, and describe the failures ("" when there are none)."""
     try:
-        res = run_targets(path, timeout_s=timeout_s)
+        res = run_targets(path, timeout_s=timeout_s, memory_bytes=memory_bytes)
     finally:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     return "\n".join(f"{k}: {v}" for k, v in failures(res).items())
