@@ -397,6 +397,8 @@ def _child(path: str, memory_bytes: int, conn: Any) -> None:
         "verify": _outcome(lambda: ss.verify(path, io=io_opts)),
         "cli_inspect": _outcome(lambda: _cli(["inspect", "--all", path])),
         "cli_verify": _outcome(lambda: _cli(["verify", path])),
+        "cli_diff": _outcome(lambda: _cli(["diff", path, path])),
+        "cli_ls": _outcome(lambda: _cli(["ls", os.path.dirname(path)])),
         "convert": _outcome(lambda: _convert(path)),
     }
     conn.send(results)
