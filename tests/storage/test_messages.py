@@ -20,6 +20,7 @@ def test_a_file_is_not_called_a_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ss.CheckpointNotFoundError, match="it is a file") as ei:
         ss.load(f)
     assert "does not exist" not in str(ei.value) and str(f) in str(ei.value)
+    assert "safetensors and torch.save files" in str(ei.value)  # which files it would read
     with pytest.raises(ss.CheckpointNotFoundError, match="the directory does not exist"):
         ss.load(tmp_path / "nothing")
     with pytest.raises(ss.CheckpointNotFoundError, match="the directory does not exist"):

@@ -29,7 +29,8 @@ def _missing_reason(path: str) -> str:
     if os.path.isfile(path):
         return (
             f"no checkpoint at {path}: it is a file, and a statestream checkpoint is a "
-            "directory (a torch.save or safetensors file is read with its own library)"
+            "directory; the files statestream also reads are safetensors and torch.save "
+            "files, recognised by their first bytes, and this is neither"
         )
     return f"no checkpoint at {path}: the directory does not exist"
 
