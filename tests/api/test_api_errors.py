@@ -194,6 +194,12 @@ def test_shape_and_structure_mismatch(tmp_path):
     assert "params/w" in str(ei.value)
     with pytest.raises(ss.TargetMismatchError):
         ss.load(c, {"params": np.zeros(3)})
+    with pytest.raises(ss.TargetMismatchError, match="'lst' is a builtins.int, but the "
+                       "checkpoint holds a list there"):
+        ss.load(c, {"lst": 5})
+    with pytest.raises(ss.TargetMismatchError, match="'params' is a builtins.list, but the "
+                       "checkpoint holds a dict there"):
+        ss.load(c, {"params": [np.zeros(3)]})
 
 
 def test_torch_target_mismatch(tmp_path):

@@ -234,7 +234,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         type(like), "_fields"
     ):
         return _walk_sequence(k, kids, like, path, m, job, default_kind, merge)
-    return _walk_mapping(kids, like, path, m, job, default_kind, merge)
+    return _walk_mapping(k, kids, like, path, m, job, default_kind, merge)
 
 
 def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
@@ -290,10 +290,10 @@ def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPat
     return _container_build(k, like, builds, path)
 
 
-def _walk_mapping(kids: list[tuple[Key, Node]], like: Any, path: KeyPath, m: Manifest,
-                  job: _Job, default_kind: str, merge: bool) -> Build:
+def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath,
+                  m: Manifest, job: _Job, default_kind: str, merge: bool) -> Build:
     """Match a keyed target (dict, namedtuple, dataclass, pytree) against the saved node."""
-    target_items, rebuild = _target_items(like, path)
+    target_items, rebuild = _target_items(like, path, k)
     saved = {(type(key), key): c for key, c in kids}
     builds = []
     seen = set()
@@ -376,8 +376,9 @@ def _adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath
     return build
 
 
-def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]:
-    """The target's (key, sub-target) pairs and how to rebuild it."""
+def _target_items(like: Any, path: KeyPath, k: str) -> tuple[list[tuple[Key, Any]], Any]:
+    """The target's (key, sub-target) pairs and how to rebuild it (``k``: the kind of
+    container the checkpoint holds there)."""
     if isinstance(like, dict):
         return list(like.items()), ("container", like)
     if isinstance(like, tuple) and hasattr(type(like), "_fields"):
@@ -392,7 +393,7 @@ def _target_items(like: Any, path: KeyPath) -> tuple[list[tuple[Key, Any]], Any]
         return list(zip(exp.keys, exp.children)), ("pytree", like)
     raise TargetMismatchError(
         f"the target at key path '{format_keypath(path)}' is a {type_name(like)}, but the "
-        "checkpoint holds a container there"
+        f"checkpoint holds a {k} there"
     )
 
 
