@@ -202,6 +202,20 @@ def test_shape_and_structure_mismatch(tmp_path):
         ss.load(c, {"params": [np.zeros(3)]})
 
 
+def test_a_list_target_against_a_saved_dict_is_a_mismatch_with_jax_imported(tmp_path):
+    """JAX expands a list as a pytree of keys 0, 1, ...: a list target where a dict was
+    saved was a MissingKeyError ('params/0') once JAX was imported, and a
+    TargetMismatchError before. It is the mismatch either way."""
+    pytest.importorskip("jax")
+    c = tmp_path / "c"
+    ss.save(c, {"params": {"w": np.ones(3)}})
+    with pytest.raises(ss.TargetMismatchError, match="'params' is a builtins.list, but the "
+                       "checkpoint holds a dict there"):
+        ss.load(c, {"params": [np.zeros(3)]})
+    with pytest.raises(ss.TargetMismatchError, match="holds a dict there"):
+        ss.load(c, {"params": (np.zeros(3),)})
+
+
 def test_torch_target_mismatch(tmp_path):
     torch = pytest.importorskip("torch")
     c = tmp_path / "c"

@@ -388,7 +388,9 @@ def _target_items(like: Any, path: KeyPath, k: str) -> tuple[list[tuple[Key, Any
         # static fields (flax's pytree_node=False) are not state: the target's stay
         return [(f.name, getattr(like, f.name)) for f in state_fields(like)], (
             "container", like)
-    exp = expand_pytree(like)
+    # a plain list or tuple matches only a saved list or tuple (_walk_sequence), whether
+    # or not JAX, which would expand it as a pytree of keys 0, 1, ..., is imported
+    exp = None if isinstance(like, (list, tuple)) else expand_pytree(like)
     if exp is not None:
         return list(zip(exp.keys, exp.children)), ("pytree", like)
     raise TargetMismatchError(
