@@ -71,3 +71,50 @@ def _saved(tmp: Path) -> str:
     path = str(tmp / "ck")
     ss.save(path, {"w": np.arange(3.0)})
     return path
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, io=5), "io must be an ss.IOOptions"),
+        (lambda tmp: ss.save_async(tmp / "a", {"w": np.ones(2)}, memory=5),
+         "memory must be an ss.MemoryOptions"),
+        (lambda tmp: ss.load(_saved(tmp), io="fast"),
+         r"io must be an ss.IOOptions .*, not str 'fast'"),
+        (lambda tmp: ss.load(_saved(tmp), items=[1]), "items takes key paths"),
+        (lambda tmp: ss.verify(_saved(tmp), memory=1 << 20), "memory must be an ss.MemoryOptions"),
+        (lambda tmp: ss.convert(_saved(tmp), str(tmp / "o"), io=4), "io must be an ss.IOOptions"),
+        (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, pickle_paths=[("w",)]),
+         "pickle_paths takes key paths"),
+        (lambda tmp: ss.CheckpointManager(tmp / "r", keep_policy=3),
+         r"keep_policy must be a policy with a keep\(\) method \(e.g. ss.KeepLatest"),
+        (lambda tmp: ss.CheckpointManager(tmp / "r", save_policy=100),
+         r"save_policy must be a policy with a should_save\(\) method"),
+        (lambda tmp: ss.CheckpointManager(tmp / "r", io=ss.MemoryOptions()),
+         r"io must be an ss.IOOptions .*, not MemoryOptions"),
+        (lambda tmp: ss.MemoryOptions(memory_budget_bytes="1GB"),
+         "memory_budget_bytes must be an int"),
+        (lambda tmp: ss.IOOptions(num_threads=2.0), "num_threads must be an int"),
+        (lambda tmp: ss.IOOptions(map_files="no"), "map_files must be a bool"),
+    ],
+)
+def test_options_of_the_wrong_type_are_named_before_anything_runs(
+        tmp_path: Path, make: Callable[[Path], Any], match: str) -> None:
+    """They were AttributeErrors from inside the engine ('int' object has no attribute
+    'write_threads'), or, for a manager's policies and options, errors at the first
+    save; nothing is written."""
+    with pytest.raises(InvalidOptionTypeError, match=match) as ei:
+        make(tmp_path)
+    assert isinstance(ei.value, TypeError)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "o").exists()
+
+
+def test_one_key_path_may_be_a_str_and_numpy_numbers_are_options(tmp_path: Path) -> None:
+    """A single key path as a str is that key path (it was taken one character at a
+    time: 'extra/tok' as 'e', 'x', ...); NumPy integers and bools are accepted."""
+    ss.save(tmp_path / "p", {"extra": {"tok": object()}, "w": np.ones(2)},
+            pickle_paths="extra/tok")
+    out = ss.load(tmp_path / "p", items="w", allow_pickle="extra/tok")
+    assert list(out) == ["w"]
+    mem = ss.MemoryOptions(memory_budget_bytes=np.int64(1 << 20), keep_staging=np.bool_(True))
+    assert type(mem.memory_budget_bytes) is int and mem.keep_staging is True

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from statestream.api._open import open_checkpoint, skip_missing_checksums
+from statestream.api._options import io_options, key_paths, memory_options
 from statestream.api._select import NO_TARGET, _select
 from statestream.engine import (
     ByteBudget,
@@ -316,11 +317,12 @@ def convert(
     """
     dst_s = os.fspath(dst)
     fmt, policy = _target_format(dst_s, to, compression)
+    io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
-        _convert_open(reader, m, fmt, dst_s, items=items, overwrite=overwrite,
-                      max_shard_bytes=max_shard_bytes, io=io or IOOptions(),
-                      memory=memory or MemoryOptions(), progress=progress, policy=policy)
+        _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,
+                      max_shard_bytes=max_shard_bytes, io=io, memory=memory,
+                      progress=progress, policy=policy)
     finally:
         reader.close()
     return dst_s

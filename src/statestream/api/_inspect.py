@@ -10,6 +10,7 @@ from typing import Any
 from statestream._gc import gc_paused
 from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
+from statestream.api._options import io_options, memory_options
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import CheckpointCorruptError, CheckpointError, StorageError
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
@@ -186,8 +187,8 @@ def verify(
         >>> ss.verify(d).ok
         True
     """
-    io = io or IOOptions()
-    memory = memory or MemoryOptions()
+    io = io_options(io)
+    memory = memory_options(memory)
     report = VerifyReport(path=os.fspath(path))
     try:
         reader, m = open_checkpoint(path)

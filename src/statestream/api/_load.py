@@ -19,6 +19,7 @@ from statestream.api._open import (
     read_manifest,
     skip_missing_checksums,
 )
+from statestream.api._options import io_options, key_paths, memory_options
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, _select
 from statestream.api._target_keys import prefix_hint, unprefixed, with_target_ties
@@ -496,8 +497,7 @@ def load(
     err: BaseException | None = None
     with gc_paused():
         try:
-            result = _load(path, target, items, allow_pickle, in_place, io or _default_io(path),
-                           memory or MemoryOptions(), progress)
+            result = _load(path, target, items, allow_pickle, in_place, io, memory, progress)
         except BaseException as exc:
             if coll.world_size == 1:
                 raise
@@ -563,10 +563,13 @@ def _load(
     items: Sequence[str] | None,
     allow_pickle: AllowPickle,
     in_place: bool,
-    io: IOOptions,
-    memory: MemoryOptions,
+    io: IOOptions | None,
+    memory: MemoryOptions | None,
     progress: Progress | None,
 ) -> Any:
+    items = key_paths(items, "items")
+    io = io_options(io) if io is not None else _default_io(path)
+    memory = memory_options(memory)
     reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
     try:
         root, like = _selected(m, target, items, reader.location)

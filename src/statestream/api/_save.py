@@ -6,6 +6,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from statestream.api._options import io_options, key_paths, memory_options
 from statestream.distributed import Collective, default_collective
 from statestream.engine import (
     CompressionOption,
@@ -108,8 +109,8 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
                  node_local: bool = False) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
-        overwrite=overwrite, pickle_paths=pickle_paths, io=io or IOOptions(),
-        memory=memory or MemoryOptions(),
+        overwrite=overwrite, pickle_paths=key_paths(pickle_paths, "pickle_paths") or (),
+        io=io_options(io), memory=memory_options(memory),
         collective=collective if collective is not None else default_collective(),
         progress=progress, user_meta=meta,
         compression=CompressionPolicy(compression), base=base, hashes=bool(hashes),

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
-from statestream.errors import InvalidOptionError
+import numpy as np
+
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError
 
 __all__ = [
     "ByteBudget",
@@ -32,6 +35,28 @@ def default_memory_budget_bytes() -> int:
     except (ValueError, OSError):
         ram = 16 << 30
     return int(min(ram // 4, 4 << 30))
+
+
+def _check_fields(options: Any, *, ints: Sequence[str], bools: Sequence[str]) -> None:
+    """Refuse an option field of the wrong type (``ints`` may be None: the default);
+    a NumPy integer or bool becomes Python's."""
+    for name in ints:
+        v = getattr(options, name)
+        if v is not None and (isinstance(v, (bool, np.bool_))
+                              or not isinstance(v, numbers.Integral)):
+            raise InvalidOptionTypeError(
+                f"{type(options).__name__}.{name} must be an int (bytes or a count), "
+                f"not {type(v).__name__} {v!r:.80}")
+        if v is not None and not isinstance(v, int):
+            object.__setattr__(options, name, int(v))
+    for name in bools:
+        v = getattr(options, name)
+        if isinstance(v, np.bool_):
+            object.__setattr__(options, name, bool(v))
+        elif not isinstance(v, bool):
+            raise InvalidOptionTypeError(
+                f"{type(options).__name__}.{name} must be a bool, not {type(v).__name__} "
+                f"{v!r:.80}")
 
 
 def _write_threads(options: IOOptions) -> int:
@@ -106,6 +131,8 @@ class IOOptions:
         return _read_threads(self)
 
     def __post_init__(self) -> None:
+        _check_fields(self, ints=("num_threads", "max_chunk_bytes", "max_request_bytes",
+                                  "background_nice"), bools=("map_files", "drop_behind"))
         if (self.num_threads is not None and self.num_threads < 1) or (
             self.max_chunk_bytes < 1 or self.max_request_bytes < 1
         ) or not 0 <= self.background_nice <= 39:
@@ -131,6 +158,9 @@ class MemoryOptions:
 
     memory_budget_bytes: int | None = None
     keep_staging: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self, ints=("memory_budget_bytes",), bools=("keep_staging",))
 
     def resolved(self) -> int:
         b = self.memory_budget_bytes

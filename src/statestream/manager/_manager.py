@@ -10,6 +10,7 @@ from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
+from statestream.api._options import io_options, memory_options, policy
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import (
     Collective,
@@ -120,6 +121,13 @@ class CheckpointManager:
         replicate_to_peers: bool = False,
     ) -> None:
         self._incremental = bool(incremental)
+        policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
+        policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
+        policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
+        if io is not None:
+            io_options(io)
+        if memory is not None:
+            memory_options(memory)
         storage, self.directory = storage_for(os.fspath(directory))
         self._dir = StepDirectory(storage, self.directory)
         self._retention = Retention(keep_policy or KeepAll(), self._dir)

@@ -1,0 +1,63 @@
+"""Arguments checked where they enter: an option of the wrong type is an
+:class:`~statestream.InvalidOptionTypeError` naming it, before anything runs (it was an
+``AttributeError`` from deep inside the engine, or a string of key paths taken one
+character at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from statestream.engine import IOOptions, MemoryOptions
+from statestream.errors import InvalidOptionTypeError
+
+__all__ = ["io_options", "key_paths", "memory_options", "policy"]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def io_options(io: Any) -> IOOptions:
+    """``io`` itself, or ``IOOptions()`` for None."""
+    if io is None:
+        return IOOptions()
+    if not isinstance(io, IOOptions):
+        raise InvalidOptionTypeError(
+            f"io must be an ss.IOOptions (e.g. ss.IOOptions(num_threads=8)), not {_shown(io)}")
+    return io
+
+
+def memory_options(memory: Any) -> MemoryOptions:
+    """``memory`` itself, or ``MemoryOptions()`` for None."""
+    if memory is None:
+        return MemoryOptions()
+    if not isinstance(memory, MemoryOptions):
+        raise InvalidOptionTypeError(
+            "memory must be an ss.MemoryOptions (e.g. "
+            f"ss.MemoryOptions(memory_budget_bytes=1 << 30)), not {_shown(memory)}")
+    return memory
+
+
+def key_paths(value: Any, name: str) -> list[str] | None:
+    """Key paths given as a collection of str, or one str (a single key path); None
+    stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    paths = list(value) if isinstance(value, Iterable) else None
+    if paths is None or not all(isinstance(p, str) for p in paths):
+        raise InvalidOptionTypeError(
+            f"{name} takes key paths (str, e.g. ['params', 'opt/state']), not {_shown(value)}")
+    return paths
+
+
+def policy(value: Any, name: str, method: str, example: str) -> Any:
+    """A manager policy: None, or an object with a ``method``."""
+    if value is not None and not callable(getattr(value, method, None)):
+        raise InvalidOptionTypeError(
+            f"{name} must be a policy with a {method}() method (e.g. {example}), "
+            f"not {_shown(value)}")
+    return value
