@@ -34,6 +34,8 @@ def test_classes_sit_in_the_tree() -> None:
         (lambda tmp: ss.KeepBest(2, "loss", mode="median"), "'min' or 'max'"),
         (lambda tmp: ss.IOOptions(max_chunk_bytes=0), "must be positive"),
         (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), to="zip"), "known formats"),
+        (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), to="safetensors",
+                                max_shard_bytes=0), "max_shard_bytes must be positive"),
         (lambda tmp: faults.on("no.such.point", lambda: None), "unknown fault point"),
         (lambda tmp: faults.StorageFault(kind="gremlins"), "unknown fault kind"),
     ],
@@ -67,6 +69,11 @@ def test_lightning_storage_options(tmp_path: Path) -> None:
                                                   storage_options={"x": 1})
 
 
+def _manager_save(tmp: Path, **kw: Any) -> None:
+    with ss.CheckpointManager(tmp / "run", async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)}, **kw)
+
+
 def _saved(tmp: Path) -> str:
     path = str(tmp / "ck")
     ss.save(path, {"w": np.arange(3.0)})
@@ -96,6 +103,16 @@ def _saved(tmp: Path) -> str:
          "memory_budget_bytes must be an int"),
         (lambda tmp: ss.IOOptions(num_threads=2.0), "num_threads must be an int"),
         (lambda tmp: ss.IOOptions(map_files="no"), "map_files must be a bool"),
+        (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, progress=5),
+         r"progress must be a callable progress\(bytes_done, bytes_total\)"),
+        (lambda tmp: ss.load(_saved(tmp), progress="bar"), "progress must be a callable"),
+        (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, collective=2),
+         "collective must be a statestream Collective"),
+        (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, base=3),
+         "base must be a path or URL"),
+        (lambda tmp: ss.convert(_saved(tmp), str(tmp / "o"), to="safetensors",
+                                max_shard_bytes="5GB"), "max_shard_bytes must be an int"),
+        (lambda tmp: _manager_save(tmp, metrics=[0.5]), "metrics must be a mapping"),
     ],
 )
 def test_options_of_the_wrong_type_are_named_before_anything_runs(

@@ -6,11 +6,12 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from statestream.api._open import open_checkpoint, skip_missing_checksums
-from statestream.api._options import io_options, key_paths, memory_options
+from statestream.api._options import io_options, key_paths, memory_options, progress_option
 from statestream.api._select import NO_TARGET, _select
 from statestream.engine import (
     ByteBudget,
@@ -21,7 +22,7 @@ from statestream.engine import (
     Progress,
     read_requests,
 )
-from statestream.errors import InvalidOptionError
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError
 from statestream.format import Compression, Manifest, dtype_from_name, itemsize_of
 from statestream.interop import (
     write_dcp,
@@ -248,6 +249,17 @@ def _convert_open(reader: CheckpointReader, m: Manifest, fmt: str, dst_s: str, *
               codecs=_codecs(policy, root, specs) if policy else None)
 
 
+def _shard_bytes(n: Any) -> int | None:
+    """``max_shard_bytes`` checked: None, or a positive int."""
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidOptionTypeError(f"max_shard_bytes must be an int (bytes), not {n!r:.80}")
+    if n < 1:
+        raise InvalidOptionError(f"max_shard_bytes must be positive, not {n}")
+    return n
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -318,6 +330,7 @@ def convert(
     dst_s = os.fspath(dst)
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
+    progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
     reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
     try:
         _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,

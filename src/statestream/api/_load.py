@@ -19,7 +19,13 @@ from statestream.api._open import (
     read_manifest,
     skip_missing_checksums,
 )
-from statestream.api._options import io_options, key_paths, memory_options
+from statestream.api._options import (
+    collective_option,
+    io_options,
+    key_paths,
+    memory_options,
+    progress_option,
+)
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, _select
 from statestream.api._target_keys import prefix_hint, unprefixed, with_target_ties
@@ -492,7 +498,7 @@ def load(
         >>> ss.load(d, items=["params"])
         {'params': {'w': array([1., 1.])}}
     """
-    coll = collective if collective is not None else default_collective()
+    coll = collective_option(collective) if collective is not None else default_collective()
     result: Any = None
     err: BaseException | None = None
     with gc_paused():
@@ -569,7 +575,7 @@ def _load(
 ) -> Any:
     items = key_paths(items, "items")
     io = io_options(io) if io is not None else _default_io(path)
-    memory = memory_options(memory)
+    memory, progress = memory_options(memory), progress_option(progress)
     reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
     try:
         root, like = _selected(m, target, items, reader.location)

@@ -5,13 +5,15 @@ character at a time)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionTypeError
 
-__all__ = ["io_options", "key_paths", "memory_options", "policy"]
+__all__ = ["collective_option", "io_options", "key_paths", "memory_options", "path_option",
+           "policy", "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -60,4 +62,32 @@ def policy(value: Any, name: str, method: str, example: str) -> Any:
         raise InvalidOptionTypeError(
             f"{name} must be a policy with a {method}() method (e.g. {example}), "
             f"not {_shown(value)}")
+    return value
+
+
+def progress_option(progress: Any) -> Any:
+    """``progress``: None or a callable ``progress(bytes_done, bytes_total)``."""
+    if progress is not None and not callable(progress):
+        raise InvalidOptionTypeError(
+            f"progress must be a callable progress(bytes_done, bytes_total), not "
+            f"{_shown(progress)}")
+    return progress
+
+
+def collective_option(collective: Any) -> Any:
+    """``collective``: None or an object with the Collective protocol's rank and
+    world_size (e.g. ss.TorchCollective())."""
+    if collective is not None and not all(
+            hasattr(collective, a) for a in ("rank", "world_size", "barrier")):
+        raise InvalidOptionTypeError(
+            "collective must be a statestream Collective (e.g. ss.TorchCollective(), "
+            f"or None for the default), not {_shown(collective)}")
+    return collective
+
+
+def path_option(value: Any, name: str) -> Any:
+    """A path or URL (str or os.PathLike), or None."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise InvalidOptionTypeError(
+            f"{name} must be a path or URL (str or os.PathLike), not {_shown(value)}")
     return value

@@ -6,7 +6,14 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from statestream.api._options import io_options, key_paths, memory_options
+from statestream.api._options import (
+    collective_option,
+    io_options,
+    key_paths,
+    memory_options,
+    path_option,
+    progress_option,
+)
 from statestream.distributed import Collective, default_collective
 from statestream.engine import (
     CompressionOption,
@@ -111,9 +118,11 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
     return SaveOptions(
         overwrite=overwrite, pickle_paths=key_paths(pickle_paths, "pickle_paths") or (),
         io=io_options(io), memory=memory_options(memory),
-        collective=collective if collective is not None else default_collective(),
-        progress=progress, user_meta=meta,
-        compression=CompressionPolicy(compression), base=base, hashes=bool(hashes),
+        collective=(collective_option(collective) if collective is not None
+                    else default_collective()),
+        progress=progress_option(progress), user_meta=meta,
+        compression=CompressionPolicy(compression), base=path_option(base, "base"),
+        hashes=bool(hashes),
         node_local=node_local)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
-from statestream.api._options import io_options, memory_options, policy
+from statestream.api._options import collective_option, io_options, memory_options, policy
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import (
     Collective,
@@ -132,7 +132,8 @@ class CheckpointManager:
         self._dir = StepDirectory(storage, self.directory)
         self._retention = Retention(keep_policy or KeepAll(), self._dir)
         self._best_metrics = best_metrics(keep_policy)
-        self._coll = collective if collective is not None else default_collective()
+        self._coll = (collective_option(collective) if collective is not None
+                      else default_collective())
         self._async = async_save
         self._lazy = lazy
         self._io = io

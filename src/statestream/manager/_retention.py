@@ -10,7 +10,7 @@ from typing import Any
 
 from statestream import _hooks
 from statestream.api import metadata
-from statestream.errors import CheckpointError, InvalidOptionError
+from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
 from statestream.manager._steps import StepDirectory, parse_step
 
@@ -33,6 +33,10 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
         InvalidOptionError: a metric is an array that is not 0-d (``loss`` of
             shape (1,)), naming the metric.
     """
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise InvalidOptionTypeError(
+            f"metrics must be a mapping of names to numbers ({{'loss': 0.25}}), not "
+            f"{type(metrics).__name__} {metrics!r:.80}")
     return {k: _plain(k, v) for k, v in (metrics or {}).items()}
 
 
