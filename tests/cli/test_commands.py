@@ -152,6 +152,12 @@ def test_diff_equal_and_changed(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "3"]) == 0
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "0.5"]) == 0
+    capsys.readouterr()
+    for bad in (["--atol", "-1"], ["--rtol", "nan"], ["--atol", "inf"]):
+        with pytest.raises(SystemExit) as ei:  # argparse refuses it: usage, exit 2
+            main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), *bad])
+        assert ei.value.code == 2
+        assert "a tolerance is a finite number >= 0" in capsys.readouterr().err
 
 
 def test_diff_added_removed_dtype_shape(tmp_path: Path,

@@ -270,14 +270,28 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0 if out["equal"] else 1
 
 
+def _tolerance(text: str) -> float:
+    """A tolerance: a finite number >= 0 (a negative or NaN one was taken, and no
+    difference could be within it)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"a tolerance is a finite number >= 0, not {text!r}")
+    return v
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("diff", help="added, removed and changed keys of two checkpoints",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=_tolerance, default=0.0,
+                   help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=_tolerance, default=0.0,
+                   help="relative tolerance (default 0)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle (only for checkpoints you trust)")
     add_memory_budget(p)
