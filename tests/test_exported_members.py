@@ -47,7 +47,8 @@ EXPECTED: dict[str, list[str]] = {
         "GCSOptions", "GCSStorage", "Lease", "Leftover",
         "LocalStorage", "MappedReader", "ReadAhead", "S3Options", "S3Storage", "Storage",
         "StorageCapabilities",
-        "WriteTransaction", "WriterId", "collect_garbage", "preadv_all", "release_part_buffers",
+        "WriteTransaction", "WriterId", "collect_garbage", "keep_part_buffers", "preadv_all",
+        "release_part_buffers",
         "set_backend", "staging_dir", "storage_for",
     ],
     "statestream.plan": [

@@ -31,7 +31,13 @@ from statestream.format import (
     decode_commit,
     decode_manifest,
 )
-from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
+from statestream.storage import (
+    CheckpointReader,
+    FileWriter,
+    WriteTransaction,
+    keep_part_buffers,
+    storage_for,
+)
 
 __all__ = ["copy_checkpoint", "read_committed"]
 
@@ -153,6 +159,18 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
         raise
 
 
+def _threads_and_piece(memory_bytes: int | None, threads: int,
+                       per_file: int) -> tuple[int, int]:
+    """Copying threads and each one's buffer. With a budget, an object store writer's
+    own part buffers (``per_file``) come out of it, as in a save: at most half of it
+    (at least one thread), and the pieces share the rest."""
+    if memory_bytes is None or not per_file:
+        return threads, _piece_limit(memory_bytes, threads)
+    threads = max(1, min(threads, memory_bytes // (2 * per_file)))
+    keep_part_buffers(threads * per_file)
+    return threads, _piece_limit(max(0, memory_bytes - threads * per_file), threads)
+
+
 def _piece_limit(memory_bytes: int | None, threads: int) -> int:
     """Each copying thread's buffer: at most 16 MiB, and its share of ``memory_bytes``
     (in 4 KiB pages, at least 1 MiB)."""
@@ -236,12 +254,13 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
         agree(coll, f"opening {src} to copy it", err)
         assert reader is not None
         txn = _open_dst(coll, dst, overwrite)
-        retains = storage_for(dst)[0].capabilities.retains_buffers
+        caps = storage_for(dst)[0].capabilities
+        retains = caps.retains_buffers
         try:
             by_file = _chunks_by_file(m)
             mine = [(i, f) for i, f in enumerate(m.files) if files is None or files(f.name)]
-            n = max(1, min(threads, len(mine)))
-            limit = _piece_limit(memory_bytes, n)
+            n, limit = _threads_and_piece(memory_bytes, max(1, min(threads, len(mine))),
+                                          caps.writer_buffer_bytes)
             try:
                 parallel_for(lambda job: _copy_file(reader, txn, job[1].name, job[1].size,
                                                     by_file.get(job[0], []), retains, limit),

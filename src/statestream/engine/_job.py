@@ -86,13 +86,33 @@ from statestream.plan import (
     build_manifest,
     single_tree,
 )
-from statestream.storage import WriteTransaction, storage_for
+from statestream.storage import Storage, WriteTransaction, keep_part_buffers, storage_for
 
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
 #: The smallest chunk of an array whose chunks are copies, whatever the budget.
 MIN_COPY_CHUNK_BYTES = 1 << 20
+
+
+def _writers_and_capacity(storage: Storage, io: IOOptions,
+                          memory: MemoryOptions) -> tuple[int, int]:
+    """How many data files (writer threads) a save writes, and the memory budget left
+    for staging and copies once the writers' own buffers are charged to it.
+
+    An object store's writer holds up to two part buffers of its own (one filling
+    while one uploads: 32 MiB with the default 16 MiB parts). They come out of the
+    budget: the writers are as many as ``io`` asks while their buffers take at most
+    half of it, and at least one, whose buffers may then take all of it.
+    """
+    budget = memory.resolved()
+    files = io.write_threads()
+    per_file = storage.capabilities.writer_buffer_bytes
+    if not per_file:
+        return files, budget
+    files = max(1, min(files, budget // (2 * per_file)))
+    keep_part_buffers(files * per_file)
+    return files, max(1, budget - files * per_file)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,13 +185,13 @@ class SaveJob:
         self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
                                    private_copies=lazy)
         io = options.io
+        files, capacity = _writers_and_capacity(self.storage, io, options.memory)
         # An array whose chunks are copies (non-contiguous, byte-swapped) takes each
         # chunk whole: at most a quarter of the budget, so writers copy side by side.
         self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",
-                                     max_files=io.write_threads(),
+                                     max_files=files,
                                      max_chunk_bytes=io.max_chunk_bytes,
-                                     copy_chunk_bytes=max(MIN_COPY_CHUNK_BYTES,
-                                                          options.memory.resolved() // 4))
+                                     copy_chunk_bytes=max(MIN_COPY_CHUNK_BYTES, capacity // 4))
         self.txn: WriteTransaction | None = None
         self.merged: MergedTree | None = None
         self._total_bytes = 0  # the checkpoint's raw size (the manifest's total_bytes)
@@ -180,8 +200,9 @@ class SaveJob:
         self.items: list[list[WriteItem]] = []
         self.ledger = StagingLedger(
             self.collector.arrays, self.collector.key, options.memory,
-            retains_buffers=self.storage.capabilities.retains_buffers, snapshot=snapshot)
-        self.budget = self._codec_budget = ByteBudget(options.memory.resolved())
+            retains_buffers=self.storage.capabilities.retains_buffers, snapshot=snapshot,
+            capacity=capacity)
+        self.budget = self._codec_budget = ByteBudget(capacity)
         if snapshot:
             self.budget, self._codec_budget = snapshot_budgets(
                 self.budget.capacity, compresses=bool(options.compression))

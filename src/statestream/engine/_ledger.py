@@ -42,7 +42,8 @@ class StagingLedger:
     """Staging buffers lent out for one save (thread-safe)."""
 
     def __init__(self, arrays: list[PreparedArray], key_of: Callable[[int], str],
-                 memory: MemoryOptions, *, retains_buffers: bool, snapshot: bool) -> None:
+                 memory: MemoryOptions, *, retains_buffers: bool, snapshot: bool,
+                 capacity: int | None = None) -> None:
         self._arrays = arrays
         self._key_of = key_of
         # A backend that keeps referencing written buffers (S3 uploads parts in the
@@ -51,7 +52,7 @@ class StagingLedger:
         self._retains = retains_buffers
         self._pools: tuple[StagingPool, StagingPool] = (host_pool(), pinned_pool())
         for pool in self._pools if snapshot else self._pools[1:]:
-            pool.set_capacity(memory.resolved())
+            pool.set_capacity(memory.resolved() if capacity is None else capacity)
         self._lock = threading.Lock()
         self._lent: dict[_Key, tuple[np.ndarray, int]] = {}
         self._staged: dict[_Key, np.ndarray] = {}

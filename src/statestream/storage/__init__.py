@@ -23,7 +23,7 @@ from statestream.storage._iov import preadv_all
 from statestream.storage._leftovers import collect_garbage
 from statestream.storage._local import LocalStorage
 from statestream.storage._local_lease import staging_dir
-from statestream.storage._object_write import release_part_buffers
+from statestream.storage._object_write import keep_part_buffers, release_part_buffers
 from statestream.storage._readahead import ReadAhead
 from statestream.storage._resolve import set_backend, storage_for
 from statestream.storage._s3 import S3Options, S3Storage
@@ -47,6 +47,7 @@ __all__ = [
     "StorageCapabilities",
     "WriteTransaction",
     "WriterId",
+    "keep_part_buffers",
     "preadv_all",
     "release_part_buffers",
     "collect_garbage",

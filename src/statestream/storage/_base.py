@@ -53,6 +53,9 @@ class StorageCapabilities:
     #: writers return once the store is done with the bytes (``lend_at`` is
     #: the zero-copy way for buffers that stay put).
     retains_buffers: bool = False
+    #: Bytes of its own one ``FileWriter`` may hold beyond the buffers it is given
+    #: (an object store's part buffers); a save charges them to its memory budget.
+    writer_buffer_bytes: int = 0
 
 
 class FileWriter(Protocol):

@@ -20,6 +20,7 @@ writers live in ``_object_write``, the reader in ``_object_read``, leases in
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import errno
 import hashlib
 import json
@@ -52,7 +53,7 @@ from statestream.storage._object_config import (
 )
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
 from statestream.storage._object_read import ObjectReader
-from statestream.storage._object_write import ObjectTxn
+from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
 __all__ = ["ObjectStorage", "TransferOptions", "check_transfer_options", "client_and_retry",
            "redact", "split_object_url"]
@@ -83,6 +84,9 @@ class ObjectStorage:
 
     def __init__(self, options: Any) -> None:
         self.options = options
+        self.capabilities = dataclasses.replace(
+            type(self).capabilities,
+            writer_buffer_bytes=ObjectFileWriter.OWN_PARTS * int(options.part_bytes))
         self._stores: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._lock = threading.Lock()
 

@@ -19,11 +19,13 @@ from statestream.storage._object_config import DAMAGED_MARKER
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
 
-__all__ = ["ObjectFileWriter", "ObjectTxn", "release_part_buffers"]
+__all__ = ["ObjectFileWriter", "ObjectTxn", "keep_part_buffers", "release_part_buffers"]
 
 
-#: Part buffers kept between saves, per part size (a fresh buffer's first touch is slow).
-_KEPT_PARTS = 8
+#: Part buffers kept between saves (a fresh buffer's first touch is slow), at most this
+#: many bytes in all: a save sets it to the share of its memory budget its writers
+#: hold (:func:`keep_part_buffers`); until then, eight parts of the default size.
+_kept_limit = 8 * (16 << 20)
 _parts: dict[int, list[np.ndarray]] = {}
 _parts_lock = threading.Lock()
 
@@ -36,17 +38,32 @@ def _take_part(size: int) -> np.ndarray:
     return np.empty(size, np.uint8)
 
 
+def _kept_locked() -> int:
+    return sum(b.nbytes for free in _parts.values() for b in free)
+
+
 def _give_part(buf: np.ndarray) -> None:
     with _parts_lock:
-        free = _parts.setdefault(buf.nbytes, [])
-        if len(free) < _KEPT_PARTS:
-            free.append(buf)
+        if _kept_locked() + buf.nbytes <= _kept_limit:
+            _parts.setdefault(buf.nbytes, []).append(buf)
+
+
+def keep_part_buffers(max_bytes: int) -> None:
+    """Keep at most ``max_bytes`` of part buffers between saves (dropping the rest)."""
+    global _kept_limit
+    with _parts_lock:
+        _kept_limit = max(0, int(max_bytes))
+        while _parts and _kept_locked() > _kept_limit:
+            size = max(_parts)
+            _parts[size].pop()
+            if not _parts[size]:
+                del _parts[size]
 
 
 def release_part_buffers() -> int:
     """Free the part buffers object writers keep between saves; return the bytes."""
     with _parts_lock:
-        freed = sum(b.nbytes for free in _parts.values() for b in free)
+        freed = _kept_locked()
         _parts.clear()
     return freed
 
