@@ -103,7 +103,8 @@ def _writers_and_capacity(storage: Storage, io: IOOptions,
     An object store's writer holds up to two part buffers of its own (one filling
     while one uploads: 32 MiB with the default 16 MiB parts). They come out of the
     budget: the writers are as many as ``io`` asks while their buffers take at most
-    half of it, and at least one, whose buffers may then take all of it.
+    half of it, and at least one, whose buffers may then take all of it (or more: a
+    budget smaller than two parts is exceeded by the difference).
     """
     budget = memory.resolved()
     files = io.write_threads()
