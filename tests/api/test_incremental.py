@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -395,6 +396,29 @@ def test_overwriting_a_base_is_refused_naming_its_dependents(tmp_path: Path) -> 
     shutil.rmtree(tmp_path / "c")
     ss.save(tmp_path / "a", other, overwrite=True)
     _check(ss.load(tmp_path / "c-full"), c)
+
+
+def test_finding_the_dependents_decodes_only_manifests_that_name_the_base(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Siblings' manifests are searched for the base's name (as JSON writes it) before
+    they are decoded; a name no manifest may record as a base is not searched for."""
+    from statestream.engine import _refs
+
+    decoded: list[str] = []
+    real = _refs.read_manifest
+    monkeypatch.setattr(_refs, "read_manifest",
+                        lambda r: decoded.append(r.location) or real(r))
+    ss.save(tmp_path / "s1", _state(), hashes=True)
+    for i in range(3):  # format v2, not dependents: read, never decoded
+        ss.save(tmp_path / f"other{i}", {"x": np.ones(3)}, hashes=True)
+    ss.save(tmp_path / "dep", _state(), base=tmp_path / "s1")
+    with pytest.raises(ss.CheckpointError, match=r"base of the incremental checkpoint\(s\) dep "):
+        ss.save(tmp_path / "s1", _state(seed=1), overwrite=True)
+    assert [os.path.basename(p) for p in decoded] == ["dep"]
+    decoded.clear()
+    ss.save(tmp_path / "bäse", _state(), hashes=True)  # no base may be named so
+    ss.save(tmp_path / "bäse", _state(seed=1), overwrite=True)
+    assert decoded == []
 
 
 def test_a_base_replaced_behind_its_dependents_fails_them_loudly(tmp_path: Path) -> None:

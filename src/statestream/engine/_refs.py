@@ -159,6 +159,13 @@ def dependents_of(storage: Storage, spath: str) -> list[str]:
     skipped: whatever it refers to, nothing can load it now. Reads the manifest
     of every committed sibling of format v2 or later (v1 cannot refer)."""
     parent, own = _split(spath)
+    try:
+        validate_base_name(own)
+    except UnsafeCheckpointError:
+        return []  # a name no manifest may record as a base: nothing refers to it
+    # a manifest that refers to ``own`` holds it as a JSON string (a base name has
+    # nothing JSON escapes): one without those bytes is not decoded
+    quoted = json.dumps(own).encode()
     found = []
     for name in sorted(storage.list(parent)):
         if name == own:
@@ -173,6 +180,8 @@ def dependents_of(storage: Storage, spath: str) -> list[str]:
                 decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
                 if json.loads(marker)["version"] == 1:
                     continue  # format v1 has no references: its manifest is not read
+                if quoted not in reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES):
+                    continue
                 if own in read_manifest(reader).bases:
                     found.append(name)
             finally:
