@@ -31,6 +31,10 @@ def test_classes_sit_in_the_tree() -> None:
     ("make", "match"),
     [
         (lambda tmp: ss.EveryNSteps(0), "n >= 1"),
+        (lambda tmp: ss.KeepLatest(-1), "KeepLatest needs n >= 0"),
+        (lambda tmp: ss.KeepEvery(0), "KeepEvery needs k >= 1"),
+        (lambda tmp: ss.EveryNSeconds(-5.0), "EveryNSeconds needs seconds >= 0"),
+        (lambda tmp: _manager_load(tmp, step=-1), "step must be >= 0"),
         (lambda tmp: ss.KeepBest(2, "loss", mode="median"), "'min' or 'max'"),
         (lambda tmp: ss.IOOptions(max_chunk_bytes=0), "must be positive"),
         (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), to="zip"), "known formats"),
@@ -74,6 +78,12 @@ def _manager_save(tmp: Path, **kw: Any) -> None:
         mgr.save(1, {"w": np.ones(2)}, **kw)
 
 
+def _manager_load(tmp: Path, **kw: Any) -> None:
+    with ss.CheckpointManager(tmp / "run", async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+        mgr.load(**kw)
+
+
 def _saved(tmp: Path) -> str:
     path = str(tmp / "ck")
     ss.save(path, {"w": np.arange(3.0)})
@@ -94,15 +104,24 @@ def _saved(tmp: Path) -> str:
         (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, pickle_paths=[("w",)]),
          "pickle_paths takes key paths"),
         (lambda tmp: ss.CheckpointManager(tmp / "r", keep_policy=3),
-         r"keep_policy must be a policy with a keep\(\) method \(e.g. ss.KeepLatest"),
+         r"keep_policy must be a policy object with a keep\(\) method \(e.g. ss.KeepLatest"),
+        (lambda tmp: ss.CheckpointManager(tmp / "r", keep_policy=ss.KeepLatest),
+         "an instance, not the class"),
         (lambda tmp: ss.CheckpointManager(tmp / "r", save_policy=100),
-         r"save_policy must be a policy with a should_save\(\) method"),
+         r"save_policy must be a policy object with a should_save\(\) method"),
         (lambda tmp: ss.CheckpointManager(tmp / "r", io=ss.MemoryOptions()),
          r"io must be an ss.IOOptions .*, not MemoryOptions"),
         (lambda tmp: ss.MemoryOptions(memory_budget_bytes="1GB"),
          "memory_budget_bytes must be an int"),
         (lambda tmp: ss.IOOptions(num_threads=2.0), "num_threads must be an int"),
         (lambda tmp: ss.IOOptions(map_files="no"), "map_files must be a bool"),
+        (lambda tmp: ss.KeepLatest("3"), "KeepLatest needs an int n, not str"),
+        (lambda tmp: ss.EveryNSteps(2.5), "EveryNSteps needs an int n"),
+        (lambda tmp: ss.KeepBest(2, metric=None), "KeepBest needs a metric name"),
+        (lambda tmp: ss.AtSteps(100), "AtSteps takes a collection of steps"),
+        (lambda tmp: ss.AnyOf(ss.EveryNSteps(2), 5), r"AnyOf takes policy objects"),
+        (lambda tmp: ss.KeepUnion(ss.KeepLatest), "an instance, .* not the class"),
+        (lambda tmp: ss.EveryNSeconds("60"), "EveryNSeconds needs a number of seconds"),
         (lambda tmp: ss.save(tmp / "a", {"w": np.ones(2)}, progress=5),
          r"progress must be a callable progress\(bytes_done, bytes_total\)"),
         (lambda tmp: ss.load(_saved(tmp), progress="bar"), "progress must be a callable"),

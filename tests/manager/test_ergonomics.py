@@ -142,3 +142,16 @@ def test_keep_best_metric_missing_warns(tmp_path):
         warnings.simplefilter("error")
         with ss.CheckpointManager(tmp_path / "b", keep_policy=ss.KeepLatest(2)) as mgr:
             mgr.save(1, state_at(1))
+
+
+def test_loading_a_step_the_keep_policy_deleted_lists_the_steps(tmp_path):
+    """It said 'no checkpoint at .../step_0000000001: the directory does not exist'."""
+    with ss.CheckpointManager(tmp_path / "run", async_save=False,
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"w": np.full(3, step)})
+        with pytest.raises(ss.CheckpointNotFoundError,
+                           match=r"step 1 is not a committed step of .*run \(its steps: 3, 4\); "
+                                 "a keep policy may have deleted it"):
+            mgr.load(step=1)
+        assert mgr.load(step=np.int64(3))["w"][0] == 3

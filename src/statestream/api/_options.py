@@ -58,10 +58,11 @@ def key_paths(value: Any, name: str) -> list[str] | None:
 
 def policy(value: Any, name: str, method: str, example: str) -> Any:
     """A manager policy: None, or an object with a ``method``."""
-    if value is not None and not callable(getattr(value, method, None)):
+    if value is not None and (isinstance(value, type)
+                              or not callable(getattr(value, method, None))):
         raise InvalidOptionTypeError(
-            f"{name} must be a policy with a {method}() method (e.g. {example}), "
-            f"not {_shown(value)}")
+            f"{name} must be a policy object with a {method}() method (e.g. {example}; "
+            f"an instance, not the class), not {_shown(value)}")
     return value
 
 

@@ -38,7 +38,7 @@ from statestream.manager._policies import (
 )
 from statestream.manager._resume import load_newest_good
 from statestream.manager._retention import Retention, encode_metrics, step_info
-from statestream.manager._steps import StepDirectory
+from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
 from statestream.storage import storage_for
@@ -571,7 +571,18 @@ class CheckpointManager:
         resume = step is None or (self._tier is not None and self._incremental)
         latest = self._agreed_latest() if resume else None
         if step is not None:
-            return self._load_step(step, target, latest, items, allow_pickle)
+            step = check_step(step)
+            try:
+                return self._load_step(step, target, latest, items, allow_pickle)
+            except CheckpointNotFoundError as exc:
+                if self._tier is not None or self._dir.is_committed(step):
+                    raise
+                have = [str(s) for s in self._retention.listed()]
+                shown = ", ".join(have[-20:]) if have else "none"
+                raise CheckpointNotFoundError(
+                    f"step {step} is not a committed step of {self.directory} (its steps: "
+                    f"{'..., ' if len(have) > 20 else ''}{shown}); a keep policy may have "
+                    "deleted it") from exc
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")

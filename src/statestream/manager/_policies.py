@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
-from statestream.errors import InvalidOptionError
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError
 
 __all__ = [
     "AllOf",
@@ -36,6 +36,23 @@ __all__ = [
     "is_score",
     "warn_missing_metrics",
 ]
+
+
+def _count(policy: str, name: str, value: object, least: int) -> None:
+    """A policy's whole-number argument: an int (not a bool) of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidOptionTypeError(
+            f"{policy} needs an int {name}, not {type(value).__name__} {value!r:.60}")
+    if value < least:
+        raise InvalidOptionError(f"{policy} needs {name} >= {least}, got {value}")
+
+
+def _policies(kind: str, policies: tuple[object, ...], method: str) -> None:
+    for p in policies:
+        if isinstance(p, type) or not callable(getattr(p, method, None)):
+            raise InvalidOptionTypeError(
+                f"{kind} takes policy objects with a {method}() method (an instance, e.g. "
+                f"KeepLatest(3), not the class), not {type(p).__name__} {p!r:.60}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +85,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise InvalidOptionError(f"EveryNSteps needs n >= 1, got {self.n}")
+        _count("EveryNSteps", "n", self.n, 1)
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
@@ -81,6 +97,13 @@ class AtSteps:
 
     steps: Collection[int]
 
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, (str, bytes)) or not isinstance(self.steps, Collection):
+            raise InvalidOptionTypeError(
+                f"AtSteps takes a collection of steps ({{100, 500}}), not {self.steps!r:.60}")
+        for s in self.steps:
+            _count("AtSteps", "steps", s, 0)
+
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step in self.steps
 
@@ -90,6 +113,14 @@ class EveryNSeconds:
     """Save when at least ``seconds`` passed since the last save (and at the first call)."""
 
     seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
+            raise InvalidOptionTypeError(
+                f"EveryNSeconds needs a number of seconds, not {self.seconds!r:.60}")
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise InvalidOptionError(
+                f"EveryNSeconds needs seconds >= 0 (finite), got {self.seconds}")
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.last_saved_time is None or ctx.now - ctx.last_saved_time >= self.seconds
@@ -113,6 +144,7 @@ class AnyOf:
     """
 
     def __init__(self, *policies: SavePolicy) -> None:
+        _policies("AnyOf", policies, "should_save")
         self.policies = policies
 
     def should_save(self, ctx: SaveContext) -> bool:
@@ -123,6 +155,7 @@ class AllOf:
     """Save when all of the policies say so."""
 
     def __init__(self, *policies: SavePolicy) -> None:
+        _policies("AllOf", policies, "should_save")
         self.policies = policies
 
     def should_save(self, ctx: SaveContext) -> bool:
@@ -163,6 +196,9 @@ class KeepLatest:
 
     n: int
 
+    def __post_init__(self) -> None:
+        _count("KeepLatest", "n", self.n, 0)  # 0: only the latest step, which always stays
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(sorted(s.step for s in steps)[-self.n:]) if self.n > 0 else set()
 
@@ -172,6 +208,9 @@ class KeepEvery:
     """Keep every step that is a multiple of ``k`` forever."""
 
     k: int
+
+    def __post_init__(self) -> None:
+        _count("KeepEvery", "k", self.k, 1)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.k == 0}
@@ -194,6 +233,10 @@ class KeepBest:
     mode: str = "min"
 
     def __post_init__(self) -> None:
+        _count("KeepBest", "n", self.n, 0)
+        if not isinstance(self.metric, str):
+            raise InvalidOptionTypeError(
+                f"KeepBest needs a metric name (str), not {self.metric!r:.60}")
         if self.mode not in ("min", "max"):
             raise InvalidOptionError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
 
@@ -213,6 +256,7 @@ class KeepUnion:
     """
 
     def __init__(self, *policies: KeepPolicy) -> None:
+        _policies("KeepUnion", policies, "keep")
         self.policies = policies
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
