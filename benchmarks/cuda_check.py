@@ -12,7 +12,9 @@ It (1) runs ``tests/providers/test_cuda.py`` and (2) measures, for a state of
   save does), of ``copy_(non_blocking=True)`` into freshly pinned memory, and
   into pinned buffers that are reused (what statestream does);
 - the blocking time of ``ss.save_async`` (first call, then with warm buffers)
-  and of ``ss.save_async(lazy=True)``, and the total time to commit.
+  and of ``ss.save_async(lazy=True)``, and the total time to commit;
+- the same for DCP's ``async_save`` (one process, a gloo group on loopback;
+  torch's default stager copies the CUDA tensors to the host), in the same run.
 
 Medians of ``--repeats`` runs; results go to stdout and, with ``--out``, to
 ``cuda_check.json`` there. Prints "SKIP" and exits 0 without a GPU.
@@ -46,6 +48,46 @@ def _median_time(fn, repeats: int) -> tuple[float, list[float]]:
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), ts
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dcp_async_times(state: dict, scratch: Path, repeats: int) -> dict[str, object]:
+    """Blocking (the call) and total (the future's result) times of DCP ``async_save``
+    of ``state``: the first call, then the median of ``repeats`` more."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+    blocking, total = [], []
+    for i in range(repeats + 1):
+        path = scratch / f"dcp-{i}"
+        _sync()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(path)))
+        blocking.append(time.perf_counter() - t0)
+        fut.result()
+        total.append(time.perf_counter() - t0)
+        shutil.rmtree(path, ignore_errors=True)
+    return {"blocking_first_s": blocking[0],
+            "blocking_warm_median_s": statistics.median(blocking[1:]),
+            "total_warm_median_s": statistics.median(total[1:]),
+            "blocking_samples": blocking, "total_samples": total}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -126,6 +168,13 @@ def main() -> int:
             }
             print(f"ss.save_async {mode:5s}: blocking first {blocking[0]:.3f} s, warm "
                   f"{statistics.median(blocking[1:]):.3f} s; total {statistics.median(total[1:]):.3f} s")
+        try:
+            d = res["dcp_async"] = dcp_async_times(state, scratch, args.repeats)
+            print(f"DCP async_save: blocking first {d['blocking_first_s']:.3f} s, warm "
+                  f"{d['blocking_warm_median_s']:.3f} s; total {d['total_warm_median_s']:.3f} s")
+        except Exception as exc:  # noqa: BLE001 - the rest of the check still counts
+            res["dcp_async"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"DCP async_save failed: {exc}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         ss.release_staging()
