@@ -175,15 +175,16 @@ def _is_late_loop_callback(u: Any) -> bool:
 
 
 def _quiet_late_loop_callbacks() -> None:
-    """After an orbax call failed: keep the operations it abandoned from printing.
+    """Keep the operations a failed orbax call abandons from printing.
 
     orbax runs a restore or ``metadata()`` as a coroutine over many tensorstore
     operations on an event loop of its own; when one fails, it closes that loop
     while the others are still running, and each of those, finishing, calls
     ``call_soon_threadsafe`` on the closed loop from a tensorstore thread, which
     reports the ``RuntimeError`` through ``sys.unraisablehook``: a traceback per
-    array on stderr, after the error the caller got. This wraps the hook (once,
-    in the process, and only once such a failure happened) so that exactly those
+    array on stderr, after the error the caller got. This wraps the hook (once in
+    the process, when an Orbax checkpoint is first opened: an abandoned operation
+    may finish before the failure reaches the caller) so that exactly those
     reports are dropped; every other goes to the hook that was there.
     """
     global _quiet_installed
@@ -226,6 +227,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()
+    _quiet_late_loop_callbacks()  # before: an abandoned open may finish at any moment
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -244,7 +246,6 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     except (MemoryError, PermissionError, KeyboardInterrupt):
         raise
     except Exception as exc:  # orbax and tensorstore raise many types for one damage
-        _quiet_late_loop_callbacks()
         raise _corrupt(item, exc) from exc
     finally:
         handler.close()
