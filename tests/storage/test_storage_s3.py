@@ -322,3 +322,20 @@ def test_a_manager_never_closed_gives_its_lease_up_at_exit(s3_server: dict[str, 
     assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
     with ss.CheckpointManager(url) as mgr:  # at once, not after the 600 s ttl
         assert mgr.steps() == [1]
+
+
+def test_convert_to_a_statestream_checkpoint_on_s3(storage: S3Storage, base_url: str,
+                                                   tmp_path: Any) -> None:
+    """convert writes a statestream checkpoint to an object store (its writer's part
+    buffers come out of the budget) and reads one back from it."""
+    rng = np.random.default_rng(3)
+    state = {"w": rng.standard_normal((300, 1000)).astype(np.float32), "step": 7,
+             "b": np.arange(10)}
+    ss.save(tmp_path / "local", state)
+    ss.convert(tmp_path / "local", f"{base_url}/conv",
+               memory=ss.MemoryOptions(memory_budget_bytes=64 << 20))
+    got = ss.load(f"{base_url}/conv")
+    np.testing.assert_array_equal(got["w"], state["w"])
+    assert got["step"] == 7 and ss.verify(f"{base_url}/conv").ok
+    ss.convert(f"{base_url}/conv", tmp_path / "back.safetensors")
+    np.testing.assert_array_equal(ss.load(tmp_path / "back.safetensors")["w"], state["w"])

@@ -33,7 +33,7 @@ from statestream.interop import (
 )
 from statestream.interop._writers import ArraySpec, aligned_bytes, array_paths, slab_rows
 from statestream.plan import ReadPiece, Wanted, plan_load
-from statestream.storage import CheckpointReader
+from statestream.storage import CheckpointReader, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["FORMATS", "convert"]
@@ -239,10 +239,14 @@ def _convert_open(reader: CheckpointReader, m: Manifest, fmt: str, dst_s: str, *
     root, old = _convert_root(m.tree, items, reader.location,
                               keep_aliases=fmt in ("statestream", "safetensors", "torch"))
     specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
-    # the safetensors writer's two blocks come out of the budget too
+    # the safetensors writer's two blocks come out of the budget too, and so do an
+    # object store writer's part buffers (a statestream checkpoint on S3, GCS, Azure)
     block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
+    writer = 2 * block
+    if fmt == "statestream":
+        writer += storage_for(dst_s)[0].capabilities.writer_buffer_bytes
     slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
-                   writer_bytes=2 * block, reuse=fmt in _STREAMING)
+                   writer_bytes=writer, reuse=fmt in _STREAMING)
     meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
     _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
               max_shard_bytes=max_shard_bytes, block_bytes=block,
