@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -81,3 +82,12 @@ def test_a_manager_prefix_on_s3_lists_its_steps(s3_server: dict[str, Any]) -> No
             ss.metadata(url)
     finally:
         set_backend("s3", None)
+
+
+def test_a_file_where_a_parent_directory_should_be_is_named(tmp_path: Path) -> None:
+    """It said '[Errno 17] File exists' (or 'Not a directory') of the path's parent."""
+    (tmp_path / "afile").write_text("x")
+    for dst in (tmp_path / "afile" / "ck", tmp_path / "afile" / "a" / "b" / "ck"):
+        with pytest.raises(ss.StorageError,
+                           match=re.escape(f"{tmp_path / 'afile'} is a file, not a directory")):
+            ss.save(dst, {"w": np.ones(2)})

@@ -207,6 +207,17 @@ def _check_replaceable(path: str) -> None:
 _PUBLISH_ATTEMPTS = 100
 
 
+def _file_above(path: str) -> str | None:
+    """The nearest parent of ``path`` that exists and is not a directory, if any (a
+    checkpoint's parent directories cannot be made through it)."""
+    parent = os.path.dirname(path)
+    while parent and parent != os.path.dirname(parent):
+        if os.path.lexists(parent):
+            return None if os.path.isdir(parent) else parent
+        parent = os.path.dirname(parent)
+    return None
+
+
 class LocalStorage:
     """Checkpoints as directories on a local (POSIX) file system.
 
@@ -244,7 +255,11 @@ class LocalStorage:
         try:
             txn = _LocalWriteTransaction(path, overwrite, direct_io=self.direct_io)
         except OSError as exc:
-            raise storage_error(f"cannot create a checkpoint under {path}: {exc}", exc) from exc
+            blocker = _file_above(path)
+            why = (f"{blocker} is a file, not a directory" if blocker is not None
+                   else str(exc))
+            raise storage_error(f"cannot create a checkpoint under {path}: {why}",
+                                exc) from exc
         try:
             collect_garbage(self, os.path.dirname(path))
         except (OSError, CheckpointError):
