@@ -5,16 +5,24 @@ that share. (The integrated peak-RSS check is tests/storage/test_object_write_me
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.engine._copy import _threads_and_piece
-from statestream.engine._job import _writers_and_capacity
+from statestream.engine._core import writers_share
 from statestream.storage import LocalStorage, S3Options, S3Storage, release_part_buffers
 from statestream.storage import _object_write as ow
 
 MiB = 1 << 20
+
+
+def _writers_and_capacity(storage: Any, io: IOOptions, memory: MemoryOptions) -> tuple[int, int]:
+    """What a save job asks of writers_share (engine/_job.py)."""
+    return writers_share(memory.resolved(), io.write_threads(),
+                         storage.capabilities.writer_buffer_bytes)
 
 
 def _s3(part: int) -> S3Storage:

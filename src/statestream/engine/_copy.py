@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from statestream.distributed import Collective, SingleProcess, agree
-from statestream.engine._core import parallel_for
+from statestream.engine._core import parallel_for, writers_share
 from statestream.engine._refs import sibling_path
 from statestream.errors import CheckpointCorruptError, CheckpointError, ChecksumMismatchError
 from statestream.format import (
@@ -31,13 +31,7 @@ from statestream.format import (
     decode_commit,
     decode_manifest,
 )
-from statestream.storage import (
-    CheckpointReader,
-    FileWriter,
-    WriteTransaction,
-    keep_part_buffers,
-    storage_for,
-)
+from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
 
 __all__ = ["copy_checkpoint", "read_committed"]
 
@@ -164,11 +158,10 @@ def _threads_and_piece(memory_bytes: int | None, threads: int,
     """Copying threads and each one's buffer. With a budget, an object store writer's
     own part buffers (``per_file``) come out of it, as in a save: at most half of it
     (at least one thread), and the pieces share the rest."""
-    if memory_bytes is None or not per_file:
-        return threads, _piece_limit(memory_bytes, threads)
-    threads = max(1, min(threads, memory_bytes // (2 * per_file)))
-    keep_part_buffers(threads * per_file)
-    return threads, _piece_limit(max(0, memory_bytes - threads * per_file), threads)
+    if memory_bytes is None:
+        return threads, _piece_limit(None, threads)
+    threads, left = writers_share(memory_bytes, threads, per_file)
+    return threads, _piece_limit(left, threads)
 
 
 def _piece_limit(memory_bytes: int | None, threads: int) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from statestream.errors import InvalidOptionError, InvalidOptionTypeError
+from statestream.storage import keep_part_buffers
 
 __all__ = [
     "ByteBudget",
@@ -23,6 +24,7 @@ __all__ = [
     "default_num_threads",
     "parallel_for",
     "snapshot_budgets",
+    "writers_share",
 ]
 
 Progress = Callable[[int, int], None]
@@ -165,6 +167,27 @@ class MemoryOptions:
     def resolved(self) -> int:
         b = self.memory_budget_bytes
         return default_memory_budget_bytes() if b is None else max(1, int(b))
+
+
+def writers_share(budget: int, threads: int, per_file: int) -> tuple[int, int]:
+    """Writer threads and the budget left once their own buffers are charged to it.
+
+    ``per_file``: bytes one writer holds of its own (an object store's two part
+    buffers; 0 for local files, which charges nothing). The writers are as many as
+    ``threads`` while their buffers take at most half of ``budget``, and at least
+    one (whose buffers may take all of it, or more when it is smaller than them; at
+    least one byte is left).
+    The part buffers kept between saves are bounded by the same share.
+
+    Example:
+        >>> writers_share(256 << 20, 4, 0) == (4, 256 << 20)
+        True
+    """
+    if not per_file:
+        return threads, budget
+    threads = max(1, min(threads, budget // (2 * per_file)))
+    keep_part_buffers(threads * per_file)
+    return threads, max(1, budget - threads * per_file)
 
 
 #: A snapshot save that compresses keeps this share (1/N) of its memory budget for

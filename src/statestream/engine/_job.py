@@ -28,29 +28,24 @@ nothing). The phases:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import secrets
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from statestream import __version__, _hooks
 from statestream._gc import gc_paused
-from statestream.distributed import Collective, SingleProcess, agree
-from statestream.engine._codec import CompressionPolicy
+from statestream.distributed import agree
 from statestream.engine._collect import Collector
 from statestream.engine._committed import committed_as_saved
 from statestream.engine._core import (
     ByteBudget,
-    IOOptions,
-    MemoryOptions,
-    Progress,
     snapshot_budgets,
+    writers_share,
 )
 from statestream.engine._handle import SaveHandle, enqueue, previous_save
 from statestream.engine._ledger import StagingLedger
@@ -63,9 +58,9 @@ from statestream.engine._refs import (
     refuse_replacing_a_base,
     remember_committed,
 )
+from statestream.engine._saveopts import SaveOptions, check_user_meta
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
-from statestream.errors import UnsupportedTypeError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -86,78 +81,13 @@ from statestream.plan import (
     build_manifest,
     single_tree,
 )
-from statestream.storage import Storage, WriteTransaction, keep_part_buffers, storage_for
+from statestream.storage import WriteTransaction, storage_for
 
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
 #: The smallest chunk of an array whose chunks are copies, whatever the budget.
 MIN_COPY_CHUNK_BYTES = 1 << 20
-
-
-def _writers_and_capacity(storage: Storage, io: IOOptions,
-                          memory: MemoryOptions) -> tuple[int, int]:
-    """How many data files (writer threads) a save writes, and the memory budget left
-    for staging and copies once the writers' own buffers are charged to it.
-
-    An object store's writer holds up to two part buffers of its own (one filling
-    while one uploads: 32 MiB with the default 16 MiB parts). They come out of the
-    budget: the writers are as many as ``io`` asks while their buffers take at most
-    half of it, and at least one, whose buffers may then take all of it (or more: a
-    budget smaller than two parts is exceeded by the difference).
-    """
-    budget = memory.resolved()
-    files = io.write_threads()
-    per_file = storage.capabilities.writer_buffer_bytes
-    if not per_file:
-        return files, budget
-    files = max(1, min(files, budget // (2 * per_file)))
-    keep_part_buffers(files * per_file)
-    return files, max(1, budget - files * per_file)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SaveOptions:
-    """Everything a save is asked besides what and where (see ``ss.save``)."""
-
-    overwrite: bool = False
-    pickle_paths: Collection[str] = ()
-    io: IOOptions = dataclasses.field(default_factory=IOOptions)
-    memory: MemoryOptions = dataclasses.field(default_factory=MemoryOptions)
-    collective: Collective = dataclasses.field(default_factory=SingleProcess)
-    progress: Progress | None = None
-    #: the caller's metadata, checked when the save begins (:func:`check_user_meta`)
-    user_meta: Mapping[str, Any] | None = None
-    #: which arrays are compressed, with what (default: none)
-    compression: CompressionPolicy = dataclasses.field(
-        default_factory=lambda: CompressionPolicy(None))
-    #: an incremental save's base: a committed sibling checkpoint (path or URL)
-    base: str | os.PathLike[str] | None = None
-    #: record each chunk's XXH3-128 (so a later save can use this one as its base)
-    hashes: bool = False
-    #: the path is on each node's own disk: every node commits its own copy
-    #: (the manifest and its processes' data files; see engine/_nodelocal.py)
-    node_local: bool = False
-
-
-def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Validate user metadata: a JSON-able mapping of at most 1 MiB (a copy of it).
-
-    Raises:
-        UnsupportedTypeError: not JSON (NaN and infinities included), or too large.
-    """
-    if meta is None:
-        return None
-    try:
-        text = json.dumps(dict(meta), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedTypeError(
-            f"meta must be a JSON-able mapping (str keys; numbers, strings, lists, dicts): {exc}"
-        ) from exc
-    if len(text) > 1 << 20:
-        raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
-    out: dict[str, Any] = json.loads(text)
-    return out
 
 
 class SaveJob:
@@ -186,7 +116,9 @@ class SaveJob:
         self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
                                    private_copies=lazy)
         io = options.io
-        files, capacity = _writers_and_capacity(self.storage, io, options.memory)
+        # an object store writer's own part buffers come out of the budget
+        files, capacity = writers_share(options.memory.resolved(), io.write_threads(),
+                                        self.storage.capabilities.writer_buffer_bytes)
         # An array whose chunks are copies (non-contiguous, byte-swapped) takes each
         # chunk whole: at most a quarter of the budget, so writers copy side by side.
         self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",

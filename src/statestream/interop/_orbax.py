@@ -20,7 +20,6 @@ import json
 import math
 import os
 import stat
-import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from statestream.format import (
 from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader, read_capped
+from statestream.interop._loopnoise import quiet_late_loop_callbacks
 from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -156,51 +156,6 @@ def _refuse_outside_names(item: str) -> None:
             "not names inside the checkpoint (each array is a directory of that name)")
 
 
-_QUIET_LOCK = threading.Lock()
-_quiet_installed = False
-
-
-def _is_late_loop_callback(u: Any) -> bool:
-    """An unraisable ``RuntimeError('Event loop is closed')`` raised by asyncio's
-    ``call_soon_threadsafe``: a tensorstore operation finishing after the event
-    loop that awaited it was closed."""
-    exc, tb = u.exc_value, u.exc_traceback
-    if type(exc) is not RuntimeError or str(exc) != "Event loop is closed":
-        return False
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return "call_soon_threadsafe" in names
-
-
-def _quiet_late_loop_callbacks() -> None:
-    """Keep the operations a failed orbax call abandons from printing.
-
-    orbax runs a restore or ``metadata()`` as a coroutine over many tensorstore
-    operations on an event loop of its own; when one fails, it closes that loop
-    while the others are still running, and each of those, finishing, calls
-    ``call_soon_threadsafe`` on the closed loop from a tensorstore thread, which
-    reports the ``RuntimeError`` through ``sys.unraisablehook``: a traceback per
-    array on stderr, after the error the caller got. This wraps the hook (once in
-    the process, when an Orbax checkpoint is first opened: an abandoned operation
-    may finish before the failure reaches the caller) so that exactly those
-    reports are dropped; every other goes to the hook that was there.
-    """
-    global _quiet_installed
-    with _QUIET_LOCK:
-        if _quiet_installed:
-            return
-        previous = sys.unraisablehook
-
-        def hook(u: Any) -> None:
-            if not _is_late_loop_callback(u):
-                previous(u)
-
-        sys.unraisablehook = hook
-        _quiet_installed = True
-
-
 def _corrupt(item: str, exc: BaseException,
              what: str = "this Orbax checkpoint") -> CheckpointCorruptError:
     return CheckpointCorruptError(
@@ -227,7 +182,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()
-    _quiet_late_loop_callbacks()  # before: an abandoned open may finish at any moment
+    quiet_late_loop_callbacks()  # before: an abandoned open may finish at any moment
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

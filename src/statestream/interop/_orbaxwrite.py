@@ -23,7 +23,7 @@ import numpy as np
 from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import dtype_from_name, itemsize_of
 from statestream.interop._deps import require
-from statestream.interop._orbax import _quiet_late_loop_callbacks
+from statestream.interop._loopnoise import quiet_late_loop_callbacks
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -115,7 +115,7 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     orbax at most ``batch_bytes`` of arrays at a time (one array or list larger than
     that goes alone)."""
     ocp = require("orbax.checkpoint", "orbax", "writing Orbax checkpoints")
-    _quiet_late_loop_callbacks()  # a failed orbax save abandons operations too
+    quiet_late_loop_callbacks()  # a failed orbax save abandons operations too
     bad: list[str] = []
     _unholdable(root, specs, (), bad)
     if bad:
