@@ -27,7 +27,7 @@ from statestream.api._options import (
     progress_option,
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
-from statestream.api._select import NO_TARGET, _children, _select
+from statestream.api._select import NO_TARGET, _children, selected
 from statestream.api._target_keys import prefix_hint, unprefixed, with_target_ties
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
@@ -512,21 +512,6 @@ def load(
     return result
 
 
-def _selected(m: Manifest, target: Any, items: Sequence[str] | None,
-              where: str) -> tuple[Node, Any]:
-    """The saved tree and the target the walk matches: cut down to ``items``."""
-    like = NO_TARGET if target is None else target
-    if items is None:
-        return m.tree, like
-    if like is not NO_TARGET and not isinstance(like, dict):
-        raise TargetMismatchError(
-            "with items=, the target must be a dict like the saved state (keyed by "
-            "the items' first keys)"
-        )
-    # items without a target entry load with defaults
-    return _select(m.tree, list(items), like, where)
-
-
 def files_read(m: Manifest, target: Any = None, *, items: Sequence[str] | None = None,
                allow_pickle: AllowPickle = False, where: str = "the checkpoint"
                ) -> dict[str, set[int]]:
@@ -539,7 +524,7 @@ def files_read(m: Manifest, target: Any = None, *, items: Sequence[str] | None =
     allocates the destinations (untouched, then dropped), maps and reads nothing.
     A target that does not match raises as :func:`load` would.
     """
-    root, like = _selected(m, target, items, where)
+    root, like = selected(m, target, items, where)
     job = _Job(pickles=_PickleTrust(allow_pickle), file_names=[f.name for f in m.files],
                manifest=m)
     _walk(root, like, (), m, job, "numpy", False)
@@ -578,7 +563,7 @@ def _load(
     memory, progress = memory_options(memory), progress_option(progress)
     reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
     try:
-        root, like = _selected(m, target, items, reader.location)
+        root, like = selected(m, target, items, reader.location)
         names = [f.name for f in m.files]
         local = reader if isinstance(reader, MappedReader) else None
         job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,

@@ -13,7 +13,7 @@ from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionTypeError
 
 __all__ = ["collective_option", "io_options", "key_paths", "memory_options", "path_option",
-           "policy", "progress_option"]
+           "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -54,16 +54,6 @@ def key_paths(value: Any, name: str) -> list[str] | None:
         raise InvalidOptionTypeError(
             f"{name} takes key paths (str, e.g. ['params', 'opt/state']), not {_shown(value)}")
     return paths
-
-
-def policy(value: Any, name: str, method: str, example: str) -> Any:
-    """A manager policy: None, or an object with a ``method``."""
-    if value is not None and (isinstance(value, type)
-                              or not callable(getattr(value, method, None))):
-        raise InvalidOptionTypeError(
-            f"{name} must be a policy object with a {method}() method (e.g. {example}; "
-            f"an instance, not the class), not {_shown(value)}")
-    return value
 
 
 def progress_option(progress: Any) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from statestream.errors import MissingKeyError, TargetMismatchError
+from statestream.format import Manifest
 from statestream.providers import target_provider_for
 from statestream.tree import (
     Key,
@@ -115,3 +116,18 @@ def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
         kids.append(child)
         targets[key] = t
     return Node("dict", keys=keys, children=kids), targets
+
+
+def selected(m: Manifest, target: Any, items: Sequence[str] | None,
+              where: str) -> tuple[Node, Any]:
+    """The saved tree and the target the walk matches: cut down to ``items``."""
+    like = NO_TARGET if target is None else target
+    if items is None:
+        return m.tree, like
+    if like is not NO_TARGET and not isinstance(like, dict):
+        raise TargetMismatchError(
+            "with items=, the target must be a dict like the saved state (keyed by "
+            "the items' first keys)"
+        )
+    # items without a target entry load with defaults
+    return _select(m.tree, list(items), like, where)

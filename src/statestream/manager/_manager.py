@@ -10,7 +10,7 @@ from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
-from statestream.api._options import collective_option, io_options, memory_options, policy
+from statestream.api._options import collective_option, io_options, memory_options
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import (
     Collective,
@@ -32,11 +32,12 @@ from statestream.manager._policies import (
     KeepPolicy,
     SavePolicy,
     best_metrics,
+    check_policy,
     drops_for_good,
     is_score,
     warn_missing_metrics,
 )
-from statestream.manager._resume import load_newest_good
+from statestream.manager._resume import load_newest_good, missing_step
 from statestream.manager._retention import Retention, encode_metrics, step_info
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
@@ -121,9 +122,9 @@ class CheckpointManager:
         replicate_to_peers: bool = False,
     ) -> None:
         self._incremental = bool(incremental)
-        policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
-        policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
-        policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
+        check_policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
+        check_policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
+        check_policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
         if io is not None:
             io_options(io)
         if memory is not None:
@@ -577,12 +578,7 @@ class CheckpointManager:
             except CheckpointNotFoundError as exc:
                 if self._tier is not None or self._dir.is_committed(step):
                     raise
-                have = [str(s) for s in self._retention.listed()]
-                shown = ", ".join(have[-20:]) if have else "none"
-                raise CheckpointNotFoundError(
-                    f"step {step} is not a committed step of {self.directory} (its steps: "
-                    f"{'..., ' if len(have) > 20 else ''}{shown}); a keep policy may have "
-                    "deleted it") from exc
+                raise missing_step(step, self.directory, self._retention.listed()) from exc
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")

@@ -32,6 +32,7 @@ __all__ = [
     "SavePolicy",
     "StepInfo",
     "best_metrics",
+    "check_policy",
     "drops_for_good",
     "is_score",
     "warn_missing_metrics",
@@ -47,9 +48,21 @@ def _count(policy: str, name: str, value: object, least: int) -> None:
         raise InvalidOptionError(f"{policy} needs {name} >= {least}, got {value}")
 
 
+def _is_policy(value: object, method: str) -> bool:
+    return not isinstance(value, type) and callable(getattr(value, method, None))
+
+
+def check_policy(value: object, name: str, method: str, example: str) -> None:
+    """A policy argument: None, or an object (not a class) with a ``method``."""
+    if value is not None and not _is_policy(value, method):
+        raise InvalidOptionTypeError(
+            f"{name} must be a policy object with a {method}() method (e.g. {example}; "
+            f"an instance, not the class), not {type(value).__name__} {value!r:.60}")
+
+
 def _policies(kind: str, policies: tuple[object, ...], method: str) -> None:
     for p in policies:
-        if isinstance(p, type) or not callable(getattr(p, method, None)):
+        if not _is_policy(p, method):
             raise InvalidOptionTypeError(
                 f"{kind} takes policy objects with a {method}() method (an instance, e.g. "
                 f"KeepLatest(3), not the class), not {type(p).__name__} {p!r:.60}")

@@ -13,9 +13,22 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from statestream.errors import CheckpointCorruptError, CheckpointError, DistributedError
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    DistributedError,
+)
 
-__all__ = ["is_damage", "load_newest_good"]
+__all__ = ["is_damage", "load_newest_good", "missing_step"]
+
+
+def missing_step(step: int, directory: str, have: list[int]) -> CheckpointNotFoundError:
+    """The error for a step asked for by number that is not committed: the steps that are."""
+    shown = ", ".join(map(str, have[-20:])) if have else "none"
+    return CheckpointNotFoundError(
+        f"step {step} is not a committed step of {directory} (its steps: "
+        f"{'..., ' if len(have) > 20 else ''}{shown}); a keep policy may have deleted it")
 
 
 def _names(cls: type[Exception]) -> set[str]:
