@@ -1,0 +1,380 @@
+"""Hugging Face ``transformers.Trainer``: its checkpoints written by statestream.
+
+:class:`StatestreamTrainer` is a ``transformers.Trainer`` whose checkpoints (every
+``save_steps`` / epoch / best-metric save: ``checkpoint-<step>/`` under
+``output_dir``) are statestream checkpoints, written in the background by
+default; :class:`StatestreamCheckpointing` is the same as a mixin for your own
+Trainer subclasses (``class MyTrainer(StatestreamCheckpointing, SomeTrainer)``).
+``trainer.train(resume_from_checkpoint=True)`` (or a path) resumes from them through
+transformers' own resume logic, and ``load_best_model_at_end`` reads them.
+
+A ``checkpoint-<step>/`` directory holds:
+
+- ``statestream/``: one statestream checkpoint with ``model`` (the unwrapped
+  model's ``state_dict``; tied weights stored once), ``optimizer``,
+  ``scheduler``, ``scaler`` (with mixed precision) and ``rng/rank<i>`` (each
+  process's Python, NumPy, torch CPU and CUDA generator states): per-chunk
+  checksums, no pickle, committed atomically;
+- ``trainer_state.json``: transformers' own ``TrainerState``, which its resume logic
+  (global step, epochs, batches to skip, callbacks' states) reads unchanged.
+
+The directory is built as ``.checkpoint-<step>.partial/`` and renamed into place only
+once statestream has committed, so ``resume_from_checkpoint=True`` (transformers takes
+the highest ``checkpoint-<step>``) never picks a checkpoint a crash interrupted; with
+the Trainer's own saving it can, because those files are written one after another
+into ``checkpoint-<step>/`` itself. A ``.partial`` directory a crash left behind is
+removed by the next save.
+
+With ``async_save=True`` (the default) a checkpoint step returns once the state is
+copied to host memory (``statestream.save_async``); the write, the commit and the
+rename finish in the background. The next checkpoint, the end of ``train()`` and
+:meth:`StatestreamCheckpointing.wait_for_checkpoint` wait for it, and an error from
+the background is raised there. ``save_total_limit`` deletes old checkpoints after
+the new one is in place. Checkpoints the Trainer itself wrote (``model.safetensors``,
+``optimizer.pt``, ...) are still read on resume. ``trainer.save_model()`` is
+unchanged (a ``from_pretrained`` directory); ``statestream.convert(
+"<checkpoint>/statestream", out, to="safetensors", items=["model"])`` exports the
+weights of any checkpoint as safetensors shards.
+
+Under ``torch.distributed`` every process takes part in each save (a collective,
+as transformers calls the save on every rank); process 0 writes
+``trainer_state.json`` and renames. DeepSpeed and FSDP keep their own checkpoint
+formats: with either enabled, saving raises :class:`~statestream.CheckpointError`.
+
+Example::
+
+    from transformers import TrainingArguments
+    from statestream.integrations.transformers import StatestreamTrainer
+
+    args = TrainingArguments(output_dir="out", save_steps=500, save_total_limit=3)
+    trainer = StatestreamTrainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=True)   # the newest checkpoint, if any
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+import statestream as ss
+from statestream.errors import CheckpointError, InvalidOptionTypeError
+from statestream.storage import storage_for
+
+__all__ = ["StatestreamCheckpointing", "StatestreamTrainer", "is_statestream_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+#: The statestream checkpoint inside ``checkpoint-<step>/``.
+STATE_DIR = "statestream"
+_PARTIAL = re.compile(r"^\." + PREFIX_CHECKPOINT_DIR + r"-(\d+)\.partial$")
+
+
+def is_statestream_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a ``checkpoint-<step>/`` directory this integration wrote."""
+    inner = os.path.join(os.fspath(path), STATE_DIR)
+    if not os.path.isdir(inner):
+        return False
+    storage, where = storage_for(inner)
+    return storage.is_committed(where)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's generator states (transformers' own ``rng_state.pth`` holds the same)."""
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {
+        "python": {"version": version, "state": np.asarray(internal, dtype=np.uint64),
+                   "gauss": gauss},
+        "numpy": dict(zip(("kind", "keys", "pos", "has_gauss", "cached_gaussian"),
+                          np.random.get_state())),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.random.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    py = st["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss"]))
+    n = st["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), int(n["pos"]),
+                         int(n["has_gauss"]), float(n["cached_gaussian"])))
+    torch.random.set_rng_state(torch.as_tensor(np.asarray(st["cpu"])))
+    cuda = st.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        states = [torch.as_tensor(np.asarray(s)) for s in cuda]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.random.set_rng_state_all(states)
+        else:
+            log.warning("the checkpoint holds CUDA generator states of %d devices, this process "
+                        "sees %d: CUDA generators not restored", len(states),
+                        torch.cuda.device_count())
+
+
+class _Pending:
+    """A background save and what finishes it: the rename into place, the rotation."""
+
+    def __init__(self, handle: ss.SaveHandle, finish: Any) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(handle, finish),
+                                        name="statestream-hf-checkpoint")
+        self._thread.start()
+
+    def _run(self, handle: ss.SaveHandle, finish: Any) -> None:
+        try:
+            handle.result()
+            finish(True)
+        except BaseException as exc:  # reported to the training thread by wait()
+            self.error = exc
+            try:
+                finish(False)
+            except BaseException:
+                log.exception("statestream: cleaning up after a failed checkpoint failed")
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self.error
+
+
+class StatestreamCheckpointing:
+    """Mixin for ``transformers.Trainer`` (and subclasses): checkpoints through statestream.
+
+    Put it before the Trainer class: ``class MyTrainer(StatestreamCheckpointing, Trainer)``.
+    The keyword arguments below are taken by the mixin; the rest go to the Trainer.
+
+    Args:
+        async_save: write checkpoints in the background (``statestream.save_async``);
+            ``False`` saves synchronously.
+        io: :class:`statestream.IOOptions` of every save and load.
+        memory: :class:`statestream.MemoryOptions` (the host staging budget).
+        compression: as :func:`statestream.save` takes it (``None``: raw).
+    """
+
+    def __init__(self, *args: Any, async_save: bool = True, io: ss.IOOptions | None = None,
+                 memory: ss.MemoryOptions | None = None, compression: Any = None,
+                 **kwargs: Any) -> None:
+        if not isinstance(async_save, bool):
+            raise InvalidOptionTypeError(f"async_save takes True or False, not {async_save!r}")
+        self._ss_async = async_save
+        self._ss_io = io
+        self._ss_memory = memory
+        self._ss_compression = compression
+        self._ss_pending: _Pending | None = None
+        super().__init__(*args, **kwargs)
+
+    # -- saving ---------------------------------------------------------------------------
+    def wait_for_checkpoint(self) -> None:
+        """Wait for a checkpoint still being written in the background; raise its error."""
+        pending, self._ss_pending = self._ss_pending, None
+        if pending is not None:
+            err = pending.wait()
+            if err is not None:
+                raise err
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; returns once the last checkpoint is in place."""
+        try:
+            out = super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            pending, self._ss_pending = self._ss_pending, None
+            if pending is not None and (err := pending.wait()) is not None:
+                log.error("statestream: a checkpoint failed too: %s", err)
+            raise
+        self.wait_for_checkpoint()
+        return out
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # The last checkpoint is in place before transformers looks for the best one,
+        # deletes surplus ones and calls on_train_end.
+        self.wait_for_checkpoint()
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        t: Any = self  # the Trainer this is mixed into
+        if t.is_deepspeed_enabled or t.is_fsdp_enabled:
+            raise CheckpointError(
+                "statestream's Trainer checkpoints do not cover DeepSpeed or FSDP, which keep "
+                "their own checkpoint formats: use transformers.Trainer for those")
+        self.wait_for_checkpoint()  # one save at a time; a background failure surfaces here
+        args = t.args
+        step = t.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if t.hp_search_backend is None and trial is None:
+            t.store_flos()
+        run_dir = t._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, name)
+        partial = os.path.join(run_dir, f".{name}.partial")
+        if args.should_save:
+            os.makedirs(run_dir, exist_ok=True)
+            self._remove_partials(run_dir, keep=partial)
+            if os.path.lexists(partial):
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+        self._note_best(run_dir, step)
+        if args.should_save:
+            for cb in [*t.callback_handler.callbacks, t.control]:
+                if isinstance(cb, ExportableState):
+                    cb_name = type(cb).__name__
+                    if isinstance(t.state.stateful_callbacks[cb_name], list):
+                        t.state.stateful_callbacks[cb_name].append(cb.state())
+                    else:
+                        t.state.stateful_callbacks[cb_name] = cb.state()
+            state_file = os.path.join(partial, TRAINER_STATE_NAME)
+            t.state.save_to_json(state_file)
+            with open(state_file, "rb+") as f:
+                os.fsync(f.fileno())
+        target = os.path.join(partial, STATE_DIR)
+        state = self._checkpoint_state()
+
+        def finish(ok: bool) -> None:
+            if not args.should_save:
+                return
+            if not ok:
+                shutil.rmtree(partial, ignore_errors=True)
+                return
+            _fsync_dir(partial)
+            if os.path.lexists(final):  # the same step saved again: the new one wins
+                old = os.path.join(run_dir, f".{name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(partial, final)
+                _fsync_dir(run_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(partial, final)
+                _fsync_dir(run_dir)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                               best_model_checkpoint=t.state.best_model_checkpoint)
+
+        opts: dict[str, Any] = {"io": self._ss_io, "memory": self._ss_memory,
+                                "compression": self._ss_compression}
+        if not self._ss_async:
+            try:
+                ss.save(target, state, **opts)
+            except BaseException:
+                finish(False)
+                raise
+            finish(True)
+            return
+        try:
+            handle = ss.save_async(target, state, **opts)
+        except BaseException:
+            finish(False)
+            raise
+        self._ss_pending = _Pending(handle, finish)
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        t: Any = self
+        state: dict[str, Any] = {"model": t.accelerator.unwrap_model(t.model)}
+        if not t.args.save_only_model:
+            state["optimizer"] = t.optimizer
+            state["scheduler"] = t.lr_scheduler
+            scaler = getattr(t.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            state["rng"] = {f"rank{t.args.process_index}": _rng_state()}
+        return state
+
+    def _note_best(self, run_dir: str, step: int) -> None:
+        # As Trainer._save_checkpoint: remember the best step's directory. The one being
+        # saved now counts although it is renamed into place only after its commit.
+        t: Any = self
+        best = t.state.best_global_step
+        if t.args.save_strategy in ("steps", "epoch", "best") and best:
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+            if best == step or os.path.exists(best_dir):
+                t.state.best_model_checkpoint = best_dir
+
+    @staticmethod
+    def _remove_partials(run_dir: str, keep: str) -> None:
+        """Remove ``.checkpoint-<step>.partial`` directories earlier saves left (a crash)."""
+        for entry in os.listdir(run_dir):
+            path = os.path.join(run_dir, entry)
+            if _PARTIAL.match(entry) and path != keep:
+                log.warning("statestream: removing %s, a checkpoint that was never completed", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading --------------------------------------------------------------------------
+    def _ss_load(self, checkpoint: str, target: Any, items: list[str]) -> Any:
+        return ss.load(os.path.join(checkpoint, STATE_DIR), target, items=items,
+                       io=self._ss_io, memory=self._ss_memory)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not is_statestream_checkpoint(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return
+        t: Any = self
+        if model is None:
+            model = t.model
+        self._ss_load(resume_from_checkpoint, {"model": t.accelerator.unwrap_model(model)},
+                      ["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_statestream_checkpoint(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        t: Any = self
+        have = set(ss.metadata(os.path.join(checkpoint, STATE_DIR)).tree)
+        want = [k for k in ("optimizer", "scheduler") if k in have]
+        if want:
+            self._ss_load(checkpoint, {"optimizer": t.optimizer, "scheduler": t.lr_scheduler},
+                          want)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_statestream_checkpoint(checkpoint):
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
+            return
+        t: Any = self
+        scaler = getattr(t.accelerator, "scaler", None)
+        have = set(ss.metadata(os.path.join(checkpoint, STATE_DIR)).tree)
+        if scaler is not None and "scaler" in have:
+            self._ss_load(checkpoint, {"scaler": scaler}, ["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not is_statestream_checkpoint(checkpoint):
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            return
+        t: Any = self
+        key = f"rank{t.args.process_index}"
+        try:
+            got = self._ss_load(checkpoint, None, [f"rng/{key}"])
+        except ss.MissingKeyError:
+            log.info("statestream: %s holds no generator states of process %d (saved with "
+                     "save_only_model or another number of processes): not restored",
+                     checkpoint, t.args.process_index)
+            return
+        _set_rng_state(got["rng"][key])
+
+    def _load_best_model(self) -> None:
+        self.wait_for_checkpoint()
+        t: Any = self
+        best = t.state.best_model_checkpoint
+        if best is None or not is_statestream_checkpoint(best):
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        log.info("Loading best model from %s (score: %s).", best, t.state.best_metric)
+        self._ss_load(best, {"model": t.accelerator.unwrap_model(t.model)}, ["model"])
+
+
+class StatestreamTrainer(StatestreamCheckpointing, Trainer):  # type: ignore[misc]
+    """``transformers.Trainer`` with statestream checkpoints (:class:`StatestreamCheckpointing`)."""
