@@ -132,8 +132,8 @@ def child(task: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")

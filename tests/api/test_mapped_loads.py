@@ -324,3 +324,43 @@ def test_a_provider_that_ignores_the_mapping_still_gets_its_bytes(
     for k, v in _state().items():
         np.testing.assert_array_equal(out[k], v)
     assert not _in_data(out["small"], ckpt)
+
+
+def test_state_an_object_keeps_is_read_not_mapped(tmp_path: Path) -> None:
+    # An optimizer keeps the loaded tensors as its state, and its next step writes every
+    # one: a private mapping would fault and copy each page then (slower than reading).
+    # A module copies into its own parameters: its source may be mapped (nothing kept).
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    ss.save(tmp_path / "c", {"model": model, "opt": opt})
+    model2 = torch.nn.Linear(1024, 512)
+    opt2 = torch.optim.Adam(model2.parameters())
+    seen: list[object] = []
+    orig = torch.nn.Module.load_state_dict
+
+    def spy(self, state, *a, **k):  # what the module was handed
+        seen.extend(v for v in state.values() if v.numel() > 1024)
+        return orig(self, state, *a, **k)
+
+    torch.nn.Module.load_state_dict = spy
+    try:
+        ss.load(tmp_path / "c", {"model": model2, "opt": opt2})
+    finally:
+        torch.nn.Module.load_state_dict = orig
+    assert seen and all(_in_data(t.numpy(), tmp_path / "c") for t in seen)
+    moments = [v for st in opt2.state.values() for v in st.values() if v.numel() > 1024]
+    assert len(moments) == 2
+    for v in moments:
+        assert not _in_data(v.numpy(), tmp_path / "c")
+        assert torch.equal(v, next(w for st in opt.state.values() for w in st.values()
+                                   if w.shape == v.shape and torch.equal(w, v)))
+    # a module on the meta device loads with assign=True and keeps the tensors: read
+    with torch.device("meta"):
+        meta = torch.nn.Linear(1024, 512)
+    ss.load(tmp_path / "c", {"model": meta}, items=["model"])
+    assert not _in_data(meta.weight.detach().numpy(), tmp_path / "c")
+    assert torch.equal(meta.weight, model.weight)

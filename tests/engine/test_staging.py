@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -277,4 +278,46 @@ def test_first_save_maps_no_fresh_staging_while_blocking_then_warms_the_pool(
     assert pool.allocations == a0 + 6  # the warm-up's, reused by the second save
     got = ss.load(os.path.join(tmp_path, "t"))
     for i in range(6):
+        np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])
+
+
+def test_the_next_save_stops_the_warm_up_instead_of_waiting_for_it(
+        tmp_path: os.PathLike[str]) -> None:
+    # After a commit the save's thread maps staging buffers for the next save. A next
+    # save that comes first does not wait for all of them: the warm-up stops, the new
+    # save uses what is mapped and races the writers for the rest (data unchanged).
+    from statestream import _hooks
+
+    ss.release_staging()
+    pool = host_pool()
+    slow = pool._allocate
+    warming = threading.Event()
+    allocated: list[int] = []
+
+    def allocate(n: int) -> np.ndarray:
+        if warming.is_set():
+            allocated.append(n)
+            time.sleep(0.2)  # a slow fault-in
+        return slow(n)
+
+    pool._allocate = allocate
+    _hooks.register("async.warming", warming.set)
+    try:
+        state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(8)}
+        io = ss.IOOptions(max_chunk_bytes=1 << 20)
+        h = ss.save_async(os.path.join(tmp_path, "s"), state, io=io)
+        h.result()
+        assert warming.wait(30)
+        h2 = ss.save_async(os.path.join(tmp_path, "t"), state, io=io)
+        assert h._settled.is_set()
+        first = len(allocated)  # the first save's warm-up is over
+        h2.result()
+        h2._settled.wait()
+    finally:
+        pool._allocate = slow
+        _hooks.clear()
+        ss.release_staging()
+    assert 1 <= first <= 2  # it stopped after the buffer it was mapping (of 8)
+    got = ss.load(os.path.join(tmp_path, "t"))
+    for i in range(8):
         np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])

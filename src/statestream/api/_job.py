@@ -47,6 +47,11 @@ class _Job:
     shared: dict[tuple[int, int, str], Build] = dataclasses.field(default_factory=dict)
     #: map large arrays' file bytes instead of reading them (a local checkpoint)
     maps: bool = False
+    #: > 0 while the walk is inside a stateful target that keeps the loaded arrays
+    #: as its own state (an optimizer; a module loading with ``assign``): those are
+    #: read, never mapped, since training writes them at once and every written page
+    #: of a private mapping is a fault and a copy (docs/design-notes.md, "Load path")
+    adopting: int = 0
     _aliased: set[int] | None = None
     _sizes: dict[int, int] = dataclasses.field(default_factory=dict)
     #: data file -> its whole private mapping (False: it cannot be mapped)
@@ -79,7 +84,8 @@ class _Job:
             return None
         in_place = self.fills(prov, like)
         memory = (self._mapped_chunk(prov, index, entry, c, path)
-                  if self.maps and not (in_place and like is not None) else None)
+                  if self.maps and not self.adopting and not (in_place and like is not None)
+                  else None)
         got = prov.restore_flat(entry.dtype, entry.shape, c.nbytes, like, in_place, memory)
         if got is None:
             return None
@@ -175,7 +181,7 @@ class _Job:
         different writers) are mapped side by side into one region, when each
         starts on a page and all but the last are whole pages.
         """
-        if (not self.maps or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
+        if (not self.maps or self.adopting or entry.nbytes < _MAP_MIN_BYTES or not entry.chunks
                 or not prov.capabilities.buffer_restore):
             return None
         ranges = _row_block_ranges(entry)

@@ -44,6 +44,9 @@ class SaveHandle:
         self._finished = threading.Event()
         #: set when the save's thread is done, after warming the staging pool
         self._settled = threading.Event()
+        #: set when the next save starts: it stops warming (what is mapped by then
+        #: is used; the next save races the writers for the rest)
+        self._superseded = threading.Event()
         #: the save's background thread, joined at interpreter exit
         self._thread: threading.Thread | None = None
         self._array_ready = [threading.Event() for _ in range(n_arrays)]

@@ -517,7 +517,10 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     previous = previous_save()
     if previous is not None:
         # One save at a time. The previous one's error stays on its handle (and is
-        # reported at exit unless its caller asks for it).
+        # reported at exit unless its caller asks for it). If it is still warming
+        # staging buffers for this save, it stops: waiting for the rest to be
+        # faulted in would take longer than racing the writers for it.
+        previous._superseded.set()
         previous._settled.wait()
     job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
     if job.multi:

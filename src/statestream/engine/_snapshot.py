@@ -186,10 +186,13 @@ def run_background(job: SaveJob, run_snapshot: bool,
 def _warm_up(job: SaveJob, sizes: tuple[list[int], list[int]]) -> None:
     # Committed. Map the staging buffers the next save of this state will copy
     # into now, at low priority, rather than in that save's blocking phase (the
-    # state was let go of before the commit was reported). Interpreter exit stops it.
+    # state was let go of before the commit was reported). Interpreter exit stops it,
+    # and so does the next save's start.
     _hooks.fire("async.warming")
     try:
-        job.ledger.warm_up(sizes, stop=EXITING.is_set)
+        h = job.handle
+        assert h is not None
+        job.ledger.warm_up(sizes, stop=lambda: EXITING.is_set() or h._superseded.is_set())
     except MemoryError:
         # Warming is an optimisation for the next save; it may fault its own
         # buffers instead. The save itself is committed and reported.

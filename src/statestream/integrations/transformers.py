@@ -315,9 +315,16 @@ class StatestreamCheckpointing:
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- loading --------------------------------------------------------------------------
-    def _ss_load(self, checkpoint: str, target: Any, items: list[str]) -> Any:
+    def _ss_load(self, checkpoint: str, target: Any, items: list[str],
+                 in_place: bool = False) -> Any:
         return ss.load(os.path.join(checkpoint, STATE_DIR), target, items=items,
-                       io=self._ss_io, memory=self._ss_memory)
+                       in_place=in_place, io=self._ss_io, memory=self._ss_memory)
+
+    def _ss_load_model(self, checkpoint: str, model: Any) -> None:
+        # Straight into the model's own tensors (no second copy of the weights). A
+        # corrupt chunk fails the load part-way; training does not start then, and any
+        # later load overwrites every weight.
+        self._ss_load(checkpoint, {"model": model}, ["model"], in_place=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not is_statestream_checkpoint(resume_from_checkpoint):
@@ -326,8 +333,7 @@ class StatestreamCheckpointing:
         t: Any = self
         if model is None:
             model = t.model
-        self._ss_load(resume_from_checkpoint, {"model": t.accelerator.unwrap_model(model)},
-                      ["model"])
+        self._ss_load_model(resume_from_checkpoint, t.accelerator.unwrap_model(model))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not is_statestream_checkpoint(checkpoint):
@@ -373,7 +379,7 @@ class StatestreamCheckpointing:
             super()._load_best_model()  # type: ignore[misc]
             return
         log.info("Loading best model from %s (score: %s).", best, t.state.best_metric)
-        self._ss_load(best, {"model": t.accelerator.unwrap_model(t.model)}, ["model"])
+        self._ss_load_model(best, t.accelerator.unwrap_model(t.model))
 
 
 class StatestreamTrainer(StatestreamCheckpointing, Trainer):  # type: ignore[misc]
