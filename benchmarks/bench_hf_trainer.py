@@ -15,8 +15,9 @@ Per configuration: the time the training loop spends in ``_save_checkpoint`` per
 checkpoint (for ``ss-async`` this includes waiting for the previous checkpoint;
 the wait at the end of training is reported apart), the whole ``train()`` call, the
 process's peak RSS (``VmHWM``), then, in another fresh process, the resume: the time
-from ``train(resume_from_checkpoint=...)`` to the first training step (reading the
-model, optimizer, scheduler and generator states; page cache warm).
+from ``train(resume_from_checkpoint=...)`` to the end of the first training step
+(reading the model, optimizer, scheduler and generator states, and the step, whose
+optimizer update writes all of the loaded optimizer state; page cache warm).
 
 Usage (from the repo root)::
 
@@ -103,7 +104,7 @@ def child(task: dict) -> dict:
         return orig_final(self, *a, **k)
 
     class FirstStep(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, **kwargs):
             if not first_step:
                 first_step.append(time.perf_counter())
 
@@ -195,7 +196,7 @@ def render(rows: dict[str, list[dict]], a: argparse.Namespace) -> str:
         f"{a.steps} steps, a checkpoint every {a.every}; medians (min-max) of {a.repeats} "
         "fresh processes, seconds",
         "",
-        "| | per checkpoint in the loop | wait at the end | train() | resume to 1st step "
+        "| | per checkpoint in the loop | wait at the end | train() | resume + 1st step "
         "| checkpoint MB | peak RSS GiB |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -40,6 +40,8 @@ Under ``torch.distributed`` every process takes part in each save (a collective,
 as transformers calls the save on every rank); process 0 writes
 ``trainer_state.json`` and renames. DeepSpeed and FSDP keep their own checkpoint
 formats: with either enabled, saving raises :class:`~statestream.CheckpointError`.
+Checkpoints are not pushed to the Hub (``hub_strategy`` other than ``"end"`` logs a
+warning); ``trainer.push_to_hub()`` pushes the model as before.
 
 Example::
 
@@ -180,6 +182,7 @@ class StatestreamCheckpointing:
         self._ss_memory = memory
         self._ss_compression = compression
         self._ss_pending: _Pending | None = None
+        self._ss_hub_warned = False
         super().__init__(*args, **kwargs)
 
     # -- saving ---------------------------------------------------------------------------
@@ -217,6 +220,11 @@ class StatestreamCheckpointing:
                 "their own checkpoint formats: use transformers.Trainer for those")
         self.wait_for_checkpoint()  # one save at a time; a background failure surfaces here
         args = t.args
+        if args.push_to_hub and args.hub_strategy != "end" and not self._ss_hub_warned:
+            self._ss_hub_warned = True
+            log.warning("statestream: checkpoints are not pushed to the Hub "
+                        "(hub_strategy=%r); trainer.push_to_hub() pushes the model",
+                        str(args.hub_strategy))
         step = t.state.global_step
         name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
         if t.hp_search_backend is None and trial is None:
