@@ -43,6 +43,10 @@ formats: with either enabled, saving raises :class:`~statestream.CheckpointError
 Checkpoints are not pushed to the Hub (``hub_strategy`` other than ``"end"`` logs a
 warning); ``trainer.push_to_hub()`` pushes the model as before.
 
+Written against the Trainer of transformers 5 (tested with 5.24.0), whose private
+checkpoint methods (``_save_checkpoint``, ``_load_optimizer_and_scheduler``, ...) it
+overrides.
+
 Example::
 
     from transformers import TrainingArguments
@@ -212,7 +216,7 @@ class StatestreamCheckpointing:
         self.wait_for_checkpoint()
         return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: Any, trial: Any, *_more: Any, **_named: Any) -> None:
         t: Any = self  # the Trainer this is mixed into
         if t.is_deepspeed_enabled or t.is_fsdp_enabled:
             raise CheckpointError(
@@ -307,7 +311,7 @@ class StatestreamCheckpointing:
         # As Trainer._save_checkpoint: remember the best step's directory. The one being
         # saved now counts although it is renamed into place only after its commit.
         t: Any = self
-        best = t.state.best_global_step
+        best = getattr(t.state, "best_global_step", None)
         if t.args.save_strategy in ("steps", "epoch", "best") and best:
             best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
             if best == step or os.path.exists(best_dir):
