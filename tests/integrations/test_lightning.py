@@ -273,3 +273,37 @@ def test_async_waits_before_remove_and_reports_failures(tmp_path):
         with pytest.raises(ss.CheckpointExistsError):
             io.teardown()
     io.teardown()  # reported once; nothing left in flight
+
+
+def _mapped_file(t) -> str | None:
+    """The file whose mapping holds tensor ``t``'s first byte (None: anonymous memory)."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def test_optimizer_states_are_read_and_weights_mapped(tmp_path):
+    # Lightning hands optimizer_states to optimizer.load_state_dict, which keeps the
+    # tensors as its state: the next step writes every one, so they are read, not
+    # mapped (a written page of a mapping is a fault and a copy). The weights are
+    # copied into the module: mapped.
+    big = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)  # 2 MiB
+    ckpt = {"epoch": 1, "state_dict": {"w": big.clone()},
+            "optimizer_states": [{"state": {0: {"exp_avg": big * 2, "step": torch.tensor(3.0)}},
+                                  "param_groups": [{"lr": 0.1, "params": [0]}]}],
+            "a/b~c": 7}
+    io = StatestreamCheckpointIO()
+    path = tmp_path / "x.ckpt"
+    io.save_checkpoint(ckpt, path)
+    got = io.load_checkpoint(path)
+    assert list(got) == list(ckpt)
+    assert got["a/b~c"] == 7 and got["epoch"] == 1
+    moment = got["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.equal(moment, big * 2) and torch.equal(got["state_dict"]["w"], big)
+    assert (_mapped_file(got["state_dict"]["w"]) or "").startswith(str(path))
+    assert not (_mapped_file(moment) or "").startswith(str(path))

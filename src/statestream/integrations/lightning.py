@@ -37,6 +37,7 @@ Example (``async_save=True`` saves in the background, see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -160,8 +161,25 @@ class StatestreamCheckpointIO(CheckpointIO):
         one = ss.SingleProcess()
         meta = ss.metadata(key)
         target = _torch_target(meta.tree, device)
-        state = ss.load(key, target, allow_pickle=self.allow_pickle, io=self.io,
-                        memory=self.memory, collective=one)
+        kw: dict[str, Any] = {"allow_pickle": self.allow_pickle, "memory": self.memory,
+                              "collective": one}
+        kept = ([k for k in _KEPT if k in target]
+                if isinstance(target, dict) and device.type == "cpu"
+                and all(isinstance(k, str) and k for k in target) else [])
+        if not kept:
+            state = ss.load(key, target, io=self.io, **kw)
+        else:
+            # The optimizers keep the tensors Lightning hands them as their state, and
+            # the next step writes them all: read those, rather than map them (every
+            # written page of a mapping is a fault and a copy; docs/design-notes.md).
+            # The weights are copied into the module: they stay mapped.
+            rest = [k for k in target if k not in kept]
+            got = (ss.load(key, {k: target[k] for k in rest}, items=[_item(k) for k in rest],
+                           io=self.io, **kw) if rest else {})
+            read = dataclasses.replace(self.io or ss.IOOptions(), map_files=False)
+            got.update(ss.load(key, {k: target[k] for k in kept},
+                               items=[_item(k) for k in kept], io=read, **kw))
+            state = {k: got[k] for k in target}
         if not isinstance(state, dict):
             raise CheckpointError(
                 f"{key} holds a {type(state).__name__} at its root, not a Lightning "
@@ -230,6 +248,15 @@ class AsyncStatestreamCheckpointIO(StatestreamCheckpointIO):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("async_save", True)
         super().__init__(**kwargs)
+
+
+#: Top-level keys of a Lightning checkpoint whose tensors become an object's state.
+_KEPT = ("optimizer_states",)
+
+
+def _item(key: str) -> str:
+    """A top-level key as a key path (``~`` and ``/`` escaped)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _device_of(map_location: Any) -> torch.device:
