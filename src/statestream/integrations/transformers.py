@@ -77,6 +77,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 import statestream as ss
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.storage import storage_for
+from statestream.storage._local import fsync_dir
 
 __all__ = ["StatestreamCheckpointing", "StatestreamTrainer", "is_statestream_checkpoint"]
 
@@ -94,14 +95,6 @@ def is_statestream_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
     storage, where = storage_for(inner)
     return storage.is_committed(where)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -264,17 +257,17 @@ class StatestreamCheckpointing:
             if not ok:
                 shutil.rmtree(partial, ignore_errors=True)
                 return
-            _fsync_dir(partial)
+            fsync_dir(partial)
             if os.path.lexists(final):  # the same step saved again: the new one wins
                 old = os.path.join(run_dir, f".{name}.old")
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
                 os.rename(partial, final)
-                _fsync_dir(run_dir)
+                fsync_dir(run_dir)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(partial, final)
-                _fsync_dir(run_dir)
+                fsync_dir(run_dir)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
                                best_model_checkpoint=t.state.best_model_checkpoint)
 

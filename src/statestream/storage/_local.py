@@ -34,7 +34,7 @@ from statestream.storage._local_lease import (
 from statestream.storage._local_read import _LocalReader
 from statestream.storage._local_write import _LocalFileWriter
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "fsync_dir"]
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -68,7 +68,7 @@ def _rename2(src: str, dst: str, flags: int) -> bool:
     raise OSError(err, os.strerror(err), dst)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -125,10 +125,10 @@ class _LocalWriteTransaction:
         if not self._owner:
             raise StorageError("only the process that began a write may commit it")
         try:
-            _fsync_dir(os.path.join(self._tmp, DATA_DIR))
-            _fsync_dir(self._tmp)
+            fsync_dir(os.path.join(self._tmp, DATA_DIR))
+            fsync_dir(self._tmp)
             self._publish()
-            _fsync_dir(os.path.dirname(self._final) or ".")
+            fsync_dir(os.path.dirname(self._final) or ".")
             self._done = True
         except CheckpointError:
             self.abort()
@@ -289,7 +289,7 @@ class LocalStorage:
         marker = os.path.join(path, COMMIT_NAME)
         try:
             os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
-            _fsync_dir(path)
+            fsync_dir(path)
             _hooks.fire("delete.uncommitted")
         except FileNotFoundError:
             pass  # no marker: not committed (or half-deleted); the tree goes below
