@@ -93,12 +93,16 @@ def reference(tmp_path_factory):
     return weights(model)
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_interrupted_run_resumes_bitwise(tmp_path, reference, async_save):
+MODES = {"async": {}, "sync": {"async_save": False}, "lazy": {"lazy": True}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_interrupted_run_resumes_bitwise(tmp_path, reference, mode):
     # 13 steps (into the second epoch; checkpoints at 3, 6, 9, 12, two kept), then a
     # fresh model with other weights resumes from the newest: equal to the reference.
-    _, trainer = make(StatestreamTrainer, tmp_path, callbacks=[StopAt(13)],
-                      async_save=async_save)
+    # Lazy: each checkpoint step returns before the snapshot, and the next optimizer
+    # step waits for what it changes (a torn snapshot would fail the save).
+    _, trainer = make(StatestreamTrainer, tmp_path, callbacks=[StopAt(13)], **MODES[mode])
     trainer.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-12", "checkpoint-9"]
     ck = tmp_path / "checkpoint-12"
@@ -111,7 +115,7 @@ def test_interrupted_run_resumes_bitwise(tmp_path, reference, async_save):
     # GPT-2's lm_head is its input embedding: stored once
     assert "lm_head.weight" in tree["model"] and ss.verify(ck / "statestream").ok
 
-    model, trainer = make(StatestreamTrainer, tmp_path, seed=1, async_save=async_save)
+    model, trainer = make(StatestreamTrainer, tmp_path, seed=1, **MODES[mode])
     trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 20
     assert_same(weights(model), reference)
@@ -224,3 +228,5 @@ def test_deepspeed_or_fsdp_is_refused(tmp_path):
 def test_option_types_are_checked(tmp_path):
     with pytest.raises(ss.InvalidOptionTypeError, match="async_save"):
         make(StatestreamTrainer, tmp_path, async_save="yes")
+    with pytest.raises(ss.InvalidOptionTypeError, match="lazy=True needs async_save"):
+        make(StatestreamTrainer, tmp_path, lazy=True, async_save=False)

@@ -164,17 +164,26 @@ class StatestreamCheckpointing:
     Args:
         async_save: write checkpoints in the background (``statestream.save_async``);
             ``False`` saves synchronously.
+        lazy: take the snapshot in the background too (``save_async(lazy=True)``):
+            the checkpoint step returns at once, and the next ``optimizer.step()``
+            (or a forward pass that changes buffers) waits only for the tensors it
+            changes that are not copied yet.
         io: :class:`statestream.IOOptions` of every save and load.
         memory: :class:`statestream.MemoryOptions` (the host staging budget).
         compression: as :func:`statestream.save` takes it (``None``: raw).
     """
 
-    def __init__(self, *args: Any, async_save: bool = True, io: ss.IOOptions | None = None,
-                 memory: ss.MemoryOptions | None = None, compression: Any = None,
-                 **kwargs: Any) -> None:
-        if not isinstance(async_save, bool):
-            raise InvalidOptionTypeError(f"async_save takes True or False, not {async_save!r}")
+    def __init__(self, *args: Any, async_save: bool = True, lazy: bool = False,
+                 io: ss.IOOptions | None = None, memory: ss.MemoryOptions | None = None,
+                 compression: Any = None, **kwargs: Any) -> None:
+        for name, value in (("async_save", async_save), ("lazy", lazy)):
+            if not isinstance(value, bool):
+                raise InvalidOptionTypeError(f"{name} takes True or False, not {value!r}")
+        if lazy and not async_save:
+            raise InvalidOptionTypeError("lazy=True needs async_save=True (a lazy snapshot "
+                                         "is taken in the background)")
         self._ss_async = async_save
+        self._ss_lazy = lazy
         self._ss_io = io
         self._ss_memory = memory
         self._ss_compression = compression
@@ -282,10 +291,18 @@ class StatestreamCheckpointing:
             finish(True)
             return
         try:
-            handle = ss.save_async(target, state, **opts)
+            handle = ss.save_async(target, state, lazy=self._ss_lazy, **opts)
         except BaseException:
             finish(False)
             raise
+        if self._ss_lazy:
+            # The next optimizer step (and a forward pass that changes buffers) waits
+            # for the snapshot of what it changes; the Trainer's own optimizer wraps a
+            # torch one, whose steps are what change the state.
+            opt = getattr(t.optimizer, "optimizer", t.optimizer)
+            if opt is not None and not args.save_only_model:
+                ss.guard_optimizer(opt, handle)
+            ss.guard_module(t.accelerator.unwrap_model(t.model), handle)
         self._ss_pending = _Pending(handle, finish)
 
     def _checkpoint_state(self) -> dict[str, Any]:
