@@ -91,3 +91,25 @@ def test_a_file_where_a_parent_directory_should_be_is_named(tmp_path: Path) -> N
         with pytest.raises(ss.StorageError,
                            match=re.escape(f"{tmp_path / 'afile'} is a file, not a directory")):
             ss.save(dst, {"w": np.ones(2)})
+
+
+def test_a_trainer_checkpoint_names_the_statestream_checkpoint_in_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # StatestreamTrainer's layout (integrations/transformers.py): output_dir/checkpoint-<step>/
+    # holds trainer_state.json and the statestream checkpoint "statestream"
+    out = tmp_path / "out"
+    for step in (3, 6):
+        ss.save(out / f"checkpoint-{step}" / "statestream", {"w": np.full(2, step)})
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (out / ".checkpoint-9.partial").mkdir()
+    with pytest.raises(ss.CheckpointNotFoundError) as ei:
+        ss.load(out / "checkpoint-6")
+    msg = str(ei.value)
+    assert "Trainer checkpoint" in msg and str(out / "checkpoint-6" / "statestream") in msg
+    with pytest.raises(ss.CheckpointNotFoundError) as ei:
+        ss.load(out)
+    msg = str(ei.value)
+    assert "Trainer output directory" in msg and "steps 3, 6" in msg
+    assert str(out / "checkpoint-6" / "statestream") in msg
+    assert main(["inspect", str(out / "checkpoint-3")]) == 2
+    assert str(out / "checkpoint-3" / "statestream") in capsys.readouterr().err

@@ -19,7 +19,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, DATA_DIR, validate_file_name
 from statestream.storage._base import Buffer
 from statestream.storage._compose import compose
-from statestream.storage._hints import manager_steps_hint
+from statestream.storage._hints import not_a_checkpoint_hint
 from statestream.storage._iov import preadv_all
 from statestream.storage._pagecache import cold_ranges, drop_cached, read_ahead
 
@@ -113,7 +113,7 @@ class _LocalReader:
             os.close(self._root)
             from statestream.storage._local import LocalStorage  # _local imports this module
 
-            hint = manager_steps_hint(LocalStorage(), path)
+            hint = not_a_checkpoint_hint(LocalStorage(), path)
             raise CheckpointNotFoundError(
                 hint or f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
                 "interrupted or foreign save?); refusing to load it"

@@ -16,7 +16,7 @@ from statestream.errors import (
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
 from statestream.storage._base import Buffer
-from statestream.storage._hints import manager_steps_hint
+from statestream.storage._hints import not_a_checkpoint_hint
 from statestream.storage._object_config import ROOT_RE
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class ObjectReader:
         if marker is None:
             owner.check_bucket(self._bucket)
             raise CheckpointNotFoundError(
-                manager_steps_hint(owner, url)
+                not_a_checkpoint_hint(owner, url)
                 or f"no committed checkpoint at {url}: it has no {COMMIT_NAME} marker"
             )
         self._marker = marker
