@@ -230,3 +230,17 @@ def test_option_types_are_checked(tmp_path):
         make(StatestreamTrainer, tmp_path, async_save="yes")
     with pytest.raises(ss.InvalidOptionTypeError, match="lazy=True needs async_save"):
         make(StatestreamTrainer, tmp_path, lazy=True, async_save=False)
+
+
+def test_saving_a_step_again_replaces_it_and_leftovers_go(tmp_path):
+    _, trainer = make(StatestreamTrainer, tmp_path, callbacks=[StopAt(6)], async_save=False,
+                      args={"save_total_limit": None})
+    trainer.train()
+    (tmp_path / ".checkpoint-2.old").mkdir()  # what a crash between two renames leaves
+    with torch.no_grad():
+        trainer.model.lm_head.weight.add_(1.0)  # tied: the embedding too
+    trainer._save_checkpoint(trainer.model, None)  # step 6 again
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-6"]
+    saved = ss.load(tmp_path / "checkpoint-6" / "statestream", items=["model"])["model"]
+    assert torch.equal(torch.as_tensor(saved["lm_head.weight"]),
+                       trainer.model.lm_head.weight.detach())

@@ -85,7 +85,8 @@ log = logging.getLogger(__name__)
 
 #: The statestream checkpoint inside ``checkpoint-<step>/``.
 STATE_DIR = "statestream"
-_PARTIAL = re.compile(r"^\." + PREFIX_CHECKPOINT_DIR + r"-(\d+)\.partial$")
+#: what an interrupted save leaves: the new directory, or the old one it replaced
+_PARTIAL = re.compile(r"^\." + PREFIX_CHECKPOINT_DIR + r"-(\d+)\.(partial|old)$")
 
 
 def is_statestream_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -329,7 +330,8 @@ class StatestreamCheckpointing:
 
     @staticmethod
     def _remove_partials(run_dir: str, keep: str) -> None:
-        """Remove ``.checkpoint-<step>.partial`` directories earlier saves left (a crash)."""
+        """Remove ``.checkpoint-<step>.partial`` (and ``.old``) directories that earlier
+        saves left (a crash)."""
         for entry in os.listdir(run_dir):
             path = os.path.join(run_dir, entry)
             if _PARTIAL.match(entry) and path != keep:
