@@ -237,49 +237,13 @@ class StatestreamCheckpointing:
         if t.hp_search_backend is None and trial is None:
             t.store_flos()
         run_dir = t._get_output_dir(trial=trial)
-        final = os.path.join(run_dir, name)
-        partial = os.path.join(run_dir, f".{name}.partial")
-        if args.should_save:
-            os.makedirs(run_dir, exist_ok=True)
-            self._remove_partials(run_dir, keep=partial)
-            if os.path.lexists(partial):
-                shutil.rmtree(partial)
-            os.makedirs(partial)
-        self._note_best(run_dir, step)
-        if args.should_save:
-            for cb in [*t.callback_handler.callbacks, t.control]:
-                if isinstance(cb, ExportableState):
-                    cb_name = type(cb).__name__
-                    if isinstance(t.state.stateful_callbacks[cb_name], list):
-                        t.state.stateful_callbacks[cb_name].append(cb.state())
-                    else:
-                        t.state.stateful_callbacks[cb_name] = cb.state()
-            state_file = os.path.join(partial, TRAINER_STATE_NAME)
-            t.state.save_to_json(state_file)
-            with open(state_file, "rb+") as f:
-                os.fsync(f.fileno())
+        partial = self._begin_checkpoint(run_dir, name, step)
         target = os.path.join(partial, STATE_DIR)
         state = self._checkpoint_state()
 
         def finish(ok: bool) -> None:
-            if not args.should_save:
-                return
-            if not ok:
-                shutil.rmtree(partial, ignore_errors=True)
-                return
-            fsync_dir(partial)
-            if os.path.lexists(final):  # the same step saved again: the new one wins
-                old = os.path.join(run_dir, f".{name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(partial, final)
-                fsync_dir(run_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(partial, final)
-                fsync_dir(run_dir)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                               best_model_checkpoint=t.state.best_model_checkpoint)
+            if args.should_save:
+                self._finish_checkpoint(ok, run_dir, name, partial)
 
         opts: dict[str, Any] = {"io": self._ss_io, "memory": self._ss_memory,
                                 "compression": self._ss_compression}
@@ -305,6 +269,53 @@ class StatestreamCheckpointing:
                 ss.guard_optimizer(opt, handle)
             ss.guard_module(t.accelerator.unwrap_model(t.model), handle)
         self._ss_pending = _Pending(handle, finish)
+
+    def _begin_checkpoint(self, run_dir: str, name: str, step: int) -> str:
+        """Make ``.<name>.partial/`` with the Trainer's state in it (process 0); its path."""
+        t: Any = self
+        partial = os.path.join(run_dir, f".{name}.partial")
+        self._note_best(run_dir, step)
+        if not t.args.should_save:
+            return partial
+        os.makedirs(run_dir, exist_ok=True)
+        self._remove_partials(run_dir, keep=partial)
+        if os.path.lexists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+        for cb in [*t.callback_handler.callbacks, t.control]:  # as Trainer._save_checkpoint
+            if isinstance(cb, ExportableState):
+                cb_name = type(cb).__name__
+                if isinstance(t.state.stateful_callbacks[cb_name], list):
+                    t.state.stateful_callbacks[cb_name].append(cb.state())
+                else:
+                    t.state.stateful_callbacks[cb_name] = cb.state()
+        state_file = os.path.join(partial, TRAINER_STATE_NAME)
+        t.state.save_to_json(state_file)
+        with open(state_file, "rb+") as f:
+            os.fsync(f.fileno())
+        return partial
+
+    def _finish_checkpoint(self, ok: bool, run_dir: str, name: str, partial: str) -> None:
+        """After the save (process 0): rename ``partial`` into place and rotate, or
+        remove it."""
+        t: Any = self
+        if not ok:
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        fsync_dir(partial)
+        final = os.path.join(run_dir, name)
+        if os.path.lexists(final):  # the same step saved again: the new one wins
+            old = os.path.join(run_dir, f".{name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(partial, final)
+            fsync_dir(run_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(partial, final)
+            fsync_dir(run_dir)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=t.args.save_total_limit,
+                           best_model_checkpoint=t.state.best_model_checkpoint)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         t: Any = self
