@@ -153,6 +153,8 @@ def test_a_mixin_for_trainer_subclasses(tmp_path, reference):
 
 CRASH = textwrap.dedent("""
     import os, sys
+    import torch
+    torch.set_num_threads({threads})  # as the reference's process: the same sums
     sys.path.insert(0, {here!r})
     from test_transformers import StopAt, make
     from statestream.integrations.transformers import StatestreamTrainer
@@ -167,7 +169,8 @@ CRASH = textwrap.dedent("""
 @pytest.mark.parametrize("point", ["save.data_synced", "commit.renamed"])
 def test_a_crash_mid_save_is_never_resumed_from(tmp_path, reference, point):
     out = tmp_path / "out"
-    code = CRASH.format(here=os.path.dirname(__file__), point=point, out=str(out))
+    code = CRASH.format(here=os.path.dirname(__file__), point=point, out=str(out),
+                        threads=torch.get_num_threads())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=200)
     assert proc.returncode == -9, proc.stderr[-3000:]

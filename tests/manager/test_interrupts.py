@@ -26,9 +26,15 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _no_faults():
+    # Ctrl-C must raise KeyboardInterrupt here whatever ran before in this process (a
+    # library may have replaced Python's SIGINT handler or blocked the signal)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     faults.clear()
     yield
     faults.clear()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, handler)
 
 
 def state_at(step: int) -> dict:
