@@ -7,8 +7,9 @@ mappings of their file bytes when the reader can map them (``api/_load.py`` walk
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -67,6 +68,15 @@ class _Job:
     def __post_init__(self) -> None:
         if self.manifest is not None:
             self.plan = LoadPlan(self.manifest.arrays)
+
+    @contextlib.contextmanager
+    def keeping(self, keeps: bool) -> Iterator[None]:
+        """While the walk is inside a target that ``keeps`` the loaded arrays."""
+        self.adopting += keeps
+        try:
+            yield
+        finally:
+            self.adopting -= keeps
 
     def restore_flat(self, prov: ArrayProvider, index: int, entry: ArrayEntry,
                      like: Any, path: KeyPath) -> tuple[Any] | None:

@@ -258,16 +258,11 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
             hinted = prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
             job.layout_only.update(id(h) for h in hinted or ())
             options.update(prov.load_options(like, sub_like))  # a meta module: assign
-    # A module's load_state_dict copies into its own tensors, so the loaded arrays may
-    # lie on a mapping of the files; anything else (an optimizer, a module with
-    # assign=True) keeps them as its state, and training writes them: read those.
+    # a module's load_state_dict copies; an optimizer (or assign=True) keeps: _Job.adopting
     copies = not options.get("assign") and any(
         prov.is_module(like) for prov in providers() if prov.capabilities.state_hints)
-    job.adopting += 0 if copies else 1
-    try:
+    with job.keeping(not copies):
         build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
-    finally:
-        job.adopting -= 0 if copies else 1
 
     def build_stateful() -> Any:
         value = build_inner()

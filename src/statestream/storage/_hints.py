@@ -32,12 +32,10 @@ def manager_steps_hint(storage: Any, path: str) -> str | None:
         return None
     if not steps:
         return None
-    shown = ", ".join(str(s) for s in steps[-_SHOWN:])
-    more = f"{len(steps) - _SHOWN} earlier and " if len(steps) > _SHOWN else ""
     last = f"{path.rstrip('/')}/step_{steps[-1]:010d}"
     return (
         f"{path} is a CheckpointManager directory, not a checkpoint; its committed steps "
-        f"are {more}{shown}. Load one with CheckpointManager({path!r}).load(step) or "
+        f"are {_listed(steps)}. Load one with CheckpointManager({path!r}).load(step) or "
         f"statestream.load({last!r}) (`statestream inspect {last}`)"
     )
 
@@ -59,11 +57,15 @@ def trainer_hint(storage: Any, path: str) -> str | None:
         return None
     if not steps:
         return None
-    shown = ", ".join(str(s) for s in steps[-_SHOWN:])
-    more = f"{len(steps) - _SHOWN} earlier and " if len(steps) > _SHOWN else ""
     last = f"{root}/checkpoint-{steps[-1]}/{_TRAINER_INNER}"
     return (f"{path} is a transformers Trainer output directory (StatestreamTrainer), not a "
-            f"checkpoint; its checkpoints are at steps {more}{shown}, e.g. {last}")
+            f"checkpoint; its checkpoints are at steps {_listed(steps)}, e.g. {last}")
+
+
+def _listed(steps: list[int]) -> str:
+    """The last steps of a sorted list, with how many earlier ones are not shown."""
+    more = f"{len(steps) - _SHOWN} earlier and " if len(steps) > _SHOWN else ""
+    return more + ", ".join(str(s) for s in steps[-_SHOWN:])
 
 
 def not_a_checkpoint_hint(storage: Any, path: str) -> str | None:
