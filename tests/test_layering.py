@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"format"},
     {"distributed"},
     {"tree"},
-    {"errors", "_version", "_hooks", "_gc"},
+    {"errors", "_version", "_hooks", "_gc", "_memory"},
 ]
 LEVEL = {pkg: i for i, level in enumerate(LAYERS) for pkg in level}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "optax")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.api._options import io_options, key_paths, memory_options, progress_option
 from statestream.api._select import NO_TARGET, _select
@@ -154,7 +155,7 @@ class _Slabs:
 
     def _buffer(self, shape: tuple[int, ...], dt: np.dtype) -> np.ndarray:
         if not self.reuse:
-            return np.empty(shape, dt)
+            return fresh_bytes(math.prod(shape) * dt.itemsize).view(dt).reshape(shape)
         n = math.prod(shape) * dt.itemsize
         if self._raw is None or self._raw.nbytes < n:
             self._raw = None  # the old buffer goes before a larger one is made

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.engine._codec import decode_chunk
 from statestream.engine._core import (
     ByteBudget,
@@ -367,7 +368,7 @@ def _read_span(reader: CheckpointReader, name: str, req: ReadRequest,
                 gap = np.empty(max(n, 4096), dtype=np.uint8)
             bufs.append(gap[:n])
         buf = (p.direct if p.direct is not None and p.codec is None
-               else np.empty(p.nbytes, dtype=np.uint8))
+               else fresh_bytes(p.nbytes))
         bufs.append(buf)
         views.append(buf)
         pos = p.offset + p.nbytes
@@ -386,7 +387,7 @@ def _decode_piece(reader: CheckpointReader, name: str, p: ReadPiece, stored: np.
     """Decode a verified compressed piece into its destination (or scratch, returned
     for scattering); None when it is corrupt and ``collect`` took the error."""
     assert p.codec is not None
-    out = p.direct if p.direct is not None else np.empty(p.raw_nbytes, dtype=np.uint8)
+    out = p.direct if p.direct is not None else fresh_bytes(p.raw_nbytes)
     try:
         decode_chunk(stored, out, p.dtype.itemsize, p.codec, p.shuffle)
     except CheckpointCorruptError as exc:

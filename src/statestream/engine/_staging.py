@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from statestream._memory import MAP_MIN_BYTES, fresh_bytes
 from statestream.providers import pinned_alloc
 from statestream.storage import release_part_buffers
 
@@ -37,6 +38,8 @@ _ALIGN_MIN_BYTES = 64 << 10
 def _host_alloc(nbytes: int) -> np.ndarray:
     if nbytes < _ALIGN_MIN_BYTES:
         return np.empty(nbytes, dtype=np.uint8)
+    if nbytes >= MAP_MIN_BYTES:
+        return fresh_bytes(nbytes)  # page-aligned, no huge-page advice
     raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
     skip = -raw.__array_interface__["data"][0] % _PAGE
     out: np.ndarray = raw[skip : skip + nbytes]  # keeps raw alive

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -537,7 +538,7 @@ class _OrbaxReader(FileSetReader):
             held -= self._free.pop(0).nbytes
         if held + n > READ_AHEAD_BYTES:
             return None
-        return np.empty(n, np.uint8)
+        return fresh_bytes(n)
 
     def _give_back(self, entry: tuple[Any, np.ndarray]) -> None:
         """Return a read-ahead buffer to the free list once tensorstore is done with it."""

@@ -18,8 +18,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from statestream._memory import fresh_bytes
 from statestream.errors import CheckpointError, UnsupportedTypeError
 from statestream.format import dtype_from_name, itemsize_of
 from statestream.interop._deps import require
@@ -53,7 +52,8 @@ def _tree(node: Node, specs: Sequence[ArraySpec], slabs: Slabs, p: KeyPath) -> A
         return node.value
     if k == "array":
         dtype, shape = specs[node.array or 0]
-        out = np.empty(shape, dtype_from_name(dtype))
+        dt = dtype_from_name(dtype)
+        out = fresh_bytes(math.prod(shape) * dt.itemsize).view(dt).reshape(shape)
         for row, buf in slabs(node.array or 0):
             if shape:
                 out[row:row + buf.shape[0]] = buf

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
+
 __all__ = ["byte_view", "contiguous_bytes", "host_bytes"]
 
 
@@ -59,7 +61,7 @@ def contiguous_bytes(part: Any) -> np.ndarray:
 
     if part.is_contiguous():
         return byte_view(part)
-    out = np.empty(part.numel() * part.element_size(), dtype=np.uint8)
+    out = fresh_bytes(part.numel() * part.element_size())
     if out.size:
         torch.from_numpy(out).view(part.dtype).view(part.shape).copy_(part)
     return out

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
 from statestream.format import dtype_from_name, dtype_name
 from statestream.providers._base import (
@@ -73,7 +75,8 @@ def _address(arr: np.ndarray, contiguous: bool) -> int:
 
 def host_destination(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A fresh host array to read a saved array into."""
-    return np.empty(shape, dtype=dtype_from_name(dtype))
+    dt = dtype_from_name(dtype)
+    return fresh_bytes(math.prod(shape) * dt.itemsize).view(dt).reshape(shape)
 
 
 class NumpyProvider(ArrayProvider):
@@ -149,7 +152,7 @@ class NumpyProvider(ArrayProvider):
                 if not (like.flags.c_contiguous and like.flags.writeable):
                     return None
                 return like.reshape(-1).view(np.uint8), like
-        flat = np.empty(nbytes, dtype=np.uint8) if memory is None else memory
+        flat = fresh_bytes(nbytes) if memory is None else memory
         return flat, flat.view(dt).reshape(shape)
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.errors import CheckpointError, CheckpointExistsError, StorageError
 from statestream.format import COMMIT_NAME
 from statestream.storage._base import Buffer, check_member_name
@@ -35,7 +36,7 @@ def _take_part(size: int) -> np.ndarray:
         free = _parts.get(size)
         if free:
             return free.pop()
-    return np.empty(size, np.uint8)
+    return fresh_bytes(size)
 
 
 def _kept_locked() -> int:
