@@ -248,10 +248,13 @@ def test_cold_snapshot_is_torn_free_when_the_state_changes_right_after(
     assert 0 < pool.idle_bytes <= mem.resolved() and pool.lent_bytes == 0
 
 
-def test_first_save_maps_no_fresh_staging_while_blocking_then_warms_the_pool(
+def test_first_save_copies_into_fresh_staging_and_the_pool_keeps_every_buffer(
         tmp_path: os.PathLike[str]) -> None:
-    # Fresh pages fault in slower than the writers write: a cold snapshot copies
-    # only into buffers already mapped, and the pool is filled after the commit.
+    # A cold snapshot races the writers: copy threads take fresh host buffers
+    # (statestream._memory: no huge-page advice, faster than the writes), the
+    # writers write the rest from the state. After the commit the pool holds one
+    # buffer per chunk -- those the race used and the warm-up's -- and the next
+    # save allocates none.
     from statestream import _hooks
 
     ss.release_staging()
@@ -259,23 +262,32 @@ def test_first_save_maps_no_fresh_staging_while_blocking_then_warms_the_pool(
     a0 = pool.allocations
     release = threading.Event()
     _hooks.register("save.planned", lambda: release.wait(30))  # hold the background phase
+    _hooks.register("save.chunk_written", lambda: time.sleep(0.2))  # slow writers
     try:
         state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(6)}
         h = ss.save_async(os.path.join(tmp_path, "s"), state,
-                          io=ss.IOOptions(max_chunk_bytes=1 << 20))
-        assert pool.allocations == a0  # every chunk was written, none copied
+                          io=ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=2))
+        # the copy threads, from the last chunk, copied what the writers had not
+        # reached into fresh buffers, each once
+        assert a0 + 1 <= pool.allocations <= a0 + 6
+        for v in state.values():
+            v += 100  # after the blocking phase: the checkpoint keeps the old values
         release.set()
         h.result()
         h._settled.wait()
     finally:
         release.set()
         _hooks.clear()
+    assert pool.allocations == a0 + 6 and pool.lent_bytes == 0
     assert pool.idle_bytes == sum(v.nbytes for v in state.values())
     assert pool.can_serve([1 << 20] * 6)
+    got = ss.load(os.path.join(tmp_path, "s"))
+    for i in range(6):
+        np.testing.assert_array_equal(got[f"w{i}"], np.full((256, 1024), i, np.float32))
     h2 = ss.save_async(os.path.join(tmp_path, "t"), state,
                        io=ss.IOOptions(max_chunk_bytes=1 << 20))
     h2.result()
-    assert pool.allocations == a0 + 6  # the warm-up's, reused by the second save
+    assert pool.allocations == a0 + 6  # every buffer reused
     got = ss.load(os.path.join(tmp_path, "t"))
     for i in range(6):
         np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])

@@ -150,8 +150,8 @@ class StagingLedger:
         return item.array if self._left[item.array] == 0 else None
 
     def race_copy(self, item: WriteItem, charged: int) -> bool:
-        """Copy one chunk into an idle pooled buffer unless a writer already
-        read it or no such buffer is mapped (copy threads).
+        """Copy one chunk into a pooled buffer unless a writer already read it
+        (copy threads): a host buffer idle or fresh, a page-locked one only idle.
 
         Returns whether the copy was kept; if not, the caller releases
         ``charged``. A device copy is waited for here.
@@ -164,9 +164,15 @@ class StagingLedger:
             self._copying.add(key)
         a = self._arrays[item.array]
         which = 0 if a.stage is None else 1
-        # Only into memory already mapped: a fresh page faults in slower than the
-        # writers write (0.2-0.4 GB/s on the development machine); they take it.
-        got = self._pools[which].take_idle(item.nbytes)
+        # Host buffers may be fresh: without huge-page advice (statestream._memory)
+        # copying 1 GiB into fresh pages takes 0.28 s with two threads here, faster
+        # than the writers write it (0.55 s). Page-locked buffers are costly to
+        # allocate (cudaHostAlloc): only those already mapped.
+        pool = self._pools[which]
+        try:
+            got = pool.take(item.nbytes) if which == 0 else pool.take_idle(item.nbytes)
+        except MemoryError:
+            got = None  # the writers read it from the state
         if got is None:
             with self._lock:
                 self._copying.discard(key)

@@ -41,9 +41,9 @@ def take_snapshot(job: SaveJob) -> None:
 
     With every staging buffer already mapped (a later save of the same
     state) and the state within the budget, every chunk is copied at once
-    with every core and the writers follow (:func:`_at_once`). Otherwise
-    copying into fresh memory can be slower than writing, so the snapshot
-    *races* the writers (:func:`_race`).
+    with every core and the writers follow (:func:`_at_once`). Otherwise the
+    snapshot *races* the writers (:func:`_race`): whichever of copying (into
+    fresh memory, on a first save) and writing is faster covers more.
 
     Raises:
         CheckpointError: a value was modified in place before its copy landed
