@@ -264,11 +264,11 @@ def test_first_save_copies_into_fresh_staging_and_the_pool_keeps_every_buffer(
     _hooks.register("save.planned", lambda: release.wait(30))  # hold the background phase
     _hooks.register("save.chunk_written", lambda: time.sleep(0.2))  # slow writers
     try:
-        state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(6)}
+        state = {f"w{i}": np.full((2048, 1024), i, np.float32) for i in range(6)}
         h = ss.save_async(os.path.join(tmp_path, "s"), state,
-                          io=ss.IOOptions(max_chunk_bytes=1 << 20, num_threads=2))
+                          io=ss.IOOptions(max_chunk_bytes=8 << 20, num_threads=2))
         # the copy threads, from the last chunk, copied what the writers had not
-        # reached into fresh buffers, each once
+        # reached (a writer takes up to 16 MiB at once) into fresh buffers, each once
         assert a0 + 1 <= pool.allocations <= a0 + 6
         for v in state.values():
             v += 100  # after the blocking phase: the checkpoint keeps the old values
@@ -280,12 +280,12 @@ def test_first_save_copies_into_fresh_staging_and_the_pool_keeps_every_buffer(
         _hooks.clear()
     assert pool.allocations == a0 + 6 and pool.lent_bytes == 0
     assert pool.idle_bytes == sum(v.nbytes for v in state.values())
-    assert pool.can_serve([1 << 20] * 6)
+    assert pool.can_serve([8 << 20] * 6)
     got = ss.load(os.path.join(tmp_path, "s"))
     for i in range(6):
-        np.testing.assert_array_equal(got[f"w{i}"], np.full((256, 1024), i, np.float32))
+        np.testing.assert_array_equal(got[f"w{i}"], np.full((2048, 1024), i, np.float32))
     h2 = ss.save_async(os.path.join(tmp_path, "t"), state,
-                       io=ss.IOOptions(max_chunk_bytes=1 << 20))
+                       io=ss.IOOptions(max_chunk_bytes=8 << 20))
     h2.result()
     assert pool.allocations == a0 + 6  # every buffer reused
     got = ss.load(os.path.join(tmp_path, "t"))
@@ -306,14 +306,25 @@ def test_the_next_save_stops_the_warm_up_instead_of_waiting_for_it(
     warming = threading.Event()
     allocated: list[int] = []
 
+    warmer: list[int] = []  # the thread that warms up
+
     def allocate(n: int) -> np.ndarray:
-        if warming.is_set():
+        if warmer and threading.get_ident() == warmer[0]:
             allocated.append(n)
             time.sleep(0.2)  # a slow fault-in
-        return slow(n)
+            return slow(n)
+        if not warming.is_set():
+            # the first save's copy threads get no fresh buffer (they leave the
+            # chunk to the writers), so its warm-up has all 8 buffers to map
+            raise MemoryError
+        return slow(n)  # the second save's copy threads
+
+    def warm_begins() -> None:
+        warmer.append(threading.get_ident())
+        warming.set()
 
     pool._allocate = allocate
-    _hooks.register("async.warming", warming.set)
+    _hooks.register("async.warming", warm_begins)
     try:
         state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(8)}
         io = ss.IOOptions(max_chunk_bytes=1 << 20)
@@ -333,3 +344,19 @@ def test_the_next_save_stops_the_warm_up_instead_of_waiting_for_it(
     got = ss.load(os.path.join(tmp_path, "t"))
     for i in range(8):
         np.testing.assert_array_equal(got[f"w{i}"], state[f"w{i}"])
+
+
+def test_take_within_allocates_only_what_the_capacity_holds() -> None:
+    from statestream.engine._staging import StagingPool
+
+    pool = StagingPool(capacity=10 << 20)
+    a = pool.take_within(8 << 20)
+    assert a is not None and pool.lent_bytes == 8 << 20
+    assert pool.take_within(4 << 20) is None  # 12 MiB would be lent
+    assert pool.lent_bytes == 8 << 20 and pool.allocations == 1
+    pool.give(a)
+    assert pool.take_within(8 << 20) is a  # idle, reused
+    pool.give(a)
+    b = pool.take_within(4 << 20)  # the idle 8 MiB buffer makes room
+    assert b is not None and pool.idle_bytes == 0 and pool.lent_bytes == 4 << 20
+    assert pool.take_within(11 << 20) is None  # never more than the capacity

@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from statestream._memory import fresh_bytes
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -111,7 +112,7 @@ def encode_chunk(data: np.ndarray, itemsize: int, comp: Compression) -> bytes | 
     raw = data.reshape(-1).view(np.uint8)
     if comp.shuffle and itemsize > 1:
         cols = raw.reshape(-1, itemsize)
-        plane = np.empty(len(cols), dtype=np.uint8)
+        plane = fresh_bytes(len(cols))
         parts = []
         for j in range(itemsize):
             plane[...] = cols[:, j]
@@ -145,7 +146,7 @@ def decode_chunk(stored: np.ndarray, out: np.ndarray, itemsize: int, codec: str,
         raise CheckpointCorruptError(f"it is not valid zstd data ({exc})") from None
     if declared > raw:  # refused before anything is decompressed
         raise CheckpointCorruptError(f"its zstd frame declares {declared} bytes, not {raw}")
-    target = np.empty(raw, dtype=np.uint8) if shuffle and itemsize > 1 else out
+    target = fresh_bytes(raw) if shuffle and itemsize > 1 else out
     view = target.data.cast("B")
     n = 0
     try:

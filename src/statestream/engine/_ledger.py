@@ -67,6 +67,7 @@ class StagingLedger:
         self.on_covered: Callable[[int], None] = lambda ai: None
         self.copied_bytes = 0
         self.direct_bytes = 0
+        self._fresh = False  # race copies may take fresh host buffers (race_start)
 
     # -- streaming -------------------------------------------------------------------
     def read(self, item: WriteItem) -> np.ndarray:
@@ -135,6 +136,12 @@ class StagingLedger:
     def race_start(self, items: Sequence[Sequence[WriteItem]]) -> None:
         """Count the chunks to cover (``items[i]``: array ``i``'s); arrays with
         none are covered at once."""
+        # Fresh host buffers for the copy threads only where the writers hold no
+        # memory of their own while they race: their copies of non-contiguous or
+        # byte-swapped chunks, and an object store's private copies, are outside
+        # the staging budget.
+        self._fresh = not self._retains and not any(
+            a.copies for its, a in zip(items, self._arrays) if its and a.stage is None)
         with self._lock:
             self._left = [len(its) for its in items]
             self._uncovered = sum(self._left)
@@ -151,7 +158,8 @@ class StagingLedger:
 
     def race_copy(self, item: WriteItem, charged: int) -> bool:
         """Copy one chunk into a pooled buffer unless a writer already read it
-        (copy threads): a host buffer idle or fresh, a page-locked one only idle.
+        (copy threads): a host buffer idle or fresh (see :meth:`race_start`), a
+        page-locked one only idle.
 
         Returns whether the copy was kept; if not, the caller releases
         ``charged``. A device copy is waited for here.
@@ -170,7 +178,8 @@ class StagingLedger:
         # allocate (cudaHostAlloc): only those already mapped.
         pool = self._pools[which]
         try:
-            got = pool.take(item.nbytes) if which == 0 else pool.take_idle(item.nbytes)
+            got = (pool.take_within(item.nbytes) if which == 0 and self._fresh
+                   else pool.take_idle(item.nbytes))
         except MemoryError:
             got = None  # the writers read it from the state
         if got is None:

@@ -105,10 +105,23 @@ class StagingPool:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
+        buf = self._take(nbytes, within=False)
+        assert buf is not None
+        return buf
+
+    def take_within(self, nbytes: int) -> np.ndarray | None:
+        """An idle buffer of exactly ``nbytes``, else a fresh one if the lent bytes
+        stay within the capacity (idle buffers of other sizes evicted first), else
+        None."""
+        return self._take(nbytes, within=True)
+
+    def _take(self, nbytes: int, *, within: bool) -> np.ndarray | None:
         with self._lock:
             buf = self._take_idle_locked(nbytes)
             if buf is not None:
                 return buf
+            if within and self.lent_bytes + nbytes > self.capacity:
+                return None
             self._evict_locked(nbytes)
             self.lent_bytes += nbytes
             self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)

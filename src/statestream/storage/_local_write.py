@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from statestream._memory import fresh_bytes
 from statestream.errors import StorageError, storage_error
 from statestream.storage._base import Buffer
 from statestream.storage._iov import IOV_MAX, advance, byte_views, take
@@ -184,12 +185,8 @@ class _LocalFileWriter:
         self._tail(rest, pos, last, direct)
 
     def _bounce_buffer(self) -> Any:
-        import numpy as np
-
         if self._bounce is None:
-            raw = np.empty(_BOUNCE + _DIRECT_ALIGN, dtype=np.uint8)
-            skip = -raw.__array_interface__["data"][0] % _DIRECT_ALIGN
-            self._bounce = raw[skip:skip + _BOUNCE]
+            self._bounce = fresh_bytes(_BOUNCE)  # page-aligned: O_DIRECT takes it
         return self._bounce
 
     def _write_bounced(self, view: memoryview, offset: int) -> bool:
