@@ -4,8 +4,9 @@
 Part 1 (always): read ``--size`` bytes of a file in the page cache into fresh buffers
 (16 pieces, 2 threads, ``preadv``), each try in a fresh process, the allocators
 interleaved: ``numpy`` (``np.empty``: NumPy advises ``MADV_HUGEPAGE`` on buffers of
-4 MiB or more), ``statestream`` (``fresh_bytes``: a private anonymous mapping, no
-advice), ``torch`` (``torch.empty``). ``--churn N`` first allocates, touches and frees
+4 MiB or more), ``numpy-noadvice`` (the same with NumPy's switch off for the process),
+``statestream`` (``fresh_bytes``: NumPy's allocator with the advice off for the call,
+page-aligned), ``torch`` (``torch.empty``). ``--churn N`` first allocates, touches and frees
 N x 16 MiB in the process (as building a model and a training step do).
 
 Part 2 (``--resume-old-src DIR``): a ``StatestreamTrainer`` resume of GPT-2 124M +
@@ -35,7 +36,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(HERE))
 from _common import med, run_child  # noqa: E402
 
-ALLOCATORS = ("numpy", "statestream", "torch")
+ALLOCATORS = ("numpy", "numpy-noadvice", "statestream", "torch")
 
 
 def _child(task: dict) -> dict:
@@ -59,6 +60,9 @@ def _child(task: dict) -> dict:
             return np.empty(nb, np.uint8)
         if kind == "torch":
             return torch.empty(nb, dtype=torch.uint8).numpy()
+        if kind == "numpy-noadvice":  # NumPy's allocator (heap reuse), advice off
+            np._core.multiarray._set_madvise_hugepage(False)
+            return np.empty(nb, np.uint8)
         return fresh_bytes(nb)
 
     fd = os.open(path, os.O_RDONLY)

@@ -1,4 +1,4 @@
-"""Fresh host memory for large buffers: anonymous mappings, no huge-page advice.
+"""Fresh host memory for large buffers: NumPy's allocator, without its huge-page advice.
 
 ``numpy.empty`` asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``)
 on every buffer of 4 MiB or more. Where the kernel's THP defrag setting is
@@ -6,37 +6,56 @@ on every buffer of 4 MiB or more. Where the kernel's THP defrag setting is
 compaction whenever no free 2 MiB block is at hand -- the usual state of a
 machine whose memory is full of page cache, as a machine that has just read a
 checkpoint is. Measured on the development VM (benchmarks/README.md, "Fresh
-memory for loads"), reading 1 GiB into fresh buffers, medians of 5 fresh processes:
-NumPy's 0.73 s (0.55-1.51) and, after the process had freed 2.4 GB, 1.53 s
-(0.12-1.56); these 0.24-0.26 s (0.24-0.40); ``torch.empty``'s 0.28-0.29 s.
+memory for loads"), reading 1 GiB into fresh buffers in a fresh process: NumPy's
+0.35-1.66 s over three runs, the same allocation without the advice 0.27-0.29 s.
 
 So every large buffer statestream fills -- load destinations, staging for async
-saves, object-store parts, bounce and decode buffers -- comes from here: a private
-anonymous mapping of its own (page-aligned, so ``O_DIRECT`` can use it), unmapped
-when the last array on it goes. Not the C allocator's memory: freed heap memory
-may lie in a range NumPy advised earlier (the advice stays with the range), and
-freed memory the allocator keeps (per-thread arenas) would show as peak RSS above
-the memory budget. The system's THP policy still applies (``always`` gives huge
-pages).
+saves, object-store parts, bounce and decode buffers -- comes from here: NumPy's
+allocator (which hands out memory the process freed earlier: in a process that
+had freed 2.4 GB, 0.11-0.15 s against 0.26-0.30 s for pages mapped anew) with the
+advice switched off for the call, and page-aligned (``O_DIRECT`` can use it).
+Where this NumPy has no switch, a private anonymous mapping of its own. The
+system's THP policy still applies (``always`` gives huge pages).
 """
 
 from __future__ import annotations
 
+import importlib
 import mmap
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
 __all__ = ["MAP_MIN_BYTES", "fresh_bytes"]
 
-#: Buffers this large or larger are mapped; smaller ones come from NumPy, which
-#: gives no huge-page advice below 4 MiB.
+#: Buffers this large or larger are allocated without the advice (NumPy gives
+#: none below 4 MiB) and page-aligned.
 MAP_MIN_BYTES = 4 << 20
+_PAGE = mmap.PAGESIZE
+
+
+def _advice_switch() -> Callable[[bool], bool] | None:
+    """NumPy's ``_set_madvise_hugepage`` (returns the previous setting), if it has one."""
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        switch = getattr(module, "_set_madvise_hugepage", None)
+        if callable(switch):
+            return switch  # type: ignore[no-any-return]
+    return None
+
+
+_SWITCH = _advice_switch()
+_LOCK = threading.Lock()
 
 
 def fresh_bytes(nbytes: int) -> np.ndarray:
     """A writable 1-D ``uint8`` array of ``nbytes`` uninitialised bytes.
 
-    Large ones are page-aligned and unmapped when the last array (view) on them goes.
+    Large ones start on a page boundary and carry no huge-page advice of ours.
 
     Example:
         >>> b = fresh_bytes(8 << 20)
@@ -45,5 +64,15 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
     """
     if nbytes < MAP_MIN_BYTES:
         return np.empty(nbytes, dtype=np.uint8)
-    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mem, dtype=np.uint8)
+    if _SWITCH is None:
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(mem, dtype=np.uint8)
+    with _LOCK:  # the switch is NumPy's global: other threads see it off briefly
+        was = _SWITCH(False)
+        try:
+            raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+        finally:
+            _SWITCH(was)
+    skip = -raw.ctypes.data % _PAGE
+    out: np.ndarray = raw[skip:skip + nbytes]  # keeps raw alive
+    return out

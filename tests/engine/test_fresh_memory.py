@@ -55,28 +55,32 @@ def test_fresh_bytes_are_plain_aligned_writable_pages() -> None:
 
 
 def test_fresh_bytes_live_while_any_view_or_tensor_does() -> None:
+    import weakref
+
     b = fresh_bytes(MAP_MIN_BYTES)
-    address = b.ctypes.data
+    freed: list[int] = []
+    weakref.finalize(b.base, freed.append, 1)  # the allocation all views share
     view = b[4096:].view(np.float32)
     tensor = torch.from_numpy(b[:4096].view(np.int32))
     del b
-    _vm_flags(address)  # still mapped
     del view
+    assert not freed
     tensor.fill_(3)
     assert int(tensor.sum()) == 3 * 1024
     del tensor
-    with pytest.raises(AssertionError, match="no mapping holds"):
-        _vm_flags(address)
+    assert freed == [1]
 
 
-def test_fresh_bytes_are_unadvised_after_numpy_freed_advised_memory() -> None:
-    # memory the C allocator hands out again may lie in a range NumPy advised
-    for _ in range(8):
-        a = np.empty(16 << 20, np.uint8)
-        a[::4096] = 1
-        del a
-    bufs = [fresh_bytes(16 << 20) for _ in range(8)]
-    assert not any(_advised(b) for b in bufs)
+def test_numpys_advice_setting_is_restored_even_when_allocation_fails() -> None:
+    get = getattr(np._core.multiarray, "_get_madvise_hugepage", None)
+    if get is None:
+        pytest.skip("this NumPy has no huge-page switch")
+    before = get()
+    fresh_bytes(MAP_MIN_BYTES)
+    assert get() == before
+    with pytest.raises(MemoryError):
+        fresh_bytes(1 << 62)
+    assert get() == before
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
