@@ -203,7 +203,7 @@ def _check_in_steps(reader: CheckpointReader, name: str, p: ReadPiece,
     checksumming each step as it lands; the first mismatch, or None. A piece without
     checksums (a foreign format's) is still read through, as a whole read would."""
     checks: list[tuple[int, int, int | None]] = [*p.checks()] or [(0, p.nbytes, None)]
-    buf = np.empty(min(step, p.nbytes), dtype=np.uint8)
+    buf = fresh_bytes(min(step, p.nbytes))
     for a, b, want in checks:
         got = 0
         for s in range(a, b, step):
