@@ -79,6 +79,13 @@ def _child(task: dict) -> dict:
     return {"ok": True, "s": time.perf_counter() - t0, "bytes": size * 16}
 
 
+def _run(script: Path | str, src: Path, task: dict, name: str, timeout: float) -> dict:
+    r = run_child(script, src, task, timeout, stderr_on_failure=True)
+    if not r.get("ok"):
+        raise SystemExit(f"{name}: {r}")
+    return r
+
+
 def _part1(a: argparse.Namespace, root: Path) -> dict:
     blob = root / "blob"
     with open(blob, "wb") as f:
@@ -90,10 +97,7 @@ def _part1(a: argparse.Namespace, root: Path) -> dict:
     rows: dict[str, list[float]] = {k: [] for k in ALLOCATORS}
     for _ in range(a.repeats):
         for kind in ALLOCATORS:
-            r = run_child(__file__, SRC, {"alloc": kind, "file": str(blob), "churn": a.churn}, 600,
-                          stderr_on_failure=True)
-            if not r.get("ok"):
-                raise SystemExit(f"{kind}: {r}")
+            r = _run(__file__, SRC, {"alloc": kind, "file": str(blob), "churn": a.churn}, kind, 600)
             rows[kind].append(r["s"])
             print(f"{kind}: {r['s']:.3f} s", flush=True)
     return rows
@@ -104,10 +108,8 @@ def _part2(a: argparse.Namespace, root: Path) -> dict:
     ck = {}
     for conf in ("hf", "ss-sync"):
         out = root / f"make-{conf}"
-        r = run_child(bench, SRC, {"config": conf, "quick": a.quick, "steps": 8, "every": 8,
-                                   "out": str(out)}, 1800, stderr_on_failure=True)
-        if not r.get("ok"):
-            raise SystemExit(f"{conf}: {r}")
+        _run(bench, SRC, {"config": conf, "quick": a.quick, "steps": 8, "every": 8,
+                          "out": str(out)}, conf, 1800)
         ck[conf] = out / "checkpoint-8"
     runs = (("Trainer's own", "hf", SRC), ("statestream before", "ss-sync", Path(a.resume_old_src)),
             ("statestream now", "ss-sync", SRC))
@@ -116,11 +118,8 @@ def _part2(a: argparse.Namespace, root: Path) -> dict:
         for name, conf, src in runs:
             out = root / "resume"
             shutil.rmtree(out, ignore_errors=True)
-            r = run_child(bench, src, {"config": conf, "quick": a.quick, "steps": 9, "every": 8,
-                                       "out": str(out), "resume": str(ck[conf])}, 1800,
-                          stderr_on_failure=True)
-            if not r.get("ok"):
-                raise SystemExit(f"{name}: {r}")
+            r = _run(bench, src, {"config": conf, "quick": a.quick, "steps": 9, "every": 8,
+                                  "out": str(out), "resume": str(ck[conf])}, name, 1800)
             rows[name].append(r["to_first_step_s"])
             print(f"{name}: resume + first step {r['to_first_step_s']:.3f} s", flush=True)
     return rows

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["MAP_MIN_BYTES", "fresh_bytes"]
+__all__ = ["MAP_MIN_BYTES", "aligned_bytes", "fresh_bytes"]
 
 #: Buffers this large or larger are allocated without the advice (NumPy gives
 #: none below 4 MiB) and page-aligned.
@@ -73,6 +73,21 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
             raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
         finally:
             _SWITCH(was)
+    skip = -raw.ctypes.data % _PAGE
+    out: np.ndarray = raw[skip:skip + nbytes]  # keeps raw alive
+    return out
+
+
+def aligned_bytes(nbytes: int) -> np.ndarray:
+    """Like :func:`fresh_bytes`, but page-aligned whatever the size (for ``O_DIRECT``).
+
+    Example:
+        >>> aligned_bytes(100_000).ctypes.data % 4096
+        0
+    """
+    if nbytes >= MAP_MIN_BYTES:
+        return fresh_bytes(nbytes)
+    raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
     skip = -raw.ctypes.data % _PAGE
     out: np.ndarray = raw[skip:skip + nbytes]  # keeps raw alive
     return out

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from statestream._memory import MAP_MIN_BYTES, fresh_bytes
+from statestream._memory import aligned_bytes
 from statestream.providers import pinned_alloc
 from statestream.storage import release_part_buffers
 
@@ -31,19 +31,13 @@ __all__ = ["StagingPool", "host_pool", "pinned_pool", "release_staging"]
 
 #: Large buffers start on a page boundary, so local storage can write them
 #: with O_DIRECT (no copy into the page cache).
-_PAGE = 4096
 _ALIGN_MIN_BYTES = 64 << 10
 
 
 def _host_alloc(nbytes: int) -> np.ndarray:
     if nbytes < _ALIGN_MIN_BYTES:
         return np.empty(nbytes, dtype=np.uint8)
-    if nbytes >= MAP_MIN_BYTES:
-        return fresh_bytes(nbytes)  # page-aligned, no huge-page advice
-    raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
-    skip = -raw.__array_interface__["data"][0] % _PAGE
-    out: np.ndarray = raw[skip : skip + nbytes]  # keeps raw alive
-    return out
+    return aligned_bytes(nbytes)  # no huge-page advice (statestream._memory)
 
 
 def _pinned_alloc(nbytes: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream._memory import MAP_MIN_BYTES, fresh_bytes
+from statestream._memory import aligned_bytes
 from statestream._version import __version__
 from statestream.engine import parallel_for
 from statestream.engine._codec import encode_chunk
@@ -81,15 +81,6 @@ def slab_rows(dtype: str, shape: tuple[int, ...], slab_bytes: int) -> list[tuple
     row = max(1, math.prod(shape[1:]) * itemsize_of(dtype))
     step = max(1, slab_bytes // row)
     return [(r0, min(shape[0], r0 + step)) for r0 in range(0, shape[0], step)]
-
-
-def aligned_bytes(n: int) -> np.ndarray:
-    """``n`` fresh bytes starting on a page boundary (what direct I/O needs)."""
-    if n >= MAP_MIN_BYTES:
-        return fresh_bytes(n)
-    raw = np.empty(n + PAGE, np.uint8)
-    skip = -raw.ctypes.data % PAGE
-    return raw[skip:skip + n]
 
 
 def array_paths(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Node]]:
