@@ -188,8 +188,9 @@ class Saver:
     """One checkpointing configuration. start() returns after the blocking part; the watcher
     records when the save became durable; wait() waits for it (timed as a potential stall)."""
 
-    def __init__(self, config: str, base: str, model, opt):
+    def __init__(self, config: str, base: str, model, opt, budget: int | None = None):
         self.config, self.base, self.model, self.opt = config, base, model, opt
+        self.budget = budget  # statestream's memory budget (None: its default)
         self.pending = None  # (record, waiter, event)
 
     # -- setup ----------------------------------------------------------------------------
@@ -201,6 +202,8 @@ class Saver:
 
             self.ss = ss
             info["statestream"] = getattr(ss, "__version__", "?")
+            self.mem = ss.MemoryOptions(memory_budget_bytes=self.budget)
+            info["budget_bytes"] = self.mem.resolved()
             if c != "ss-sync":  # where the snapshot time goes: one timestamp per copied chunk
                 from statestream import _hooks
 
@@ -263,13 +266,14 @@ class Saver:
         c = self.config
         t0 = time.perf_counter()
         if c == "ss-sync":
-            self.ss.save(path, state_of(self.model, self.opt, step))
+            self.ss.save(path, state_of(self.model, self.opt, step), memory=self.mem)
             t1 = time.perf_counter()
             rec.update(call_s=t1 - t0, total_s=t1 - t0)
             return rec
         if c in ("ss-async", "ss-lazy"):
             self.chunk_ts.clear()
-            h = self.ss.save_async(path, state_of(self.model, self.opt, step), lazy=(c == "ss-lazy"))
+            h = self.ss.save_async(path, state_of(self.model, self.opt, step), lazy=(c == "ss-lazy"),
+                                   memory=self.mem)
             if c == "ss-lazy":
                 rh = self.ss.guard_optimizer(self.opt, h)
                 self._time_guard(rh, rec)
@@ -404,7 +408,7 @@ def child_run(a: dict) -> dict:
     sd = state_of(model, opt, 0)
     tens = state_tensors(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in tens)
-    saver = Saver(config, base, model, opt) if config != "baseline" else None
+    saver = Saver(config, base, model, opt, a.get("budget")) if config != "baseline" else None
     setup = saver.setup() if saver else {}
     del sd
     gc.collect()
@@ -532,7 +536,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="time the phases of sync/async/lazy/DCP saves of a ~1.09 GB state, "
                     "each in a fresh process (benchmarks/async_phases.py); --repeats runs each")
-    ap.add_argument("--budget", type=int, default=None, help="--phases: memory budget in bytes")
+    ap.add_argument("--budget", type=int, default=None, help="statestream's memory budget in bytes (default: its own)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -608,7 +612,7 @@ def main() -> None:
     for c in order:
         for r in range(args.repeats):
             task = {"config": c, "cfg": cfg, "steps": steps, "every": every, "warmup_steps": args.warmup_steps,
-                    "dir": base, "seed": args.seed, "pythonpath": str(SRC)}
+                    "dir": base, "seed": args.seed, "pythonpath": str(SRC), "budget": args.budget}
             la = loadavg()
             res = run_child(__file__, SRC, task, args.timeout, stderr_on_failure=True)
             res["loadavg_before"] = la
