@@ -104,9 +104,9 @@ def _at_once(job: SaveJob, torn: set[int]) -> None:
 def _race(job: SaveJob, torn: set[int]) -> None:
     # Writers start on every chunk at once, reading from the state what is not
     # copied yet; copy threads work backwards from the end of the writers' queues
-    # (copy_order) into staging buffers under the budget and stop when it is full. The snapshot is over
-    # when every chunk is copied or written: never later than a synchronous
-    # save's writes, and with warm buffers about one copy.
+    # (copy_order) into staging buffers under the budget and stop when it is full.
+    # The snapshot is over when every chunk is copied or written: never later
+    # than a synchronous save's writes, and with warm buffers about one copy.
     assert job.handle is not None
     _hooks.fire("async.race_begins")
     job.ledger.on_covered = job.handle.array_ready
