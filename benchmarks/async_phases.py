@@ -58,13 +58,23 @@ def _reset_peak() -> None:
         f.write("5\n")
 
 
-def _state(quick: bool) -> dict[str, Any]:
+def _state(quick: bool, aligned: bool = False) -> dict[str, Any]:
+    """The state; ``aligned``: each tensor on page-aligned memory (torch's own
+    allocator starts large tensors 64 bytes into a page, so O_DIRECT writes from
+    them go through the writers' bounce buffer; from these they go as they are)."""
+    import numpy as np
     import torch
+
+    from statestream._memory import aligned_bytes
 
     shapes = llama_shapes(1024, 2816, 2 if quick else 16, 8000 if quick else 32000)
     out = {}
     for i, (name, shape) in enumerate(shapes):
-        t = torch.empty(shape, dtype=torch.float32)
+        if aligned:
+            n = int(np.prod(shape)) * 4
+            t = torch.from_numpy(np.frombuffer(aligned_bytes(n), np.float32).reshape(shape))
+        else:
+            t = torch.empty(shape, dtype=torch.float32)
         t.fill_(float(i))  # touched: the state is resident before any save
         out[name] = t
     return out
@@ -148,7 +158,7 @@ def child(task: dict[str, Any]) -> dict[str, Any]:
 
     cfg, base = task["config"], task["dir"]
     os.makedirs(base, exist_ok=True)
-    state = _state(task["quick"])
+    state = _state(task["quick"], task.get("aligned", False))
     res: dict[str, Any] = {"ok": True, "config": cfg, "state_bytes": _nbytes(state)}
     rss0 = _status_bytes("VmRSS")
     _reset_peak()
@@ -240,7 +250,8 @@ def run(args: Any, run_child: Any, script: Path, src: Path, out_dir: Path, cmdli
     for r in range(args.repeats):
         for c in configs:  # interleaved, so load on the shared machine hits all alike
             task = {"phases": True, "config": c, "dir": base, "quick": args.quick,
-                    "budget": args.budget, "step": "fork" in configs}
+                    "budget": args.budget, "step": "fork" in configs,
+                    "aligned": args.aligned_state}
             res = run_child(script, src, task, args.timeout, stderr_on_failure=True)
             results["runs"].setdefault(c, []).append(res)
             log(f"{c} #{r}: {json.dumps({k: v for k, v in res.items() if k != 'stderr'})[:400]}")

@@ -537,6 +537,8 @@ def main() -> None:
                     help="time the phases of sync/async/lazy/DCP saves of a ~1.09 GB state, "
                     "each in a fresh process (benchmarks/async_phases.py); --repeats runs each")
     ap.add_argument("--budget", type=int, default=None, help="statestream's memory budget in bytes (default: its own)")
+    ap.add_argument("--aligned-state", action="store_true",
+                    help="--phases: the state's tensors on page-aligned memory (not torch's allocator)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
