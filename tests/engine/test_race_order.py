@@ -64,3 +64,48 @@ def test_each_file_is_taken_from_the_back() -> None:
         seen.setdefault(it.file, []).append(it.offset)
     for offsets in seen.values():
         assert offsets == sorted(offsets, reverse=True)
+
+
+def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(tmp_path) -> None:
+    # Two data files of four 8 MiB chunks; the budget stages the back half of each
+    # (the copy threads have 0.3 s for it). Writer 0 is slow on the chunks it writes
+    # from the state, writer 1 is done with its two soon. Its staged copies can
+    # wait: until the snapshot is complete (save_async returns) it writes nothing
+    # more, so the disk is writer 0's alone. (Before, it went straight on to its
+    # staged copies: all four chunks before the return.)
+    import os
+    import threading
+    import time
+
+    import numpy as np
+
+    import statestream as ss
+    from statestream import _hooks
+
+    ss.release_staging()
+    state = {f"a{i}": np.full((2048, 1024), i, np.float32) for i in range(8)}  # 8 x 8 MiB
+    batches: list[tuple[str, float]] = []  # one chunk each here (handed over one by one)
+    first = {"statestream-write-0": 0.8, "statestream-write-1": 0.3}
+
+    def written() -> None:
+        name = threading.current_thread().name
+        batches.append((name, time.perf_counter()))
+        time.sleep(first.pop(name, 0.0))  # before the batch's chunks count as written
+
+    _hooks.register("save.chunk_written", written)
+    try:
+        h = ss.save_async(os.path.join(tmp_path, "s"), state,
+                          memory=ss.MemoryOptions(memory_budget_bytes=32 * MiB),
+                          io=ss.IOOptions(max_chunk_bytes=8 * MiB, num_threads=2))
+        returned = time.perf_counter()
+        for v in state.values():
+            v += 100  # after the snapshot: not saved
+        h.result()
+    finally:
+        _hooks.clear()
+    ones = [t for n, t in batches if n == "statestream-write-1"]
+    assert len(ones) == 4, batches
+    assert sum(t < returned for t in ones) == 2, batches  # its chunks from the state only
+    got = ss.load(os.path.join(tmp_path, "s"))
+    for i in range(8):
+        np.testing.assert_array_equal(got[f"a{i}"], np.full((2048, 1024), i, np.float32))

@@ -32,7 +32,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -291,7 +291,8 @@ class SaveJob:
                 budget=self._codec_budget,
                 after_write=self._snapshot_written, on_error=self.budget.abort,
                 nice=self.options.io.background_nice, relayout=self._relayout(),
-                hashes=self.options.hashes, base=self.base, nice_later=True)
+                hashes=self.options.hashes, base=self.base, nice_later=True,
+                defer=self._snapshot_defer)
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
@@ -348,6 +349,9 @@ class SaveJob:
 
     def _snapshot_source(self, item: WriteItem) -> np.ndarray:
         return self.ledger.race_source(item) if self._race else self.ledger.take(item)
+
+    def _snapshot_defer(self, item: WriteItem) -> Callable[[], None] | None:
+        return self.ledger.race_defer(item, self.writer.failed) if self._race else None
 
     def _snapshot_written(self, items: Sequence[WriteItem]) -> None:
         h = self.handle

@@ -62,6 +62,7 @@ class StagingLedger:
         self._direct: set[_Key] = set()
         self._copying: set[_Key] = set()
         self._left: list[int] = []
+        self._left_in_file: dict[int, int] = {}  # per data file: chunks not covered
         self._uncovered = 0
         self._covered_cv = threading.Condition(self._lock)
         self.on_covered: Callable[[int], None] = lambda ai: None
@@ -144,6 +145,10 @@ class StagingLedger:
             a.copies for its, a in zip(items, self._arrays) if its and a.stage is None)
         with self._lock:
             self._left = [len(its) for its in items]
+            self._left_in_file = {}
+            for its in items:
+                for it in its:
+                    self._left_in_file[it.file] = self._left_in_file.get(it.file, 0) + 1
             self._uncovered = sum(self._left)
         for ai, n in enumerate(self._left):
             if n == 0:
@@ -152,6 +157,7 @@ class StagingLedger:
     def _cover_locked(self, item: WriteItem) -> int | None:
         self._uncovered -= 1
         self._left[item.array] -= 1
+        self._left_in_file[item.file] -= 1
         if self._uncovered == 0:
             self._covered_cv.notify_all()
         return item.array if self._left[item.array] == 0 else None
@@ -216,6 +222,24 @@ class StagingLedger:
         if ready is not None:
             self.on_covered(ready)
         return True
+
+    def race_defer(self, item: WriteItem,
+                   failed: Callable[[], bool]) -> Callable[[], None] | None:
+        """Whether a writer should hold off writing ``item`` (a staged copy) until the
+        snapshot is complete: a waiter, or None to write it now.
+
+        It should while other files' chunks are still to be written from the state
+        and its own file has none left: its staged copies can wait, and the disk is
+        then the other writers' alone. (Sharing it, a writer whose rest was largest
+        finished 0.1 s after the others, which were writing staged copies; budget
+        0.75x the state.) Its own file having none left means no chunk the snapshot
+        waits for is behind it in its queue, so waiting cannot stall it.
+        """
+        with self._lock:
+            if (self._uncovered <= 0 or self._left_in_file.get(item.file, 0) > 0
+                    or (item.array, item.chunk) not in self._staged):
+                return None
+        return lambda: self.wait_covered(failed)
 
     def race_source(self, item: WriteItem) -> np.ndarray:
         """The chunk's staged copy, or (not copied yet) the state itself (writers)."""

@@ -107,12 +107,16 @@ class StreamWriter:
         base: BaseChunks | None = None,
         nice_later: bool = False,
         lendable: Callable[[WriteItem], bool] | None = None,
+        defer: Callable[[WriteItem], Callable[[], None] | None] | None = None,
     ) -> None:
         self._nice = nice
         #: whether an item's bytes from ``source`` stay unchanged and alive until
         #: close (a synchronous save's own arrays): a writer with ``lend_at``
         #: (object stores) then uploads them from where they are
         self._lendable = lendable
+        #: before an item: a waiter to call (after writing what is batched and
+        #: releasing the budget held) before going on, or None (a racing snapshot)
+        self._defer = defer
         #: set: writer threads take ``nice`` (at once, or from the next batch on
         #: when ``nice_later``, after :meth:`yield_to_training`)
         self._yield = threading.Event()
@@ -230,7 +234,7 @@ class StreamWriter:
         # counting, not left to the cyclic collector (0.1-0.3 s on the caller's thread
         # for a 20,000-array save).
         self._source = _gone
-        self._after_write = self._on_error = None
+        self._after_write = self._on_error = self._defer = None
 
     def _raise(self) -> None:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
@@ -280,10 +284,12 @@ class StreamWriter:
         for it in work:
             if self._failed.is_set():
                 break
-            flush = batch and (end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900)
+            wait = self._defer(it) if self._defer is not None else None
+            flush = wait is not None or (
+                batch and (end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900))
             need = it.staging_bytes + _codec_bytes(it)
             got = None if flush else budget.try_acquire(need)
-            if got is None:
+            if wait is not None or got is None:
                 if done_items:  # never wait while holding staged bytes: write first
                     if batch:
                         (lend_at if lend_at and lends else w.write_at)(batch, batch_off)
@@ -292,6 +298,10 @@ class StreamWriter:
                     budget.release(st.held)
                     st.held = 0
                     done_items = []
+                if wait is None and self._defer is not None:
+                    wait = self._defer(it)  # the batch just written may have been the last
+                if wait is not None:
+                    wait()  # holding nothing
                 got = budget.acquire(need)
             st.held += got
             data = self._source(it)
