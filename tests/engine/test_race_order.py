@@ -109,3 +109,43 @@ def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(tmp_path) ->
     got = ss.load(os.path.join(tmp_path, "s"))
     for i in range(8):
         np.testing.assert_array_equal(got[f"a{i}"], np.full((2048, 1024), i, np.float32))
+
+
+def test_a_writer_holding_its_copies_stops_when_the_snapshot_fails(tmp_path) -> None:
+    # Writer 1 holds its staged copies, waiting for the snapshot; a copy thread then
+    # fails. The save fails at once, the waiting writer stops, nothing is committed.
+    import os
+    import threading
+    import time
+
+    import numpy as np
+
+    import statestream as ss
+    from statestream import _hooks
+
+    ss.release_staging()
+    state = {f"a{i}": np.full((2048, 1024), i, np.float32) for i in range(8)}
+    first = {"statestream-write-0": 3.0, "statestream-write-1": 0.1}
+    events = []
+
+    def copy_event() -> None:
+        events.append(1)
+        if len(events) == 8:  # the copy threads' last chunk: after writer 1 waits
+            time.sleep(0.5)
+            raise RuntimeError("a copy failed")
+
+    _hooks.register("save.chunk_written",
+                    lambda: time.sleep(first.pop(threading.current_thread().name, 0.0)))
+    _hooks.register("async.snapshot_chunk", copy_event)
+    path = os.path.join(tmp_path, "s")
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(Exception, match="a copy failed"):
+            h = ss.save_async(path, state, memory=ss.MemoryOptions(memory_budget_bytes=32 * MiB),
+                              io=ss.IOOptions(max_chunk_bytes=8 * MiB, num_threads=2))
+            h.result()
+    finally:
+        _hooks.clear()
+    assert time.perf_counter() - t0 < 10
+    assert not os.path.exists(path)
+    assert not any(t.name.startswith("statestream-write") for t in threading.enumerate())

@@ -301,7 +301,9 @@ class StreamWriter:
                 if wait is None and self._defer is not None:
                     wait = self._defer(it)  # the batch just written may have been the last
                 if wait is not None:
-                    wait()  # holding nothing
+                    wait()  # holding nothing; returns early if a writer failed
+                    if self._failed.is_set():
+                        break
                 got = budget.acquire(need)
             st.held += got
             data = self._source(it)
