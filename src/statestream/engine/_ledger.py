@@ -230,10 +230,10 @@ class StagingLedger:
 
         It should while other files' chunks are still to be written from the state
         and its own file has none left: its staged copies can wait, and the disk is
-        then the other writers' alone. (Sharing it, a writer whose rest was largest
-        finished 0.1 s after the others, which were writing staged copies; budget
-        0.75x the state.) Its own file having none left means no chunk the snapshot
-        waits for is behind it in its queue, so waiting cannot stall it.
+        then the other writers' alone. (Sharing it with writers of staged copies,
+        later saves with a budget of half the state blocked 0.71 s instead of
+        0.51.) Its own file having none left means no chunk the snapshot waits
+        for is behind it in its queue, so waiting cannot stall it.
         """
         with self._lock:
             if (self._uncovered <= 0 or self._left_in_file.get(item.file, 0) > 0
