@@ -70,12 +70,9 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
     with _LOCK:  # the switch is NumPy's global: other threads see it off briefly
         was = _SWITCH(False)
         try:
-            raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+            return _page_aligned(nbytes)
         finally:
             _SWITCH(was)
-    skip = -raw.ctypes.data % _PAGE
-    out: np.ndarray = raw[skip:skip + nbytes]  # keeps raw alive
-    return out
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:
@@ -85,8 +82,10 @@ def aligned_bytes(nbytes: int) -> np.ndarray:
         >>> aligned_bytes(100_000).ctypes.data % 4096
         0
     """
-    if nbytes >= MAP_MIN_BYTES:
-        return fresh_bytes(nbytes)
+    return fresh_bytes(nbytes) if nbytes >= MAP_MIN_BYTES else _page_aligned(nbytes)
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
     skip = -raw.ctypes.data % _PAGE
     out: np.ndarray = raw[skip:skip + nbytes]  # keeps raw alive

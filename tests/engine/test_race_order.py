@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
+import numpy as np
 import pytest
 
+import statestream as ss
+from statestream import _hooks
 from statestream.engine._snapshot import copy_order
 from statestream.plan import ArraySpec, StreamPlanner
 
@@ -73,15 +80,6 @@ def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(tmp_path) ->
     # wait: until the snapshot is complete (save_async returns) it writes nothing
     # more, so the disk is writer 0's alone. (Before, it went straight on to its
     # staged copies: all four chunks before the return.)
-    import os
-    import threading
-    import time
-
-    import numpy as np
-
-    import statestream as ss
-    from statestream import _hooks
-
     ss.release_staging()
     state = {f"a{i}": np.full((2048, 1024), i, np.float32) for i in range(8)}  # 8 x 8 MiB
     batches: list[tuple[str, float]] = []  # one chunk each here (handed over one by one)
@@ -114,15 +112,6 @@ def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(tmp_path) ->
 def test_a_writer_holding_its_copies_stops_when_the_snapshot_fails(tmp_path) -> None:
     # Writer 1 holds its staged copies, waiting for the snapshot; a copy thread then
     # fails. The save fails at once, the waiting writer stops, nothing is committed.
-    import os
-    import threading
-    import time
-
-    import numpy as np
-
-    import statestream as ss
-    from statestream import _hooks
-
     ss.release_staging()
     state = {f"a{i}": np.full((2048, 1024), i, np.float32) for i in range(8)}
     first = {"statestream-write-0": 3.0, "statestream-write-1": 0.1}

@@ -23,6 +23,7 @@ and :meth:`reclaim` settles whatever was never written.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -62,7 +63,7 @@ class StagingLedger:
         self._direct: set[_Key] = set()
         self._copying: set[_Key] = set()
         self._left: list[int] = []
-        self._left_in_file: dict[int, int] = {}  # per data file: chunks not covered
+        self._left_in_file: Counter[int] = Counter()  # per data file: chunks not covered
         self._uncovered = 0
         self._covered_cv = threading.Condition(self._lock)
         self.on_covered: Callable[[int], None] = lambda ai: None
@@ -145,10 +146,7 @@ class StagingLedger:
             a.copies for its, a in zip(items, self._arrays) if its and a.stage is None)
         with self._lock:
             self._left = [len(its) for its in items]
-            self._left_in_file = {}
-            for its in items:
-                for it in its:
-                    self._left_in_file[it.file] = self._left_in_file.get(it.file, 0) + 1
+            self._left_in_file = Counter(it.file for its in items for it in its)
             self._uncovered = sum(self._left)
         for ai, n in enumerate(self._left):
             if n == 0:
@@ -235,8 +233,10 @@ class StagingLedger:
         0.51.) Its own file having none left means no chunk the snapshot waits
         for is behind it in its queue, so waiting cannot stall it.
         """
+        if self._uncovered <= 0:  # the common case once the race is over: no lock
+            return None
         with self._lock:
-            if (self._uncovered <= 0 or self._left_in_file.get(item.file, 0) > 0
+            if (self._uncovered <= 0 or self._left_in_file[item.file] > 0
                     or (item.array, item.chunk) not in self._staged):
                 return None
         return lambda: self.wait_covered(failed)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from statestream._memory import fresh_bytes
+from statestream._memory import aligned_bytes
 from statestream.errors import StorageError, storage_error
 from statestream.storage._base import Buffer
 from statestream.storage._iov import IOV_MAX, advance, byte_views, take
@@ -186,7 +186,7 @@ class _LocalFileWriter:
 
     def _bounce_buffer(self) -> Any:
         if self._bounce is None:
-            self._bounce = fresh_bytes(_BOUNCE)  # page-aligned: O_DIRECT takes it
+            self._bounce = aligned_bytes(_BOUNCE)  # O_DIRECT takes it
         return self._bounce
 
     def _write_bounced(self, view: memoryview, offset: int) -> bool:
