@@ -112,3 +112,75 @@ def test_an_incremental_step_whose_base_is_damaged_falls_back_past_both(tmp_path
         damaged = [str(w.message).split(" in ")[0] for w in caught.list
                    if "is damaged" in str(w.message)]
         assert damaged == ["step 3", "step 2"]
+
+
+# --------------------------------------------------------------------------- keep policies
+
+
+def _manifest(directory, step: int) -> str:
+    return os.path.join(str(directory), f"step_{step:010d}", "manifest.json")
+
+
+@pytest.mark.parametrize("keep", [None, ss.KeepLatest(3), ss.KeepEvery(1),
+                                  ss.KeepBest(3, "loss")], ids=repr)
+def test_a_step_whose_manifest_cannot_be_read_is_never_deleted(tmp_path, keep):
+    # The policy sees only the readable steps; it used to drop the unreadable one
+    # even under KeepAll (and KeepLatest(3) then kept step 0 in its place).
+    with ss.CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as mgr:
+        for s in range(3):
+            mgr.save(s, state_at(s), metrics={"loss": 1.0 / (s + 1)})
+    _flip(_manifest(tmp_path, 1), at=20)
+    with pytest.warns(RuntimeWarning, match=r"cannot read step 1 in .*it stays, and so do "
+                                            r"the steps before it \(\[0\]\)"):
+        with ss.CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as mgr:
+            mgr.save(3, state_at(3), metrics={"loss": 0.1})
+            assert mgr.steps() == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "step_0000000001"))  # untouched
+    for s in (0, 2, 3):
+        assert ss.load(str(tmp_path / f"step_{s:010d}"))["step"] == s
+
+
+def test_a_manifest_read_that_fails_once_costs_no_step(tmp_path, monkeypatch):
+    from statestream.manager import _retention
+
+    _saved(str(tmp_path), [0, 1, 2], keep_policy=ss.KeepLatest(3))
+    real, fails = _retention.step_info, [1]
+
+    def flaky(path: str, step: int):
+        if step == 1 and fails:
+            fails.pop()
+            raise ss.StorageError(f"reading {path}/manifest.json failed: [Errno 5] EIO")
+        return real(path, step)
+
+    monkeypatch.setattr(_retention, "step_info", flaky)
+    with pytest.warns(RuntimeWarning, match="cannot read step 1 .*Errno 5"):
+        with ss.CheckpointManager(tmp_path, async_save=False,
+                                  keep_policy=ss.KeepLatest(3)) as mgr:
+            mgr.save(3, state_at(3))  # applies the policy before and after the save
+            assert not fails
+            assert mgr.steps() == [1, 2, 3]  # read again after the error: the policy's
+            assert ss.load(mgr.step_path(1))["step"] == 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_step_a_resume_went_back_to_is_kept_until_a_newer_one_commits(tmp_path,
+                                                                         async_save):
+    # KeepLatest(1) keeps the newest step; its manifest reads fine though its data is
+    # damaged, so the step the resume loaded was the one deleted: nothing loadable.
+    _saved(str(tmp_path), [1, 2])
+    _flip(glob.glob(str(tmp_path / "step_0000000002" / "data" / "*"))[0])
+    for _ in range(2):  # a resume that saves nothing, twice
+        with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(1),
+                                  async_save=async_save) as mgr:
+            with pytest.warns(RuntimeWarning, match="step 2 .* is damaged, loading step 1"):
+                assert mgr.load()["step"] == 1
+            mgr.wait()
+            assert mgr.steps() == [1, 2]
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(1),
+                              async_save=async_save) as mgr:
+        with pytest.warns(RuntimeWarning, match="is damaged"):
+            mgr.load()
+        mgr.save(2, state_at(2), force=True)  # saved again under the damaged number
+        mgr.wait()
+        assert mgr.steps() == [2]  # a good newer step: the policy decides again
+        assert mgr.load()["step"] == 2

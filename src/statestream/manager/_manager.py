@@ -12,12 +12,7 @@ from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
 from statestream.api._options import collective_option, io_options, memory_options
 from statestream.api._pickles import AllowPickle
-from statestream.distributed import (
-    Collective,
-    agree,
-    default_collective,
-    share_from_0,
-)
+from statestream.distributed import Collective, agree, default_collective, share_from_0
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
 from statestream.errors import (
     CheckpointError,
@@ -37,7 +32,7 @@ from statestream.manager._policies import (
     is_score,
     warn_missing_metrics,
 )
-from statestream.manager._resume import load_newest_good, missing_step
+from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
 from statestream.manager._retention import Retention, encode_metrics, step_info
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
@@ -143,6 +138,7 @@ class CheckpointManager:
         self._compression = compression
         self._inflight: SaveHandle | None = None
         self._inflight_step: int | None = None
+        self._resumed = ResumeGuard()
         self._last_saved_time: float | None = None
         self._closed = False
         self._decisions = SaveDecisions(
@@ -407,6 +403,7 @@ class CheckpointManager:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
                  collective=self._coll, meta=meta, compression=self._compression, base=base,
                  hashes=self._incremental, node_local=self._tier is not None)
+            self._resumed.saved(step)
             if self._tier is not None:
                 self._tier.persist(step, base=base_step)
             self._keep_and_check(f"applying the keep policy after step {step}",
@@ -476,6 +473,8 @@ class CheckpointManager:
             # that step never committed: it may be saved again
             self._last_saved_step = self.latest_step()
             raise
+        if self._inflight_step is not None:
+            self._resumed.saved(self._inflight_step)
         self._inflight, self._inflight_step = None, None
 
     def _settle_save(self) -> None:
@@ -531,7 +530,7 @@ class CheckpointManager:
         if self._tier is not None and self._tier.directory_failing and not after_persist:
             return  # the store is down: tried again once a persistence went through
         self._lease.check()
-        protected = self._pending_steps()
+        protected = self._pending_steps() | self._resumed.kept(self._dir.steps)
         if self._tier is not None:
             protected |= self._tier.bases_to_keep()
         self._retention.apply(protected)
@@ -586,7 +585,7 @@ class CheckpointManager:
             latest, self._agreed_steps,
             lambda s: self._load_step(s, target, latest if s == latest else None, items,
                                       allow_pickle),
-            self.directory)
+            self.directory, self._resumed)
 
     def _load_step(self, step: int, target: Any, latest: int | None,
                    items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:

@@ -10,7 +10,7 @@ peer). Only damage makes a resume go back a step; the rest is raised.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from statestream.errors import (
@@ -20,7 +20,7 @@ from statestream.errors import (
     DistributedError,
 )
 
-__all__ = ["is_damage", "load_newest_good", "missing_step"]
+__all__ = ["ResumeGuard", "is_damage", "load_newest_good", "missing_step"]
 
 
 def missing_step(step: int, directory: str, have: list[int]) -> CheckpointNotFoundError:
@@ -47,10 +47,11 @@ def is_damage(exc: CheckpointError) -> bool:
 
 
 def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
-                     load_step: Callable[[int], Any], directory: str) -> Any:
+                     load_step: Callable[[int], Any], directory: str,
+                     guard: ResumeGuard | None = None) -> Any:
     """``load_step(newest)``, or else that of the newest older step (``older()``,
     asked only after a damaged step) that is not damaged, warning for each damaged
-    step skipped.
+    step skipped. ``guard`` is told which steps were tried (see :class:`ResumeGuard`).
 
     Raises:
         CheckpointError: the first damage found, when every step is damaged; any
@@ -59,20 +60,63 @@ def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
     Warns:
         RuntimeWarning: naming each damaged step, its damage and the step loaded instead.
     """
+    tried = [newest]
     try:
-        return load_step(newest)
+        out = load_step(newest)
     except CheckpointError as exc:
         if not is_damage(exc):
             raise
         first: CheckpointError = exc
+    else:
+        if guard is not None:
+            guard.loaded(tried)
+        return out
     damaged, why = newest, first
     for s in sorted((s for s in older() if s < newest), reverse=True):
         warnings.warn(f"step {damaged} in {directory} is damaged, loading step {s} "
                       f"instead: {why}", RuntimeWarning, stacklevel=3)
+        tried.append(s)
         try:
-            return load_step(s)
+            out = load_step(s)
         except CheckpointError as exc:
             if not is_damage(exc):
                 raise
             damaged, why = s, exc
+            continue
+        if guard is not None:
+            guard.loaded(tried)
+        return out
     raise first
+
+
+class ResumeGuard:
+    """The step a resume went back to, past newer steps it found damaged.
+
+    A keep policy sees a damaged step as a good one (its manifest reads fine), so
+    ``KeepLatest(1)`` would keep the damaged newest step and delete the one the
+    run resumed from: nothing loadable left. This keeps that step until the
+    directory holds a newer step that is not one found damaged (a step saved
+    since, or one saved again under a damaged one's number).
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.damaged: set[int] = set()
+
+    def loaded(self, tried: Sequence[int]) -> None:
+        """A resume tried ``tried`` (newest first) and loaded the last of them."""
+        self.step = tried[-1] if len(tried) > 1 else None
+        self.damaged = set(tried[:-1])
+
+    def saved(self, step: int) -> None:
+        """``step`` was committed by this manager: it is not damaged now."""
+        self.damaged.discard(step)
+
+    def kept(self, committed: Callable[[], list[int]]) -> set[int]:
+        """The steps to protect from the keep policy (``committed``: the directory's)."""
+        if self.step is None:
+            return set()
+        if any(s > self.step and s not in self.damaged for s in committed()):
+            self.step = None  # a good step after it: the policy decides again
+            return set()
+        return {self.step}

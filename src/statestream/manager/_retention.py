@@ -104,6 +104,12 @@ class Retention:
     Deletions go newest first: references point to older steps, so a
     deletion killed halfway never leaves a committed step referring to a
     deleted one.
+
+    A step whose manifest cannot be read (damaged, or a read that failed once:
+    EIO, a store that timed out) is never deleted here -- deleting a damaged
+    step is the caller's decision, and a transient error must not cost a good
+    one -- and neither is any step older than it, since what it refers to is
+    unknown. The policy sees the readable steps; the next apply reads again.
     """
 
     def __init__(self, policy: KeepPolicy, steps: StepDirectory) -> None:
@@ -112,6 +118,9 @@ class Retention:
         self._infos: dict[int, StepInfo] = {}
         self._bases: dict[int, list[int]] = {}
         self._lock = threading.Lock()
+        #: unreadable steps already warned about, and why each could not be read
+        self._warned: set[int] = set()
+        self._why: dict[int, str] = {}
 
     def forget(self, step: int) -> None:
         with self._lock:
@@ -128,8 +137,9 @@ class Retention:
             if si is None:
                 try:
                     info = step_info(self._steps.path(step), step)
-                except CheckpointError:
-                    return None, []  # unreadable: the policy does not see it
+                except CheckpointError as exc:
+                    self._why[step] = str(exc)
+                    return None, []  # unreadable: the policy does not see it, apply keeps it
                 si = StepInfo(step, float(info["time"] or 0.0), dict(info["metrics"]),
                               int(info["nbytes"]))
                 self._infos[step] = si
@@ -157,50 +167,69 @@ class Retention:
         steps = self._steps.steps()
         if isinstance(self._policy, KeepAll):
             return steps
-        keep, needed, _ = self._plan(steps, set())
-        return [s for s in steps if s in keep or s not in needed]
+        keep, needed = self._plan(steps, set())
+        return [s for s in steps if s not in needed]
 
     def dropped_by(self, policy: KeepPolicy, steps: list[int], protected: set[int]
                    ) -> list[int]:
         """The ``steps`` (committed here) that ``policy`` drops and no step it keeps
         refers to, as :meth:`apply` would see them if they were all there is; the
-        newest, the ``protected`` and unreadable ones are kept. [] while a kept
-        step's references cannot be read."""
-        keep, needed, known = self._plan(sorted(steps), protected, policy)
-        if not known:
-            return []
-        return [s for s in sorted(steps)
-                if s not in keep and s not in needed and self._info(s) is not None]
+        newest, the ``protected``, the unreadable ones and every step older than
+        an unreadable one are kept."""
+        keep, needed = self._plan(sorted(steps), protected, policy)
+        return [s for s in sorted(steps) if s not in keep and s not in needed]
 
     def _plan(self, steps: list[int], protected: set[int], policy: KeepPolicy | None = None
-              ) -> tuple[set[int], set[int], bool]:
-        """(kept by the policy, referred to by a kept step, every reference known)."""
+              ) -> tuple[set[int], set[int]]:
+        """(kept, referred to by a kept step but not kept itself).
+
+        Kept: what the policy keeps of the readable steps, the ``protected``, the
+        newest, and every step up to the newest unreadable one (references point
+        to older steps, so what an unreadable step needs is among those).
+        """
         read = {s: self._read(s) for s in steps}
         policy = self._policy if policy is None else policy
         keep = set(policy.keep([si for si, _ in read.values() if si is not None]))
         keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step
+        unreadable = [s for s in steps if read[s][0] is None]
+        if unreadable:
+            self._warn_unreadable(unreadable, steps)
+            keep.update(s for s in steps if s <= unreadable[-1])
         needed: set[int] = set()
-        known = True
         todo = [s for s in steps if s in keep]
         while todo:
             s = todo.pop()
-            si, bases = read[s] if s in read else self._read(s)
-            if si is None:  # unreadable: what it refers to is unknown
-                known = False
-                continue
-            for b in bases:
+            for b in (read[s] if s in read else self._read(s))[1]:
                 if b not in needed:
                     needed.add(b)
                     todo.append(b)
-        return keep, needed, known
+        return keep, needed - keep
+
+    def _warn_unreadable(self, unreadable: list[int], steps: list[int]) -> None:
+        """Warn once per step (per manager) that it, and what is older, is kept."""
+        new = [s for s in unreadable if s not in self._warned]
+        if not new:
+            return
+        self._warned.update(new)
+        held = [s for s in steps if s < unreadable[-1] and s not in unreadable]
+        also = f", and so do the steps before it ({held})" if held else ""
+        names = (f"step {new[0]}" if len(new) == 1
+                 else "steps " + ", ".join(map(str, new)))
+        warnings.warn(
+            f"the keep policy cannot read {names} in {self._steps.directory} "
+            f"({self._why.get(new[0], 'unreadable')}): "
+            f"{'it stays' if len(new) == 1 else 'they stay'}{also}, since what "
+            f"{'it refers' if len(new) == 1 else 'they refer'} to is unknown; delete a "
+            "damaged step yourself once you no longer need it", RuntimeWarning, stacklevel=6)
 
     def apply(self, protected: set[int]) -> list[int]:
         """Delete the committed steps the policy drops and no kept step refers to.
 
-        The latest committed step and the ``protected`` ones are always kept;
-        nothing is deleted while a kept step's references cannot be read.
+        The latest committed step and the ``protected`` ones are always kept, and
+        so is a step whose manifest cannot be read, with every older one (see the
+        class docstring).
         Returns the deleted steps (newest first, the order of deletion).
 
         A deletion that fails (a step on a read-only mount, a store that is
@@ -220,9 +249,7 @@ class Retention:
             return []
         if len(steps) <= 1:
             return []
-        keep, needed, known = self._plan(steps, protected)
-        if not known:
-            return []  # a kept step's manifest is unreadable: what it refers to is unknown
+        keep, needed = self._plan(steps, protected)
         dropped = [s for s in reversed(steps) if s not in keep and s not in needed]
         for i, s in enumerate(dropped):
             self.forget(s)
