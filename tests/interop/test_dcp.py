@@ -282,3 +282,35 @@ def test_metadata_read_reserves_its_size_not_the_limit(tmp_path: Path,
     monkeypatch.setattr(_dcp, "MAX_METADATA_BYTES", 63)
     with pytest.raises(ss.CheckpointCorruptError, match=r"\.metadata is larger than 63 bytes"):
         ss.load(tmp_path / "d")
+
+
+def test_a_transposed_tensor_is_refused_not_scrambled(tmp_path: Path) -> None:
+    # DCP's torch.save archive keeps a dense permuted chunk's strides; its bytes are
+    # not in row-major order, and were read as if they were (wrong values, no error).
+    w = torch.arange(6.0).reshape(2, 3).t()  # shape (3, 2), strides (1, 3)
+    _save({"w": w, "ok": torch.arange(4)}, tmp_path / "d")
+    with pytest.raises(ss.UnsupportedTypeError,
+                       match=r"chunk of 'w' at \(0, 0\) is a non-contiguous view "
+                             r"\(size \(3, 2\), stride \(1, 3\)\)"):
+        ss.load(tmp_path / "d")
+    with pytest.raises(ss.UnsupportedTypeError, match="non-contiguous"):
+        ss.convert(tmp_path / "d", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_reads_dcp_written_as_safetensors(tmp_path: Path) -> None:
+    # serialization_format=SAFETENSORS: each file is a safetensors blob keyed by fqn,
+    # and every chunk is recorded at the blob's start (it read the header as data).
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    state = {"w": _rand(torch.float32, (4, 6), 1), "i": torch.tensor([7, 8], dtype=torch.int32),
+             "b": _rand(torch.bfloat16, (3,), 2), "n": {"x": _rand(torch.int64, (5,), 3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=FileSystemWriter(
+            str(tmp_path / "d"), serialization_format=SerializationFormat.SAFETENSORS))
+    out = ss.load(tmp_path / "d")
+    for k in ("w", "i", "b"):
+        assert _bits(out[k]) == _bits(state[k]), k
+    assert _bits(out["n"]["x"]) == _bits(state["n"]["x"])
+    assert ss.verify(tmp_path / "d").ok

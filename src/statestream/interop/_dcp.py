@@ -43,12 +43,14 @@ from statestream.interop._files import (
     plain_size,
     read_capped,
 )
+from statestream.interop._safetensors import looks_like_safetensors, parse_header
 from statestream.interop._torchfile import (
     DType,
     RestrictedUnpickler,
     TensorRef,
     _data_offsets_in,
     _storage,
+    check_row_major,
     read_entry,
     to_node,
 )
@@ -291,6 +293,10 @@ class _Ctx:
                 f"{self.where}: {self.fqn!r} lies outside {rel} ({self.sizes[rel]} bytes)")
         return rel, off, n
 
+    def _in_safetensors(self, path: str, rel: str, off: int, dtype: str,
+                        shape: tuple[int, ...]) -> int | None:
+        return _safetensors_start(path, off, self.sizes[rel], self.fqn, dtype, shape)
+
     def value(self, arrays: list[ArrayEntry], blob: Callable[[bytes], ArrayEntry]) -> Node:
         rel, off, n = self._span(None)
         obj = _torch_archive(os.path.join(self.directory, rel), off, n,
@@ -327,19 +333,55 @@ class _Ctx:
         rel, off, n = self._span(origin)
         path = os.path.join(self.directory, rel)
         nbytes = math.prod(size) * itemsize_of(dtype)
-        if n == nbytes and _read_range(path, off, min(n, 4)) != b"PK\x03\x04":
-            return row_chunks(self.files[rel], off, dtype, size, origin)  # raw bytes
+        if n == nbytes:
+            start = self._in_safetensors(path, rel, off, dtype, size)
+            if start is not None:
+                return row_chunks(self.files[rel], start, dtype, size, origin)
+            if _read_range(path, off, min(n, 4)) != b"PK\x03\x04":
+                return row_chunks(self.files[rel], off, dtype, size, origin)  # raw bytes
         obj, offsets, prefix = _torch_archive(path, off, n, f"{self.fqn!r} in {rel}", True,
                                               self.allow_pickle)
+        where = f"{self.where}: the chunk of {self.fqn!r} at {origin}"
         if not isinstance(obj, TensorRef) or obj.dtype != dtype or obj.shape != size:
-            raise CheckpointCorruptError(f"{self.where}: the chunk of {self.fqn!r} at {origin} "
-                                         "does not hold the tensor its metadata describes")
+            raise CheckpointCorruptError(f"{where} does not hold the tensor its metadata "
+                                         "describes")
+        check_row_major(obj, where, "load it with torch.distributed.checkpoint and save "
+                        "the tensor .contiguous()")
         entry = offsets.get(f"{prefix}data/{obj.storage.key}")
         if entry is None or obj.offset * itemsize_of(dtype) + nbytes > entry[1]:
             raise CheckpointCorruptError(f"{self.where}: the chunk of {self.fqn!r} lies outside "
                                          "its archive")
         return row_chunks(self.files[rel], off + entry[0] + obj.offset * itemsize_of(dtype),
                           dtype, size, origin)
+
+
+def _safetensors_start(path: str, off: int, size: int, fqn: str, dtype: str,
+                       shape: tuple[int, ...]) -> int | None:
+    """Where ``fqn``'s bytes start, if a safetensors blob begins at ``off`` of ``path``
+    (``size`` bytes) and holds ``fqn`` with this dtype and shape; else None.
+
+    DCP's ``serialization_format=SAFETENSORS`` writes each file's tensors as one
+    safetensors blob keyed by fqn and records every chunk at the blob's start.
+    """
+    head = _read_range(path, off, min(9, size - off))
+    if not looks_like_safetensors(head, size - off):
+        return None
+    n = int.from_bytes(head[:8], "little")
+    try:
+        header = parse_header(_read_range(path, off, 8 + n), size - off, path)
+    except CheckpointCorruptError:
+        return None  # not a safetensors blob after all: raw bytes that look like one
+    if "DCP_SHARDING_INFO" not in header.metadata:
+        return None
+    for t in header.tensors:
+        if t.name == fqn:
+            if t.dtype != dtype or t.shape != shape:
+                raise CheckpointCorruptError(
+                    f"{path}: tensor {fqn!r} is {t.dtype} {t.shape} in its safetensors "
+                    f"header but {dtype} {shape} in the DCP metadata")
+            return off + t.offset
+    raise CheckpointCorruptError(f"{path}: the safetensors data written by DCP at byte {off} "
+                                 f"has no tensor {fqn!r}")
 
 
 def _nest(values: dict[str, Node], planner: Any) -> Node:

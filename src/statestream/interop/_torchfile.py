@@ -96,6 +96,25 @@ def _ints(x: Any, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
+def check_row_major(t: TensorRef, where: str, fix: str) -> None:
+    """Refuse a tensor whose strides are not row-major (a transposed or sliced view):
+    statestream reads a tensor's bytes in row-major order, so it would be scrambled.
+
+    Raises:
+        UnsupportedTypeError: a non-contiguous view (``fix`` says what to do).
+        CheckpointCorruptError: size and stride differ in length.
+    """
+    if len(t.shape) != len(t.stride):
+        raise CheckpointCorruptError(f"{where}: size and stride differ in length")
+    expect, acc = [], 1
+    for n in reversed(t.shape):
+        expect.append(acc)
+        acc *= n
+    if any(n > 1 and s != e for n, s, e in zip(t.shape, t.stride, reversed(expect))):
+        raise UnsupportedTypeError(
+            f"{where} is a non-contiguous view (size {t.shape}, stride {t.stride}); {fix}")
+
+
 def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
         raise CheckpointCorruptError("a tensor is rebuilt from something that is not a storage")
@@ -362,16 +381,7 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
                                      "archive (or is compressed)")
     start, length = entry
     item = itemsize_of(t.dtype)
-    if len(t.shape) != len(t.stride):
-        raise CheckpointCorruptError(f"{where}: size and stride differ in length")
-    expect, acc = [], 1
-    for n in reversed(t.shape):
-        expect.append(acc)
-        acc *= n
-    if any(n > 1 and s != e for n, s, e in zip(t.shape, t.stride, reversed(expect))):
-        raise UnsupportedTypeError(
-            f"{where} is a non-contiguous view (size {t.shape}, stride {t.stride}); "
-            "save tensor.contiguous() to convert it")
+    check_row_major(t, where, "save tensor.contiguous() to convert it")
     nbytes = math.prod(t.shape) * item
     off = t.offset * item
     if off + nbytes > min(length, t.storage.numel * itemsize_of(t.storage.dtype)):
