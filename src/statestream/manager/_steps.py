@@ -101,7 +101,10 @@ class StepDirectory:
         for name in self.storage.list(self.directory):
             step = parse_step(name)
             if step is not None and not self.is_committed(step):
-                self.storage.delete(self.path(step))
+                try:
+                    self.storage.delete(self.path(step))
+                except NotADirectoryError:
+                    continue  # a file named like a step: not a save's, left alone
                 removed.append(self.path(step))
         return removed
 

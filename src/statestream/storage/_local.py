@@ -286,6 +286,20 @@ class LocalStorage:
             raise storage_error(f"listing {path} failed: {exc}", exc) from exc
 
     def delete(self, path: str) -> None:
+        """Uncommit, then remove the tree. A symbolic link (a checkpoint linked in from
+        elsewhere) is removed as a link: what it points to is not this path's to
+        delete. A file that is not a directory is refused (NotADirectoryError)."""
+        try:
+            if os.path.islink(path):
+                os.unlink(path)
+                fsync_dir(os.path.dirname(os.path.abspath(path)))
+                return
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise NotADirectoryError(errno.ENOTDIR, "a file, not a checkpoint directory")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise storage_error(f"deleting {path} failed: {exc}", exc) from exc
         marker = os.path.join(path, COMMIT_NAME)
         try:
             os.unlink(marker)  # uncommit first: a half-deleted checkpoint never loads
