@@ -594,3 +594,38 @@ def test_a_step_that_cannot_be_deleted_does_not_stop_the_saves(tmp_path, monkeyp
         mgr.wait()
         assert mgr.steps() == [6]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_0000000006"]
+
+
+def _wait_flag(mgr) -> None:
+    for _ in range(1000):  # the Python handler runs at the next bytecode boundary
+        if mgr._decisions.preempted.is_set():
+            return
+        time.sleep(0.001)
+
+
+def test_every_manager_sees_sigterm_and_the_users_handler_still_runs(tmp_path):
+    # One manager's handler used to replace another's (only the last opened saw the
+    # signal) and the user's own handler; closing them out of order disarmed the other.
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        user = signal.getsignal(signal.SIGTERM)
+        m1 = ss.CheckpointManager(tmp_path / "a", save_policy=ss.OnPreemption(),
+                                  preemption=True, async_save=False)
+        m2 = ss.CheckpointManager(tmp_path / "b", save_policy=ss.OnPreemption(),
+                                  preemption=True, async_save=False)
+        m3 = ss.CheckpointManager(tmp_path / "c", save_policy=ss.OnPreemption(),
+                                  preemption=True, async_save=False)
+        m1.close()  # closed first: m2 and m3 stay armed
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_flag(m3)
+        _wait_flag(m2)
+        assert seen == [signal.SIGTERM]
+        assert m2.save(1, state_at(1)) and m2.reached_preemption(1)
+        assert m3.save(1, state_at(1)) and m3.reached_preemption(1)
+        assert not m1._decisions.preempted.is_set()  # closed before the signal
+        m3.close()
+        m2.close()
+        assert signal.getsignal(signal.SIGTERM) is user  # the last close puts it back
+    finally:
+        signal.signal(signal.SIGTERM, before)

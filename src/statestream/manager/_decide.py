@@ -40,7 +40,6 @@ class SaveDecisions:
         self._skip = skip
         self._last = last
         self.preempted = threading.Event()
-        self._old_handler: Any = None
         #: (step, preempted) as seen by the last decision; keeps
         #: reached_preemption(step) consistent with save(step) (see there).
         self._decided: tuple[int, bool] | None = None
@@ -116,12 +115,46 @@ class SaveDecisions:
         return flag
 
     def install_sigterm(self) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            self.preempted.set()
-
-        self._old_handler = signal.signal(signal.SIGTERM, handler)
+        """Arm this manager's preemption flag (main thread: ``signal.signal``)."""
+        _arm(self.preempted)
 
     def restore_sigterm(self) -> None:
-        if self._old_handler is not None:
-            signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
+        _disarm(self.preempted)
+
+
+# One SIGTERM handler per process, whatever the number of managers: it sets the flag
+# of every open manager with ``preemption=True``, then calls the handler it replaced
+# (a framework's or the user's; not the default action, which would end the job
+# before it saves). Closing a manager disarms its flag alone; the last one to close
+# puts the replaced handler back, unless someone else's handler has replaced ours.
+_ARMED: list[threading.Event] = []
+_REPLACED: list[Any] = []  # [the handler ours replaced], while ours is installed
+_SIGNAL_LOCK = threading.Lock()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    for flag in list(_ARMED):
+        flag.set()
+    previous = _REPLACED[0] if _REPLACED else None
+    if callable(previous):
+        previous(signum, frame)
+
+
+def _arm(flag: threading.Event) -> None:
+    with _SIGNAL_LOCK:
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not _on_sigterm:  # first manager, or another handler took over
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _REPLACED[:] = [current]
+        if not any(f is flag for f in _ARMED):
+            _ARMED.append(flag)
+
+
+def _disarm(flag: threading.Event) -> None:
+    with _SIGNAL_LOCK:
+        _ARMED[:] = [f for f in _ARMED if f is not flag]
+        if _ARMED or not _REPLACED:
+            return
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, _REPLACED[0])
+        _REPLACED.clear()

@@ -53,7 +53,8 @@ class CheckpointManager:
         async_save: save in the background (one save in flight at most).
         lazy: lazy snapshots (see ``save_async``); the optimizers in the saved
             state are guarded (``guard_optimizer``) by the manager itself.
-        preemption: install a SIGTERM handler; after SIGTERM,
+        preemption: install a SIGTERM handler (one per process, for every manager
+            that asks; it also calls the handler it replaced); after SIGTERM,
             :meth:`reached_preemption` turns true and ``OnPreemption`` policies fire.
         collective: processes that save together (default: detected).
         io, memory: engine options for every save and load.
