@@ -69,6 +69,13 @@ class _Job:
         if self.manifest is not None:
             self.plan = LoadPlan(self.manifest.arrays)
 
+    @property
+    def str_keyed(self) -> bool:
+        """The checkpoint's format stores every dict key as a string (DCP, Orbax): an
+        optimizer's int-keyed ``state`` comes back keyed "0", "1", and a target's int
+        key matches its string."""
+        return getattr(self.reader, "format", None) in ("dcp", "orbax")
+
     @contextlib.contextmanager
     def keeping(self, keeps: bool) -> Iterator[None]:
         """While the walk is inside a target that ``keeps`` the loaded arrays."""

@@ -28,18 +28,16 @@ from statestream.api._options import (
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, selected
-from statestream.api._target_keys import prefix_hint, unprefixed, with_target_ties
+from statestream.api._target_keys import (
+    int_keyed,
+    prefix_hint,
+    unprefixed,
+    with_target_ties,
+)
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import (
-    CheckpointError,
-    MissingKeyError,
-    TargetMismatchError,
-)
-from statestream.format import (
-    Manifest,
-    dtype_from_name,
-)
+from statestream.errors import CheckpointError, MissingKeyError, TargetMismatchError
+from statestream.format import Manifest, dtype_from_name
 from statestream.plan import ReadPiece, Wanted
 from statestream.providers import (
     Destination,
@@ -307,9 +305,12 @@ def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath
     target_items, rebuild = _target_items(like, path, k)
     saved = {(type(key), key): c for key, c in kids}
     builds = []
-    seen = set()
+    renamed: dict[tuple[type, Key], Key] = {}  # saved key -> the target's, if they differ
     for key, t in target_items:
         c = saved.get((type(key), key))
+        if c is None and type(key) is int and job.str_keyed:  # DCP, Orbax: "0" for 0
+            c = saved.get((str, str(key)))
+            renamed[(str, str(key))] = key
         if c is None:
             avail = ", ".join(repr(x) for x, _ in kids[:20])
             raise MissingKeyError(
@@ -317,13 +318,13 @@ def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath
                 f"checkpoint (it has: {avail}{', ...' if len(kids) > 20 else ''}); "
                 f"{prefix_hint(key, saved) or 'remove it from the target'}"
             )
-        seen.add((type(key), key))
         builds.append((key, _walk(c, t, path + (key,), m, job, default_kind, merge)))
-    if merge:  # inside a stateful object, keep what the target does not mention,
-        # in the order the checkpoint has it (a state_dict's order can matter)
+    if merge:  # in a stateful object, also what the target lacks, in the saved order
         by_key = {(type(k), k): b for k, b in builds}
         builds = []
+        ints = job.str_keyed and int_keyed(kids, target_items)
         for key, c in kids:
+            key = int(key) if ints else renamed.get((type(key), key), key)
             b = by_key.get((type(key), key))
             if b is None:
                 b = _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)

@@ -10,7 +10,7 @@ from typing import Any
 from statestream.providers import adapters, target_provider_for
 from statestream.tree import Key, Node
 
-__all__ = ["prefix_hint", "unprefixed", "with_target_ties"]
+__all__ = ["int_keyed", "prefix_hint", "unprefixed", "with_target_ties"]
 
 
 def unprefixed(node: Node, sub_like: Any) -> Node:
@@ -84,3 +84,12 @@ def prefix_hint(key: Key, saved: dict[tuple[type, Key], Node]) -> str:
                     f"'{p}', which a torch.compile'd module's state_dict() has): load "
                     "into the module itself, wrapped or not, which maps the prefix")
     return ""
+
+
+def int_keyed(kids: list[tuple[Key, Node]], target_items: list[tuple[Key, Any]]) -> bool:
+    """Saved keys that are all int literals ("0", "12") under a target mapping with no
+    other keys than ints (a fresh optimizer's empty ``state``): a format that stores
+    keys as strings (DCP) had ints there."""
+    return bool(kids) and all(type(k) is str and k.isascii() and k.isdigit()
+                              and str(int(k)) == k for k, _ in kids) and all(
+        type(k) is int for k, _ in target_items)
