@@ -155,3 +155,30 @@ def test_loading_a_step_the_keep_policy_deleted_lists_the_steps(tmp_path):
                                  "a keep policy may have deleted it"):
             mgr.load(step=1)
         assert mgr.load(step=np.int64(3))["w"][0] == 3
+
+
+def test_a_string_metric_that_spells_a_number_stays_a_string(tmp_path):
+    # "inf" came back as the float inf (non-finite floats are stored as such strings),
+    # so a note of "-inf" would have counted as the best loss.
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1), metrics={"loss": "-inf", "note": "nan", "x": float("-inf")})
+        mgr.save(2, state_at(2), metrics={"loss": 0.5})
+        got = mgr.step_info(1)["metrics"]
+        assert got["loss"] == "-inf" and got["note"] == "nan" and got["x"] == -math.inf
+        assert mgr.best_step("loss") == 2
+    with ss.CheckpointManager(tmp_path) as mgr:  # from what is on disk
+        assert mgr.step_info(1)["metrics"]["loss"] == "-inf"
+
+
+@pytest.mark.parametrize(("kw", "where"), [
+    ({"metadata": {"tags": {"a"}}}, r"meta\['metadata'\]\['tags'\] is a set"),
+    ({"metadata": {"lr": np.float32(0.1)}}, r"meta\['metadata'\]\['lr'\] is a numpy.float32"),
+    ({"metadata": {"x": [1, float("nan")]}}, r"meta\['metadata'\]\['x'\]\[1\] is nan"),
+    ({"metrics": {("a", 1): 0.5}}, r"meta\['metrics'\] has the key \('a', 1\) \(tuple"),
+])
+def test_metadata_that_is_not_json_is_named(tmp_path, kw, where):
+    # the error said "meta must be a JSON-able mapping" whatever was wrong, and where
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(ss.UnsupportedTypeError, match=where):
+            mgr.save(1, state_at(1), **kw)
+        assert mgr.steps() == []

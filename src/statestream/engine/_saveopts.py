@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -51,11 +52,39 @@ def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     try:
         text = json.dumps(dict(meta), allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
+        where = _not_json(dict(meta), "meta")
         raise UnsupportedTypeError(
-            f"meta must be a JSON-able mapping (str keys; numbers, strings, lists, dicts): {exc}"
-        ) from exc
+            f"{where or 'meta'}: metadata must be JSON (str keys; finite numbers, strings, "
+            f"booleans, None, lists, dicts){'' if where else f' ({exc})'}") from exc
     if len(text) > 1 << 20:
         raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
     out: dict[str, Any] = json.loads(text)
     return out
+
+
+def _not_json(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where in ``value`` (a path from ``path``) the first value JSON cannot hold is,
+    and what it is; None if nothing is found (too deep to look)."""
+    if depth > 64:
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if type(k) is not str:
+                return f"{path} has the key {k!r:.40} ({type(k).__name__}, not str)"
+            found = _not_json(v, f"{path}[{k!r:.40}]", depth + 1)
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _not_json(v, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} is {value!r}"
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    t = type(value)
+    return f"{path} is a {'' if t.__module__ == 'builtins' else t.__module__ + '.'}{t.__qualname__}"

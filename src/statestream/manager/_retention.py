@@ -18,6 +18,9 @@ __all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "st
 
 #: Non-finite metric values, which JSON cannot hold, are stored as these strings.
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: A string metric that spells one of them is stored as {_STR_TAG: value}, so that it
+#: comes back a string (since 2026-12-06; before, "inf" came back as the float inf).
+_STR_TAG = "statestream.str"
 
 
 def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -66,13 +69,28 @@ def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     for k, v in (metrics or {}).items():
         if isinstance(v, float) and not math.isfinite(v):
             v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        elif isinstance(v, str) and v in _NON_FINITE:
+            v = {_STR_TAG: v}
         out[k] = v
     return out
 
 
 def decode_metrics(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """The metrics a step was saved with (the inverse of :func:`encode_metrics`)."""
-    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in stored.items()}
+    """The metrics a step was saved with (the inverse of :func:`encode_metrics`).
+
+    Example:
+        >>> decode_metrics(encode_metrics({"loss": float("inf"), "note": "inf"}))
+        {'loss': inf, 'note': 'inf'}
+    """
+    return {k: _decode_metric(v) for k, v in stored.items()}
+
+
+def _decode_metric(v: Any) -> Any:
+    if isinstance(v, str):
+        return _NON_FINITE.get(v, v)
+    if isinstance(v, dict) and len(v) == 1 and isinstance(v.get(_STR_TAG), str):
+        return v[_STR_TAG]
+    return v
 
 
 def step_info(path: str, step: int) -> dict[str, Any]:
