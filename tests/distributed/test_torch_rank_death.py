@@ -182,3 +182,52 @@ def test_save_after_the_process_group_is_initialised_again(tmp_path: Path) -> No
                            "beating1": 1, "after_destroy1": 0}, r.value
     for gen in range(2):
         assert ss.load(tmp_path / f"ck{gen}", collective=ss.SingleProcess())["step"] == gen
+
+
+def worker_die_in_broadcast(ctx: Context) -> dict[str, Any]:
+    """Rank 1 dies entering the save's first broadcast (between two collectives). Rank 0
+    finds it dead and raises, but stays alive until rank 2 has raised too (as a job
+    that logs or cleans up would): rank 2 waits on rank 0 alone in a broadcast."""
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    import statestream as ss
+    from statestream.distributed import _torch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+    if ctx.rank == 1:
+        def die(self: Any, obj: Any, src: int = 0) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _torch.TorchCollective.broadcast_object = die  # type: ignore[method-assign]
+    raised = Path(ctx.tmp) / "rank2-raised"
+    out: dict[str, Any] = {"ok": True}
+    try:
+        ss.save(Path(ctx.args["path"]), _state(ctx.rank, 7),
+                collective=ss.TorchCollective(timeout_s=60))
+    except Exception as exc:  # noqa: BLE001
+        out = {"ok": False, "type": type(exc).__name__, "message": str(exc),
+               "distributed": isinstance(exc, ss.DistributedError)}
+    if ctx.rank == 2:
+        raised.touch()
+    deadline = time.monotonic() + 45
+    while ctx.rank == 0 and not raised.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # rank 2 used to wait for this process to exit, then blame it
+    return out
+
+
+def test_a_rank_that_dies_between_collectives_is_named_by_a_broadcasts_receivers(
+        tmp_path: Path) -> None:
+    res = launch(THIS, "worker_die_in_broadcast", 3, tmp_path,
+                 args={"path": str(tmp_path / "ck")}, timeout_s=LAUNCH_TIMEOUT_S, check=False)
+    assert res[1].returncode == -9, res[1]
+    for r in (res[0], res[2]):
+        assert r.returncode == 0 and r.value is not None, (r.rank, r.error, r.stderr)
+        v, msg = r.value, r.value.get("message", "")
+        assert not v["ok"] and v["distributed"], (r.rank, v)
+        assert "rank 1 died or disconnected during broadcast" in msg, (r.rank, msg)
+        assert f"seen from rank {r.rank}" in msg and "rank 0 died" not in msg, (r.rank, msg)
+    assert not (tmp_path / "ck").exists()

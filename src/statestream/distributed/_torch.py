@@ -507,10 +507,52 @@ class TorchCollective:
         box = [obj if self._rank == src else None]
         seq = self._arrive("broadcast")
         try:
-            self._dist.broadcast_object_list(box, src=self._global_ranks[src], group=self._pg)
+            if self._rank == src or self._store is None:
+                self._dist.broadcast_object_list(box, src=self._global_ranks[src],
+                                                 group=self._pg)
+            else:
+                self._receive_watching(box, src, seq)
         except RuntimeError as exc:
             raise self._wrap("broadcast", exc, seq) from exc
         return box[0]
+
+    def _receive_watching(self, box: list[Any], src: int, seq: int) -> None:
+        """The receiving side of broadcast ``seq``, which waits on ``src`` alone.
+
+        A peer that dies meanwhile breaks none of this rank's sockets, and ``src``,
+        which finds it dead, raises without sending: this rank would wait until
+        ``src``'s process exits (then blaming ``src``) or the timeout. So the
+        receive runs on a thread while this one looks once a second for the
+        verdict another survivor records for ``seq`` (:meth:`_dead`), and fails
+        with it. The thread is left blocked then; the group is broken anyway.
+        """
+        done: list[BaseException | None] = []
+
+        def receive() -> None:
+            try:
+                self._dist.broadcast_object_list(box, src=self._global_ranks[src],
+                                                 group=self._pg)
+                done.append(None)
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                done.append(exc)
+
+        t = threading.Thread(target=receive, name="statestream-broadcast", daemon=True)
+        t.start()
+        key = f"{self._prefix}/dead/{seq}"
+        while True:
+            t.join(INTERVAL_S)
+            if done:
+                if done[0] is not None:
+                    raise done[0]
+                return
+            store = self._store
+            try:
+                told = store is not None and store.check([key])
+            except Exception:  # the store is gone: the receive fails by itself
+                told = False
+            if told:
+                raise RuntimeError(f"another rank recorded it while this one waited for rank "
+                                   f"{src}'s broadcast")
 
 
 def _unpickled(blocks: list[bytes], tails: list[bytes], lengths: list[int]) -> list[Any]:
