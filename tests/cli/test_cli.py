@@ -148,3 +148,31 @@ def test_subprocess_damage_and_missing(ckpt: Path, tmp_path: Path) -> None:
     assert "params/w~1x" in r.stderr and "data/r0-0.bin" in r.stderr
     r = run_cli("verify", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no checkpoint at" in r.stderr
+
+
+def test_verify_refused_pickle_exits_2_and_allow_pickle_admits_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused pickle is an error (exit 2, as inspect and diff), not damage (exit 1);
+    the advice names the command's --allow-pickle, which verify takes too."""
+    import argparse
+    import collections
+
+    torch = pytest.importorskip("torch")
+    ns, dd = tmp_path / "ns.pt", tmp_path / "dd.pt"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, ns)
+    torch.save({"w": torch.ones(2), "d": collections.defaultdict(list, a=[1])}, dd)
+    for cmd in (["verify"], ["verify", "--json"]):
+        assert main([*cmd, str(ns)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "argparse.Namespace" in err and "DAMAGED" not in err
+        assert "pass --allow-pickle only if you trust this file" in err
+        assert "allow_pickle=True" not in err
+    assert main(["inspect", str(ns)]) == 2  # no such option: says so
+    assert "statestream inspect has no option that admits it" in capsys.readouterr().err
+    with pytest.raises(ss.PickleNotAllowedError):
+        ss.verify(ns)
+    assert main(["verify", str(dd)]) == 2
+    assert "collections.defaultdict" in capsys.readouterr().err
+    assert main(["verify", "--allow-pickle", str(dd)]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+    assert ss.verify(dd, allow_pickle=True).ok

@@ -12,7 +12,13 @@ from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
 from statestream.api._options import io_options, memory_options
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import CheckpointCorruptError, CheckpointError, StorageError
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    PickleNotAllowedError,
+    StorageError,
+    UnsupportedTypeError,
+)
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, plan_verify
@@ -160,9 +166,34 @@ def _unlisted(reader: CheckpointReader, m: Manifest) -> list[str]:
     ]
 
 
+def _size_problems(reader: CheckpointReader, m: Manifest) -> list[str]:
+    """A problem for every data file shorter or longer than the manifest lists."""
+    out = []
+    for f in m.files:
+        try:
+            size = reader.file_size(f.name)
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            out.append(str(exc))
+            continue
+        if size < f.size:
+            out.append(
+                f"data file {reader.location}/{f.name} is {size} bytes, the manifest says "
+                f"{f.size}; it is truncated"
+            )
+        elif size > f.size:
+            out.append(
+                f"data file {reader.location}/{f.name} is {size} bytes, longer than the "
+                f"{f.size} the manifest lists; {size - f.size} bytes were added after the save"
+            )
+    return out
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
+    allow_pickle: bool = False,
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
@@ -175,10 +206,19 @@ def verify(
     list. A checkpoint whose manifest cannot be read
     at all is reported as one problem.
 
+    ``allow_pickle``: let a torch.save/DCP checkpoint's pickle name globals a
+    weights-only load refuses (as ``load``'s; only for files you trust).
+    Pickled leaves of a statestream checkpoint are checked as bytes, never
+    unpickled.
+
     Raises:
         StorageError: the store could not be read (unreachable, a timeout, access
             denied, a missing bucket): that says nothing about the checkpoint's
             bytes, so it is not reported as damage.
+        PickleNotAllowedError: a torch.save/DCP checkpoint's pickle names a
+            global that ``allow_pickle=False`` refuses: not damage either.
+        UnsupportedTypeError: the checkpoint holds what statestream cannot
+            represent (a sparse tensor, a dtype it does not hold): not damage.
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -191,9 +231,9 @@ def verify(
     memory = memory_options(memory)
     report = VerifyReport(path=os.fspath(path))
     try:
-        reader, m = open_checkpoint(path)
-    except StorageError:
-        raise  # the store failed, not the checkpoint
+        reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
+    except (StorageError, PickleNotAllowedError, UnsupportedTypeError):
+        raise  # the store failed, or statestream will not read it: not damage
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report
@@ -201,24 +241,7 @@ def verify(
         paths: dict[int, KeyPath] = {}
         array_paths(m.tree, (), paths)
         names = [f.name for f in m.files]
-        for f in m.files:
-            try:
-                size = reader.file_size(f.name)
-            except StorageError:
-                raise
-            except CheckpointError as exc:
-                report.problems.append(str(exc))
-                continue
-            if size < f.size:
-                report.problems.append(
-                    f"data file {reader.location}/{f.name} is {size} bytes, the manifest says "
-                    f"{f.size}; it is truncated"
-                )
-            elif size > f.size:
-                report.problems.append(
-                    f"data file {reader.location}/{f.name} is {size} bytes, longer than the "
-                    f"{f.size} the manifest lists; {size - f.size} bytes were added after the save"
-                )
+        report.problems.extend(_size_problems(reader, m))
         report.problems.extend(_unlisted(reader, m))
         requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
         skip_missing_checksums(reader, requests)

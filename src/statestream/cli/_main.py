@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -169,8 +170,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         pass  # a damaged manifest is reported by verify below
     from statestream.cli._progress import progress_bar
 
+    # a refused pickle or unsupported content is raised (exit 2), not reported as damage
     with progress_bar("verify") as cb:
-        rep = ss.verify(args.path, progress=cb, memory=memory_options(args))
+        rep = ss.verify(args.path, allow_pickle=args.allow_pickle, progress=cb,
+                        memory=memory_options(args))
     if args.json:
         print(json.dumps({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
                           "checked_bytes": rep.checked_bytes,
@@ -249,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "ckpts/step_0000001000\n  statestream verify ckpt --json\n")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="admit arbitrary pickle in a torch.save/DCP checkpoint (only for "
+                        "checkpoints you trust)")
     add_memory_budget(p)
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
@@ -261,6 +267,27 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in (_convert, _ls, _diff):
         mod.add_parser(sub)
     return parser
+
+
+#: the API's advice in a PickleNotAllowedError ("pass allow_pickle=True only if you trust
+#: this file", "pass allow_pickle=['k'] (or allow_pickle=True for every pickle leaf)")
+_PICKLE_ADVICE = re.compile(
+    r"pass allow_pickle=(?:True|\[.*\])(?: \(or allow_pickle=True for every pickle leaf\))?"
+    r"(?P<trust> only if you trust this file)?")
+
+
+def _pickle_advice(msg: str, args: argparse.Namespace) -> str:
+    """A refused pickle's message in the command's words: ``--allow-pickle`` where the
+    command has it and it was not given; else that this command cannot admit it."""
+    def advice(m: re.Match[str]) -> str:
+        if getattr(args, "allow_pickle", None) is False:
+            return "pass --allow-pickle" + (m["trust"] or "")
+        # no such option (inspect), or given and still refused (diff's metadata)
+        trust = " (only if you trust this file)" if m["trust"] else ""
+        return (f"statestream {args.command} has no option that admits it; in Python, "
+                f"ss.load(path, allow_pickle=True) does{trust}")
+
+    return _PICKLE_ADVICE.sub(advice, msg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what a shell reports for a command ended by SIGPIPE (``cat``, ``ls``): not 1,
         # which for ``diff`` and ``verify`` would claim a difference or damage
         return 128 + 13
+    except ss.PickleNotAllowedError as exc:
+        print(f"error: {safe(_pickle_advice(str(exc), args))}", file=sys.stderr)
+        return 2
     except ss.CheckpointError as exc:
         print(f"error: {safe(str(exc))}", file=sys.stderr)
         return 2
