@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from pathlib import Path
@@ -113,3 +114,23 @@ def test_a_trainer_checkpoint_names_the_statestream_checkpoint_in_it(
     assert str(out / "checkpoint-6" / "statestream") in msg
     assert main(["inspect", str(out / "checkpoint-3")]) == 2
     assert str(out / "checkpoint-3" / "statestream") in capsys.readouterr().err
+
+
+def test_a_fifo_or_device_is_named_not_called_a_missing_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said 'no checkpoint at ...: the directory does not exist' for an existing FIFO
+    (named like a safetensors file) and for /dev/null; nothing there is opened."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    cases = [(fifo, "a FIFO (named pipe)")]
+    if os.path.exists("/dev/null"):
+        cases.append((Path("/dev/null"), "a character device"))
+    for path, what in cases:
+        with pytest.raises(ss.CheckpointNotFoundError) as ei:
+            ss.load(path)  # would block forever if the FIFO were opened
+        msg = str(ei.value)
+        assert f"it is {what}, not a directory or a regular file" in msg and str(path) in msg
+        assert "does not exist" not in msg
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert what in err and "does not exist" not in err

@@ -23,21 +23,27 @@ from statestream.storage._hints import not_a_checkpoint_hint
 from statestream.storage._iov import preadv_all
 from statestream.storage._pagecache import cold_ranges, drop_cached, read_ahead
 
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
+
 
 def _missing_reason(path: str) -> str:
-    """Why there is no checkpoint directory at ``path`` (it may be a file)."""
-    if os.path.isfile(path):
+    """Why there is no checkpoint directory at ``path`` (it may be a file, a FIFO, a
+    device, ...: stat only, nothing there is opened)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return f"no checkpoint at {path}: the directory does not exist"
+    if stat.S_ISREG(mode):
         return (
             f"no checkpoint at {path}: it is a file, and a statestream checkpoint is a "
             "directory; the files statestream also reads are safetensors and torch.save "
             "files, recognised by their first bytes, and this is neither"
         )
-    return f"no checkpoint at {path}: the directory does not exist"
-
-
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
-          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symbolic link"}
+    what = _KINDS.get(stat.S_IFMT(mode), "a special file")
+    return (f"no checkpoint at {path}: it is {what}, not a directory or a regular file "
+            "(a checkpoint is one of those); nothing was opened")
 
 
 def _not_regular(mode: int, where: str) -> UnsafeCheckpointError:
