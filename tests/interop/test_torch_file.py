@@ -258,3 +258,54 @@ def test_an_unrepresentable_builtin_is_named_not_called_foreign_code(tmp_path: P
     torch.save({"w": torch.zeros(2), "tags": {"a", "b"}}, tmp_path / "set.pt")
     with pytest.raises(ss.UnsupportedTypeError, match="'tags' holds a set"):
         ss.load(tmp_path / "set.pt")
+
+
+def _unsupported_tensors() -> dict[str, tuple[object, str]]:
+    """name -> (a tensor torch.load(weights_only=True) reads, what the error calls it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ComplexHalf is experimental
+        return {
+            "sparse_coo": (torch.eye(2).to_sparse(), "a sparse tensor (torch.sparse_coo)"),
+            "sparse_csr": (torch.eye(3).to_sparse_csr(), "a sparse tensor (torch.sparse_csr)"),
+            "complex32": (torch.ones(2, dtype=torch.complex32),
+                          "dtype complex32 is not supported"),
+            "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                       "a nested tensor"),
+            "meta": (torch.empty(2, device="meta"), "a meta tensor"),
+            "quantized": (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+                          "a quantized tensor"),
+        }
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "complex32", "nested", "meta",
+                                  "quantized"])
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_tensor_statestream_cannot_hold_is_named_not_foreign_code_nor_damage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, allow_pickle: bool) -> None:
+    """Without allow_pickle these were PickleNotAllowedError ('could run arbitrary code'),
+    with it CheckpointCorruptError ('Could not infer dtype of TensorRef', 'complex32 is
+    not a torch dtype'): torch's own rebuild functions are never called, even with
+    allow_pickle; the error says what it is, the file and the key path."""
+    tensor, what = _unsupported_tensors()[kind]
+    path = tmp_path / f"{kind}.pt"
+    torch.save({"w": torch.zeros(2), "layer": {"x": tensor}}, path)
+    torch.load(path, weights_only=True)  # torch reads it: it is neither hostile nor damaged
+
+    def called(*args: object) -> None:
+        raise AssertionError("torch's rebuild function was called")
+
+    for name in ("_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_qtensor",
+                 "_rebuild_meta_tensor_no_storage"):
+        monkeypatch.setattr(torch._utils, name, called)
+    for call in (lambda: ss.load(path, allow_pickle=allow_pickle),
+                 lambda: ss.verify(path, allow_pickle=allow_pickle),
+                 lambda: ss.convert(path, tmp_path / "out", allow_pickle=allow_pickle)):
+        with pytest.raises(ss.UnsupportedTypeError) as ei:
+            call()
+        msg = str(ei.value)
+        assert what in msg and str(path) in msg and "layer/x" in msg, msg
+    with pytest.raises(ss.UnsupportedTypeError, match=what.replace("(", r"\(").replace(")", r"\)")):
+        ss.metadata(path)
+    assert not (tmp_path / "out").exists()

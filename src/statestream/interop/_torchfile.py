@@ -53,6 +53,15 @@ TORCH_DTYPES = {n: n for n in DTYPE_NAMES} | {
     "float": "float32", "double": "float64", "half": "float16", "long": "int64",
     "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
 }
+#: torch dtypes statestream does not hold: recognised by name (an inert :class:`DType`),
+#: so a tensor of one is refused as unsupported, not as foreign code or damage
+UNSUPPORTED_TORCH_DTYPES = {"chalf": "complex32"} | {n: n for n in (
+    "complex32", "quint8", "qint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
+    "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2", "int1", "int3", "int5", "int6", "int7",
+    "uint1", "uint3", "uint5", "uint6", "uint7")}
+#: torch's quantized storage classes (their dtype names are unsupported ones above)
+QUANTIZED_STORAGES = frozenset(
+    {"QUInt8Storage", "QInt8Storage", "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,15 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsupportedTensor:
+    """Stand-in for a tensor statestream cannot hold (sparse, nested, quantized, meta):
+    what it is, refused with its key path once the tree is built."""
+
+    what: str
+    fix: str = ""
 
 
 def _ints(x: Any, what: str) -> tuple[int, ...]:
@@ -134,6 +152,20 @@ def _rebuild_parameter(data: Any, *rest: Any) -> Any:
     return data
 
 
+def _layout(name: Any) -> str:
+    """``torch.serialization._get_layout``: the layout's name (``"torch.sparse_coo"``)."""
+    return name if type(name) is str else "an unknown layout"
+
+
+def _rebuild_sparse(layout: Any, *rest: Any) -> UnsupportedTensor:
+    return UnsupportedTensor(f"sparse tensor ({layout if type(layout) is str else 'sparse'})",
+                             "save tensor.to_dense() to convert it")
+
+
+def _unsupported(what: str, fix: str = "") -> Callable[..., UnsupportedTensor]:
+    return lambda *args: UnsupportedTensor(what, fix)
+
+
 def _device(kind: Any, index: Any = None) -> str:
     return str(kind) if index is None else f"{kind}:{index}"
 
@@ -168,6 +200,23 @@ _SAFE: dict[tuple[str, str], Any] = {
     ("builtins", "bytearray"): _bytearray,
     ("_codecs", "encode"): _encode,
 }
+
+#: torch.load(weights_only=True) rebuilds these, but statestream cannot hold what they
+#: make: inert stand-ins (never torch's), even with allow_pickle, so such a tensor is
+#: refused by name and key path rather than as foreign code or a damaged file
+_UNSUPPORTED: dict[tuple[str, str], Any] = {
+    ("torch.serialization", "_get_layout"): _layout,
+    ("torch._utils", "_rebuild_sparse_tensor"): _rebuild_sparse,
+    ("torch._utils", "_rebuild_nested_tensor"): _unsupported(
+        "nested tensor", "save its tensor.unbind() pieces to convert it"),
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): _unsupported(
+        "meta tensor (it has no data)"),
+    ("torch._utils", "_rebuild_qtensor"): _unsupported(
+        "quantized tensor", "save tensor.dequantize() to convert it"),
+}
+#: torch's quantization schemes (values, in a quantized tensor's pickle)
+_QSCHEMES = frozenset({"per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
+                       "per_channel_symmetric", "per_channel_affine_float_qparams"})
 
 #: Opcodes that store into the unpickler's memo at an index the pickle chooses.
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
@@ -225,6 +274,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         module, name = _compat_pickle.NAME_MAPPING.get(
             (module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
         found = _SAFE.get((module, name), self.extra.get((module, name)))
+        if found is None:
+            found = _UNSUPPORTED.get((module, name))
         if found is not None:
             return found
         # a fresh stand-in each time: a pickle may BUILD (set attributes on) what it finds
@@ -234,6 +285,12 @@ class RestrictedUnpickler(pickle.Unpickler):
             return StorageType(STORAGE_DTYPES[name])
         if module == "torch" and name in TORCH_DTYPES:
             return DType(TORCH_DTYPES[name])
+        if module == "torch" and name in UNSUPPORTED_TORCH_DTYPES:
+            return DType(UNSUPPORTED_TORCH_DTYPES[name])
+        if module == "torch" and name in _QSCHEMES:
+            return UnsupportedTensor(f"quantization scheme torch.{name}")
+        if module == "torch" and name in QUANTIZED_STORAGES:
+            return StorageType(name[:-len("Storage")].lower())  # QUInt8Storage: quint8
         if self.allow_pickle:
             return super().find_class(module, name)
         raise PickleNotAllowedError(
@@ -357,7 +414,7 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
         return ArrayEntry("uint8", (len(data),),
                           row_chunks(1, len(memory) - len(data), "uint8", (len(data),)))
 
-    root = to_node(obj, (), arrays, tensor, blob=blob)
+    root = to_node(obj, (), arrays, tensor, blob=blob, where=path)
     name = os.path.basename(path)
     files = [FileEntry(name, size)]
     if memory:
@@ -374,7 +431,8 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
                   path: str, p: KeyPath) -> ArrayEntry:
     where = f"tensor at key path '{format_keypath(p)}' of {path}"
     if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedTypeError(f"{where} has dtype {t.dtype}, which statestream cannot hold")
+        raise UnsupportedTypeError(
+            f"{where}: dtype {t.dtype} is not supported (statestream cannot hold it)")
     entry = offsets.get(f"{prefix}data/{t.storage.key}")
     if entry is None:
         raise CheckpointCorruptError(f"{where}: storage {t.storage.key!r:.40} is not in the "
@@ -391,15 +449,20 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
 
 def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
             tensor: Callable[[Any, KeyPath], ArrayEntry | int], depth: int = 0,
-            blob: Callable[[bytes], ArrayEntry] | None = None) -> Node:
+            blob: Callable[[bytes], ArrayEntry] | None = None, where: str = "") -> Node:
     """A statestream tree for an unpickled state (containers, scalars, tensor references).
 
     ``tensor`` describes a tensor's array, or gives the index of an earlier array
     that holds the same bytes (an ``alias`` leaf: tied weights). ``blob`` stores a
-    bytes value (without it, bytes are refused).
+    bytes value (without it, bytes are refused). ``where``: the file, for messages.
     """
     if depth > 200:
         raise CheckpointCorruptError(f"state nested deeper than 200 at '{format_keypath(p)}'")
+    if isinstance(obj, UnsupportedTensor):
+        fix = f"; {obj.fix}" if obj.fix else ""
+        raise UnsupportedTypeError(
+            f"key path '{format_keypath(p)}' holds a {obj.what}{f' in {where}' if where else ''}"
+            f", which statestream does not support{fix}")
     if isinstance(obj, TensorRef) or type(obj).__name__ == "TensorStorageMetadata":
         entry = tensor(obj, p)
         if isinstance(entry, int):
@@ -423,11 +486,14 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
                 raise UnsupportedTypeError(
                     f"key {k!r:.60} at key path '{format_keypath(p)}' is not a str or int")
             keys.append(k)
-        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob) for k in keys]
+        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob, where)
+                for k in keys]
         return Node("dict", keys=keys, children=kids)
     if type(obj) in (list, tuple):
-        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob) for i, v in enumerate(obj)]
+        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob, where)
+                for i, v in enumerate(obj)]
         return Node("list" if type(obj) is list else "tuple", children=kids)
     raise UnsupportedTypeError(
-        f"key path '{format_keypath(p)}' holds a {type(obj).__name__}, which statestream "
-        "cannot represent from this format")
+        f"key path '{format_keypath(p)}' holds a {type(obj).__name__}"
+        f"{f' in {where}' if where else ''}, which statestream cannot represent from this "
+        "format")
