@@ -349,7 +349,7 @@ def test_convert_makes_missing_parent_directories(tmp_path: Path, dst: str,
     assert [p.name for p in (tmp_path / "new" / "sub").iterdir()] == [dst]  # no staging left
 
 
-@pytest.mark.parametrize("to", ["safetensors", "dcp", "torch"])
+@pytest.mark.parametrize("to", ["safetensors", "dcp", "torch", "statestream"])
 def test_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, to: str) -> None:
     """overwrite=True into a directory of other files (a project, a model directory's
     parent) used to rename the output over it and delete everything it held."""
@@ -372,6 +372,39 @@ def test_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path: Path, to: s
         ss.convert(tmp_path / "ck", tmp_path / "empty", to=to, overwrite=True)
         assert ss.load(tmp_path / "empty")["w"].tolist() == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("old", ["dcp", "sharded"])
+@pytest.mark.parametrize("to", ["statestream", "safetensors", "dcp"])
+def test_overwrite_replaces_a_checkpoint_of_another_format_for_every_directory_output(
+        tmp_path: Path, old: str, to: str) -> None:
+    """docs/interop.md: overwrite=True replaces a checkpoint directory statestream reads by
+    a directory output. A statestream output refused a DCP or sharded safetensors one
+    ('not a statestream checkpoint; statestream never replaces it') where the other
+    outputs replaced it; ss.save itself still replaces only its own checkpoints."""
+    ss.save(tmp_path / "ck", {"w": np.arange(4.0)})
+    dst = tmp_path / "out"
+    ss.convert(tmp_path / "ck", dst, to="dcp" if old == "dcp" else "safetensors",
+               max_shard_bytes=None if old == "dcp" else 1 << 20)
+    was = ss.metadata(dst).format
+    with pytest.raises(ss.CheckpointExistsError, match="pass overwrite=True"):
+        ss.convert(tmp_path / "ck", dst, to=to)
+    assert ss.metadata(dst).format == was
+    ss.convert(tmp_path / "ck", dst, to=to, overwrite=True)
+    got = ss.metadata(dst).format
+    assert got == {"statestream": "statestream", "dcp": "dcp"}.get(to, "safetensors-sharded")
+    assert ss.load(dst)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    if to == "statestream":
+        assert ss.verify(dst).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out"]  # no staging left
+    ss.convert(tmp_path / "ck", tmp_path / "d2", to="dcp")
+    with pytest.raises(ss.CheckpointExistsError, match="not even with overwrite=True"):
+        ss.save(tmp_path / "d2", {"w": np.zeros(2)}, overwrite=True)  # a save's rule stays
+    from statestream.cli import main
+
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "d2"), "--to", to,
+                 "--overwrite"]) == 0  # the command line's convert --overwrite too
+    assert ss.load(tmp_path / "d2")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_progress_never_exceeds_total(tmp_path: Path) -> None:

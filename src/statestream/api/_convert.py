@@ -292,7 +292,8 @@ def convert(
         items: top-level keys to convert; with exactly one, its contents become
             the root (a safetensors export holds a model's state_dict keys as
             they are).
-        overwrite: replace an existing ``dst`` (not a statestream checkpoint
+        overwrite: replace an existing ``dst`` (a file, an empty or checkpoint
+            directory of any format: docs/interop.md; not a statestream checkpoint
             that an incremental sibling refers to: ``CheckpointError``).
         allow_pickle: let a torch.save source's pickle name globals a
             weights-only load refuses. Pickled leaves of a statestream

@@ -8,6 +8,7 @@ one slab at a time, never the state.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -56,7 +57,7 @@ from statestream.interop._safetensors import (
     find_single,
 )
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
-from statestream.storage import staging_dir, storage_for
+from statestream.storage import LocalStorage, Storage, staging_dir, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -230,7 +231,45 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
     they come (their sizes are known only then)."""
     storage, spath = storage_for(dst)
     refuse_replacing_a_base(storage, spath, overwrite)
-    txn = storage.begin_write(spath, overwrite=overwrite)
+    write = functools.partial(_commit_statestream, storage, root=root, specs=specs,
+                              slabs=slabs, meta=meta, slab_bytes=slab_bytes, codecs=codecs,
+                              threads=threads)
+    local = isinstance(storage, LocalStorage)
+    if local and overwrite and os.path.lexists(spath):
+        _claim(spath, True, directory=True)  # what the other directory outputs replace
+    if not (local and _foreign_checkpoint_dir(spath)):
+        write(spath, overwrite=overwrite)
+        return
+    # the storage replaces only a statestream checkpoint or an empty directory (a save's
+    # rule); a conversion also replaces a checkpoint of another format, as its other
+    # directory outputs do: committed beside it, then moved over it
+    if not overwrite:
+        raise CheckpointExistsError(f"{spath} already exists; pass overwrite=True to replace it")
+    staging = _staging_path(spath)
+    try:
+        out = os.path.join(staging, "out")
+        write(out, overwrite=False)
+        _publish(out, spath)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _foreign_checkpoint_dir(path: str) -> bool:
+    """A local directory holding a checkpoint of another format that statestream reads
+    (not a statestream one, committed or not, and not empty)."""
+    if not os.path.isdir(path) or os.path.islink(path) or not os.listdir(path):
+        return False
+    if any(os.path.lexists(os.path.join(path, n)) for n in (COMMIT_NAME, MANIFEST_NAME)):
+        return False
+    return _holds_checkpoint(path)
+
+
+def _commit_statestream(storage: Storage, path: str, *, overwrite: bool, root: Node,
+                        specs: Sequence[ArraySpec], slabs: Slabs, meta: dict[str, Any],
+                        slab_bytes: int, codecs: Sequence[Compression | None] | None,
+                        threads: int) -> None:
+    """``write_statestream``'s checkpoint, written and committed at ``path`` by ``storage``."""
+    txn = storage.begin_write(path, overwrite=overwrite)
     packed = codecs is not None and any(c is not None for c in codecs)
     try:
         name = "data/r0-0.bin"
