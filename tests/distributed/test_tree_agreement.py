@@ -88,5 +88,6 @@ def test_ranks_agree_on_the_tree_before_writing(tmp_path: Path) -> None:
             for text in expect:
                 assert text in v["message"], (r.rank, case, text, v["message"])
             assert "nothing was written" in v["message"], v["message"]
+            assert v["message"].count("nothing was committed") == 1, v["message"]
             assert v["chunks_written"] == 0, (r.rank, case, v)
             assert v["left"] == [], (r.rank, case, v)

@@ -328,7 +328,8 @@ def _agree_on_tree(gathered: list[Any]) -> MergedTree:
                  for r, g in enumerate(gathered)]
         return merge_trees(ranks)
     except TargetMismatchError as exc:
-        raise DistributedError(f"planning failed: {exc}; nothing was committed") from exc
+        # ``agree`` adds that nothing was committed
+        raise DistributedError(f"planning failed: {exc}") from exc
 
 
 def _anyone(coll: Collective, flag: bool) -> bool:
