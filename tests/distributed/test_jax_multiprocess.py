@@ -181,6 +181,20 @@ def worker(ctx: Context) -> dict[str, Any]:
             coll.gather_object(i, 1)
         return {"before": before, "after": count()}
 
+    def cover() -> Any:
+        # a global array saved by process 1 only: the rows of process 0 are held by none
+        state: dict[str, Any] = {"step": 1}
+        if rank == 1:
+            w = want["sharded"]
+            state["only1"] = jax.make_array_from_callback(w.shape, sh(("p", "q")),
+                                                          lambda idx: w[idx])
+        try:
+            ss.save(root / "cover" / "ck", state)
+        except ss.DistributedError as exc:
+            return {"raised": True, "message": str(exc), "left": os.listdir(root / "cover")
+                    if (root / "cover").exists() else []}
+        return {"raised": False}
+
     def timeout() -> Any:
         # Last: after a timeout the processes' collective sequences differ.
         coll = JaxCollective(timeout_s=3)
@@ -202,7 +216,7 @@ def worker(ctx: Context) -> dict[str, Any]:
     for name, fn in [("setup", setup), ("save", save), ("same", lambda: load(2)),
                      ("reshard", lambda: load(3)), ("per_process", per_process_keys),
                      ("load_failure", load_failure), ("gather", gather), ("plans", plans),
-                     ("keys", keys), ("timeout", timeout)]:
+                     ("keys", keys), ("cover", cover), ("timeout", timeout)]:
         try:
             out[name] = {"ok": True, "value": fn()}
         except BaseException:  # noqa: BLE001
@@ -247,6 +261,18 @@ def test_the_coordination_service_does_not_fill_up(run: tuple[Path, list[Any]]) 
         # 5 saves and 150 exchanges later, no more keys than a few operations leave
         assert got["after"] <= got["before"] + 8, got
         assert got["after"] < 20, got
+
+
+def test_a_global_array_saved_by_one_process_is_refused_while_planning(
+        run: tuple[Path, list[Any]]) -> None:
+    _, res = run
+    for got in _values(res, "cover"):
+        assert got["raised"], got
+        assert got["message"].startswith("rank 0 failed during planning: "), got
+        assert ("rows 0-3 of key path 'only1' (float32[8, 6]) are held by no rank (24 of its "
+                "48 elements are); rank 1 holds elements [4:8, 0:3], elements [4:8, 3:6]; "
+                "rank 0 has no such key path") in got["message"], got
+        assert got["left"] == [], got
 
 
 def _values(res: list[Any], check: str) -> list[Any]:

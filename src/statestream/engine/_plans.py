@@ -272,8 +272,11 @@ def _plan_from(gathered: list[Any], rank: int) -> tuple[KeptPlan, list[Any]]:
     """``rank``'s plan from every structure, and every rank's part of it: the global
     number of each of its arrays, per array the positions of the boxes it writes,
     and the checkpoint's raw size."""
-    merged = _agree_on_tree(gathered)
-    owners = _owners(gathered)
+    try:
+        merged = _agree_on_tree(gathered)
+        owners = _owners(gathered)
+    except TargetMismatchError as exc:  # ``agree`` adds that nothing was committed
+        raise DistributedError(f"planning failed: {exc}") from exc
     total = total_bytes(merged.arrays)
     parts = [([merged.index[k] for k, _, _, _ in g["arrays"]],
               [[i for i, (s, b) in enumerate(bx) if owners[(k, tuple(s), tuple(b))] == r]
@@ -322,14 +325,10 @@ def _agree_on_tree(gathered: list[Any]) -> MergedTree:
     """The checkpoint's tree from every rank's structure (the same on every rank, so
     every rank raises the same error, naming what each rank holds where); its plain
     leaves point at the ranks' values."""
-    try:
-        ranks = [RankTree(with_refs(decode_tree(g["tree"], len(g["arrays"])), r),
-                          [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
-                 for r, g in enumerate(gathered)]
-        return merge_trees(ranks)
-    except TargetMismatchError as exc:
-        # ``agree`` adds that nothing was committed
-        raise DistributedError(f"planning failed: {exc}") from exc
+    ranks = [RankTree(with_refs(decode_tree(g["tree"], len(g["arrays"])), r),
+                      [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
+             for r, g in enumerate(gathered)]
+    return merge_trees(ranks)
 
 
 def _anyone(coll: Collective, flag: bool) -> bool:
@@ -342,7 +341,8 @@ def _anyone(coll: Collective, flag: bool) -> bool:
 
 
 def _owners(gathered: list[Any]) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
-    """The writing rank of every distinct box of every array."""
+    """The writing rank of every distinct box of every array (whose distinct boxes must
+    cover it exactly once)."""
     per_rank = [
         [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
          for k, dt, sh, boxes in g["arrays"]]

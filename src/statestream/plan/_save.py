@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from statestream.errors import TargetMismatchError
 from statestream.format import Compression
+from statestream.plan._cover import Box, cover_fault, cover_message
 
 __all__ = [
     "COMPRESSED_CHUNK_BYTES",
@@ -263,8 +264,14 @@ def assign_writers(
     processes (replicas) go to the holder with the fewest bytes assigned so
     far, biggest boxes first, so writing work is spread evenly.
 
+    The distinct boxes of each array must cover it exactly once (a box held by
+    several processes counts once): checked here, before anything is written.
+
     Raises:
-        TargetMismatchError: two processes disagree on an array's dtype or shape.
+        TargetMismatchError: two processes disagree on an array's dtype or shape,
+            or the boxes of an array leave part of it to no process or hold
+            part of it in two different boxes (naming the key path, the part,
+            and which process holds which box).
 
     Example:
         >>> a = [("w", "float32", (4,), [((0,), (4,))])]
@@ -275,7 +282,7 @@ def assign_writers(
         [0, 1]
     """
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    held: dict[str, dict[Box, list[int]]] = {}  # key path -> distinct box -> holders
     for rank, arrays in enumerate(per_rank):
         for key, dtype, shape, boxes in arrays:
             shape = tuple(shape)
@@ -285,8 +292,18 @@ def assign_writers(
                     f"processes disagree about the array at key path '{key}': "
                     f"{seen[0]}{list(seen[1])} on one, {dtype}{list(shape)} on rank {rank}"
                 )
+            mine = held.get(key)
+            if mine is None:
+                mine = held[key] = {}
             for start, bshape in boxes:
-                holders.setdefault((key, tuple(start), tuple(bshape)), []).append(rank)
+                mine.setdefault((tuple(start), tuple(bshape)), []).append(rank)
+    for key, mine in held.items():
+        fault = cover_fault(meta[key][1], mine)
+        if fault is not None:
+            declared = [r for r, arrays in enumerate(per_rank) if any(a[0] == key for a in arrays)]
+            raise TargetMismatchError(cover_message(key, *meta[key], fault, mine, declared,
+                                                    len(per_rank)))
+    holders = {(key, s, b): ranks for key, mine in held.items() for (s, b), ranks in mine.items()}
     load = [0] * len(per_rank)
     owners: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
     costs = {k: math.prod(k[2]) * itemsize[meta[k[0]][0]] for k in holders}
