@@ -298,6 +298,8 @@ def assign_writers(
             for start, bshape in boxes:
                 mine.setdefault((tuple(start), tuple(bshape)), []).append(rank)
     for key, mine in held.items():
+        if len(mine) == 1 and next(iter(mine)) == ((0,) * len(meta[key][1]), meta[key][1]):
+            continue  # one box of all of it (a plain or replicated array): the usual case
         fault = cover_fault(meta[key][1], mine)
         if fault is not None:
             declared = [r for r, arrays in enumerate(per_rank) if any(a[0] == key for a in arrays)]
