@@ -311,3 +311,45 @@ def test_a_registered_adapter_saves_and_loads_a_new_kind(tmp_path: Path) -> None
     fresh = ss.load(tmp_path / "c", {"c": None})["c"]
     assert isinstance(fresh, _Counter) and list(fresh.hist) == [0, 1, 2, 3, 4]
     assert ss.load(tmp_path / "c")["c"]["n"] == 5
+
+
+@pytest.mark.parametrize("target_kind", ["same", "other seed", "none"])
+def test_spawn_after_a_load_continues_the_run(tmp_path: Path, target_kind: str) -> None:
+    # only the bit generator's state was saved: spawn() then drew other children (the
+    # target's seed sequence, or fresh OS entropy with a None target: not even the
+    # same from one load to the next)
+    g = np.random.default_rng(1234)
+    g.spawn(3)  # children spawned so far count too
+    bg = np.random.Generator(np.random.Philox(np.random.SeedSequence(7, spawn_key=(2, 5))))
+    ss.save(tmp_path / "c", {"g": g, "bits": bg.bit_generator})
+    want = [c.integers(1 << 30) for c in g.spawn(2)]
+    want_bits = np.random.Generator(bg.bit_generator.spawn(1)[0]).integers(1 << 30)
+    target = {"same": {"g": np.random.default_rng(1234), "bits": np.random.Philox(0)},
+              "other seed": {"g": np.random.default_rng(0), "bits": np.random.Philox(1)},
+              "none": {"g": None, "bits": None}}[target_kind]
+    out = ss.load(tmp_path / "c", target)
+    assert [c.integers(1 << 30) for c in out["g"].spawn(2)] == want
+    assert np.random.Generator(out["bits"].spawn(1)[0]).integers(1 << 30) == want_bits
+
+
+def test_a_generator_saved_without_its_seed_sequence_still_loads(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    from statestream.providers import stateful
+
+    g = np.random.default_rng(5)
+    monkeypatch.setattr(stateful, "_with_seed_seq", lambda bg: bg.state)  # as before
+    ss.save(tmp_path / "c", {"g": g, "b": np.random.PCG64(3)})
+    monkeypatch.undo()
+    want = np.random.default_rng(5).integers(1 << 30, size=4)
+    for target in ({"g": np.random.default_rng(0), "b": np.random.PCG64(0)},
+                   {"g": None, "b": None}):
+        out = ss.load(tmp_path / "c", target)
+        assert (out["g"].integers(1 << 30, size=4) == want).all()
+        assert out["b"].state == np.random.PCG64(3).state
+
+
+def test_another_bit_generator_in_the_target_is_named(tmp_path: Path) -> None:
+    ss.save(tmp_path / "c", {"rng": np.random.Generator(np.random.MT19937(1))})
+    with pytest.raises(TargetMismatchError, match=r"key path 'rng' was saved with bit generator "
+                                                  r"'MT19937', the target's is PCG64"):
+        ss.load(tmp_path / "c", {"rng": np.random.default_rng(0)})

@@ -387,3 +387,22 @@ def test_rebuild_frozen_dataclass_with_non_init_field() -> None:
 def test_rebuild_into_unsupported_target_names_key_path() -> None:
     with pytest.raises(TargetMismatchError, match=r"key path 'a/b'.*builtins.int.*saved dict"):
         rebuild_container("dict", 5, ["x"], [1], ("a", "b"))
+
+
+def test_a_defaultdict_target_keeps_its_factory(tmp_path) -> None:
+    # it came back a plain dict (defaultdict(dict_of_values) fails: its first
+    # argument is the factory), so resumed code's counts["new"] += 1 raised KeyError
+    import collections
+
+    import numpy as np
+
+    import statestream as ss
+
+    ss.save(tmp_path / "c", {"counts": collections.defaultdict(int, {"cat": 3}),
+                             "w": np.ones(2)})
+    out = ss.load(tmp_path / "c", {"counts": collections.defaultdict(int, {"cat": 0}),
+                                   "w": np.zeros(2)})
+    counts = out["counts"]
+    assert type(counts) is collections.defaultdict and counts.default_factory is int
+    counts["dog"] += 1
+    assert dict(counts) == {"cat": 3, "dog": 1}

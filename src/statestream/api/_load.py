@@ -347,7 +347,7 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
             f"the target has a {type_name(like)} at key path '{format_keypath(path)}' but the "
             f"checkpoint holds a {saved} there"
         )
-    sub_like = adapter.get_state(like)
+    sub_like = adapter.target_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
     return _adapted_build(adapter, like, inner, path)
 

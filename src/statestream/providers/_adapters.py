@@ -61,6 +61,12 @@ class StateAdapter(abc.ABC):
         """A fresh value holding ``state`` (loading with ``None`` in the target)."""
         return state
 
+    def target_state(self, obj: Any) -> Any:
+        """The target tree a load matches the saved state against (default:
+        :meth:`get_state`). Parts of the state that older checkpoints lack are
+        left out here, so that those still load (the saved ones load anyway)."""
+        return self.get_state(obj)
+
     def abstract_state(self, like: Any) -> Any:
         """The target tree of the state of a value that ``like`` describes without
         being one (a typed JAX key as a ``jax.ShapeDtypeStruct``, from

@@ -32,6 +32,54 @@ __all__ = [
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
 
 
+#: The key of a bit generator's saved state that holds its seed sequence (what
+#: ``spawn()`` derives children from); saved since 2026-12-06, absent before.
+_SEED_SEQ = "seed_seq"
+
+
+def _with_seed_seq(bg: Any) -> dict[str, Any]:
+    """``bg.state`` plus its seed sequence (entropy, spawn key, pool size, children
+    spawned so far), without which ``spawn()`` after a load gives other children."""
+    state = dict(bg.state)
+    seq = getattr(bg, "seed_seq", None)
+    if isinstance(seq, np.random.SeedSequence):
+        entropy = seq.entropy
+        state[_SEED_SEQ] = {
+            "entropy": entropy if entropy is None or isinstance(entropy, int) else
+            [int(e) for e in entropy],
+            "spawn_key": [int(k) for k in seq.spawn_key], "pool_size": int(seq.pool_size),
+            "n_children_spawned": int(seq.n_children_spawned)}
+    return state
+
+
+def _seed_seq(saved: Any, path: KeyPath) -> Any:
+    if saved is None:
+        return None
+    try:
+        return np.random.SeedSequence(
+            saved["entropy"], spawn_key=tuple(saved["spawn_key"]),
+            pool_size=saved["pool_size"], n_children_spawned=saved["n_children_spawned"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TargetMismatchError(f"the NumPy seed sequence at key path "
+                                  f"'{format_keypath(path)}' is not one: {exc}") from None
+
+
+def _restore(bg: Any, state: Any, path: KeyPath) -> Any:
+    """Put a saved state (with or without its seed sequence) into the bit generator."""
+    state = dict(state)
+    seq = _seed_seq(state.pop(_SEED_SEQ, None), path)
+    if state.get("bit_generator") != type(bg).__name__:
+        raise TargetMismatchError(
+            f"the NumPy generator at key path '{format_keypath(path)}' was saved with bit "
+            f"generator {state.get('bit_generator')!r:.40}, the target's is "
+            f"{type(bg).__name__}: load into a generator of that kind, or with None")
+    if seq is None:
+        bg.state = state
+    else:  # BitGenerator.__setstate__ takes (state, seed sequence) since NumPy 1.25
+        bg.__setstate__((state, seq))
+    return bg
+
+
 def _bit_generator(state: Any, path: KeyPath) -> Any:
     name = state.get("bit_generator") if isinstance(state, dict) else None
     if name not in _BIT_GENERATORS:
@@ -39,13 +87,11 @@ def _bit_generator(state: Any, path: KeyPath) -> Any:
             f"the NumPy generator state at key path '{format_keypath(path)}' names bit "
             f"generator {name!r:.60}, not one of {', '.join(_BIT_GENERATORS)}"
         )
-    bg = getattr(np.random, name)()
-    bg.state = state
-    return bg
+    return _restore(getattr(np.random, name)(), state, path)
 
 
 class NumpyBitGeneratorAdapter(StateAdapter):
-    """``numpy.random.PCG64`` & co.: their ``.state`` dict."""
+    """``numpy.random.PCG64`` & co.: their ``.state`` dict and seed sequence."""
 
     name = "numpy.random.BitGenerator"
 
@@ -53,18 +99,22 @@ class NumpyBitGeneratorAdapter(StateAdapter):
         return isinstance(obj, np.random.BitGenerator)
 
     def get_state(self, obj: Any) -> Any:
-        return obj.state
+        return _with_seed_seq(obj)
+
+    def target_state(self, obj: Any) -> Any:
+        # nothing to match: the saved state loads as it is, with or without the seed
+        # sequence (older checkpoints), and _restore names another bit generator
+        return {}
 
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
-        obj.state = state
-        return obj
+        return _restore(obj, state, path)
 
     def new(self, state: Any, path: KeyPath) -> Any:
         return _bit_generator(state, path)
 
 
 class NumpyGeneratorAdapter(StateAdapter):
-    """``numpy.random.Generator``: its bit generator's state."""
+    """``numpy.random.Generator``: its bit generator's state and seed sequence."""
 
     name = "numpy.random.Generator"
 
@@ -72,10 +122,13 @@ class NumpyGeneratorAdapter(StateAdapter):
         return isinstance(obj, np.random.Generator)
 
     def get_state(self, obj: Any) -> Any:
-        return obj.bit_generator.state
+        return _with_seed_seq(obj.bit_generator)
+
+    def target_state(self, obj: Any) -> Any:
+        return {}  # as NumpyBitGeneratorAdapter's
 
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
-        obj.bit_generator.state = state
+        _restore(obj.bit_generator, state, path)
         return obj
 
     def new(self, state: Any, path: KeyPath) -> Any:

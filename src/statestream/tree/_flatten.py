@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -280,9 +282,18 @@ def rebuild_container(node_kind: str, like: Any, keys: Sequence[Key], values: li
         out = dict(zip(keys, values))
         if type(like) is dict:
             return out
+        if isinstance(like, collections.defaultdict):  # its first argument is the factory
+            return type(like)(like.default_factory, out)
         try:
             return type(like)(out)
-        except Exception:  # a mapping type that cannot be built from a dict: a plain dict
+        except Exception:  # not built from a dict: a copy of the target, emptied and filled
+            pass
+        try:
+            again = copy.copy(like)
+            again.clear()
+            again.update(out)
+            return again
+        except Exception:  # noqa: BLE001 - a mapping type that allows neither: a plain dict
             return out
     if _is_namedtuple(like):
         return type(like)(**{str(k): v for k, v in zip(keys, values)})
