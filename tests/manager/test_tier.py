@@ -447,3 +447,20 @@ def test_a_damaged_unpersisted_step_does_not_hold_back_the_later_ones(tmp_path):
         mgr.close()
     for s in (2, 3):
         _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(s))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_saved_again_at_once_is_the_one_persisted(tmp_path, async_save):
+    # The first copy's persistence, still running, recorded step 3 as persisted after
+    # the forced save had marked it replaced: the new copy's persistence skipped it,
+    # and the next open removed it as "an earlier attempt's" (the forced save lost).
+    with _mgr(tmp_path, async_save=async_save) as mgr:
+        mgr.save(3, {"v": np.full(4, 1.0)})
+        mgr.save(3, {"v": np.full(4, 2.0)}, force=True)
+        mgr.wait()
+        assert mgr.unpersisted_steps() == []
+        assert ss.load(str(tmp_path / "persist" / "step_0000000003"))["v"].tolist() == [2.0] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing removed at the open
+        with _mgr(tmp_path, async_save=async_save) as mgr:
+            assert mgr.load(3)["v"].tolist() == [2.0] * 4

@@ -38,6 +38,11 @@ class TaskHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait(self) -> None:
+        """Wait for the task to end, whatever its outcome (its error stays for
+        :meth:`result`)."""
+        self._done.wait()
+
     def result(self, timeout: float | None = None) -> None:
         """Wait for the task; raise its error (once reported, it is not printed at exit).
 

@@ -247,7 +247,17 @@ class LocalTier:
     def forget_persisted(self, step: int) -> None:
         """``step`` is about to be saved again: its new copy is not persisted yet,
         whatever copy the persistent directory holds (a crash or a failed
-        persistence leaves the marker; the next persistence replaces that copy)."""
+        persistence leaves the marker; the next persistence replaces that copy).
+
+        A persistence of ``step`` still queued or running is waited for first: it
+        copies the copy being replaced, and recording that as persisted after the
+        marker was set would make the new copy's persistence skip it (the forced
+        save was then never persisted, and removed at the next open).
+        """
+        with self._lock:
+            running = self._running.get(step)
+        if running is not None:
+            running.wait()  # its error, if any, is reported as every persistence's
         self.retention.forget(step)
         if self._leader:
             self.records.replaced(step)
