@@ -111,7 +111,9 @@ class ObjectStorage:
         name = type(exc).__name__
         first = str(exc).splitlines()[0] if str(exc) else name
         first = redact(first)
-        squashed = first.lower().replace(" ", "")
+        # the store's error code may sit in the response body, lines below the first
+        # (a PUT to a missing bucket: "<Code>NoSuchBucket</Code>")
+        squashed = redact(str(exc)).lower().replace(" ", "")
         word = self.bucket_word
         if any(code in squashed for code in self.missing_bucket_codes):
             return StorageError(f"{what}: the {word} does not exist")
