@@ -144,14 +144,16 @@ def test_a_silent_server_fails_a_save_in_bounded_time() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("multipart", [False, True])
 def test_a_stall_mid_upload_reports_the_upload_not_the_cleanup(
-        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str, multipart: bool) -> None:
     old = f"{base_url}/old"
     ss.save(old, {"w": np.arange(1000.0)})
     port = int(s3_server["endpoint"].rsplit(":", 1)[1])
     proxy = _StallingProxy(port)
+    parts = {"part_bytes": 5 << 20} if multipart else {}
     via_proxy = S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
-                                   **_FAST_FAIL))
+                                   **parts, **_FAST_FAIL))
 
     def progress(done: int, total: int) -> None:
         proxy.stalled.set()  # after the first chunk: every later request hangs
@@ -159,14 +161,17 @@ def test_a_stall_mid_upload_reports_the_upload_not_the_cleanup(
     set_backend("s3", via_proxy)
     try:
         with pytest.raises(ss.StorageError) as ei:
-            ss.save(old, {"w": np.ones((512, 1024))}, overwrite=True, progress=progress,
+            ss.save(old, {"w": np.ones((2048 if multipart else 512, 1024))}, overwrite=True,
+                    progress=progress,
                     io=ss.IOOptions(max_chunk_bytes=256 << 10, num_threads=1))
     finally:
         set_backend("s3", storage)
         proxy.close()
     text = str(ei.value)
     assert "uploading" in text or "completing" in text or "writing" in text, text
-    assert "deleting" not in text  # not the abort's failure
+    assert "deleting" not in text  # not the cleanup's failure
+    if "uploadId=" in text:  # the client aborted the multipart upload, and that failed
+        assert "then so did the client's abort" in text, text
     np.testing.assert_array_equal(ss.load(old)["w"], np.arange(1000.0))
 
 

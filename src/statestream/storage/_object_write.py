@@ -241,7 +241,7 @@ class ObjectFileWriter:
                 self._send_fill()
             self._w.close()
         except Exception as exc:
-            raise self._owner._map_error(exc, f"completing {self._where}") from exc
+            raise self._owner._map_error(exc, _completing(self._where, exc)) from exc
         finally:
             self._recycle()
 
@@ -359,3 +359,14 @@ class ObjectTxn:
         self._done = True
 
 
+def _completing(where: str, exc: BaseException) -> str:
+    """What failed, for an error of the writer's close. When a part fails, obstore
+    aborts the multipart upload (a DELETE of ``?uploadId=``) and, if that fails too
+    (a store that stopped answering), raises the abort's error alone: say so, since
+    the part's own error (often a timeout) is gone."""
+    text = str(exc)
+    if "DELETE" in text and "uploadId=" in text:
+        return (f"uploading {where} (a part of its multipart upload failed, then so did "
+                "the client's abort of the upload, whose error is all it reports: the store "
+                "may have stopped answering)")
+    return f"completing {where}"
