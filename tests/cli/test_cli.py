@@ -176,3 +176,8 @@ def test_verify_refused_pickle_exits_2_and_allow_pickle_admits_it(
     assert main(["verify", "--allow-pickle", str(dd)]) == 0
     assert capsys.readouterr().out.startswith("OK")
     assert ss.verify(dd, allow_pickle=True).ok
+    # diff read both sides' metadata without it: --allow-pickle was refused all the same
+    assert main(["diff", str(dd), str(dd)]) == 2
+    assert "pass --allow-pickle" in capsys.readouterr().err
+    assert main(["diff", "--allow-pickle", str(dd), str(dd)]) == 0
+    assert ss.metadata(dd, allow_pickle=True).tree["w"].shape == (2,)

@@ -344,3 +344,27 @@ def test_convert_to_a_statestream_checkpoint_on_s3(storage: S3Storage, base_url:
     assert got["step"] == 7 and ss.verify(f"{base_url}/conv").ok
     ss.convert(f"{base_url}/conv", tmp_path / "back.safetensors")
     np.testing.assert_array_equal(ss.load(tmp_path / "back.safetensors")["w"], state["w"])
+
+
+def test_damage_is_named_by_the_object_that_holds_it(s3_server: dict[str, Any],
+                                                     storage: S3Storage, base_url: str) -> None:
+    # the messages named s3://bucket/prefix/data/..., a key that does not exist: a
+    # checkpoint's files live under the root its commit marker names
+    import re
+
+    client, bucket = s3_server["client"], s3_server["bucket"]
+    url = f"{base_url}/ck"
+    ss.save(url, {"a": np.arange(1000.0)})
+    prefix = url.split(f"s3://{bucket}/", 1)[1]
+    (key,) = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+              if "/data/" in o["Key"]]
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[10] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(ss.ChecksumMismatchError) as ei:
+        ss.load(url)
+    named = re.search(r"s3://\S+/data/\S+\.bin", str(ei.value))
+    assert named is not None and named.group(0) == f"s3://{bucket}/{key}", str(ei.value)
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body[:50]))
+    problems = ss.verify(url).problems
+    assert any(f"s3://{bucket}/{key} is 50 bytes" in p for p in problems), problems

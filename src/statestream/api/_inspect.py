@@ -22,7 +22,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, plan_verify
-from statestream.storage import CheckpointReader
+from statestream.storage import CheckpointReader, file_where
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "verify"]
@@ -106,8 +106,13 @@ def _meta_tree(node: Node, m: Manifest) -> Any:
     return dict(zip(node.keys or [], kids))
 
 
-def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False
+             ) -> CheckpointMetadata:
     """Describe a checkpoint without reading tensor data.
+
+    ``allow_pickle``: let a torch.save/DCP checkpoint's pickle name globals a
+    weights-only load refuses (as ``load``'s; only for files you trust). A
+    statestream checkpoint's pickled leaves are described, never unpickled.
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -118,7 +123,7 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
                       stored_bytes=24, codec=None)
     """
     with gc_paused():  # a large manifest is many small objects (see statestream._gc)
-        reader, m = open_checkpoint(path, follow=False)
+        reader, m = open_checkpoint(path, follow=False, allow_pickle=allow_pickle)
         reader.close()
         return _describe(reader, m)
 
@@ -160,7 +165,7 @@ def _unlisted(reader: CheckpointReader, m: Manifest) -> list[str]:
         return []
     expected = {COMMIT_NAME, MANIFEST_NAME, DATA_DIR} | {f.name for f in m.files}
     return [
-        f"{reader.location}/{name} is in the checkpoint but not listed in its manifest "
+        f"{file_where(reader, name)} is in the checkpoint but not listed in its manifest "
         "(added after the save?)"
         for name in sorted(set(list_files()) - expected)
     ]
@@ -179,12 +184,12 @@ def _size_problems(reader: CheckpointReader, m: Manifest) -> list[str]:
             continue
         if size < f.size:
             out.append(
-                f"data file {reader.location}/{f.name} is {size} bytes, the manifest says "
+                f"data file {file_where(reader, f.name)} is {size} bytes, the manifest says "
                 f"{f.size}; it is truncated"
             )
         elif size > f.size:
             out.append(
-                f"data file {reader.location}/{f.name} is {size} bytes, longer than the "
+                f"data file {file_where(reader, f.name)} is {size} bytes, longer than the "
                 f"{f.size} the manifest lists; {size - f.size} bytes were added after the save"
             )
     return out

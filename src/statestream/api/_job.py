@@ -20,7 +20,7 @@ from statestream.errors import CheckpointCorruptError, TruncatedFileError
 from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
 from statestream.plan import LoadPlan, Wanted
 from statestream.providers import ArrayProvider, Destination
-from statestream.storage import CheckpointReader, MappedReader, ReadAhead
+from statestream.storage import CheckpointReader, MappedReader, ReadAhead, file_where
 from statestream.tree import KeyPath, format_keypath
 
 #: what the walk returns for a subtree: called once the reads are done, it builds the value
@@ -182,7 +182,7 @@ class _Job:
                 raise TruncatedFileError(
                     f"the array at key path '{format_keypath(path)}' ({entry.dtype}, shape "
                     f"{entry.shape}) needs bytes [{c.offset}, {c.offset + c.nbytes}) of "
-                    f"{self.reader.location}/{name}, which has only {size} bytes; nothing was "
+                    f"{file_where(self.reader, name)}, which has only {size} bytes; nothing was "
                     "allocated for it (the checkpoint is truncated or its manifest is wrong)"
                     + (f"; the file also lacks the data of {others}" if others else "")
                 )

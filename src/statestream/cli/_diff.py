@@ -209,7 +209,8 @@ def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Na
 
 def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
-    ma, mb = ss.metadata(a), ss.metadata(b)
+    ma = ss.metadata(a, allow_pickle=opts.allow_pickle)
+    mb = ss.metadata(b, allow_pickle=opts.allow_pickle)
     la, lb = dict(ma.leaves()), dict(mb.leaves())
     common = [k for k in la if k in lb]
     read = [k for k in common if _arrays_to_read(la[k], lb[k])]

@@ -282,7 +282,7 @@ def _pickle_advice(msg: str, args: argparse.Namespace) -> str:
     def advice(m: re.Match[str]) -> str:
         if getattr(args, "allow_pickle", None) is False:
             return "pass --allow-pickle" + (m["trust"] or "")
-        # no such option (inspect), or given and still refused (diff's metadata)
+        # no such option (inspect)
         trust = " (only if you trust this file)" if m["trust"] else ""
         return (f"statestream {args.command} has no option that admits it; in Python, "
                 f"ss.load(path, allow_pickle=True) does{trust}")

@@ -31,7 +31,13 @@ from statestream.format import (
     decode_commit,
     decode_manifest,
 )
-from statestream.storage import CheckpointReader, FileWriter, WriteTransaction, storage_for
+from statestream.storage import (
+    CheckpointReader,
+    FileWriter,
+    WriteTransaction,
+    file_where,
+    storage_for,
+)
 
 __all__ = ["copy_checkpoint", "read_committed"]
 
@@ -41,7 +47,7 @@ _PIECE = 16 << 20
 
 def read_committed(reader: CheckpointReader) -> tuple[bytes, bytes, Manifest]:
     """The commit marker, the manifest's bytes and the decoded, verified manifest."""
-    where = f"{reader.location}/{MANIFEST_NAME}"
+    where = file_where(reader, MANIFEST_NAME)
     marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
     size, crc = decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
     data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -132,7 +138,7 @@ def _copy_file(reader: CheckpointReader, txn: WriteTransaction, name: str, size:
     Memory: one buffer of at most ``limit`` bytes (or one block of rows, if larger),
     plus what a writer that ``retains`` buffers holds until it uploads them.
     """
-    where = f"{reader.location}/{name}"
+    where = file_where(reader, name)
     have = reader.file_size(name)
     if have != size:
         raise CheckpointCorruptError(f"{where} holds {have} bytes, its manifest says {size}")

@@ -25,7 +25,7 @@ from statestream.errors import (
 )
 from statestream.format import checksum
 from statestream.plan import ReadPiece, ReadRequest
-from statestream.storage import CheckpointReader, MappedReader
+from statestream.storage import CheckpointReader, MappedReader, file_where
 
 __all__ = ["read_requests"]
 # ----------------------------------------------------------------------------- read
@@ -393,7 +393,7 @@ def _decode_piece(reader: CheckpointReader, name: str, p: ReadPiece, stored: np.
     except CheckpointCorruptError as exc:
         err = CheckpointCorruptError(
             f"compressed chunk {p.chunk} of the {describe(p)} (bytes [{p.offset}, "
-            f"{p.offset + p.nbytes}) of {reader.location}/{name}, CRC-32C correct) does not "
+            f"{p.offset + p.nbytes}) of {file_where(reader, name)}, CRC-32C correct) does not "
             f"decode to its {p.raw_nbytes} bytes: {exc}; the checkpoint is corrupt or was "
             "written by a faulty writer")
         if collect is None:
@@ -419,7 +419,7 @@ def _mismatch(reader: CheckpointReader, name: str, p: ReadPiece, a: int, b: int,
     return ChecksumMismatchError(
         f"checksum mismatch in {describe(p)}: chunk {p.chunk}, bytes "
         f"[{p.offset + a}, {p.offset + b}) of "
-        f"{reader.location}/{name} have CRC-32C {got:08x}, "
+        f"{file_where(reader, name)} have CRC-32C {got:08x}, "
         f"the manifest says {want:08x}; the checkpoint is corrupt, "
         "restore it from another copy"
     )
@@ -439,7 +439,7 @@ def _check_supply(reader: CheckpointReader, name: str, req: ReadRequest,
         bad = [p for p in req.pieces if p.offset + p.nbytes > size]
         names = "; ".join(sorted({describe(p) for p in bad})[:5])
         raise TruncatedFileError(
-            f"data file {reader.location}/{name} is {size} bytes, but the manifest puts "
+            f"data file {file_where(reader, name)} is {size} bytes, but the manifest puts "
             f"data up to byte {max(p.offset + p.nbytes for p in bad)} in it; it is "
             f"truncated (affects {names})"
         )

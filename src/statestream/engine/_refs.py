@@ -43,7 +43,7 @@ from statestream.format import (
     itemsize_of,
     validate_base_name,
 )
-from statestream.storage import CheckpointReader, Storage, storage_for
+from statestream.storage import CheckpointReader, Storage, file_where, storage_for
 
 __all__ = [
     "BaseChunks",
@@ -119,7 +119,7 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
 
 def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
     """:func:`read_manifest`, with the manifest's size and CRC-32C (its commit marker's)."""
-    where = f"{reader.location}/{MANIFEST_NAME}"
+    where = file_where(reader, MANIFEST_NAME)
     size, crc = decode_commit(
         reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
     )

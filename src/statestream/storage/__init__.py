@@ -17,6 +17,7 @@ from statestream.storage._base import (
     StorageCapabilities,
     WriterId,
     WriteTransaction,
+    file_where,
 )
 from statestream.storage._gcs import GCSOptions, GCSStorage
 from statestream.storage._iov import preadv_all
@@ -51,6 +52,7 @@ __all__ = [
     "preadv_all",
     "release_part_buffers",
     "collect_garbage",
+    "file_where",
     "set_backend",
     "staging_dir",
     "storage_for",

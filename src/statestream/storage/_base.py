@@ -304,3 +304,11 @@ def check_member_name(name: str) -> str:
     elif "/" in name or name in ("", ".", ".."):
         raise UnsafeCheckpointError(f"refusing to write {name!r} outside the checkpoint")
     return name
+
+
+def file_where(reader: Any, name: str) -> str:
+    """Where file ``name`` of the checkpoint ``reader`` reads really is, for messages:
+    the reader's ``file_url(name)`` if it has one (an object store's checkpoint keeps
+    its files under a root named by its commit marker), else ``location/name``."""
+    url = getattr(reader, "file_url", None)
+    return str(url(name)) if callable(url) else f"{reader.location}/{name}"

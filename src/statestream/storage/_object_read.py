@@ -73,6 +73,10 @@ class ObjectReader:
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def file_url(self, name: str) -> str:
+        """The URL of file ``name`` of this checkpoint (under its root)."""
+        return f"{self.location}/{self._root}/{name}"
+
     def _key(self, name: str) -> str:
         if name != COMMIT_NAME and not name.startswith(DATA_DIR + "/") and "/" in name:
             raise UnsafeCheckpointError(f"refusing to read {name!r} outside the checkpoint")
