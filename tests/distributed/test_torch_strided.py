@@ -130,6 +130,8 @@ def _scattered_rows(root: Path) -> dict[str, Any]:
         "uneven": ((7, 5), [Shard(0), _StridedShard(0, split_factor=2)]),
         "cols": ((3, 9), [_StridedShard(1, split_factor=3), Shard(1)]),
         "mixed": ((6, 10), [Shard(1), _StridedShard(0, split_factor=2)]),
+        # one row over 4 ranks: three hold an empty part (in place: still the target)
+        "one_row": ((1, 4), [Shard(0), Shard(0)]),
     }
     fulls = {k: torch.arange(float(np.prod(s))).reshape(s) for k, (s, _) in layouts.items()}
     # src_data_rank=None: every rank cuts its part itself (torch's scatter of a

@@ -281,7 +281,9 @@ class TorchProvider(ArrayProvider):
             local = like.to_local()
             if tuple(local.shape) != layout.local_shape:
                 return None
-        if local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0:
+        if local.device.type == "cpu" and local.numel() == 0:
+            return Destination(boxes=[], finish=lambda: like)  # nothing to fill: itself
+        if local.device.type != "cpu" or not local.is_contiguous():
             return None
         if getattr(local, "is_conj", lambda: False)() or local.is_neg():
             return None
