@@ -353,3 +353,12 @@ def test_another_bit_generator_in_the_target_is_named(tmp_path: Path) -> None:
     with pytest.raises(TargetMismatchError, match=r"key path 'rng' was saved with bit generator "
                                                   r"'MT19937', the target's is PCG64"):
         ss.load(tmp_path / "c", {"rng": np.random.default_rng(0)})
+
+
+def test_plain_key_data_into_a_typed_key_target_is_named(tmp_path: Path) -> None:
+    # a bare TypeError "Cannot interpret 'key<fry>' as a data type", no key path
+    ss.save(tmp_path / "c", {"opt": {"rng": np.arange(4, dtype=np.uint32)}})
+    like = {"opt": {"rng": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype)}}
+    with pytest.raises(TargetMismatchError, match=r"key path 'opt/rng' is a typed PRNG key "
+                                                  r"array .*plain uint32\[4\]"):
+        ss.load(tmp_path / "c", like)

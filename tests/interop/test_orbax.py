@@ -391,3 +391,35 @@ def test_a_damaged_array_metadata_fails_without_printing_orbax_abandoned_work(
     assert len(lines) == 3 and all("a07/.zarray" in ln for ln in lines[:2]), r.stdout
     assert lines[2] == "RESULT False", r.stdout
     assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("layout", [{}, {"use_ocdbt": False}], ids=["ocdbt", "per-array"])
+def test_a_typed_prng_key_saved_by_orbax_loads_as_one(tmp_path: Path, layout: dict) -> None:
+    # orbax stores a typed key's data as uint32 and its impl in array_metadatas; it
+    # loaded as plain key data, and a key target failed ("the checkpoint has (2,)
+    # (uint32), the target has ()")
+    jax = pytest.importorskip("jax")
+    state = {"rng": jax.random.key(3), "rbg": jax.random.split(jax.random.key(4, impl="rbg")),
+             "w": np.arange(4.0)}
+    _save_orbax(tmp_path / "o", state, **layout)
+    target = {"rng": jax.random.key(0), "rbg": jax.random.split(jax.random.key(0, impl="rbg")),
+              "w": np.zeros(4)}
+    for like in (target, jax.eval_shape(lambda: target)):
+        out = ss.load(tmp_path / "o", like)
+        for k in ("rng", "rbg"):
+            assert out[k].dtype == state[k].dtype, k
+            assert np.array_equal(jax.random.key_data(out[k]), jax.random.key_data(state[k]))
+    bare = ss.load(tmp_path / "o")  # no target: a key's saved state, as statestream's own
+    assert bare["rng"]["impl"] == "threefry2x32"
+    assert bare["rng"]["data"].tolist() == jax.random.key_data(state["rng"]).tolist()
+
+
+def test_converting_a_dtype_tensorstore_lacks_to_orbax_is_refused_by_name(
+        tmp_path: Path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    ss.save(tmp_path / "c", {"m": {"q": np.ones((4, 4), ml_dtypes.uint4),
+                                   "w": np.ones(3, np.float32)}})
+    with pytest.raises(ss.UnsupportedTypeError, match=r"'m/q' \(dtype uint4, which "
+                                                      r"tensorstore cannot store\)"):
+        ss.convert(tmp_path / "c", tmp_path / "o", to="orbax")
+    assert not (tmp_path / "o").exists()

@@ -157,6 +157,31 @@ def _refuse_outside_names(item: str) -> None:
             "not names inside the checkpoint (each array is a directory of that name)")
 
 
+def _key_impls(item: str) -> dict[str, str]:
+    """Orbax's name of each typed-PRNG-key array -> its key implementation, from the
+    ``ext_metadata`` of ``array_metadatas/process_*`` (orbax stores a key's data as a
+    plain uint32 array and records the impl there). Best effort: a file that does not
+    parse is ignored (the arrays then load as their key data)."""
+    out: dict[str, str] = {}
+    folder = os.path.join(item, "array_metadatas")
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("process_")]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            doc = json.loads(read_capped(os.path.join(folder, name), _MAX_METADATA))
+            for entry in doc["array_metadatas"]:
+                meta = entry["array_metadata"]
+                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+                if type(impl) is str and type(meta["param_name"]) is str and impl.isidentifier():
+                    out[meta["param_name"]] = impl
+        except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError,
+                AttributeError):
+            continue
+    return out
+
+
 def _corrupt(item: str, exc: BaseException,
              what: str = "this Orbax checkpoint") -> CheckpointCorruptError:
     return CheckpointCorruptError(
@@ -206,7 +231,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     finally:
         handler.close()
     use_zarr3 = bool(getattr(meta, "use_zarr3", False))
-    walk = _Walk(item, use_ocdbt)
+    walk = _Walk(item, use_ocdbt, _key_impls(item))
     root = walk.node(values, tree, (), is_array)
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
                           use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
@@ -236,8 +261,10 @@ class _Leaf:
 class _Walk:
     """Builds the manifest from orbax's restored values and metadata, side by side."""
 
-    def __init__(self, item: str, use_ocdbt: bool) -> None:
+    def __init__(self, item: str, use_ocdbt: bool, key_impls: dict[str, str]) -> None:
         self.item, self.use_ocdbt = item, use_ocdbt
+        #: orbax's name of each typed-key array -> its impl (see _key_impls)
+        self.key_impls = key_impls
         self.arrays: list[ArrayEntry] = []
         self.files: list[FileEntry] = []
         self.memory: dict[str, memoryview] = {}
@@ -247,7 +274,14 @@ class _Walk:
 
     def node(self, x: Any, m: Any, p: KeyPath, is_array: Any) -> Node:
         if is_array(m):
-            return self._lazy(m, p)
+            data = self._lazy(m, p)
+            impl = self.key_impls.get(str(m.name))
+            if impl is None:
+                return data
+            # a typed key, as statestream saves one (providers/stateful.JaxKeyAdapter)
+            return Node("stateful", type_name="jax.random.key", children=[
+                Node("dict", keys=["impl", "data"],
+                     children=[Node("str", value=impl), data])])
         if x is None:
             return Node("none")
         for t, kind in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):

@@ -29,13 +29,20 @@ from statestream.tree import KeyPath, Node, format_keypath
 __all__ = ["write_orbax"]
 
 
+#: dtypes tensorstore (and so Orbax) cannot store, though JAX has them
+_NOT_IN_TENSORSTORE = frozenset({"uint4", "uint2"})
+
+
 def _unholdable(node: Node, specs: Sequence[ArraySpec], p: KeyPath, out: list[str]) -> None:
     """Key paths of leaves StandardCheckpointer refuses (strings, None, bytes, pickles,
-    arrays of zero size)."""
+    arrays of zero size, dtypes tensorstore has not)."""
     if node.kind in ("none", "str", "bytes", "pickle"):
         out.append(f"'{format_keypath(p)}' ({node.kind})")
     if node.kind == "array" and 0 in specs[node.array or 0][1]:
         out.append(f"'{format_keypath(p)}' (an empty array, shape {specs[node.array or 0][1]})")
+    if node.kind == "array" and specs[node.array or 0][0] in _NOT_IN_TENSORSTORE:
+        out.append(f"'{format_keypath(p)}' (dtype {specs[node.array or 0][0]}, which "
+                   "tensorstore cannot store)")
     kids = node.children or []
     if node.kind == "stateful":
         for c in kids:

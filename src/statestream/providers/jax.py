@@ -125,6 +125,12 @@ class JaxProvider(ArrayProvider):
                 scalar: bool = False) -> Destination:
         import jax
 
+        if like is not None and jax.numpy.issubdtype(like.dtype, jax.dtypes.prng_key):
+            raise TargetMismatchError(
+                f"the target at key path '{format_keypath(path)}' is a typed PRNG key array "
+                f"({like.dtype}), the checkpoint holds a plain {dtype}{list(shape)} array: "
+                "load it into a uint32 target and make keys of it with "
+                "jax.random.wrap_key_data")
         sharding = getattr(like, "sharding", None) if like is not None else None
         if sharding is not None and not _single_device(sharding):
             return self._restore_sharded(dtype, shape, like, sharding, path)
