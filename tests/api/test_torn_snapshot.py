@@ -123,3 +123,39 @@ def test_lazy_manager_guards_the_optimizers_it_is_given(tmp_path, hooks) -> None
     assert not np.array_equal(now["model/2.weight"], want["model/2.weight"])  # it did step
     for k, v in want.items():
         np.testing.assert_array_equal(_at(got, k), v, err_msg=k)
+
+
+_REBIND = """
+import sys, numpy as np, torch, statestream as ss
+from statestream import _hooks
+gate = __import__("threading").Event()
+_hooks.register("async.snapshot_chunk", lambda: gate.wait(60))  # the snapshot waits after a chunk
+p = torch.nn.Parameter(torch.zeros(4 << 20))
+m = torch.nn.Linear(256, 256)
+want = {k: v.detach().clone() for k, v in m.named_parameters()}
+h = ss.save_async(sys.argv[1], {"p": p, "m": dict(m.named_parameters())}, lazy=True,
+                  io=ss.IOOptions(max_chunk_bytes=1 << 20))
+p.data = torch.ones(4 << 20)  # the same Parameter, other memory: the old is released
+m.double()                    # likewise for every parameter of the module
+junk = [torch.full((4 << 20,), 7.0) for _ in range(4)]  # may reuse what was released
+gate.set()
+h.result()
+out = ss.load(sys.argv[1])
+assert np.all(out["p"] == 0), sorted(set(np.unique(out["p"]).tolist()))[:4]
+for k, v in want.items():
+    assert np.array_equal(out["m"][k], v.numpy()), k
+print("OK")
+"""
+
+
+def test_a_lazy_snapshot_keeps_memory_a_rebound_tensor_let_go(tmp_path) -> None:
+    # p.data = other (and module.double()) give the saved tensor objects other memory
+    # and release the old, which the snapshot had not read yet: it read freed memory
+    # (a segfault, or bytes that were never in the state committed). In a child process:
+    # without the fix it crashes.
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _REBIND, str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=_WAIT_S)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-2000:])

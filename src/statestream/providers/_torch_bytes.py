@@ -25,12 +25,16 @@ def byte_view(t: Any) -> np.ndarray:
 
 
 class _HostMemory:
-    """Exposes a CPU tensor's bytes to NumPy and keeps the tensor alive."""
+    """Exposes a CPU tensor's bytes to NumPy and keeps its memory alive: the storage,
+    not only the tensor, since ``p.data = other`` (or ``module.double()``) gives the
+    same tensor object other memory and frees the old, which a lazy snapshot may not
+    have read yet (it read freed memory: a crash, or bytes never in the state)."""
 
-    __slots__ = ("__array_interface__", "tensor")
+    __slots__ = ("__array_interface__", "storage", "tensor")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
+        self.storage = tensor.untyped_storage()
         n = tensor.numel() * tensor.element_size()
         self.__array_interface__ = {
             "data": (tensor.data_ptr(), False),
@@ -44,7 +48,7 @@ def host_bytes(t: Any) -> np.ndarray:
     """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
     holder = _HostMemory(t)
     out = np.asarray(holder)
-    del holder.__array_interface__  # read once; the view keeps only the tensor alive
+    del holder.__array_interface__  # read once; the view keeps the holder alive
     return out
 
 
