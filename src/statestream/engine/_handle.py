@@ -9,6 +9,7 @@ then -- never silently dropped.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -144,6 +145,19 @@ class SaveHandle:
     def _reported(self) -> None:
         with _LOCK:
             _PENDING.discard(self)
+
+
+def _forget_in_child() -> None:
+    """After fork(): the parent's saves are not this process's (their threads did not
+    come along); waiting for them hung the child's exit and its own first save."""
+    global _LAST, _LOCK
+    _LOCK = threading.Lock()  # it may have been held by a thread that is gone
+    _LAST = None
+    _PENDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _drain_at_exit() -> None:

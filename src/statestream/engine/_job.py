@@ -539,16 +539,27 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     try:
         job.snapshot()
     except BaseException as exc:
+        _abandon(job, exc)
+        raise
+    _spawn(job, run_snapshot=False)
+    return handle
+
+
+def _abandon(job: SaveJob, exc: BaseException) -> None:
+    """The save failed before its background thread ran: abort it and settle its
+    handle (whatever the abort raises: a handle never settled hangs the next save
+    and the interpreter's exit)."""
+    handle = job.handle
+    assert handle is not None
+    try:
         if job.multi:  # still agree with the other ranks, then report
             job.background(False, exc)
             handle.result()
         job._abort_local()
+    finally:
         handle.fail(exc)
         handle._settled.set()
         handle._reported()  # raised to the caller right here
-        raise
-    _spawn(job, run_snapshot=False)
-    return handle
 
 
 def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
@@ -556,4 +567,14 @@ def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
                          daemon=True)
     assert job.handle is not None
     job.handle._thread = t
-    t.start()
+    try:
+        t.start()
+    except BaseException as exc:  # a KeyboardInterrupt inside start()
+        # Thread.start() creates the thread, then waits for it to say it started; an
+        # interrupt may land before either. Started, it runs the save (and settles
+        # it); not started, nothing will: abandon the save here.
+        started = getattr(t, "_started", None)  # CPython's Event; no public way to ask
+        if not (started.wait(1.0) if started is not None else t.is_alive()):
+            job.handle._thread = None
+            _abandon(job, exc)
+        raise

@@ -195,8 +195,7 @@ class StreamWriter:
             self._handoff(i)
         for q in self._queues:
             q.put(self._STOP)
-        for t in self._threads:
-            t.join()
+        self._join()
         self._drop_callbacks()
         if self._errors:
             self._raise()
@@ -224,9 +223,15 @@ class StreamWriter:
         self._failed.set()
         for q in self._queues:
             q.put(self._STOP)
-        for t in self._threads:
-            t.join()
+        self._join()
         self._drop_callbacks()
+
+    def _join(self) -> None:
+        for t in self._threads:
+            try:
+                t.join()
+            except RuntimeError:  # never started (a KeyboardInterrupt in its start()):
+                pass  # nothing to wait for; if it did start, it stops at _STOP
 
     def _drop_callbacks(self) -> None:
         # The callbacks are the job's bound methods and the job holds this writer:

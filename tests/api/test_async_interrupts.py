@@ -1,0 +1,110 @@
+"""A KeyboardInterrupt inside save_async's thread starts, and a fork() while a save
+is in flight, leave no save that never settles.
+
+A save that never settles hangs the next ``save_async`` (one save at a time) and
+the interpreter's exit (pending saves are completed then). Found by an exploratory
+run with real SIGINTs: the interrupt landed in ``Thread.start()`` of a writer, the
+abort then joined a thread that never started (``RuntimeError: cannot join thread
+before it is started`` in place of the KeyboardInterrupt), and the handle stayed
+pending. Timeouts only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream import _hooks
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork")
+
+_WAIT_S = 120
+
+
+def _interrupt_start(monkeypatch: pytest.MonkeyPatch, prefix: str, *, after: bool) -> None:
+    """The first start() of a thread named ``prefix...`` raises KeyboardInterrupt,
+    before the thread exists or (``after``) once it runs, as a SIGINT can."""
+    real = threading.Thread.start
+    fired: list[bool] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith(prefix) and not fired:
+            fired.append(True)
+            if after:
+                real(self)
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def _state() -> dict[str, np.ndarray]:
+    return {"w": np.arange(1 << 18, dtype=np.float64), "b": np.ones(7)}
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_interrupted_writer_start_aborts_the_save(tmp_path: Path, lazy: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _interrupt_start(monkeypatch, "statestream-write", after=False)
+    if lazy:  # the writers start on the save's own thread: its error, not an interrupt
+        h = ss.save_async(tmp_path / "a", _state(), lazy=True)
+        with pytest.raises(KeyboardInterrupt):  # the writer start's, raised by result()
+            h.result(timeout=_WAIT_S)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            ss.save_async(tmp_path / "a", _state())
+    monkeypatch.undo()
+    ss.save_async(tmp_path / "b", _state()).result(timeout=_WAIT_S)  # not stuck behind it
+    assert not (tmp_path / "a").exists()
+    assert sorted(os.listdir(tmp_path)) == ["b"]  # no staging directory left
+    assert ss.load(tmp_path / "b")["w"][-1] == (1 << 18) - 1
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["never-started", "started"])
+def test_an_interrupted_save_thread_start_settles_the_save(
+        tmp_path: Path, after: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _interrupt_start(monkeypatch, "statestream-save", after=after)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save_async(tmp_path / "a", _state())
+    monkeypatch.undo()
+    ss.save_async(tmp_path / "b", _state()).result(timeout=_WAIT_S)
+    if after:  # the thread ran: the save went on and committed
+        assert ss.load(tmp_path / "a")["b"].tolist() == [1.0] * 7
+    else:  # it never ran: abandoned, nothing committed, nothing left
+        assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+def _child_saves(path: str, out: multiprocessing.SimpleQueue) -> None:  # type: ignore[type-arg]
+    ss.save_async(path, {"x": np.ones(3)}).result(timeout=_WAIT_S)
+    out.put("saved")
+    sys.exit(0)  # the exit drain must not wait for the parent's save
+
+
+def test_a_child_forked_during_a_save_does_not_wait_for_it(tmp_path: Path) -> None:
+    gate = threading.Event()
+    _hooks.register("save.chunk_written", lambda: gate.wait(_WAIT_S))
+    try:
+        h = ss.save_async(tmp_path / "parent", _state())  # in flight, held by the hook
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.SimpleQueue()
+        child = ctx.Process(target=_child_saves, args=(str(tmp_path / "child"), out))
+        _hooks.clear()  # the child's own save is not held
+        child.start()
+        child.join(_WAIT_S)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and child.exitcode == 0 and out.get() == "saved"
+    finally:
+        _hooks.clear()
+        gate.set()
+    h.result(timeout=_WAIT_S)
+    assert ss.load(tmp_path / "child")["x"].tolist() == [1.0] * 3
+    assert ss.load(tmp_path / "parent")["b"].tolist() == [1.0] * 7
