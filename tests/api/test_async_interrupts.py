@@ -108,3 +108,23 @@ def test_a_child_forked_during_a_save_does_not_wait_for_it(tmp_path: Path) -> No
     h.result(timeout=_WAIT_S)
     assert ss.load(tmp_path / "child")["x"].tolist() == [1.0] * 3
     assert ss.load(tmp_path / "parent")["b"].tolist() == [1.0] * 7
+
+
+def test_save_async_from_a_progress_callback_is_refused_not_a_deadlock(
+        tmp_path: Path) -> None:
+    # the callback runs on the save's writer thread: a save_async there waited for the
+    # save in flight, which waited for that thread
+    seen: list[BaseException] = []
+
+    def progress(done: int, total: int) -> None:
+        if not seen:
+            try:
+                ss.save_async(tmp_path / "inner", {"x": np.ones(2)})
+            except ss.CheckpointError as exc:
+                seen.append(exc)
+            ss.save(tmp_path / "sync", {"x": np.ones(2)})  # a sync save there is fine
+
+    ss.save_async(tmp_path / "outer", _state(), progress=progress).result(timeout=_WAIT_S)
+    assert seen and "thread of the save in flight" in str(seen[0]), seen
+    assert ss.load(tmp_path / "sync")["x"].tolist() == [1.0, 1.0]
+    assert not (tmp_path / "inner").exists()

@@ -61,6 +61,7 @@ from statestream.engine._refs import (
 from statestream.engine._saveopts import SaveOptions, check_user_meta
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
+from statestream.errors import CheckpointError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -86,6 +87,8 @@ from statestream.storage import WriteTransaction, storage_for
 __all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
+#: Names of the threads a save runs on (its writers and its background thread).
+_SAVE_THREADS = ("statestream-write-", "statestream-save")
 #: The smallest chunk of an array whose chunks are copies, whatever the budget.
 MIN_COPY_CHUNK_BYTES = 1 << 20
 
@@ -519,6 +522,12 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
                lazy: bool) -> SaveHandle:
     """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
     previous = previous_save()
+    if previous is not None and not previous._settled.is_set() and (
+            threading.current_thread().name.startswith(_SAVE_THREADS)):
+        raise CheckpointError(
+            f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight "
+            f"to {previous.path} (from a progress callback?): it would wait for that save, "
+            "which waits for this thread. Call ss.save there, or save after it returns")
     if previous is not None:
         # One save at a time. The previous one's error stays on its handle (and is
         # reported at exit unless its caller asks for it). If it is still warming
