@@ -88,3 +88,10 @@ def test_storage_errors_are_the_matching_builtin(code: int, builtin: type[OSErro
     assert exc.errno == code and exc.strerror == os.strerror(code)
     assert str(exc) == "writing /x failed"
     assert isinstance(storage_error("x", code), builtin)
+
+
+def test_a_local_tier_in_front_of_a_read_only_directory_says_why(ro_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    with pytest.raises(ss.CheckpointError, match="could never be persisted") as ei:
+        ss.CheckpointManager(ro_dir / "run", local_tier=tmp_path / "tier")
+    assert "Read-only file system" in str(ei.value) or "EROFS" in str(ei.value), ei.value

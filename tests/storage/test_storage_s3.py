@@ -368,3 +368,58 @@ def test_damage_is_named_by_the_object_that_holds_it(s3_server: dict[str, Any],
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body[:50]))
     problems = ss.verify(url).problems
     assert any(f"s3://{bucket}/{key} is 50 bytes" in p for p in problems), problems
+
+
+def _resetting_server_on_a_port_with(digits: str) -> tuple[Any, int]:
+    """A listener that resets every connection, on a free port whose number holds
+    ``digits``; (socket, port)."""
+    import socket
+    import struct
+    import threading
+
+    for port in range(int(digits) * 100, int(digits) * 100 + 100):
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(16)
+
+        def reset(s: socket.socket = sock) -> None:
+            while True:
+                try:
+                    client, _ = s.accept()
+                except OSError:
+                    return
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()
+
+        threading.Thread(target=reset, daemon=True).start()
+        return sock, port
+    pytest.skip(f"no free port {digits}00-{digits}99 on loopback")
+
+
+@pytest.mark.parametrize("key", ["run", "run-403-forbidden", "signature-404"])
+def test_a_store_down_on_a_port_holding_403_is_not_access_denied(key: str) -> None:
+    """The address, durations and key in a message are not its status: a store that
+    resets connections on port 403xx was 'access denied (403)' (EACCES), so a manager
+    with a local tier called its directory read-only (a flaky CI failure)."""
+    import errno
+
+    sock, port = _resetting_server_on_a_port_with("403")
+    try:
+        st = S3Storage(S3Options(endpoint=f"http://127.0.0.1:{port}", region="us-east-1",
+                                 access_key_id="k", secret_access_key="s",
+                                 timeout_s=2, max_retries=0))
+        with pytest.raises(ss.StorageError) as ei:
+            st.acquire_lease(f"s3://bkt/{key}/.lease", holder="me", ttl_s=30)
+        assert ei.value.errno != errno.EACCES, ei.value
+        assert not isinstance(ei.value, ss.StoragePermissionError)
+        assert "access denied" not in str(ei.value)
+        assert "credentials" not in str(ei.value) and "does not exist" not in str(ei.value)
+        with pytest.raises(ss.StorageError) as ei:
+            st.is_committed(f"s3://bkt/{key}")
+        assert not isinstance(ei.value, (ss.StoragePermissionError, ss.CheckpointNotFoundError))
+    finally:
+        sock.close()

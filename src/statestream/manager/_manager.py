@@ -159,7 +159,7 @@ class CheckpointManager:
                 warn_deferred(self.directory, os.fspath(local_tier), opened.deferred)
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
-                                       self._coll, self._read_only is not None,
+                                       self._coll, self._read_only,
                                        replicate_to_peers, self._keep_after_persist,
                                        keep_policy if drops_for_good(keep_policy) else None,
                                        (memory or MemoryOptions()).resolved(),

@@ -46,7 +46,7 @@ __all__ = ["base_for", "fetch_into_tier", "open_tier", "tier_load", "tier_steps"
 
 
 def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
-              coll: Collective, read_only: bool, peers: bool,
+              coll: Collective, read_only: str | None, peers: bool,
               after_persist: Callable[[], None] | None = None,
               directory_keep: KeepPolicy | None = None,
               memory_bytes: int | None = None, *,
@@ -56,11 +56,12 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     ``after_persist``, ``directory_keep``: see :class:`LocalTier` (the directory's
     keep policy; steps it would delete at once are not persisted, even after a crash);
     ``memory_bytes``: the manager's budget, which the persistence copies stay within;
-    ``take_lease``: see :class:`LocalTier`."""
-    if read_only:
+    ``take_lease``: see :class:`LocalTier`; ``read_only``: why the directory is
+    read-only (None: it is not)."""
+    if read_only is not None:
         raise CheckpointError(
-            f"{persistent.directory} is read-only: a local tier in front of it could never "
-            "be persisted; open the manager without local_tier to load from it")
+            f"{persistent.directory} is read-only ({read_only}): a local tier in front of "
+            "it could never be persisted; open the manager without local_tier to load from it")
     multi = coll.world_size > 1
     if peers and multi and byte_channel(coll) is None:
         raise InvalidOptionError(

@@ -59,6 +59,26 @@ __all__ = ["ObjectStorage", "TransferOptions", "check_transfer_options", "client
            "redact", "split_object_url"]
 
 
+
+#: what a store's message holds besides its status and error code: URLs (with the
+#: bucket, key and port), addresses, obstore's ``path: "..."`` and durations; a
+#: status looked for in them would be found in ``127.0.0.1:40371`` or ``1.403ms``
+_NOISE = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^\s,)\"']*"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?"
+    r"|\bpath:?\s*\"[^\"]*\""
+    r"|\bfor path \S+"
+    r"|\b\d+(?:\.\d+)?\s*(?:ms|\u00b5s|us|ns|s)\b",
+    re.IGNORECASE)
+#: a refusal (403) in a scrubbed, lower-cased message
+_DENIED = re.compile(r"status(?: code)?:?\s*403\b|\b403\s+forbidden|\bforbidden\b|accessdenied")
+
+
+def _scrub(text: str) -> str:
+    """``text`` without what may hold digits or words by chance (see :data:`_NOISE`)."""
+    return _NOISE.sub(" ", text)
+
+
 class ObjectStorage:
     """The Storage protocol on an object store reached through obstore.
 
@@ -112,8 +132,9 @@ class ObjectStorage:
         first = str(exc).splitlines()[0] if str(exc) else name
         first = redact(first)
         # the store's error code may sit in the response body, lines below the first
-        # (a PUT to a missing bucket: "<Code>NoSuchBucket</Code>")
-        squashed = redact(str(exc)).lower().replace(" ", "")
+        # (a PUT to a missing bucket: "<Code>NoSuchBucket</Code>"); codes are looked
+        # for without the URLs, addresses and durations ("127.0.0.1:40371" is no 403)
+        squashed = _scrub(redact(str(exc))).lower().replace(" ", "")
         word = self.bucket_word
         if any(code in squashed for code in self.missing_bucket_codes):
             return StorageError(f"{what}: the {word} does not exist")
@@ -125,8 +146,8 @@ class ObjectStorage:
             return storage_error(denied, errno.EACCES)
         if isinstance(exc, oe.UnauthenticatedError):
             return StorageError(f"{what}: not authenticated; {self.credentials_hint}")
-        text = first.lower()
-        if "403" in text or "forbidden" in text or "accessdenied" in text:
+        text = _scrub(first).lower()
+        if _DENIED.search(text):
             return storage_error(denied, errno.EACCES)
         if "kind: Timeout" in str(exc) or "TimedOut" in str(exc):  # obstore's error chain
             return storage_error(f"{what} timed out ({self.timeout_hint}): "
@@ -199,9 +220,9 @@ class ObjectStorage:
                                   chunk_size=1)
             next(iter(stream), None)
         except Exception as exc:
-            text = str(exc).lower()
+            text = _scrub(str(exc)).lower()
             squashed = text.replace(" ", "")
-            # a status of 404, not "404" inside a port or request id of the message
+            # a status of 404, not "404" inside a port, key or request id of the message
             if (any(code in squashed for code in self.missing_bucket_codes)
                     or re.search(r"\b404\b", text)):
                 raise StorageError(
