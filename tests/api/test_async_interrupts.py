@@ -128,3 +128,74 @@ def test_save_async_from_a_progress_callback_is_refused_not_a_deadlock(
     assert seen and "thread of the save in flight" in str(seen[0]), seen
     assert ss.load(tmp_path / "sync")["x"].tolist() == [1.0, 1.0]
     assert not (tmp_path / "inner").exists()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_interrupt_between_queueing_and_the_thread_settles_the_save(
+        tmp_path: Path, lazy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the window after the handle is queued and before its thread is made (where the
+    # snapshot of a non-lazy save runs): the next save_async and the exit waited for
+    # a handle nothing would settle
+    import statestream.engine._start as start
+
+    def interrupted(job: object, *, run_snapshot: bool) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(start, "_spawn", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save_async(tmp_path / "a", _state(), lazy=lazy)
+    monkeypatch.undo()
+    ss.save_async(tmp_path / "b", _state()).result(timeout=_WAIT_S)  # hung here
+    with pytest.raises(ss.CheckpointError):
+        ss.load(tmp_path / "a")
+    assert ss.load(tmp_path / "b")["b"].tolist() == [1.0] * 7
+
+
+def test_save_async_from_two_threads_runs_one_save_at_a_time(tmp_path: Path) -> None:
+    # both callers waited for the same save in flight, then both saves ran at once
+    # (and the exit drain joined only the last one's thread)
+    gate = threading.Event()
+    held = threading.Event()
+    lock = threading.Lock()
+    running: list[int] = []
+    most: list[int] = [0]
+
+    def hold_first() -> None:  # the first save stays in flight until both threads wait
+        if not gate.is_set():
+            held.set()
+            gate.wait(_WAIT_S)
+
+    def planned() -> None:
+        with lock:
+            running.append(1)
+            most[0] = max(most[0], len(running))
+
+    def committed() -> None:
+        with lock:
+            running.pop()
+
+    _hooks.register("commit.marker_written", hold_first)
+    _hooks.register("save.planned", planned)
+    _hooks.register("commit.renamed", committed)
+    try:
+        first = ss.save_async(tmp_path / "first", _state())
+        assert held.wait(_WAIT_S)
+        handles: list[ss.SaveHandle] = []
+        callers = [threading.Thread(target=lambda i=i: handles.append(
+            ss.save_async(tmp_path / f"t{i}", {"x": np.full(1 << 16, i)})))
+            for i in range(2)]
+        for t in callers:
+            t.start()
+        threading.Event().wait(0.3)  # both callers reach the wait for the first save
+        gate.set()
+        for t in callers:
+            t.join(_WAIT_S)
+        first.result(timeout=_WAIT_S)
+        for h in handles:
+            h.result(timeout=_WAIT_S)
+    finally:
+        gate.set()
+        _hooks.clear()
+    assert len(handles) == 2 and most[0] == 1, most
+    for i in range(2):
+        assert ss.load(tmp_path / f"t{i}")["x"][0] == i

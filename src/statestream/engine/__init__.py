@@ -13,11 +13,12 @@ from statestream.engine._core import (
     parallel_for,
 )
 from statestream.engine._handle import SaveHandle
-from statestream.engine._job import SaveJob, SaveOptions, run_save, start_save
+from statestream.engine._job import SaveJob, SaveOptions
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
 from statestream.engine._refs import read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
+from statestream.engine._start import run_save, start_save
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
 from statestream.engine._transfer import complete_copies, replicate_to_peers
 from statestream.engine._write import StreamWriter, chunk_checksums

@@ -17,9 +17,12 @@ from typing import Any
 
 from statestream.providers import array_provider_for
 
-__all__ = ["SaveHandle", "enqueue", "previous_save"]
+__all__ = ["SaveHandle", "enqueue", "previous_save", "start_lock"]
 
 _LOCK = threading.Lock()
+#: Held while an asynchronous save waits for the previous one and starts: two
+#: threads' save_async calls start one after the other, never both at once.
+_START = threading.Lock()
 _LAST: SaveHandle | None = None
 _PENDING: set[SaveHandle] = set()
 _ATEXIT = False
@@ -150,8 +153,9 @@ class SaveHandle:
 def _forget_in_child() -> None:
     """After fork(): the parent's saves are not this process's (their threads did not
     come along); waiting for them hung the child's exit and its own first save."""
-    global _LAST, _LOCK
+    global _LAST, _LOCK, _START
     _LOCK = threading.Lock()  # it may have been held by a thread that is gone
+    _START = threading.Lock()
     _LAST = None
     _PENDING.clear()
 
@@ -182,6 +186,11 @@ def _drain_at_exit() -> None:
             # Until the thread has ended: threading.Thread.run() itself drops the
             # job (its target) after the target returns.
             last._thread.join()
+
+
+def start_lock() -> threading.Lock:
+    """The lock a save_async start holds (a fresh one after fork())."""
+    return _START
 
 
 def previous_save() -> SaveHandle | None:

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from statestream import __version__, _hooks
-from statestream._gc import gc_paused
 from statestream.distributed import agree
 from statestream.engine._collect import Collector
 from statestream.engine._committed import committed_as_saved
@@ -47,7 +46,7 @@ from statestream.engine._core import (
     snapshot_budgets,
     writers_share,
 )
-from statestream.engine._handle import SaveHandle, enqueue, previous_save
+from statestream.engine._handle import SaveHandle
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._plans import agree_on_plan, total_bytes
@@ -61,7 +60,6 @@ from statestream.engine._refs import (
 from statestream.engine._saveopts import SaveOptions, check_user_meta
 from statestream.engine._snapshot import check_copied, run_background, take_snapshot
 from statestream.engine._write import StreamWriter
-from statestream.errors import CheckpointError
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -84,11 +82,9 @@ from statestream.plan import (
 )
 from statestream.storage import WriteTransaction, storage_for
 
-__all__ = ["SaveJob", "SaveOptions", "run_save", "start_save"]
+__all__ = ["SaveJob", "SaveOptions"]
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
-#: Names of the threads a save runs on (its writers and its background thread).
-_SAVE_THREADS = ("statestream-write-", "statestream-save")
 #: The smallest chunk of an array whose chunks are copies, whatever the budget.
 MIN_COPY_CHUNK_BYTES = 1 << 20
 
@@ -507,83 +503,3 @@ class SaveJob:
             not self.multi or self.coll.rank == 0)
         if self.txn is not None and owner:
             self.txn.abort()
-
-
-# ----------------------------------------------------------------------------- entry points
-
-
-def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
-    """A synchronous save (the caller blocks until it is committed)."""
-    with gc_paused():
-        SaveJob(path, state, options, snapshot=False).run()
-
-
-def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *,
-               lazy: bool) -> SaveHandle:
-    """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
-    previous = previous_save()
-    if previous is not None and not previous._settled.is_set() and (
-            threading.current_thread().name.startswith(_SAVE_THREADS)):
-        raise CheckpointError(
-            f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight "
-            f"to {previous.path} (from a progress callback?): it would wait for that save, "
-            "which waits for this thread. Call ss.save there, or save after it returns")
-    if previous is not None:
-        # One save at a time. The previous one's error stays on its handle (and is
-        # reported at exit unless its caller asks for it). If it is still warming
-        # staging buffers for this save, it stops: waiting for the rest to be
-        # faulted in would take longer than racing the writers for it.
-        previous._superseded.set()
-        previous._settled.wait()
-    job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
-    if job.multi:
-        job.finish_coll = job.coll.fork("statestream-async")
-    with gc_paused():
-        job.begin()
-    handle = job.make_handle()
-    enqueue(handle)
-    if lazy:
-        _spawn(job, run_snapshot=True)
-        return handle
-    try:
-        job.snapshot()
-    except BaseException as exc:
-        _abandon(job, exc)
-        raise
-    _spawn(job, run_snapshot=False)
-    return handle
-
-
-def _abandon(job: SaveJob, exc: BaseException) -> None:
-    """The save failed before its background thread ran: abort it and settle its
-    handle (whatever the abort raises: a handle never settled hangs the next save
-    and the interpreter's exit)."""
-    handle = job.handle
-    assert handle is not None
-    try:
-        if job.multi:  # still agree with the other ranks, then report
-            job.background(False, exc)
-            handle.result()
-        job._abort_local()
-    finally:
-        handle.fail(exc)
-        handle._settled.set()
-        handle._reported()  # raised to the caller right here
-
-
-def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
-    t = threading.Thread(target=job.background, args=(run_snapshot,), name="statestream-save",
-                         daemon=True)
-    assert job.handle is not None
-    job.handle._thread = t
-    try:
-        t.start()
-    except BaseException as exc:  # a KeyboardInterrupt inside start()
-        # Thread.start() creates the thread, then waits for it to say it started; an
-        # interrupt may land before either. Started, it runs the save (and settles
-        # it); not started, nothing will: abandon the save here.
-        started = getattr(t, "_started", None)  # CPython's Event; no public way to ask
-        if not (started.wait(1.0) if started is not None else t.is_alive()):
-            job.handle._thread = None
-            _abandon(job, exc)
-        raise

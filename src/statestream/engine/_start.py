@@ -1,0 +1,106 @@
+"""Entry points of a save: synchronous, or started in the background.
+
+Asynchronous saves run one at a time in a process: a new one waits for the
+previous one (which stops warming staging buffers for it), then snapshots and
+hands the rest to a thread of its own. The start holds a lock, so that two
+threads calling ``save_async`` at once start one after the other; and a start
+interrupted anywhere (a KeyboardInterrupt) settles its handle, which the next
+save and the interpreter's exit wait for.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from statestream._gc import gc_paused
+from statestream.engine._handle import SaveHandle, enqueue, previous_save, start_lock
+from statestream.engine._job import SaveJob
+from statestream.engine._saveopts import SaveOptions
+from statestream.errors import CheckpointError
+
+__all__ = ["run_save", "start_save"]
+
+#: Names of the threads a save runs on (its writers and its background thread).
+_SAVE_THREADS = ("statestream-write-", "statestream-save")
+
+
+def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
+    """A synchronous save (the caller blocks until it is committed)."""
+    with gc_paused():
+        SaveJob(path, state, options, snapshot=False).run()
+
+
+def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *,
+               lazy: bool) -> SaveHandle:
+    """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
+    previous = previous_save()
+    if previous is not None and not previous._settled.is_set() and (
+            threading.current_thread().name.startswith(_SAVE_THREADS)):
+        raise CheckpointError(
+            f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight "
+            f"to {previous.path} (from a progress callback?): it would wait for that save, "
+            "which waits for this thread. Call ss.save there, or save after it returns")
+    with start_lock():
+        previous = previous_save()
+        if previous is not None:
+            # One save at a time. The previous one's error stays on its handle (and is
+            # reported at exit unless its caller asks for it). If it is still warming
+            # staging buffers for this save, it stops: waiting for the rest to be
+            # faulted in would take longer than racing the writers for it.
+            previous._superseded.set()
+            previous._settled.wait()
+        job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
+        if job.multi:
+            job.finish_coll = job.coll.fork("statestream-async")
+        with gc_paused():
+            job.begin()
+        handle = job.make_handle()
+        try:
+            enqueue(handle)
+            if not lazy:
+                job.snapshot()
+            _spawn(job, run_snapshot=lazy)
+        except BaseException as exc:
+            # the snapshot failed, or an interrupt landed anywhere before the thread
+            # ran: nothing else will settle the handle
+            if handle._thread is None and not handle._settled.is_set():
+                _abandon(job, exc)
+            raise
+        return handle
+
+
+def _abandon(job: SaveJob, exc: BaseException) -> None:
+    """The save failed before its background thread ran: abort it and settle its
+    handle (whatever the abort raises: a handle never settled hangs the next save
+    and the interpreter's exit)."""
+    handle = job.handle
+    assert handle is not None
+    try:
+        if job.multi:  # still agree with the other ranks, then report
+            job.background(False, exc)
+            handle.result()
+        job._abort_local()
+    finally:
+        handle.fail(exc)
+        handle._settled.set()
+        handle._reported()  # raised to the caller right here
+
+
+def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
+    t = threading.Thread(target=job.background, args=(run_snapshot,), name="statestream-save",
+                         daemon=True)
+    assert job.handle is not None
+    job.handle._thread = t
+    try:
+        t.start()
+    except BaseException as exc:  # a KeyboardInterrupt inside start()
+        # Thread.start() creates the thread, then waits for it to say it started; an
+        # interrupt may land before either. Started, it runs the save (and settles
+        # it); not started, nothing will: abandon the save here.
+        started = getattr(t, "_started", None)  # CPython's Event; no public way to ask
+        if not (started.wait(1.0) if started is not None else t.is_alive()):
+            job.handle._thread = None
+            _abandon(job, exc)
+        raise
