@@ -423,3 +423,38 @@ def test_a_store_down_on_a_port_holding_403_is_not_access_denied(key: str) -> No
         assert not isinstance(ei.value, (ss.StoragePermissionError, ss.CheckpointNotFoundError))
     finally:
         sock.close()
+
+
+def test_gc_removes_only_what_a_save_writes(storage: S3Storage, base_url: str) -> None:
+    """Any object at ``PARENT/<x>/<32 hex>/...`` counted as a leftover root of a
+    "checkpoint" ``PARENT/<x>``: gc (and a manager opening on PARENT) deleted a
+    committed checkpoint named by a uuid one level down, and other tools' files laid
+    out under hex run ids (found by an exploratory run)."""
+    import obstore
+
+    from statestream.storage import Leftover, collect_garbage
+
+    bucket, prefix = storage.split_url(base_url)
+    store = storage._store(bucket)
+    nested = f"{base_url}/exp1/{uuid.uuid4().hex}"
+    ss.save(nested, {"w": np.arange(10)})
+    mlflow = f"{prefix}/mlflow/{uuid.uuid4().hex}"
+    obstore.put(store, f"{mlflow}/artifacts/model.pkl", b"not ours")
+    mixed = f"{prefix}/mixed/{uuid.uuid4().hex}"  # shaped like a root, beside a notes file
+    obstore.put(store, f"{mixed}/{MANIFEST_NAME}", b"{}")
+    obstore.put(store, f"{prefix}/mixed/notes.txt", b"not ours")
+    ss.save(f"{base_url}/ck", {"w": np.ones(3)})
+    killed = f"{prefix}/ck/{uuid.uuid4().hex}"  # a killed save's root: gc removes it
+    obstore.put(store, f"{killed}/data/r0-0.bin", b"\0" * 16)
+    obstore.put(store, f"{killed}/{MANIFEST_NAME}", b"{}")
+
+    removed = collect_garbage(storage, base_url, max_age_s=0)
+    assert removed == [f"s3://{bucket}/{killed}"], removed
+    left = {m["path"] for batch in obstore.list(store, prefix=prefix + "/") for m in batch}
+    assert f"{mlflow}/artifacts/model.pkl" in left and f"{prefix}/mixed/notes.txt" in left
+    assert f"{mixed}/{MANIFEST_NAME}" in left and not any(k.startswith(killed) for k in left)
+    assert ss.load(nested)["w"].sum() == 45 and ss.load(f"{base_url}/ck")["w"].sum() == 3
+    with pytest.raises(ss.StorageError, match="which no save writes"):
+        storage.remove_leftover(Leftover(f"s3://{bucket}/{mlflow}", "mlflow", None, 0.0))
+    assert f"{mlflow}/artifacts/model.pkl" in {
+        m["path"] for batch in obstore.list(store, prefix=mlflow) for m in batch}

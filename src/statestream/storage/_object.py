@@ -39,7 +39,7 @@ from statestream.errors import (
     StorageError,
     storage_error,
 )
-from statestream.format import COMMIT_NAME, MAX_COMMIT_BYTES
+from statestream.format import COMMIT_NAME, MANIFEST_NAME, MAX_COMMIT_BYTES, validate_file_name
 from statestream.storage._base import Leftover, StorageCapabilities
 from statestream.storage._object_config import (
     DAMAGED_MARKER,
@@ -78,6 +78,24 @@ def _scrub(text: str) -> str:
     """``text`` without what may hold digits or words by chance (see :data:`_NOISE`)."""
     return _NOISE.sub(" ", text)
 
+
+
+def _saved_kind(rel: str) -> str | None:
+    """What the object at ``rel`` (below a checkpoint's prefix) is: ``""`` for its
+    commit marker, the root for a root's manifest or data file, None for anything
+    a save does not write there."""
+    if rel == COMMIT_NAME:
+        return ""
+    root, _, rest = rel.partition("/")
+    if not ROOT_RE.match(root):
+        return None
+    if rest == MANIFEST_NAME:
+        return root
+    try:
+        validate_file_name(rest)
+    except CheckpointError:
+        return None
+    return root
 
 class ObjectStorage:
     """The Storage protocol on an object store reached through obstore.
@@ -371,32 +389,54 @@ class ObjectStorage:
         Root names cannot record a writer (readers accept 32 hex digits only),
         so every leftover here has an unverifiable writer: removed after the
         age limit, or by the lease holder of ``parent``. An unfinished multipart
-        upload is invisible until it completes (see docs/storage.md).
+        upload is invisible until it completes (see docs/storage.md). Only what a
+        save writes counts: a "checkpoint" holding any other object (a nested
+        checkpoint, another tool's files under a hex-named folder) has no
+        leftovers, whatever its age.
         """
         import obstore
 
         bucket, prefix = self.split_url(parent)
         roots: dict[tuple[str, str], float] = {}
+        foreign: set[str] = set()
         try:
             for batch in obstore.list(self._store(bucket), prefix=prefix + "/"):
                 for m in batch:
-                    parts = m["path"][len(prefix) + 1 :].split("/")
-                    if len(parts) >= 3 and ROOT_RE.match(parts[1]):
+                    name, _, rest = m["path"][len(prefix) + 1 :].partition("/")
+                    kind = _saved_kind(rest)
+                    if kind is None:
+                        if rest:  # an object directly under parent is no checkpoint's
+                            foreign.add(name)
+                    elif kind:
                         when = m["last_modified"].timestamp()
-                        roots[parts[0], parts[1]] = max(roots.get((parts[0], parts[1]), 0), when)
+                        roots[name, kind] = max(roots.get((name, kind), 0), when)
         except Exception as exc:
             raise self._map_error(exc, f"listing {parent}") from exc
-        live = {name: self._live_root(bucket, f"{prefix}/{name}") for name, _ in roots}
+        names = {name for name, _ in roots if name not in foreign}
+        live = {name: self._live_root(bucket, f"{prefix}/{name}") for name in names}
         # a damaged marker cannot say which root is live: none of them is garbage
         return [Leftover(self._url(bucket, f"{prefix}/{name}/{root}"), name, None, when)
                 for (name, root), when in sorted(roots.items())
-                if live[name] not in (root, DAMAGED_MARKER)]
+                if name in names and live[name] not in (root, DAMAGED_MARKER)]
 
     def remove_leftover(self, leftover: Leftover) -> None:
+        import obstore
+
         bucket, key = self.split_url(leftover.path)
         checkpoint, _, root = key.rpartition("/")
         if not ROOT_RE.match(root) or not checkpoint:
             raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
+        try:  # what it holds now, not what the listing saw: only what a save writes
+            for batch in obstore.list(self._store(bucket), prefix=checkpoint + "/"):
+                for m in batch:
+                    if _saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
+                        raise StorageError(
+                            f"{self._url(bucket, checkpoint)} holds {self._url(bucket, m['path'])}"
+                            f", which no save writes; not removing {leftover.path}")
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._map_error(exc, f"listing {self._url(bucket, checkpoint)}") from exc
         live = self._live_root(bucket, checkpoint)
         if live == root:
             raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
