@@ -126,3 +126,40 @@ def test_writer_identity() -> None:
     assert writer_alive(type(me)(me.host, me.pid, me.start + 1)) is False  # a reused pid
     assert writer_alive(type(me)("0" * 16, me.pid, me.start)) is None  # another host
     assert writer_alive(None) is None
+
+
+_KILLED_OVERWRITE = """
+import os, signal, sys
+import numpy as np
+import statestream as ss
+import statestream.storage._local as local
+local._renameat2 = None  # a file system without renameat2: the two-rename fallback
+real = os.rename
+def rename(a, b):
+    real(a, b)
+    if b.endswith(".old"):
+        os.kill(os.getpid(), signal.SIGKILL)  # between moving the old one aside and the new in
+local.os.rename = rename
+ss.save(sys.argv[1], {"w": np.ones(4)}, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("by", ["gc", "next save"])
+def test_an_overwrite_killed_between_its_renames_restores_the_old_checkpoint(
+        tmp_path: Path, by: str) -> None:
+    # the path held no checkpoint, the old one only in <staging>.old and the new one in
+    # <staging>: gc (and the next save beside it) removed both, losing every copy
+    ck = tmp_path / "ck"
+    ss.save(ck, {"w": np.zeros(4)})
+    proc = subprocess.run([sys.executable, "-c", _KILLED_OVERWRITE, str(ck)])
+    assert proc.returncode == -signal.SIGKILL
+    assert not ck.exists() and any(n.endswith(".old") for n in os.listdir(tmp_path))
+    with pytest.warns(RuntimeWarning, match="overwrite was killed while replacing it"):
+        if by == "gc":
+            collect_garbage(LocalStorage(), str(tmp_path))
+        else:
+            ss.save(tmp_path / "other", {"x": np.ones(2)})
+    assert ss.load(ck)["w"].tolist() == [0.0] * 4  # the overwrite never committed
+    assert ss.verify(ck).ok
+    if by == "gc":
+        assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 import shutil
+import warnings
 from typing import Any
 
 from statestream import _hooks
@@ -341,9 +342,34 @@ class LocalStorage:
         path = leftover.path
         if not _STAGING_RE.match(os.path.basename(path)) or os.path.islink(path):
             raise StorageError(f"{path} is not a statestream staging directory; not removing it")
+        if path.endswith(".old") and _restore_replaced(path, leftover.target):
+            return
         try:
             shutil.rmtree(path)
         except FileNotFoundError:
             pass  # already gone: removing is idempotent
         except OSError as exc:
             raise storage_error(f"removing {path} failed: {exc}", exc) from exc
+
+
+def _restore_replaced(path: str, target: str) -> bool:
+    """Put back the checkpoint an overwrite moved aside (``<staging>.old``) if it is
+    committed and nothing took its place: an overwrite without renameat2 renames the
+    old checkpoint away, then the new one in; a kill between the two left no
+    checkpoint at the path, and removing both staging areas lost every copy. The
+    overwrite did not commit, so the old checkpoint is the one restored."""
+    final = os.path.join(os.path.dirname(path), target)
+    if os.path.lexists(final) or not os.path.isfile(os.path.join(path, COMMIT_NAME)):
+        return False
+    try:
+        if not _rename2(path, final, _RENAME_NOREPLACE):
+            os.rename(path, final)
+        fsync_dir(os.path.dirname(path))
+    except FileExistsError:
+        return False  # a new checkpoint took the path meanwhile: this one is garbage
+    except OSError as exc:
+        raise storage_error(f"restoring {final} from {path} failed: {exc}", exc) from exc
+    warnings.warn(f"{final} was missing: an overwrite was killed while replacing it; the "
+                  f"checkpoint it replaced is restored from {path}", RuntimeWarning,
+                  stacklevel=2)
+    return True
