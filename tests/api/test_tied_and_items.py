@@ -169,8 +169,36 @@ def test_items_with_a_target(tmp_path: Path) -> None:
     got = ss.load(tmp_path / "m", {"model": torch.nn.Linear(2, 4)}, items=["model/bias"])
     assert isinstance(got["model"]["bias"], torch.Tensor)  # typed by the module's state
     assert torch.equal(got["model"]["bias"], mod.bias)
-    with pytest.raises(TargetMismatchError, match="along the selected key paths"):
+    with pytest.raises(TargetMismatchError,
+                       match="selected key paths; at 'model' it has a builtins.int"):
         ss.load(path, {"model": 3}, items=["model/layers.0.weight"])
+
+
+def test_items_through_named_tuples_and_dataclasses_of_the_target(tmp_path: Path) -> None:
+    # an optax state is a tuple of named tuples: items=["opt/0/mu"] with the optimizer
+    # state as target was refused, naming 'mu' as the level that had a named tuple
+    import collections
+    import dataclasses
+
+    Adam = collections.namedtuple("Adam", ["count", "mu"])
+
+    @dataclasses.dataclass
+    class Train:
+        opt: tuple
+        step: int
+
+    state = Train((Adam(np.int32(3), {"w": np.ones(3, np.float32)}),), 7)
+    ss.save(tmp_path / "c", {"train": state})
+    like = {"train": Train((Adam(torch.zeros(()), {"w": torch.zeros(3)}),), 0)}
+    got = ss.load(tmp_path / "c", like, items=["train/opt/0/mu"])
+    assert isinstance(got["train"]["opt"][0]["mu"]["w"], torch.Tensor)  # typed by the target
+    assert got["train"]["opt"][0]["mu"]["w"].tolist() == [1.0] * 3
+    got = ss.load(tmp_path / "c", like, items=["train/opt/0/count", "train/step"])
+    assert got["train"]["step"] == 7 and int(got["train"]["opt"][0]["count"]) == 3
+    with pytest.raises(TargetMismatchError,
+                       match="at 'train/opt' it has a builtins.int, which has no entry 0"):
+        ss.load(tmp_path / "c", {"train": Train(3, 0)},  # type: ignore[arg-type]
+                items=["train/opt/0/mu"])
 
 
 def test_items_missing_key_names_the_path(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from statestream.tree import (
     format_keypath,
     is_stateful,
     parse_keypath,
+    state_fields,
     type_name,
 )
 
@@ -50,20 +52,34 @@ def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
     return None
 
 
-def _target_child(like: Any, key: Key) -> Any:
-    """The target's entry under ``key`` on the way to a selected item (NO_TARGET if none)."""
+def _target_child(like: Any, key: Key, path: KeyPath) -> Any:
+    """The target's entry under ``key`` (at ``path``) on the way to a selected item
+    (NO_TARGET if none)."""
     if like is NO_TARGET or like is None:
         return like  # None: the saved kind, all the way down
     if is_stateful(like) and target_provider_for(like) is None:
         like = like.state_dict()  # its state's leaves type what is loaded
     if isinstance(like, dict):
         return like.get(key, NO_TARGET)
+    if type(key) is str and _named(like):  # an optax state, a dataclass: by field name
+        names = (type(like)._fields if isinstance(like, tuple)  # type: ignore[attr-defined]
+                 else [f.name for f in state_fields(like)])
+        return getattr(like, key) if key in names else NO_TARGET
     if isinstance(like, (list, tuple)) and type(key) is int:
         return like[key] if 0 <= key < len(like) else NO_TARGET
+    where = f"at '{format_keypath(path)}'" if path else "at the top"
     raise TargetMismatchError(
-        f"with items=, the target must hold dicts (or lists, or objects with state_dict()) "
-        f"along the selected key paths; at key {key!r} it has a {type_name(like)}"
+        f"with items=, the target must hold dicts, lists, named tuples, dataclasses or "
+        f"objects with state_dict() along the selected key paths; {where} it has a "
+        f"{type_name(like)}, which has no entry {key!r}"
     )
+
+
+def _named(like: Any) -> bool:
+    """A named tuple or a dataclass instance (containers keyed by field name)."""
+    if isinstance(like, tuple):
+        return hasattr(type(like), "_fields")
+    return dataclasses.is_dataclass(like) and not isinstance(like, type)
 
 
 def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[Node, Any]:
@@ -109,7 +125,7 @@ def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
                    else f"'{format_keypath(path)}' holds a {node.kind} without keys")
             )
         key, child = found
-        t = _target_child(like, key)
+        t = _target_child(like, key, path)
         if sub is not None:
             child, t = _select_level(child, sub, t, path + (key,), where)
         keys.append(key)
