@@ -105,8 +105,11 @@ def test_a_checkpoint_manager_step_reads_its_one_item(tmp_path: Path) -> None:
     out = ss.load(tmp_path / "one" / "1")
     assert out["step"] == 1 and out["w"].tobytes() == w.tobytes()
     assert ss.metadata(tmp_path / "one" / "1").tree["w"].shape == (2, 3)
-    with pytest.raises(ss.CheckpointError, match=r"items extra, state; pass one item"):
+    with pytest.raises(ss.CheckpointError, match=r"items extra, state; pass one item") as ei:
         ss.load(tmp_path / "two" / "1")
+    # it suggested the first item, 'extra', a JSON item that then failed to load
+    assert os.path.join(str(tmp_path / "two" / "1"), "state") in str(ei.value)
+    assert "not PyTree items, which statestream does not read: extra" in str(ei.value)
     assert ss.load(tmp_path / "two" / "1" / "state")["w"].tobytes() == w.tobytes()
 
 

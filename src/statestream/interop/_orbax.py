@@ -104,10 +104,14 @@ def _item_dir(directory: str) -> str:
     items = [n for n in subs if looks_like_orbax(os.path.join(directory, n))]
     if len(items) == 1 and len(subs) == 1:
         return os.path.join(directory, items[0])
-    if len(subs) > 1:
+    if len(subs) > 1:  # suggest a PyTree item (a JSON item's one file is plain JSON)
+        trees = [n for n in subs if os.path.isfile(os.path.join(directory, n, "_METADATA"))]
+        other = [n for n in subs if n not in trees]
         raise CheckpointError(
             f"{directory} is an Orbax CheckpointManager step with items {', '.join(subs)}; "
-            f"pass one item's directory (e.g. {os.path.join(directory, subs[0])})")
+            f"pass one item's directory (e.g. {os.path.join(directory, (trees or subs)[0])})"
+            + (f"; not PyTree items, which statestream does not read: {', '.join(other)} (a "
+               "JsonSave item is the plain JSON file <item>/metadata)" if trees and other else ""))
     return directory
 
 
