@@ -188,6 +188,27 @@ def test_loading_after_the_base_was_deleted_names_it(tmp_path: Path) -> None:
     assert ss.metadata(tmp_path / "s2").bases == ["s1"]  # no data read: still describable
 
 
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_damage_in_a_base_names_the_bases_own_file(tmp_path: Path, damage: str) -> None:
+    """A damaged chunk that s2 refers to is reported under s1's file, where it is; it was
+    reported under the reader's alias 's2/../s1/data/...' (a path in no listing, and on
+    an object store no object at all, tests/storage/test_incremental_s3.py)."""
+    s1, s2 = _pair(tmp_path)
+    (f,) = [p for p in (s1 / "data").iterdir() if p.stat().st_size >= MB]
+    raw = bytearray(f.read_bytes())
+    if damage == "flipped":
+        raw[1000] ^= 0xFF
+    else:
+        del raw[len(raw) // 2:]
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ss.CheckpointCorruptError) as err:
+        ss.load(s2)
+    assert str(f) in str(err.value) and ".." not in str(err.value), err.value
+    problems = ss.verify(s2).problems
+    assert problems and all(".." not in p for p in problems), problems
+    assert any(str(f) in p for p in problems), problems
+
+
 def _pair(tmp_path: Path) -> tuple[Path, Path]:
     s = _state()
     ss.save(tmp_path / "s1", s, hashes=True)

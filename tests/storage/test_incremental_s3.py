@@ -83,3 +83,25 @@ def test_incremental_manager_on_s3(storage: S3Storage, base_url: str) -> None:
         out = mgr.load()
         np.testing.assert_array_equal(out["frozen"], _state(3)["frozen"])
         assert out["step"] == 3
+
+
+def test_damage_in_a_base_names_the_object_that_holds_it(storage: S3Storage, base_url: str,
+                                                        s3_server: dict[str, Any]) -> None:
+    """A checksum mismatch in a chunk that s2 refers to names s1's data object, under the
+    root its commit marker names; it named 's2/../s1/data/r0-0.bin', a key without the
+    root, with a '..' that no object store resolves: no such object exists."""
+    ss.save(f"{base_url}/s1", _state(1), hashes=True)
+    ss.save(f"{base_url}/s2", _state(2), base=f"{base_url}/s1")
+    bucket, _, prefix = f"{base_url}/s1".removeprefix("s3://").partition("/")
+    client = s3_server["client"]
+    (key,) = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+              ["Contents"] if "/data/" in o["Key"]]
+    raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    raw[100] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    real = f"s3://{bucket}/{key}"
+    with pytest.raises(ss.ChecksumMismatchError) as err:
+        ss.load(f"{base_url}/s2")
+    assert real in str(err.value) and ".." not in str(err.value), err.value
+    (problem,) = ss.verify(f"{base_url}/s2").problems
+    assert real in problem and ".." not in problem, problem

@@ -17,7 +17,7 @@ from typing import Any
 from statestream.engine._refs import _open_committed, _same_record
 from statestream.errors import TruncatedFileError, UnsafeCheckpointError
 from statestream.format import ArrayEntry, ChunkEntry, FileEntry, Manifest, itemsize_of
-from statestream.storage import CheckpointReader, MappedReader, Storage
+from statestream.storage import CheckpointReader, MappedReader, Storage, file_where
 
 __all__ = ["ChainReader", "MappedChainReader", "follow_bases"]
 
@@ -52,6 +52,13 @@ class ChainReader:
 
     def read_bytes(self, name: str, max_bytes: int) -> bytes:
         return self.main.read_bytes(name, max_bytes)
+
+    def file_url(self, name: str) -> str:
+        """Where file ``name`` really is: a base's file in the base (its reader's
+        ``file_url``: an object store's includes the root its marker names), never
+        the alias ``../<base>/...``, which no store resolves."""
+        r, n = self._route(name)
+        return file_where(r, n)
 
     def file_size(self, name: str) -> int:
         r, n = self._route(name)
