@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +276,62 @@ def test_a_failed_copy_into_the_tier_only_warns(tmp_path, monkeypatch):
         mgr.wait()
         assert mgr.persisted_steps() == [1, 2, 3]
     _whole(tmp_path / "persist")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_store_that_hangs_through_100_saves_uploads_only_what_the_directory_keeps(
+        tmp_path, monkeypatch, async_save):
+    """The store hangs while step 2 is being persisted and steps 3..101 are saved (their
+    persistences queue up behind it): with KeepLatest(2) on the directory, the local tier
+    holds only the steps that policy keeps, step 1 (which holds 'frozen' for all of them),
+    the step being copied and the new one, and once the store is back only those are
+    uploaded, not 98 steps (docs/manager.md). Each queued step's save-time base (the step
+    before it) was protected until the step was persisted, even after the step had
+    committed and its manifest showed it referred to step 1 only: nothing was dropped,
+    the tier held every step and all of them were uploaded once the store was back."""
+    from statestream.manager import _tier
+
+    hangs, back = threading.Event(), threading.Event()
+    _hooks.register("tier.persist", lambda: back.wait(120) if hangs.is_set() else None)
+    uploads: list[int] = []
+    copy = _tier.LocalTier._copy
+    monkeypatch.setattr(_tier.LocalTier, "_copy",
+                        lambda self, step: (uploads.append(step), copy(self, step))[1])
+
+    def small(step: int) -> dict[str, Any]:  # 'frozen' never changes, 'lora' always
+        return {"frozen": np.arange(16_384, dtype=np.float32),
+                "lora": np.full(64, float(step), np.float32)}
+
+    try:
+        mgr = _mgr(tmp_path, async_save=async_save, keep_policy=ss.KeepLatest(2),
+                   local_keep_policy=ss.KeepLatest(1))
+        mgr.save(1, small(1))
+        mgr.wait()
+        hangs.set()
+        most = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the steps not persisted
+            for step in range(2, 102):
+                assert mgr.save(step, small(step))
+                if mgr.in_flight is not None:
+                    mgr.in_flight.result()  # committed locally (async saves)
+                most = max(most, len(_committed(tmp_path / "local")))
+        # 1 (referred to), 2 (being copied), the two the policy keeps and the new one
+        assert most <= 5, most
+        assert _bases(tmp_path / "local", 101) == [1]
+        uploads.clear()
+        back.set()  # the store is back
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mgr.wait()
+        assert set(uploads) <= {2, 100, 101} and {100, 101} <= set(uploads), uploads
+        assert mgr.persisted_steps() == [100, 101] and mgr.unpersisted_steps() == []
+        for step in (100, 101):
+            got = mgr.load(step)
+            np.testing.assert_array_equal(got["lora"], small(step)["lora"])
+            np.testing.assert_array_equal(got["frozen"], small(step)["frozen"])
+        mgr.close()
+    finally:
+        back.set()
+        _hooks.clear()

@@ -183,10 +183,15 @@ class LocalTier:
             return set(self._running)
 
     def queued_bases(self) -> set[int]:
-        """The bases the queued steps were saved against (known before they commit)."""
+        """The bases that queued steps not committed locally yet are saved against
+        (their manifests do not exist yet). A committed step's manifest names what it
+        refers to; its save-time base was protected here until it was persisted, even
+        when the step referred to nothing of it or was dropped itself, so an outage
+        slower than the saves kept every local step."""
         with self._lock:
             self.pending_steps()  # forgets the finished ones
-            return {b for b in self._base_of.values() if b is not None}
+            queued = [(s, b) for s, b in self._base_of.items() if b is not None]
+        return {b for s, b in queued if not self.is_committed(s)}
 
     def unpersisted(self) -> list[int]:
         """Locally committed steps not recorded as persisted, ascending (local disk only)."""
