@@ -216,3 +216,39 @@ def test_uninterrupted_child_run(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-2000:]
     assert _on_disk(d) == [4, 5, 6]
     _no_dangling(d)
+
+
+def _in_turn(step: int) -> dict[str, Any]:
+    """'a' changes at odd steps, 'b' at even ones: each step refers to the one before."""
+    return {"a": np.full(4096, (step + 1) // 2, np.float32),
+            "b": np.full(4096, -1 - step // 2, np.float32)}
+
+
+def test_a_retired_step_keeps_nothing_it_refers_to(tmp_path: Path) -> None:
+    """KeepLatest(1) with arrays changing in turn: step 10 refers to step 9, which
+    refers to step 8, and so on. References are flattened (10 reads only 9's chunks),
+    so 9 is retired and what 9 refers to is deleted; the whole chain was kept
+    (retention followed the bases of bases), so storage grew with every step. A retired
+    step whose bases are gone is never listed, offered to a policy or used as a base,
+    even by a manager with a policy that would keep it."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, _in_turn(step))
+            assert len(_on_disk(d)) <= 2, _on_disk(d)
+        assert mgr.steps() == [10] and _on_disk(d) == [9, 10]
+        assert _bases(d, 10) == [9] and _bases(d, 9) == [8]  # 8 is gone: 9 is retired
+    with ss.CheckpointManager(d, incremental=True, async_save=False,
+                              keep_policy=ss.KeepLatest(3)) as mgr:
+        assert mgr.steps() == [10]  # 9 cannot be loaded: not listed, though 3 are kept
+        mgr.save(11, _in_turn(11))
+        assert _bases(d, 11) == [10]  # not 9
+        mgr.save(12, _in_turn(12))
+        assert mgr.steps() == [10, 11, 12] and _on_disk(d) == [9, 10, 11, 12]
+        for step in mgr.steps():
+            got = mgr.load(step)
+            for k, v in _in_turn(step).items():
+                np.testing.assert_array_equal(got[k], v)
+        mgr.save(13, _in_turn(13))
+        assert mgr.steps() == [11, 12, 13] and _on_disk(d) == [10, 11, 12, 13]

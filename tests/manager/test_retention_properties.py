@@ -7,13 +7,16 @@ steps each refers to, some unreadable); the real manager runs the same class on
 real checkpoints in test_incremental_manager.py and test_tier_incremental*.py.
 After every ``apply``:
 
-- no remaining step refers to a step that is gone;
-- the latest step, the protected steps and every step the policy keeps remain;
+- every step a kept step refers to remains (a retired step's own references
+  are not kept: references are flattened, it is kept for its own chunks);
+- the latest step, the protected steps and every step the policy keeps remain
+  (the policy sees the steps that refer to no step that is gone);
 - a step whose manifest cannot be read stays, and so does every step older than
   it (what it refers to is unknown); the policy sees the readable steps;
 - a step the policy drops and no kept step refers to is gone;
 - deletions go newest first; ``listed`` is the remaining steps minus the
-  retired ones (dropped by the policy, kept only for a reference).
+  retired ones (dropped by the policy, kept only for a reference) and, but
+  for the newest, those that refer to a step that is gone.
 """
 
 from __future__ import annotations
@@ -114,10 +117,16 @@ def _held(before: list[int], readable: set[int]) -> set[int]:
     return {s for s in before if s <= bad[-1]} if bad else set()
 
 
+def _broken(steps: list[int], readable: set[int], d: _Dir) -> set[int]:
+    """The readable ``steps`` that refer to a step not among them (cannot be loaded)."""
+    return {s for s in steps if s in readable and not set(d.held[s][1]) <= set(steps)}
+
+
 def _check_apply(r: Retention, d: _Dir, policy: Any, protected: set[int]) -> None:
     before = d.steps()
     readable = {s for s in before if s not in d.unreadable}
-    infos = [r._info(s) for s in before]
+    broken = _broken(before, readable, d)
+    infos = [r._info(s) for s in before if s not in broken]
     kept_by_policy = set(policy.keep([i for i in infos if i is not None]))
     d.deleted.clear()
     with warnings.catch_warnings():
@@ -130,33 +139,31 @@ def _check_apply(r: Retention, d: _Dir, policy: Any, protected: set[int]) -> Non
         return
     must_stay = kept_by_policy | protected | {before[-1]} | _held(before, readable)
     assert must_stay & set(before) <= set(after)
-    for s in after:  # no dangling reference among what remains (readable ones)
-        if s in readable:
-            assert set(d.held[s][1]) <= set(after), (s, d.held[s][1], after)
     keep_of = must_stay & set(before)
-    needed = _closure(keep_of, readable, d)
+    for s in keep_of & readable:  # what a kept step refers to stays
+        assert set(d.held[s][1]) & set(before) <= set(after), (s, d.held[s][1], after)
+    needed = _direct(keep_of, readable, d)
+    # only what a kept step refers to directly: references are flattened, so a retired
+    # step is kept for its own chunks, not for what it refers to (that leaked: KeepLatest(1)
+    # with arrays changing in turn kept every step of the chain)
     assert set(after) == keep_of | (needed & set(before))
     # listed: what remains, less the retired (dropped by the policy, needed by a kept one)
+    # and the steps that refer to a step that is gone (but the newest)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        kept_now = set(policy.keep([i for i in map(r._info, after) if i is not None]))
+        broken_now = _broken(after, readable, d)
+        kept_now = set(policy.keep([i for i in map(r._info, after)
+                                    if i is not None and i.step not in broken_now]))
         listed = set(r.listed())
     kept_now |= ({after[-1]} if after else set()) | _held(after, readable)
-    needed_now = _closure(kept_now & set(after), readable, d)
-    assert listed == {s for s in after if s in kept_now or s not in needed_now}
+    needed_now = _direct(kept_now & set(after), readable, d)
+    assert listed == {s for s in after if (s in kept_now or s not in needed_now)
+                      and (s not in broken_now or s == after[-1])}
+    for s in listed - {after[-1]}:  # a listed step loads: nothing it refers to is gone
+        assert s not in readable or set(d.held[s][1]) <= set(after), (s, after)
 
 
-def _closure(keep: set[int], readable: set[int], d: _Dir) -> set[int]:
-    """The steps the ``keep`` steps refer to, transitively (an unreadable one's
-    references are unknown: every older step is kept instead, see _held)."""
-    needed: set[int] = set()
-    todo = list(keep)
-    while todo:
-        s = todo.pop()
-        if s not in readable:
-            continue
-        for b in d.held[s][1]:
-            if b not in needed:
-                needed.add(b)
-                todo.append(b)
-    return needed
+def _direct(keep: set[int], readable: set[int], d: _Dir) -> set[int]:
+    """The steps the ``keep`` steps refer to (an unreadable one's references are
+    unknown: every older step is kept instead, see _held)."""
+    return {b for s in keep if s in readable for b in d.held[s][1]}

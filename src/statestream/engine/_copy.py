@@ -215,7 +215,8 @@ def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransa
 def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                     collective: Collective | None = None,
                     files: Callable[[str], bool] | None = None,
-                    threads: int = 4, memory_bytes: int | None = None) -> None:
+                    threads: int = 4, memory_bytes: int | None = None,
+                    require_bases: bool = True) -> None:
     """Copy the committed checkpoint ``src`` to ``dst`` and commit it there.
 
     Memory: ``threads`` data files are copied at once, each through one buffer of at
@@ -232,7 +233,9 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
 
     Chunks ``src`` keeps in its bases (an incremental save's references)
     are not copied: the bases must already be committed next to ``dst``
-    under the same names, which is checked before committing.
+    under the same names, which is checked before committing
+    (``require_bases=False``: not checked, for a copy that is only read for its
+    own chunks, such as a manager's retired step, whose bases may be gone).
 
     Raises:
         ChecksumMismatchError, CheckpointCorruptError: ``src`` is damaged
@@ -270,7 +273,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
             err = None
             if coll.rank == 0:
                 try:
-                    _check_bases(m, src, dst)
+                    if require_bases:
+                        _check_bases(m, src, dst)
                     txn.write_bytes(MANIFEST_NAME, mbytes)
                     txn.write_bytes(COMMIT_NAME, marker)
                     txn.commit()

@@ -115,10 +115,12 @@ class Retention:
     :meth:`forget` first.
 
     Incremental steps refer to chunks of older steps (their manifests'
-    ``bases``). A step the policy drops but a kept step still refers to is
-    *retired*: kept on storage, not listed; it is deleted once no kept step
-    refers to it. Which steps are retired is recomputed from the manifests
-    (never recorded elsewhere), so a restarted manager sees the same.
+    ``bases``, flattened: every step a step reads). A step the policy drops but
+    a kept step still refers to is *retired*: kept on storage, not listed; it is
+    deleted once no kept step refers to it. What a retired step refers to is
+    not kept for it (it is kept for its own chunks only). Which steps are
+    retired is recomputed from the manifests (never recorded elsewhere), so a
+    restarted manager sees the same.
     Deletions go newest first: references point to older steps, so a
     deletion killed halfway never leaves a committed step referring to a
     deleted one.
@@ -181,33 +183,50 @@ class Retention:
                 if si is not None and si.step in listed]
 
     def listed(self) -> list[int]:
-        """The committed steps, without the retired ones (see the class docstring)."""
+        """The committed steps, without the retired ones (see the class docstring) and
+        without a step that refers to a step no longer committed (a retired step whose
+        own bases were deleted: it cannot be loaded), unless it is the newest."""
         steps = self._steps.steps()
         if isinstance(self._policy, KeepAll):
             return steps
         keep, needed = self._plan(steps, set())
-        return [s for s in steps if s not in needed]
+        broken = self._broken(steps)
+        return [s for s in steps if s not in needed and (s not in broken or s == steps[-1])]
 
-    def dropped_by(self, policy: KeepPolicy, steps: list[int], protected: set[int]
-                   ) -> list[int]:
+    def dropped_by(self, policy: KeepPolicy, steps: list[int], protected: set[int],
+                   through: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """The ``steps`` (committed here) that ``policy`` drops and no step it keeps
         refers to, as :meth:`apply` would see them if they were all there is; the
         newest, the ``protected``, the unreadable ones and every step older than
-        an unreadable one are kept."""
-        keep, needed = self._plan(sorted(steps), protected, policy)
+        an unreadable one are kept. A step of ``through`` that a kept step refers to
+        keeps what it refers to too (a local tier copies it to the directory, which
+        needs its bases there)."""
+        keep, needed = self._plan(sorted(steps), protected, policy, through)
         return [s for s in sorted(steps) if s not in keep and s not in needed]
 
-    def _plan(self, steps: list[int], protected: set[int], policy: KeepPolicy | None = None
-              ) -> tuple[set[int], set[int]]:
+    def _broken(self, steps: list[int]) -> set[int]:
+        """The readable ``steps`` that refer to a step not among them."""
+        have = set(steps)
+        return {s for s in steps if any(b not in have for b in self._read(s)[1])}
+
+    def _plan(self, steps: list[int], protected: set[int], policy: KeepPolicy | None = None,
+              through: set[int] | frozenset[int] = frozenset()) -> tuple[set[int], set[int]]:
         """(kept, referred to by a kept step but not kept itself).
 
-        Kept: what the policy keeps of the readable steps, the ``protected``, the
-        newest, and every step up to the newest unreadable one (references point
-        to older steps, so what an unreadable step needs is among those).
+        Kept: what the policy keeps of the readable steps that refer to no missing
+        step, the ``protected``, the newest, and every step up to the newest
+        unreadable one (references point to older steps, so what an unreadable
+        step needs is among those). References are flattened (a step's manifest
+        names every checkpoint it reads chunks from, each holding them itself), so
+        a kept step needs its own bases only, not theirs: those are deleted once
+        nothing kept refers to them, and a retired step whose bases are gone is
+        never offered to the policy (nor listed, nor a base): it cannot be loaded.
         """
         read = {s: self._read(s) for s in steps}
         policy = self._policy if policy is None else policy
-        keep = set(policy.keep([si for si, _ in read.values() if si is not None]))
+        broken = self._broken(steps)
+        keep = set(policy.keep([si for s, (si, _) in read.items()
+                                if si is not None and s not in broken]))
         keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step
@@ -222,7 +241,8 @@ class Retention:
             for b in (read[s] if s in read else self._read(s))[1]:
                 if b not in needed:
                     needed.add(b)
-                    todo.append(b)
+                    if b in through:
+                        todo.append(b)
         return keep, needed - keep
 
     def _warn_unreadable(self, unreadable: list[int], steps: list[int]) -> None:

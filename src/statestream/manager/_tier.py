@@ -444,14 +444,15 @@ class LocalTier:
 
     def bases_to_keep(self) -> set[int]:
         """Steps the persistent keep policy must not delete yet: every step that a
-        step still to be persisted refers to (directly or through its bases).
+        step still to be persisted refers to (its manifest's ``bases``: references
+        are flattened, so its copy needs those only; a base that is itself still to
+        be persisted counts by its own bases).
 
         A queued step that has not committed locally yet counts by the base it
         is saved against; a local manifest that cannot be read protects every
         local step (what it refers to is unknown).
         """
         out: set[int] = set()
-        todo: list[int] = []
         for s in self.pending_steps() | set(self.unpersisted()):
             bases = self.retention.bases_of(s) if self.is_committed(s) else None
             if bases is None:
@@ -460,14 +461,16 @@ class LocalTier:
                 with self._lock:
                     b = self._base_of.get(s)
                 bases = [] if b is None else [b]
-            todo += bases
-        while todo:
-            b = todo.pop()
-            if b in out:
-                continue
-            out.add(b)
-            todo += self.retention.bases_of(b) or []
+            out.update(bases)
         return out
+
+    def holds(self, step: int) -> bool:
+        """``step`` is committed here with every step it refers to (a retired local
+        step whose bases the local keep policy deleted loads from the directory)."""
+        if not self.is_committed(step):
+            return False
+        bases = self.retention.bases_of(step)
+        return bases is None or all(self.is_committed(b) for b in bases)
 
     def wait(self) -> None:
         """Wait for every queued persistence, then try once more, every process
@@ -548,8 +551,10 @@ class LocalTier:
             protected = self.queued_bases()
             if self._active is not None:
                 protected.add(self._active)
+            # an unpersisted step that is kept for a reference is copied to the directory
+            # later, which needs its bases there first: those are kept too (``through``)
             dropped = [s for s in self.retention.dropped_by(self._directory_keep, self.steps(),
-                                                            protected)
+                                                            protected, through=todo)
                        if s in todo and s not in protected]
             for s in dropped:
                 self.records.record(s)

@@ -200,7 +200,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     one = SingleProcess()
     result: Any = None
     err: BaseException | None = None
-    from_persistent = not tier.is_committed(step)
+    from_persistent = not tier.holds(step)
     if collective.world_size > 1:
         # with a target (or items), each node fetches only what its processes read
         reads = None if target is None and items is None else _Reads(target, items,
@@ -208,7 +208,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
         ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step),
                              None if reads is None else reads.of_step)
         ok = ok and _complete_bases(tier, step, collective, reads)
-        from_persistent = not ok or not tier.is_committed(step)
+        from_persistent = not ok or not tier.holds(step)
     if not from_persistent:
         try:
             result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
@@ -290,8 +290,10 @@ def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
         try:
             for s in _fetch_order(tier.persistent, step):
                 if not tier.is_committed(s):
+                    # a base is needed for its own chunks only; its own bases may be gone
                     copy_checkpoint(tier.persistent.path(s), tier.path(s), files=files,
-                                    memory_bytes=tier.memory_bytes)
+                                    memory_bytes=tier.memory_bytes,
+                                    require_bases=s == step)
                     tier.records.record(s)
             _hooks.fire("tier.fetched")
         except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
@@ -302,14 +304,8 @@ def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
     return tier.tasks.submit(task, f"fetching step {step} into {tier.root}")
 
 def _fetch_order(persistent: StepDirectory, step: int) -> list[int]:
-    """``step`` and every step it refers to, directly or not, oldest first."""
-    seen: set[int] = set()
-    todo = [step]
-    while todo:
-        s = todo.pop()
-        if s in seen:
-            continue
-        seen.add(s)
-        todo += [b for b in map(parse_step, metadata(persistent.path(s)).bases)
-                 if b is not None]
-    return sorted(seen)
+    """The steps ``step`` refers to, oldest first, then ``step``: references are
+    flattened, so those hold every chunk it reads (what they refer to themselves
+    may be deleted already: they are retired there)."""
+    bases = [b for b in map(parse_step, metadata(persistent.path(step)).bases) if b is not None]
+    return [*sorted(bases), step]
