@@ -217,6 +217,21 @@ def test_diff_error_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
 
 
+def test_diff_refuses_two_leaves_at_one_key_path(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The int key 5 and the str key "5" share the key path ``5``: diff kept one leaf per
+    key path, so a[5] != b[5] went unseen and it said ``equal`` (exit 0). It names leaves
+    by key path and cannot tell the two apart, so it is an error (exit 2) naming it."""
+    ss.save(tmp_path / "a", {5: np.zeros(3), "5": np.ones(3), "x": 1})
+    ss.save(tmp_path / "b", {5: np.ones(3), "5": np.ones(3), "x": 1})
+    ss.save(tmp_path / "c", {"5": np.ones(3), "x": 1})
+    for a, b in (("a", "b"), ("c", "b"), ("a", "a")):
+        assert main(["diff", str(tmp_path / a), str(tmp_path / b)]) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.count("\n") == 1
+        assert cap.err.startswith("error: ") and "at key path '5'" in cap.err
+
+
 # ------------------------------------------------------------ inspect / verify JSON
 
 

@@ -207,11 +207,31 @@ def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Na
     return None if ok and same_dtype else change
 
 
+def _leaves(md: ss.CheckpointMetadata) -> dict[str, Any]:
+    """Key path -> leaf, refusing a checkpoint with two leaves at one key path.
+
+    An int key and a str key of the same digits (``{5: x, "5": y}``) share the key path
+    ``5``. A dict of the leaves kept one of them, so a change in the other went unseen
+    (``equal``, exit 0). diff names, reads (``items=``) and reports leaves by key path
+    and cannot tell such leaves apart, so it says it cannot compare them (exit 2)
+    rather than name a change nobody could place.
+    """
+    out: dict[str, Any] = {}
+    for k, leaf in md.leaves():
+        if k in out:
+            raise ss.CheckpointError(
+                f"{md.path} holds more than one leaf at key path {k!r} (keys of different "
+                "types, such as 5 and '5'): diff compares leaves by key path and cannot "
+                "tell them apart")
+        out[k] = leaf
+    return out
+
+
 def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
     ma = ss.metadata(a, allow_pickle=opts.allow_pickle)
     mb = ss.metadata(b, allow_pickle=opts.allow_pickle)
-    la, lb = dict(ma.leaves()), dict(mb.leaves())
+    la, lb = _leaves(ma), _leaves(mb)
     common = [k for k in la if k in lb]
     read = [k for k in common if _arrays_to_read(la[k], lb[k])]
     # Each side's batch holds its arrays; with a budget, half of it per side.
