@@ -67,7 +67,11 @@ def list_directory(directory: str) -> dict[str, Any]:
         return {"directory": directory, "kind": "checkpoint",
                 "entries": [_entry(storage, path, name, parse_step(name))]}
     steps = StepDirectory(storage, path)
-    names = sorted(storage.list(path))
+    leftovers = storage.leftovers(path)
+    # a save killed after its commit marker was written but before the rename leaves a
+    # committed staging directory: it is a leftover, not a checkpoint of its own
+    staging = {lo.path.rstrip("/").rpartition("/")[2] for lo in leftovers}
+    names = sorted(n for n in storage.list(path) if n not in staging)
     is_manager = any(parse_step(n) is not None for n in names)
     entries: list[dict[str, Any]] = []
     for name in names:
@@ -78,7 +82,7 @@ def list_directory(directory: str) -> dict[str, Any]:
         if step is None and not storage.is_committed(child):
             continue  # a plain directory: only checkpoints
         entries.append(_entry(storage, child, name, step))
-    for lo in storage.leftovers(path):
+    for lo in leftovers:
         entries.append({"name": lo.target, "path": lo.path, "step": parse_step(lo.target),
                          "state": "leftover", "format": None, "time": lo.modified,
                          "nbytes": None, "disk_bytes": None, "metrics": {}, "error": None,
