@@ -4,6 +4,8 @@ on odd metadata (more in test_commands.py)."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +36,37 @@ def test_a_committed_staging_directory_is_a_leftover_only(
     assert main(["ls", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert ".tmp-" not in text and "1 committed checkpoint, 1 other" in text
+
+
+def reseal(path: Path, edit: Callable[[str], str]) -> None:
+    """Rewrite ``path``'s manifest text through ``edit`` and its commit marker to match,
+    as a hostile writer would."""
+    from statestream.format import encode_commit
+
+    raw = edit((path / "manifest.json").read_text()).encode()
+    (path / "manifest.json").write_bytes(raw)
+    (path / "COMMITTED").write_bytes(encode_commit(raw))
+
+
+def test_a_time_out_of_range_is_shown_as_a_dash(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``meta={"time": 1e300}``, or a manifest whose created_unix is NaN, an infinity or
+    a 400-digit int, ended ls in a traceback (OverflowError, ValueError; exit 1). Such a
+    time shows as ``-`` (``null`` in JSON); a readable one still shows."""
+    ss.save(tmp_path / "ok", {"w": np.ones(2)}, meta={"time": 1.5e9})
+    ss.save(tmp_path / "far", {"w": np.ones(2)}, meta={"time": 1e300})
+    for name, bad in (("nan", "NaN"), ("inf", "1e999"), ("huge", "1" + "0" * 400),
+                      ("text", '"x"'), ("bool", "true")):
+        ss.save(tmp_path / name, {"w": np.ones(2)})
+        reseal(tmp_path / name,
+               lambda raw, bad=bad: re.sub(r'"created_unix":[^,}]*', f'"created_unix":{bad}',
+                                           raw))
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:-1]}
+    assert set(lines) == {"ok", "far", "nan", "inf", "huge", "text", "bool"}
+    assert lines["ok"][1:3] == ["committed", "2017-07-14"]
+    assert all(ln[1:3] == ["committed", "-"] for n, ln in lines.items() if n != "ok")
+    rc, out = out_json(capsys, ["ls", str(tmp_path), "--json"])
+    times = {e["name"]: e["time"] for e in out["entries"]}
+    assert times == {"ok": 1.5e9, "far": 1e300, "nan": None, "inf": None, "huge": None,
+                     "text": None, "bool": None}

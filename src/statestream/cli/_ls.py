@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from typing import Any
@@ -26,6 +27,21 @@ EXAMPLE = """examples:
 """
 
 
+def _seconds(*candidates: Any) -> float | int | None:
+    """The first candidate that is a time: a finite number of Unix seconds (a bool, a
+    string, NaN, an infinity or an int beyond float's range, from a hostile manifest or
+    odd user metadata, is none)."""
+    for t in candidates:
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            continue
+        try:
+            if math.isfinite(float(t)):
+                return t
+        except OverflowError:
+            continue
+    return None
+
+
 def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
                          "format": None, "time": None, "nbytes": None, "disk_bytes": None,
@@ -39,7 +55,7 @@ def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, An
         return e
     user = md.meta.get("user", {}) if isinstance(md.meta.get("user"), dict) else {}
     e["format"] = md.format
-    e["time"] = user.get("time", md.meta.get("created_unix"))
+    e["time"] = _seconds(user.get("time"), md.meta.get("created_unix"))
     e["nbytes"] = md.total_bytes
     # its own data files: less than nbytes when compressed, or incremental (the rest
     # lies in its bases)
@@ -93,9 +109,14 @@ def list_directory(directory: str) -> dict[str, Any]:
 
 
 def _when(t: Any) -> str:
-    if not isinstance(t, (int, float)):
+    """``t`` (Unix seconds) as UTC, or ``-`` when it is none or out of range: ``ls`` of
+    a checkpoint saved with ``meta={"time": 1e300}`` ended in an OverflowError traceback."""
+    if _seconds(t) is None:
         return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t)))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t)))
+    except (OverflowError, OSError, ValueError):  # beyond time_t or the platform's years
+        return "-"
 
 
 def _metrics_text(m: dict[str, Any]) -> str:
