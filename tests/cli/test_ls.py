@@ -70,3 +70,27 @@ def test_a_time_out_of_range_is_shown_as_a_dash(tmp_path: Path,
     times = {e["name"]: e["time"] for e in out["entries"]}
     assert times == {"ok": 1.5e9, "far": 1e300, "nan": None, "inf": None, "huge": None,
                      "text": None, "bool": None}
+
+
+def _strict(text: str) -> Any:
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+
+
+def test_json_is_strict_with_nan_and_infinite_numbers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step's NaN or infinite metric (ls) and a hostile manifest's NaN created_unix
+    (inspect) came out as bare NaN / Infinity, which strict parsers refuse; they are the
+    strings "nan" / "inf" / "-inf", as in ``diff --json``."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, async_save=False) as m:
+        m.save(1, {"w": np.ones(2)},
+               metrics={"loss": float("nan"), "gnorm": float("inf"), "m": -float("inf")})
+    assert main(["ls", str(d), "--json"]) == 0
+    (e,) = _strict(capsys.readouterr().out)["entries"]
+    assert e["metrics"] == {"loss": "nan", "gnorm": "inf", "m": "-inf"}
+    assert main(["ls", str(d)]) == 0
+    assert "loss=nan gnorm=inf m=-inf" in capsys.readouterr().out
+    ck = d / "step_0000000001"
+    reseal(ck, lambda raw: re.sub(r'"created_unix":[^,}]*', '"created_unix":NaN', raw))
+    assert main(["inspect", str(ck), "--json"]) == 0
+    assert _strict(capsys.readouterr().out)["meta"]["created_unix"] == "nan"

@@ -8,7 +8,6 @@ never the whole state, and compared :data:`BLOCK_ELEMENTS` elements at a time.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import statestream as ss
-from statestream.cli._main import _json_default, add_memory_budget, memory_options, safe
+from statestream.cli._main import add_memory_budget, json_text, memory_options, safe
 from statestream.cli._progress import progress_bar
 from statestream.tree import parse_keypath
 
@@ -272,7 +271,7 @@ def _side(d: dict[str, Any]) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     out = diff(args.a, args.b, args)
     if args.json:
-        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
+        print(json_text(out))
         return 0 if out["equal"] else 1
     for e in out["added"]:
         print(f"+ {safe(e['key'])}  {_side(e)}")

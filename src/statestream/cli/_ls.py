@@ -7,14 +7,13 @@ takes the manager's lease, never removes anything.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
 from typing import Any
 
 import statestream as ss
-from statestream.cli._main import _human, _json_default, safe
+from statestream.cli._main import _human, json_text, safe
 from statestream.manager._retention import decode_metrics
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.storage import storage_for
@@ -135,7 +134,7 @@ def _bases_text(bases: list[str]) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     out = list_directory(args.directory)
     if args.json:
-        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
+        print(json_text(out))
         return 0
     rows = out["entries"]
     w = min(60, max([4] + [len(safe(e["name"])) for e in rows]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import statestream as ss
 
-__all__ = ["main"]
+__all__ = ["json_text", "main"]
 
 
 def _human(n: int) -> str:
@@ -130,8 +131,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 for k, kind, dt, sh, nb, st, codec in rows
             ],
         }
-        # ASCII-escaped: no control character or surrogate reaches the terminal
-        print(json.dumps(out, indent=2, ensure_ascii=True, default=_json_default))
+        print(json_text(out))
         return 0
     print(f"checkpoint  {safe(md.path)}")
     fmt = f"statestream v{md.format_version}" if md.format == "statestream" else md.format
@@ -161,6 +161,35 @@ def _json_default(x: Any) -> Any:  # pragma: no cover - meta is plain JSON
     return safe(repr(x))
 
 
+def _finite(x: Any) -> Any:
+    """``x`` with every NaN or infinite float, however deep, as ``"nan"``, ``"inf"`` or
+    ``"-inf"``."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+    if isinstance(x, dict):
+        return {_finite(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def json_text(doc: Any) -> str:
+    """``doc`` as the ``--json`` of every command prints it: strict JSON, ASCII.
+
+    A NaN or infinity (a step's ``loss`` metric, a hostile manifest's ``created_unix``)
+    is the string ``"nan"`` / ``"inf"`` / ``"-inf"``: ``ls --json`` and ``inspect
+    --json`` printed bare ``NaN`` and ``Infinity``, which no strict parser (JSON.parse,
+    Go, serde) reads. ASCII-escaped: no control character or surrogate reaches the
+    terminal.
+
+    Example:
+        >>> json.loads(json_text({"loss": float("nan"), "best": -float("inf")}))
+        {'loss': 'nan', 'best': '-inf'}
+    """
+    return json.dumps(_finite(doc), indent=2, ensure_ascii=True, allow_nan=False,
+                      default=_json_default)
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         ss.metadata(args.path)
@@ -175,10 +204,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         rep = ss.verify(args.path, allow_pickle=args.allow_pickle, progress=cb,
                         memory=memory_options(args))
     if args.json:
-        print(json.dumps({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
-                          "checked_bytes": rep.checked_bytes,
-                          "problems": [str(p) for p in rep.problems]},
-                         indent=2, ensure_ascii=True))
+        print(json_text({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
+                         "checked_bytes": rep.checked_bytes,
+                         "problems": [str(p) for p in rep.problems]}))
         return 0 if rep.ok else 1
     if rep.ok:
         print(f"OK  {safe(rep.path)}: {rep.checked_chunks} chunks, "
