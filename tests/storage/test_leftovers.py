@@ -105,6 +105,32 @@ def test_unverifiable_writers_are_kept_until_stale(tmp_path: Path, suffix: str) 
     assert not d.exists()
 
 
+def test_a_nan_or_negative_age_is_refused(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``max_age_s=nan`` or ``-1`` (``gc --max-age-hours nan``) was taken, and made the
+    fresh staging area of another host's save in progress old enough to remove."""
+    d = tmp_path / ".ckpt.tmp-00112233aabb-w0123456789abcdef-1-1"  # another host's
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "r0-0.bin").write_bytes(b"being written")
+    st = LocalStorage()
+    for bad in (float("nan"), -1.0, -float("inf")):
+        with pytest.raises(ss.InvalidOptionError, match="max_age_s must be a number of "
+                           "seconds >= 0"):
+            collect_garbage(st, str(tmp_path), max_age_s=bad)
+    with pytest.raises(ss.InvalidOptionTypeError):
+        collect_garbage(st, str(tmp_path), max_age_s="1h")  # type: ignore[arg-type]
+    assert collect_garbage(st, str(tmp_path), max_age_s=float("inf")) == []  # never by age
+    for bad in ("nan", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as ei:  # argparse refuses it: usage, exit 2
+            main(["gc", str(tmp_path), "--max-age-hours", bad])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "an age is a finite number >= 0" in err or "not a number" in err
+    assert d.is_dir()
+    assert main(["gc", str(tmp_path), "--max-age-hours", "0"]) == 0
+    assert not d.exists()
+
+
 def test_only_staging_directories_are_touched(tmp_path: Path) -> None:
     target = tmp_path / "precious"
     target.mkdir()

@@ -233,6 +233,19 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hours(text: str) -> float:
+    """``--max-age-hours``: a finite number >= 0. NaN or a negative age was taken, and
+    made every leftover of an unverifiable writer old enough to remove: another host's
+    save in progress lost its staging area."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"an age is a finite number >= 0, not {text!r}")
+    return v
+
+
 def _quiet_stdout() -> None:
     """Point stdout at devnull so the interpreter's final flush cannot raise again."""
     import os
@@ -288,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
                        formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
     p.add_argument("directory")
-    p.add_argument("--max-age-hours", type=float, default=24.0,
+    p.add_argument("--max-age-hours", type=_hours, default=24.0,
                    help="remove leftovers whose writer cannot be checked (another host) "
                         "once unchanged this long (default 24)")
     p.set_defaults(fn=_cmd_gc)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import numbers
 import os
 import time
 from collections.abc import Callable
 
-from statestream.errors import CheckpointError
+from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
 from statestream.storage._base import Storage, WriterId
 
 __all__ = ["DEFAULT_MAX_AGE_S", "collect_garbage", "this_writer", "writer_alive"]
@@ -93,6 +95,14 @@ def writer_alive(writer: WriterId | None) -> bool | None:
     return start == writer.start
 
 
+def _check_max_age(max_age_s: float) -> None:
+    if isinstance(max_age_s, bool) or not isinstance(max_age_s, numbers.Real):
+        raise InvalidOptionTypeError(
+            f"max_age_s must be a number of seconds, not {type(max_age_s).__name__}")
+    if math.isnan(max_age_s) or max_age_s < 0:
+        raise InvalidOptionError(f"max_age_s must be a number of seconds >= 0, not {max_age_s}")
+
+
 def collect_garbage(
     storage: Storage,
     parent: str,
@@ -107,12 +117,17 @@ def collect_garbage(
     that target whose writer is not provably alive is garbage, since no one
     else may write there.
 
+    ``max_age_s`` is a number of seconds >= 0 (``inf``: never by age). A NaN or a
+    negative age raises :class:`InvalidOptionError`: either one made every staging
+    area of an unverifiable writer (another host's save in progress) old enough to go.
+
     Example:
         >>> import tempfile
         >>> from statestream.storage import LocalStorage
         >>> collect_garbage(LocalStorage(), tempfile.mkdtemp())
         []
     """
+    _check_max_age(max_age_s)
     removed = []
     now = time.time()
     for item in storage.leftovers(parent):
