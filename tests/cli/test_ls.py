@@ -94,3 +94,31 @@ def test_json_is_strict_with_nan_and_infinite_numbers(
     reseal(ck, lambda raw: re.sub(r'"created_unix":[^,}]*', '"created_unix":NaN', raw))
     assert main(["inspect", str(ck), "--json"]) == 0
     assert _strict(capsys.readouterr().out)["meta"]["created_unix"] == "nan"
+
+
+def test_a_step_whose_base_is_gone_is_damaged(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An incremental step whose base was removed (by hand, a partial sync) was listed as
+    ``committed``, though loading it fails; it is ``damaged``, its error naming the base.
+    A base left without its commit marker counts as gone too."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, async_save=False, incremental=True) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"w": np.arange(100_000), "b": np.full(2, s)})
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    assert [(e["step"], e["state"]) for e in out["entries"]] == [
+        (1, "committed"), (2, "committed"), (3, "committed")]
+    assert out["entries"][2]["bases"] == ["step_0000000001"]  # references are flattened
+    (d / "step_0000000001" / "COMMITTED").unlink()
+    rc, out = out_json(capsys, ["ls", str(d), "--json"])
+    by = {e["step"]: e for e in out["entries"]}
+    assert [by[s]["state"] for s in (1, 2, 3)] == ["uncommitted", "damaged", "damaged"]
+    assert "refers to step_0000000001, which is not a committed checkpoint" in by[3]["error"]
+    with pytest.raises(ss.CheckpointError):
+        ss.load(d / "step_0000000003")
+    import shutil
+
+    shutil.rmtree(d / "step_0000000001")
+    assert main(["ls", str(d)]) == 0
+    text = capsys.readouterr().out
+    assert "damaged" in text and "0 committed checkpoints, 2 other" in text

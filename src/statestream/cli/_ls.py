@@ -41,6 +41,14 @@ def _seconds(*candidates: Any) -> float | int | None:
     return None
 
 
+def _missing_bases(storage: Any, path: str, bases: list[str]) -> list[str]:
+    """The bases of the incremental checkpoint at ``path`` that are not committed
+    checkpoints beside it (removed by hand, not synced, ...): ls listed such a step as
+    ``committed``, though its chunks stored there cannot be read."""
+    parent = path.rstrip("/").rpartition("/")[0]
+    return [b for b in bases if not storage.is_committed(f"{parent}/{b}")]
+
+
 def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
                          "format": None, "time": None, "nbytes": None, "disk_bytes": None,
@@ -60,6 +68,11 @@ def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, An
     # lies in its bases)
     e["disk_bytes"] = sum(size for _, size in md.files)
     e["bases"] = list(md.bases)
+    missing = _missing_bases(storage, path, md.bases)
+    if missing:  # it reads as committed, but loading it fails: damaged, as verify says
+        e["state"] = "damaged"
+        e["error"] = (f"it refers to {', '.join(missing)}, which is not a committed "
+                      "checkpoint beside it: it cannot be loaded")
     try:
         e["metrics"] = decode_metrics(user.get("metrics", {}))
     except (TypeError, ValueError, AttributeError):
