@@ -480,6 +480,22 @@ def test_gc_of_a_missing_directory_is_an_error(tmp_path: Path) -> None:
     assert run_cli("gc", str(tmp_path)).returncode == 0
 
 
+@pytest.mark.parametrize("argv", [["ls", ""], ["gc", ""], ["inspect", ""], ["verify", ""],
+                                  ["diff", "", "ck"], ["convert", "ck", ""]])
+def test_an_empty_path_is_an_error(argv: list[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``""`` (an unset shell variable) resolved to the current directory: ``ls ""`` listed
+    it and ``gc ""`` collected in it, exit 0. It is a usage error (exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    ss.save("ck", state())
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "an empty path" in cap.err
+
+
 def test_converted_directories_have_the_umask_mode(tmp_path: Path) -> None:
     """A DCP or sharded safetensors export is readable by the group and others, as any
     directory made under umask 022 is (it was 0700, from a temporary directory)."""

@@ -6,7 +6,7 @@ import argparse
 import re
 
 import statestream as ss
-from statestream.cli._main import add_memory_budget, memory_options, safe
+from statestream.cli._main import add_memory_budget, memory_options, path_arg, safe
 from statestream.cli._progress import progress_bar
 
 __all__ = ["add_parser", "parse_size"]
@@ -55,8 +55,8 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint to another format",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="checkpoint to read (any format statestream reads)")
-    p.add_argument("dst", help="where to write")
+    p.add_argument("src", type=path_arg, help="checkpoint to read (any format statestream reads)")
+    p.add_argument("dst", type=path_arg, help="where to write")
     p.add_argument("--to", choices=["statestream", "safetensors", "torch", "dcp", "orbax"],
                    help="output format (default: from DST's extension, else statestream)")
     p.add_argument("--items", nargs="+", metavar="K", help="only these checkpointables")

@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 import statestream as ss
-from statestream.cli._main import add_memory_budget, json_text, memory_options, safe
+from statestream.cli._main import (
+    add_memory_budget,
+    json_text,
+    memory_options,
+    path_arg,
+    safe,
+)
 from statestream.cli._progress import progress_bar
 from statestream.tree import parse_keypath
 
@@ -305,8 +311,8 @@ def _tolerance(text: str) -> float:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("diff", help="added, removed and changed keys of two checkpoints",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", type=path_arg)
+    p.add_argument("b", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--atol", type=_tolerance, default=0.0,
                    help="absolute tolerance (default 0)")

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import statestream as ss
-from statestream.cli._main import _human, json_text, safe
+from statestream.cli._main import _human, json_text, path_arg, safe
 from statestream.manager._retention import decode_metrics
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.storage import storage_for
@@ -195,6 +195,6 @@ def _foreign_hint(directory: str) -> None:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ls", help="list the steps of a manager directory (or its checkpoints)",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("directory")
+    p.add_argument("directory", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=_cmd)

@@ -13,7 +13,7 @@ from typing import Any
 
 import statestream as ss
 
-__all__ = ["json_text", "main"]
+__all__ = ["json_text", "main", "path_arg"]
 
 
 def _human(n: int) -> str:
@@ -233,6 +233,15 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def path_arg(text: str) -> str:
+    """A path argument: not empty. ``""`` resolved to the current directory, so
+    ``statestream ls ""`` listed it and ``statestream gc ""`` collected in it (exit 0),
+    from an unset shell variable (``statestream gc "$CKPT_DIR"``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (write . for the current directory)")
+    return text
+
+
 def _hours(text: str) -> float:
     """``--max-age-hours``: a finite number >= 0. NaN or a negative age was taken, and
     made every leftover of an unverifiable writer old enough to remove: another host's
@@ -284,14 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show the tree with shapes, dtypes and sizes",
                        formatter_class=raw, epilog="examples:\n  statestream inspect "
                        "ckpts/step_0000001000\n  statestream inspect model.safetensors --json\n")
-    p.add_argument("path")
+    p.add_argument("path", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list every value of long sequences")
     p.set_defaults(fn=_cmd_inspect)
     p = sub.add_parser("verify", help="re-read every chunk and check its checksum",
                        formatter_class=raw, epilog="examples:\n  statestream verify "
                        "ckpts/step_0000001000\n  statestream verify ckpt --json\n")
-    p.add_argument("path")
+    p.add_argument("path", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle in a torch.save/DCP checkpoint (only for "
@@ -300,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
                        formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
-    p.add_argument("directory")
+    p.add_argument("directory", type=path_arg)
     p.add_argument("--max-age-hours", type=_hours, default=24.0,
                    help="remove leftovers whose writer cannot be checked (another host) "
                         "once unchanged this long (default 24)")
