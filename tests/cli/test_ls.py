@@ -122,3 +122,17 @@ def test_a_step_whose_base_is_gone_is_damaged(tmp_path: Path,
     assert main(["ls", str(d)]) == 0
     text = capsys.readouterr().out
     assert "damaged" in text and "0 committed checkpoints, 2 other" in text
+
+
+def test_the_hint_for_other_formats_names_every_command_that_reads_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory of safetensors files: ls says what reads them by path. The hint named
+    inspect, verify and convert, and left out diff."""
+    ss.save(tmp_path / "ck", {"w": np.ones(2)})
+    (tmp_path / "exports").mkdir()
+    for name in ("a", "b"):
+        ss.convert(tmp_path / "ck", tmp_path / "exports" / f"{name}.safetensors")
+    assert main(["ls", str(tmp_path / "exports")]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "2 safetensors checkpoints here (a.safetensors, b.safetensors): ls lists "
+        "statestream's; inspect, verify, diff and convert read these by path"]

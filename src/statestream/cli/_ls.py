@@ -169,7 +169,8 @@ def _cmd(args: argparse.Namespace) -> int:
 def _foreign_hint(directory: str) -> None:
     """Say so when a local directory without statestream checkpoints holds checkpoints of
     another format (an Orbax CheckpointManager's steps, DCP directories, ...), which
-    ``ls`` does not list but ``inspect``, ``load`` and ``convert`` read by path."""
+    ``ls`` does not list but ``inspect``, ``verify``, ``diff`` and ``convert`` (and
+    ``load``) read by path."""
     if "://" in directory:
         return
     from statestream.interop import detect_format
@@ -189,7 +190,7 @@ def _foreign_hint(directory: str) -> None:
     for fmt, hits in found.items():
         shown = ", ".join(safe(h) for h in hits[:4]) + (" ..." if len(hits) > 4 else "")
         print(f"{len(hits)} {fmt} checkpoint{'s' if len(hits) != 1 else ''} here ({shown}): "
-              "ls lists statestream's; inspect, verify and convert read these by path")
+              "ls lists statestream's; inspect, verify, diff and convert read these by path")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
