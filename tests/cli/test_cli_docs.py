@@ -127,3 +127,19 @@ def test_readme_tour_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         rc = main(_argv(line))
         assert rc == 0, f"{line!r} exited {rc}: {capsys.readouterr()}"
     assert set(ss.load("model.safetensors")) == {"w"}
+
+
+def test_memory_budget_help_gives_the_default_the_code_uses() -> None:
+    """diff's --help said its --memory-budget defaults to 25% of RAM (the library's
+    default, which verify and convert use); without the option diff reads batches of
+    BATCH_BYTES (64 MiB) per side, as docs/cli.md says."""
+    from statestream.cli._diff import BATCH_BYTES
+
+    commands = _commands()
+    per_side = f"{BATCH_BYTES >> 20} MiB per side"
+    diff_help = " ".join(commands["diff"].format_help().split())
+    assert f"(default: {per_side})" in diff_help and "25% of RAM" not in diff_help
+    assert f"batches of {per_side}" in " ".join(CLI_DOC.split())
+    for name in ("verify", "convert"):
+        assert "(default: 25% of RAM, at most 4 GiB)" in " ".join(
+            commands[name].format_help().split())

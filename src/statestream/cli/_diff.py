@@ -320,5 +320,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="relative tolerance (default 0)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle (only for checkpoints you trust)")
-    add_memory_budget(p)
+    # without the option its batches are BATCH_BYTES a side, not the library's default
+    # budget (25% of RAM), which --help said
+    add_memory_budget(p, help="host memory for the arrays compared at once, half of it per "
+                              "side (one array alone may be larger), e.g. 512MiB (default: "
+                              f"{BATCH_BYTES >> 20} MiB per side)")
     p.set_defaults(fn=_cmd)

@@ -266,13 +266,14 @@ def _quiet_stdout() -> None:
         pass
 
 
-def add_memory_budget(p: argparse.ArgumentParser) -> None:
-    """The ``--memory-budget SIZE`` option (``MemoryOptions.memory_budget_bytes``)."""
+def add_memory_budget(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """The ``--memory-budget SIZE`` option (``MemoryOptions.memory_budget_bytes``);
+    ``help`` for a command whose use of it (and default) is not the library's."""
     from statestream.cli._convert import parse_size
 
     p.add_argument("--memory-budget", type=parse_size, metavar="SIZE", default=None,
-                   help="host memory for buffers beyond what is read, e.g. 512MiB "
-                        "(default: 25%% of RAM, at most 4 GiB)")
+                   help=help or "host memory for buffers beyond what is read, e.g. 512MiB "
+                                "(default: 25%% of RAM, at most 4 GiB)")
 
 
 def memory_options(args: argparse.Namespace) -> ss.MemoryOptions | None:
