@@ -285,3 +285,17 @@ def test_error_hierarchy():
         # messages print as given, even for KeyError / OSError
         assert str(cls("some message")) == "some message"
     assert issubclass(ss.CheckpointError, Exception)
+
+
+def test_an_empty_path_is_refused_everywhere(tmp_path, monkeypatch):
+    # an unset variable (os.environ.get("CKPT", "")) meant the current directory: a
+    # manager locked it, collected garbage in it and would delete steps from it
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: ss.save("", {"a": np.ones(2)}), lambda: ss.load(""),
+                 lambda: ss.CheckpointManager(""), lambda: ss.metadata(""),
+                 lambda: ss.save_async("", {"a": np.ones(2)}).result(),
+                 lambda: ss.load("file://")):
+        with pytest.raises(ss.InvalidOptionError, match="is empty: it names no checkpoint"):
+            call()
+    assert os.listdir(tmp_path) == []
+    assert not ss.verify("").ok

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from statestream.errors import StorageError
+from statestream.errors import InvalidOptionError, StorageError
 from statestream.storage._base import Storage
 from statestream.storage._local import LocalStorage
 
@@ -75,6 +75,11 @@ def storage_for(path: str | os.PathLike[str]) -> tuple[Storage, str]:
         ('LocalStorage', '/tmp/ckpt')
     """
     text = os.fspath(path)
+    if not text or text == "file://":
+        # an unset variable, most likely: the current directory (which a manager would
+        # lock, collect garbage in and delete steps from) is never meant by it
+        raise InvalidOptionError(f"the path {text!r} is empty: it names no checkpoint (pass "
+                                 "'.' to mean the current directory)")
     if "://" in text:
         scheme, _, rest = text.partition("://")
         if scheme == "file":
