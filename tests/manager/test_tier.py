@@ -7,6 +7,7 @@ S3 behind a local tier in tests/storage/test_s3_tier.py.
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -464,3 +466,21 @@ def test_a_step_saved_again_at_once_is_the_one_persisted(tmp_path, async_save):
         warnings.simplefilter("error")  # nothing removed at the open
         with _mgr(tmp_path, async_save=async_save) as mgr:
             assert mgr.load(3)["v"].tolist() == [2.0] * 4
+
+
+def test_a_closed_manager_leaves_no_persistence_thread_behind(tmp_path):
+    # Each manager's persistence thread outlived close(), holding the manager (its
+    # last task's closure) alive: a job opening managers in a loop leaked both.
+    before = sum(t.name == "statestream-persist" for t in threading.enumerate())
+    for i in range(3):
+        with _mgr(tmp_path, async_save=i % 2 == 1) as mgr:
+            mgr.save(i, {"w": np.full(10, i)})
+    ref = weakref.ref(mgr)
+    del mgr
+    gc.collect()
+    assert sum(t.name == "statestream-persist" for t in threading.enumerate()) == before
+    assert ref() is None
+    with _mgr(tmp_path) as again:  # the next manager persists on a thread of its own
+        assert again.persisted_steps() == [0, 1, 2] and again.load()["w"].tolist() == [2] * 10
+    with pytest.raises(ss.CheckpointError, match="closed"):
+        again.wait()

@@ -4,7 +4,9 @@ One thread per worker, started on the first task, niced like an asynchronous
 save's writers. Tasks run one after another in submission order; each has a
 :class:`TaskHandle`. Tasks still pending at interpreter exit are completed
 then (a process that returns normally still persists what it saved), and a
-failure nobody asked about is printed, never dropped.
+failure nobody asked about is printed, never dropped. :meth:`BackgroundTasks.close`
+ends the thread once the tasks queued run (a closed manager leaves none behind,
+nor anything its tasks referred to).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from statestream.engine._core import lower_thread_priority
+from statestream.errors import CheckpointError
 
 __all__ = ["BackgroundTasks", "TaskHandle"]
 
@@ -73,6 +76,7 @@ class BackgroundTasks:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._handles: list[TaskHandle] = []
+        self._closed = False
         with _ATEXIT:
             _WORKERS.add(self)
             if not _REGISTERED[0]:
@@ -80,15 +84,38 @@ class BackgroundTasks:
                 _REGISTERED[0] = True
 
     def submit(self, fn: Callable[[], Any], what: str) -> TaskHandle:
-        """Queue ``fn``; ``what`` names it in messages."""
+        """Queue ``fn``; ``what`` names it in messages.
+
+        Raises:
+            CheckpointError: the worker is closed.
+        """
         h = TaskHandle(what)
         with self._lock:
+            if self._closed:
+                raise CheckpointError(f"cannot run {what}: its worker ({self.name}) is closed")
             self._handles.append(h)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-        self._queue.put((fn, h))
+            self._queue.put((fn, h))  # under the lock: never after close()'s sentinel
         return h
+
+    def close(self, wait: bool = True) -> None:
+        """End the thread once the tasks queued so far have run; ``wait``: wait for
+        that (not on the worker's own thread). Idempotent; later submits raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            t = self._thread
+            if t is not None:
+                self._queue.put(None)  # under the lock: after every queued task
+        if wait and t is not None and t is not threading.current_thread():
+            t.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def pending(self) -> list[TaskHandle]:
         """Handles of the tasks not finished yet, in order."""
@@ -114,6 +141,9 @@ class BackgroundTasks:
             except BaseException as exc:  # kept on the handle; raised to whoever waits
                 h._error = exc
             h._done.set()
+            # the task's closure (a tier, its manager, their state) is not kept alive
+            # while the thread waits for the next one
+            del job, fn, h
 
 
 def _drain_at_exit() -> None:

@@ -479,8 +479,11 @@ class LocalTier:
         Raises:
             CheckpointError: a step could not be persisted (it stays in the local
                 tier; later saves, ``wait`` and the next manager persist it again);
-                with several processes a ``DistributedError`` on every process.
+                with several processes a ``DistributedError`` on every process;
+                the tier is closed (its manager was).
         """
+        if self.tasks.closed:
+            raise CheckpointError(f"the local tier {self.root} is closed (its manager was)")
         for h in self.tasks.handles():
             try:
                 h.result()
@@ -581,6 +584,12 @@ class LocalTier:
         return dropped
 
     def close(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
+        """End the persistence thread and release the local lease. The thread is
+        waited for unless a persistence is still running (a ``wait`` interrupted
+        before it): it then ends after that one."""
+        try:
+            self.tasks.close(wait=not self.tasks.pending())
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 

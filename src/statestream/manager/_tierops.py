@@ -281,7 +281,7 @@ def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
     own processes' files (``data/r<rank>-*``): committed, whole with the other
     nodes' copies. An optimisation: a failure warns and leaves nothing behind.
     """
-    if not tier.groups.is_leader:
+    if not tier.groups.is_leader or tier.tasks.closed:  # a closed manager's load
         return None
     own = tuple(f"data/r{r}-" for r in tier.groups.members())
     files = None if len(tier.groups.leaders()) == 1 else (lambda n: n.startswith(own))

@@ -1,0 +1,62 @@
+"""engine._tasks: the background worker (a manager's persistence thread) runs tasks in
+order, ends its thread on close, and keeps no finished task alive."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from statestream.engine import BackgroundTasks
+from statestream.errors import CheckpointError
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_close_runs_the_queued_tasks_then_ends_the_thread() -> None:
+    w = BackgroundTasks("test-tasks-close")
+    gate = threading.Event()
+    ran: list[int] = []
+    w.submit(lambda: gate.wait(30), "waiting")
+    handles = [w.submit(lambda i=i: ran.append(i), f"task {i}") for i in range(3)]
+    assert len(_threads("test-tasks-close")) == 1
+    gate.set()
+    w.close()
+    assert ran == [0, 1, 2] and all(h.done() for h in handles)
+    assert _threads("test-tasks-close") == []
+    w.close()  # idempotent
+    with pytest.raises(CheckpointError, match="closed"):
+        w.submit(lambda: None, "late")
+
+
+def test_close_without_waiting_lets_the_running_task_finish() -> None:
+    w = BackgroundTasks("test-tasks-nowait")
+    gate = threading.Event()
+    h = w.submit(lambda: gate.wait(30), "waiting")
+    w.close(wait=False)
+    assert not h.done() and len(_threads("test-tasks-nowait")) == 1
+    gate.set()
+    h.result(timeout=30)
+    for t in _threads("test-tasks-nowait"):
+        t.join(30)
+    assert _threads("test-tasks-nowait") == []
+
+
+def test_a_finished_task_is_not_kept_alive_by_the_thread() -> None:
+    class Big:
+        def run(self) -> None:
+            pass
+
+    w = BackgroundTasks("test-tasks-refs")
+    obj = Big()
+    ref = weakref.ref(obj)
+    w.submit(obj.run, "a bound method").result(timeout=30)
+    del obj
+    gc.collect()
+    assert ref() is None  # the idle thread (still running) held the last task
+    assert len(_threads("test-tasks-refs")) == 1
+    w.close()
