@@ -91,6 +91,8 @@ class LocalTier:
         take_lease: the manager opened without the directory's lease (its store
             could not be reached): this takes it (on rank 0, agreed) before the
             first persistence; until it succeeds nothing is persisted.
+        on_close: called once the persistence thread has ended after :meth:`close`
+            (on that thread, or in ``close``): ``coll`` is no longer used.
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
@@ -99,7 +101,9 @@ class LocalTier:
                  after_persist: Callable[[], None] | None = None,
                  directory_keep: KeepPolicy | None = None,
                  memory_bytes: int | None = None,
-                 take_lease: Callable[[], None] | None = None) -> None:
+                 take_lease: Callable[[], None] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self._on_close = on_close
         storage, path = storage_for(root)
         if not isinstance(storage, LocalStorage):
             raise InvalidOptionError(
@@ -587,9 +591,16 @@ class LocalTier:
         """End the persistence thread and release the local lease. The thread is
         waited for unless a persistence is still running (a ``wait`` interrupted
         before it): it then ends after that one."""
+        on_close, self._on_close = self._on_close, None
         try:
-            self.tasks.close(wait=not self.tasks.pending())
+            busy = bool(self.tasks.pending())
+            if busy and on_close is not None:  # once the running persistence ends
+                self.tasks.submit(on_close, f"closing the local tier {self.root}")
+                on_close = None
+            self.tasks.close(wait=not busy)
         finally:
+            if on_close is not None:
+                on_close()
             if self.lease is not None:
                 self.lease.release()
 

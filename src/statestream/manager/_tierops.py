@@ -11,7 +11,9 @@ loads from the persistent directory.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,7 +71,7 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
             f"{type(coll).__name__} cannot carry bytes")
     groups = node_groups(coll, root) if multi else NodeGroups(["single"], 0)
     # Persistence runs in the background: on a channel of its own.
-    persist_coll = coll.fork("statestream-persist") if multi else coll
+    persist_coll, slot = _persist_channel(coll) if multi else (coll, None)
     rank = coll.rank
     err: BaseException | None = None
     tier: LocalTier | None = None
@@ -78,10 +80,18 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
                          files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
                          peers=peers and multi, after_persist=after_persist,
                          directory_keep=directory_keep,
-                         memory_bytes=memory_bytes, take_lease=take_lease)
+                         memory_bytes=memory_bytes, take_lease=take_lease,
+                         on_close=None if slot is None else lambda: _free_channel(slot))
     except BaseException as exc:
         err = exc
-    agree(coll, "opening the local tier", err)
+    try:
+        agree(coll, "opening the local tier", err)
+    except BaseException:
+        if tier is not None:  # another process's failed: this one holds nothing either
+            tier.close()
+        elif slot is not None:
+            _free_channel(slot)
+        raise
     assert tier is not None
 
     def unpersisted() -> list[int] | None:
@@ -101,6 +111,36 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     for step in sorted(set.intersection(*lists)):
         tier.persist(step)
     return tier
+
+
+#: Persistence channels used by this process's open tiers (see _persist_channel).
+_BUSY: set[int] = set()
+_BUSY_LOCK = threading.Lock()
+
+
+def _persist_channel(coll: Collective) -> tuple[Collective, int]:
+    """A channel of its own for a new tier's persistence (a gloo group, a JAX key
+    sequence): every tier's background collectives run on their own thread, so
+    two managers' would cross-match on a shared one. Collective: the lowest
+    channel no process of ``coll`` uses for an open tier (every process picks
+    the same one whatever managers each holds open); freed when the tier's
+    persistence thread ends, and reused by a later manager."""
+    with _BUSY_LOCK:
+        mine = sorted(_BUSY)
+    busy = set().union(*map(set, coll.all_gather_object(mine)))
+    slot = next(i for i in itertools.count() if i not in busy)
+    with _BUSY_LOCK:
+        _BUSY.add(slot)
+    try:
+        return coll.fork(f"statestream-persist-{slot}"), slot
+    except BaseException:
+        _free_channel(slot)
+        raise
+
+
+def _free_channel(slot: int) -> None:
+    with _BUSY_LOCK:
+        _BUSY.discard(slot)
 
 
 def tier_steps(tier: LocalTier, coll: Collective,

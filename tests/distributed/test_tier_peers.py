@@ -1,0 +1,125 @@
+"""Managers with local tiers in real gloo processes (loopback), beside each other and
+across restarts (tests/distributed/test_tier_multiprocess.py has the basics).
+
+Each process gets its own local directory per manager, standing for its node's
+disk (``node0``, ``node1``); the persistent directories are shared. Checked:
+
+* two managers open at once in one job (a model's and a data loader's) each
+  persist on a channel (gloo group) of their own, and a manager opened after
+  one closed reuses its channel (no new gloo group per manager).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import statestream as ss  # noqa: E402
+
+THIS = os.path.abspath(__file__)
+WORLD = 2
+
+
+def state_at(step: int, rank: int) -> dict[str, Any]:
+    """Per-rank state next to replicated state (the same on every rank)."""
+    return {"shared": {"w": np.arange(20_000, dtype=np.float32) * 0.5 + step, "step": step},
+            "per_rank": {f"rank{rank}": np.full((30, 100), rank * 1000 + step,
+                                                dtype=np.int64)}}
+
+
+def expected(step: int) -> dict[str, Any]:
+    out = state_at(step, 0)
+    for r in range(1, WORLD):
+        out["per_rank"].update(state_at(step, r)["per_rank"])
+    return out
+
+
+def _equal(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got.keys())
+        for k in want:
+            _equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, np.ndarray):
+        np.testing.assert_array_equal(got, want, err_msg=path)
+        assert got.dtype == want.dtype, path
+    else:
+        assert got == want, path
+
+
+def _init(ctx: Context) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+
+
+def _manager(ctx: Context, name: str, **kw: Any) -> ss.CheckpointManager:
+    root = ctx.args["root"]
+    return ss.CheckpointManager(os.path.join(root, f"persist-{name}"),
+                                local_tier=os.path.join(root, f"node{ctx.rank}-{name}"),
+                                collective=ss.TorchCollective(timeout_s=30), **kw)
+
+
+def _channel(mgr: ss.CheckpointManager) -> str:
+    tier = mgr._tier
+    assert tier is not None
+    return str(tier._coll._channel)  # type: ignore[attr-defined]
+
+
+def two_managers_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    ma, mb = _manager(ctx, "a", async_save=False), _manager(ctx, "b", async_save=True)
+    for step in range(1, 7):
+        ma.save(step, state_at(step, ctx.rank))
+        mb.save(step, state_at(100 + step, ctx.rank))
+    ma.wait()
+    mb.wait()
+    out = {"a": ma.persisted_steps(), "b": mb.persisted_steps()}
+    _equal(ma.load(), expected(6))
+    _equal(mb.load(), expected(106))
+    channels = [_channel(ma), _channel(mb)]
+    ma.close()
+    with _manager(ctx, "c", async_save=False) as mc:  # beside b, on the channel a left
+        channels.append(_channel(mc))
+        for step in (1, 2):
+            mc.save(step, state_at(200 + step, ctx.rank))
+            mb.save(10 + step, state_at(110 + step, ctx.rank))
+        mc.wait()
+        mb.wait()
+        out["c"] = mc.persisted_steps()
+        _equal(mc.load(), expected(202))
+    mb.close()
+    out["channels"] = channels
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_two_managers_in_one_job_persist_on_channels_of_their_own(tmp_path: Path) -> None:
+    # Both managers' persistence threads ran their collectives on one gloo group
+    # ("statestream-persist"), so they matched each other's and the job hung.
+    root = str(tmp_path / "job")
+    res = launch(THIS, "two_managers_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=180)
+    for r in res:
+        v = r.value
+        assert v["a"] == [1, 2, 3, 4, 5, 6] and v["b"] == [1, 2, 3, 4, 5, 6], v
+        assert v["c"] == [1, 2], v
+        a, b, c = v["channels"]
+        assert a != b and c == a, v
+    for name, step, value in (("a", 6, 6), ("b", 12, 112), ("c", 2, 202)):
+        _equal(ss.load(os.path.join(root, f"persist-{name}", f"step_{step:010d}")),
+               expected(value))
