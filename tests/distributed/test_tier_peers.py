@@ -6,7 +6,11 @@ disk (``node0``, ``node1``); the persistent directories are shared. Checked:
 
 * two managers open at once in one job (a model's and a data loader's) each
   persist on a channel (gloo group) of their own, and a manager opened after
-  one closed reuses its channel (no new gloo group per manager).
+  one closed reuses its channel (no new gloo group per manager);
+* a job restarted with its ranks on other nodes (rank 0 on the disk rank 1
+  saved to) persists the steps the last one left unpersisted, each file from a
+  node that holds it; one restarted on a single node says which files no node
+  of it holds.
 """
 
 from __future__ import annotations
@@ -123,3 +127,61 @@ def test_two_managers_in_one_job_persist_on_channels_of_their_own(tmp_path: Path
     for name, step, value in (("a", 6, 6), ("b", 12, 112), ("c", 2, 202)):
         _equal(ss.load(os.path.join(root, f"persist-{name}", f"step_{step:010d}")),
                expected(value))
+
+
+def killed_worker(ctx: Context) -> None:
+    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    faults.kill_at("tier.persist", nth=2)
+    mgr = _manager(ctx, "a", async_save=False)
+    for step in (1, 2, 3):
+        mgr.save(step, state_at(step, ctx.rank))
+    mgr.wait()
+
+
+def moved_worker(ctx: Context) -> dict[str, Any]:
+    """Reopen with each rank on the other node's disk (one process: on node 0's)."""
+    if ctx.world > 1:
+        _init(ctx)
+    root = ctx.args["root"]
+    node = f"node{1 - ctx.rank}-a" if ctx.world > 1 else "node0-a"
+    mgr = ss.CheckpointManager(os.path.join(root, "persist-a"),
+                               local_tier=os.path.join(root, node))
+    out: dict[str, Any] = {"error": None}
+    try:
+        mgr.wait()  # and the persistence the open queued (a crash recovery)
+    except ss.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["persisted"] = mgr.persisted_steps()
+    out["unpersisted"] = mgr.unpersisted_steps()
+    try:
+        mgr.close()
+    except ss.CheckpointError:
+        pass  # the same error as wait()'s
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_unpersisted_steps_persist_after_a_restart_on_other_nodes(tmp_path: Path) -> None:
+    # Each process uploaded data/r<rank>-* from its own node's copy, assuming rank r
+    # still ran on the node that wrote them: after the restart every file was
+    # "missing; the checkpoint is damaged" and step 2 was never persisted.
+    root = str(tmp_path / "job")
+    res = launch(THIS, "killed_worker", WORLD, tmp_path, args={"root": root}, timeout_s=120,
+                 check=False, fail_grace_s=30)
+    assert all(r.returncode == -9 for r in res), [(r.returncode, r.error) for r in res]
+    # first one process on node 0: rank 1's files are on no node of that job
+    (r,) = launch(THIS, "moved_worker", 1, tmp_path, args={"root": root}, timeout_s=120,
+                  tag="single")
+    assert r.value["persisted"] == [1] and r.value["unpersisted"] == [2], r.value
+    assert "TruncatedFileError: cannot persist step 2: its data files ['data/r1-0.bin'] " \
+        "are missing from every node's copy" in r.value["error"], r.value
+    res = launch(THIS, "moved_worker", WORLD, tmp_path, args={"root": root}, timeout_s=180,
+                 tag="moved")
+    for r in res:
+        assert r.value == {"error": None, "persisted": [1, 2], "unpersisted": []}, r.value
+    path = os.path.join(root, "persist-a", "step_0000000002")
+    assert ss.verify(path).ok
+    _equal(ss.load(path), expected(2))

@@ -63,6 +63,7 @@ from statestream.manager._records import StepRecords, claim, identity
 from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory
+from statestream.manager._uploads import upload_filter
 from statestream.storage import LocalStorage, storage_for
 
 __all__ = ["LocalTier"]
@@ -77,7 +78,6 @@ class LocalTier:
         coll: the collective of the background persistence (a forked channel).
         groups: which processes share which node's directory (the leader of
             each manages it: lease, cleanup, local keep policy).
-        files: which data files this process persists (None: all).
         peers: after each local commit, send this process's files to the next
             node's local tier too (``replicate_to_peers``).
         after_persist: called on the background worker after each persistence that
@@ -97,7 +97,7 @@ class LocalTier:
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
                  coll: Collective, groups: NodeGroups, *,
-                 files: Callable[[str], bool] | None = None, peers: bool = False,
+                 peers: bool = False,
                  after_persist: Callable[[], None] | None = None,
                  directory_keep: KeepPolicy | None = None,
                  memory_bytes: int | None = None,
@@ -116,7 +116,6 @@ class LocalTier:
         self._coll = coll
         self.groups = groups
         self._leader = leader = groups.is_leader
-        self._files = files
         self.memory_bytes = memory_bytes  # the persistence copy's buffers stay within it
         self._peers = peers
         self._after_persist = after_persist
@@ -391,9 +390,11 @@ class LocalTier:
         return sorted(set.intersection(*lists))
 
     def _copy(self, step: int) -> None:
+        """Copy ``step`` to the directory, each data file from a process of a node
+        that holds it (:func:`upload_filter`: the ranks may have moved)."""
+        files = upload_filter(self._coll, self.groups, self.path(step), step)
         copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=None,
-                        collective=self._coll, files=self._files,
-                        memory_bytes=self.memory_bytes)
+                        collective=self._coll, files=files, memory_bytes=self.memory_bytes)
         err: BaseException | None = None
         if self._leader:
             try:

@@ -72,12 +72,10 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     groups = node_groups(coll, root) if multi else NodeGroups(["single"], 0)
     # Persistence runs in the background: on a channel of its own.
     persist_coll, slot = _persist_channel(coll) if multi else (coll, None)
-    rank = coll.rank
     err: BaseException | None = None
     tier: LocalTier | None = None
     try:
         tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
-                         files=(lambda n: n.startswith(f"data/r{rank}-")) if multi else None,
                          peers=peers and multi, after_persist=after_persist,
                          directory_keep=directory_keep,
                          memory_bytes=memory_bytes, take_lease=take_lease,
