@@ -62,3 +62,28 @@ def test_deleting_a_file_is_refused(tmp_path):
         info.value)
     assert f.read_bytes() == b"x"
     storage.delete(str(tmp_path / "missing"))  # a missing path is fine
+
+
+def test_a_directory_named_like_a_local_record_is_left_alone(tmp_path):
+    local = tmp_path / "local"
+    with ss.CheckpointManager(tmp_path / "persist", local_tier=local, async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(3)})
+    for name in ("step_0000000005.persisted", "step_0000000006.unpersisted"):
+        (local / name).mkdir()
+        (local / name / "notes").write_text("mine")
+    # it used to stop the manager from opening: a raw IsADirectoryError
+    with ss.CheckpointManager(tmp_path / "persist", local_tier=local, async_save=False) as mgr:
+        assert mgr.steps() == [1]
+        mgr.save(2, {"w": np.full(3, 2.0)})
+        mgr.wait()
+        assert mgr.persisted_steps() == [1, 2] and mgr.unpersisted_steps() == []
+    for name in ("step_0000000005.persisted", "step_0000000006.unpersisted"):
+        assert (local / name / "notes").read_text() == "mine"
+    # nor does it count as a record: step 5 saved here is persisted, not taken as done
+    mgr = ss.CheckpointManager(tmp_path / "persist", local_tier=local, async_save=False)
+    mgr.save(5, {"w": np.full(3, 5.0)})
+    assert 5 in mgr.unpersisted_steps()
+    for done in (mgr.wait, mgr.close):  # the copy went through; its record cannot be
+        with pytest.raises(ss.StorageError, match="cannot record that step 5 is persisted"):
+            done()
+    assert ss.load(str(tmp_path / "persist" / "step_0000000005"))["w"].tolist() == [5.0] * 3

@@ -47,12 +47,13 @@ class StepRecords:
         return self._dir.path(step) + _REPLACED
 
     def is_persisted(self, step: int) -> bool:
-        """Recorded as persisted (``step_<N>.persisted``)."""
-        return os.path.exists(self._record(step))
+        """Recorded as persisted (``step_<N>.persisted``, a file: a directory of
+        that name is not a record)."""
+        return os.path.isfile(self._record(step))
 
     def is_replaced(self, step: int) -> bool:
         """Saved again since the persistent directory's copy was made."""
-        return os.path.exists(self._replaced(step))
+        return os.path.isfile(self._replaced(step))
 
     def record(self, step: int) -> None:
         """Record ``step`` as persisted, durably.
@@ -88,14 +89,31 @@ class StepRecords:
         unlink(self._replaced(step))
 
     def forget_orphans(self) -> None:
-        """Remove the records of steps the tier no longer holds committed."""
+        """Remove the records of steps the tier no longer holds committed (files
+        only: a directory named like a record is someone else's, left alone).
+
+        Raises:
+            StorageError: the tier cannot be listed or a record removed.
+        """
         committed = set(self._dir.steps())
-        for name in os.listdir(self._dir.directory):
-            for suffix in (_RECORD, _REPLACED):
-                if name.endswith(suffix):
-                    step = parse_step(name[: -len(suffix)])
-                    if step is not None and step not in committed:
-                        os.unlink(os.path.join(self._dir.directory, name))
+        try:
+            with os.scandir(self._dir.directory) as entries:
+                orphans = [e.path for e in entries
+                           if _orphan(e.name, committed) and not e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            raise storage_error(f"cannot list the local tier {self._dir.directory}: {exc}",
+                                exc) from exc
+        for path in orphans:
+            unlink(path)
+
+
+def _orphan(name: str, committed: set[int]) -> bool:
+    """``name`` is a record of a step not in ``committed``."""
+    for suffix in (_RECORD, _REPLACED):
+        if name.endswith(suffix):
+            step = parse_step(name[: -len(suffix)])
+            return step is not None and step not in committed
+    return False
 
 
 def identity(persistent: StepDirectory) -> str:
