@@ -484,3 +484,27 @@ def test_a_closed_manager_leaves_no_persistence_thread_behind(tmp_path):
         assert again.persisted_steps() == [0, 1, 2] and again.load()["w"].tolist() == [2] * 10
     with pytest.raises(ss.CheckpointError, match="closed"):
         again.wait()
+
+
+def test_an_error_in_the_with_block_stays_the_one_raised(tmp_path):
+    # The close at the end of the block failed too (here: the store is down; with
+    # several processes, a block that raised on one rank alone times out in close):
+    # its error replaced the block's, which showed only as its __context__.
+    _hooks.register("tier.persist", _store_down)
+    try:
+        with pytest.raises(ValueError, match="loss is NaN") as info:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with _mgr(tmp_path, async_save=False) as mgr:
+                    mgr.save(1, state_at(1))
+                    raise ValueError("loss is NaN")
+    finally:
+        _hooks.clear()
+    if sys.version_info >= (3, 11):
+        (note,) = info.value.__notes__
+        assert note.startswith("closing the CheckpointManager after this error failed too: "
+                               "StorageError: ") and "store is down" in note, note
+    assert mgr._closed and mgr.unpersisted_steps() == [1]  # closed all the same
+    with _mgr(tmp_path) as again:  # the store is back: the next manager persists it
+        again.wait()
+        assert again.persisted_steps() == [1]

@@ -1,4 +1,5 @@
-"""The manager's hold on its directory: a storage lease, renewed in the background."""
+"""The manager's hold on its directory: a storage lease, renewed in the background,
+and its release at the end of a ``with`` block (:func:`close_after`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 
 from statestream.distributed import Collective, agree
 from statestream.errors import CheckpointError, ManagerLockedError, StorageError, storage_error
 from statestream.manager._steps import StepDirectory
 from statestream.storage import Lease, LocalStorage, Storage
 
-__all__ = ["DirectoryLease", "OpenedLease", "holder_name", "open_lease", "take_lease",
-           "warn_deferred"]
+__all__ = ["DirectoryLease", "OpenedLease", "close_after", "holder_name", "open_lease",
+           "take_lease", "warn_deferred"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -209,6 +211,30 @@ def warn_deferred(directory: str, local_tier: str, why: str) -> None:
         f"lease. Saves commit to the local tier {local_tier} and are persisted once the "
         "store is back; the lease is taken first (should another manager hold it by "
         "then, saves raise ManagerLockedError)", RuntimeWarning, stacklevel=3)
+
+
+def close_after(close: Callable[[], None], error: BaseException | None) -> None:
+    """``close()`` at the end of a manager's ``with`` block; after ``error`` (raised in
+    the block) a failure of the close does not replace it: ``error`` is raised as it
+    was, with the close's failure in its notes (Python 3.10: warned about).
+
+    A block that raised on one rank alone leaves that rank's close waiting, until
+    the collective's timeout, in collectives the other ranks never enter: the
+    timeout is a consequence, the block's error the cause.
+    """
+    if error is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as exc:  # noqa: BLE001 - reported with the error that caused it
+        note = (f"closing the CheckpointManager after this error failed too: "
+                f"{type(exc).__name__}: {exc}")
+        add_note = getattr(error, "add_note", None)
+        if add_note is not None:
+            add_note(note)
+        else:  # pragma: no cover - Python 3.10
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
 
 
 def _release_at_exit() -> None:

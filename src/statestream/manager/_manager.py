@@ -21,7 +21,7 @@ from statestream.errors import (
     ManagerLockedError,
 )
 from statestream.manager._decide import SaveDecisions
-from statestream.manager._lease import open_lease, take_lease, warn_deferred
+from statestream.manager._lease import close_after, open_lease, take_lease, warn_deferred
 from statestream.manager._policies import (
     KeepAll,
     KeepPolicy,
@@ -184,7 +184,7 @@ class CheckpointManager:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        close_after(self.close, ev)  # an error in the block stays the one raised
 
     def close(self) -> None:
         """Wait for the in-flight save, apply the keep policy, release the directory."""
