@@ -67,6 +67,7 @@ EXPECTED: dict[str, list[str]] = {
         "CompressionPolicy", "IOOptions", "MemoryOptions", "NodeGroups", "Progress",
         "SaveHandle", "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
         "chunk_checksums", "complete_copies", "copy_checkpoint", "default_memory_budget_bytes",
+        "describe_copy",
         "follow_bases", "host_pool", "lower_thread_priority", "node_groups", "parallel_for",
         "pinned_pool", "read_committed", "read_manifest", "read_requests", "release_staging",
         "replicate_to_peers", "run_save", "start_save",

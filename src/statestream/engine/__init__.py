@@ -20,7 +20,7 @@ from statestream.engine._refs import read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._start import run_save, start_save
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
-from statestream.engine._transfer import complete_copies, replicate_to_peers
+from statestream.engine._transfer import complete_copies, describe_copy, replicate_to_peers
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "complete_copies",
     "copy_checkpoint",
     "default_memory_budget_bytes",
+    "describe_copy",
     "follow_bases",
     "host_pool",
     "lower_thread_priority",

@@ -189,6 +189,21 @@ def _check_bases(m: Manifest, src: str, dst: str) -> None:
                 f"{name}, which is not committed at {there}; copy the base there first")
 
 
+def _check_same_save(coll: Collective, src: str, marker: bytes) -> None:
+    """Refuse, on every process, to copy processes' ``src`` copies (each its node's)
+    that are different saves: rank 0 would commit its manifest over the others'
+    files (a save of it interrupted after some nodes committed their copy)."""
+    if coll.world_size == 1:
+        return
+    markers = coll.all_gather_object(marker.decode("utf-8", "replace"))  # JSON-able (JAX)
+    odd = [r for r, m in enumerate(markers) if m != markers[0]]
+    if odd:
+        raise CheckpointCorruptError(
+            f"the copies of {src} that ranks 0 and {odd[0]} read (their nodes') are different "
+            "saves of it (a save was interrupted after some nodes committed their copy); "
+            "nothing was committed")
+
+
 def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransaction:
     storage, path = storage_for(dst)
     txn: WriteTransaction | None = None
@@ -238,8 +253,9 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
     own chunks, such as a manager's retired step, whose bases may be gone).
 
     Raises:
-        ChecksumMismatchError, CheckpointCorruptError: ``src`` is damaged
-            (nothing is committed at ``dst``).
+        ChecksumMismatchError, CheckpointCorruptError: ``src`` is damaged, or the
+            processes' copies of it are different saves (their commit markers
+            differ); nothing is committed at ``dst``.
         CheckpointError: a base ``src`` refers to is not committed next to ``dst``.
         StorageError: reading or writing failed.
     """
@@ -255,6 +271,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
     try:
         agree(coll, f"opening {src} to copy it", err)
         assert reader is not None
+        _check_same_save(coll, src, marker)
         txn = _open_dst(coll, dst, overwrite)
         caps = storage_for(dst)[0].capabilities
         retains = caps.retains_buffers

@@ -31,7 +31,12 @@ from typing import Any
 from statestream.distributed import ByteChannel, Collective, agree, gather_each
 from statestream.engine._copy import read_committed
 from statestream.engine._nodelocal import NodeGroups
-from statestream.errors import DistributedError, TruncatedFileError, storage_error
+from statestream.errors import (
+    CheckpointCorruptError,
+    DistributedError,
+    TruncatedFileError,
+    storage_error,
+)
 from statestream.format import (
     COMMIT_NAME,
     DATA_DIR,
@@ -42,7 +47,7 @@ from statestream.format import (
 )
 from statestream.storage import LocalStorage
 
-__all__ = ["Transfer", "complete_copies", "replicate_to_peers"]
+__all__ = ["Transfer", "complete_copies", "describe_copy", "replicate_to_peers"]
 
 _PIECE = 16 << 20
 
@@ -190,16 +195,18 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
     Returns False on every rank, changing nothing, when some file of the
     manifest is held by no node, no node has a committed copy, or files
     would have to move and the collective has no byte channel.
+
+    Raises:
+        CheckpointCorruptError: on every rank, changing nothing, when a node's
+            committed copy is damaged (its commit marker or manifest) or two nodes
+            committed different saves of ``path`` (their markers differ).
     """
 
     def info() -> dict[str, Any] | None:
-        if not groups.is_leader:
-            return None
-        return {"committed": LocalStorage().is_committed(path),
-                "files": sorted(_held(path).items())}
+        return describe_copy(path) if groups.is_leader else None
 
     infos: list[Any] = gather_each(coll, f"listing the nodes' copies of {path}", info)
-    src = next((r for r, i in enumerate(infos) if i is not None and i["committed"]), None)
+    src = _source(infos, path)
     if src is None:
         return False
     texts = None
@@ -220,7 +227,7 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
     sizes = {f.name: f.size for f in m.files}
     holders: dict[str, list[int]] = {}
     for r, i in enumerate(infos):
-        if i is not None and i["committed"]:
+        if i is not None and i["committed"]:  # every committed copy is src's save (_source)
             for n, size in i["files"]:
                 if sizes.get(n) == size:  # a short or stray file is no source
                     holders.setdefault(n, []).append(r)
@@ -244,6 +251,54 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
         return False
     _complete(coll, channel, groups, path, transfers, infos, (marker_text, manifest_text))
     return True
+
+
+def describe_copy(path: str) -> dict[str, Any]:
+    """A node's copy of the node-local checkpoint ``path`` as its leader sees it:
+    ``committed``; ``files``, its data files ``[name, size]``; when committed, its
+    commit ``marker`` (the save's identity: the manifest's size and checksum) and
+    the manifest's data files ``need`` ``[name, size]``, or ``damage``: why they
+    cannot be read. JSON-able, to gather."""
+    committed = LocalStorage().is_committed(path)
+    out: dict[str, Any] = {"committed": committed, "files": sorted(_held(path).items()),
+                           "marker": None, "need": [], "damage": None}
+    if committed:
+        try:
+            reader = LocalStorage().open_read(path)
+            try:
+                marker, _, m = read_committed(reader)
+            finally:
+                reader.close()
+            out["marker"] = marker.decode("utf-8")
+            out["need"] = [(f.name, f.size) for f in m.files]
+        except CheckpointCorruptError as exc:
+            out["damage"] = str(exc)
+    return out
+
+
+def _source(infos: list[Any], path: str) -> int | None:
+    """The rank whose node's copy the others complete from: the first committed one
+    (None: none is). The same on every rank (``infos`` are gathered).
+
+    Raises:
+        CheckpointCorruptError: a node's committed copy is damaged (its marker or
+            manifest), or two nodes' committed copies are of different saves (a
+            save of it, e.g. ``force=True``, was interrupted between the nodes'
+            commits): completing one from the other would mix them.
+    """
+    copies = [(r, i) for r, i in enumerate(infos) if i is not None and i["committed"]]
+    name = os.path.basename(path)
+    for r, i in copies:
+        if i["damage"] is not None:  # names the file on that node
+            raise CheckpointCorruptError(
+                f"the copy of {name} on the node of rank {r} is damaged: {i['damage']}")
+    for r, i in copies[1:]:
+        if i["marker"] != copies[0][1]["marker"]:
+            raise CheckpointCorruptError(
+                f"the copies of {name} on the nodes of ranks {copies[0][0]} and {r} are "
+                "different saves of it (a save was interrupted after some nodes committed "
+                "their copy); neither can be completed from the other")
+    return copies[0][0] if copies else None
 
 
 def _wanted_names(m: Manifest, wanted: WantedFiles | None) -> list[str] | None:

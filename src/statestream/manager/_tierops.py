@@ -43,6 +43,7 @@ from statestream.format import Manifest
 from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.manager._tier import LocalTier
+from statestream.manager._tiercheck import reconcile
 
 __all__ = ["base_for", "fetch_into_tier", "open_tier", "tier_load", "tier_steps"]
 
@@ -100,6 +101,7 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
         return tier.unpersisted()
 
     try:
+        reconcile(tier, coll)  # copies of a save interrupted between the nodes' commits
         everyone = gather_each(coll, "settling the local tiers", unpersisted)
     except BaseException:
         tier.close()  # a tier that failed to open holds nothing
@@ -231,6 +233,10 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
 
     Each process reads on its own (``load`` agrees only on errors), so a
     process whose local copy is damaged falls back alone, with a warning.
+    With several nodes, copies that cannot be completed (a node's copy damaged,
+    the nodes' copies of different saves, files no node holds) load from the
+    directory on every process; without a persisted copy that is damage
+    (``CheckpointCorruptError``: a resume goes back a step).
     ``fetch``: loaded from the persistent directory, ``step`` (an incremental
     manager's newest: a resume on a new machine) is then copied into the tier in
     the background (:func:`fetch_into_tier`), so the next save can refer to it.
@@ -240,29 +246,18 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     err: BaseException | None = None
     from_persistent = not tier.holds(step)
     if collective.world_size > 1:
-        # with a target (or items), each node fetches only what its processes read
-        reads = None if target is None and items is None else _Reads(target, items,
-                                                                     allow_pickle)
-        ok = complete_copies(collective, byte_channel(collective), tier.groups, tier.path(step),
-                             None if reads is None else reads.of_step)
-        ok = ok and _complete_bases(tier, step, collective, reads)
-        from_persistent = not ok or not tier.holds(step)
-    if not from_persistent:
+        from_persistent, err = _complete_step(tier, step, target, items, allow_pickle,
+                                              collective)
+    if not from_persistent and err is None:
         try:
             result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
                           io=io, memory=memory, collective=one)
         except CheckpointCorruptError as exc:
-            if _is_committed(tier.persistent, step):
-                warnings.warn(
-                    f"the local copy of step {step} ({tier.path(step)}) is damaged ({exc}); "
-                    f"loading the persisted copy {tier.persistent.path(step)} instead",
-                    RuntimeWarning, stacklevel=3)
-                from_persistent = True
-            else:
-                err = exc
+            from_persistent, err = _damaged(
+                tier, step, exc, f"the local copy of step {step} ({tier.path(step)}) is damaged")
         except BaseException as exc:
             err = exc
-    if from_persistent:
+    if from_persistent and err is None:
         try:
             result = load(tier.persistent.path(step), target, items=items,
                           allow_pickle=allow_pickle, io=io, memory=memory, collective=one)
@@ -272,6 +267,52 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     if from_persistent and fetch:  # a resume on a new machine: keep a local copy
         fetch_into_tier(tier, step)
     return result
+
+
+def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str] | None,
+                   allow_pickle: AllowPickle,
+                   coll: Collective) -> tuple[bool, BaseException | None]:
+    """Complete every node's copy of ``step`` and of its bases (collective); returns
+    (load from the directory, the error to raise instead of loading)."""
+    # with a target (or items), each node fetches only what its processes read
+    reads = None if target is None and items is None else _Reads(target, items, allow_pickle)
+    try:
+        ok = complete_copies(coll, byte_channel(coll), tier.groups, tier.path(step),
+                             None if reads is None else reads.of_step)
+        ok = ok and _complete_bases(tier, step, coll, reads)
+    except CheckpointCorruptError as exc:  # raised on every process alike
+        return _damaged(tier, step, exc, f"the nodes' local copies of step {step} cannot "
+                        "be completed")
+    if ok and tier.holds(step):  # its bases too (a local base may be retired)
+        return False, None
+    # a node holds it, none can complete it (files no node holds; every process
+    # knows ok alike), and the directory lacks it: unloadable, not merely missing
+    held = any(coll.all_gather_object(tier.is_committed(step)))
+    if held and byte_channel(coll) is not None and not _might_hold(tier, step):
+        return True, CheckpointCorruptError(
+            f"step {step} cannot be loaded: the nodes' local copies of it cannot be "
+            f"completed (a file of it is on no node: a save of it was interrupted, or a "
+            f"node lost its disk) and {tier.persistent.directory} does not hold it")
+    return True, None
+
+
+def _might_hold(tier: LocalTier, step: int) -> bool:
+    """Whether the persistent directory holds ``step`` committed, or cannot tell."""
+    try:
+        return tier.persistent.is_committed(step)
+    except CheckpointError:
+        return True  # the load from there says what is wrong
+
+
+def _damaged(tier: LocalTier, step: int, exc: CheckpointCorruptError,
+             what: str) -> tuple[bool, BaseException | None]:
+    """The local copy of ``step`` is damaged (``what``, ``exc``): load the persisted
+    copy (with a warning) if the directory holds one, else raise the damage."""
+    if not _is_committed(tier.persistent, step):
+        return False, exc
+    warnings.warn(f"{what} ({exc}); loading the persisted copy "
+                  f"{tier.persistent.path(step)} instead", RuntimeWarning, stacklevel=4)
+    return True, None
 
 
 def _is_committed(directory: StepDirectory, step: int) -> bool:

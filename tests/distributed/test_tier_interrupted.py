@@ -1,0 +1,220 @@
+"""Node-local copies that are not one whole save, across real processes (gloo).
+
+Each node's leader commits its node's copy of a step on its own, so the
+nodes' copies can disagree: a save interrupted (SIGKILL) between two nodes'
+commits, a save again (``force=True``) that one node committed and another
+did not, a node whose copy is damaged. Checked, with two processes, each with
+its own local tier (``node0``, ``node1``) and one shared persistent directory:
+
+* a ``force=True`` save again killed between the nodes' commits: the restarted
+  job loads the old step on every rank (never one rank's new values next to
+  another's old ones), and the persisted copy is never replaced by a mix of
+  the two saves (with and without peer copies);
+* ``copy_checkpoint`` refuses processes' copies that are different saves;
+* a damaged manifest in one node's copy: the persisted copy loads, on every
+  rank, and without one the damage is raised naming that node's file, and a
+  resume goes back a step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import statestream as ss  # noqa: E402
+
+THIS = os.path.abspath(__file__)
+WORLD = 2
+
+
+def state_at(step: int, rank: int, value: int | None = None) -> dict[str, Any]:
+    """Step ``step``'s state (``value``: other numbers, as a save again would have)."""
+    v = step if value is None else value
+    return {"shared": {"w": np.arange(20_000, dtype=np.float32) + v, "step": step},
+            "per_rank": {f"rank{rank}": np.full((30, 100), rank * 1000 + v, dtype=np.int64)}}
+
+
+def expected(step: int, value: int | None = None) -> dict[str, Any]:
+    out = state_at(step, 0, value)
+    for r in range(1, WORLD):
+        out["per_rank"].update(state_at(step, r, value)["per_rank"])
+    return out
+
+
+def _equal(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got.keys())
+        for k in want:
+            _equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, np.ndarray):
+        np.testing.assert_array_equal(got, want, err_msg=path)
+    else:
+        assert got == want, path
+
+
+def _init(ctx: Context) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+
+
+def _manager(ctx: Context, **kw: Any) -> ss.CheckpointManager:
+    a = ctx.args
+    return ss.CheckpointManager(os.path.join(a["root"], "persist"),
+                                local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
+                                replicate_to_peers=a.get("peers", True), **kw)
+
+
+def _die_later() -> None:
+    time.sleep(3)  # the other node's leader commits its copy meanwhile
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def forced_worker(ctx: Context) -> None:
+    """Steps 1..3 saved and persisted; step 3 saved again (``force=True``, other
+    values); node 1's leader is SIGKILLed while committing its new copy."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    mgr = _manager(ctx, async_save=False)
+    for step in (1, 2, 3):
+        mgr.save(step, state_at(step, ctx.rank))
+    mgr.wait()
+    if ctx.rank == 1:
+        faults.on("commit.manifest_written", _die_later)
+    mgr.save(3, state_at(3, ctx.rank, 300), force=True)
+
+
+def resume_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _manager(ctx) as mgr:
+            out = {"steps": mgr.steps(), "value3": int(mgr.load(3)["shared"]["w"][0])}
+            _equal(mgr.load(), expected(3, out["value3"]))
+            mgr.wait()
+    out["warnings"] = [str(w.message) for w in seen]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("peers", [False, True])
+def test_an_interrupted_forced_save_again_keeps_the_persisted_step(tmp_path: Path,
+                                                                   peers: bool) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "forced_worker", WORLD, tmp_path, args={"root": root, "peers": peers},
+                 timeout_s=120, check=False, fail_grace_s=30)
+    assert res[1].returncode == -9, [(r.returncode, r.error) for r in res]
+    persisted = os.path.join(root, "persist", "step_0000000003")
+    _equal(ss.load(persisted), expected(3))
+    res = launch(THIS, "resume_worker", WORLD, tmp_path, tag="resume", timeout_s=180,
+                 args={"root": root, "peers": peers})
+    for r in res:
+        # the old step 3 on every rank (node 1 never committed the new one)
+        assert r.value["steps"] == [1, 2, 3] and r.value["value3"] == 3, r.value
+        assert any("different saves" in w for w in r.value["warnings"]), r.value
+    # and the persisted copy is still the old, whole step 3: never a mix of the two
+    assert ss.verify(persisted).ok
+    _equal(ss.load(persisted), expected(3))
+    for node in ("node0", "node1"):  # neither node's copy is left to be persisted
+        assert not os.path.exists(os.path.join(root, node, "step_0000000003"))
+
+
+def copy_worker(ctx: Context) -> dict[str, Any]:
+    """Each process's 'node' copy is another save of the same checkpoint."""
+    from statestream.distributed import SingleProcess, default_collective
+    from statestream.engine import copy_checkpoint
+
+    _init(ctx)
+    a = ctx.args
+    src = os.path.join(a["root"], f"node{ctx.rank}", "ckpt")
+    # the same file names, another save: rank 1's copy holds other values
+    ss.save(src, state_at(1, 0, ctx.rank), collective=SingleProcess())
+    try:
+        copy_checkpoint(src, os.path.join(a["root"], "dst"), collective=default_collective(),
+                        files=lambda n: n.startswith(f"data/r{ctx.rank}-"))
+    except ss.CheckpointError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_copy_checkpoint_refuses_copies_of_different_saves(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "copy_worker", WORLD, tmp_path, args={"root": root}, timeout_s=90)
+    for r in res:
+        assert r.value["error"] == "CheckpointCorruptError", r.value
+        assert "different saves" in r.value["message"], r.value
+    assert not os.path.exists(os.path.join(root, "dst"))
+
+
+def save_worker(ctx: Context) -> str:
+    _init(ctx)
+    with _manager(ctx) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step, ctx.rank))
+    return "ok"
+
+
+def damaged_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _manager(ctx) as mgr:
+            got = mgr.load()
+            out["loaded"] = int(got["shared"]["step"])
+            _equal(got, expected(out["loaded"]))
+            try:
+                mgr.load(3)
+                out["load3"] = None
+            except ss.CheckpointError as exc:
+                out["load3"] = str(exc)
+    out["warnings"] = [str(w.message) for w in seen]
+    return out
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_manifest_on_one_node_is_never_the_source(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    launch(THIS, "save_worker", WORLD, tmp_path, args={"root": root}, timeout_s=120)
+    manifest = os.path.join(root, "node0", "step_0000000003", "manifest.json")
+    _flip(manifest)
+    res = launch(THIS, "damaged_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=150, tag="kept")
+    for r in res:  # the persisted copy, with a warning naming node 0's manifest
+        assert r.value["loaded"] == 3 and r.value["load3"] is None, r.value
+        assert any(manifest in w for w in r.value["warnings"]), r.value
+    shutil.rmtree(os.path.join(root, "persist", "step_0000000003"))
+    res = launch(THIS, "damaged_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=150, tag="lost")
+    for r in res:  # no persisted copy: damage, on every rank; a resume goes back a step
+        assert r.value["loaded"] == 2, r.value
+        assert manifest in r.value["load3"], r.value
