@@ -13,7 +13,11 @@ its own local tier (``node0``, ``node1``) and one shared persistent directory:
 * ``copy_checkpoint`` refuses processes' copies that are different saves;
 * a damaged manifest in one node's copy: the persisted copy loads, on every
   rank, and without one the damage is raised naming that node's file, and a
-  resume goes back a step.
+  resume goes back a step;
+* a commit that fails on one node: the nodes that committed remove their copy,
+  and the step may be saved again; a leader SIGKILLed between the nodes'
+  commits: the restarted job removes the step (committed on one node only,
+  never persisted) and resumes from the step before.
 """
 
 from __future__ import annotations
@@ -218,3 +222,94 @@ def test_a_damaged_manifest_on_one_node_is_never_the_source(tmp_path: Path) -> N
     for r in res:  # no persisted copy: damage, on every rank; a resume goes back a step
         assert r.value["loaded"] == 2, r.value
         assert manifest in r.value["load3"], r.value
+
+
+def commit_fails_worker(ctx: Context) -> dict[str, Any]:
+    """Async saves; node 1's leader fails to commit step 3 (its disk is full) after
+    node 0's leader committed its copy."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    if ctx.rank == 1:
+        def fail() -> None:
+            time.sleep(2)  # node 0's leader commits its copy meanwhile
+            raise OSError(28, "No space left on device (injected)")
+
+        faults.on("commit.manifest_written", fail, nth=3)
+    out: dict[str, Any] = {}
+    with _manager(ctx, async_save=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step, ctx.rank))
+        try:
+            mgr.wait()
+        except ss.CheckpointError as exc:
+            out["error"] = str(exc)
+        out["steps"] = mgr.steps()
+        out["local"] = sorted(os.listdir(os.path.join(ctx.args["root"], f"node{ctx.rank}")))
+        out["again"] = mgr.save(3, state_at(3, ctx.rank))  # a failed save frees its step
+        mgr.wait()
+        _equal(mgr.load(), expected(3))
+        out["persisted"] = mgr.persisted_steps()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_commit_failing_on_one_node_leaves_no_copy_on_the_others(tmp_path: Path) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "commit_fails_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=180)
+    for r in res:
+        v = r.value
+        assert "No space left" in v["error"] and "nothing was committed" in v["error"], v
+        assert v["steps"] == [1, 2] and "step_0000000003" not in v["local"], v
+        assert v["again"] is True and v["persisted"] == [1, 2, 3], v
+
+
+def partial_worker(ctx: Context) -> None:
+    """Steps 1, 2 saved and persisted; node 1's leader is SIGKILLed while committing
+    its copy of step 3, after node 0's leader committed its own."""
+    from statestream.testing import faults
+
+    _init(ctx)
+    mgr = _manager(ctx, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, state_at(step, ctx.rank))
+    mgr.wait()
+    if ctx.rank == 1:
+        faults.on("commit.manifest_written", _die_later)
+    mgr.save(3, state_at(3, ctx.rank))
+
+
+def resume_partial_worker(ctx: Context) -> dict[str, Any]:
+    _init(ctx)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _manager(ctx) as mgr:
+            out: dict[str, Any] = {"steps": mgr.steps()}
+            got = mgr.load()
+            out["loaded"] = int(got["shared"]["step"])
+            _equal(got, expected(out["loaded"]))
+            out["again"] = mgr.save(3, state_at(3, ctx.rank))
+            mgr.wait()
+            out["persisted"] = mgr.persisted_steps()
+    out["warnings"] = [str(w.message) for w in seen]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("peers", [False, True])
+def test_a_save_killed_between_the_nodes_commits_was_never_saved(tmp_path: Path,
+                                                                 peers: bool) -> None:
+    root = str(tmp_path / "job")
+    res = launch(THIS, "partial_worker", WORLD, tmp_path, args={"root": root, "peers": peers},
+                 timeout_s=120, check=False, fail_grace_s=30)
+    assert res[1].returncode == -9, [(r.returncode, r.error) for r in res]
+    assert os.path.exists(os.path.join(root, "node0", "step_0000000003", "COMMITTED"))
+    res = launch(THIS, "resume_partial_worker", WORLD, tmp_path, tag="resume",
+                 timeout_s=180, args={"root": root, "peers": peers})
+    for r in res:  # step 3 is gone (on node 0 too): resume from 2, save 3 again
+        v = r.value
+        assert v["steps"] == [1, 2] and v["loaded"] == 2, v
+        assert any("removed as never saved" in w for w in v["warnings"]), v
+        assert v["again"] is True and v["persisted"] == [1, 2, 3], v
+    _equal(ss.load(os.path.join(root, "persist", "step_0000000003")), expected(3))

@@ -32,6 +32,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -152,6 +153,8 @@ class SaveJob:
         self.groups: NodeGroups | None = None
         #: the manifest this process built at the commit (rank 0), for remember_committed
         self._built: Manifest | None = None
+        #: this node's leader committed its copy of a node-local save
+        self._committed_here = False
         #: with several processes: this save's id, agreed with the transaction (meta.save_id)
         self.save_id: str | None = None
         self._user_meta: dict[str, Any] | None = None
@@ -395,11 +398,12 @@ class SaveJob:
             # parts, on rank 0; its id and metadata, on the others).
             merged = self.merged
             assert merged is not None
-            agree(coll, "committing", err,
+            agree(coll, "committing", err, outcome=self._failed_commit_outcome(),
                   committed=lambda: committed_as_saved(self.storage, self.spath, merged,
                                                        parts, self._meta()))
         except BaseException:
             self._abort_txn()
+            self._undo_node_local()
             raise
 
     def _gather_parts(self, part: RankPart) -> list[RankPart] | None:
@@ -473,7 +477,28 @@ class SaveJob:
                 self._commit(parts, text.encode("utf-8"))
             except BaseException as exc:
                 return exc
+            self._committed_here = True
         return None
+
+    def _failed_commit_outcome(self) -> str:
+        if self.groups is None or not self.options.overwrite:
+            return "nothing was committed"  # node-local: see _undo_node_local
+        return ("the nodes that committed their copy hold the new save, the others the "
+                "old one: such copies are never completed from each other nor persisted")
+
+    def _undo_node_local(self) -> None:
+        """The nodes did not all commit their copy of a node-local save: a leader that
+        committed its own removes it again (a step on some nodes only would be listed
+        and never load). A save again (``overwrite``) cannot be undone: its old copy
+        is gone; the copies of the two saves are told apart by their markers."""
+        if not self._committed_here or self.options.overwrite:
+            return
+        self._committed_here = False
+        try:
+            self.storage.delete(self.spath)
+        except Exception as exc:  # noqa: BLE001 - the save's own error is raised
+            warnings.warn(f"could not remove {self.spath}, committed on this node only: "
+                          f"{exc}", RuntimeWarning, stacklevel=2)
 
     def _commit(self, parts: list[RankPart] | None, mbytes: bytes | None = None) -> None:
         txn = self.txn
