@@ -17,7 +17,10 @@ its own local tier (``node0``, ``node1``) and one shared persistent directory:
 * a commit that fails on one node: the nodes that committed remove their copy,
   and the step may be saved again; a leader SIGKILLed between the nodes'
   commits: the restarted job removes the step (committed on one node only,
-  never persisted) and resumes from the step before.
+  never persisted) and resumes from the step before;
+* a node's copy restored from its peer after the persistent directory lost
+  the step is persisted again (the surviving node's record of it being
+  persisted no longer leaves it unpersisted on the restored node forever).
 """
 
 from __future__ import annotations
@@ -313,3 +316,39 @@ def test_a_save_killed_between_the_nodes_commits_was_never_saved(tmp_path: Path,
         assert any("removed as never saved" in w for w in v["warnings"]), v
         assert v["again"] is True and v["persisted"] == [1, 2, 3], v
     _equal(ss.load(os.path.join(root, "persist", "step_0000000003")), expected(3))
+
+
+def restored_worker(ctx: Context) -> dict[str, Any]:
+    """After a node lost its tier and the directory lost everything: load (the lost
+    node's copy of step 3 is restored from its peer), save on, wait."""
+    _init(ctx)
+    with _manager(ctx) as mgr:
+        got = mgr.load()
+        out: dict[str, Any] = {"loaded": int(got["shared"]["step"])}
+        for step in (4, 5, 6):
+            mgr.save(step, state_at(step, ctx.rank))
+        mgr.wait()
+        out["persisted"] = mgr.persisted_steps()
+        out["unpersisted"] = mgr.unpersisted_steps()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_step_restored_from_a_peer_is_persisted_again(tmp_path: Path, node: int) -> None:
+    """The surviving node records step 3 as persisted, the restored copy has no
+    record: the step is persisted again (the directory lost it), never left on
+    one node, unpersisted, forever."""
+    root = str(tmp_path / "job")
+    launch(THIS, "save_worker", WORLD, tmp_path, args={"root": root}, timeout_s=120)
+    shutil.rmtree(os.path.join(root, f"node{node}"))
+    shutil.rmtree(os.path.join(root, "persist"))
+    res = launch(THIS, "restored_worker", WORLD, tmp_path, args={"root": root},
+                 timeout_s=180, tag="restored")
+    for r in res:
+        v = r.value
+        assert v["loaded"] == 3 and v["persisted"] == [3, 4, 5, 6], v
+        assert v["unpersisted"] == [], v
+    step3 = os.path.join(root, "persist", "step_0000000003")
+    assert ss.verify(step3).ok
+    _equal(ss.load(step3), expected(3))

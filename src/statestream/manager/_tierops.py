@@ -244,10 +244,13 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     one = SingleProcess()
     result: Any = None
     err: BaseException | None = None
+    had = tier.is_committed(step)
     from_persistent = not tier.holds(step)
+    completed = False  # every node's copy completed (the same on every process)
     if collective.world_size > 1:
         from_persistent, err = _complete_step(tier, step, target, items, allow_pickle,
                                               collective)
+        completed = not from_persistent and err is None
     if not from_persistent and err is None:
         try:
             result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
@@ -264,6 +267,8 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
         except BaseException as exc:
             err = exc
     agree(collective, "loading", err, outcome="no process returns a result")
+    if completed:
+        _settle_restored(tier, step, had, collective)
     if from_persistent and fetch:  # a resume on a new machine: keep a local copy
         fetch_into_tier(tier, step)
     return result
@@ -294,6 +299,24 @@ def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str]
             f"completed (a file of it is on no node: a save of it was interrupted, or a "
             f"node lost its disk) and {tier.persistent.directory} does not hold it")
     return True, None
+
+
+def _settle_restored(tier: LocalTier, step: int, had: bool, coll: Collective) -> None:
+    """A node's copy of ``step`` restored from its peers (it ``had`` none), and
+    loaded, has no record of being persisted; when another node records it
+    persisted, they forget that record: unpersisted on every node, the next
+    persistence records it (the directory holds it) or persists it again (the
+    directory lost it), and no node keeps it alone, unpersisted, forever.
+    Collective (after a load that every process got through)."""
+    mine = [not had, tier.is_persisted(step)] if tier.groups.is_leader else None
+    nodes = [x for x in coll.all_gather_object(mine) if x is not None]
+    if not (any(f for f, _ in nodes) and any(p for _, p in nodes)):
+        return
+    try:
+        if tier.groups.is_leader and tier.is_persisted(step):
+            tier.records.forget(step)
+    except CheckpointError:
+        pass  # still recorded here: no process persists it (LocalTier._take agrees)
 
 
 def _might_hold(tier: LocalTier, step: int) -> bool:
