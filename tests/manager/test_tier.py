@@ -508,3 +508,18 @@ def test_an_error_in_the_with_block_stays_the_one_raised(tmp_path):
     with _mgr(tmp_path) as again:  # the store is back: the next manager persists it
         again.wait()
         assert again.persisted_steps() == [1]
+
+
+def test_a_queued_persistence_of_a_step_gone_from_the_tier_copies_nothing(tmp_path):
+    # a step dropped unpersisted (the directory's policy would delete it at once) and
+    # then deleted by the local keep policy, with its record, while its persistence was
+    # still queued behind a hung store: the task tried to copy it and failed ("cannot
+    # be read"), and wait() raised for a step nobody needs
+    with ss.CheckpointManager(tmp_path / "persist", local_tier=tmp_path / "local",
+                              async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(4)})
+        mgr.wait()
+        h = mgr._tier.persist(7)  # step 7 is not (any more) in the tier
+        h.result(timeout=60)
+        mgr.wait()
+        assert mgr.persisted_steps() == [1] and mgr.steps() == [1]

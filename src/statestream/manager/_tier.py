@@ -342,13 +342,18 @@ class LocalTier:
         self._take_lease = None
 
     def _take(self, step: int) -> bool:
-        """Whether ``step`` is still to be persisted (no process sees it recorded);
-        while it is, :meth:`drop_unwanted` leaves it alone. Agreed."""
+        """Whether ``step`` is still to be persisted (no process sees it recorded, and
+        a node holds it: a step dropped and then deleted by the local keep policy while
+        its persistence was queued has nothing to copy); while it is,
+        :meth:`drop_unwanted` leaves it alone. Agreed."""
         with self._lock:
             todo = not self.is_persisted(step)
-            self._active = step if todo else None
+            held = self.is_committed(step)
+            self._active = step if todo and held else None
         if self._coll.world_size > 1:
-            todo = all(self._coll.all_gather_object(todo))
+            seen = self._coll.all_gather_object((todo, held))
+            todo, held = all(t for t, _ in seen), any(h for _, h in seen)
+        todo = todo and held
         if not todo:
             with self._lock:
                 self._active = None
