@@ -249,10 +249,32 @@ def test_a_chunk_that_decodes_to_more_bytes_is_refused_bounded(
     assert len(bomb) < 16 << 10
     _replace_chunk(p, "w", bomb)
     with pytest.raises(ss.CheckpointCorruptError, match=(
-            "declares 67108864 bytes, not 16384" if content_size else "decodes to more bytes")):
+            "declares 67108864 bytes, not 16384" if content_size
+            else r"needs a \d+-byte window, more than its 16384 bytes could")):
         ss.load(p)
     rep = ss.verify(p)
     assert not rep.ok and "does not decode to its 16384 bytes" in rep.problems[0]
+    # the same bomb in frames of a small window: decoded to the chunk's size, no further
+    small = zstandard.ZstdCompressionParameters(window_log=10, compression_level=3,
+                                                write_content_size=False)
+    bomb = zstandard.ZstdCompressor(compression_params=small).compress(bytes(1 << 20))
+    assert len(bomb) < 16 << 10  # within the format's ratio limit
+    _replace_chunk(p, "w", bomb)
+    with pytest.raises(ss.CheckpointCorruptError, match="decodes to more bytes"):
+        ss.load(p)
+
+
+def test_a_tiny_frame_with_a_huge_window_reserves_nothing(tmp_path: pathlib.Path) -> None:
+    # 10 bytes declaring zstd's largest default window (128 MiB), no content size: the
+    # decoder reserved the window for the life of the thread (per reader thread)
+    p = tmp_path / "z"
+    ss.save(p, {"blob": np.full(500, 7, np.uint8)}, compression="zstd")
+    frame = (b"\x28\xb5\x2f\xfd" + bytes([0x00, 17 << 3])
+             + ((500 << 3) | 2 | 1).to_bytes(3, "little") + b"\x07")
+    _replace_chunk(p, "blob", frame)
+    with pytest.raises(ss.CheckpointCorruptError,
+                       match="needs a 134217728-byte window, more than its 500 bytes"):
+        ss.load(p)
 
 
 def test_a_chunk_that_decodes_to_fewer_bytes_or_garbage_is_refused(tmp_path: pathlib.Path) -> None:

@@ -59,7 +59,10 @@ def test_noise_is_stored_raw_and_smooth_data_keeps_its_matches() -> None:
 
 def test_decoding_is_bounded_and_exact() -> None:
     out = np.empty(1000, np.uint8)
-    z = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(5000))
+    # a window no larger than 1 KiB: decoded (to the chunk's size, not beyond)
+    small = zstandard.ZstdCompressionParameters(window_log=10, compression_level=3,
+                                                write_content_size=False)
+    z = zstandard.ZstdCompressor(compression_params=small).compress(bytes(5000))
     with pytest.raises(CheckpointCorruptError, match="decodes to more bytes"):
         decode_chunk(np.frombuffer(z, np.uint8), out, 1, "zstd", False)
     two = zstandard.ZstdCompressor().compress(bytes(600)) * 2

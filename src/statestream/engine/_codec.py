@@ -69,10 +69,19 @@ def _compressor(level: int, entropy: bool = False) -> Any:
     return c
 
 
-def _decompressor() -> Any:
-    d = getattr(_local, "dctx", None)
+def _decompressor(raw: int) -> Any:
+    """This thread's decompressor for chunks of ``raw`` bytes: its window is bounded
+    by the chunk's size (a power of two, at least 1 KiB), so a tiny hostile frame that
+    declares zstd's largest default window (128 MiB) is refused instead of reserving
+    that window for the life of the thread; statestream's own frames are written in
+    one call with their content size, so their window never exceeds it."""
+    log = max(10, (raw - 1).bit_length())
+    cache = getattr(_local, "dctx", None)
+    if cache is None:
+        cache = _local.dctx = {}
+    d = cache.get(log)
     if d is None:
-        d = _local.dctx = _zstd().ZstdDecompressor()
+        d = cache[log] = _zstd().ZstdDecompressor(max_window_size=1 << log)
     return d
 
 
@@ -146,11 +155,15 @@ def decode_chunk(stored: np.ndarray, out: np.ndarray, itemsize: int, codec: str,
         raise CheckpointCorruptError(f"it is not valid zstd data ({exc})") from None
     if declared > raw:  # refused before anything is decompressed
         raise CheckpointCorruptError(f"its zstd frame declares {declared} bytes, not {raw}")
+    window = zstd.get_frame_parameters(stored).window_size
+    if window > 1 << max(10, (raw - 1).bit_length()):  # see _decompressor
+        raise CheckpointCorruptError(f"its zstd frame needs a {window}-byte window, more than "
+                                     f"its {raw} bytes could")
     target = fresh_bytes(raw) if shuffle and itemsize > 1 else out
     view = target.data.cast("B")
     n = 0
     try:
-        reader = _decompressor().stream_reader(stored.data.cast("B"),
+        reader = _decompressor(raw).stream_reader(stored.data.cast("B"),
                                                read_across_frames=True)
         while n < raw:
             got = reader.readinto(view[n:])
