@@ -302,6 +302,16 @@ def test_unknown_codec_is_a_format_version_error(zckpt: pathlib.Path) -> None:
     assert not rep.ok and "zfuture" in rep.problems[0]
 
 
+@pytest.mark.parametrize("codec", [5, None, ["zstd"]])
+def test_a_codec_that_is_not_a_name_is_malformed(zckpt: pathlib.Path, codec: object) -> None:
+    # it was a FormatVersionError saying to upgrade statestream
+    doc = _doc(zckpt)
+    _chunks_of(doc, "w")[0][7]["codec"] = codec
+    _write_doc(zckpt, doc)
+    with pytest.raises(ss.CheckpointCorruptError, match="its codec .* is not a name"):
+        ss.load(zckpt)
+
+
 # ----------------------------------------------------------------------------- partial
 
 

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -807,6 +808,11 @@ LIMIT_CASES = {
                     r"array 6 is 2814749767106560 bytes \(limit 281474976710656\)"),
     "array-bytes-2d": (both(put("shape", 6, 2**40), put("shape", 7, 2**40)),
                        r"array 6 is \d+ bytes \(limit 281474976710656\)"),
+    # a chunk box whose volume wraps int64 was named as one that "needs 0" bytes
+    "chunk-bytes-wrap": (both(put("shape", 0, 2**48), put("shape", 1, 2**48),
+                              put("boxes", 2, 2**48), put("boxes", 3, 2**48)),
+                         r"array 0 chunk 0 of shape \(281474976710656, 281474976710656\) "
+                         r"holds more than 281474976710656 bytes"),
 }
 
 
@@ -904,12 +910,19 @@ def test_extension_rows_are_checked(mutate: Callable[[Doc], Any], match: str) ->
 
 
 @pytest.mark.parametrize(("k", "codec", "where"), [
-    (2, "lz4", "array 3 chunk 0"), (7, "brotli", "array 3 chunk 5"), (0, 3, "array 1 chunk 0"),
-    (1, None, "array 2 chunk 0")])
+    (2, "lz4", "array 3 chunk 0"), (7, "brotli", "array 3 chunk 5")])
 def test_an_unknown_codec_is_a_format_version_error(k: int, codec: Any, where: str) -> None:
     msg = refused(lambda d: _ext(k)(d).update(codec=codec), f"{where} is encoded with codec "
                   f"{codec!r}.*upgrade statestream", FormatVersionError)
     assert "zstd" in msg
+
+
+@pytest.mark.parametrize(("k", "codec", "where"), [
+    (0, 3, "array 1 chunk 0"), (1, None, "array 2 chunk 0"), (2, ["zstd"], "array 3 chunk 0")])
+def test_a_codec_that_is_not_a_name_is_malformed(k: int, codec: Any, where: str) -> None:
+    # no newer statestream writes it: it was a FormatVersionError saying to upgrade
+    refused(lambda d: _ext(k)(d).update(codec=codec),
+            f"{where}: its codec {re.escape(repr(codec))} is not a name")
 
 
 def test_unsafe_names_are_refused_in_v3() -> None:

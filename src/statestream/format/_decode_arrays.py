@@ -122,7 +122,9 @@ def _chunk_ext(e: Any, store: ChunkStore, ai: int, j: int) -> tuple[int, ChunkEx
                     " (must be a non-empty object)"))
     flags, codec, digest, ref = 0, None, None, -1
     if "codec" in e:
-        codec = _CODEC_OBJ.get(e["codec"]) if type(e["codec"]) is str else None
+        if type(e["codec"]) is not str:  # malformed, not a codec of a newer version
+            raise _Bad(f"array {ai} chunk {j}: its codec {e['codec']!r:.40} is not a name")
+        codec = _CODEC_OBJ.get(e["codec"])
         if codec is None:
             raise _UnknownCodec(f"array {ai} chunk {j} is encoded with codec "
                                 f"{e['codec']!r:.40}; this statestream knows {list(CODECS)}")

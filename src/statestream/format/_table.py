@@ -219,8 +219,15 @@ def _check_chunks(tb: _Table, files: list[FileEntry], file_sizes: np.ndarray) ->
         g = int(np.searchsorted(np.cumsum(cnd), out[0], side="right"))
         i, j = tb.where(g)
         raise _Bad(f"array {i} chunk {j} lies outside the array's shape {tb.shape(i)}")
-    vol = _products(size, cnd)[0]  # (each inside its array: at most MAX_DIM^... <= total)
+    vol, approx = _products(size, cnd)
     isz = np.array([itemsize_of(x) for x in tb.names], dtype=np.int64)[tb.dtype][tb.owner]
+    # a chunk inside its array is no larger than it, but the array's own size is checked
+    # later (_check_cover): a box beyond int64 would be named with a wrapped size here
+    g = _first(approx * isz > MAX_ARRAY_BYTES)
+    if g >= 0:
+        i, j = tb.where(g)
+        raise _Bad(f"array {i} chunk {j} of shape {tuple(tb.box(g)[int(cnd[g]):])} holds more "
+                   f"than {MAX_ARRAY_BYTES} bytes")
     raw = vol * isz
     g = _first(~coded & (f[:, 2] != raw))
     if g >= 0:
