@@ -120,9 +120,8 @@ def read_manifest(reader: CheckpointReader) -> Manifest:
 def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
     """:func:`read_manifest`, with the manifest's size and CRC-32C (its commit marker's)."""
     where = file_where(reader, MANIFEST_NAME)
-    size, crc = decode_commit(
-        reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES), f"{reader.location}/{COMMIT_NAME}"
-    )
+    marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
+    size, crc = decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
     data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     if len(data) != size or checksum(data) != crc:
         raise CheckpointCorruptError(
@@ -134,7 +133,14 @@ def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
     except UnicodeDecodeError as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
     del data
-    return decode_manifest(text, where), size, crc
+    m = decode_manifest(text, where)
+    # the marker's version is trusted without the manifest where that saves a read
+    # (dependents_of skips a v1 sibling): a marker that lies about it is damage
+    if json.loads(marker)["version"] != m.version:
+        raise CheckpointCorruptError(
+            f"manifest {where} is format version {m.version} but its commit marker says "
+            f"{json.loads(marker)['version']}; the checkpoint is corrupt")
+    return m, size, crc
 
 
 # ----------------------------------------------------------------------------- siblings

@@ -469,7 +469,10 @@ def decode_commit(data: bytes, where: str) -> tuple[int, int]:
     if type(doc) is not dict or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{where} is not a statestream commit marker")
     version = doc.get("version")
-    if type(version) is int and version not in FORMAT_VERSIONS:
+    if type(version) is not int:
+        raise CheckpointCorruptError(f"commit marker {where} is malformed: its version "
+                                     f"{version!r:.40} is not an integer")
+    if version not in FORMAT_VERSIONS:
         raise FormatVersionError(
             f"checkpoint {where} uses format version {version}; this statestream reads "
             f"versions {', '.join(map(str, FORMAT_VERSIONS))}"
