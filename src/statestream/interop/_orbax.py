@@ -16,10 +16,8 @@ it would decompress all of it again.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import stat
 import threading
 import warnings
 from collections.abc import Sequence
@@ -45,8 +43,9 @@ from statestream.format import (
 )
 from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
-from statestream.interop._files import FileSetReader, read_capped
+from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
+from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
 from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -70,10 +69,6 @@ READ_AHEAD_BLOCKS = 64
 
 #: In the name of the directory orbax writes a checkpoint into before it renames it.
 _TMP_MARK = ".orbax-checkpoint-tmp"
-
-#: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
-#: per array).
-_MAX_METADATA = 256 << 20
 
 #: Arrays whose tensorstores are opened at once, concurrently, when one is first needed.
 OPEN_AHEAD = 256
@@ -115,77 +110,6 @@ def _item_dir(directory: str) -> str:
     return directory
 
 
-def _refuse_links(item: str) -> None:
-    """Tensorstore opens the item's files by path and follows links: refuse a symbolic
-    link, FIFO, socket or device anywhere under the item, as statestream's own files are
-    refused (docs/security.md), so no read leaves the checkpoint's directory or blocks."""
-    stack = [item]
-    while stack:
-        d = stack.pop()
-        try:
-            entries = list(os.scandir(d))
-        except OSError as exc:
-            raise CheckpointCorruptError(f"{d}: cannot list this Orbax directory ({exc})") from exc
-        for e in entries:
-            mode = e.stat(follow_symlinks=False).st_mode
-            if stat.S_ISDIR(mode):
-                stack.append(e.path)
-            elif not stat.S_ISREG(mode):
-                raise UnsafeCheckpointError(
-                    f"{e.path} is not a regular file or directory (a symbolic link, FIFO or "
-                    "device); refused in an Orbax checkpoint")
-
-
-def _outside(name: str) -> bool:
-    """Whether ``name``, joined to the item's directory, could leave it (an absolute
-    path, a ``..`` component, a NUL byte)."""
-    return name.startswith("/") or "\0" in name or ".." in name.split("/")
-
-
-def _refuse_outside_names(item: str) -> None:
-    """Without OCDBT each array is a directory named after its key path (joined with
-    "."), which orbax and tensorstore join to the item's path: a key path of
-    ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
-    The names are checked in ``_METADATA`` before orbax reads anything; a file that
-    does not parse is left to orbax (a CheckpointCorruptError)."""
-    try:
-        meta = json.loads(read_capped(os.path.join(item, "_METADATA"), _MAX_METADATA))
-        entries = meta["tree_metadata"].values()
-        names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
-    except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError, AttributeError):
-        return
-    bad = [n for n in names if _outside(n)]
-    if bad:
-        raise UnsafeCheckpointError(
-            f"{item}: the array names {', '.join(repr(n) for n in bad[:5])} in _METADATA are "
-            "not names inside the checkpoint (each array is a directory of that name)")
-
-
-def _key_impls(item: str) -> dict[str, str]:
-    """Orbax's name of each typed-PRNG-key array -> its key implementation, from the
-    ``ext_metadata`` of ``array_metadatas/process_*`` (orbax stores a key's data as a
-    plain uint32 array and records the impl there). Best effort: a file that does not
-    parse is ignored (the arrays then load as their key data)."""
-    out: dict[str, str] = {}
-    folder = os.path.join(item, "array_metadatas")
-    try:
-        names = [n for n in os.listdir(folder) if n.startswith("process_")]
-    except OSError:
-        return out
-    for name in names:
-        try:
-            doc = json.loads(read_capped(os.path.join(folder, name), _MAX_METADATA))
-            for entry in doc["array_metadatas"]:
-                meta = entry["array_metadata"]
-                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
-                if type(impl) is str and type(meta["param_name"]) is str and impl.isidentifier():
-                    out[meta["param_name"]] = impl
-        except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError,
-                AttributeError):
-            continue
-    return out
-
-
 def _corrupt(item: str, exc: BaseException,
              what: str = "this Orbax checkpoint") -> CheckpointCorruptError:
     return CheckpointCorruptError(
@@ -205,10 +129,10 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
             raise CheckpointCorruptError(
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
-    _refuse_links(item)
+    refuse_links(item)
     use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     if not use_ocdbt:
-        _refuse_outside_names(item)
+        refuse_outside_names(item)
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()
@@ -235,7 +159,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     finally:
         handler.close()
     use_zarr3 = bool(getattr(meta, "use_zarr3", False))
-    walk = _Walk(item, use_ocdbt, _key_impls(item))
+    walk = _Walk(item, use_ocdbt, key_impls(item))
     root = walk.node(values, tree, (), is_array)
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
                           use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
@@ -267,7 +191,7 @@ class _Walk:
 
     def __init__(self, item: str, use_ocdbt: bool, key_impls: dict[str, str]) -> None:
         self.item, self.use_ocdbt = item, use_ocdbt
-        #: orbax's name of each typed-key array -> its impl (see _key_impls)
+        #: orbax's name of each typed-key array -> its impl (see key_impls)
         self.key_impls = key_impls
         self.arrays: list[ArrayEntry] = []
         self.files: list[FileEntry] = []
@@ -331,7 +255,7 @@ class _Walk:
                                        "which statestream cannot hold")
         oname = str(m.name)
         if not isinstance(m.name, str) or "\0" in oname or (
-                not self.use_ocdbt and _outside(oname)):
+                not self.use_ocdbt and outside(oname)):
             raise UnsafeCheckpointError(f"{where}: orbax's name {oname!r} for it is not a "
                                         "name inside the checkpoint")
         leaf = len(self.leaves)

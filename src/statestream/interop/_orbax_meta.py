@@ -1,0 +1,89 @@
+"""Checks and metadata of an Orbax checkpoint's item directory read before orbax reads
+anything (interop/_orbax.py): no links or devices under it, no array name leaving it, and
+which arrays are typed PRNG keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
+from statestream.interop._files import read_capped
+
+__all__ = ["key_impls", "outside", "refuse_links", "refuse_outside_names"]
+
+#: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
+#: per array).
+_MAX_METADATA = 256 << 20
+
+
+def refuse_links(item: str) -> None:
+    """Tensorstore opens the item's files by path and follows links: refuse a symbolic
+    link, FIFO, socket or device anywhere under the item, as statestream's own files are
+    refused (docs/security.md), so no read leaves the checkpoint's directory or blocks."""
+    stack = [item]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{d}: cannot list this Orbax directory ({exc})") from exc
+        for e in entries:
+            mode = e.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                stack.append(e.path)
+            elif not stat.S_ISREG(mode):
+                raise UnsafeCheckpointError(
+                    f"{e.path} is not a regular file or directory (a symbolic link, FIFO or "
+                    "device); refused in an Orbax checkpoint")
+
+
+def outside(name: str) -> bool:
+    """Whether ``name``, joined to the item's directory, could leave it (an absolute
+    path, a ``..`` component, a NUL byte)."""
+    return name.startswith("/") or "\0" in name or ".." in name.split("/")
+
+
+def refuse_outside_names(item: str) -> None:
+    """Without OCDBT each array is a directory named after its key path (joined with
+    "."), which orbax and tensorstore join to the item's path: a key path of
+    ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
+    The names are checked in ``_METADATA`` before orbax reads anything; a file that
+    does not parse is left to orbax (a CheckpointCorruptError)."""
+    try:
+        meta = json.loads(read_capped(os.path.join(item, "_METADATA"), _MAX_METADATA))
+        entries = meta["tree_metadata"].values()
+        names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
+    except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    bad = [n for n in names if outside(n)]
+    if bad:
+        raise UnsafeCheckpointError(
+            f"{item}: the array names {', '.join(repr(n) for n in bad[:5])} in _METADATA are "
+            "not names inside the checkpoint (each array is a directory of that name)")
+
+
+def key_impls(item: str) -> dict[str, str]:
+    """Orbax's name of each typed-PRNG-key array -> its key implementation, from the
+    ``ext_metadata`` of ``array_metadatas/process_*`` (orbax stores a key's data as a
+    plain uint32 array and records the impl there). Best effort: a file that does not
+    parse is ignored (the arrays then load as their key data)."""
+    out: dict[str, str] = {}
+    folder = os.path.join(item, "array_metadatas")
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("process_")]
+    except OSError:
+        return out
+    for name in names:
+        try:
+            doc = json.loads(read_capped(os.path.join(folder, name), _MAX_METADATA))
+            for entry in doc["array_metadatas"]:
+                meta = entry["array_metadata"]
+                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+                if type(impl) is str and type(meta["param_name"]) is str and impl.isidentifier():
+                    out[meta["param_name"]] = impl
+        except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError,
+                AttributeError):
+            continue
+    return out
