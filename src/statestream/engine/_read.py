@@ -88,7 +88,8 @@ def read_requests(
 
     def _read_one(req: ReadRequest) -> None:
         _check_supply(reader, file_names[req.file], req, describe)
-        held = budget.acquire(_scratch_bytes(req))
+        name = file_names[req.file]
+        held = budget.acquire(_scratch_bytes(req) + _decode_bytes(reader, name, req))
         try:
             _read_request(reader, file_names[req.file], req, describe, collect, lock,
                           local=local, dropper=dropper)
@@ -302,6 +303,16 @@ def _scratch_bytes(req: ReadRequest) -> int:
     if not req.pieces[0].mapped:  # mapped requests read nothing into buffers
         need += req.nbytes - sum(p.nbytes for p in req.pieces)
     return need
+
+
+def _decode_bytes(reader: CheckpointReader, name: str, req: ReadRequest) -> int:
+    """Memory the reader itself holds to read ``req``'s pieces, beyond their scratch: a
+    foreign format that decodes a whole storage chunk to serve part of it (Orbax) says so
+    through ``decode_bytes``, so that the budget lets one such read through at a time."""
+    fn = getattr(reader, "decode_bytes", None)
+    if fn is None:
+        return 0
+    return max((int(fn(name, p.offset, p.nbytes)) for p in req.pieces), default=0)
 
 
 def fit_requests(requests: Sequence[ReadRequest], limit: int) -> list[ReadRequest]:

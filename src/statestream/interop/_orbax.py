@@ -10,8 +10,10 @@ read that array: a load or a conversion holds what it is working on, not the who
 (restored whole it held the state, +624 MiB for 512 MiB).
 
 A storage chunk is the unit tensorstore reads and decompresses (orbax writes one per
-array or shard by default), so each becomes one chunk of the manifest: a read of part of
-it would decompress all of it again.
+array or shard by default), so each becomes one chunk of the manifest. A chunk read in
+parts (verify's steps, a conversion's slabs) is decoded once into a cache of its own and
+each part read straight into its buffer (interop/_orbax_part.py); the reader tells the
+engine a read holds the decoded chunk (``decode_bytes``), which the budget charges.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
+from statestream.interop._orbax_part import PartReads, read_part
 from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -307,7 +310,8 @@ def _blocks(shape: tuple[int, ...], chunk_shape: Any, itemsize: int
 
 class _OrbaxReader(FileSetReader):
     """Values orbax restored from memory; each array block read through tensorstore when
-    it is asked for, straight into the caller's buffer when the read is the whole block."""
+    it is asked for, straight into the caller's buffers (a part of a block through the
+    block's own decoded chunk, :class:`PartReads`)."""
 
     def __init__(self, location: str, item: str, memory: dict[str, memoryview],
                  blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]],
@@ -326,6 +330,8 @@ class _OrbaxReader(FileSetReader):
         self._ahead: dict[str, tuple[Any, np.ndarray]] = {}
         self._free: list[np.ndarray] = []
         self._ahead_lock = threading.RLock()
+        #: blocks being read in parts (each decoded once)
+        self._parts = PartReads()
 
     def file_size(self, name: str) -> int:
         return self._size(name) if name in self._blocks else super().file_size(name)
@@ -389,49 +395,62 @@ class _OrbaxReader(FileSetReader):
         if b is None:
             return super().read_into(name, offset, buffers)
         leaf = self._leaves[b[0]]
-        start, bshape = b[1], b[2]
-        dt = dtype_from_name(leaf.dtype)
         size = self._size(name)
         views = [memoryview(x).cast("B") for x in buffers]
         total = sum(v.nbytes for v in views)
         if offset < 0 or offset + total > size:
             raise TruncatedFileError(f"{self.location}: {name} is too short")
         store = self._store(leaf)
-        box = tuple(slice(s, s + n) for s, n in zip(start, bshape))
-        ahead = self._take_ahead(name)
-        try:
-            got = self._read_block(leaf, store, box, views, size, dt, ahead, bshape)
-            for v in views:
-                if got is None:
-                    break
-                v[:] = got[offset:offset + v.nbytes].data
-                offset += v.nbytes
-        finally:
-            if ahead is not None:
-                self._give_back(ahead)
-
-    def _read_block(self, leaf: _Leaf, store: Any, box: tuple[slice, ...],
-                    views: list[memoryview], size: int, dt: np.dtype,
-                    ahead: tuple[Any, np.ndarray] | None, bshape: tuple[int, ...]
-                    ) -> np.ndarray | None:
-        """The block's bytes: from its read ahead, or read now (None when read straight
-        into the one view that is the whole block)."""
+        # reads ahead go with whole blocks read one after another; a block read in parts
+        # (verify's steps, slabs) reads through its own decoded chunk, and reading the next
+        # blocks ahead meanwhile held them too (+2 chunks of 32 MiB verifying 4 of them)
+        whole = len(views) == 1 and offset == 0 and total == size
+        ahead = self._take_ahead(name) if whole else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                if ahead is not None:
-                    ahead[0].result()
-                    return ahead[1][:size]
-                if len(views) == 1 and views[0].nbytes == size and size:
-                    ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
-                    dst = np.frombuffer(views[0], dtype=dt).reshape(bshape)
-                    ts.array(dst, copy=False, write=True).write(store[box]).result()
-                    return None
-                return np.ascontiguousarray(store[box].read().result()).reshape(-1).view(np.uint8)
+                self._read_block(name, leaf, store, views, offset, ahead)
         except (MemoryError, KeyboardInterrupt):
             raise
         except Exception as exc:
             raise _corrupt(self._item, exc, f"key path '{format_keypath(leaf.path)}'") from exc
+        finally:
+            if ahead is not None:
+                self._give_back(ahead)
+
+    def _read_block(self, name: str, leaf: _Leaf, store: Any, views: list[memoryview],
+                    offset: int, ahead: tuple[Any, np.ndarray] | None) -> None:
+        """Bytes from ``offset`` of block ``name`` into ``views``: from its read ahead,
+        straight into the one view that is the whole block, or each part as the boxes it
+        spans straight into its view (:mod:`._orbax_part`), never the whole block read to
+        copy a part out of it."""
+        _, start, bshape = self._blocks[name]
+        dt = dtype_from_name(leaf.dtype)
+        size = self._size(name)
+        if ahead is not None:
+            ahead[0].result()
+            for v in views:
+                v[:] = ahead[1][offset:offset + v.nbytes].data
+                offset += v.nbytes
+            return
+        if len(views) == 1 and offset == 0 and views[0].nbytes == size and size:
+            ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
+            dst = np.frombuffer(views[0], dtype=dt).reshape(bshape)
+            box = tuple(slice(s, s + n) for s, n in zip(start, bshape))
+            ts.array(dst, copy=False, write=True).write(store[box]).result()
+            return
+        part = self._parts.store(name, store, size)
+        for v in views:
+            read_part(part, start, bshape, dt, offset, v)
+            offset += v.nbytes
+        self._parts.done(name, sum(v.nbytes for v in views), size)
+
+    def decode_bytes(self, name: str, offset: int, nbytes: int) -> int:
+        """Memory that a read of ``name`` holds beyond the caller's buffers: tensorstore
+        decodes the block's storage chunk whole for any read of it (the engine charges
+        that to the memory budget, so reads of several large blocks wait for one
+        another)."""
+        return self._size(name) if name in self._blocks else 0
 
     def _size(self, name: str) -> int:
         """Bytes of block ``name`` (C order)."""
@@ -521,6 +540,7 @@ class _OrbaxReader(FileSetReader):
             self._give_back(e)
         with self._ahead_lock:
             self._free.clear()
+        self._parts.close()
         with self._open_lock:
             for leaf in self._leaves:
                 leaf.store = leaf.opening = None
