@@ -203,3 +203,17 @@ def test_plan_covers_destination_exactly(rows_per_chunk: int,
             for dview, csl in p.scatter:
                 dview[...] = np.frombuffer(chunk_bytes, np.float32).reshape(c.shape)[csl]
     np.testing.assert_array_equal(dest, src[r0 : r0 + nr, c0 : c0 + nc])
+
+
+def test_a_chunk_without_checksums_is_read_for_the_rows_a_box_needs() -> None:
+    """``checksums=False`` (a foreign format's chunks): a box of some rows of a raw chunk
+    reads those rows, straight into the box; with a whole-chunk checksum to check, the
+    whole chunk is read into scratch (a conversion's slabs of one Orbax chunk each read
+    all of it before)."""
+    entry = row_chunked(64, 4, 64, base=100)
+    dest = np.zeros((8, 4), np.float32)
+    (p,) = pieces_of(plan_load([entry], [Wanted(0, (16, 0), dest)], checksums=False))
+    assert (p.offset, p.nbytes, p.chunk_shape) == (100 + 16 * 16, 8 * 16, (8, 4))
+    assert p.direct is not None and addr(p.direct) == addr(dest) and not p.scatter
+    (q,) = pieces_of(plan_load([entry], [Wanted(0, (16, 0), dest)]))
+    assert (q.offset, q.nbytes, q.direct) == (100, 64 * 16, None) and q.scatter

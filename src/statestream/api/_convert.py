@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from statestream._memory import fresh_bytes
-from statestream.api._open import open_checkpoint, skip_missing_checksums
+from statestream.api._open import has_checksums, open_checkpoint, skip_missing_checksums
 from statestream.api._options import io_options, key_paths, memory_options, progress_option
 from statestream.api._select import NO_TARGET, _select
 from statestream.engine import (
@@ -165,7 +165,8 @@ class _Slabs:
     def _read(self, ai: int, start: tuple[int, ...], buf: np.ndarray) -> np.ndarray:
         if buf.nbytes:
             reqs = plan_load(self.m.arrays, [Wanted(ai, start, buf)],
-                             max_request_bytes=self.io.max_request_bytes)
+                             max_request_bytes=self.io.max_request_bytes,
+                             checksums=has_checksums(self.reader))
             skip_missing_checksums(self.reader, reqs)
 
             def describe(p: ReadPiece) -> str:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from statestream.api._open import array_paths
+from statestream.api._open import array_paths, has_checksums
 from statestream.api._pickles import _PickleTrust
 from statestream.errors import CheckpointCorruptError, TruncatedFileError
 from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
@@ -67,7 +67,7 @@ class _Job:
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
-            self.plan = LoadPlan(self.manifest.arrays)
+            self.plan = LoadPlan(self.manifest.arrays, checksums=has_checksums(self.reader))
 
     @property
     def str_keyed(self) -> bool:

@@ -36,6 +36,11 @@ def skip_missing_checksums(reader: CheckpointReader, requests: list[ReadRequest]
                 p.verify = []
 
 
+def has_checksums(reader: CheckpointReader | None) -> bool:
+    """Whether ``reader``'s chunks carry checksums (not a foreign format's)."""
+    return not isinstance(reader, FileSetReader)
+
+
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
                     follow: bool = True) -> tuple[CheckpointReader, Manifest]:
     """Open the committed checkpoint at ``path`` and read its verified manifest.

@@ -153,8 +153,10 @@ def _plan_whole_array(w: Wanted, entry: ArrayEntry, dt: np.dtype,
 
 
 def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[int, ...],
-                      pieces: dict[tuple[int, ...], ReadPiece]) -> None:
-    """Pieces for the part of each chunk that overlaps the box ``w`` wants.
+                      pieces: dict[tuple[int, ...], ReadPiece], checksums: bool = True) -> None:
+    """Pieces for the part of each chunk that overlaps the box ``w`` wants
+    (``checksums=False``: the chunks have none, a foreign format's, so a raw chunk's
+    piece is just the rows the box needs).
 
     A piece already planned for the same rows of a chunk is shared (and
     scatters to this destination too).
@@ -167,9 +169,14 @@ def _plan_chunk_boxes(w: Wanted, entry: ArrayEntry, dt: np.dtype, dshape: tuple[
             continue
         lo, sh = box
         # Which rows of the chunk to read: all of them, or (when the chunk has
-        # block checksums) just the blocks covering the rows this box needs.
+        # block checksums) just the blocks covering the rows this box needs, or
+        # (no checksum to check) just those rows: a conversion's slabs of a 512 MiB
+        # Orbax chunk read it whole once per 32 MiB slab
         r0, r1 = 0, (c.shape[0] if c.shape else 1)
-        if c.block_rows and c.shape:
+        if not checksums and c.codec is None and c.shape:
+            r0 = lo[0] - c.start[0]
+            r1 = r0 + sh[0]
+        elif c.block_rows and c.shape:
             need0 = lo[0] - c.start[0]
             need1 = need0 + sh[0]
             r0 = (need0 // c.block_rows) * c.block_rows
@@ -209,10 +216,13 @@ class LoadPlan:
     into separate targets) is read once and scattered to the others.
     """
 
-    __slots__ = ("arrays", "pieces", "touched")
+    __slots__ = ("arrays", "checksums", "pieces", "touched")
 
-    def __init__(self, arrays: Sequence[ArrayEntry]) -> None:
+    def __init__(self, arrays: Sequence[ArrayEntry], *, checksums: bool = True) -> None:
         self.arrays = arrays
+        #: False: the chunks carry no checksums (a foreign format's): a part of a chunk
+        #: is planned as just the rows it needs
+        self.checksums = checksums
         self.pieces: dict[tuple[int, ...], ReadPiece] = {}
         #: arrays with a piece already (a second destination of one scatters)
         self.touched: set[int] = set()
@@ -245,7 +255,7 @@ class LoadPlan:
             # whole array and every chunk is a row block, i.e. a byte range of it.
             _plan_whole_array(w, entry, dt, self.pieces)
             return
-        _plan_chunk_boxes(w, entry, dt, dshape, self.pieces)
+        _plan_chunk_boxes(w, entry, dt, dshape, self.pieces, self.checksums)
 
     def requests(self, *, max_request_bytes: int = 32 << 20, max_gap_bytes: int = 64 << 10,
                  max_pieces_per_request: int = 512) -> list[ReadRequest]:
@@ -262,14 +272,16 @@ def plan_load(
     max_request_bytes: int = 32 << 20,
     max_gap_bytes: int = 64 << 10,
     max_pieces_per_request: int = 512,
+    checksums: bool = True,
 ) -> list[ReadRequest]:
-    """Plan reads that fill every wanted box, sorted by file and offset, coalesced.
+    """Plan reads that fill every wanted box, sorted by file and offset, coalesced
+    (``checksums=False``: see :class:`LoadPlan`).
 
     Chunks that land contiguously in a destination are read straight into
     it; others are read into scratch and copied. Nearby pieces of a file
     merge into one request (gaps up to ``max_gap_bytes`` are read and dropped).
     """
-    plan = LoadPlan(arrays)
+    plan = LoadPlan(arrays, checksums=checksums)
     for w in wanted:
         plan.add(w)
     return plan.requests(max_request_bytes=max_request_bytes, max_gap_bytes=max_gap_bytes,
