@@ -31,6 +31,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import Context, launch  # noqa: E402
+from _workers import assert_tree_equal as _equal  # noqa: E402
+from _workers import init_gloo  # noqa: E402
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -59,24 +61,9 @@ def expected(step: int) -> dict[str, Any]:
     return out
 
 
-def _equal(got: Any, want: Any, path: str = "") -> None:
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got.keys())
-        for k in want:
-            _equal(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, np.ndarray):
-        np.testing.assert_array_equal(got, want, err_msg=path)
-        assert got.dtype == want.dtype, path
-    else:
-        assert got == want, path
-
 
 def _init(ctx: Context) -> None:
-    import datetime
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
-                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+    init_gloo(ctx)
 
 
 def _data_files(step_dir: str) -> list[str]:

@@ -24,6 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import Context, launch  # noqa: E402
+from _workers import init_gloo  # noqa: E402
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -50,13 +51,9 @@ def _per_rank(step: int, rank: int) -> np.ndarray:
 
 
 def _init(ctx: Context) -> Any:
-    import datetime
-
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
-                            world_size=ctx.world, timeout=datetime.timedelta(seconds=60))
+    init_gloo(ctx)
     return init_device_mesh("cpu", (ctx.world,))
 
 

@@ -31,6 +31,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import Context, launch  # noqa: E402
+from _workers import init_gloo  # noqa: E402
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -53,16 +54,7 @@ BIG_SHAPE = (4096, 256)  # 4 MiB of float32
 
 
 def _init(ctx: Context, timeout_s: float = 90.0) -> None:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
-        world_size=ctx.world, timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_gloo(ctx, timeout_s)
 
 
 def _run_checks(ctx: Context, checks: list[tuple[str, Any]]) -> dict[str, Any]:
