@@ -19,6 +19,7 @@ from statestream.cli._main import (
     add_memory_budget,
     json_text,
     memory_options,
+    nonnegative,
     path_arg,
     safe,
 )
@@ -296,27 +297,15 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0 if out["equal"] else 1
 
 
-def _tolerance(text: str) -> float:
-    """A tolerance: a finite number >= 0 (a negative or NaN one was taken, and no
-    difference could be within it)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"a tolerance is a finite number >= 0, not {text!r}")
-    return v
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("diff", help="added, removed and changed keys of two checkpoints",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", type=path_arg)
     p.add_argument("b", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--atol", type=_tolerance, default=0.0,
+    p.add_argument("--atol", type=nonnegative("a tolerance"), default=0.0,
                    help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=_tolerance, default=0.0,
+    p.add_argument("--rtol", type=nonnegative("a tolerance"), default=0.0,
                    help="relative tolerance (default 0)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="admit arbitrary pickle (only for checkpoints you trust)")

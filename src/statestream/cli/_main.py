@@ -8,12 +8,12 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import statestream as ss
 
-__all__ = ["json_text", "main", "path_arg"]
+__all__ = ["json_text", "main", "nonnegative", "path_arg"]
 
 
 def _human(n: int) -> str:
@@ -242,17 +242,22 @@ def path_arg(text: str) -> str:
     return text
 
 
-def _hours(text: str) -> float:
-    """``--max-age-hours``: a finite number >= 0. NaN or a negative age was taken, and
-    made every leftover of an unverifiable writer old enough to remove: another host's
-    save in progress lost its staging area."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"an age is a finite number >= 0, not {text!r}")
-    return v
+def nonnegative(what: str) -> Callable[[str], float]:
+    """An argparse type: a finite number >= 0, called ``what`` in the refusal (a NaN or
+    negative tolerance was taken, and no difference could be within it; a NaN or
+    negative ``--max-age-hours`` made every leftover of an unverifiable writer old
+    enough to remove: another host's save in progress lost its staging area)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"{what} is a finite number >= 0, not {text!r}")
+        return v
+
+    return parse
 
 
 def _quiet_stdout() -> None:
@@ -311,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
                        formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
     p.add_argument("directory", type=path_arg)
-    p.add_argument("--max-age-hours", type=_hours, default=24.0,
+    p.add_argument("--max-age-hours", type=nonnegative("an age"), default=24.0,
                    help="remove leftovers whose writer cannot be checked (another host) "
                         "once unchanged this long (default 24)")
     p.set_defaults(fn=_cmd_gc)
