@@ -63,6 +63,7 @@ from statestream.manager._records import StepRecords, claim, identity
 from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory
+from statestream.manager._tierrefs import missing_bases
 from statestream.manager._uploads import upload_filter
 from statestream.storage import LocalStorage, storage_for
 
@@ -174,7 +175,7 @@ class LocalTier:
         asks it, and the persistent directory may be down."""
         return self.records.is_persisted(step)
 
-    def _current_in_persistent(self, step: int) -> bool:
+    def current_in_persistent(self, step: int) -> bool:
         """The persistent directory holds ``step`` as the local tier holds it."""
         return not self.records.is_replaced(step) and self.persistent.is_committed(step)
 
@@ -208,7 +209,7 @@ class LocalTier:
         out = []
         for s in self.unpersisted():
             try:
-                there = self._current_in_persistent(s)
+                there = self.current_in_persistent(s)
             except StorageError:  # the store is down: persisted again once it is back
                 there = False
             if not there:
@@ -410,47 +411,19 @@ class LocalTier:
               outcome=f"step {step} was persisted but is not recorded so: it is copied again")
 
     def _agreed_missing_bases(self, step: int) -> list[int]:
-        """:meth:`missing_bases` as rank 0 of the persistence channel sees it."""
+        """What ``step`` refers to that the directory lacks (``_tierrefs.missing_bases``),
+        as rank 0 of the persistence channel sees it."""
         todo: list[int] = []
         err: BaseException | None = None
         if self._coll.rank == 0:
             try:
-                todo = self.missing_bases(step)
+                todo = missing_bases(self, step)
             except BaseException as exc:
                 err = exc
         agree(self._coll, f"finding what step {step} refers to", err)
         if self._coll.world_size > 1:
             todo = self._coll.broadcast_object(todo, src=0)
         return todo
-
-    def missing_bases(self, step: int) -> list[int]:
-        """Steps ``step`` refers to, directly or through its bases, that are not
-        committed in the persistent directory (to copy there first), ascending.
-
-        Raises:
-            CheckpointError: such a step is not in the local tier either, or a
-                manifest on the way cannot be read.
-        """
-        need: set[int] = set()
-        todo = [step]
-        while todo:
-            s = todo.pop()
-            bases = self.retention.bases_of(s)
-            if bases is None:
-                raise CheckpointError(
-                    f"cannot persist step {step}: the manifest of {self.path(s)} cannot be "
-                    "read, so what it refers to is unknown")
-            for b in bases:
-                if b in need or self._current_in_persistent(b):
-                    continue  # committed there: the directory keeps what it refers to
-                if not self.is_committed(b):
-                    raise CheckpointError(
-                        f"cannot persist step {step}: it refers to chunks of step {b}, which "
-                        f"is committed neither in {self.persistent.directory} nor in the "
-                        f"local tier {self.root}")
-                need.add(b)
-                todo.append(b)
-        return sorted(need)
 
     def bases_to_keep(self) -> set[int]:
         """Steps the persistent keep policy must not delete yet: every step that a
