@@ -48,3 +48,29 @@ def test_a_table_costs_no_more_than_the_list_it_replaces() -> None:
         f"the table peaked at {peak * size / 1e6:.1f} MB, the list at "
         f"{v1_peak * v1_size / 1e6:.1f} MB")
     assert kept * size <= 1.05 * v1_kept * v1_size
+
+
+_EMPTY_LOAD = """
+import sys, tracemalloc
+import numpy as np, statestream as ss
+n, path = int(sys.argv[1]), sys.argv[2]
+ss.save(path, {f"a{i}": np.zeros((0, 3), np.float32) for i in range(n)})
+tracemalloc.start()
+out = ss.load(path)
+cur, peak = tracemalloc.get_traced_memory()
+assert len(out) == n and all(v.shape == (0, 3) for v in out.values())
+print(peak / n, cur / n)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_load_of_empty_arrays_builds_no_read_plan_for_them(tmp_path: Path) -> None:
+    """An empty array has nothing to read: a v3 table of them (~15 characters each)
+    cost ~1,370 bytes per array at the peak of a load (a read plan, a destination of
+    three array objects and a closure each); now ~760, the decoded manifest and the
+    values themselves (docs/security.md)."""
+    r = subprocess.run([sys.executable, "-c", _EMPTY_LOAD, "20000", str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=600, check=True)
+    peak, kept = map(float, r.stdout.split())
+    assert peak <= 1000, f"a load of empty arrays peaked at {peak:.0f} bytes per array"
+    assert kept <= 260, f"a loaded empty array holds {kept:.0f} bytes"

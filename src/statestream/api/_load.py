@@ -112,7 +112,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
         dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
     for start, buf in dest.boxes:
-        job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
+        if buf.size:  # (an empty box has nothing to read: 1M empty arrays, no 1M plans)
+            job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     return dest.finish
 
