@@ -454,7 +454,8 @@ class CheckpointManager:
         finally:
             if self._tier is not None:
                 self._tier.wait()
-        self._keep_and_check("applying the keep policy", outcome="every save was committed")
+        self._keep_and_check("applying the keep policy", outcome="committed steps stay "
+                             "committed; the keep policy was not applied")
 
     def _wait_save(self) -> None:
         """Wait for the in-flight save (its local commit, with a local tier).
