@@ -154,3 +154,37 @@ def test_one_key_path_may_be_a_str_and_numpy_numbers_are_options(tmp_path: Path)
     assert list(out) == ["w"]
     mem = ss.MemoryOptions(memory_budget_bytes=np.int64(1 << 20), keep_staging=np.bool_(True))
     assert type(mem.memory_budget_bytes) is int and mem.keep_staging is True
+
+
+@pytest.mark.parametrize("bad", [3, None, 1.5, [b"w"]])
+def test_load_allow_pickle_neither_a_bool_nor_key_paths(tmp_path: Path, bad: Any) -> None:
+    """A number or None was a plain TypeError from inside the pickle check ('int'
+    object is not iterable), raised only once the checkpoint was open: now it is named
+    before anything is read (a missing checkpoint is not even looked at)."""
+    with pytest.raises(InvalidOptionTypeError, match="allow_pickle takes True, False or key"):
+        ss.load(_saved(tmp_path), allow_pickle=bad)
+    with pytest.raises(InvalidOptionTypeError, match="allow_pickle"):
+        ss.load(tmp_path / "missing", allow_pickle=bad)
+
+
+def test_load_allow_pickle_takes_a_numpy_bool(tmp_path: Path) -> None:
+    ss.save(tmp_path / "p", {"tok": object()}, pickle_paths=["tok"])
+    assert type(ss.load(tmp_path / "p", allow_pickle=np.bool_(True))["tok"]) is object
+
+
+@pytest.mark.parametrize("bad", [3, "yes", ["w"], None])
+@pytest.mark.parametrize("call", ["verify", "metadata", "convert"])
+def test_allow_pickle_of_verify_metadata_convert_is_a_bool(tmp_path: Path, call: str,
+                                                           bad: Any) -> None:
+    """Their allow_pickle is True or False (docstrings); any truthy value was taken as
+    True, key paths too."""
+    path = _saved(tmp_path)
+    run: dict[str, Callable[[], Any]] = {
+        "verify": lambda: ss.verify(path, allow_pickle=bad),
+        "metadata": lambda: ss.metadata(path, allow_pickle=bad),
+        "convert": lambda: ss.convert(path, str(tmp_path / "o"), allow_pickle=bad),
+    }
+    with pytest.raises(InvalidOptionTypeError, match="allow_pickle must be True or False"):
+        run[call]()
+    assert not (tmp_path / "o").exists()
+    assert ss.verify(path, allow_pickle=np.bool_(True)).ok

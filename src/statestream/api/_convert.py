@@ -12,7 +12,13 @@ import numpy as np
 
 from statestream._memory import fresh_bytes
 from statestream.api._open import has_checksums, open_checkpoint, skip_missing_checksums
-from statestream.api._options import io_options, key_paths, memory_options, progress_option
+from statestream.api._options import (
+    bool_option,
+    io_options,
+    key_paths,
+    memory_options,
+    progress_option,
+)
 from statestream.api._select import NO_TARGET, _select
 from statestream.engine import (
     ByteBudget,
@@ -338,7 +344,7 @@ def convert(
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
     progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
-    reader, m = open_checkpoint(src, allow_pickle=allow_pickle)
+    reader, m = open_checkpoint(src, allow_pickle=bool_option(allow_pickle, "allow_pickle"))
     try:
         _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,
                       max_shard_bytes=max_shard_bytes, io=io, memory=memory,

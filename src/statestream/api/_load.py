@@ -564,15 +564,15 @@ def _load(
     memory: MemoryOptions | None,
     progress: Progress | None,
 ) -> Any:
-    items = key_paths(items, "items")
+    items, trust = key_paths(items, "items"), _PickleTrust(allow_pickle)
     io = io_options(io) if io is not None else _default_io(path)
     memory, progress = memory_options(memory), progress_option(progress)
-    reader, m = open_checkpoint(path, allow_pickle=allow_pickle is True)
+    reader, m = open_checkpoint(path, allow_pickle=trust.all)
     try:
         root, like = selected(m, target, items, reader.location)
         names = [f.name for f in m.files]
         local = reader if isinstance(reader, MappedReader) else None
-        job = _Job(pickles=_PickleTrust(allow_pickle), in_place=in_place, reader=reader,
+        job = _Job(pickles=trust, in_place=in_place, reader=reader,
                    file_names=names, manifest=m, maps=io.map_files and local is not None,
                    # drop-behind lets go only of pages that were not cached before the
                    # load: it must see the cache as the walk left it

@@ -9,11 +9,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionTypeError
 
-__all__ = ["collective_option", "io_options", "key_paths", "memory_options", "path_option",
-           "progress_option"]
+__all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
+           "key_paths", "memory_options", "path_option", "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -82,3 +84,24 @@ def path_option(value: Any, name: str) -> Any:
         raise InvalidOptionTypeError(
             f"{name} must be a path or URL (str or os.PathLike), not {_shown(value)}")
     return value
+
+
+def bool_option(value: Any, name: str) -> bool:
+    """``value`` as a bool: True, False or a NumPy bool (not any truthy value)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidOptionTypeError(f"{name} must be True or False, not {_shown(value)}")
+    return bool(value)
+
+
+def allow_pickle_option(value: Any) -> bool | list[str]:
+    """``load``'s ``allow_pickle``: True, False, or the trusted key paths (a collection
+    of str, or one str)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    paths = ([value] if isinstance(value, str)
+             else list(value) if isinstance(value, Iterable) else None)
+    if paths is None or not all(isinstance(p, str) for p in paths):
+        raise InvalidOptionTypeError(
+            "allow_pickle takes True, False or key paths (str, e.g. ['extra/tok']), not "
+            f"{_shown(value)}")
+    return paths

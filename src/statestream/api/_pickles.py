@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Union
 
-from statestream.errors import InvalidOptionTypeError, PickleNotAllowedError
+from statestream.api._options import allow_pickle_option
+from statestream.errors import PickleNotAllowedError
 from statestream.tree import KeyPath, format_keypath, parse_keypath
 
 #: ``load``'s ``allow_pickle``: ``True`` (every pickle leaf), ``False`` (none), or the
@@ -18,17 +19,10 @@ class _PickleTrust:
     """Which pickle leaves a load may unpickle, and the ones it refused."""
 
     def __init__(self, allow: AllowPickle) -> None:
-        paths: list[str] = []
-        if not isinstance(allow, bool):
-            paths = [allow] if isinstance(allow, str) else list(allow)
-            if not all(isinstance(p, str) for p in paths):
-                raise InvalidOptionTypeError(
-                    "allow_pickle takes True, False or a collection of key paths (str), "
-                    f"not {allow!r}"
-                )
-        self.all = allow is True
-        self.paths = paths
-        self.prefixes = [parse_keypath(p) for p in paths]
+        allowed = allow_pickle_option(allow)
+        self.all = allowed is True
+        self.paths: list[str] = [] if isinstance(allowed, bool) else allowed
+        self.prefixes = [parse_keypath(p) for p in self.paths]
         self.refused: list[tuple[KeyPath, str]] = []
 
     def trusts(self, path: KeyPath) -> bool:
