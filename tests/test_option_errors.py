@@ -188,3 +188,31 @@ def test_allow_pickle_of_verify_metadata_convert_is_a_bool(tmp_path: Path, call:
         run[call]()
     assert not (tmp_path / "o").exists()
     assert ss.verify(path, allow_pickle=np.bool_(True)).ok
+
+
+_PATH_TAKERS: dict[str, tuple[str, Callable[[Path, Any], Any]]] = {
+    "load": ("path", lambda tmp, bad: ss.load(bad)),
+    "load-io": ("path", lambda tmp, bad: ss.load(bad, io=ss.IOOptions())),
+    "metadata": ("path", lambda tmp, bad: ss.metadata(bad)),
+    "verify": ("path", lambda tmp, bad: ss.verify(bad)),
+    "save": ("path", lambda tmp, bad: ss.save(bad, {"w": np.ones(1)})),
+    "save_async": ("path", lambda tmp, bad: ss.save_async(bad, {"w": np.ones(1)}).result()),
+    "convert-src": ("src", lambda tmp, bad: ss.convert(bad, tmp / "o")),
+    "convert-dst": ("dst", lambda tmp, bad: ss.convert(_saved(tmp), bad)),
+    "manager": ("directory", lambda tmp, bad: ss.CheckpointManager(bad)),
+    "manager-tier": ("local_tier", lambda tmp, bad: ss.CheckpointManager(tmp / "r",
+                                                                         local_tier=bad)),
+}
+
+
+@pytest.mark.parametrize(("call", "bad"), [
+    (call, bad) for call in sorted(_PATH_TAKERS) for bad in (None, 5)
+    if (call, bad) != ("manager-tier", None)])  # no local tier: the default
+def test_a_path_that_is_no_path_is_named(tmp_path: Path, call: str, bad: Any) -> None:
+    """None or a number as a checkpoint path was a plain TypeError from os.fspath
+    ('expected str, bytes or os.PathLike object'), naming no argument."""
+    name, run = _PATH_TAKERS[call]
+    with pytest.raises(InvalidOptionTypeError,
+                       match=f"^{name} must be a path or URL .*, not {type(bad).__name__}"):
+        run(tmp_path, bad)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()

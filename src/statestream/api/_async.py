@@ -12,6 +12,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from statestream.api._options import path_arg
 from statestream.api._save import save_options
 from statestream.distributed import Collective
 from statestream.engine import (
@@ -74,7 +75,7 @@ def save_async(
             :func:`save`): from the blocking phase, before anything runs in
             the background.
     """
-    return start_save(path, state, save_options(
+    return start_save(path_arg(path, "path"), state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
         collective=collective, progress=progress, meta=meta, compression=compression,
         base=base, hashes=hashes, node_local=node_local), lazy=lazy)

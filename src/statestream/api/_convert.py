@@ -17,6 +17,7 @@ from statestream.api._options import (
     io_options,
     key_paths,
     memory_options,
+    path_arg,
     progress_option,
 )
 from statestream.api._select import NO_TARGET, _select
@@ -340,7 +341,7 @@ def convert(
         >>> ss.load(out)
         {'w': array([0., 1., 2.]), 'step': 7}
     """
-    dst_s = os.fspath(dst)
+    src, dst_s = path_arg(src, "src"), os.fspath(path_arg(dst, "dst"))
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
     progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)

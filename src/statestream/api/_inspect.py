@@ -10,7 +10,7 @@ from typing import Any
 from statestream._gc import gc_paused
 from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
-from statestream.api._options import bool_option, io_options, memory_options
+from statestream.api._options import bool_option, io_options, memory_options, path_arg
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
@@ -123,7 +123,7 @@ def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False
                       stored_bytes=24, codec=None)
     """
     with gc_paused():  # a large manifest is many small objects (see statestream._gc)
-        reader, m = open_checkpoint(path, follow=False,
+        reader, m = open_checkpoint(path_arg(path, "path"), follow=False,
                                     allow_pickle=bool_option(allow_pickle, "allow_pickle"))
         reader.close()
         return _describe(reader, m)
@@ -235,7 +235,7 @@ def verify(
     """
     io, memory = io_options(io), memory_options(memory)
     allow_pickle = bool_option(allow_pickle, "allow_pickle")
-    report = VerifyReport(path=os.fspath(path))
+    report = VerifyReport(path=os.fspath(path_arg(path, "path")))
     try:
         reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
     except (StorageError, PickleNotAllowedError, UnsupportedTypeError):

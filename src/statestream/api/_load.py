@@ -24,6 +24,7 @@ from statestream.api._options import (
     io_options,
     key_paths,
     memory_options,
+    path_arg,
     progress_option,
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
@@ -564,7 +565,8 @@ def _load(
     memory: MemoryOptions | None,
     progress: Progress | None,
 ) -> Any:
-    items, trust = key_paths(items, "items"), _PickleTrust(allow_pickle)
+    path, items = path_arg(path, "path"), key_paths(items, "items")
+    trust = _PickleTrust(allow_pickle)
     io = io_options(io) if io is not None else _default_io(path)
     memory, progress = memory_options(memory), progress_option(progress)
     reader, m = open_checkpoint(path, allow_pickle=trust.all)

@@ -15,7 +15,7 @@ from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionTypeError
 
 __all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
-           "key_paths", "memory_options", "path_option", "progress_option"]
+           "key_paths", "memory_options", "path_arg", "path_option", "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -78,12 +78,17 @@ def collective_option(collective: Any) -> Any:
     return collective
 
 
-def path_option(value: Any, name: str) -> Any:
-    """A path or URL (str or os.PathLike), or None."""
-    if value is not None and not isinstance(value, (str, os.PathLike)):
+def path_arg(value: Any, name: str) -> str | os.PathLike[str]:
+    """A path or URL that must be given (str or os.PathLike)."""
+    if not isinstance(value, (str, os.PathLike)):
         raise InvalidOptionTypeError(
             f"{name} must be a path or URL (str or os.PathLike), not {_shown(value)}")
     return value
+
+
+def path_option(value: Any, name: str) -> str | os.PathLike[str] | None:
+    """A path or URL (str or os.PathLike), or None."""
+    return None if value is None else path_arg(value, name)
 
 
 def bool_option(value: Any, name: str) -> bool:

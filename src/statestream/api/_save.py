@@ -11,6 +11,7 @@ from statestream.api._options import (
     io_options,
     key_paths,
     memory_options,
+    path_arg,
     path_option,
     progress_option,
 )
@@ -101,7 +102,7 @@ def save(
         >>> ss.load(d)["step"]
         7
     """
-    run_save(path, state, save_options(
+    run_save(path_arg(path, "path"), state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
         collective=collective, progress=progress, meta=meta, compression=compression,
         base=base, hashes=hashes, node_local=node_local))

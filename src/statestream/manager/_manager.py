@@ -10,7 +10,7 @@ from typing import Any
 
 from statestream.api import SaveHandle, load, save, save_async
 from statestream.api._async import guard_state_in
-from statestream.api._options import collective_option, io_options, memory_options
+from statestream.api._options import collective_option, io_options, memory_options, path_arg
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective, share_from_0
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
@@ -121,11 +121,10 @@ class CheckpointManager:
         check_policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
         check_policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
         check_policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
-        if io is not None:
-            io_options(io)
-        if memory is not None:
-            memory_options(memory)
-        storage, self.directory = storage_for(os.fspath(directory))
+        io_options(io), memory_options(memory)  # a bad option fails here, not at a save
+        if local_tier is not None:
+            path_arg(local_tier, "local_tier")
+        storage, self.directory = storage_for(os.fspath(path_arg(directory, "directory")))
         self._dir = StepDirectory(storage, self.directory)
         self._retention = Retention(keep_policy or KeepAll(), self._dir)
         self._best_metrics = best_metrics(keep_policy)
