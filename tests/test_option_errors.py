@@ -216,3 +216,13 @@ def test_a_path_that_is_no_path_is_named(tmp_path: Path, call: str, bad: Any) ->
                        match=f"^{name} must be a path or URL .*, not {type(bad).__name__}"):
         run(tmp_path, bad)
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("bad", [5, [("epoch", 3)], "epoch=3"])
+def test_meta_that_is_not_a_mapping(tmp_path: Path, bad: Any) -> None:
+    """It was a plain TypeError ('int' object is not iterable), or a list of pairs taken
+    as a dict, from the check of its JSON."""
+    for run in (ss.save, lambda p, s, **kw: ss.save_async(p, s, **kw).result()):
+        with pytest.raises(InvalidOptionTypeError, match="meta must be a mapping"):
+            run(tmp_path / "a", {"w": np.ones(1)}, meta=bad)
+    assert not (tmp_path / "a").exists()

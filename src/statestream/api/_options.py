@@ -6,7 +6,7 @@ character at a time)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,8 @@ from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionTypeError
 
 __all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
-           "key_paths", "memory_options", "path_arg", "path_option", "progress_option"]
+           "key_paths", "memory_options", "meta_option", "path_arg", "path_option",
+           "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -110,3 +111,13 @@ def allow_pickle_option(value: Any) -> bool | list[str]:
             "allow_pickle takes True, False or key paths (str, e.g. ['extra/tok']), not "
             f"{_shown(value)}")
     return paths
+
+
+def meta_option(meta: Any) -> Mapping[str, Any] | None:
+    """``save``'s ``meta``: None or a mapping (its contents are checked as JSON when
+    the save begins)."""
+    if meta is not None and not isinstance(meta, Mapping):
+        raise InvalidOptionTypeError(
+            "meta must be a mapping of str keys to JSON values (e.g. {'epoch': 3}) or None, "
+            f"not {_shown(meta)}")
+    return meta

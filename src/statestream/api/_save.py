@@ -11,6 +11,7 @@ from statestream.api._options import (
     io_options,
     key_paths,
     memory_options,
+    meta_option,
     path_arg,
     path_option,
     progress_option,
@@ -121,7 +122,7 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
         io=io_options(io), memory=memory_options(memory),
         collective=(collective_option(collective) if collective is not None
                     else default_collective()),
-        progress=progress_option(progress), user_meta=meta,
+        progress=progress_option(progress), user_meta=meta_option(meta),
         compression=CompressionPolicy(compression), base=path_option(base, "base"),
         hashes=bool(hashes),
         node_local=node_local)
