@@ -43,7 +43,7 @@ def test_options_validate() -> None:
 
 def test_memory_options_resolve() -> None:
     assert MemoryOptions(memory_budget_bytes=123).resolved() == 123
-    assert MemoryOptions(memory_budget_bytes=0).resolved() == 1
+    assert MemoryOptions(memory_budget_bytes=1).resolved() == 1
     d = default_memory_budget_bytes()
     assert MemoryOptions().resolved() == d and 0 < d <= 4 << 30
 

@@ -149,8 +149,8 @@ class MemoryOptions:
         memory_budget_bytes: upper bound on bytes staged at once (copies of
             non-contiguous/byte-swapped/device arrays on save, ``save_async``'s
             staging, compression and decompression buffers, scratch for
-            chunks that do not land in place on load). ``None`` picks
-            :func:`default_memory_budget_bytes`. Outside it: a fixed 8 MiB
+            chunks that do not land in place on load): a positive int, or
+            ``None`` for :func:`default_memory_budget_bytes`. Outside it: a fixed 8 MiB
             aligned bounce buffer per data file on local disk (docs/storage.md).
         keep_staging: keep ``save_async``'s staging buffers (up to the budget)
             for the next save, which then copies into memory that is already
@@ -163,10 +163,14 @@ class MemoryOptions:
 
     def __post_init__(self) -> None:
         _check_fields(self, ints=("memory_budget_bytes",), bools=("keep_staging",))
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise InvalidOptionError(
+                "MemoryOptions.memory_budget_bytes must be positive (bytes), or None for the "
+                f"default, not {self.memory_budget_bytes}")
 
     def resolved(self) -> int:
         b = self.memory_budget_bytes
-        return default_memory_budget_bytes() if b is None else max(1, int(b))
+        return default_memory_budget_bytes() if b is None else b
 
 
 def writers_share(budget: int, threads: int, per_file: int) -> tuple[int, int]:
