@@ -13,6 +13,7 @@ import pytest
 import statestream as ss
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, encode_commit
 from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.storage._object_config import split_object_url
 from statestream.testing.storage import StorageTests
 
 
@@ -305,6 +306,7 @@ import json, sys
 import numpy as np
 import statestream as ss
 from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.storage._object_config import split_object_url
 set_backend("s3", S3Storage(S3Options(**json.loads(sys.argv[1]))))
 mgr = ss.CheckpointManager(sys.argv[2], lease_ttl_s=600)
 mgr.save(1, {"w": np.arange(4)})
@@ -458,3 +460,30 @@ def test_gc_removes_only_what_a_save_writes(storage: S3Storage, base_url: str) -
         storage.remove_leftover(Leftover(f"s3://{bucket}/{mlflow}", "mlflow", None, 0.0))
     assert f"{mlflow}/artifacts/model.pkl" in {
         m["path"] for batch in obstore.list(store, prefix=mlflow) for m in batch}
+
+
+@pytest.mark.parametrize("segment", ["", ".", ".."])
+@pytest.mark.parametrize("where", ["leading", "inner"])
+def test_empty_dot_and_dotdot_segments_are_refused(storage: S3Storage, s3_server: dict[str, Any],
+                                                   segment: str, where: str) -> None:
+    """docs/storage.md, "S3 URLs": a leading empty segment (s3://bucket//t) was taken as
+    s3://bucket/t (the prefix's leading '/' was stripped): a save went there."""
+    key = f"t-{uuid.uuid4().hex[:8]}"
+    url = (f"s3://{s3_server['bucket']}/{segment}/{key}" if where == "leading"
+           else f"s3://{s3_server['bucket']}/{key}/{segment}/x")
+    with pytest.raises(ss.StorageError, match=r"has an empty, '\.' or '\.\.' path segment"):
+        ss.save(url, {"w": np.ones(2)})
+    with pytest.raises(ss.StorageError, match="path segment"):
+        ss.metadata(url)
+    with pytest.raises(ss.CheckpointNotFoundError):
+        ss.metadata(f"s3://{s3_server['bucket']}/{key}")  # nothing was written there
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+def test_urls_parse_with_one_rule_for_empty_segments(scheme: str) -> None:
+    """Only the URL is parsed: trailing '/' are ignored, an empty segment anywhere else
+    is refused (a StorageError, as for '.' and '..')."""
+    assert split_object_url(f"{scheme}://bucket/a/b/", scheme) == ("bucket", "a/b")
+    for rest in ("/a", "a//b", "/"):
+        with pytest.raises(ss.StorageError):
+            split_object_url(f"{scheme}://bucket/{rest}", scheme)

@@ -52,13 +52,17 @@ def check_transfer_options(options: Any) -> None:
 
 
 def split_object_url(url: str, scheme: str, word: str = "bucket") -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``); ``word`` names the bucket in messages."""
+    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``); ``word`` names the bucket in messages.
+
+    Trailing ``/`` are ignored; an empty segment elsewhere (``s3://b//a``,
+    ``s3://b/a//c``), ``.`` and ``..`` are refused (a StorageError).
+    """
     head = f"{scheme}://"
     if not url.startswith(head):
         raise StorageError(f"not an {head} URL: {url!r}")
     rest = url[len(head):]
     bucket, _, prefix = rest.partition("/")
-    prefix = prefix.strip("/")
+    prefix = prefix.rstrip("/")  # a leading "/" is an empty segment
     if len(bucket) < 3 or not prefix:
         raise StorageError(
             f"{url!r} must look like {head}{word}/prefix ({word} names have 3+ characters)"
