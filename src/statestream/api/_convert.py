@@ -312,8 +312,8 @@ def convert(
             not end in ``.safetensors`` (default shard size 5 GB).
         io: thread count and request sizes for reading.
         memory: the budget; one slab of at most half of it (and at most
-            ``io.max_chunk_bytes``) is held at a time (``to="orbax"`` holds the
-            whole state: orbax-checkpoint takes it at once).
+            ``io.max_chunk_bytes``) is held at a time (``to="orbax"``: arrays go
+            in batches of a quarter of it, each an orbax partial save; docs/interop.md).
         progress: called as ``progress(bytes_done, bytes_total)``.
         compression: with ``to="statestream"``, compress the arrays as ``save``'s
             ``compression`` does (a codec name, an ``ss.Compression``, or key-path
