@@ -477,7 +477,8 @@ def load(
             contiguous, and return those same objects — as DCP does. Faster
             (no fresh memory to fault in) and no extra memory, but a load that
             fails part-way (a corrupt chunk) leaves the target partly
-            overwritten. Without it, targets are never modified.
+            overwritten. Without it, the target's arrays and tensors are never
+            written; objects with ``load_state_dict`` and generators get their state anyway.
         io: thread count and request sizes.
         memory: the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
