@@ -210,8 +210,10 @@ def release_staging() -> int:
 
     ``save_async`` keeps its staging buffers (up to the memory budget) so the
     next save copies into memory that is already mapped (or pinned); object
-    store writers keep up to 8 part buffers per part size (docs/storage.md). Call this
-    when no more saves are coming, or to give the memory back for a while.
+    store writers keep their part buffers too, up to a byte cap across part sizes
+    that each save sets to its writer threads x 2 parts (128 MiB before the first
+    save; docs/storage.md). Call this when no more saves are coming, or to give
+    the memory back for a while.
 
     Returns:
         The number of bytes freed.
