@@ -58,7 +58,8 @@ def save(
             stays loadable until the new one is committed); refused while
             an incremental sibling refers to its chunks.
         pickle_paths: key paths (``"a/b"``) whose otherwise unsupported
-            values may be pickled; loading them needs ``allow_pickle=True``.
+            values may be pickled; loading them needs ``load``'s ``allow_pickle``
+            to cover them (those key paths, e.g. ``["a/b"]``, or ``True``).
         io: thread count and chunk sizes.
         memory: the host staging budget.
         collective: how processes agree; by default torch.distributed when a
