@@ -1,7 +1,8 @@
 """Errors raised by statestream.
 
-Every error derives from :class:`CheckpointError` and from the builtin it
-refines, so ``except FileNotFoundError`` keeps working::
+Every error derives from :class:`CheckpointError` and, where one matches, from
+the builtin it refines, so ``except FileNotFoundError`` keeps working (some,
+such as a missing incremental base, are a bare ``CheckpointError``)::
 
     CheckpointError (Exception)
     ├── CheckpointNotFoundError (FileNotFoundError)   no committed checkpoint at a path
