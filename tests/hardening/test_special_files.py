@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,9 +47,23 @@ def _replace_with_socket(c: Path, name: str) -> None:
         s.close()
 
 
+def _replace_with_chardev(c: Path, name: str) -> None:
+    """A character device with /dev/null's numbers: reads end at once, writes vanish."""
+    os.unlink(c / name)
+    try:
+        os.mknod(c / name, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:  # not root (or no CAP_MKNOD)
+        pytest.skip("this process may not create device files")
+    assert stat.S_ISCHR(os.lstat(c / name).st_mode)
+
+
 _MAKERS: dict[str, Callable[[Path, str], None]] = {
     "fifo": _replace_with_fifo, "dir": _replace_with_dir, "socket": _replace_with_socket,
+    "chardev": _replace_with_chardev,
 }
+#: how the refusal names each kind ("it is a FIFO (named pipe), not a regular file")
+_WORDS = {"fifo": "a FIFO", "dir": "a directory", "socket": "a socket",
+          "chardev": "a character device"}
 
 
 @pytest.mark.parametrize("kind", sorted(_MAKERS))
@@ -58,9 +73,9 @@ def test_special_file_is_refused(ckpt: Path, kind: str, which: str) -> None:
     _MAKERS[kind](ckpt, name)
     with pytest.raises(ss.CheckpointError) as ei:
         ss.load(ckpt)
-    assert name in str(ei.value)
+    assert name in str(ei.value) and f"it is {_WORDS[kind]}" in str(ei.value)  # not read
     rep = ss.verify(ckpt)
-    assert not rep.ok and any(name in p for p in rep.problems), rep.problems
+    assert not rep.ok and any(name in p and _WORDS[kind] in p for p in rep.problems), rep.problems
     if which != "data":
         with pytest.raises(ss.CheckpointError) as ei:
             ss.metadata(ckpt)
