@@ -230,3 +230,52 @@ def test_meta_that_is_not_a_mapping(tmp_path: Path, bad: Any) -> None:
         with pytest.raises(InvalidOptionTypeError, match="meta must be a mapping"):
             run(tmp_path / "a", {"w": np.ones(1)}, meta=bad)
     assert not (tmp_path / "a").exists()
+
+
+_FLAG_TAKERS: dict[str, Callable[[Path, Any], Any]] = {
+    "save-overwrite": lambda tmp, bad: ss.save(tmp / "a", {"w": np.ones(1)}, overwrite=bad),
+    "save-hashes": lambda tmp, bad: ss.save(tmp / "a", {"w": np.ones(1)}, hashes=bad),
+    "save-node_local": lambda tmp, bad: ss.save(tmp / "a", {"w": np.ones(1)}, node_local=bad),
+    "save_async-lazy": lambda tmp, bad: ss.save_async(tmp / "a", {"w": np.ones(1)},
+                                                      lazy=bad).result(),
+    "save_async-overwrite": lambda tmp, bad: ss.save_async(tmp / "a", {"w": np.ones(1)},
+                                                           overwrite=bad).result(),
+    "convert-overwrite": lambda tmp, bad: ss.convert(_saved(tmp), tmp / "a", overwrite=bad),
+}
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+@pytest.mark.parametrize("call", sorted(_FLAG_TAKERS))
+def test_a_flag_is_true_or_false(tmp_path: Path, call: str, bad: Any) -> None:
+    """A truthy non-bool was taken as True: overwrite="no" replaced a checkpoint."""
+    name = call.split("-")[1]
+    with pytest.raises(InvalidOptionTypeError, match=f"^{name} must be True or False"):
+        _FLAG_TAKERS[call](tmp_path, bad)
+    assert not (tmp_path / "a").exists()
+
+
+def test_manager_metadata_that_is_not_a_mapping(tmp_path: Path) -> None:
+    """It was a plain TypeError from dict(5)."""
+    with ss.CheckpointManager(tmp_path / "r") as mgr:
+        with pytest.raises(InvalidOptionTypeError, match="^metadata must be a mapping"):
+            mgr.save(1, {"w": np.ones(1)}, metadata=5)
+        assert mgr.save(1, {"w": np.ones(1)}, metadata={"epoch": 3})
+        mgr.wait()
+        assert mgr.steps() == [1]
+
+
+@pytest.mark.parametrize(("bad", "err"), [(-1, InvalidOptionError), (0, InvalidOptionError),
+                                          (float("nan"), InvalidOptionError),
+                                          (float("inf"), InvalidOptionError),
+                                          ("60", InvalidOptionTypeError)])
+def test_collective_timeouts_are_positive_seconds(bad: Any, err: type[Exception]) -> None:
+    """TorchCollective(timeout_s=-1) raised torch's own ValueError from timedelta
+    arithmetic; NaN made every wait end at once; JaxCollective took any of them."""
+    pytest.importorskip("torch")
+    with pytest.raises(err, match="^timeout_s must be"):
+        ss.TorchCollective(timeout_s=bad)
+    pytest.importorskip("jax")
+    with pytest.raises(err, match="^timeout_s must be"):
+        ss.JaxCollective(timeout_s=bad)
+    with pytest.raises(err, match="^dead_after_s must be"):
+        ss.JaxCollective(dead_after_s=bad)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from statestream.api._options import path_arg
+from statestream.api._options import bool_option, path_arg
 from statestream.api._save import save_options
 from statestream.distributed import Collective
 from statestream.engine import (
@@ -78,7 +78,7 @@ def save_async(
     return start_save(path_arg(path, "path"), state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
         collective=collective, progress=progress, meta=meta, compression=compression,
-        base=base, hashes=hashes, node_local=node_local), lazy=lazy)
+        base=base, hashes=hashes, node_local=node_local), lazy=bool_option(lazy, "lazy"))
 
 
 def guard_optimizer(optimizer: Any, handle: SaveHandle) -> Any:

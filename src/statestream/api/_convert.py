@@ -347,7 +347,8 @@ def convert(
     progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
     reader, m = open_checkpoint(src, allow_pickle=bool_option(allow_pickle, "allow_pickle"))
     try:
-        _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,
+        _convert_open(reader, m, fmt, dst_s, items=selected,
+                      overwrite=bool_option(overwrite, "overwrite"),
                       max_shard_bytes=max_shard_bytes, io=io, memory=memory,
                       progress=progress, policy=policy)
     finally:

@@ -113,11 +113,11 @@ def allow_pickle_option(value: Any) -> bool | list[str]:
     return paths
 
 
-def meta_option(meta: Any) -> Mapping[str, Any] | None:
+def meta_option(meta: Any, name: str = "meta") -> Mapping[str, Any] | None:
     """``save``'s ``meta``: None or a mapping (its contents are checked as JSON when
     the save begins)."""
     if meta is not None and not isinstance(meta, Mapping):
         raise InvalidOptionTypeError(
-            "meta must be a mapping of str keys to JSON values (e.g. {'epoch': 3}) or None, "
+            f"{name} must be a mapping of str keys to JSON values (e.g. {{'epoch': 3}}) or None, "
             f"not {_shown(meta)}")
     return meta

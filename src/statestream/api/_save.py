@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from statestream.api._options import (
+    bool_option,
     collective_option,
     io_options,
     key_paths,
@@ -119,13 +120,14 @@ def save_options(*, overwrite: bool, pickle_paths: Collection[str], io: IOOption
                  node_local: bool = False) -> SaveOptions:
     """The engine's options for a save, with the defaults filled in."""
     return SaveOptions(
-        overwrite=overwrite, pickle_paths=key_paths(pickle_paths, "pickle_paths") or (),
+        overwrite=bool_option(overwrite, "overwrite"),
+        pickle_paths=key_paths(pickle_paths, "pickle_paths") or (),
         io=io_options(io), memory=memory_options(memory),
         collective=(collective_option(collective) if collective is not None
                     else default_collective()),
         progress=progress_option(progress), user_meta=meta_option(meta),
         compression=CompressionPolicy(compression), base=path_option(base, "base"),
-        hashes=bool(hashes),
-        node_local=node_local)
+        hashes=bool_option(hashes, "hashes"),
+        node_local=bool_option(node_local, "node_local"))
 
 

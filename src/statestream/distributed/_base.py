@@ -6,9 +6,12 @@ statestream never opens sockets of its own.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ByteChannel", "Collective", "SingleProcess"]
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError
+
+__all__ = ["ByteChannel", "Collective", "SingleProcess", "seconds_option"]
 
 T = TypeVar("T")
 
@@ -92,3 +95,19 @@ class SingleProcess:
 
     def fork(self, channel: str) -> SingleProcess:
         return self
+
+
+def seconds_option(value: Any, name: str) -> float:
+    """``value`` as a finite number of seconds > 0: a caller's mistake (``-1``, NaN,
+    ``inf``, a str) is refused where it enters, not by the first wait it sets.
+
+    Example:
+        >>> seconds_option(600, "timeout_s")
+        600.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionTypeError(
+            f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidOptionError(f"{name} must be a finite number of seconds > 0, not {value}")
+    return float(value)

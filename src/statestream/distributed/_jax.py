@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from statestream.distributed._base import seconds_option
 from statestream.distributed._liveness import Heartbeat, Watch, describe_ranks
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
@@ -83,6 +84,8 @@ class JaxCollective:
 
     def __init__(self, *, timeout_s: float = 600.0, channel: str = "",
                  dead_after_s: float = 30.0) -> None:
+        timeout_s = seconds_option(timeout_s, "timeout_s")
+        seconds_option(dead_after_s, "dead_after_s")
         import jax
         from jax._src import distributed
 

@@ -10,6 +10,7 @@ import time
 import weakref
 from typing import Any
 
+from statestream.distributed._base import seconds_option
 from statestream.distributed._liveness import (
     INTERVAL_S,
     Heartbeat,
@@ -178,7 +179,7 @@ class TorchCollective:
         self._dist = dist
         self._group = group
         self._channel = channel
-        self._timeout_s = float(timeout_s)
+        self._timeout_s = seconds_option(timeout_s, "timeout_s")
         key = (None if group is None else id(group), self._timeout_s, channel)
         ref = _GROUPS.get(key)
         pg = ref() if ref is not None else None

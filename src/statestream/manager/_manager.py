@@ -33,7 +33,7 @@ from statestream.manager._policies import (
     warn_missing_metrics,
 )
 from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
-from statestream.manager._retention import Retention, encode_metrics, step_info
+from statestream.manager._retention import Retention, step_info, step_meta
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
@@ -382,8 +382,7 @@ class CheckpointManager:
         overwrite = self._prepare_save(step, metrics, force)
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
-        meta = {"step": step, "time": time.time(),
-                "metrics": encode_metrics(metrics), "metadata": dict(metadata or {})}
+        meta = step_meta(step, metrics, metadata)
         base_step = (base_for(step, self._coll, self._tier, self._retention.listed)
                      if self._incremental else None)
         base = None if base_step is None else target.path(base_step)

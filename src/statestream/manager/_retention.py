@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from statestream import _hooks
 from statestream.api import metadata
+from statestream.api._options import meta_option
 from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
 from statestream.manager._steps import StepDirectory, parse_step
 
-__all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info"]
+__all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info",
+           "step_meta"]
 
 #: Non-finite metric values, which JSON cannot hold, are stored as these strings.
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -73,6 +76,14 @@ def encode_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             v = {_STR_TAG: v}
         out[k] = v
     return out
+
+
+def step_meta(step: int, metrics: Mapping[str, Any] | None,
+              metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a manager's save records of ``step`` in its checkpoint's ``meta``;
+    ``metadata`` that is not a mapping is an ``InvalidOptionTypeError`` naming it."""
+    return {"step": step, "time": time.time(), "metrics": encode_metrics(metrics),
+            "metadata": dict(meta_option(metadata, "metadata") or {})}
 
 
 def decode_metrics(stored: Mapping[str, Any]) -> dict[str, Any]:
