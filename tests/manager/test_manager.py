@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
-from statestream.manager import _decide, _manager
+from statestream.manager import _decide, _manager, _retention
 from statestream.testing import faults
 
 pytestmark = [
@@ -100,7 +100,8 @@ def test_every_n_seconds_with_injected_clock(tmp_path, monkeypatch):
         def time() -> float:
             return now[0]
 
-    monkeypatch.setattr(_manager, "time", Clock)  # the step time it records
+    monkeypatch.setattr(_manager, "time", Clock)  # the last save's time
+    monkeypatch.setattr(_retention, "time", Clock)  # the step time it records
     monkeypatch.setattr(_decide, "time", Clock)  # the save policy's clock
     with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSeconds(60)) as mgr:
         saved = []
