@@ -166,3 +166,15 @@ def test_a_chunk_moved_to_another_file_keeps_every_other_field() -> None:
     assert all(getattr(c, n) != getattr(ChunkEntry(0, 0, 0, 0, (), ()), n) for n in names), \
         "give every field a non-default value here"
     assert c.in_file(9) == dataclasses.replace(c, file=9)
+
+
+def test_a_tie_on_one_rank_only_is_described_as_a_tie() -> None:
+    # rank 0 saved the same tensor twice (stored once: an alias of array 0), rank 1 a copy
+    tied = RankTree(_dict(["a", "b"], [_arr(0), Node("alias", array=0)]),
+                    [ArrayDecl("a", "float32", (2,))])
+    copy = RankTree(_dict(["a", "b"], [_arr(0), _arr(1)]),
+                    [ArrayDecl("a", "float32", (2,)), ArrayDecl("b", "float32", (2,))])
+    with pytest.raises(TargetMismatchError) as ei:
+        merge_trees([tied, copy])
+    assert ("different kinds of value at key path 'b': rank 0 holds the same array as 'a' "
+            "(tied: float32[2]); rank 1 holds an array (float32[2])") in str(ei.value)

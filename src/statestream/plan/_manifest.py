@@ -142,6 +142,8 @@ def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
     k = node.kind
     if k in ("array", "alias") and node.array is not None:
         a = arrays[node.array]
+        if k == "alias":  # ``a`` is the array first found in the same memory
+            return f"the same array as '{a.key}' (tied: {a.dtype}{list(a.shape)})"
         return f"an array ({a.dtype}{list(a.shape)})"
     if k in ("list", "tuple"):
         return f"a {k} of {len(node.children or [])}"

@@ -1,0 +1,99 @@
+"""Tied tensors and mapping keys across processes (torch gloo, real processes).
+
+Each process walks its own state: whether a value is tied to another (the same
+memory, stored once as an alias) and which keys a mapping has are found per
+process, and the plan must unite them into one checkpoint or say, before a byte
+of data is written (counted at the ``save.chunk_written`` hook point), which
+rank holds what at which key path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+THIS = os.path.abspath(__file__)
+
+
+def _tie_disagrees(rank: int) -> Any:
+    x = torch.arange(4.0)
+    return {"a": x, "b": x if rank == 0 else x.clone()}
+
+
+#: case name -> the state each rank saves (built inside the worker)
+CASES: dict[str, Callable[[int], Any]] = {
+    "tie_disagrees": _tie_disagrees,
+}
+
+
+def _plain(value: Any) -> Any:
+    """A loaded tree as JSON: dict items as [key, type, value] (int and str keys kept
+    apart), arrays as lists."""
+    if isinstance(value, dict):
+        return [[k, type(k).__name__, _plain(v)] for k, v in value.items()]
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def worker(ctx: Context) -> Any:
+    from _workers import init_gloo
+
+    import statestream as ss
+    from statestream import _hooks
+
+    init_gloo(ctx)
+    written = [0]
+    _hooks.register("save.chunk_written", lambda: written.__setitem__(0, written[0] + 1))
+    out: dict[str, Any] = {}
+    for case in ctx.args:
+        state = CASES[case](ctx.rank)
+        target = Path(ctx.tmp) / case / "ck"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        written[0] = 0
+        try:
+            ss.save(target, state)
+            out[case] = {"raised": None, "loaded": _plain(ss.load(target))}
+        except ss.CheckpointError as exc:
+            out[case] = {"raised": type(exc).__name__, "message": str(exc)}
+        out[case]["chunks_written"] = written[0]
+        out[case]["left"] = sorted(os.listdir(target.parent))
+        dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _refused(results: Any, case: str, *words: str) -> None:
+    """Every rank raised the same planning error, naming ``words``, and wrote nothing."""
+    for r in results:
+        v = r.value[case]
+        assert v["raised"] == "DistributedError", (r.rank, case, v)
+        assert v["message"].startswith("rank 0 failed during planning: "), v["message"]
+        for text in words:
+            assert text in v["message"], (r.rank, case, text, v["message"])
+        assert v["message"].endswith("nothing was written; nothing was committed")
+        assert v["chunks_written"] == 0, (r.rank, case, v)
+        assert v["left"] == [], (r.rank, case, v)
+
+
+@pytest.mark.timeout(300)
+def test_a_tie_on_one_rank_only_is_refused_naming_both_views(tmp_path: Path) -> None:
+    results = launch(THIS, "worker", 2, tmp_path, args=["tie_disagrees"], timeout_s=150)
+    _refused(results, "tie_disagrees", "different kinds of value at key path 'b'",
+             "rank 0 holds the same array as 'a' (tied: float32[4])",
+             "rank 1 holds an array (float32[4])")
