@@ -36,6 +36,12 @@ def _tie_disagrees(rank: int) -> Any:
 #: case name -> the state each rank saves (built inside the worker)
 CASES: dict[str, Callable[[int], Any]] = {
     "tie_disagrees": _tie_disagrees,
+    # int 0 and str "0" share a key path's display form ('a/0'), not an array
+    "int_and_str_keys": lambda rank: {"a": {0: torch.ones(2), "0": torch.zeros(2)}},
+    "int_and_str_shapes": lambda rank: {"a": {0: torch.ones(2), "0": torch.zeros(3)}},
+    "int_and_str_values": lambda rank: {"a": {0: 1, "0": 2}, "t": torch.ones(1)},
+    "int_or_str_key": lambda rank: {"w": torch.arange(1 << 16, dtype=torch.float32),
+                                    "a": {0 if rank == 0 else "0": torch.ones(2)}},
 }
 
 
@@ -97,3 +103,24 @@ def test_a_tie_on_one_rank_only_is_refused_naming_both_views(tmp_path: Path) -> 
     _refused(results, "tie_disagrees", "different kinds of value at key path 'b'",
              "rank 0 holds the same array as 'a' (tied: float32[4])",
              "rank 1 holds an array (float32[4])")
+
+
+@pytest.mark.timeout(300)
+def test_an_int_key_and_its_str_twin_are_two_entries_across_processes(tmp_path: Path) -> None:
+    cases = ["int_and_str_keys", "int_and_str_shapes", "int_and_str_values", "int_or_str_key"]
+    results = launch(THIS, "worker", 2, tmp_path, args=cases, timeout_s=150)
+    want = {
+        "int_and_str_keys": [["a", "str", [[0, "int", [1.0, 1.0]], ["0", "str", [0.0, 0.0]]]]],
+        "int_and_str_shapes": [["a", "str", [[0, "int", [1.0, 1.0]],
+                                             ["0", "str", [0.0, 0.0, 0.0]]]]],
+        "int_and_str_values": [["a", "str", [[0, "int", 1], ["0", "str", 2]]],
+                               ["t", "str", [1.0]]],
+    }
+    for r in results:
+        for case, tree in want.items():
+            v = r.value[case]
+            assert v["raised"] is None, (r.rank, case, v)
+            assert v["loaded"] == tree, (r.rank, case, v)
+    _refused(results, "int_or_str_key",
+             "processes saved keys of different types at key path 'a': rank 0 holds the int "
+             "key 0; rank 1 holds the str key '0'")

@@ -178,3 +178,39 @@ def test_a_tie_on_one_rank_only_is_described_as_a_tie() -> None:
         merge_trees([tied, copy])
     assert ("different kinds of value at key path 'b': rank 0 holds the same array as 'a' "
             "(tied: float32[2]); rank 1 holds an array (float32[2])") in str(ei.value)
+
+
+def _int_and_str(rank_keys: list[Any], shapes: dict[Any, tuple[int, ...]]) -> RankTree:
+    """A rank saving {"a": {k: array}} for each of ``rank_keys`` (its decls as a save
+    makes them: keys told apart by key type)."""
+    decls = [ArrayDecl.at(("a", k), "float32", shapes[k]) for k in rank_keys]
+    return RankTree(_dict(["a"], [_dict(rank_keys, [_arr(i) for i in range(len(rank_keys))])]),
+                    decls)
+
+
+def test_an_int_key_and_the_str_key_that_reads_alike_are_two_arrays() -> None:
+    shapes = {0: (2,), "0": (3,)}
+    both = _int_and_str([0, "0"], shapes)
+    m = merge_trees([both, both])
+    assert [a.shape for a in m.arrays] == [(2,), (3,)]  # not one array, not a disagreement
+    inner = m.tree.children[0]  # type: ignore[index]
+    assert inner.keys == [0, "0"] and [c.array for c in inner.children] == [0, 1]
+    assert len(set(m.index.values())) == 2
+    # a rank holding both tells two entries from a rank holding one of them
+    assert len(merge_trees([_int_and_str([0], shapes), both]).arrays) == 2
+    assert len(merge_trees([both, _int_and_str(["0"], shapes)]).arrays) == 2
+
+
+def test_an_int_key_on_one_rank_and_its_str_twin_on_another_are_refused() -> None:
+    shapes = {0: (2,), "0": (2,)}
+    with pytest.raises(TargetMismatchError) as ei:
+        merge_trees([_int_and_str([0], shapes), _int_and_str(["0"], shapes),
+                     _int_and_str([0, "0"], shapes)])
+    assert ("processes saved keys of different types at key path 'a': rank 0 holds the int "
+            "key 0; rank 1 holds the str key '0'; rank 2 holds the int key 0 and the str key "
+            "'0'. Every process must save the same structure; nothing was written"
+            ) in str(ei.value)
+    plain = [RankTree(_dict(["a"], [_dict([k], [Node("int", value=1)])]), []) for k in ("5", 5)]
+    with pytest.raises(TargetMismatchError, match="rank 0 holds the str key '5'; rank 1 holds "
+                       "the int key 5"):
+        merge_trees(plain)

@@ -73,7 +73,7 @@ class Collector:
 
     def decls(self) -> list[ArrayDecl]:
         """The arrays found, as the manifest builder sees them."""
-        return [ArrayDecl(format_keypath(p), a.dtype, a.shape)
+        return [ArrayDecl.at(p, a.dtype, a.shape)
                 for p, a in zip(self.paths, self.arrays)]
 
     def _add(self, prepared: PreparedArray, path: KeyPath) -> int:

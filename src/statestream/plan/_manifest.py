@@ -32,6 +32,7 @@ from statestream.format import (
     encode_manifest,
     itemsize_of,
 )
+from statestream.plan._keys import array_key, shown_key, twin_key
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = [
@@ -49,11 +50,25 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayDecl:
-    """One array of the checkpoint: key path, dtype and global shape."""
+    """One array of the checkpoint: key, dtype and global shape.
+
+    The key is its key path's display form, told apart by key type (see
+    :meth:`at`: an int key and a str key that reads the same are two arrays).
+    """
 
     key: str
     dtype: str
     shape: tuple[int, ...]
+
+    @staticmethod
+    def at(path: KeyPath, dtype: str, shape: tuple[int, ...]) -> ArrayDecl:
+        """The array at key path ``path`` (its key: ``plan/_keys.py``).
+
+        Example:
+            >>> ArrayDecl.at(("a", 0), "int8", (2,)).key, ArrayDecl.at(("a", "0"), "int8", (2,)).key
+            ('a/0', 'a/~20')
+        """
+        return ArrayDecl(array_key(path), dtype, shape)
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +158,7 @@ def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
     if k in ("array", "alias") and node.array is not None:
         a = arrays[node.array]
         if k == "alias":  # ``a`` is the array first found in the same memory
-            return f"the same array as '{a.key}' (tied: {a.dtype}{list(a.shape)})"
+            return f"the same array as '{shown_key(a.key)}' (tied: {a.dtype}{list(a.shape)})"
         return f"an array ({a.dtype}{list(a.shape)})"
     if k in ("list", "tuple"):
         return f"a {k} of {len(node.children or [])}"
@@ -191,6 +206,7 @@ def _merge(a: Node, b: Node, path: KeyPath, ranks: Sequence[RankTree],
         for k, c in zip(b.keys or [], kids_b):
             i = index.get((type(k), k))
             if i is None:
+                _no_twin(k, index, len(a.keys), b.keys or [], path, ranks)
                 index[(type(k), k)] = len(keys)
                 keys.append(k)
                 kids.append(_keyed(c, keys_b))
@@ -202,6 +218,31 @@ def _merge(a: Node, b: Node, path: KeyPath, ranks: Sequence[RankTree],
     return Node(a.kind, a.keys, [_merge(x, y, path + (i,), ranks, keys_b)
                                  for i, (x, y) in enumerate(zip(a.children, kids_b))],
                 a.type_name, a.value, a.array, a.attrs)
+
+
+def _no_twin(key: Key, index: dict[tuple[type, Key], int], merged: int, keys_b: list[Key],
+             path: KeyPath, ranks: Sequence[RankTree]) -> None:
+    """Refuse ``key``, new to the ranks merged so far, where one of them holds its twin
+    (``0`` for ``"0"``: a key of the other type that a key path writes alike) and this
+    rank does not: the same entry under keys of different types, not two entries."""
+    twin = twin_key(key)
+    if twin is None or index.get((type(twin), twin), merged) >= merged:
+        return
+    if any(type(k) is type(twin) and k == twin for k in keys_b):
+        return  # this rank holds both: two entries, as on one process
+
+    def held(rt: RankTree) -> str:
+        node = _node_at(rt.tree, path)
+        got = [k for k in (node.keys or [] if node is not None else [])
+               if (type(k), k) in ((type(key), key), (type(twin), twin))]
+        return " and ".join(f"the {type(k).__name__} key {k!r}" for k in got) or "neither"
+
+    views = "; ".join(f"rank {r} holds {held(rt)}" for r, rt in enumerate(ranks))
+    raise TargetMismatchError(
+        f"processes saved keys of different types at key path "
+        f"'{format_keypath(path)}': {views}. Every process must save the same structure; "
+        "nothing was written"
+    )
 
 
 # (Nodes are built field by field below: ``dataclasses.replace`` costs ~5 us a call,
@@ -265,7 +306,8 @@ def merge_trees(ranks: Sequence[RankTree]) -> MergedTree:
                     f"rank {q}: {b.dtype}{list(b.shape)}" for q, other in enumerate(ranks)
                     for b in other.arrays if b.key == a.key)
                 raise TargetMismatchError(
-                    f"processes disagree about the array at key path '{a.key}' ({holders}); "
+                    f"processes disagree about the array at key path '{shown_key(a.key)}' "
+                    f"({holders}); "
                     "nothing was written"
                 )
     return MergedTree(tree, [decls[k] for k in order], order)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from statestream.errors import TargetMismatchError
 from statestream.format import Compression
 from statestream.plan._cover import Box, cover_fault, cover_message
+from statestream.plan._keys import shown_key
 
 __all__ = [
     "COMPRESSED_CHUNK_BYTES",
@@ -289,7 +290,7 @@ def assign_writers(
             seen = meta.setdefault(key, (dtype, shape))
             if seen != (dtype, shape):
                 raise TargetMismatchError(
-                    f"processes disagree about the array at key path '{key}': "
+                    f"processes disagree about the array at key path '{shown_key(key)}': "
                     f"{seen[0]}{list(seen[1])} on one, {dtype}{list(shape)} on rank {rank}"
                 )
             mine = held.get(key)
@@ -303,8 +304,8 @@ def assign_writers(
         fault = cover_fault(meta[key][1], mine)
         if fault is not None:
             declared = [r for r, arrays in enumerate(per_rank) if any(a[0] == key for a in arrays)]
-            raise TargetMismatchError(cover_message(key, *meta[key], fault, mine, declared,
-                                                    len(per_rank)))
+            raise TargetMismatchError(cover_message(shown_key(key), *meta[key], fault, mine,
+                                                    declared, len(per_rank)))
     holders = {(key, s, b): ranks for key, mine in held.items() for (s, b), ranks in mine.items()}
     load = [0] * len(per_rank)
     owners: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
