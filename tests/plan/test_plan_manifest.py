@@ -214,3 +214,37 @@ def test_an_int_key_on_one_rank_and_its_str_twin_on_another_are_refused() -> Non
     with pytest.raises(TargetMismatchError, match="rank 0 holds the str key '5'; rank 1 holds "
                        "the int key 5"):
         merge_trees(plain)
+
+
+def _tied_pair(unheld: bool = False, tied: bool = True, shape: tuple[int, ...] = (2, 2)
+               ) -> RankTree:
+    """A rank saving {"a": w, "b": w}: as a tie (an alias of array 0), or as two arrays
+    -- what a rank whose shard of w is empty walks (``unheld``: it holds no element)."""
+    if tied:
+        return RankTree(_dict(["a", "b"], [_arr(0), Node("alias", array=0)]),
+                        [ArrayDecl("a", "float32", (2, 2))])
+    return RankTree(_dict(["a", "b"], [_arr(0), _arr(1)]),
+                    [ArrayDecl("a", "float32", (2, 2)), ArrayDecl("b", "float32", shape)],
+                    {0, 1} if unheld else ())
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [0, 2, 1]])
+def test_a_rank_holding_no_element_of_a_tied_array_takes_the_tie(order: list[int]) -> None:
+    # ranks 0 and 1 see w twice in the same memory; rank 2's shard of w is empty, so its
+    # walk cannot tell: it has no say, and the tie is stored once on every rank
+    views = [_tied_pair(), _tied_pair(), _tied_pair(unheld=True, tied=False)]
+    m = merge_trees([views[r] for r in order])
+    assert m.tree.children is not None
+    assert [c.kind for c in m.tree.children] == ["array", "alias"]
+    assert [c.array for c in m.tree.children] == [0, 0]
+    assert len(m.arrays) == 1 and m.index == {"a": 0, "b": 0} and m.tied == {"b": "a"}
+
+
+def test_a_tie_is_refused_where_a_rank_holding_elements_saves_two_arrays() -> None:
+    views = [_tied_pair(), _tied_pair(unheld=True, tied=False), _tied_pair(tied=False)]
+    with pytest.raises(TargetMismatchError, match="different kinds of value at key path 'b'"):
+        merge_trees(views)
+    with pytest.raises(TargetMismatchError) as ei:  # unheld, but not the tied array's shape
+        merge_trees([_tied_pair(), _tied_pair(unheld=True, tied=False, shape=(4,))])
+    assert ("processes disagree about the array at key path 'a' (rank 0: float32[2, 2]; "
+            "rank 1: float32[2, 2]; rank 1: float32[4] at 'b', tied to it)") in str(ei.value)

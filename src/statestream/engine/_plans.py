@@ -250,7 +250,10 @@ def _plan_anew(coll: Collective, encoded: dict[str, Any], arrays: list[Any],
     other processes decode and merge no trees and keep no merged tree. Otherwise every
     process gathers every structure and plans the same.
     """
-    mine_only = {"tree": encoded, "arrays": arrays}
+    # the arrays this process holds no element of (empty shards): the merge lets the
+    # processes that hold some say whether they are tied (plan/_manifest.py)
+    unheld = [i for i, a in enumerate(arrays) if not any(math.prod(b) for _, b in a[3])]
+    mine_only = {"tree": encoded, "arrays": arrays, "unheld": unheld}
     gather = getattr(coll, "gather_object", None)
     if gather is None:
         gathered = coll.all_gather_object(mine_only)
@@ -274,12 +277,13 @@ def _plan_from(gathered: list[Any], rank: int) -> tuple[KeptPlan, list[Any]]:
     and the checkpoint's raw size."""
     try:
         merged = _agree_on_tree(gathered)
-        owners = _owners(gathered)
+        owners = _owners(gathered, merged.tied)
     except TargetMismatchError as exc:  # ``agree`` adds that nothing was committed
         raise DistributedError(f"planning failed: {exc}") from exc
     total = total_bytes(merged.arrays)
+    # (an array tied to another, ``merged.tied``, has no box with an element to write)
     parts = [([merged.index[k] for k, _, _, _ in g["arrays"]],
-              [[i for i, (s, b) in enumerate(bx) if owners[(k, tuple(s), tuple(b))] == r]
+              [[i for i, (s, b) in enumerate(bx) if owners.get((k, tuple(s), tuple(b))) == r]
                for k, _, _, bx in g["arrays"]], total)
              for r, g in enumerate(gathered)]
     plan = KeptPlan(merged.tree, list(merged.arrays), merged.index,
@@ -326,7 +330,8 @@ def _agree_on_tree(gathered: list[Any]) -> MergedTree:
     every rank raises the same error, naming what each rank holds where); its plain
     leaves point at the ranks' values."""
     ranks = [RankTree(with_refs(decode_tree(g["tree"], len(g["arrays"])), r),
-                      [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]])
+                      [ArrayDecl(k, dt, tuple(sh)) for k, dt, sh, _ in g["arrays"]],
+                      frozenset(g["unheld"]))
              for r, g in enumerate(gathered)]
     return merge_trees(ranks)
 
@@ -340,12 +345,13 @@ def _anyone(coll: Collective, flag: bool) -> bool:
     return any(bool(f) for f in coll.all_gather_object(flag))
 
 
-def _owners(gathered: list[Any]) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+def _owners(gathered: list[Any], tied: dict[str, str]
+            ) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
     """The writing rank of every distinct box of every array (whose distinct boxes must
-    cover it exactly once)."""
+    cover it exactly once), but for the arrays ``tied`` to another (stored as it)."""
     per_rank = [
         [(k, dt, tuple(sh), [(tuple(s), tuple(b)) for s, b in boxes])
-         for k, dt, sh, boxes in g["arrays"]]
+         for k, dt, sh, boxes in g["arrays"] if not tied or k not in tied]
         for g in gathered
     ]
     return assign_writers(per_rank, {n: itemsize_of(n) for n in DTYPE_NAMES})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from statestream.errors import CheckpointError, TargetMismatchError
@@ -81,6 +81,10 @@ class RankTree:
 
     tree: Node
     arrays: list[ArrayDecl]
+    #: indices of the arrays of which this process holds no element (an empty shard):
+    #: it cannot tell whether such an array is tied to another (an empty shard has no
+    #: memory to share), so the processes that hold some of it decide
+    unheld: Collection[int] = ()
 
 
 class ArrayShape(Protocol):
@@ -102,6 +106,9 @@ class MergedTree:
     #: key path -> global array index (empty for one process, whose indices are
     #: already global)
     index: dict[str, int]
+    #: key path of an array that some process holds no element of -> key path of the
+    #: array the processes holding some tie it to (``index`` gives both one number)
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -187,16 +194,37 @@ def _mismatch(ranks: Sequence[RankTree], path: KeyPath, what: str) -> TargetMism
     )
 
 
-def _same_key(a: Key, b: Key) -> bool:
-    return a == b and type(a) is type(b)
+@dataclasses.dataclass(slots=True)
+class _Merging:
+    """What merging one more rank's tree needs besides the two trees."""
+
+    ranks: Sequence[RankTree]
+    #: the rank's array keys, by its local index
+    keys_b: list[str]
+    #: the rank's arrays of which it holds no element (``RankTree.unheld``)
+    unheld_b: Collection[int]
+    #: what the merge found tied for processes that hold no element (``MergedTree.tied``)
+    tied: dict[str, str]
 
 
-def _merge(a: Node, b: Node, path: KeyPath, ranks: Sequence[RankTree],
-           keys_b: list[str]) -> Node:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Unheld:
+    """An array leaf's key where no process merged so far holds an element of it:
+    whether it is tied to another array is for a process that holds some to say."""
+
+    key: str
+
+
+def _merge(a: Node, b: Node, path: KeyPath, m: _Merging) -> Node:
     """Union of ``a`` (ranks so far, leaves hold key paths) and one more rank's ``b``."""
     if a.kind != b.kind:
-        raise _mismatch(ranks, path, "different kinds of value")
+        tie = _unseen_tie(a, b, m)
+        if tie is None:
+            raise _mismatch(m.ranks, path, "different kinds of value")
+        return tie
     if a.children is None:
+        if type(a.value) is _Unheld and b.array not in m.unheld_b:
+            return _keyed(b, m.keys_b, ())  # a rank holding some of it: not tied
         return a
     kids_b = b.children or []
     if a.keys is not None:
@@ -206,18 +234,31 @@ def _merge(a: Node, b: Node, path: KeyPath, ranks: Sequence[RankTree],
         for k, c in zip(b.keys or [], kids_b):
             i = index.get((type(k), k))
             if i is None:
-                _no_twin(k, index, len(a.keys), b.keys or [], path, ranks)
+                _no_twin(k, index, len(a.keys), b.keys or [], path, m.ranks)
                 index[(type(k), k)] = len(keys)
                 keys.append(k)
-                kids.append(_keyed(c, keys_b))
+                kids.append(_keyed(c, m.keys_b, m.unheld_b))
             else:
-                kids[i] = _merge(kids[i], c, path + (k,), ranks, keys_b)
+                kids[i] = _merge(kids[i], c, path + (k,), m)
         return Node(a.kind, keys, kids, a.type_name, a.value, a.array, a.attrs)
     if len(a.children) != len(kids_b):
-        raise _mismatch(ranks, path, f"{a.kind}s of different lengths")
-    return Node(a.kind, a.keys, [_merge(x, y, path + (i,), ranks, keys_b)
+        raise _mismatch(m.ranks, path, f"{a.kind}s of different lengths")
+    return Node(a.kind, a.keys, [_merge(x, y, path + (i,), m)
                                  for i, (x, y) in enumerate(zip(a.children, kids_b))],
                 a.type_name, a.value, a.array, a.attrs)
+
+
+def _unseen_tie(a: Node, b: Node, m: _Merging) -> Node | None:
+    """The alias where one side says tied and the other holds no element of the array
+    (its local shard is empty, so its walk could not see the tie), else None."""
+    if a.kind == "array" and b.kind == "alias" and type(a.value) is _Unheld:
+        target = m.keys_b[b.array or 0]
+        m.tied[a.value.key] = target
+        return Node("alias", None, None, b.type_name, target, None, b.attrs)
+    if a.kind == "alias" and b.kind == "array" and b.array in m.unheld_b:
+        m.tied[m.keys_b[b.array or 0]] = a.value
+        return a
+    return None
 
 
 def _no_twin(key: Key, index: dict[tuple[type, Key], int], merged: int, keys_b: list[Key],
@@ -249,14 +290,17 @@ def _no_twin(key: Key, index: dict[tuple[type, Key], int], merged: int, keys_b: 
 # and a save by N processes of n arrays each makes about 2 N n of these on every rank.)
 
 
-def _keyed(node: Node, keys: list[str]) -> Node:
-    """A copy of ``node`` whose array leaves hold key paths (see ``_number``)."""
+def _keyed(node: Node, keys: list[str], unheld: Collection[int]) -> Node:
+    """A copy of ``node`` whose array leaves hold key paths (see ``_number``), as
+    :class:`_Unheld` for ``unheld`` arrays."""
     if node.children is not None:
-        return Node(node.kind, node.keys, [_keyed(c, keys) for c in node.children],
+        return Node(node.kind, node.keys, [_keyed(c, keys, unheld) for c in node.children],
                     node.type_name, node.value, node.array, node.attrs)
     if node.array is not None:
-        return Node(node.kind, node.keys, None, node.type_name, keys[node.array], None,
-                    node.attrs)
+        key: str | _Unheld = keys[node.array]
+        if unheld and node.kind == "array" and node.array in unheld:
+            key = _Unheld(keys[node.array])
+        return Node(node.kind, node.keys, None, node.type_name, key, None, node.attrs)
     return node
 
 
@@ -266,8 +310,9 @@ def _number(node: Node, order: dict[str, int]) -> Node:
         return Node(node.kind, node.keys, [_number(c, order) for c in node.children],
                     node.type_name, node.value, node.array, node.attrs)
     if node.kind in ("array", "alias", "bytes", "pickle"):  # an alias: its array's key
+        key = node.value.key if type(node.value) is _Unheld else node.value
         return Node(node.kind, node.keys, None, node.type_name, None,
-                    order.setdefault(node.value, len(order)), node.attrs)
+                    order.setdefault(key, len(order)), node.attrs)
     return node
 
 
@@ -292,25 +337,39 @@ def merge_trees(ranks: Sequence[RankTree]) -> MergedTree:
     if len(ranks) == 1:  # one process: its tree is the checkpoint's, as it is
         return single_tree(ranks[0].tree, ranks[0].arrays)
     keys = [[a.key for a in rt.arrays] for rt in ranks]
-    merged = _keyed(ranks[0].tree, keys[0])
+    tied: dict[str, str] = {}
+    merged = _keyed(ranks[0].tree, keys[0], ranks[0].unheld)
     for r in range(1, len(ranks)):
-        merged = _merge(merged, ranks[r].tree, (), ranks, keys[r])
+        merged = _merge(merged, ranks[r].tree, (),
+                        _Merging(ranks, keys[r], ranks[r].unheld, tied))
     order: dict[str, int] = {}
     tree = _number(merged, order)
     decls: dict[str, ArrayDecl] = {}
     for rt in ranks:
         for a in rt.arrays:
-            seen = decls.setdefault(a.key, a)
+            key = tied.get(a.key, a.key) if tied else a.key
+            seen = decls.setdefault(key, a)
             if (seen.dtype, seen.shape) != (a.dtype, a.shape):
-                holders = "; ".join(
-                    f"rank {q}: {b.dtype}{list(b.shape)}" for q, other in enumerate(ranks)
-                    for b in other.arrays if b.key == a.key)
-                raise TargetMismatchError(
-                    f"processes disagree about the array at key path '{shown_key(a.key)}' "
-                    f"({holders}); "
-                    "nothing was written"
-                )
-    return MergedTree(tree, [decls[k] for k in order], order)
+                raise _disagree(ranks, key, tied)
+    index = order
+    if tied:  # a tied array's key numbers the array it is tied to
+        index = {**order, **{k: order[t] for k, t in tied.items()}}
+    return MergedTree(tree, [decls[k] for k in order], index, tied)
+
+
+def _disagree(ranks: Sequence[RankTree], key: str, tied: dict[str, str]
+              ) -> TargetMismatchError:
+    """The error for the array at ``key`` (with those tied to it) differing in dtype or
+    shape between processes."""
+    holders = "; ".join(
+        f"rank {q}: {b.dtype}{list(b.shape)}"
+        + (f" at '{shown_key(b.key)}', tied to it" if b.key != key else "")
+        for q, other in enumerate(ranks) for b in other.arrays
+        if tied.get(b.key, b.key) == key)
+    return TargetMismatchError(
+        f"processes disagree about the array at key path '{shown_key(key)}' ({holders}); "
+        "nothing was written"
+    )
 
 
 def single_tree(tree: Node, arrays: Sequence[ArrayShape]) -> MergedTree:
