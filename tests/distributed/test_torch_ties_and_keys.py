@@ -33,6 +33,11 @@ def _tie_disagrees(rank: int) -> Any:
     return {"a": x, "b": x if rank == 0 else x.clone()}
 
 
+def _tie_targets_differ(rank: int) -> Any:
+    x, y = torch.zeros(4), torch.ones(4)
+    return {"a": x, "b": y, "c": x if rank == 0 else y}
+
+
 def _mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -94,6 +99,7 @@ def _reload_tied_fsdp(path: Path, saved: Any) -> Any:
 #: case name -> the state each rank saves (built inside the worker)
 CASES: dict[str, Callable[[int], Any]] = {
     "tie_disagrees": _tie_disagrees,
+    "tie_targets_differ": _tie_targets_differ,
     "tied_dtensor": _tied_dtensor,
     # the same structure again: saved with the plan kept from the first save
     "tied_dtensor_again": _tied_dtensor,
@@ -168,10 +174,15 @@ def _refused(results: Any, case: str, *words: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_tie_on_one_rank_only_is_refused_naming_both_views(tmp_path: Path) -> None:
-    results = launch(THIS, "worker", 2, tmp_path, args=["tie_disagrees"], timeout_s=150)
+    results = launch(THIS, "worker", 2, tmp_path, args=["tie_disagrees", "tie_targets_differ"],
+                     timeout_s=150)
     _refused(results, "tie_disagrees", "different kinds of value at key path 'b'",
              "rank 0 holds the same array as 'a' (tied: float32[4])",
              "rank 1 holds an array (float32[4])")
+    # 'c' tied to 'a' on rank 0 and to 'b' on rank 1: rank 0's tie was taken silently
+    _refused(results, "tie_targets_differ", "ties to different arrays at key path 'c': "
+             "rank 0 holds the same array as 'a' (tied: float32[4]); rank 1 holds the same "
+             "array as 'b' (tied: float32[4])")
 
 
 @pytest.mark.timeout(300)

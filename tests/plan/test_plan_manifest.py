@@ -248,3 +248,18 @@ def test_a_tie_is_refused_where_a_rank_holding_elements_saves_two_arrays() -> No
         merge_trees([_tied_pair(), _tied_pair(unheld=True, tied=False, shape=(4,))])
     assert ("processes disagree about the array at key path 'a' (rank 0: float32[2, 2]; "
             "rank 1: float32[2, 2]; rank 1: float32[4] at 'b', tied to it)") in str(ei.value)
+
+
+def test_ties_to_different_arrays_are_refused() -> None:
+    # rank 0 saved {"a": x, "b": y, "c": x}, rank 1 {"a": x, "b": y, "c": y}: 'c' is
+    # stored once either way, but as which array? (rank 0's view was taken silently)
+    def view(target: int) -> RankTree:
+        return RankTree(_dict(["a", "b", "c"], [_arr(0), _arr(1), Node("alias", array=target)]),
+                        [ArrayDecl("a", "float32", (2,)), ArrayDecl("b", "float32", (2,))])
+
+    with pytest.raises(TargetMismatchError) as ei:
+        merge_trees([view(0), view(1)])
+    assert ("processes saved ties to different arrays at key path 'c': rank 0 holds the same "
+            "array as 'a' (tied: float32[2]); rank 1 holds the same array as 'b' (tied: "
+            "float32[2])") in str(ei.value)
+    assert merge_trees([view(1), view(1)]).index == {"a": 0, "b": 1}

@@ -223,6 +223,8 @@ def _merge(a: Node, b: Node, path: KeyPath, m: _Merging) -> Node:
             raise _mismatch(m.ranks, path, "different kinds of value")
         return tie
     if a.children is None:
+        if a.kind == "alias" and a.value != m.keys_b[b.array or 0]:
+            raise _mismatch(m.ranks, path, "ties to different arrays")
         if type(a.value) is _Unheld and b.array not in m.unheld_b:
             return _keyed(b, m.keys_b, ())  # a rank holding some of it: not tied
         return a
