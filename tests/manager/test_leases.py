@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -57,6 +58,98 @@ def test_a_killed_managers_local_lease_ends_with_it(tmp_path: Path) -> None:
     with ss.CheckpointManager(tmp_path) as mgr:  # at once: no ttl to wait out
         assert not mgr.read_only
         mgr.save(1, {"w": np.arange(3)})
+
+
+def test_a_local_lock_refusal_does_not_say_to_wait_for_an_expiry(tmp_path: Path) -> None:
+    """An flock has no expiry to wait for: it ended with its holder's process if that
+    had crashed, so the refusal says the holder is running."""
+    with ss.CheckpointManager(tmp_path):
+        with pytest.raises(ss.ManagerLockedError) as ei:
+            ss.CheckpointManager(tmp_path)
+    msg = str(ei.value)
+    assert "expire" not in msg
+    assert f"pid {os.getpid()}" in msg and "still running" in msg
+
+
+_FORKING_HOLDER = """
+import sys, time, multiprocessing as mp
+import numpy as np
+import statestream as ss
+
+ctx = mp.get_context("fork")
+ready = ctx.Event()
+
+def child():
+    ready.set()
+    time.sleep(600)
+
+mgr = ss.CheckpointManager(sys.argv[1], async_save=False)
+mgr.save(1, {"w": np.arange(3)})
+if sys.argv[2] == "rawclose":  # a fork in C, which runs no at-fork handler
+    import ctypes, os, signal
+    pid = ctypes.PyDLL(None).fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    kill = lambda: os.kill(pid, signal.SIGKILL)
+else:
+    p = ctx.Process(target=child, daemon=True)  # a DataLoader worker, say
+    p.start()
+    ready.wait()  # the child runs
+    kill = p.kill
+if sys.argv[2].endswith("close"):
+    mgr.close()
+    try:
+        ss.CheckpointManager(sys.argv[1]).close()
+        print("REOPENED", flush=True)
+    except ss.ManagerLockedError as exc:
+        print("LOCKED", exc, flush=True)
+    kill()
+else:
+    print("HOLDING", p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _forking_holder(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
+    """Run :data:`_FORKING_HOLDER` in ``mode``; its first line."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_FORKING_HOLDER),
+                             str(tmp_path), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        pytest.fail(f"the holder failed: {proc.communicate()[1]}")
+    return proc, line
+
+
+@pytest.mark.parametrize("mode", ["close", "rawclose"])
+def test_close_frees_the_directory_while_a_forked_child_lives(tmp_path: Path,
+                                                               mode: str) -> None:
+    """A child forked while the manager is open (fork copies the lock's fd, which
+    shares the lock) does not keep the directory locked after close(): a Python fork
+    closes its copy, and close() unlocks even where a copy lives on (``rawclose``: a
+    fork by C code, which runs no at-fork handler)."""
+    proc, line = _forking_holder(tmp_path, mode)
+    proc.communicate()
+    assert line == "REOPENED"
+
+
+def test_a_forked_child_does_not_keep_a_killed_managers_lock(tmp_path: Path) -> None:
+    """The lock ends with the manager's process even while a child it forked lives on."""
+    proc, line = _forking_holder(tmp_path, "kill")
+    child = int(line.split()[1])
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()  # not communicate(): the child holds the pipes open
+        assert os.path.exists(f"/proc/{child}")  # the forked child is alive
+        with ss.CheckpointManager(tmp_path) as mgr:
+            assert mgr.steps() == [1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        proc.communicate()
 
 
 def test_opening_spares_a_live_writers_staging(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ class DirectoryLease:
         except ManagerLockedError as exc:
             raise ManagerLockedError(
                 f"{directory} is already managed by another CheckpointManager ({exc}); close "
-                "it first, or wait until its lease expires if it crashed"
+                "it first"
             ) from None
         except StorageError as exc:
             if exc.errno not in _READ_ONLY_ERRNOS:

@@ -60,18 +60,42 @@ def _last_change(path: str) -> float | None:
     return newest
 
 
+#: The fds of this process's held locks (see :func:`_forget_in_child`).
+_HELD_FDS: set[int] = set()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the copies of the parent's lock fds.
+
+    ``fork`` copies every fd, and a copy shares the lock (an ``flock`` belongs to
+    the open file description): a child forked while a manager ran (a DataLoader
+    worker, any ``multiprocessing`` "fork" process) kept the directory locked after
+    the manager's ``close()``, and after its process died. The child does not hold
+    the lock; its copies of the manager's leases know that by their pid.
+    """
+    for fd in list(_HELD_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class _LocalLease:
     """A lease by ``flock``: the kernel ends it when the holder dies, so it needs no ttl.
 
     The lock holds only while ``path`` still names the locked file: once the
     file (or its directory) is removed or replaced, another manager locks a new
-    file there. :meth:`renew` checks that.
+    file there. :meth:`renew` checks that. A child forked while it is held does
+    not hold it (:func:`_forget_in_child`).
     """
 
     ttl_s: float | None = None
 
     def __init__(self, fd: int, holder: str, path: str) -> None:
         self._fd = fd
+        self._pid = os.getpid()
         self.holder = holder
         self.path = path
 
@@ -79,6 +103,10 @@ class _LocalLease:
         """Raise ManagerLockedError if ``path`` is no longer the file this lease locked."""
         if self._fd < 0:
             return
+        if os.getpid() != self._pid:
+            raise ManagerLockedError(
+                f"the lock {self.path} is held by the process this one was forked from "
+                f"(pid {self._pid}), not by this one")
         held = os.fstat(self._fd)
         try:
             now = os.stat(self.path)
@@ -92,9 +120,20 @@ class _LocalLease:
                 "while this manager held it); another manager may hold the new one")
 
     def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Unlock, then close: the unlock frees the lock even where a copy of the fd
+        lives on (one made by a fork, before :func:`_forget_in_child` runs)."""
+        if self._fd < 0 or os.getpid() != self._pid:
+            return  # released, or a forked child's copy: its fd was closed at the fork
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        _HELD_FDS.discard(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _holder_of(fd: int) -> str:
+    """The holder's name in the lock file ``fd``."""
+    return os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
 
 
 def _lock_file(path: str, holder: str) -> _LocalLease:
@@ -103,18 +142,27 @@ def _lock_file(path: str, holder: str) -> _LocalLease:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise storage_error(f"cannot create the lock {path}: {exc}", exc) from exc
+    _HELD_FDS.add(fd)  # before the lock: a fork meanwhile must not keep it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        _HELD_FDS.discard(fd)
         try:
-            owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            owner = _holder_of(fd)
         finally:
             os.close(fd)
-        raise ManagerLockedError(f"{path} is held by {owner or 'an unknown process'}") from None
+        raise ManagerLockedError(
+            f"{path} is held by {owner} (a local lock: it ends when its holder's process "
+            "ends, however it ends, so that process is still running)") from None
+    except OSError as exc:
+        _HELD_FDS.discard(fd)
+        os.close(fd)
+        raise storage_error(f"cannot lock {path}: {exc}", exc) from exc
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
     except OSError as exc:
+        _HELD_FDS.discard(fd)
         os.close(fd)
         raise storage_error(f"cannot write the lock {path}: {exc}", exc) from exc
     return _LocalLease(fd, holder, path)

@@ -339,7 +339,8 @@ class ObjectStorage:
         if age <= held_ttl + LEASE_SLACK_S:
             raise ManagerLockedError(
                 f"{where} is held by {holder}, renewed {max(age, 0):.0f} s ago "
-                f"(lease of {held_ttl:g} s)"
+                f"(lease of {held_ttl:g} s: if its holder crashed, it expires "
+                f"{held_ttl + LEASE_SLACK_S:g} s after that renewal)"
             )
         return self._put_if(bucket, key, body, version_of(meta))
 
