@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
-from statestream.storage import LocalStorage, set_backend
+from statestream.storage import LocalStorage, _local_lease, set_backend
 
 _HOLDER = """
 import sys, time
@@ -69,6 +70,28 @@ def test_a_local_lock_refusal_does_not_say_to_wait_for_an_expiry(tmp_path: Path)
     msg = str(ei.value)
     assert "expire" not in msg
     assert f"pid {os.getpid()}" in msg and "still running" in msg
+
+
+@pytest.mark.parametrize("before", ["a fresh lock file", "a released lock"])
+def test_a_refusal_names_a_winner_that_has_not_written_its_name_yet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str) -> None:
+    """Of two managers opening at once, the loser may read the lock file after the
+    winner locked it and before it wrote its name there: it reads again, and names
+    the winner, not "an unknown process" (an empty file) or the holder before it."""
+    if before == "a released lock":
+        ss.CheckpointManager(tmp_path).close()
+    fd = os.open(tmp_path / ".statestream.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the winner; its name comes next
+
+        def winner_writes_its_name() -> None:
+            os.pwrite(fd, b"pid 7 on winner", 0)
+
+        monkeypatch.setattr(_local_lease, "_pause", winner_writes_its_name)
+        with pytest.raises(ss.ManagerLockedError, match="held by pid 7 on winner "):
+            ss.CheckpointManager(tmp_path)
+    finally:
+        os.close(fd)
 
 
 _FORKING_HOLDER = """

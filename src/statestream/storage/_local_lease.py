@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import os
 import re
+import time
 import uuid
 
 from statestream.errors import ManagerLockedError, storage_error
@@ -125,15 +126,35 @@ class _LocalLease:
         if self._fd < 0 or os.getpid() != self._pid:
             return  # released, or a forked child's copy: its fd was closed at the fork
         with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)  # no stale name for the next holder's refusals
+        with contextlib.suppress(OSError):
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         _HELD_FDS.discard(self._fd)
         os.close(self._fd)
         self._fd = -1
 
 
+#: How often a refused opener reads a lock file found empty (see :func:`_holder_of`).
+_NAME_TRIES = 50
+
+
+def _pause() -> None:
+    time.sleep(0.01)
+
+
 def _holder_of(fd: int) -> str:
-    """The holder's name in the lock file ``fd``."""
-    return os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+    """The holder's name in the lock file ``fd``.
+
+    A holder writes its name right after it locks, and a released lock is left
+    empty: an opener refused in between finds the file empty, and reads it again
+    (for up to half a second) rather than report "an unknown process".
+    """
+    for _ in range(_NAME_TRIES):
+        name = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if name:
+            return name
+        _pause()
+    return "an unknown process"
 
 
 def _lock_file(path: str, holder: str) -> _LocalLease:
