@@ -10,6 +10,7 @@ such as a missing incremental base, are a bare ``CheckpointError``)::
     ├── CheckpointCorruptError (ValueError)            bytes or manifest do not verify
     │   ├── ChecksumMismatchError                      a chunk's checksum differs
     │   ├── TruncatedFileError                         a data file is shorter than the manifest says
+    │   │   └── CheckpointGoneError                    overwritten or deleted while being read
     │   └── UnsafeCheckpointError                      a manifest points outside the checkpoint
     ├── FormatVersionError (ValueError)                written by a newer, unknown format version
     ├── UnsupportedTypeError (TypeError)               a leaf statestream cannot save
@@ -46,6 +47,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointGoneError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CollectiveTimeoutError",
@@ -92,6 +94,12 @@ class ChecksumMismatchError(CheckpointCorruptError):
 
 class TruncatedFileError(CheckpointCorruptError):
     """A data file is missing or shorter than the manifest says."""
+
+
+class CheckpointGoneError(TruncatedFileError):
+    """The checkpoint was overwritten or deleted while being read: not damage (the
+    files it lacks went with it); load it again. A ``TruncatedFileError`` for code
+    that caught the missing files as one before."""
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):

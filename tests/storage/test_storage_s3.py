@@ -206,14 +206,15 @@ def test_verify_reports_objects_the_manifest_does_not_list(
 
 def test_a_checkpoint_overwritten_while_read_says_so(storage: S3Storage, base_url: str) -> None:
     """Another writer overwrites the checkpoint while it is read: the objects of the
-    version being read are deleted. The reader says so (TruncatedFileError naming the
-    object, 'overwritten ... load it again'), not 'not found' nor 'damaged'."""
+    version being read are deleted. The reader says so (CheckpointGoneError, a
+    TruncatedFileError, naming the object, 'overwritten ... load it again'), not 'not
+    found' nor 'damaged'; verify raises it rather than report damage."""
     url = f"{base_url}/ckpt"
     state = {"w": np.ones((512, 1024))}
     ss.save(url, state, io=ss.IOOptions(max_chunk_bytes=256 << 10))
     reader = storage.open_read(url)  # has read the marker
     ss.save(url, state, overwrite=True, io=ss.IOOptions(max_chunk_bytes=256 << 10))
-    with pytest.raises(ss.TruncatedFileError, match="manifest.json is gone: .* overwritten"):
+    with pytest.raises(ss.CheckpointGoneError, match="manifest.json is gone: .* overwritten"):
         reader.read_bytes("manifest.json", 1 << 20)
     overwritten = []
 
@@ -222,12 +223,16 @@ def test_a_checkpoint_overwritten_while_read_says_so(storage: S3Storage, base_ur
             overwritten.append(True)
             ss.save(url, {"w": np.full(3, 2.0)}, overwrite=True)
 
-    with pytest.raises(ss.TruncatedFileError) as ei:
-        ss.load(url, progress=progress,
-                io=ss.IOOptions(num_threads=1, max_request_bytes=256 << 10))
+    io = ss.IOOptions(num_threads=1, max_request_bytes=256 << 10)
+    with pytest.raises(ss.CheckpointGoneError) as ei:
+        ss.load(url, progress=progress, io=io)
     text = str(ei.value)
     assert "data/r0-" in text and "is gone" in text and "load it again" in text, text
     np.testing.assert_array_equal(ss.load(url)["w"], np.full(3, 2.0))
+    ss.save(url, state, overwrite=True, io=ss.IOOptions(max_chunk_bytes=256 << 10))
+    overwritten.clear()
+    with pytest.raises(ss.CheckpointGoneError, match="data/r0-.* is gone"):
+        ss.verify(url, progress=progress, io=io)  # raised, not reported as damage
 
 
 def test_save_async_to_s3_never_uploads_the_live_state(storage: S3Storage, base_url: str) -> None:

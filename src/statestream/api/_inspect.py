@@ -15,6 +15,8 @@ from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, r
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointGoneError,
+    CheckpointNotFoundError,
     PickleNotAllowedError,
     StorageError,
     UnsupportedTypeError,
@@ -178,7 +180,7 @@ def _size_problems(reader: CheckpointReader, m: Manifest) -> list[str]:
     for f in m.files:
         try:
             size = reader.file_size(f.name)
-        except StorageError:
+        except (StorageError, CheckpointGoneError):
             raise
         except CheckpointError as exc:
             out.append(str(exc))
@@ -225,6 +227,8 @@ def verify(
             global that ``allow_pickle=False`` refuses: not damage either.
         UnsupportedTypeError: the checkpoint holds what statestream cannot
             represent (a sparse tensor, a dtype it does not hold): not damage.
+        CheckpointGoneError: the checkpoint was overwritten or deleted while
+            being verified: what it lacks went with it, which is not damage.
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -233,13 +237,35 @@ def verify(
         >>> ss.verify(d).ok
         True
     """
+    return verify_found(path, allow_pickle=allow_pickle, io=io, memory=memory,
+                        progress=progress, missing=False)
+
+
+def verify_found(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    io: IOOptions | None = None,
+    memory: MemoryOptions | None = None,
+    progress: Progress | None = None,
+    missing: bool = True,
+) -> VerifyReport:
+    """:func:`verify`; with ``missing``, no committed checkpoint at ``path`` raises
+    CheckpointNotFoundError instead of being reported (the CLI: nothing to verify is
+    an error, exit 2, not damage, exit 1; a check before verify left a checkpoint
+    deleted in between reported as damage)."""
     io, memory = io_options(io), memory_options(memory)
     allow_pickle = bool_option(allow_pickle, "allow_pickle")
     report = VerifyReport(path=os.fspath(path_arg(path, "path")))
     try:
         reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
-    except (StorageError, PickleNotAllowedError, UnsupportedTypeError):
-        raise  # the store failed, or statestream will not read it: not damage
+    except (StorageError, PickleNotAllowedError, UnsupportedTypeError, CheckpointGoneError):
+        raise  # the store failed, statestream will not read it, or it went meanwhile
+    except CheckpointNotFoundError as exc:
+        if missing:
+            raise
+        report.problems.append(str(exc))
+        return report
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report

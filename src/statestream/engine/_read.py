@@ -20,6 +20,7 @@ from statestream.engine._core import (
 )
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointGoneError,
     ChecksumMismatchError,
     TruncatedFileError,
 )
@@ -51,7 +52,8 @@ def read_requests(
     ``MADV_WILLNEED`` measured slower), on the worker threads in parallel.
 
     With ``collect``, corruption is appended there and reading goes on
-    (``verify``); otherwise the first problem is raised.
+    (``verify``); otherwise the first problem is raised. A checkpoint overwritten
+    or deleted while being read is raised either way (``CheckpointGoneError``).
 
     Raises:
         ChecksumMismatchError: naming the array (via ``describe``) and file.
@@ -82,6 +84,8 @@ def read_requests(
                 continue
             try:
                 _read_one(req)
+            except CheckpointGoneError:
+                raise  # overwritten or deleted meanwhile: not damage
             except CheckpointCorruptError as exc:
                 with lock:
                     collect.append(exc)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from statestream.errors import (
     CheckpointCorruptError,
+    CheckpointGoneError,
     CheckpointNotFoundError,
     TruncatedFileError,
     UnsafeCheckpointError,
@@ -109,30 +110,89 @@ def _open_root(path: str, follow_links: bool) -> int:
         raise storage_error(f"cannot open the checkpoint directory {path}: {exc}", exc) from exc
 
 
-class _LocalReader:
-    def __init__(self, path: str, follow_links: bool = True) -> None:
-        self.location = path
-        self._root = _open_root(path, follow_links)
+#: How often an open looks again at a path whose checkpoint was replaced meanwhile.
+_OPEN_TRIES = 5
+
+
+def _moved(fd: int, path: str, follow_links: bool) -> str | None:
+    """Why the directory ``fd`` (opened at ``path``) is no longer the checkpoint at
+    ``path``: it was removed, or ``path`` names another directory now (an overwrite
+    swapped one in); None while it is still there (or when that cannot be told)."""
+    try:
+        held = os.fstat(fd)
+        if held.st_nlink == 0:
+            return "its directory was removed"
+        now = os.stat(path, follow_symlinks=follow_links)
+    except FileNotFoundError:
+        return "its directory was removed"
+    except OSError:
+        return None
+    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        return "its path names another directory now"
+    return None
+
+
+def _open_committed(path: str, follow_links: bool) -> int:
+    """The fd of the committed checkpoint directory at ``path``.
+
+    One replaced between the open and the look at its commit marker (an
+    overwrite swaps the new one in, then removes the old) is opened again: a
+    reader sees the old checkpoint or the new one.
+    """
+    for _ in range(_OPEN_TRIES):
+        fd = _open_root(path, follow_links)
         try:
-            os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
+            os.stat(COMMIT_NAME, dir_fd=fd, follow_symlinks=False)
+            return fd
         except FileNotFoundError:
-            os.close(self._root)
+            moved = _moved(fd, path, follow_links)
+            os.close(fd)
+        except OSError as exc:
+            os.close(fd)
+            where = os.path.join(path, COMMIT_NAME)
+            raise storage_error(f"cannot read {where}: {exc}", exc) from exc
+        if moved is None:
             from statestream.storage._local import LocalStorage  # _local imports this module
 
             hint = not_a_checkpoint_hint(LocalStorage(), path)
             raise CheckpointNotFoundError(
-                hint or f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (an "
-                "interrupted or foreign save?); refusing to load it"
-            ) from None
-        except OSError as exc:
-            os.close(self._root)
-            where = os.path.join(path, COMMIT_NAME)
-            raise storage_error(f"cannot read {where}: {exc}", exc) from exc
+                hint or f"no committed checkpoint at {path}: it has no {COMMIT_NAME} marker (being "
+                "deleted, or an interrupted or foreign save?); refusing to load it"
+            )
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint at {path}: it was replaced {_OPEN_TRIES} times while "
+        "being opened")
+
+
+class _LocalReader:
+    def __init__(self, path: str, follow_links: bool = True) -> None:
+        self.location = path
+        self._follow = follow_links
+        self._root = _open_committed(path, follow_links)
         self._data: int | None = None
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
+
+    def _missing(self, where: str, damage: CheckpointCorruptError) -> CheckpointCorruptError:
+        """The error for file ``where`` of this checkpoint that is not there: the
+        checkpoint was overwritten or deleted since this reader opened it (the
+        directory it holds was removed or replaced, or lost its commit marker), else
+        ``damage``."""
+        why = _moved(self._root, self.location, self._follow)
+        if why is None:
+            try:
+                os.stat(COMMIT_NAME, dir_fd=self._root, follow_symlinks=False)
+            except FileNotFoundError:
+                why = f"its {COMMIT_NAME} marker was removed"
+            except OSError:
+                pass  # cannot tell: report what is known
+        if why is None:
+            return damage
+        return CheckpointGoneError(
+            f"{where} is gone: {self.location} was overwritten or deleted while being read "
+            f"({why}); load it again")
 
     def _open(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -151,10 +211,9 @@ class _LocalReader:
                         dir_fd=self._root,
                     )
             except FileNotFoundError:
-                raise TruncatedFileError(
+                raise self._missing(where, TruncatedFileError(
                     f"data file {where} is missing (so is {DATA_DIR}/); the checkpoint is "
-                    "damaged"
-                ) from None
+                    "damaged")) from None
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise UnsafeCheckpointError(
@@ -165,9 +224,8 @@ class _LocalReader:
             try:
                 fd = open_regular(name[len(DATA_DIR) + 1 :], self._data, where)
             except FileNotFoundError:
-                raise TruncatedFileError(
-                    f"data file {where} is missing; the checkpoint is damaged"
-                ) from None
+                raise self._missing(where, TruncatedFileError(
+                    f"data file {where} is missing; the checkpoint is damaged")) from None
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
@@ -182,7 +240,8 @@ class _LocalReader:
         try:
             fd = open_regular(name, self._root, where)
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where} is missing; the checkpoint is damaged") from None
+            raise self._missing(where, CheckpointCorruptError(
+                f"{where} is missing; the checkpoint is damaged")) from None
         try:
             size = os.fstat(fd).st_size
             if size > max_bytes:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointGoneError,
     CheckpointNotFoundError,
     TruncatedFileError,
     UnsafeCheckpointError,
@@ -93,7 +94,7 @@ class ObjectReader:
             now = self._root  # cannot tell: report what is known
         if now != self._root:
             state = "now names another save" if now else "is gone"
-            return TruncatedFileError(
+            return CheckpointGoneError(
                 f"{where} is gone: {self.location} was overwritten or deleted while being "
                 f"read (its {COMMIT_NAME} marker {state}); load it again"
             )
