@@ -320,8 +320,7 @@ def convert(
             patterns to those); default raw. A compressed source is always
             decoded on the way, so this also recompresses or decompresses.
 
-    Returns:
-        ``dst`` as a string.
+    Returns ``dst`` as a string.
 
     Raises:
         UnsupportedTypeError: the target format cannot hold a dtype or a
@@ -342,13 +341,13 @@ def convert(
         {'w': array([0., 1., 2.]), 'step': 7}
     """
     src, dst_s = path_arg(src, "src"), os.fspath(path_arg(dst, "dst"))
+    overwrite = bool_option(overwrite, "overwrite")
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
     progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
     reader, m = open_checkpoint(src, allow_pickle=bool_option(allow_pickle, "allow_pickle"))
     try:
-        _convert_open(reader, m, fmt, dst_s, items=selected,
-                      overwrite=bool_option(overwrite, "overwrite"),
+        _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,
                       max_shard_bytes=max_shard_bytes, io=io, memory=memory,
                       progress=progress, policy=policy)
     finally:
