@@ -13,7 +13,7 @@ import pytest
 import statestream as ss
 from statestream.errors import ChecksumMismatchError
 from statestream.format import ArrayEntry, ChunkEntry
-from statestream.plan import LoadPlan, Wanted
+from statestream.plan import LoadPlan, ReadPiece, Wanted
 
 torch = pytest.importorskip("torch")
 
@@ -126,9 +126,9 @@ def test_plain_targets_take_the_one_step_path(tmp_path: Path,
     seen: list[tuple[int, bool]] = []
     whole = LoadPlan.whole
 
-    def counting(self: LoadPlan, array: int, *args: object, mapped: bool = False) -> None:
+    def counting(self: LoadPlan, array: int, *args: object, mapped: bool = False) -> ReadPiece:
         seen.append((array, mapped))
-        whole(self, array, *args, mapped=mapped)  # type: ignore[arg-type]
+        return whole(self, array, *args, mapped=mapped)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LoadPlan, "whole", counting)
     for in_place in (False, True):  # allocating loads map the file bytes; in place reads

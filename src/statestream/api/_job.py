@@ -15,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from statestream.api._open import array_paths, has_checksums
+from statestream.api._overlap import InPlaceMemory
 from statestream.api._pickles import _PickleTrust
 from statestream.errors import CheckpointCorruptError, TruncatedFileError
 from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
@@ -64,6 +65,9 @@ class _Job:
     #: ids of targets that give a layout only (providers' state hints, which may be
     #: views of parameters): never filled in place
     layout_only: set[int] = dataclasses.field(default_factory=set)
+    #: where the in-place destinations lie: those sharing memory are read apart
+    #: (api/_overlap.py)
+    own: InPlaceMemory = dataclasses.field(default_factory=InPlaceMemory)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -108,8 +112,10 @@ class _Job:
             return None
         flat, value = got
         # verify-only when the value really is on the mapping (a provider may ignore it)
-        self.plan.whole(index, c, dtype_from_name(entry.dtype), flat,
-                        mapped=memory is not None and flat is memory)
+        piece = self.plan.whole(index, c, dtype_from_name(entry.dtype), flat,
+                                mapped=memory is not None and flat is memory)
+        if in_place and like is not None:
+            self.own.add_flat(piece)
         if self.ahead is not None and c.ref is None:
             self.ahead.add(self.file_names[c.file], c.offset, c.nbytes)
         return (value,)
@@ -118,6 +124,23 @@ class _Job:
         """Whether the load writes into target ``like``'s own memory (``in_place``)."""
         return (self.in_place and prov.capabilities.in_place_restore
                 and id(like) not in self.layout_only)
+
+    def restore_into(self, prov: ArrayProvider, index: int, entry: ArrayEntry, like: Any,
+                     path: KeyPath) -> Destination | None:
+        """``prov.restore_into`` (destinations in ``like``'s own memory) when the load
+        fills ``like`` in place, else None."""
+        if not self.fills(prov, like):
+            return None
+        found = prov.restore_into(entry.dtype, entry.shape, like, path)
+        if found is not None:
+            self.own.add_boxes(index, found.boxes)
+        return found
+
+    def plan_wanted(self) -> None:
+        """Plan the reads of every wanted box (one-step restores are planned already);
+        in-place destinations that share memory are read apart first (api/_overlap.py)."""
+        for w in self.own.untangle(self.wanted):
+            self.plan.add(w)
 
     def _mapped_chunk(self, prov: ArrayProvider, index: int, entry: ArrayEntry,
                       c: ChunkEntry, path: KeyPath) -> Any:

@@ -107,8 +107,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         if flat is not None:
             job.paths[node.array] = path
             return functools.partial(_value_of, flat)
-        found = (prov.restore_into(entry.dtype, entry.shape, like, path)
-                 if job.fills(prov, like) else None)
+        found = job.restore_into(prov, node.array, entry, like, path)
         if found is None:
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
         dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
@@ -474,11 +473,13 @@ def load(
             unpickled.
         in_place: read straight into the target's own CPU tensors/arrays (and
             DTensor local shards) when their dtype matches and they are
-            contiguous, and return those same objects — as DCP does. Faster
-            (no fresh memory to fault in) and no extra memory, but a load that
-            fails part-way (a corrupt chunk) leaves the target partly
-            overwritten. Without it, the target's arrays and tensors are never
-            written; objects with ``load_state_dict`` and generators get their state anyway.
+            contiguous, and return those same objects — as DCP does: faster, no
+            extra memory, but a load that fails part-way (a corrupt chunk) leaves
+            the target partly overwritten. Memory a target holds under two keys
+            (tied weights, overlapping views) gets the later key's bytes, as
+            ``load_state_dict`` gives it. Without it, the target's arrays and
+            tensors are never written; objects with ``load_state_dict`` and
+            generators get their state anyway.
         io: thread count and request sizes.
         memory: the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
@@ -536,8 +537,7 @@ def files_read(m: Manifest, target: Any = None, *, items: Sequence[str] | None =
     job = _Job(pickles=_PickleTrust(allow_pickle), file_names=[f.name for f in m.files],
                manifest=m)
     _walk(root, like, (), m, job, "numpy", False)
-    for w in job.wanted:
-        job.plan.add(w)
+    job.plan_wanted()
     out: dict[str, set[int]] = {}
     for p in job.plan.pieces.values():
         c = m.arrays[p.array].chunks[p.chunk]
@@ -587,8 +587,7 @@ def _load(
             if job.ahead is not None:
                 job.ahead.close()
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
-        for w in job.wanted:
-            job.plan.add(w)
+        job.plan_wanted()
         requests = job.plan.requests(max_request_bytes=io.max_request_bytes)
         skip_missing_checksums(reader, requests)
 
@@ -598,6 +597,7 @@ def _load(
         read_requests(reader, names, requests, options=io,
                       budget=ByteBudget(memory.resolved()), describe=describe,
                       progress=progress)
+        job.own.copy_back()  # in-place targets sharing memory: what was read apart
     finally:
         reader.close()
     return build()

@@ -228,14 +228,16 @@ class LoadPlan:
         self.touched: set[int] = set()
 
     def whole(self, array: int, c: ChunkEntry, dt: np.dtype, flat: np.ndarray,
-              mapped: bool = False) -> None:
+              mapped: bool = False) -> ReadPiece:
         """Read chunk ``c`` -- raw, the whole of ``array``, no block checksums --
         straight into ``flat`` (1-D uint8, exactly its bytes); ``array`` is untouched.
-        ``mapped``: ``flat`` maps the chunk's own file bytes; verify them, read nothing."""
+        ``mapped``: ``flat`` maps the chunk's own file bytes; verify them, read nothing.
+        Returns the piece planned."""
         self.touched.add(array)
-        self.pieces[(array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
+        piece = self.pieces[(array, 0, 0, c.shape[0] if c.shape else 1)] = ReadPiece(
             array, 0, c.file, c.offset, c.nbytes, c.checksum, c.shape, dt, direct=flat,
             mapped=mapped)
+        return piece
 
     def add(self, w: Wanted) -> None:
         """Plan the pieces that fill the box ``w`` wants."""
