@@ -159,3 +159,29 @@ def test_a_lazy_snapshot_keeps_memory_a_rebound_tensor_let_go(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-c", _REBIND, str(tmp_path / "c")],
                        capture_output=True, text=True, timeout=_WAIT_S)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.timeout(300)
+def test_an_in_place_load_during_a_lazy_snapshot_fails_it(tmp_path, hooks) -> None:
+    # ss.load(..., in_place=True) writes the tensors' bytes through a pointer; it moves
+    # their version counters as copy_() would, so the snapshot sees the change. Before,
+    # a torn snapshot was committed (and then failed its own checksums when loaded).
+    ones = {"a": torch.ones(1000), "b": torch.ones(10, 10)}
+    ss.save(tmp_path / "ones", ones)
+    release = threading.Event()
+    first = [True]
+
+    def hold() -> None:
+        if first[0]:
+            first[0] = False
+            assert release.wait(_WAIT_S)
+
+    _hooks.register("async.race_begins", hold)  # before anything is copied or written
+    state = {"a": torch.zeros(1000), "b": torch.zeros(10, 10)}
+    h = ss.save_async(tmp_path / "snap", state, lazy=True)
+    ss.load(tmp_path / "ones", state, in_place=True)  # no wait_snapshot: the user's error
+    release.set()
+    with pytest.raises(ss.CheckpointError, match="modified before it was copied") as ei:
+        h.result(timeout=_WAIT_S)
+    assert "'a'" in str(ei.value) and "'b'" in str(ei.value)
+    assert not (tmp_path / "snap").exists()  # nothing committed

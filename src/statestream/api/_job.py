@@ -68,6 +68,9 @@ class _Job:
     #: where the in-place destinations lie: those sharing memory are read apart
     #: (api/_overlap.py)
     own: InPlaceMemory = dataclasses.field(default_factory=InPlaceMemory)
+    #: id of a provider -> it and the targets it fills in place (told before the reads)
+    filled: dict[int, tuple[ArrayProvider, list[Any]]] = dataclasses.field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -116,6 +119,7 @@ class _Job:
                                 mapped=memory is not None and flat is memory)
         if in_place and like is not None:
             self.own.add_flat(piece)
+            self._fills(prov, like)
         if self.ahead is not None and c.ref is None:
             self.ahead.add(self.file_names[c.file], c.offset, c.nbytes)
         return (value,)
@@ -134,7 +138,20 @@ class _Job:
         found = prov.restore_into(entry.dtype, entry.shape, like, path)
         if found is not None:
             self.own.add_boxes(index, found.boxes)
+            self._fills(prov, like)
         return found
+
+    def _fills(self, prov: ArrayProvider, like: Any) -> None:
+        found = self.filled.get(id(prov))
+        if found is None:
+            found = self.filled[id(prov)] = (prov, [])
+        found[1].append(like)
+
+    def before_fill(self) -> None:
+        """Tell the providers which targets the reads are about to write (in place):
+        torch bumps their version counters."""
+        for prov, targets in self.filled.values():
+            prov.before_fill(targets)
 
     def plan_wanted(self) -> None:
         """Plan the reads of every wanted box (one-step restores are planned already);

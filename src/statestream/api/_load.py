@@ -420,8 +420,6 @@ def _finish_build(rebuild: Any, builds: list[tuple[Key, Build]]) -> Build:
         values = [b() for _, b in builds]
         if how == "pytree":
             return rebuild_pytree(like, values)
-        if isinstance(like, dict):
-            return rebuild_container("dict", like, keys, values, ())
         return rebuild_container("dict", like, keys, values, ())
 
     return build
@@ -475,11 +473,10 @@ def load(
             DTensor local shards) when their dtype matches and they are
             contiguous, and return those same objects — as DCP does: faster, no
             extra memory, but a load that fails part-way (a corrupt chunk) leaves
-            the target partly overwritten. Memory a target holds under two keys
-            (tied weights, overlapping views) gets the later key's bytes, as
-            ``load_state_dict`` gives it. Without it, the target's arrays and
-            tensors are never written; objects with ``load_state_dict`` and
-            generators get their state anyway.
+            the target partly overwritten. Memory under two keys (tied weights)
+            gets the later key's bytes, as with ``load_state_dict``; torch version
+            counters move as ``copy_()`` moves them. Without it, the target's arrays
+            and tensors are never written (stateful objects still get their state).
         io: thread count and request sizes.
         memory: the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
@@ -588,6 +585,7 @@ def _load(
                 job.ahead.close()
         job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
         job.plan_wanted()
+        job.before_fill()  # torch: version counters move before a byte is written
         requests = job.plan.requests(max_request_bytes=io.max_request_bytes)
         skip_missing_checksums(reader, requests)
 

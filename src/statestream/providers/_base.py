@@ -160,7 +160,8 @@ class ProviderCapabilities:
 
     Attributes:
         in_place_restore: :meth:`ArrayProvider.restore_into` may load into the
-            target's own memory.
+            target's own memory; :meth:`ArrayProvider.before_fill` is told which
+            targets a load is about to write.
         mutable_values: values can change in place after a lazy snapshot
             started; :meth:`ArrayProvider.memory_id` and
             :meth:`ArrayProvider.version` say which memory a value uses and
@@ -242,6 +243,15 @@ class ArrayProvider(abc.ABC):
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
                      path: KeyPath) -> Destination | None:
         """Destinations in ``like``'s own memory, or None (``in_place_restore``)."""
+        return None
+
+    def before_fill(self, targets: list[Any]) -> None:
+        """Called once per load, after its walk and before any byte is read, with the
+        targets whose own memory the load writes (``in_place_restore``: those whose
+        :meth:`restore_into` or in-place :meth:`restore_flat` gave their memory). The
+        load writes through that memory, unseen by the framework: one that counts
+        in-place changes (torch's version counter, which autograd and a lazy
+        snapshot check) is told here. Optional: default nothing."""
         return None
 
     def restore_on(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -290,6 +291,22 @@ class TorchProvider(ArrayProvider):
         view = host_bytes(local).view(dtype_from_name(dtype)).reshape(tuple(local.shape))
         boxes = [((0,) * len(shape), view)] if layout is None else _layout_views(layout, view)
         return Destination(boxes=boxes, finish=lambda: like)
+
+    def before_fill(self, targets: list[Any]) -> None:
+        """Bump the version counter of every tensor (and DTensor's local shard) the load
+        writes in place, as ``t.copy_()`` would: it writes their bytes through a
+        pointer, which torch does not see. Autograd then refuses a graph that saved
+        the old values, and a lazy snapshot whose copy of one lands after this fails
+        as torn (docs/async.md). Before the writes, not after: a copy that overlaps
+        them lands after the bump and sees it."""
+        tensors = targets + [t.to_local() for t in targets if _is_dtensor(t)]
+        increment = _torch().autograd.graph.increment_version
+        try:
+            increment(tensors)  # one call (newer torch takes many tensors)
+        except (TypeError, RuntimeError):
+            for t in tensors:  # one by one: older torch takes one tensor
+                with contextlib.suppress(RuntimeError):  # an inference tensor: no counter
+                    increment(t)
 
     def _restore_dtensor(self, dtype: str, shape: tuple[int, ...], like: Any,
                          path: KeyPath) -> Destination:
