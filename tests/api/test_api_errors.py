@@ -228,6 +228,43 @@ def test_torch_target_mismatch(tmp_path):
         ss.load(c, {"w": torch.nn.Linear(2, 2)})
 
 
+#: torch targets that no saved array loads into: (make from the torch module, match)
+_NOTHING_LOADS_INTO = {
+    "quantized": (lambda torch: torch.quantize_per_tensor(torch.zeros(6, 5), 0.1, 0, torch.qint8),
+                  "quantized tensor"),
+    "quantized-parameter": (lambda torch: torch.nn.Parameter(torch.quantize_per_tensor(
+        torch.zeros(6, 5), 0.1, 0, torch.qint8), requires_grad=False), "quantized tensor"),
+    "nested": (lambda torch: torch.nested.nested_tensor([torch.zeros(5)] * 6), "nested tensor"),
+    "bits8": (lambda torch: torch.zeros(6, 5, dtype=torch.uint8).view(torch.bits8),
+              "torch.bits8"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("kind", sorted(_NOTHING_LOADS_INTO))
+def test_a_torch_target_nothing_loads_into_names_its_key_path(tmp_path, kind, in_place):
+    # torch's own errors (a RuntimeError "empty_strided not supported on quantized
+    # tensors", "NestedTensorImpl doesn't support sizes") named no key path
+    torch = pytest.importorskip("torch")
+    make, match = _NOTHING_LOADS_INTO[kind]
+    ss.save(tmp_path / "c", {"m": {"w": torch.randn(6, 5)}})
+    with pytest.raises(ss.TargetMismatchError, match=match) as ei:
+        ss.load(tmp_path / "c", {"m": {"w": make(torch)}}, in_place=in_place)
+    assert "key path 'm/w'" in str(ei.value)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_sparse_csr_target_in_place_gets_a_dense_tensor_as_without(tmp_path):
+    # in place it raised torch's RuntimeError "Sparse CSR tensors do not have is_contiguous"
+    torch = pytest.importorskip("torch")
+    w = torch.randn(6, 5)
+    ss.save(tmp_path / "c", {"w": w})
+    for in_place in (False, True):
+        out = ss.load(tmp_path / "c", {"w": torch.zeros(6, 5).to_sparse_csr()}, in_place=in_place)
+        assert out["w"].layout == torch.strided and torch.equal(out["w"], w)
+
+
 def test_not_found(tmp_path):
     with pytest.raises(ss.CheckpointNotFoundError) as ei:
         ss.load(tmp_path / "nope")

@@ -70,6 +70,15 @@ def test_registered_provider_saves_and_restores(tmp_path) -> None:
     np.testing.assert_array_equal(got["w"].data, state["w"].data)
 
 
+def test_a_target_whose_shape_the_provider_cannot_read_names_its_key_path(tmp_path) -> None:
+    ss.save(tmp_path / "c", {"m": {"w": Boxed(np.zeros(3))}})
+    # target_shape raises AttributeError ('NoneType' object has no attribute 'shape'):
+    # a target that does not fit, named, not the provider's raw error
+    with pytest.raises(ss.TargetMismatchError, match="AttributeError") as ei:
+        ss.load(tmp_path / "c", {"m": {"w": Boxed(None)}})  # type: ignore[arg-type]
+    assert "key path 'm/w'" in str(ei.value) and "BoxedProvider" in str(ei.value)
+
+
 def test_registering_twice_or_a_non_provider_is_refused() -> None:
     with pytest.raises(ss.UnsupportedTypeError, match="already registered"):
         ss.register_provider(BoxedProvider())

@@ -17,12 +17,17 @@ import numpy as np
 from statestream.api._open import array_paths, has_checksums
 from statestream.api._overlap import InPlaceMemory
 from statestream.api._pickles import _PickleTrust
-from statestream.errors import CheckpointCorruptError, TruncatedFileError
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    TargetMismatchError,
+    TruncatedFileError,
+)
 from statestream.format import ArrayEntry, ChunkEntry, Manifest, dtype_from_name
 from statestream.plan import LoadPlan, Wanted
 from statestream.providers import ArrayProvider, Destination
 from statestream.storage import CheckpointReader, MappedReader, ReadAhead, file_where
-from statestream.tree import KeyPath, format_keypath
+from statestream.tree import KeyPath, format_keypath, type_name
 
 #: what the walk returns for a subtree: called once the reads are done, it builds the value
 Build = Callable[[], Any]
@@ -279,6 +284,19 @@ class _Job:
             c.file == file and c.nbytes and c.offset + c.nbytes > size for c in a.chunks)]
         names = [f"'{format_keypath(paths.get(i, ()))}'" for i in bad[:5]]
         return ", ".join(names) + (", ..." if len(bad) > 5 else "")
+
+
+def target_shape(prov: ArrayProvider, like: Any, path: KeyPath) -> tuple[int, ...]:
+    """``prov.target_shape(like)``, whose errors (a target without one shape: a nested
+    tensor) are told the key path the provider is not given."""
+    try:
+        return prov.target_shape(like)
+    except CheckpointError as exc:
+        raise type(exc)(f"the target at key path '{format_keypath(path)}': {exc}") from None
+    except Exception as exc:  # a provider's own: still a target that does not fit
+        raise TargetMismatchError(
+            f"the target at key path '{format_keypath(path)}' ({type_name(like)}) has no "
+            f"shape {type(prov).__name__} can read: {type(exc).__name__}: {exc}") from exc
 
 
 def _whole_chunk(entry: ArrayEntry) -> ChunkEntry | None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from statestream._gc import gc_paused
-from statestream.api._job import Build, _Job
+from statestream.api._job import Build, _Job, target_shape
 from statestream.api._open import (
     array_paths,
     open_checkpoint,
@@ -97,7 +97,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
                 f"target has a {type_name(like)}; pass an array (or jax.ShapeDtypeStruct) "
                 "there, or leave the key out of the target"
             )
-        want = prov.target_shape(like)
+        want = target_shape(prov, like, path)
         if want != entry.shape:
             raise TargetMismatchError(
                 f"shape mismatch at key path '{format_keypath(path)}': the checkpoint has "

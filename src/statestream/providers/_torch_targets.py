@@ -1,16 +1,48 @@
 """What loading into torch objects needs beyond their tensors: the ties of a module
-(restored after ``load_state_dict(..., assign=True)``) and the layout a never-stepped
-optimizer's missing state should take. Used by :class:`TorchProvider`."""
+(restored after ``load_state_dict(..., assign=True)``), the layout a never-stepped
+optimizer's missing state should take, and which tensor targets nothing loads into.
+Used by :class:`TorchProvider`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from statestream.errors import TargetMismatchError
 from statestream.providers._dtensor import is_dtensor
-from statestream.tree import Node
+from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["optimizer_state_hints", "retie", "tied_names"]
+__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_target", "retie",
+           "tied_names"]
+
+
+def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
+    """Raise TargetMismatchError, naming the key path, for a tensor target that a saved
+    ``dtype`` array cannot be cast into (torch's own errors name neither): a quantized
+    tensor, or a dtype that is no number (``bits8``, ``uint1``-``uint7``; ``stored``:
+    statestream stores ``like``'s dtype, so it is one)."""
+    where = format_keypath(path)
+    if like.is_quantized:
+        raise TargetMismatchError(
+            f"the target at key path '{where}' is a quantized tensor ({like.dtype}); "
+            f"statestream loads into plain tensors: load the saved {dtype} array into a "
+            "float tensor (or None there) and quantize it (torch.quantize_per_tensor)")
+    dt = like.dtype
+    if not (stored or dt.is_floating_point or dt.is_complex):
+        raise TargetMismatchError(
+            f"the target at key path '{where}' has dtype {dt}, which torch cannot cast "
+            f"the saved {dtype} array to; pass a tensor of a numeric dtype (or None there)")
+
+
+def nested_shape_error(like: Any, exc: Exception) -> TargetMismatchError:
+    """The error for a tensor target without one shape (``like.shape`` raised ``exc``):
+    a nested tensor, whose parts may differ in shape."""
+    what = (f"a tensor whose shape torch cannot give ({exc})"
+            if not getattr(like, "is_nested", False)
+            else "a nested tensor (its parts may differ in shape)")
+    return TargetMismatchError(
+        f"{what}; statestream loads into dense tensors: pass one there (or None for the "
+        "saved array)")
 
 
 def tied_names(module: Any) -> list[list[str]]:

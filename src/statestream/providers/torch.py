@@ -193,7 +193,10 @@ class TorchProvider(ArrayProvider):
         return self.handles(like)
 
     def target_shape(self, like: Any) -> tuple[int, ...]:
-        return tuple(like.shape)  # a torch.Size holds ints
+        try:
+            return tuple(like.shape)  # a torch.Size holds ints
+        except RuntimeError as exc:  # a nested tensor's parts differ in shape
+            raise _torch_targets.nested_shape_error(like, exc) from None
 
     def restore(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
                 scalar: bool = False) -> Destination:
@@ -209,7 +212,8 @@ class TorchProvider(ArrayProvider):
             )
         # Plain anonymous pages (statestream._memory says why); the tensor shares them.
         nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
-        return self._restore_host(fresh_bytes(nbytes) if nbytes else None, dtype, shape, like)
+        return self._restore_host(fresh_bytes(nbytes) if nbytes else None, dtype, shape, like,
+                                  path)
 
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
                      in_place: bool, memory: np.ndarray | None = None,
@@ -242,11 +246,13 @@ class TorchProvider(ArrayProvider):
         _, from_name = _tables()
         if from_name.get(dtype) is None:
             return None  # restore() words the error
-        return self._restore_host(np.frombuffer(buffer, dtype=np.uint8), dtype, shape, like)
+        return self._restore_host(np.frombuffer(buffer, dtype=np.uint8), dtype, shape, like,
+                                  path)
 
     def _restore_host(self, raw: np.ndarray | None, dtype: str, shape: tuple[int, ...],
-                      like: Any) -> Destination:
-        """A CPU tensor on ``raw`` (the array's bytes; None when it has none)."""
+                      like: Any, path: KeyPath) -> Destination:
+        """A CPU tensor on ``raw`` (the array's bytes; None when it has none), cast to
+        ``like`` (a quantized target, or one of no numeric dtype, is refused)."""
         import torch
 
         saved = _tables()[1][dtype]
@@ -265,6 +271,7 @@ class TorchProvider(ArrayProvider):
                             and like.device.type == "cpu" and not like.requires_grad):
             finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
         else:
+            _torch_targets.refuse_target(like, dtype, path, like.dtype in _tables()[0])
             finish = functools.partial(_like_target, buf, like)
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
@@ -284,7 +291,8 @@ class TorchProvider(ArrayProvider):
                 return None
         if local.device.type == "cpu" and local.numel() == 0:
             return Destination(boxes=[], finish=lambda: like)  # nothing to fill: itself
-        if local.device.type != "cpu" or not local.is_contiguous():
+        if (local.device.type != "cpu" or local.layout != _torch().strided
+                or not local.is_contiguous()):  # (a sparse CSR tensor has no is_contiguous)
             return None
         if getattr(local, "is_conj", lambda: False)() or local.is_neg():
             return None
