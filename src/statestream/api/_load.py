@@ -126,7 +126,8 @@ def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
     """A saved 0-d array into a Python number target (a fresh flax TrainState's ``step=0``).
 
     Only where no value changes: an integer or bool array into an int, a bool
-    into a bool, any real number into a float.
+    into a bool, any real number into a float. An integer a float cannot hold
+    exactly (an int64 above 2**53) is refused once it is read.
     """
     want = type(like)
     kind = np.dtype(dtype_from_name(dtype)).kind
@@ -136,7 +137,19 @@ def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
             f"but the target has a Python {want.__name__}; pass an array there"
         )
     dest = _NUMPY.restore(dtype, (), None, path)
-    return Destination(boxes=dest.boxes, finish=lambda: want(dest.finish().item()))
+
+    def finish() -> Any:
+        saved = dest.finish().item()
+        value = want(saved)
+        if kind in "iu" and value != saved:  # an int and a float compare exactly
+            raise TargetMismatchError(
+                f"the checkpoint holds {saved} (a 0-d {dtype} array) at key path "
+                f"'{format_keypath(path)}', which a Python {want.__name__} target cannot "
+                f"hold exactly ({value!r}); pass an array there, or an int"
+            )
+        return value
+
+    return Destination(boxes=dest.boxes, finish=finish)
 
 
 def _restore_shared(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
