@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import pickle
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from statestream._gc import gc_paused
+from statestream.api._builds import (
+    adapted_build,
+    container_build,
+    finish_build,
+    keyed_items,
+    python_scalar,
+    value_of,
+)
 from statestream.api._job import Build, _Job, target_shape
 from statestream.api._open import (
     array_paths,
@@ -37,8 +42,8 @@ from statestream.api._target_keys import (
 )
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import CheckpointError, MissingKeyError, TargetMismatchError
-from statestream.format import Manifest, dtype_from_name
+from statestream.errors import MissingKeyError, TargetMismatchError
+from statestream.format import Manifest
 from statestream.plan import ReadPiece, Wanted
 from statestream.providers import (
     Destination,
@@ -46,10 +51,8 @@ from statestream.providers import (
     StateAdapter,
     adapter_by_name,
     adapter_for,
-    expand_pytree,
     provider_by_kind,
     providers,
-    rebuild_pytree,
     target_provider_for,
 )
 from statestream.storage import MappedReader, ReadAhead, storage_for
@@ -59,8 +62,6 @@ from statestream.tree import (
     Node,
     format_keypath,
     is_stateful,
-    rebuild_container,
-    state_fields,
     type_name,
 )
 
@@ -83,12 +84,12 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         flat = None if scalar else job.restore_flat(by_kind, node.array, entry, None, path)
         if flat is not None:
             job.paths[node.array] = path
-            return functools.partial(_value_of, flat)
+            return functools.partial(value_of, flat)
         mapped = job.restore_mapped(by_kind, node.array, entry, None, path, scalar)
         dest: Destination = mapped or by_kind.restore(entry.dtype, entry.shape, None, path,
                                                       scalar=scalar)
     elif type(like) in (bool, int, float) and entry.shape == ():
-        dest = _python_scalar(entry.dtype, like, path)
+        dest = python_scalar(entry.dtype, like, path)
     else:
         prov = target_provider_for(like)
         if prov is None:
@@ -106,7 +107,7 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         flat = job.restore_flat(prov, node.array, entry, like, path)
         if flat is not None:
             job.paths[node.array] = path
-            return functools.partial(_value_of, flat)
+            return functools.partial(value_of, flat)
         found = job.restore_into(prov, node.array, entry, like, path)
         if found is None:
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
@@ -116,40 +117,6 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
     job.paths[node.array] = path
     return dest.finish
-
-
-def _value_of(flat: tuple[Any]) -> Any:
-    return flat[0]
-
-
-def _python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
-    """A saved 0-d array into a Python number target (a fresh flax TrainState's ``step=0``).
-
-    Only where no value changes: an integer or bool array into an int, a bool
-    into a bool, any real number into a float. An integer a float cannot hold
-    exactly (an int64 above 2**53) is refused once it is read.
-    """
-    want = type(like)
-    kind = np.dtype(dtype_from_name(dtype)).kind
-    if kind not in {bool: "b", int: "biu", float: "biuf"}[want]:
-        raise TargetMismatchError(
-            f"the checkpoint holds a 0-d {dtype} array at key path '{format_keypath(path)}' "
-            f"but the target has a Python {want.__name__}; pass an array there"
-        )
-    dest = _NUMPY.restore(dtype, (), None, path)
-
-    def finish() -> Any:
-        saved = dest.finish().item()
-        value = want(saved)
-        if kind in "iu" and value != saved:  # an int and a float compare exactly
-            raise TargetMismatchError(
-                f"the checkpoint holds {saved} (a 0-d {dtype} array) at key path "
-                f"'{format_keypath(path)}', which a Python {want.__name__} target cannot "
-                f"hold exactly ({value!r}); pass an array there, or an int"
-            )
-        return value
-
-    return Destination(boxes=dest.boxes, finish=finish)
 
 
 def _restore_shared(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
@@ -234,7 +201,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         if rebuild is None or default_kind != "saved":
             return build_state
         # None in the target: a generator (or key) comes back as one
-        return _adapted_build(rebuild, None, build_state, path)
+        return adapted_build(rebuild, None, build_state, path)
 
     if like is not NO_TARGET and target_provider_for(like) is not None:
         raise TargetMismatchError(
@@ -246,7 +213,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if like is NO_TARGET:
         builds = [(key, _walk(c, NO_TARGET, path + (key,), m, job, default_kind, merge))
                   for key, c in kids]
-        return _container_build(k, NO_TARGET, builds, path)
+        return container_build(k, NO_TARGET, builds, path)
 
     # match the target's own keys against the saved node
     if k in ("list", "tuple") and isinstance(like, (list, tuple)) and not hasattr(
@@ -302,7 +269,7 @@ def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPat
         # list may have grown since): load what was saved
         builds = [(i, _walk(c, NO_TARGET, path + (i,), m, job, "saved", merge))
                   for i, c in kids]
-        return _container_build(k, NO_TARGET, builds, path)
+        return container_build(k, NO_TARGET, builds, path)
     if len(like) != len(kids):
         raise TargetMismatchError(
             f"length mismatch at key path '{format_keypath(path)}': the checkpoint has a "
@@ -310,13 +277,13 @@ def _walk_sequence(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPat
         )
     builds = [(i, _walk(c, t, path + (i,), m, job, default_kind, merge))
               for (i, c), t in zip(kids, like)]
-    return _container_build(k, like, builds, path)
+    return container_build(k, like, builds, path)
 
 
 def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath,
                   m: Manifest, job: _Job, default_kind: str, merge: bool) -> Build:
     """Match a keyed target (dict, namedtuple, dataclass, pytree) against the saved node."""
-    target_items, rebuild = _target_items(like, path, k)
+    target_items, rebuild = keyed_items(like, path, k)
     saved = {(type(key), key): c for key, c in kids}
     builds = []
     renamed: dict[tuple[type, Key], Key] = {}  # saved key -> the target's, if they differ
@@ -343,7 +310,7 @@ def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath
             if b is None:
                 b = _walk(c, NO_TARGET, path + (key,), m, job, "saved", merge)
             builds.append((key, b))
-    return _finish_build(rebuild, builds)
+    return finish_build(rebuild, builds)
 
 
 def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m: Manifest,
@@ -363,7 +330,7 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
         )
     sub_like = adapter.target_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
-    return _adapted_build(adapter, like, inner, path)
+    return adapted_build(adapter, like, inner, path)
 
 
 def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
@@ -378,74 +345,7 @@ def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
     if sub_like is None:
         return None
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
-    return _adapted_build(named, None, inner, path)
-
-
-def _adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath) -> Build:
-    """Put the loaded state into ``like`` (or a new value when it is None)."""
-
-    def build() -> Any:
-        state = inner()
-        try:
-            if like is None:
-                return adapter.new(state, path)
-            return adapter.set_state(like, state, path)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            what = adapter.name or type_name(like)
-            raise TargetMismatchError(
-                f"restoring the {what} at key path '{format_keypath(path)}' from the "
-                f"checkpoint's state failed: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    return build
-
-
-def _target_items(like: Any, path: KeyPath, k: str) -> tuple[list[tuple[Key, Any]], Any]:
-    """The target's (key, sub-target) pairs and how to rebuild it (``k``: the kind of
-    container the checkpoint holds there)."""
-    if isinstance(like, dict):
-        return list(like.items()), ("container", like)
-    if isinstance(like, tuple) and hasattr(type(like), "_fields"):
-        fields: tuple[str, ...] = type(like)._fields  # type: ignore[attr-defined]
-        return list(zip(fields, like)), ("container", like)
-    if dataclasses.is_dataclass(like) and not isinstance(like, type):
-        # static fields (flax's pytree_node=False) are not state: the target's stay
-        return [(f.name, getattr(like, f.name)) for f in state_fields(like)], (
-            "container", like)
-    # a plain list or tuple matches only a saved list or tuple (_walk_sequence), whether
-    # or not JAX, which would expand it as a pytree of keys 0, 1, ..., is imported
-    exp = None if isinstance(like, (list, tuple)) else expand_pytree(like)
-    if exp is not None:
-        return list(zip(exp.keys, exp.children)), ("pytree", like)
-    raise TargetMismatchError(
-        f"the target at key path '{format_keypath(path)}' is a {type_name(like)}, but the "
-        f"checkpoint holds a {k} there"
-    )
-
-
-def _finish_build(rebuild: Any, builds: list[tuple[Key, Build]]) -> Build:
-    how, like = rebuild
-
-    def build() -> Any:
-        keys = [k for k, _ in builds]
-        values = [b() for _, b in builds]
-        if how == "pytree":
-            return rebuild_pytree(like, values)
-        return rebuild_container("dict", like, keys, values, ())
-
-    return build
-
-
-def _container_build(kind: str, like: Any, builds: list[tuple[Key, Build]],
-                     path: KeyPath) -> Build:
-    def build() -> Any:
-        keys = [k for k, _ in builds]
-        values = [b() for _, b in builds]
-        return rebuild_container(kind, None if like is NO_TARGET else like, keys, values, path)
-
-    return build
+    return adapted_build(named, None, inner, path)
 
 
 def load(
