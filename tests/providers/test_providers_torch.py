@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -254,3 +255,67 @@ def test_dtensor_layouts_hold_the_indices_torch_gives_each_rank() -> None:
             runs = held_runs(shape, mesh_shape, list(coord), pls)
             got = [[i for a, b in r for i in range(a, b)] for r in runs]
             assert got == _torch_cut(shape, mesh_shape, list(coord), pls), (shape, pls, coord)
+
+
+class _WithExtra(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2, bias=False)
+        self.register_module("skip", None)  # a child slot holding nothing
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+
+    def get_extra_state(self) -> Any:
+        return {"v": 1}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def _torch_refuses(module: Any, state: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """What torch's own load_state_dict reports (on a copy of ``module``)."""
+    import copy
+
+    got = copy.deepcopy(module).load_state_dict(dict(state), strict=False)
+    return sorted(got.missing_keys), sorted(got.unexpected_keys)
+
+
+@pytest.mark.parametrize("case", ["bn-old", "extra", "bias", "child-name", "nothing-child",
+                                  "non-persistent", "deep", "instance-norm"])
+def test_refused_keys_are_the_ones_torch_refuses(case: str) -> None:
+    """A module's refused keys, told from the module alone, are exactly those its
+    own load_state_dict reports (a BatchNorm's num_batches_tracked, filled in for a
+    state without torch's metadata, is not one)."""
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    module: Any = {"bn-old": seq, "deep": seq, "instance-norm": torch.nn.InstanceNorm1d(2)
+                   }.get(case, _WithExtra())
+    state = dict(module.state_dict())
+    if case == "bn-old":
+        del state["1.num_batches_tracked"], state["1.running_var"]
+    elif case == "extra":
+        del state["_extra_state"]
+    elif case == "bias":
+        state["lin.bias"] = torch.zeros(2)  # Linear(bias=False): no place for it
+    elif case == "child-name":
+        state["lin"] = torch.zeros(2)
+    elif case == "nothing-child":
+        state["skip.weight"] = torch.zeros(2)  # torch skips a None child's keys
+    elif case == "non-persistent":
+        state["scratch"] = torch.zeros(1)
+    elif case == "deep":
+        state["0.inner.weight"] = state["2.weight"] = torch.zeros(2)
+    elif case == "instance-norm":  # running stats it does not track: refused
+        state["running_mean"] = torch.zeros(2)
+        with pytest.raises(RuntimeError, match='Unexpected running stats.*"running_mean"'):
+            _torch_refuses(module, state)
+        assert P.refused_keys(module, [], list(state)) == ([], ["running_mean"])
+        return
+    missing, unexpected = P.refused_keys(module, list(module.state_dict()), list(state))
+    assert (sorted(missing), sorted(unexpected)) == _torch_refuses(module, state)
+
+
+def test_refused_keys_leave_custom_loading_and_optimizers_to_decide() -> None:
+    lin = torch.nn.Linear(2, 2)
+    lin.register_load_state_dict_pre_hook(lambda *a: None)
+    assert P.refused_keys(lin, ["weight", "bias"], ["w", "b"]) == ([], [])
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert P.refused_keys(opt, ["state", "param_groups"], ["param_groups"]) == ([], [])

@@ -76,6 +76,8 @@ class _Job:
     #: id of a provider -> it and the targets it fills in place (told before the reads)
     filled: dict[int, tuple[ArrayProvider, list[Any]]] = dataclasses.field(
         default_factory=dict)
+    #: the stateful targets' load_state_dict calls, made once every value is built
+    state_loads: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:

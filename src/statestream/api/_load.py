@@ -37,6 +37,7 @@ from statestream.api._select import NO_TARGET, _children, selected
 from statestream.api._target_keys import (
     int_keyed,
     prefix_hint,
+    refuse_early,
     unprefixed,
     with_target_ties,
 )
@@ -231,6 +232,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     named_ties = [names for prov in providers() if prov.capabilities.state_hints
                   for names in prov.tied_names(like)]
     inner = with_target_ties(unprefixed(inner, sub_like), sub_like, named_ties)
+    refuse_early(like, sub_like, inner, path)
     options: dict[str, Any] = {}
     for prov in providers():
         if prov.capabilities.state_hints:
@@ -243,8 +245,7 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     with job.keeping(not copies):
         build_inner = _walk(inner, sub_like, path, m, job, "saved", True)
 
-    def build_stateful() -> Any:
-        value = build_inner()
+    def load_state(value: Any) -> None:
         restore = [r for r in (prov.keep_ties(like, options, named_ties) for prov in providers()
                                if prov.capabilities.state_hints) if r is not None]
         try:
@@ -256,6 +257,11 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
             ) from exc
         for r in restore:
             r()
+
+    def build_stateful() -> Any:
+        # loaded once every value is built (_load): a value that fails to build (a
+        # refused pickle, a lossy scalar) then leaves every stateful target as it was
+        job.state_loads.append(functools.partial(load_state, build_inner()))
         return like
 
     return build_stateful
@@ -369,8 +375,9 @@ def load(
             for a meta target, a meta DTensor's mesh's device), JAX arrays stay
             JAX (target sharding), NumPy stays NumPy; objects with
             ``load_state_dict`` get their state loaded (meta modules with
-            ``assign=True``) and are returned. A partial target loads only that
-            part. Without a target: NumPy arrays and plain dicts/lists/tuples.
+            ``assign=True``) once every value is built, and are returned. A
+            partial target loads only that part. Without a target: NumPy
+            arrays and plain dicts/lists/tuples.
         items: key paths to load (``"model"``, ``"model/layers.0.weight"``;
             ``~1`` stands for ``/`` inside a key): top-level checkpointables,
             subtrees or leaves; others are not read. Levels above a selected
@@ -511,5 +518,8 @@ def _load(
         job.own.copy_back()  # in-place targets sharing memory: what was read apart
     finally:
         reader.close()
-    return build()
+    out = build()
+    for load_state in job.state_loads:  # every value is built: now load_state_dict
+        load_state()
+    return out
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from statestream.providers import adapters, target_provider_for
-from statestream.tree import Key, Node
+from statestream.errors import MissingKeyError, TargetMismatchError
+from statestream.providers import adapters, providers, target_provider_for
+from statestream.tree import Key, KeyPath, Node, format_keypath, type_name
 
-__all__ = ["int_keyed", "prefix_hint", "unprefixed", "with_target_ties"]
+__all__ = ["int_keyed", "prefix_hint", "refuse_early", "unprefixed", "with_target_ties"]
 
 
 def unprefixed(node: Node, sub_like: Any) -> Node:
@@ -93,3 +94,40 @@ def int_keyed(kids: list[tuple[Key, Node]], target_items: list[tuple[Key, Any]])
     return bool(kids) and all(type(k) is str and k.isascii() and k.isdigit()
                               and str(int(k)) == k for k, _ in kids) and all(
         type(k) is int for k, _ in target_items)
+
+
+def refuse_early(like: Any, sub_like: Any, node: Node, path: KeyPath) -> None:
+    """Raise, before anything is read or loaded, where stateful target ``like``'s
+    ``load_state_dict`` is sure to refuse the saved state ``node`` (a module's
+    missing or unexpected keys, as its providers tell): found only by that call,
+    the refusal would come after the load had filled the targets before it."""
+    if node.kind != "dict" or node.keys is None or not isinstance(sub_like, dict):
+        return
+    for prov in providers():
+        if not prov.capabilities.state_hints:
+            continue
+        missing, unexpected = prov.refused_keys(like, list(sub_like), list(node.keys))
+        what = f"{type_name(like)}.load_state_dict() would refuse the checkpoint's state"
+        if missing:
+            saved = {(type(k), k): c for k, c in zip(node.keys, node.children or [])}
+            raise MissingKeyError(
+                f"key path '{format_keypath(path + (missing[0],))}' is in the target but "
+                f"not in the checkpoint{_more(missing)} (it has: {_listed(node.keys)}); "
+                + (prefix_hint(missing[0], saved) or f"{what} without it")
+                + "; nothing was loaded"
+            )
+        if unexpected:
+            raise TargetMismatchError(
+                f"the checkpoint has key path '{format_keypath(path + (unexpected[0],))}'"
+                f"{_more(unexpected)}, which the target has no place for: {what} (an "
+                "unexpected key); nothing was loaded. Load into a module built like the "
+                "saved one, or without a target"
+            )
+
+
+def _more(keys: list[Key]) -> str:
+    return f" (and {len(keys) - 1} more: {_listed(keys[1:])})" if len(keys) > 1 else ""
+
+
+def _listed(keys: list[Key]) -> str:
+    return ", ".join(repr(k) for k in keys[:20]) + (", ..." if len(keys) > 20 else "")

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
-from statestream.tree import KeyPath, Node
+from statestream.tree import Key, KeyPath, Node
 
 __all__ = [
     "ArrayProvider",
@@ -344,6 +344,15 @@ class ArrayProvider(abc.ABC):
         """Keyword arguments for stateful ``obj``'s ``load_state_dict`` (``sub_like``:
         its ``state_dict()``); ``{}`` for the call as it is (``state_hints``)."""
         return {}
+
+    def refused_keys(self, obj: Any, target_keys: list[Key], saved_keys: list[Key]
+                     ) -> tuple[list[Key], list[Key]]:
+        """The keys stateful ``obj``'s ``load_state_dict`` is sure to refuse, told
+        before the load reads anything: (``target_keys``, its ``state_dict()``'s,
+        that the saved state lacks; ``saved_keys`` it has no place for). Empty
+        lists where only the call can tell (``state_hints``): an optimizer's
+        fresh ``state_dict()`` is only a hint of what it accepts."""
+        return [], []
 
     def tied_names(self, obj: Any) -> list[list[str]]:
         """Names of stateful ``obj``'s ``state_dict()`` that are one value (ties), one

@@ -12,8 +12,8 @@ from statestream.errors import TargetMismatchError
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_target", "retie",
-           "tied_names"]
+__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_target", "refused_keys",
+           "retie", "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -104,3 +104,89 @@ def optimizer_state_hints(opt: Any, sub_like: dict[str, Any], saved: Node,
             hints[idx] = entry
             hinted.extend(entry.values())
     return hinted
+
+
+def refused_keys(module: Any, target_keys: list[Any], saved_keys: list[Any]
+                 ) -> tuple[list[str], list[str]]:
+    """The keys ``module.load_state_dict`` (strict) is sure to refuse, told before it
+    is called: (its keys the saved state lacks, saved keys it has no place for).
+
+    Only where torch's own loading decides, by its rules: a module anywhere in the
+    tree with load or state_dict hooks, or its own ``_load_from_state_dict``,
+    ``state_dict`` or ``load_state_dict`` (FSDP, lazy modules, a custom loader that
+    maps old keys), may accept any keys, so nothing is refused here then. The
+    norms' own loaders are torch's: a BatchNorm's missing ``num_batches_tracked``
+    is filled in (a state without torch's ``_metadata`` is of version 1).
+    """
+    import torch
+
+    base = torch.nn.Module
+    if type(module).load_state_dict is not base.load_state_dict or any(
+            not _plain_loader(m, base) for m in module.modules()):
+        return [], []
+    saved = {k for k in saved_keys if type(k) is str}
+    target = {k for k in target_keys if type(k) is str}
+    missing = [k for k in target_keys if type(k) is str and k not in saved
+               and _expected(module, k, base, torch.nn.modules.batchnorm._NormBase)]
+    unexpected = [k for k in saved_keys
+                  if type(k) is str and k not in target and _unexpected(module, k, base)]
+    return missing, unexpected
+
+
+def _plain_loader(m: Any, base: Any) -> bool:
+    """Whether module ``m`` saves and loads its own state as ``torch.nn.Module`` does."""
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    own = type(m)._load_from_state_dict
+    return (own in (base._load_from_state_dict, _NormBase._load_from_state_dict,
+                    _InstanceNorm._load_from_state_dict)
+            and type(m).state_dict is base.state_dict
+            and type(m)._save_to_state_dict is base._save_to_state_dict
+            and not any(getattr(m, h, None) for h in (
+                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+                "_state_dict_hooks", "_state_dict_pre_hooks")))
+
+
+def _local_state(m: Any) -> set[str]:
+    """What a module's ``_load_from_state_dict`` loads itself (torch's ``local_state``)."""
+    buffers = {k for k, v in m._buffers.items()
+               if v is not None and k not in m._non_persistent_buffers_set}
+    return buffers | {k for k, v in m._parameters.items() if v is not None}
+
+
+def _own_extra_state(m: Any, base: Any) -> bool:
+    return type(m).set_extra_state is not base.set_extra_state
+
+
+def _expected(module: Any, key: str, base: Any, norm: Any) -> bool:
+    """Whether torch reports ``key`` missing when the state lacks it."""
+    m, rest = module, key
+    while True:
+        head, dot, rest = rest.partition(".")
+        if not dot:
+            if head == "_extra_state":
+                return _own_extra_state(m, base)
+            if (isinstance(m, norm) and head == "num_batches_tracked"
+                    and m.track_running_stats):
+                return False  # filled in from the module's own
+            return head in _local_state(m)
+        m = m._modules.get(head)
+        if m is None:
+            return False
+
+
+def _unexpected(module: Any, key: str, base: Any) -> bool:
+    """Whether torch reports saved ``key`` unexpected (``_load_from_state_dict``'s rule)."""
+    m, rest = module, key
+    while True:
+        if rest == "_extra_state":
+            return not _own_extra_state(m, base)
+        head, dot, rest = rest.partition(".")
+        if not dot:
+            return head not in _local_state(m)
+        if head not in m._modules:
+            return True
+        m = m._modules[head]
+        if m is None:
+            return False

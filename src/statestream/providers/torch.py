@@ -441,6 +441,14 @@ class TorchProvider(ArrayProvider):
                 return {"assign": True}
         return {}
 
+    def refused_keys(self, obj: Any, target_keys: list[Any], saved_keys: list[Any]
+                     ) -> tuple[list[Any], list[Any]]:
+        """A module's missing and unexpected keys, where torch's own rules decide
+        (providers/_torch_targets.py); none for an optimizer or scheduler."""
+        if not self.is_module(obj):
+            return [], []
+        return _torch_targets.refused_keys(obj, target_keys, saved_keys)
+
     def tied_names(self, obj: Any) -> list[list[str]]:
         """A module's tied parameters and buffers, told by identity (so a model on the
         meta device has them too); providers/_torch_targets.py."""
