@@ -90,3 +90,86 @@ def test_load_state_dict_comes_after_every_value_is_built(tmp_path: Path) -> Non
     with pytest.raises(ss.TargetMismatchError, match="key path 'step'"):
         ss.load(tmp_path / "c", {"model": model, "step": 0.0})
     assert _same(_weights(model), before)
+
+
+def _stepped(seed: int = 0) -> tuple[Any, Any, Any]:
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(4, 2)
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    s = torch.optim.lr_scheduler.StepLR(o, 2)
+    m(torch.randn(3, 4)).sum().backward()
+    o.step()
+    s.step()
+    return m, o, s
+
+
+def _equal_states(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(_equal_states(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_equal_states(x, y) for x, y in zip(a, b)))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def test_an_older_torchs_optimizer_and_scheduler_state_loads_as_torch_loads_it(
+        tmp_path: Path) -> None:
+    """Keys an older torch did not save (Adam's decoupled_weight_decay, StepLR's
+    _is_initial) and a Python-number per-parameter step where the stepped target
+    has a tensor: torch's load_state_dict accepts them, and so does the load, which
+    leaves them to it. The result is what torch's own load makes of the state."""
+    import copy
+
+    m, o, s = _stepped()
+    old_o = copy.deepcopy(o.state_dict())
+    for g in old_o["param_groups"]:
+        del g["decoupled_weight_decay"]
+    for st in old_o["state"].values():
+        st["step"] = float(st["step"])
+    old_s = {k: v for k, v in s.state_dict().items() if k != "_is_initial"}
+    ss.save(tmp_path / "c", {"optim": old_o, "sched": old_s})
+    _, o2, s2 = _stepped(1)  # stepped: its state has tensors, its groups every key
+    out = ss.load(tmp_path / "c", {"optim": o2, "sched": s2})
+    assert out["optim"] is o2 and out["sched"] is s2
+    o3 = torch.optim.Adam(m.parameters(), lr=0.01)
+    o3.load_state_dict(copy.deepcopy(old_o))
+    s3 = torch.optim.lr_scheduler.StepLR(o3, 2)
+    s3.load_state_dict(dict(old_s))
+    assert _equal_states(o2.state_dict(), o3.state_dict())
+    assert isinstance(o2.state_dict()["state"][0]["step"], torch.Tensor)
+    assert _equal_states(s2.state_dict(), s3.state_dict())
+
+
+def test_a_module_state_torch_completes_itself_loads(tmp_path: Path) -> None:
+    """A BatchNorm state without num_batches_tracked (an old checkpoint), and a
+    module whose load pre-hook maps an old key name: torch loads both, so does
+    the load (the keys the checkpoint lacks are the module's to fill in)."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3)
+    bn(torch.randn(8, 3))
+    state = {k: v for k, v in bn.state_dict().items() if k != "num_batches_tracked"}
+    src = torch.nn.Linear(2, 2)
+    ss.save(tmp_path / "c", {"bn": state, "lin": {"old_weight": src.weight, "bias": src.bias}})
+    lin = torch.nn.Linear(2, 2)
+
+    def rename(module: Any, sd: dict[str, Any], prefix: str, *args: Any) -> None:
+        if prefix + "old_weight" in sd:
+            sd[prefix + "weight"] = sd.pop(prefix + "old_weight")
+
+    lin.register_load_state_dict_pre_hook(rename)
+    out = ss.load(tmp_path / "c", {"bn": torch.nn.BatchNorm1d(3), "lin": lin})
+    assert torch.equal(out["bn"].running_mean, bn.running_mean)
+    assert torch.equal(lin.weight, src.weight)
+
+
+def test_a_plain_target_stays_strict(tmp_path: Path) -> None:
+    """Outside a stateful target, a key the checkpoint lacks and a value of another
+    kind are still refused, naming the key path."""
+    ss.save(tmp_path / "c", {"opt": {"lr": 0.1, "step": 3.0}})
+    with pytest.raises(ss.MissingKeyError, match="key path 'opt/wd' is in the target"):
+        ss.load(tmp_path / "c", {"opt": {"lr": 0.1, "step": 0.0, "wd": 0.0}})
+    with pytest.raises(ss.TargetMismatchError, match="array at key path 'opt/step'"):
+        ss.load(tmp_path / "c", {"opt": {"lr": 0.1, "step": torch.tensor(0.0)}})

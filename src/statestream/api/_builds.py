@@ -29,13 +29,24 @@ from statestream.tree import (
 )
 
 __all__ = ["adapted_build", "container_build", "finish_build", "keyed_items", "python_scalar",
-           "value_of"]
+           "scalar_fits", "value_of"]
 
 _NUMPY = NumpyProvider()
 
 
 def value_of(flat: tuple[Any]) -> Any:
     return flat[0]
+
+
+def scalar_fits(dtype: str, want: type, exact: bool = False) -> bool:
+    """Whether a saved 0-d ``dtype`` array loads into a Python ``want`` (bool, int or
+    float) of its value: an integer or bool array into an int, a bool into a bool,
+    any real number into a float. ``exact``: whatever value it holds (no integer of
+    more than 32 bits into a float)."""
+    dt = np.dtype(dtype_from_name(dtype))
+    if dt.kind not in {bool: "b", int: "biu", float: "biuf"}[want]:
+        return False
+    return not (exact and want is float and dt.kind in "iu" and dt.itemsize > 4)
 
 
 def python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
@@ -47,7 +58,7 @@ def python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
     """
     want = type(like)
     kind = np.dtype(dtype_from_name(dtype)).kind
-    if kind not in {bool: "b", int: "biu", float: "biuf"}[want]:
+    if not scalar_fits(dtype, want):
         raise TargetMismatchError(
             f"the checkpoint holds a 0-d {dtype} array at key path '{format_keypath(path)}' "
             f"but the target has a Python {want.__name__}; pass an array there"

@@ -18,6 +18,7 @@ from statestream.api._builds import (
     value_of,
 )
 from statestream.api._job import Build, _Job, target_shape
+from statestream.api._kinds import fits
 from statestream.api._open import (
     array_paths,
     open_checkpoint,
@@ -171,6 +172,11 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if like is None and k != "none":
         # None in a target means "whatever was saved", of the kind it was saved as
         like, default_kind = NO_TARGET, "saved"
+    if merge and like is not NO_TARGET and not fits(node, like, m):
+        # inside a stateful object the fresh state_dict() is only a hint: a value of
+        # another kind (an older torch's float step where a stepped optimizer has a
+        # tensor) loads as saved, and its load_state_dict decides
+        like, default_kind = NO_TARGET, "saved"
     adapter = adapter_for(like) if like is not NO_TARGET else None
     if adapter is not None:  # a generator, typed key or compiled module as target
         return _walk_adapted(adapter, node, like, path, m, job)
@@ -298,6 +304,8 @@ def _walk_mapping(k: str, kids: list[tuple[Key, Node]], like: Any, path: KeyPath
         if c is None and type(key) is int and job.str_keyed:  # DCP, Orbax: "0" for 0
             c = saved.get((str, str(key)))
             renamed[(str, str(key))] = key
+        if c is None and merge:  # in a stateful object: its load_state_dict decides
+            continue  # (a key an older version lacks: Adam's decoupled_weight_decay)
         if c is None:
             avail = ", ".join(repr(x) for x, _ in kids[:20])
             raise MissingKeyError(
