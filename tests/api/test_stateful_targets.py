@@ -3,6 +3,7 @@ read, and when their state is loaded."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,37 @@ def test_a_plain_target_stays_strict(tmp_path: Path) -> None:
         ss.load(tmp_path / "c", {"opt": {"lr": 0.1, "step": 0.0, "wd": 0.0}})
     with pytest.raises(ss.TargetMismatchError, match="array at key path 'opt/step'"):
         ss.load(tmp_path / "c", {"opt": {"lr": 0.1, "step": torch.tensor(0.0)}})
+
+
+@pytest.mark.parametrize("key,make", [
+    ("optim", lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters())),
+    ("scaler", lambda: torch.amp.GradScaler("cpu", init_scale=123.0)),
+    ("model", lambda: torch.nn.Linear(2, 2)),
+    ("model", lambda: torch.compile(torch.nn.Linear(2, 2), backend="eager")),
+    ("step", lambda: {"nested": np.zeros(3)}),
+    ("step", lambda: [1, 2]),
+    ("blob", lambda: np.zeros(2, np.uint8)),
+    ("blob", lambda: {"b": b""}),
+    ("rng", lambda: np.random.default_rng(0)),
+])
+def test_a_target_that_takes_more_than_the_plain_value_saved_is_refused(
+        tmp_path: Path, key: str, make: Any) -> None:
+    """An object, container or array target where the checkpoint holds None, an int
+    or bytes was returned as the saved value, its load_state_dict never called:
+    refused, naming the key path. None and plain targets take any plain value
+    (also once JAX, which expands None as an empty pytree, is imported)."""
+    with contextlib.suppress(ImportError):
+        import jax  # noqa: F401
+    ss.save(tmp_path / "c", {"optim": None, "scaler": None, "model": 7, "step": 3,
+                             "blob": b"xy", "rng": "r"})
+    target = make()
+    saved = {"optim": "none", "scaler": "none", "model": "int", "step": "int",
+             "blob": "bytes", "rng": "str"}[key]
+    with pytest.raises(ss.TargetMismatchError,
+                       match=rf"the target has an? .* at key path '{key}' but the "
+                             rf"checkpoint holds a {saved} there"):
+        ss.load(tmp_path / "c", {key: target})
+    got = ss.load(tmp_path / "c", {"optim": None, "scaler": 0.0, "model": 0, "step": "",
+                                   "blob": b"", "rng": None})
+    assert got == {"optim": None, "scaler": None, "model": 7, "step": 3, "blob": b"xy",
+                   "rng": "r"}

@@ -23,7 +23,7 @@ def structured(like: Any) -> str | None:
     """What target ``like`` is when it takes more than a plain value: "an array", or
     "a <type>" for a stateful object, a generator, a container; None for a plain
     value (an int target for an int leaf, a string, any other object)."""
-    if type(like) in _PLAIN_TYPES:
+    if like is None or type(like) in _PLAIN_TYPES:  # (JAX sees None as an empty pytree)
         return None
     if target_provider_for(like) is not None:
         return "an array"

@@ -18,7 +18,7 @@ from statestream.api._builds import (
     value_of,
 )
 from statestream.api._job import Build, _Job, target_shape
-from statestream.api._kinds import fits
+from statestream.api._kinds import PLAIN_KINDS, fits, structured
 from statestream.api._open import (
     array_paths,
     open_checkpoint,
@@ -59,6 +59,7 @@ from statestream.providers import (
 )
 from statestream.storage import MappedReader, ReadAhead, storage_for
 from statestream.tree import (
+    CONTAINER_KINDS,
     Key,
     KeyPath,
     Node,
@@ -180,20 +181,18 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     adapter = adapter_for(like) if like is not NO_TARGET else None
     if adapter is not None:  # a generator, typed key or compiled module as target
         return _walk_adapted(adapter, node, like, path, m, job)
-    if k in ("none", "bool", "int", "float", "str"):
-        if like is not NO_TARGET and target_provider_for(like) is not None:
-            raise TargetMismatchError(
-                f"the target has an array at key path '{format_keypath(path)}' but the "
-                f"checkpoint holds a {k} there"
-            )
+    if k in PLAIN_KINDS or k in ("bytes", "pickle"):
+        # a plain target (an int for an int) takes it; an array, object or container
+        # target would be returned untouched, its load_state_dict never called
+        _refuse_structured(like, k, path)
+        if k in ("bytes", "pickle"):
+            return _restore_blob(node, path, m, job)
         v = node.value
         return lambda: v
     if k in ("array", "alias"):  # an alias: another leaf holding the same array
         if k == "array" and node.array not in job.aliased():  # read by this leaf alone
             return _restore_array(node, like, path, m, job, default_kind)
         return _restore_shared(node, like, path, m, job, default_kind)
-    if k in ("bytes", "pickle"):
-        return _restore_blob(node, path, m, job)
 
     # a stateful target: load its state (all of it), then call load_state_dict
     if like is not NO_TARGET and is_stateful(like) and target_provider_for(like) is None:
@@ -230,10 +229,23 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     return _walk_mapping(k, kids, like, path, m, job, default_kind, merge)
 
 
+def _refuse_structured(like: Any, k: str, path: KeyPath) -> None:
+    """Raise where target ``like`` takes more than the plain value (kind ``k``) saved."""
+    what = structured(like) if like is not NO_TARGET else None
+    if what is not None:
+        raise TargetMismatchError(
+            f"the target has {what} at key path '{format_keypath(path)}' but the "
+            f"checkpoint holds a {k} there; pass None there for whatever was saved, or "
+            "leave the key out of the target"
+        )
+
+
 def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
                           job: _Job) -> Build:
     """Load a stateful target's state (all of it), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
+    if inner.kind not in CONTAINER_KINDS:  # (a compiled module's, from _walk_adapted)
+        _refuse_structured(like, inner.kind, path)
     sub_like = like.state_dict()
     named_ties = [names for prov in providers() if prov.capabilities.state_hints
                   for names in prov.tied_names(like)]
