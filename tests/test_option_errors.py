@@ -241,13 +241,16 @@ _FLAG_TAKERS: dict[str, Callable[[Path, Any], Any]] = {
     "save_async-overwrite": lambda tmp, bad: ss.save_async(tmp / "a", {"w": np.ones(1)},
                                                            overwrite=bad).result(),
     "convert-overwrite": lambda tmp, bad: ss.convert(_saved(tmp), tmp / "a", overwrite=bad),
+    "load-in_place": lambda tmp, bad: ss.load(_saved(tmp), target={"w": np.ones(1)},
+                                              in_place=bad),
 }
 
 
 @pytest.mark.parametrize("bad", ["no", 1, None])
 @pytest.mark.parametrize("call", sorted(_FLAG_TAKERS))
 def test_a_flag_is_true_or_false(tmp_path: Path, call: str, bad: Any) -> None:
-    """A truthy non-bool was taken as True: overwrite="no" replaced a checkpoint."""
+    """A truthy non-bool was taken as True: overwrite="no" replaced a checkpoint,
+    in_place="no" loaded into the target."""
     name = call.split("-")[1]
     with pytest.raises(InvalidOptionTypeError, match=f"^{name} must be True or False"):
         _FLAG_TAKERS[call](tmp_path, bad)

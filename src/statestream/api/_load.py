@@ -26,6 +26,7 @@ from statestream.api._open import (
     skip_missing_checksums,
 )
 from statestream.api._options import (
+    bool_option,
     collective_option,
     io_options,
     key_paths,
@@ -445,6 +446,7 @@ def load(
         {'params': {'w': array([1., 1.])}}
     """
     coll = collective_option(collective) if collective is not None else default_collective()
+    in_place = bool_option(in_place, "in_place")
     result: Any = None
     err: BaseException | None = None
     with gc_paused():
