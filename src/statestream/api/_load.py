@@ -415,19 +415,16 @@ def load(
             contiguous, and return those same objects — as DCP does: faster, no
             extra memory, but a load that fails part-way (a corrupt chunk) leaves
             the target partly overwritten. Memory under two keys (tied weights)
-            gets the later key's bytes, as with ``load_state_dict``; torch version
-            counters move as ``copy_()`` moves them. Without it, the target's arrays
-            and tensors are never written (stateful objects still get their state).
-        io: thread count and request sizes.
-        memory: the host scratch budget.
+            gets the later key's bytes; torch version counters move as ``copy_()``
+            moves them. Without it, target arrays and tensors are never written.
+        io, memory: thread count and request sizes; the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
         collective: in a multi-process job every process loads (each reads
             only the bytes its target's shards need) and an error on any of
             them is raised on all, naming it. Defaults like :func:`save`; pass
             ``SingleProcess()`` to load on one process of a running job.
 
-    Returns:
-        The restored state.
+    Returns the restored state.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
@@ -446,12 +443,12 @@ def load(
         {'params': {'w': array([1., 1.])}}
     """
     coll = collective_option(collective) if collective is not None else default_collective()
-    in_place = bool_option(in_place, "in_place")
     result: Any = None
     err: BaseException | None = None
     with gc_paused():
         try:
-            result = _load(path, target, items, allow_pickle, in_place, io, memory, progress)
+            result = _load(path, target, items, allow_pickle, bool_option(in_place, "in_place"),
+                           io, memory, progress)
         except BaseException as exc:
             if coll.world_size == 1:
                 raise
