@@ -35,3 +35,15 @@ def assert_tree_equal(got: Any, want: Any, path: str = "") -> None:
         assert got.dtype == want.dtype, path
     else:
         assert got == want, path
+
+
+def require_gloo() -> tuple[Any, Any]:
+    """``torch`` and ``torch.distributed``; skips the calling test module where either
+    is missing or has no gloo backend (called at module level, before the tests)."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+        pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+    return torch, dist

@@ -24,12 +24,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import Context, launch  # noqa: E402
-from _workers import init_gloo  # noqa: E402
+from _workers import (
+    init_gloo,  # noqa: E402
+    require_gloo,  # noqa: E402
+)
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+torch, dist = require_gloo()
 
 import statestream as ss  # noqa: E402
 
