@@ -282,3 +282,16 @@ def test_collective_timeouts_are_positive_seconds(bad: Any, err: type[Exception]
         ss.JaxCollective(timeout_s=bad)
     with pytest.raises(err, match="^dead_after_s must be"):
         ss.JaxCollective(dead_after_s=bad)
+
+
+@pytest.mark.parametrize(("bad", "err"), [(-1, InvalidOptionError),
+                                          (float("nan"), InvalidOptionError),
+                                          ("60", InvalidOptionTypeError)])
+def test_manager_lease_ttl_is_positive_seconds(tmp_path: Path, bad: Any,
+                                               err: type[Exception]) -> None:
+    """-1 or NaN was taken: an object store's lease that never holds (renewed every
+    third of it, taken over at once)."""
+    with pytest.raises(err, match="^lease_ttl_s must be"):
+        ss.CheckpointManager(tmp_path / "r", lease_ttl_s=bad)
+    with ss.CheckpointManager(tmp_path / "r", lease_ttl_s=30) as mgr:  # not left locked
+        assert mgr.steps() == []

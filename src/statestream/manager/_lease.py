@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable
 
 from statestream.distributed import Collective, agree
+from statestream.distributed._base import seconds_option
 from statestream.errors import CheckpointError, ManagerLockedError, StorageError, storage_error
 from statestream.manager._steps import StepDirectory
 from statestream.storage import Lease, LocalStorage, Storage
@@ -153,6 +154,7 @@ def open_lease(coll: Collective, directory: StepDirectory, ttl_s: float, *,
         ManagerLockedError: another manager holds the directory (on every rank).
         CheckpointError: opening failed (on every rank).
     """
+    ttl_s = seconds_option(ttl_s, "lease_ttl_s")  # (-1 or NaN: a lease that never holds)
     lease: DirectoryLease | None = None
     err: BaseException | None = None
     read_only: str | None = None
