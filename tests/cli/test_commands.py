@@ -232,6 +232,26 @@ def test_diff_refuses_two_leaves_at_one_key_path(tmp_path: Path,
         assert cap.err.startswith("error: ") and "at key path '5'" in cap.err
 
 
+def test_diff_names_a_key_whose_type_changed(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """{5: x} against {"5": x}: the same key path, another key (a load gives back a dict
+    keyed 5 in one, "5" in the other); diff said ``equal`` (exit 0)."""
+    ss.save(tmp_path / "a", {"m": {5: np.ones(3)}, "x": 1})
+    ss.save(tmp_path / "b", {"m": {"5": np.ones(3)}, "x": 1})
+    ss.save(tmp_path / "c", {"m": {"5": np.zeros(3)}, "x": 1})
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and not out["equal"]
+    (c,) = out["changed"]
+    assert c["key"] == "m/5" and c["key_types"] == {"a": ["str", "int"], "b": ["str", "str"]}
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"])
+    (c,) = out["changed"]
+    assert c["max_abs_diff"] == 1.0 and c["key_types"]["b"] == ["str", "str"]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "key types str/int -> str/str" in capsys.readouterr().out
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "b"), str(tmp_path / "b"), "--json"])
+    assert rc == 0 and out["equal"] and out["changed"] == []
+
+
 # ------------------------------------------------------------ inspect / verify JSON
 
 

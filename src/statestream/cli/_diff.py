@@ -24,7 +24,7 @@ from statestream.cli._main import (
     safe,
 )
 from statestream.cli._progress import progress_bar
-from statestream.tree import parse_keypath
+from statestream.tree import format_keypath, parse_keypath
 
 __all__ = ["add_parser", "diff"]
 
@@ -213,8 +213,10 @@ def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Na
     return None if ok and same_dtype else change
 
 
-def _leaves(md: ss.CheckpointMetadata) -> dict[str, Any]:
-    """Key path -> leaf, refusing a checkpoint with two leaves at one key path.
+def _leaves(md: ss.CheckpointMetadata) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Key path -> leaf, and key path -> the types of its keys (``{5: x}`` and
+    ``{"5": x}`` share the key path ``5``: a change of key type is a change), refusing
+    a checkpoint with two leaves at one key path.
 
     An int key and a str key of the same digits (``{5: x, "5": y}``) share the key path
     ``5``. A dict of the leaves kept one of them, so a change in the other went unseen
@@ -223,22 +225,33 @@ def _leaves(md: ss.CheckpointMetadata) -> dict[str, Any]:
     rather than name a change nobody could place.
     """
     out: dict[str, Any] = {}
-    for k, leaf in md.leaves():
+    types: dict[str, list[str]] = {}
+
+    def walk(x: Any, p: tuple[Any, ...]) -> None:
+        if isinstance(x, (dict, list, tuple)):
+            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+                walk(v, p + (k,))
+            return
+        k = format_keypath(p)
         if k in out:
             raise ss.CheckpointError(
                 f"{md.path} holds more than one leaf at key path {k!r} (keys of different "
                 "types, such as 5 and '5'): diff compares leaves by key path and cannot "
                 "tell them apart")
-        out[k] = leaf
-    return out
+        out[k] = x
+        types[k] = [type(key).__name__ for key in p]
+
+    walk(md.tree, ())
+    return out, types
 
 
 def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
     ma = ss.metadata(a, allow_pickle=opts.allow_pickle)
     mb = ss.metadata(b, allow_pickle=opts.allow_pickle)
-    la, lb = _leaves(ma), _leaves(mb)
+    (la, ta), (lb, tb) = _leaves(ma), _leaves(mb)
     common = [k for k in la if k in lb]
+    retyped = [k for k in common if ta[k] != tb[k]]
     read = [k for k in common if _arrays_to_read(la[k], lb[k])]
     # Each side's batch holds its arrays; with a budget, half of it per side.
     mem = memory_options(opts)
@@ -257,6 +270,10 @@ def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
 
         for k in common:
             c = _compare(sa, sb, k, la[k], lb[k], opts, tick)
+            if k in retyped:  # ({5: x} against {"5": x}: another key, whatever the value)
+                c = c or {"key": k, "a": _describe(la[k]), "b": _describe(lb[k]),
+                          "max_abs_diff": None}
+                c["key_types"] = {"a": ta[k], "b": tb[k]}
             if c is not None:
                 changed.append(c)
     return {
@@ -288,7 +305,9 @@ def _cmd(args: argparse.Namespace) -> int:
         m = e["max_abs_diff"]
         big = "" if m is None else f"  max |a-b| = {m:.6g}" if isinstance(m, float) \
             else f"  max |a-b| = {m}"
-        print(f"~ {safe(e['key'])}  {_side(e['a'])} -> {_side(e['b'])}{big}")
+        kt = e.get("key_types")
+        keys = "" if kt is None else f"  key types {'/'.join(kt['a'])} -> {'/'.join(kt['b'])}"
+        print(f"~ {safe(e['key'])}  {_side(e['a'])} -> {_side(e['b'])}{big}{keys}")
     if out["equal"]:
         print("equal")
     else:
