@@ -27,7 +27,8 @@ from statestream.plan import ReadPiece, plan_verify
 from statestream.storage import CheckpointReader, file_where
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "metadata", "verify"]
+__all__ = ["ArrayMetadata", "CheckpointMetadata", "VerifyReport", "leaf_paths", "metadata",
+           "verify"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,18 +74,22 @@ class CheckpointMetadata:
 
     def leaves(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, leaf)`` for every leaf, depth first."""
+        for p, x in leaf_paths(self.tree):
+            yield format_keypath(p), x
 
-        def walk(x: Any, p: KeyPath) -> Iterator[tuple[str, Any]]:
-            if isinstance(x, dict):
-                for k, v in x.items():
-                    yield from walk(v, p + (k,))
-            elif isinstance(x, (list, tuple)):
-                for i, v in enumerate(x):
-                    yield from walk(v, p + (i,))
-            else:
-                yield format_keypath(p), x
 
-        yield from walk(self.tree, ())
+def leaf_paths(tree: Any, p: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """``(key path, leaf)`` for every leaf of a metadata tree, depth first, the key path
+    as its keys (``CheckpointMetadata.leaves`` formats them; ``diff`` needs their types).
+    """
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaf_paths(v, p + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from leaf_paths(v, p + (i,))
+    else:
+        yield p, tree
 
 
 def _meta_tree(node: Node, m: Manifest) -> Any:

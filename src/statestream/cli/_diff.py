@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import statestream as ss
+from statestream.api._inspect import leaf_paths
 from statestream.cli._main import (
     add_memory_budget,
     json_text,
@@ -226,22 +227,15 @@ def _leaves(md: ss.CheckpointMetadata) -> tuple[dict[str, Any], dict[str, list[s
     """
     out: dict[str, Any] = {}
     types: dict[str, list[str]] = {}
-
-    def walk(x: Any, p: tuple[Any, ...]) -> None:
-        if isinstance(x, (dict, list, tuple)):
-            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
-                walk(v, p + (k,))
-            return
+    for p, leaf in leaf_paths(md.tree):
         k = format_keypath(p)
         if k in out:
             raise ss.CheckpointError(
                 f"{md.path} holds more than one leaf at key path {k!r} (keys of different "
                 "types, such as 5 and '5'): diff compares leaves by key path and cannot "
                 "tell them apart")
-        out[k] = x
+        out[k] = leaf
         types[k] = [type(key).__name__ for key in p]
-
-    walk(md.tree, ())
     return out, types
 
 
