@@ -117,13 +117,17 @@ def test_two_managers_in_one_job_persist_on_channels_of_their_own(tmp_path: Path
 
 
 def killed_worker(ctx: Context) -> None:
-    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins."""
+    """Save steps 1 and 2 (sync); SIGKILLed as the persistence of step 2 begins.
+
+    No step follows: persistence runs in the background, so a step 3 saved next
+    was committed to node 0's disk before the kill in some runs and not in others
+    (the CI of stop 40 failed on it: unpersisted [2, 3] where [2] was asserted)."""
     from statestream.testing import faults
 
     _init(ctx)
     faults.kill_at("tier.persist", nth=2)
     mgr = _manager(ctx, "a", async_save=False)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         mgr.save(step, state_at(step, ctx.rank))
     mgr.wait()
 
