@@ -584,3 +584,38 @@ def test_ls_says_so_when_a_directory_holds_another_formats_checkpoints(
     ss.save(tmp_path / "plain" / "ck", state())  # statestream's own: no hint
     assert main(["ls", str(tmp_path / "plain")]) == 0
     assert "here (" not in capsys.readouterr().out
+
+
+# an overwrite on a file system without renameat2, SIGKILLed between moving the old
+# checkpoint aside (<staging>.old) and renaming the new one in
+_KILLED_OVERWRITE = """
+import os, signal, sys
+import numpy as np
+import statestream as ss
+import statestream.storage._local as local
+local._renameat2 = None
+real = os.rename
+def rename(a, b):
+    real(a, b)
+    if b.endswith(".old"):
+        os.kill(os.getpid(), signal.SIGKILL)
+local.os.rename = rename
+ss.save(sys.argv[1], {"w": np.ones(4)}, overwrite=True)
+"""
+
+
+def test_gc_says_it_restored_a_checkpoint_an_overwrite_moved_aside(tmp_path: Path) -> None:
+    # gc printed "removed <staging>.old" for the checkpoint it had put back in place
+    # (and Python's warning text with a source line on stderr)
+    ck = tmp_path / "ck"
+    ss.save(ck, {"w": np.zeros(4)})
+    proc = subprocess.run([sys.executable, "-c", _KILLED_OVERWRITE, str(ck)])
+    assert proc.returncode == -9, proc.stderr
+    (old,) = [n for n in os.listdir(tmp_path) if n.endswith(".old")]
+    r = run_cli("gc", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"restored {ck} from {tmp_path / old}: an overwrite was killed")
+    assert lines[1:] == [f"removed {tmp_path / old[:-4]}", "1 leftover staging directory removed"]
+    assert r.stderr == ""
+    assert ss.load(ck)["w"].tolist() == [0.0] * 4

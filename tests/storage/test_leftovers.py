@@ -180,9 +180,11 @@ def test_an_overwrite_killed_between_its_renames_restores_the_old_checkpoint(
     proc = subprocess.run([sys.executable, "-c", _KILLED_OVERWRITE, str(ck)])
     assert proc.returncode == -signal.SIGKILL
     assert not ck.exists() and any(n.endswith(".old") for n in os.listdir(tmp_path))
-    with pytest.warns(RuntimeWarning, match="overwrite was killed while replacing it"):
+    old = [str(tmp_path / n) for n in os.listdir(tmp_path) if n.endswith(".old")]
+    with pytest.warns(RuntimeWarning, match=f"restored {ck} from .*overwrite was killed"):
         if by == "gc":
-            collect_garbage(LocalStorage(), str(tmp_path))
+            removed = collect_garbage(LocalStorage(), str(tmp_path))
+            assert len(removed) == 1 and removed != old  # put back, not removed
         else:
             ss.save(tmp_path / "other", {"x": np.ones(2)})
     assert ss.load(ck)["w"].tolist() == [0.0] * 4  # the overwrite never committed

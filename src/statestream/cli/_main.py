@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -221,7 +222,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     if "://" not in args.directory and not os.path.isdir(path):
         # a mistyped path is not "nothing to remove": say so, as ls does
         raise ss.CheckpointNotFoundError(f"no directory at {args.directory}")
-    removed = collect_garbage(storage, path, max_age_s=args.max_age_hours * 3600)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        removed = collect_garbage(storage, path, max_age_s=args.max_age_hours * 3600)
+    for w in caught:  # a checkpoint put back from an overwrite's .old is an action taken
+        text = str(w.message)
+        text = text if text.isprintable() else ascii(text)
+        print(text, file=sys.stdout if text.startswith("restored ") else sys.stderr)
     for p in removed:
         print(f"removed {p if p.isprintable() else ascii(p)}")
     print(f"{len(removed)} leftover staging director{'y' if len(removed) == 1 else 'ies'} "

@@ -288,8 +288,13 @@ class Storage(Protocol):
         """Staging areas of unfinished saves of checkpoints directly under ``parent``."""
         ...
 
-    def remove_leftover(self, leftover: Leftover) -> None:
-        """Remove one staging area listed by :meth:`leftovers` (a missing one is fine)."""
+    def remove_leftover(self, leftover: Leftover) -> str | None:
+        """Remove one staging area listed by :meth:`leftovers` (a missing one is fine).
+
+        Returns the checkpoint put back in its place instead, if any: a local
+        ``<staging>.old`` holding the committed checkpoint an overwrite moved aside
+        and was killed before it could replace (the path holds none) is restored,
+        not removed. ``None``: removed."""
         ...
 
 

@@ -138,9 +138,10 @@ def collect_garbage(
         if alive is None and not owned and now - item.modified <= max_age_s:
             continue
         try:
-            storage.remove_leftover(item)
+            restored = storage.remove_leftover(item)
         except (OSError, CheckpointError):
             continue  # removed concurrently, or not ours to remove: leave it for later
-        removed.append(item.path)
+        if restored is None:  # else put back (a RuntimeWarning says so), not removed
+            removed.append(item.path)
     return removed
 

@@ -338,18 +338,19 @@ class LocalStorage:
                 out.append(Leftover(e.path, m["target"], writer, changed))
         return out
 
-    def remove_leftover(self, leftover: Leftover) -> None:
+    def remove_leftover(self, leftover: Leftover) -> str | None:
         path = leftover.path
         if not _STAGING_RE.match(os.path.basename(path)) or os.path.islink(path):
             raise StorageError(f"{path} is not a statestream staging directory; not removing it")
         if path.endswith(".old") and _restore_replaced(path, leftover.target):
-            return
+            return os.path.join(os.path.dirname(path), leftover.target)
         try:
             shutil.rmtree(path)
         except FileNotFoundError:
             pass  # already gone: removing is idempotent
         except OSError as exc:
             raise storage_error(f"removing {path} failed: {exc}", exc) from exc
+        return None
 
 
 def _restore_replaced(path: str, target: str) -> bool:
@@ -369,7 +370,6 @@ def _restore_replaced(path: str, target: str) -> bool:
         return False  # a new checkpoint took the path meanwhile: this one is garbage
     except OSError as exc:
         raise storage_error(f"restoring {final} from {path} failed: {exc}", exc) from exc
-    warnings.warn(f"{final} was missing: an overwrite was killed while replacing it; the "
-                  f"checkpoint it replaced is restored from {path}", RuntimeWarning,
-                  stacklevel=2)
+    warnings.warn(f"restored {final} from {path}: an overwrite was killed while replacing it "
+                  "and the path held no checkpoint", RuntimeWarning, stacklevel=3)
     return True

@@ -181,8 +181,8 @@ class FaultyStorage:
     def leftovers(self, parent: str) -> builtins.list[Leftover]:
         return self.inner.leftovers(parent)
 
-    def remove_leftover(self, leftover: Leftover) -> None:
-        self.inner.remove_leftover(leftover)
+    def remove_leftover(self, leftover: Leftover) -> str | None:
+        return self.inner.remove_leftover(leftover)
 
 
 class _FaultyTxn:
