@@ -116,11 +116,14 @@ class OutageProxy:
     """Forwards to ``upstream`` on loopback; while :attr:`down` is set the store is
     unreachable: new connections are reset at once, open ones are dropped. While
     :attr:`stall` is set the store hangs instead: connections are accepted, nothing
-    is forwarded or answered, and they are dropped once it is cleared."""
+    is forwarded or answered, and they are dropped once it is cleared. While
+    :attr:`refuse` holds bytes, a request whose request line holds them is dropped
+    with its connection (a store that fails some requests only: its lease's)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.down = threading.Event()
         self.stall = threading.Event()
+        self.refuse: bytes | None = None
         self._upstream = upstream_port
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -145,8 +148,8 @@ class OutageProxy:
                 continue
             upstream = socket.create_connection(("127.0.0.1", self._upstream))
             self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
 
     def _hold(self, client: socket.socket) -> None:
         """A connection made while the store hangs: unanswered, dropped once it is back."""
@@ -154,9 +157,12 @@ class OutageProxy:
             time.sleep(0.05)
         client.close()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         try:
             while data := src.recv(1 << 16):
+                refuse = self.refuse
+                if up and refuse is not None and refuse in data.split(b"\r\n", 1)[0]:
+                    break
                 if self.stall.is_set():  # hang: nothing goes through, then drop
                     while self.stall.is_set():
                         time.sleep(0.05)

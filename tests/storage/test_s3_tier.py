@@ -6,6 +6,7 @@ import glob
 import os
 import sys
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 import statestream as ss
 from statestream import _hooks
 from statestream.storage import S3Options, S3Storage, set_backend
+from statestream.storage._s3 import split_url
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _emulators import OutageProxy  # noqa: E402
@@ -253,6 +255,61 @@ def test_a_manager_opened_during_an_outage_yields_to_the_lease_holder(tmp_path, 
         with ss.CheckpointManager(url) as after:
             assert after.steps() == [7]
     finally:
+        set_backend("s3", None)
+        proxy.close()
+
+
+def _take_over(s3_server: dict[str, Any], url: str) -> S3Storage:
+    """Another holder's lease in ``url`` (as a takeover after expiry writes it), put
+    straight to the store; that store client."""
+    direct = S3Storage(S3Options(
+        endpoint=s3_server["endpoint"], region="us-east-1",
+        access_key_id=s3_server["aws_access_key_id"],
+        secret_access_key=s3_server["aws_secret_access_key"]))
+    bucket, key = split_url(f"{url}/.statestream.lock")
+    direct._put(bucket, key, b'{"holder": "pid 1 on elsewhere", "ttl_s": 60}')
+    return direct
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["directory", "local tier"])
+def test_a_lease_the_store_did_not_renew_for_a_ttl_writes_and_deletes_nothing(
+        tmp_path, s3_server, tier):
+    """The lease counted as lost only once a renewal reached the store and was refused:
+    a manager whose renewals failed (its lease requests dropped) for longer than its
+    ttl saved, persisted and deleted steps after another manager could have taken the
+    directory over (its KeepLatest(1) deleted step 1 of a directory it no longer held)."""
+    proxy, url = _behind_proxy(s3_server, "stale")
+    kw: dict[str, Any] = {"local_tier": str(tmp_path / "local")} if tier else {}
+    mgr = ss.CheckpointManager(url, lease_ttl_s=2, async_save=False,
+                               keep_policy=ss.KeepLatest(1), **kw)
+    try:
+        mgr.save(1, _small(1))
+        mgr.wait()
+        proxy.refuse = b".statestream.lock"
+        time.sleep(3)  # no renewal goes through for longer than the ttl (2 s)
+        direct = _take_over(s3_server, url)
+        step = [f"{url}/step_{s:010d}" for s in (0, 1, 2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if tier:  # the step commits locally; its persistence renews first, and fails
+                assert mgr.save(2, _small(2))
+                with pytest.raises(ss.StorageError, match="could not renew its lease"):
+                    mgr.wait()
+            else:
+                with pytest.raises(ss.StorageError, match="could not renew its lease for"):
+                    mgr.save(2, _small(2))
+            assert direct.is_committed(step[1]) and not direct.is_committed(step[2])
+            proxy.refuse = None  # the renewal now reaches the store: taken over
+            if tier:  # a local save does not wait for the store; persisting finds it out
+                with pytest.raises(ss.ManagerLockedError, match="lost its lease"):
+                    mgr.wait()
+            with pytest.raises(ss.ManagerLockedError, match="lost its lease"):
+                mgr.save(3, _small(3))
+            assert direct.is_committed(step[1]) and not direct.is_committed(step[2])
+            assert mgr.unpersisted_steps() == ([2] if tier else [])
+    finally:
+        with pytest.raises(ss.ManagerLockedError):
+            mgr.close()
         set_backend("s3", None)
         proxy.close()
 

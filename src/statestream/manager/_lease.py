@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -18,8 +19,8 @@ from statestream.errors import CheckpointError, ManagerLockedError, StorageError
 from statestream.manager._steps import StepDirectory
 from statestream.storage import Lease, LocalStorage, Storage
 
-__all__ = ["DirectoryLease", "OpenedLease", "close_after", "holder_name", "open_lease",
-           "take_lease", "warn_deferred"]
+__all__ = ["DirectoryLease", "LeaseNotRenewedError", "OpenedLease", "close_after",
+           "holder_name", "open_lease", "take_lease", "warn_deferred"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -27,6 +28,11 @@ _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 EXIT_JOIN_S = 10.0
 
 _HELD: weakref.WeakSet[DirectoryLease] = weakref.WeakSet()
+
+
+class LeaseNotRenewedError(StorageError):
+    """A manager's lease on an object store was not renewed for longer than its ttl
+    (the store did not answer): another manager may hold the directory now."""
 
 
 def holder_name() -> str:
@@ -37,7 +43,10 @@ class DirectoryLease:
     """Takes the lease ``path`` of ``directory``, or records why it is read-only.
 
     A lease with a ttl is renewed every ``ttl_s / 3`` seconds by a daemon
-    thread; if a renewal finds it taken over, :meth:`check` raises.
+    thread; if a renewal finds it taken over, :meth:`check` raises. So does a
+    check when no renewal has gone through for longer than the ttl (the store
+    did not answer): another manager may have taken the directory over by then,
+    so the check renews first, and raises unless that goes through.
 
     Raises:
         ManagerLockedError: another manager holds the directory.
@@ -52,6 +61,10 @@ class DirectoryLease:
         self._lost: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: when the last renewal that went through (or the acquisition) began: the
+        #: store's expiry of the lease is at least a ttl after it
+        self._confirmed_at = time.monotonic()
+        self._renewing = threading.Lock()  # one renewal at a time (thread or check)
         try:
             self._lease = storage.acquire_lease(path, holder=holder_name(), ttl_s=ttl_s)
         except ManagerLockedError as exc:
@@ -77,7 +90,7 @@ class DirectoryLease:
         assert lease is not None
         while not self._stop.wait(every):
             try:
-                lease.renew()
+                self._renew(lease)
             except ManagerLockedError as exc:
                 self._lost = exc
                 return
@@ -87,22 +100,47 @@ class DirectoryLease:
                 self._lost = exc
                 return
 
-    def check(self) -> None:
+    def _renew(self, lease: Lease) -> None:
+        started = time.monotonic()
+        with self._renewing:
+            lease.renew()
+        self._confirmed_at = max(self._confirmed_at, started)
+
+    def check(self, *, confirm: bool = True) -> None:
         """Raise unless this manager may write (holds a live lease).
 
         A lease without a ttl (an ``flock``) is checked here and now: its lock
-        file must still be the one locked (not removed with its directory).
+        file must still be the one locked (not removed with its directory). One
+        with a ttl that no renewal has confirmed for longer than the ttl is renewed
+        here first (``confirm``; False: a save to a local tier, which must not wait
+        for the store, checks only what is known).
 
         Raises:
             ManagerLockedError: the lease expired and another manager took it, or
                 the lock file was removed.
-            StorageError: the directory is read-only (``errno`` EROFS/EACCES).
+            StorageError: the directory is read-only (``errno`` EROFS/EACCES), or
+                the lease could not be renewed for longer than its ttl (another
+                manager may hold it: nothing is written or deleted until a renewal
+                goes through).
         """
-        if self._lost is None and self._lease is not None and self._lease.ttl_s is None:
+        lease = self._lease
+        if self._lost is None and lease is not None and (
+                lease.ttl_s is None
+                or confirm and time.monotonic() - self._confirmed_at > lease.ttl_s):
+            since = time.monotonic() - self._confirmed_at
             try:
-                self._lease.renew()
+                self._renew(lease)
             except ManagerLockedError as exc:
                 self._lost = exc
+            except CheckpointError as exc:
+                if lease.ttl_s is None:
+                    raise
+                raise LeaseNotRenewedError(
+                    f"{self.directory}: this CheckpointManager could not renew its lease for "
+                    f"{since:.0f} s, longer than its ttl ({lease.ttl_s:g} s), so another "
+                    "manager may hold the directory by now; it saves and deletes nothing there "
+                    f"until a renewal goes through (renewing now: {type(exc).__name__}: {exc})"
+                ) from exc
         if self._lost is not None:
             raise ManagerLockedError(
                 f"{self.directory}: this CheckpointManager lost its lease ({self._lost}); "

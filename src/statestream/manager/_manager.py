@@ -21,7 +21,13 @@ from statestream.errors import (
     ManagerLockedError,
 )
 from statestream.manager._decide import SaveDecisions
-from statestream.manager._lease import close_after, open_lease, take_lease, warn_deferred
+from statestream.manager._lease import (
+    LeaseNotRenewedError,
+    close_after,
+    open_lease,
+    take_lease,
+    warn_deferred,
+)
 from statestream.manager._policies import (
     KeepAll,
     KeepPolicy,
@@ -162,8 +168,7 @@ class CheckpointManager:
                                        replicate_to_peers, self._keep_after_persist,
                                        keep_policy if drops_for_good(keep_policy) else None,
                                        (memory or MemoryOptions()).resolved(),
-                                       take_lease=(None if opened.deferred is None
-                                                   else self._take_deferred_lease))
+                                       take_lease=self._hold_lease)
             except BaseException:
                 if self._lease is not None:  # a manager that failed to open holds nothing
                     self._lease.release()
@@ -231,8 +236,8 @@ class CheckpointManager:
                 f"one took the directory's lease after the store came back ({self._refused}); "
                 "it saves and deletes nothing any more; its steps since stay in its local "
                 "tier") from self._refused
-        if self._lease is not None:
-            self._lease.check()
+        if self._lease is not None:  # a local tier's save does not wait for the store
+            self._lease.check(confirm=self._tier is None)
         elif self._read_only is not None:  # another rank's view: rank 0 found it read-only
             raise CheckpointError(f"{self.directory} is read-only: {self._read_only}")
 
@@ -502,26 +507,29 @@ class CheckpointManager:
         if directory:
             self._apply_directory_keep()
 
-    def _take_deferred_lease(self) -> None:
-        """Rank 0, on the persistence worker, before the first persistence of a manager
-        that opened while its store could not be reached (agreed by the tier)."""
-        if self._lease is not None:
-            return
-        if self._refused is not None:  # refused once: never again (as a lost lease)
-            raise self._refused
-        try:
-            self._lease = take_lease(self._dir, self._lease_ttl_s)
-        except ManagerLockedError as exc:
-            self._refused = exc  # the next save raises it on every rank
-            raise
+    def _hold_lease(self) -> None:
+        """Rank 0, on the persistence worker, before each persistence (agreed by the
+        tier): the directory's lease taken, if the manager opened while its store could
+        not be reached, and still held (renewed first if no renewal went through for
+        longer than its ttl: a persistence never writes where another manager may)."""
+        if self._lease is None:
+            if self._refused is not None:  # refused once: never again (as a lost lease)
+                raise self._refused
+            try:
+                self._lease = take_lease(self._dir, self._lease_ttl_s)
+            except ManagerLockedError as exc:
+                self._refused = exc  # the next save raises it on every rank
+                raise
+        self._lease.check()
 
     def _keep_after_persist(self) -> None:
-        """The directory's keep policy, on the persistence worker (a lost lease is
-        reported by the next ``save``; here it only means deleting nothing)."""
+        """The directory's keep policy, on the persistence worker (a lost lease, or one
+        the store did not renew for longer than its ttl, is reported by the next
+        ``save`` or persistence; here it only means deleting nothing)."""
         try:
             self._apply_directory_keep(after_persist=True)
-        except ManagerLockedError:
-            return  # deletes nothing; the training thread's next save raises it
+        except (ManagerLockedError, LeaseNotRenewedError):
+            return  # deletes nothing; the next save or persistence raises it
 
     def _apply_directory_keep(self, *, after_persist: bool = False) -> None:
         # Only the lease holder deletes; a read-only or lost lease deletes nothing.

@@ -89,9 +89,10 @@ class LocalTier:
             as they were persisted are not persisted (:meth:`drop_unwanted`).
         memory_bytes: the manager's memory budget, which the copies' buffers stay
             within (None: 16 MiB per file copied at once).
-        take_lease: the manager opened without the directory's lease (its store
-            could not be reached): this takes it (on rank 0, agreed) before the
-            first persistence; until it succeeds nothing is persisted.
+        take_lease: called on rank 0 (agreed) before each persistence: takes the
+            directory's lease if the manager opened without it (its store could not
+            be reached) and checks it is still held; until it succeeds nothing is
+            persisted.
         on_close: called once the persistence thread has ended after :meth:`close`
             (on that thread, or in ``close``): ``coll`` is no longer used.
     """
@@ -335,12 +336,12 @@ class LocalTier:
         return [*bases, step]
 
     def _ensure_lease(self) -> None:
-        """Take the directory's lease the manager could not take when it opened."""
+        """The directory's lease held (taken if the manager could not take it when it
+        opened, confirmed if the store has not renewed it for longer than its ttl)."""
         if self._take_lease is None:
             return
-        share_from_0(self._coll, f"taking the lease of {self.persistent.directory}",
+        share_from_0(self._coll, f"holding the lease of {self.persistent.directory}",
                      self._take_lease, outcome="nothing was persisted")
-        self._take_lease = None
 
     def _take(self, step: int) -> bool:
         """Whether ``step`` is still to be persisted (no process sees it recorded, and
