@@ -125,6 +125,22 @@ def test_malformed_urls_are_refused(storage: AzureStorage) -> None:
             storage.is_committed(url)
 
 
+def test_a_backslash_in_a_path_is_refused(storage: AzureStorage, base_url: str) -> None:
+    """Azure (and Azurite) store a backslash in a blob name as '/': a save to ``a\\b``
+    went to ``a/b``, and one to ``q\\\\r`` or ``x\\..\\y`` wrote blobs with empty or
+    '..' segments, after which every listing of the parent failed (InvalidPathError:
+    the manager's steps, ls, gc)."""
+    ss.save(f"{base_url}/ok", {"w": np.arange(3)})
+    for name in ("a\\b", "q\\\\r", "x\\..\\..\\out", "t\\"):
+        with pytest.raises(ss.StorageError, match="backslash"):
+            ss.save(f"{base_url}/{name}", {"w": np.arange(3)})
+        with pytest.raises(ss.StorageError, match="backslash"):
+            ss.load(f"{base_url}/{name}")
+    with pytest.raises(ss.StorageError, match="backslash"):
+        ss.CheckpointManager(f"{base_url}\\run")
+    assert storage.list(base_url) == ["ok"]
+
+
 def test_a_wrong_key_is_a_403_that_does_not_show_the_key(azurite: dict[str, Any],
                                                           base_url: str) -> None:
     import base64

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from statestream.errors import StorageError
 from statestream.storage._object import ObjectStorage, TransferOptions, client_and_retry
 
 __all__ = ["AzureOptions", "AzureStorage"]
@@ -64,6 +65,18 @@ class AzureStorage(ObjectStorage):
 
     def __init__(self, options: AzureOptions | None = None) -> None:
         super().__init__(options or AzureOptions())
+
+    def split_url(self, url: str) -> tuple[str, str]:
+        """As every object store's, and a backslash is refused: Azure Blob Storage (and
+        Azurite) store ``\\`` as ``/``, so ``az://c/run/a\\b`` would be written to
+        ``run/a/b``, and ``a\\\\b`` or ``a\\..\\b`` to names with empty or ``..``
+        segments, which no listing of ``run/`` can read back."""
+        container, prefix = super().split_url(url)
+        if "\\" in prefix:
+            raise StorageError(
+                f"{url!r} has a backslash: Azure Blob Storage stores '\\' as '/', so it "
+                "would name another path; use '/'")
+        return container, prefix
 
     def _new_store(self, bucket: str) -> Any:
         from obstore.store import AzureStore
