@@ -207,6 +207,29 @@ def test_manager_on_azure(storage: AzureStorage, base_url: str) -> None:
         assert storage.leftovers(url) == []
 
 
+def test_ls_lists_a_killed_save_once_as_a_leftover(storage: AzureStorage, base_url: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A save killed before its commit leaves an unreferenced root inside its step's
+    prefix: ls listed that step twice, as ``uncommitted`` and as ``leftover`` ("1
+    committed checkpoint, 2 other"); it is one unfinished save, as on local disk."""
+    import json
+
+    from statestream.cli import main
+
+    url = f"{base_url}/run"
+    with ss.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.zeros(2)})
+    txn = storage.begin_write(f"{url}/step_{2:010d}", overwrite=False)  # killed before commit
+    w = txn.create_file("data/r0-0.bin", 3)
+    w.write_at([b"abc"], 0)
+    w.finish()
+    assert main(["ls", url, "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["step"], e["state"]) for e in entries] == [(1, "committed"), (2, "leftover")]
+    assert main(["ls", url]) == 0
+    assert "1 committed checkpoint, 1 other" in capsys.readouterr().out
+
+
 def test_an_expired_lease_is_taken_over_and_its_holder_learns_it(storage: AzureStorage,
                                                                   base_url: str) -> None:
     """Takeover is a PUT conditional on the expired lease's ETag (If-Match)."""

@@ -99,6 +99,9 @@ def list_directory(directory: str) -> dict[str, Any]:
     # a save killed after its commit marker was written but before the rename leaves a
     # committed staging directory: it is a leftover, not a checkpoint of its own
     staging = {lo.path.rstrip("/").rpartition("/")[2] for lo in leftovers}
+    # on an object store a killed save's leftover is a root inside the checkpoint's own
+    # prefix, which is no more than that leftover: listed once, as the leftover
+    holds_leftover = {lo.path.rstrip("/").rpartition("/")[0] for lo in leftovers}
     names = sorted(n for n in storage.list(path) if n not in staging)
     is_manager = any(parse_step(n) is not None for n in names)
     entries: list[dict[str, Any]] = []
@@ -109,7 +112,9 @@ def list_directory(directory: str) -> dict[str, Any]:
         child = steps.path(step) if step is not None else f"{path}/{name}"
         if step is None and not storage.is_committed(child):
             continue  # a plain directory: only checkpoints
-        entries.append(_entry(storage, child, name, step))
+        e = _entry(storage, child, name, step)
+        if not (e["state"] == "uncommitted" and child in holds_leftover):
+            entries.append(e)
     for lo in leftovers:
         entries.append({"name": lo.target, "path": lo.path, "step": parse_step(lo.target),
                          "state": "leftover", "format": None, "time": lo.modified,
