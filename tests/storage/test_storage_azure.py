@@ -119,6 +119,19 @@ def test_wrong_container_is_a_clear_error(storage: AzureStorage) -> None:
         ss.load("az://no-such-container/x")
 
 
+def test_an_invalid_container_name_is_a_clear_error(storage: AzureStorage) -> None:
+    """Azure answers a container name it does not allow (upper case, '_') with a bare
+    400: a load said "reading az://My_Box/x/COMMITTED failed: GenericError: ... 400 Bad
+    Request: " and nothing more."""
+    for url in ("az://My_Box/x", "az://Box/x", "az://my_box/x", "az://a--b/x", "az://ab-/x"):
+        with pytest.raises(ss.StorageError, match="is no Azure container name"):
+            ss.load(url)
+        with pytest.raises(ss.StorageError, match="is no Azure container name"):
+            ss.save(url, {"a": np.ones(3)})
+        with pytest.raises(ss.StorageError, match="is no Azure container name"):
+            ss.CheckpointManager(url)
+
+
 def test_malformed_urls_are_refused(storage: AzureStorage) -> None:
     for url in ("az://ab/x", "az://container", "az://container/a//b", "az://container/a/../b"):
         with pytest.raises(ss.StorageError):

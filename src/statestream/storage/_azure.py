@@ -11,12 +11,18 @@ messages or reprs.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from statestream.errors import StorageError
 from statestream.storage._object import ObjectStorage, TransferOptions, client_and_retry
 
 __all__ = ["AzureOptions", "AzureStorage"]
+
+#: Azure's container names: 3-63 lowercase letters, digits and single hyphens between
+#: them, or one of the service's own containers. The service answers any other with a
+#: bare 400 (no code in the message a HEAD gets), so they are refused before a request.
+_CONTAINER_RE = re.compile(r"^(?:\$root|\$web|\$logs|[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62})$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,10 +74,14 @@ class AzureStorage(ObjectStorage):
 
     def split_url(self, url: str) -> tuple[str, str]:
         """As every object store's, and a backslash is refused: Azure Blob Storage (and
-        Azurite) store ``\\`` as ``/``, so ``az://c/run/a\\b`` would be written to
+        Azurite) store ``\\`` as ``/``, so ``az://box/run/a\\b`` would be written to
         ``run/a/b``, and ``a\\\\b`` or ``a\\..\\b`` to names with empty or ``..``
         segments, which no listing of ``run/`` can read back."""
         container, prefix = super().split_url(url)
+        if not _CONTAINER_RE.match(container):
+            raise StorageError(
+                f"{url!r}: {container!r} is no Azure container name (3-63 lowercase letters, "
+                "digits and hyphens, starting and ending with a letter or digit, no '--')")
         if "\\" in prefix:
             raise StorageError(
                 f"{url!r} has a backslash: Azure Blob Storage stores '\\' as '/', so it "
