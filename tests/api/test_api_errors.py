@@ -202,6 +202,41 @@ def test_shape_and_structure_mismatch(tmp_path):
         ss.load(c, {"params": [np.zeros(3)]})
 
 
+class _Rejects:
+    """A stateful object whose load_state_dict refuses any state."""
+
+    def state_dict(self):
+        return {"w": np.zeros(2)}
+
+    def load_state_dict(self, state):
+        raise ValueError("no thanks")
+
+
+def test_a_target_mismatch_names_the_checkpoint_and_the_key_path(tmp_path):
+    # the messages named the key path only: with many checkpoints loaded (a manager's
+    # steps, a sweep's runs) nothing said which one the target did not fit
+    c = tmp_path / "run-7" / "ckpt"
+    ss.save(c, {"params": {"w": np.ones((2, 3))}, "lst": [1, 2], "big": np.int64(2**60 + 1),
+                "obj": {"w": np.ones(2)}})
+    bad = [  # (target, error, key path), found in the walk, a build, a load_state_dict
+        ({"params": {"w": np.zeros((3, 2))}}, ss.TargetMismatchError, "params/w"),
+        ({"params": {"w": "a string"}}, ss.TargetMismatchError, "params/w"),
+        ({"lst": [1, 2, 3]}, ss.TargetMismatchError, "lst"),
+        ({"params": {"w": np.zeros((2, 3)), "b": np.zeros(2)}}, ss.MissingKeyError,
+         "params/b"),
+        ({"big": 0.0}, ss.TargetMismatchError, "big"),
+        ({"obj": _Rejects()}, ss.TargetMismatchError, "obj"),
+    ]
+    for target, error, key in bad:
+        with pytest.raises(error) as ei:
+            ss.load(c, target)
+        msg = str(ei.value)
+        assert f"loading {c}: " in msg and f"'{key}'" in msg, msg
+    with pytest.raises(ss.MissingKeyError) as ei:  # named it already: not twice
+        ss.load(c, items=["nope"])
+    assert str(ei.value).count(str(c)) == 1
+
+
 def test_a_list_target_against_a_saved_dict_is_a_mismatch_with_jax_imported(tmp_path):
     """JAX expands a list as a pytree of keys 0, 1, ...: a list target where a dict was
     saved was a MissingKeyError ('params/0') once JAX was imported, and a

@@ -38,6 +38,7 @@ from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, selected
 from statestream.api._target_keys import (
     int_keyed,
+    naming_checkpoint,
     prefix_hint,
     refuse_early,
     unprefixed,
@@ -410,12 +411,11 @@ def load(
             on save. ``True``: every pickle leaf, wherever the checkpoint puts one.
             A pickle leaf that is not allowed raises before anything is read or
             unpickled.
-        in_place: read straight into the target's own CPU tensors/arrays (and
-            DTensor local shards) when their dtype matches and they are
-            contiguous, and return those same objects — as DCP does: faster, no
-            extra memory, but a load that fails part-way (a corrupt chunk) leaves
-            the target partly overwritten. Memory under two keys (tied weights)
-            gets the later key's bytes; torch version counters move as ``copy_()``
+        in_place: read straight into the target's own CPU tensors/arrays (and DTensor local
+            shards) when their dtype matches and they are contiguous, and return those same
+            objects — as DCP does: faster, no extra memory, but a load that fails part-way (a
+            corrupt chunk) leaves the target partly overwritten. Memory under two keys (tied
+            weights) gets the later key's bytes; torch version counters move as ``copy_()``
             moves them. Without it, target arrays and tensors are never written.
         io, memory: thread count and request sizes; the host scratch budget.
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
@@ -431,7 +431,8 @@ def load(
         CheckpointCorruptError: a checksum, size or manifest check failed
             (the message names the key path and file).
         MissingKeyError: the target or ``items`` names a key not saved.
-        TargetMismatchError: a shape or structure differs from the target.
+        TargetMismatchError: a shape or structure differs from the target (named:
+            the key path and the checkpoint).
         PickleNotAllowedError: a pickled leaf that ``allow_pickle`` does not
             allow (the message names every such key path).
 
@@ -507,38 +508,39 @@ def _load(
     io = io_options(io) if io is not None else _default_io(path)
     memory, progress = memory_options(memory), progress_option(progress)
     reader, m = open_checkpoint(path, allow_pickle=trust.all)
-    try:
-        root, like = selected(m, target, items, reader.location)
-        names = [f.name for f in m.files]
-        local = reader if isinstance(reader, MappedReader) else None
-        job = _Job(pickles=trust, in_place=in_place, reader=reader,
-                   file_names=names, manifest=m, maps=io.map_files and local is not None,
-                   # drop-behind lets go only of pages that were not cached before the
-                   # load: it must see the cache as the walk left it
-                   ahead=ReadAhead(local) if local is not None and not io.drop_behind
-                   else None)
+    with naming_checkpoint(reader.location):  # a target that does not fit: where
         try:
-            build = _walk(root, like, (), m, job, "numpy", False)
+            root, like = selected(m, target, items, reader.location)
+            names = [f.name for f in m.files]
+            local = reader if isinstance(reader, MappedReader) else None
+            job = _Job(pickles=trust, in_place=in_place, reader=reader,
+                       file_names=names, manifest=m, maps=io.map_files and local is not None,
+                       # drop-behind lets go only of pages that were not cached before the
+                       # load: it must see the cache as the walk left it
+                       ahead=ReadAhead(local) if local is not None and not io.drop_behind
+                       else None)
+            try:
+                build = _walk(root, like, (), m, job, "numpy", False)
+            finally:
+                if job.ahead is not None:
+                    job.ahead.close()
+            job.pickles.check(reader.location)  # every leaf seen; nothing read or unpickled
+            job.plan_wanted()
+            job.before_fill()  # torch: version counters move before a byte is written
+            requests = job.plan.requests(max_request_bytes=io.max_request_bytes)
+            skip_missing_checksums(reader, requests)
+
+            def describe(p: ReadPiece) -> str:
+                return f"array at key path '{format_keypath(job.paths.get(p.array, ()))}'"
+
+            read_requests(reader, names, requests, options=io,
+                          budget=ByteBudget(memory.resolved()), describe=describe,
+                          progress=progress)
+            job.own.copy_back()  # in-place targets sharing memory: what was read apart
         finally:
-            if job.ahead is not None:
-                job.ahead.close()
-        job.pickles.check(reader.location)  # every leaf was seen, nothing read or unpickled yet
-        job.plan_wanted()
-        job.before_fill()  # torch: version counters move before a byte is written
-        requests = job.plan.requests(max_request_bytes=io.max_request_bytes)
-        skip_missing_checksums(reader, requests)
-
-        def describe(p: ReadPiece) -> str:
-            return f"array at key path '{format_keypath(job.paths.get(p.array, ()))}'"
-
-        read_requests(reader, names, requests, options=io,
-                      budget=ByteBudget(memory.resolved()), describe=describe,
-                      progress=progress)
-        job.own.copy_back()  # in-place targets sharing memory: what was read apart
-    finally:
-        reader.close()
-    out = build()
-    for load_state in job.state_loads:  # every value is built: now load_state_dict
-        load_state()
+            reader.close()
+        out = build()
+        for load_state in job.state_loads:  # every value is built: now load_state_dict
+            load_state()
     return out
 

@@ -4,14 +4,17 @@ wrote under one name."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from statestream.errors import MissingKeyError, TargetMismatchError
 from statestream.providers import adapters, providers, target_provider_for
 from statestream.tree import Key, KeyPath, Node, format_keypath, type_name
 
-__all__ = ["int_keyed", "prefix_hint", "refuse_early", "unprefixed", "with_target_ties"]
+__all__ = ["int_keyed", "naming_checkpoint", "prefix_hint", "refuse_early", "unprefixed",
+           "with_target_ties"]
 
 
 def unprefixed(node: Node, sub_like: Any) -> Node:
@@ -131,3 +134,18 @@ def _more(keys: list[Key]) -> str:
 
 def _listed(keys: list[Key]) -> str:
     return ", ".join(repr(k) for k in keys[:20]) + (", ..." if len(keys) > 20 else "")
+
+
+@contextlib.contextmanager
+def naming_checkpoint(where: str) -> Iterator[None]:
+    """A target that does not match the checkpoint (``TargetMismatchError``,
+    ``MissingKeyError``, raised anywhere in a load: the walk, a value built, a
+    ``load_state_dict``) names checkpoint ``where`` as well as the key path: the
+    same error, its message led by ``loading <where>: `` unless it names it already."""
+    try:
+        yield
+    except (TargetMismatchError, MissingKeyError) as exc:
+        msg = str(exc)
+        if where not in msg:
+            exc.args = (f"loading {where}: {msg}", *exc.args[1:])
+        raise
