@@ -153,6 +153,35 @@ def test_items_top_level_key_with_a_slash_stays_literal(tmp_path: Path) -> None:
     assert ss.load(tmp_path / "c", items=["a/b/y"]) == {"a": {"b": {"y": 2}}}
 
 
+def test_items_naming_an_int_key_and_a_str_key_alike_is_refused(tmp_path: Path) -> None:
+    # items="ints/0" picked the str key "0" and nothing could select the int key 0; a
+    # key path writes both as 0 (metadata().leaves() and diff show them alike)
+    c = tmp_path / "c"
+    ss.save(c, {"ints": {0: np.zeros(2), "0": np.ones(2)}, "only": {1: np.ones(1)},
+                "l": [{5: np.full(1, 5.0), "5": np.full(1, -5.0)}]})
+    for item in ("ints/0", "ints/0/x"):
+        with pytest.raises(MissingKeyError) as ei:
+            ss.load(c, items=[item])
+        msg = str(ei.value)
+        assert "key path 'ints/0'" in msg and "ambiguous" in msg and str(c) in msg
+        assert "the str key '0' and the int key 0" in msg
+        assert ("items=['ints'] with a target that holds its key with its type: "
+                "target={'ints': {'0': None}} for the str key '0'; "
+                "target={'ints': {0: None}} for the int key 0") in msg
+    # the ways the message gives pick each one
+    out = ss.load(c, {"ints": {0: None}}, items=["ints"])
+    assert list(out["ints"]) == [0] and not out["ints"][0].any()
+    out = ss.load(c, {"ints": {"0": None}}, items=["ints"])
+    assert list(out["ints"]) == ["0"] and out["ints"]["0"].all()
+    with pytest.raises(MissingKeyError, match=r"items=\['l/0'\] with .*"
+                       r"target=\{'l': \{0: \{5: None\}\}\} for the int key 5"):
+        ss.load(c, items=["l/0/5"])
+    assert ss.load(c, {"l": {0: {5: None}}}, items=["l/0"])["l"][0][5][0] == 5.0
+    # one key alone, of either type, is still selected by its digits
+    assert list(ss.load(c, items=["only/1"])["only"]) == [1]
+    assert list(ss.load(c, items=["ints"])["ints"]) == [0, "0"]
+
+
 def test_items_with_a_target(tmp_path: Path) -> None:
     path = _nested(tmp_path)
     like = {"model": {"layers.0.weight": torch.zeros(4)}}

@@ -400,10 +400,10 @@ def load(
             ``assign=True``) once every value is built, and are returned. A
             partial target loads only that part. Without a target: NumPy
             arrays and plain dicts/lists/tuples.
-        items: key paths to load (``"model"``, ``"model/layers.0.weight"``;
-            ``~1`` stands for ``/`` inside a key): top-level checkpointables,
-            subtrees or leaves; others are not read. Levels above a selected
-            item come back as dicts holding only what was selected.
+        items: key paths to load (``"model"``, ``"model/layers.0.weight"``; ``~1`` for ``/``
+            in a key): top-level checkpointables, subtrees or leaves; others are not read, and
+            levels above one come back as dicts of only what was selected. ``0`` names the key
+            0 or ``"0"``; a dict with both refuses it (a target with the typed key picks one).
         allow_pickle: which pickled leaves (saved with ``pickle_paths``) may be
             unpickled — unpickling runs code, so only a checkpoint you trust.
             ``False`` (default): none. A collection of key paths (``["extra/tok"]``):
@@ -430,7 +430,7 @@ def load(
         CheckpointNotFoundError: no committed checkpoint at ``path``.
         CheckpointCorruptError: a checksum, size or manifest check failed
             (the message names the key path and file).
-        MissingKeyError: the target or ``items`` names a key not saved.
+        MissingKeyError: the target or ``items`` names a key not saved, or two alike.
         TargetMismatchError: a shape or structure differs from the target (named:
             the key path and the checkpoint).
         PickleNotAllowedError: a pickled leaf that ``allow_pickle`` does not

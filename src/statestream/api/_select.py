@@ -40,16 +40,37 @@ def _unwrap(node: Node) -> Node:
     return node.children[0] if node.kind == "stateful" and node.children else node
 
 
-def _saved_child(node: Node, seg: str) -> tuple[Key, Node] | None:
-    """The child of ``node`` that the key-path segment ``seg`` names (str keys first)."""
+def _saved_child(node: Node, seg: str, path: KeyPath, where: str) -> tuple[Key, Node] | None:
+    """The child of ``node`` (at ``path``) that the key-path segment ``seg`` names: its
+    str key, or its int key written alike. Both (``{0: a, "0": b}``, both at key path
+    ``0``, as ``metadata().leaves()`` and ``diff`` show them) is ambiguous: refused,
+    saying how a target picks either."""
     kids = _children(node)
-    for key, c in kids:
-        if type(key) is str and key == seg:
-            return key, c
-    for key, c in kids:
-        if type(key) is int and str(key) == seg:
-            return key, c
-    return None
+    named: list[tuple[Key, Node]] = [(k, c) for k, c in kids if type(k) is str and k == seg]
+    named += [(k, c) for k, c in kids if type(k) is int and str(k) == seg]
+    if len(named) > 1:
+        raise MissingKeyError(_ambiguous(path, [k for k, _ in named], where))
+    return named[0] if named else None
+
+
+def _ambiguous(path: KeyPath, keys: list[Key], where: str) -> str:
+    """Why an items= key path names no one key of checkpoint ``where`` (``keys``, of
+    different types, under ``path``), and the target that loads each."""
+
+    def target(key: Key) -> str:
+        text = f"{{{key!r}: None}}"
+        for k in reversed(path):
+            text = f"{{{k!r}: {text}}}"
+        return text
+
+    keys_text = " and ".join(f"the {type(k).__name__} key {k!r}" for k in keys)
+    how = "; ".join(f"target={target(k)} for the {type(k).__name__} key {k!r}" for k in keys)
+    return (
+        f"items= names key path '{format_keypath(path + (keys[0],))}', which is ambiguous: "
+        f"checkpoint {where} has {keys_text} there (a key path writes them alike). To "
+        "load one, pass " + (f"items=[{format_keypath(path)!r}] with " if path else "")
+        + f"a target that holds its key with its type: {how} (None: whatever was saved)"
+    )
 
 
 def _target_child(like: Any, key: Key, path: KeyPath) -> Any:
@@ -88,7 +109,8 @@ def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[No
     Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
     top-level checkpointable, a subtree or a leaf; an item equal to a top-level
     key is that key, as it always was. Levels above a selected item come back
-    as dicts holding only what was selected.
+    as dicts holding only what was selected. A segment names a str key or an int
+    key written alike, and is refused where a dict holds both.
     """
     wanted: dict[Any, Any] = {}
     top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
@@ -116,7 +138,7 @@ def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
     kids: list[Node] = []
     targets: dict[Key, Any] = {}
     for seg, sub in wanted.items():
-        found = _saved_child(node, seg)
+        found = _saved_child(node, seg, path, where)
         if found is None:
             have = ", ".join(repr(k) for k, _ in _children(node)[:20])
             raise MissingKeyError(
