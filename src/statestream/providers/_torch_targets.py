@@ -12,8 +12,8 @@ from statestream.errors import TargetMismatchError
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_target", "refused_keys",
-           "retie", "tied_names"]
+__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_target",
+           "refused_keys", "retie", "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -32,6 +32,21 @@ def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
         raise TargetMismatchError(
             f"the target at key path '{where}' has dtype {dt}, which torch cannot cast "
             f"the saved {dtype} array to; pass a tensor of a numeric dtype (or None there)")
+
+
+def refuse_layout(like: Any) -> None:
+    """Raise TargetMismatchError for a tensor target that is not dense: a sparse one
+    (COO, CSR, CSC, BSR, BSC) would get a dense tensor in its place, which a save
+    never stores (it refuses sparse tensors), so no checkpoint holds what it is."""
+    import torch
+
+    if like.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                       torch.sparse_bsc):
+        raise TargetMismatchError(
+            f"a sparse tensor ({like.layout}); statestream saves and loads dense tensors only (a "
+            "save refuses sparse ones), and would return a dense tensor in its place: pass "
+            "a dense tensor there (target.to_dense(), or None for the saved array), then "
+            f"convert what loads (.to_sparse(layout={like.layout}))")
 
 
 def nested_shape_error(like: Any, exc: Exception) -> TargetMismatchError:

@@ -193,6 +193,7 @@ class TorchProvider(ArrayProvider):
         return self.handles(like)
 
     def target_shape(self, like: Any) -> tuple[int, ...]:
+        _torch_targets.refuse_layout(like)  # (every load into a tensor asks its shape first)
         try:
             return tuple(like.shape)  # a torch.Size holds ints
         except RuntimeError as exc:  # a nested tensor's parts differ in shape
