@@ -270,6 +270,9 @@ _NOTHING_LOADS_INTO = {
     "quantized-parameter": (lambda torch: torch.nn.Parameter(torch.quantize_per_tensor(
         torch.zeros(6, 5), 0.1, 0, torch.qint8), requires_grad=False), "quantized tensor"),
     "nested": (lambda torch: torch.nested.nested_tensor([torch.zeros(5)] * 6), "nested tensor"),
+    # its shape (6, j1) holds a symbolic size: it read as a shape mismatch, nested unsaid
+    "nested-jagged": (lambda torch: torch.nested.nested_tensor(
+        [torch.zeros(5)] * 6, layout=torch.jagged), r"nested tensor \(torch.jagged layout"),
     "bits8": (lambda torch: torch.zeros(6, 5, dtype=torch.uint8).view(torch.bits8),
               "torch.bits8"),
 }

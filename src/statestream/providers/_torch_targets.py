@@ -35,11 +35,15 @@ def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
 
 
 def refuse_layout(like: Any) -> None:
-    """Raise TargetMismatchError for a tensor target that is not dense: a sparse one
-    (COO, CSR, CSC, BSR, BSC) would get a dense tensor in its place, which a save
-    never stores (it refuses sparse tensors), so no checkpoint holds what it is."""
+    """Raise TargetMismatchError for a tensor target that is not dense: a nested one
+    (whose parts may differ in shape; a jagged one's shape, ``(2, j1, 5)``, holds a
+    symbolic size, which read as a plain shape mismatch), or a sparse one (COO, CSR,
+    CSC, BSR, BSC), which would get a dense tensor in its place: a save never stores
+    one (it refuses sparse tensors), so no checkpoint holds what it is."""
     import torch
 
+    if getattr(like, "is_nested", False):
+        raise _nested(like)
     if like.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                        torch.sparse_bsc):
         raise TargetMismatchError(
@@ -52,12 +56,17 @@ def refuse_layout(like: Any) -> None:
 def nested_shape_error(like: Any, exc: Exception) -> TargetMismatchError:
     """The error for a tensor target without one shape (``like.shape`` raised ``exc``):
     a nested tensor, whose parts may differ in shape."""
-    what = (f"a tensor whose shape torch cannot give ({exc})"
-            if not getattr(like, "is_nested", False)
-            else "a nested tensor (its parts may differ in shape)")
+    if getattr(like, "is_nested", False):
+        return _nested(like)
     return TargetMismatchError(
-        f"{what}; statestream loads into dense tensors: pass one there (or None for the "
-        "saved array)")
+        f"a tensor whose shape torch cannot give ({exc}); statestream loads into dense "
+        "tensors: pass one there (or None for the saved array)")
+
+
+def _nested(like: Any) -> TargetMismatchError:
+    return TargetMismatchError(
+        f"a nested tensor ({like.layout} layout; its parts may differ in shape); "
+        "statestream loads into dense tensors: pass one there (or None for the saved array)")
 
 
 def tied_names(module: Any) -> list[list[str]]:
