@@ -241,13 +241,21 @@ def test_a_rank_holding_no_element_of_a_tied_array_takes_the_tie(order: list[int
 
 
 def test_a_tie_is_refused_where_a_rank_holding_elements_saves_two_arrays() -> None:
+    # a rank whose shard is empty is said to hold no element: it has no say in the tie,
+    # and "rank 1 holds an array" read as one more rank that disagreed
     views = [_tied_pair(), _tied_pair(unheld=True, tied=False), _tied_pair(tied=False)]
-    with pytest.raises(TargetMismatchError, match="different kinds of value at key path 'b'"):
+    with pytest.raises(TargetMismatchError, match="different kinds of value at key path 'b'"
+                       ) as ei:
         merge_trees(views)
+    assert ("rank 0 holds the same array as 'a' (tied: float32[2, 2]); rank 1 holds an array "
+            "(float32[2, 2]) but none of its elements (an empty shard); rank 2 holds an "
+            "array (float32[2, 2]). ") in str(ei.value)
     with pytest.raises(TargetMismatchError) as ei:  # unheld, but not the tied array's shape
         merge_trees([_tied_pair(), _tied_pair(unheld=True, tied=False, shape=(4,))])
     assert ("processes disagree about the array at key path 'a' (rank 0: float32[2, 2]; "
-            "rank 1: float32[2, 2]; rank 1: float32[4] at 'b', tied to it)") in str(ei.value)
+            "rank 1: float32[2, 2], but none of its elements (an empty shard); rank 1: "
+            "float32[4] at 'b', tied to it, but none of its elements (an empty shard))"
+            ) in str(ei.value)
 
 
 def test_ties_to_different_arrays_are_refused() -> None:

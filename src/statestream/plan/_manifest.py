@@ -158,7 +158,11 @@ def _chunk_from_wire(w: list[Any]) -> ChunkEntry:
 # ----------------------------------------------------------------------------- trees
 
 
-def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
+#: how an error says that a rank holds no element of an array (``RankTree.unheld``)
+_EMPTY = "but none of its elements (an empty shard)"
+
+
+def _describe(node: Node | None, arrays: list[ArrayDecl], unheld: Collection[int]) -> str:
     if node is None:
         return "nothing"
     k = node.kind
@@ -166,6 +170,8 @@ def _describe(node: Node | None, arrays: list[ArrayDecl]) -> str:
         a = arrays[node.array]
         if k == "alias":  # ``a`` is the array first found in the same memory
             return f"the same array as '{shown_key(a.key)}' (tied: {a.dtype}{list(a.shape)})"
+        if node.array in unheld:  # it could not see a tie: say why it may differ
+            return f"an array ({a.dtype}{list(a.shape)}) {_EMPTY}"
         return f"an array ({a.dtype}{list(a.shape)})"
     if k in ("list", "tuple"):
         return f"a {k} of {len(node.children or [])}"
@@ -185,7 +191,7 @@ def _node_at(node: Node, path: KeyPath) -> Node | None:
 
 def _mismatch(ranks: Sequence[RankTree], path: KeyPath, what: str) -> TargetMismatchError:
     views = "; ".join(
-        f"rank {r} holds {_describe(_node_at(rt.tree, path), rt.arrays)}"
+        f"rank {r} holds {_describe(_node_at(rt.tree, path), rt.arrays, rt.unheld)}"
         for r, rt in enumerate(ranks)
     )
     return TargetMismatchError(
@@ -366,7 +372,8 @@ def _disagree(ranks: Sequence[RankTree], key: str, tied: dict[str, str]
     holders = "; ".join(
         f"rank {q}: {b.dtype}{list(b.shape)}"
         + (f" at '{shown_key(b.key)}', tied to it" if b.key != key else "")
-        for q, other in enumerate(ranks) for b in other.arrays
+        + (f", {_EMPTY}" if i in other.unheld else "")
+        for q, other in enumerate(ranks) for i, b in enumerate(other.arrays)
         if tied.get(b.key, b.key) == key)
     return TargetMismatchError(
         f"processes disagree about the array at key path '{shown_key(key)}' ({holders}); "
