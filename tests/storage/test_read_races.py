@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
+from statestream import _hooks
 from statestream.cli import _progress, main
 from statestream.format import MANIFEST_NAME
 from statestream.storage import LocalStorage, _local_read
@@ -129,7 +130,7 @@ def test_cli_verify_of_a_checkpoint_deleted_before_its_open_exits_2(
         ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Deleted after the command started, before verify opened it (as its progress bar
     is set up): nothing to verify, an error (exit 2), not damage (exit 1). ``ss.verify``
-    reports it as a problem, as it always did."""
+    raises it too (it reported it as a problem: ok False, as if damaged)."""
     real = _progress.progress_bar
 
     def progress_bar(label: str, total: int | None = None) -> Any:
@@ -139,7 +140,45 @@ def test_cli_verify_of_a_checkpoint_deleted_before_its_open_exits_2(
     monkeypatch.setattr(_progress, "progress_bar", progress_bar)
     assert main(["verify", str(ckpt)]) == 2
     assert capsys.readouterr().err.startswith(f"error: no checkpoint at {ckpt}")
-    assert not ss.verify(ckpt).ok
+    with pytest.raises(ss.CheckpointNotFoundError, match=f"no checkpoint at {ckpt}"):
+        ss.verify(ckpt)
+
+
+@pytest.mark.parametrize("when", ["directory opened", "delete under way"])
+def test_verify_of_a_checkpoint_deleted_while_being_opened_raises_as_the_cli_exits_2(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        when: str) -> None:
+    """Deleted while verify opened it: right after it opened the directory, or seen
+    between a delete's removal of the marker and of the tree. Not damage: ``ss.verify``
+    raised nothing and reported "no committed checkpoint" (ok False) where the CLI
+    exits 2; both raise CheckpointNotFoundError now, as ``ss.load`` does."""
+    results: list[Any] = []
+
+    def check() -> None:
+        with pytest.raises(ss.CheckpointNotFoundError) as ei:
+            ss.verify(ckpt)
+        results.append(str(ei.value))
+        results.append(main(["verify", str(ckpt)]))
+
+    if when == "directory opened":
+        real = _local_read._open_root
+
+        def open_root(path: str, follow_links: bool) -> int:
+            fd = real(path, follow_links)
+            LocalStorage().delete(path)
+            return fd
+
+        monkeypatch.setattr(_local_read, "_open_root", open_root)
+        check()
+    else:
+        _hooks.register("delete.uncommitted", check)
+        try:
+            LocalStorage().delete(str(ckpt))
+        finally:
+            _hooks.clear()
+    assert len(results) == 2 and str(ckpt) in results[0], results
+    assert results[1] == 2  # an error, not 1 (damaged)
+    assert "DAMAGED" not in capsys.readouterr().err
 
 
 def test_a_missing_file_of_a_checkpoint_still_there_is_damage(ckpt: Path) -> None:

@@ -17,6 +17,8 @@ from statestream.errors import (
     CheckpointError,
     CheckpointGoneError,
     CheckpointNotFoundError,
+    InvalidOptionError,
+    InvalidOptionTypeError,
     PickleNotAllowedError,
     StorageError,
     UnsupportedTypeError,
@@ -203,6 +205,12 @@ def _size_problems(reader: CheckpointReader, m: Manifest) -> list[str]:
     return out
 
 
+#: what opening a checkpoint raises that says nothing of its bytes: :func:`verify` raises
+#: it (``statestream verify`` exits 2) rather than report damage (exit 1)
+_NOT_DAMAGE = (CheckpointNotFoundError, CheckpointGoneError, StorageError, PickleNotAllowedError,
+               UnsupportedTypeError, InvalidOptionError, InvalidOptionTypeError)
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -216,24 +224,32 @@ def verify(
     Damage is collected, not raised: the report lists every broken array
     with its key path and file, every data file longer or shorter than the
     manifest lists, and every file in the checkpoint the manifest does not
-    list. A checkpoint whose manifest cannot be read
-    at all is reported as one problem.
+    list. A committed checkpoint whose manifest cannot be read at all is
+    reported as one problem.
 
     ``allow_pickle``: let a torch.save/DCP checkpoint's pickle name globals a
     weights-only load refuses (as ``load``'s; only for files you trust).
     Pickled leaves of a statestream checkpoint are checked as bytes, never
     unpickled.
 
+    What is not damage is raised, as ``statestream verify`` exits 2 for it
+    rather than 1:
+
     Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``path`` (nothing
+            there, a save that never committed, one deleted before or while it
+            was opened): as :func:`load` and :func:`metadata` raise it.
+        CheckpointGoneError: the checkpoint was overwritten or deleted while
+            being verified: what it lacks went with it.
         StorageError: the store could not be read (unreachable, a timeout, access
             denied, a missing bucket): that says nothing about the checkpoint's
-            bytes, so it is not reported as damage.
+            bytes.
         PickleNotAllowedError: a torch.save/DCP checkpoint's pickle names a
-            global that ``allow_pickle=False`` refuses: not damage either.
+            global that ``allow_pickle=False`` refuses.
         UnsupportedTypeError: the checkpoint holds what statestream cannot
-            represent (a sparse tensor, a dtype it does not hold): not damage.
-        CheckpointGoneError: the checkpoint was overwritten or deleted while
-            being verified: what it lacks went with it, which is not damage.
+            represent (a sparse tensor, a dtype it does not hold).
+        InvalidOptionError, InvalidOptionTypeError: an argument statestream does
+            not take (an empty path).
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -242,60 +258,45 @@ def verify(
         >>> ss.verify(d).ok
         True
     """
-    return verify_found(path, allow_pickle=allow_pickle, io=io, memory=memory,
-                        progress=progress, missing=False)
-
-
-def verify_found(
-    path: str | os.PathLike[str],
-    *,
-    allow_pickle: bool = False,
-    io: IOOptions | None = None,
-    memory: MemoryOptions | None = None,
-    progress: Progress | None = None,
-    missing: bool = True,
-) -> VerifyReport:
-    """:func:`verify`; with ``missing``, no committed checkpoint at ``path`` raises
-    CheckpointNotFoundError instead of being reported (the CLI: nothing to verify is
-    an error, exit 2, not damage, exit 1; a check before verify left a checkpoint
-    deleted in between reported as damage)."""
     io, memory = io_options(io), memory_options(memory)
     allow_pickle = bool_option(allow_pickle, "allow_pickle")
     report = VerifyReport(path=os.fspath(path_arg(path, "path")))
     try:
         reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
-    except (StorageError, PickleNotAllowedError, UnsupportedTypeError, CheckpointGoneError):
-        raise  # the store failed, statestream will not read it, or it went meanwhile
-    except CheckpointNotFoundError as exc:
-        if missing:
-            raise
-        report.problems.append(str(exc))
-        return report
+    except _NOT_DAMAGE:
+        raise  # nothing to verify, the store failed, or statestream will not read it
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report
     try:
-        paths: dict[int, KeyPath] = {}
-        array_paths(m.tree, (), paths)
-        names = [f.name for f in m.files]
-        report.problems.extend(_size_problems(reader, m))
-        report.problems.extend(_unlisted(reader, m))
-        requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
-        skip_missing_checksums(reader, requests)
-
-        def describe(p: ReadPiece) -> str:
-            return f"array at key path '{format_keypath(paths.get(p.array, ()))}'"
-
-        errors: list[CheckpointCorruptError] = []
-        read_requests(reader, names, requests, options=io,
-                      budget=ByteBudget(memory.resolved()), describe=describe,
-                      progress=progress, collect=errors)
-        for e in errors:
-            msg = str(e)
-            if msg not in report.problems:
-                report.problems.append(msg)
-        report.checked_chunks = sum(len(r.pieces) for r in requests)
-        report.checked_bytes = sum(p.nbytes for r in requests for p in r.pieces)
+        _check(reader, m, report, io, memory, progress)
     finally:
         reader.close()
     return report
+
+
+def _check(reader: CheckpointReader, m: Manifest, report: VerifyReport, io: IOOptions,
+           memory: MemoryOptions, progress: Progress | None) -> None:
+    """Re-read every chunk of the open checkpoint ``reader`` (manifest ``m``) and check
+    the sizes of its files: what is damaged goes to ``report.problems``."""
+    paths: dict[int, KeyPath] = {}
+    array_paths(m.tree, (), paths)
+    names = [f.name for f in m.files]
+    report.problems.extend(_size_problems(reader, m))
+    report.problems.extend(_unlisted(reader, m))
+    requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
+    skip_missing_checksums(reader, requests)
+
+    def describe(p: ReadPiece) -> str:
+        return f"array at key path '{format_keypath(paths.get(p.array, ()))}'"
+
+    errors: list[CheckpointCorruptError] = []
+    read_requests(reader, names, requests, options=io,
+                  budget=ByteBudget(memory.resolved()), describe=describe,
+                  progress=progress, collect=errors)
+    for e in errors:
+        msg = str(e)
+        if msg not in report.problems:
+            report.problems.append(msg)
+    report.checked_chunks = sum(len(r.pieces) for r in requests)
+    report.checked_bytes = sum(p.nbytes for r in requests for p in r.pieces)

@@ -192,14 +192,13 @@ def json_text(doc: Any) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from statestream.api._inspect import verify_found
     from statestream.cli._progress import progress_bar
 
     # raised (exit 2), not reported as damage (exit 1): nothing at the path, a checkpoint
     # overwritten or deleted while being verified, a refused pickle, unsupported content
     with progress_bar("verify") as cb:
-        rep = verify_found(args.path, allow_pickle=args.allow_pickle, progress=cb,
-                           memory=memory_options(args))
+        rep = ss.verify(args.path, allow_pickle=args.allow_pickle, progress=cb,
+                        memory=memory_options(args))
     if args.json:
         print(json_text({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
                          "checked_bytes": rep.checked_bytes,
