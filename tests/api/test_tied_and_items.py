@@ -182,6 +182,22 @@ def test_items_naming_an_int_key_and_a_str_key_alike_is_refused(tmp_path: Path) 
     assert list(ss.load(c, items=["ints"])["ints"]) == [0, "0"]
 
 
+def test_convert_items_naming_two_keys_alike_says_what_convert_can_do(tmp_path: Path) -> None:
+    # convert takes no target: the load's advice (a typed target) was no way out there
+    c = tmp_path / "c"
+    ss.save(c, {"ints": {0: np.zeros(2), "0": np.ones(2)}, 7: np.ones(1), "7": np.zeros(1)})
+    with pytest.raises(MissingKeyError) as ei:
+        ss.convert(c, tmp_path / "out", items=["ints/0"])
+    msg = str(ei.value)
+    assert "key path 'ints/0', which is ambiguous" in msg and str(c) in msg
+    assert "name the key path that holds both (items=['ints'])" in msg and "target=" not in msg
+    with pytest.raises(MissingKeyError, match=r"name no items= \(the whole checkpoint\)"):
+        ss.convert(c, tmp_path / "out", items=["7"])
+    assert not (tmp_path / "out").exists()
+    ss.convert(c, tmp_path / "out", items=["ints"])  # what it says works
+    assert list(ss.load(tmp_path / "out")) == [0, "0"]
+
+
 def test_items_with_a_target(tmp_path: Path) -> None:
     path = _nested(tmp_path)
     like = {"model": {"layers.0.weight": torch.zeros(4)}}

@@ -200,7 +200,7 @@ def _convert_root(tree: Node, items: Sequence[str] | None, location: str, *,
     """
     root = tree
     if items is not None:
-        root, _ = _select(root, list(items), NO_TARGET, location)
+        root, _ = _select(root, list(items), NO_TARGET, location, typed=False)
         if len(root.keys or []) == 1 and root.children:
             root = root.children[0]
     root = _resolve_aliases(root, keep_aliases, {})

@@ -40,22 +40,24 @@ def _unwrap(node: Node) -> Node:
     return node.children[0] if node.kind == "stateful" and node.children else node
 
 
-def _saved_child(node: Node, seg: str, path: KeyPath, where: str) -> tuple[Key, Node] | None:
+def _saved_child(node: Node, seg: str, path: KeyPath, where: str,
+                 typed: bool) -> tuple[Key, Node] | None:
     """The child of ``node`` (at ``path``) that the key-path segment ``seg`` names: its
     str key, or its int key written alike. Both (``{0: a, "0": b}``, both at key path
     ``0``, as ``metadata().leaves()`` and ``diff`` show them) is ambiguous: refused,
-    saying how a target picks either."""
+    saying how a target picks either (``typed``: a load, which takes one)."""
     kids = _children(node)
     named: list[tuple[Key, Node]] = [(k, c) for k, c in kids if type(k) is str and k == seg]
     named += [(k, c) for k, c in kids if type(k) is int and str(k) == seg]
     if len(named) > 1:
-        raise MissingKeyError(_ambiguous(path, [k for k, _ in named], where))
+        raise MissingKeyError(_ambiguous(path, [k for k, _ in named], where, typed))
     return named[0] if named else None
 
 
-def _ambiguous(path: KeyPath, keys: list[Key], where: str) -> str:
+def _ambiguous(path: KeyPath, keys: list[Key], where: str, typed: bool) -> str:
     """Why an items= key path names no one key of checkpoint ``where`` (``keys``, of
-    different types, under ``path``), and the target that loads each."""
+    different types, under ``path``), and the target that loads each (``typed``;
+    else what holds both: ``convert`` takes no target)."""
 
     def target(key: Key) -> str:
         text = f"{{{key!r}: None}}"
@@ -65,10 +67,17 @@ def _ambiguous(path: KeyPath, keys: list[Key], where: str) -> str:
 
     keys_text = " and ".join(f"the {type(k).__name__} key {k!r}" for k in keys)
     how = "; ".join(f"target={target(k)} for the {type(k).__name__} key {k!r}" for k in keys)
+    said = (f"items= names key path '{format_keypath(path + (keys[0],))}', which is "
+            f"ambiguous: checkpoint {where} has {keys_text} there (a key path writes them "
+            "alike)")
+    if not typed:
+        return (f"{said}; key paths cannot select one of them: name "
+                + (f"the key path that holds both (items=[{format_keypath(path)!r}])" if path
+                   else "no items= (the whole checkpoint)") + ", or select one with ss.load's "
+                "target and save what it returns")
     return (
-        f"items= names key path '{format_keypath(path + (keys[0],))}', which is ambiguous: "
-        f"checkpoint {where} has {keys_text} there (a key path writes them alike). To "
-        "load one, pass " + (f"items=[{format_keypath(path)!r}] with " if path else "")
+        f"{said}. To load one, pass " + (f"items=[{format_keypath(path)!r}] with " if path
+                                         else "")
         + f"a target that holds its key with its type: {how} (None: whatever was saved)"
     )
 
@@ -103,14 +112,16 @@ def _named(like: Any) -> bool:
     return dataclasses.is_dataclass(like) and not isinstance(like, type)
 
 
-def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[Node, Any]:
+def _select(root: Node, items: Sequence[str], like: Any, where: str,
+            typed: bool = True) -> tuple[Node, Any]:
     """Restrict the tree (and the target) to the key paths named in ``items``.
 
     Each item is a key path (``a/b/0``, with ``~1`` for ``/`` inside a key): a
     top-level checkpointable, a subtree or a leaf; an item equal to a top-level
     key is that key, as it always was. Levels above a selected item come back
     as dicts holding only what was selected. A segment names a str key or an int
-    key written alike, and is refused where a dict holds both.
+    key written alike, and is refused where a dict holds both (``typed``: the
+    error says how a load's target picks each; ``convert`` has none).
     """
     wanted: dict[Any, Any] = {}
     top = {k for k, _ in _children(_unwrap(root)) if type(k) is str}
@@ -128,17 +139,17 @@ def _select(root: Node, items: Sequence[str], like: Any, where: str) -> tuple[No
             level = nxt
         else:
             level[segs[-1]] = None
-    return _select_level(root, wanted, like, (), where)
+    return _select_level(root, wanted, like, (), where, typed)
 
 
 def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
-                  where: str) -> tuple[Node, Any]:
+                  where: str, typed: bool) -> tuple[Node, Any]:
     node = _unwrap(node)
     keys: list[Key] = []
     kids: list[Node] = []
     targets: dict[Key, Any] = {}
     for seg, sub in wanted.items():
-        found = _saved_child(node, seg, path, where)
+        found = _saved_child(node, seg, path, where, typed)
         if found is None:
             have = ", ".join(repr(k) for k, _ in _children(node)[:20])
             raise MissingKeyError(
@@ -149,7 +160,7 @@ def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
         key, child = found
         t = _target_child(like, key, path)
         if sub is not None:
-            child, t = _select_level(child, sub, t, path + (key,), where)
+            child, t = _select_level(child, sub, t, path + (key,), where, typed)
         keys.append(key)
         kids.append(child)
         targets[key] = t
