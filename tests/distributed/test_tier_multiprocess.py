@@ -86,6 +86,10 @@ def save_worker(ctx: Context) -> dict[str, Any]:
         mgr.wait()
         files = _data_files(os.path.join(local, "step_0000000003"))
         out = {"persisted": mgr.persisted_steps(), "steps": mgr.steps(), "files": files}
+        try:  # a target that does not fit, found while choosing what to fetch from peers
+            mgr.load(target={"shared": {"w": np.zeros(3, np.float32)}})
+        except ss.CheckpointError as exc:
+            out["mismatch"] = f"{type(exc).__name__}: {exc}"
         _equal(mgr.load(), expected(3))
         _equal(mgr.load(2), expected(2))
         out["files_after_load"] = _data_files(os.path.join(local, "step_0000000003"))
@@ -116,6 +120,9 @@ def test_node_local_tiers_persist_one_checkpoint(tmp_path: Path, mode: str) -> N
         # each node's copy held its own process's files only, until a load completed it
         assert v["files"] and all(f.startswith(f"r{r.rank}-") for f in v["files"]), v
         assert {f[:3] for f in v["files_after_load"]} == {"r0-", "r1-"}
+        step3 = os.path.join(root, f"node{r.rank}", "step_0000000003")
+        assert (f"TargetMismatchError: loading {step3}: shape mismatch at key path "
+                "'shared/w'") in v["mismatch"], v["mismatch"]
     for step in (1, 2, 3):  # one committed checkpoint in the persistent directory
         path = os.path.join(root, "persist", f"step_{step:010d}")
         assert ss.verify(path).ok
