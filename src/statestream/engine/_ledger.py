@@ -54,6 +54,9 @@ class StagingLedger:
         self._pools: tuple[StagingPool, StagingPool] = (host_pool(), pinned_pool())
         for pool in self._pools if snapshot else self._pools[1:]:
             pool.set_capacity(memory.resolved() if capacity is None else capacity)
+        #: the pools' epochs when the save began: after a release_staging() since
+        #: then, it keeps no buffer and maps none for the next save (StagingPool.epoch)
+        self._since = tuple(pool.epoch for pool in self._pools)
         self._lock = threading.Lock()
         self._lent: dict[_Key, tuple[np.ndarray, int]] = {}
         self._staged: dict[_Key, np.ndarray] = {}
@@ -215,7 +218,7 @@ class StagingLedger:
                 self.copied_bytes += item.nbytes
                 ready = self._cover_locked(item)
         if not kept:  # a writer read it from the state meanwhile
-            self._pools[which].give(buf, keep=self._keep)
+            self._pools[which].give(buf, keep=self._keep, since=self._since[which])
             return False
         if ready is not None:
             self.on_covered(ready)
@@ -305,7 +308,8 @@ class StagingLedger:
                 stop: Callable[[], bool] = lambda: False) -> int:
         """Fill the pools with mapped buffers of ``sizes`` (:meth:`warm_sizes`), within
         the budget, until ``stop()``; return the bytes added."""
-        return sum(pool.warm(sz, stop) for pool, sz in zip(self._pools, sizes))
+        return sum(pool.warm(sz, stop, since)
+                   for pool, sz, since in zip(self._pools, sizes, self._since))
 
     def wait_covered(self, failed: Callable[[], bool]) -> None:
         """Wait until every chunk is copied or written (or ``failed()``)."""
@@ -323,7 +327,7 @@ class StagingLedger:
             bufs = [self._lent.pop((it.array, it.chunk), None) for it in items]
         for b in bufs:
             if b is not None:
-                self._pools[b[1]].give(b[0], keep=self._keep)
+                self._pools[b[1]].give(b[0], keep=self._keep, since=self._since[b[1]])
         return back
 
     def reclaim(self, keep: bool) -> None:
@@ -337,4 +341,4 @@ class StagingLedger:
             self._direct.clear()
             self._copying.clear()
         for buf, which in left:
-            self._pools[which].give(buf, keep=self._keep and keep)
+            self._pools[which].give(buf, keep=self._keep and keep, since=self._since[which])

@@ -11,7 +11,9 @@ far more expensive to allocate than to reuse.
 A pool keeps idle buffers only up to its capacity (the save's memory
 budget), evicting the least recently used first, and never lets idle plus
 lent-out bytes exceed it when it allocates. ``release()`` (exposed as
-:func:`statestream.release_staging`) frees every idle buffer.
+:func:`statestream.release_staging`) frees every idle buffer; a save that was in
+flight then keeps none of its buffers when it gives them back, and maps none for
+the next save (see :attr:`StagingPool.epoch`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class StagingPool:
         self.reuses = 0
         #: the most bytes lent out at once (staging in use) since creation
         self.peak_lent_bytes = 0
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        """How many times :meth:`release` was called. A save's buffers given back
+        with the epoch it began in (``give(..., since=)``) after a release are not
+        kept, and its warm-up (``warm(..., since=)``) stops: what was released
+        stays released."""
+        return self._epoch
 
     def set_capacity(self, capacity: int) -> None:
         """Retain at most ``capacity`` bytes (idle + lent) from now on."""
@@ -133,16 +144,20 @@ class StagingPool:
         with self._lock:
             return all(len(self._by_size.get(n, ())) >= k for n, k in need.items())
 
-    def warm(self, sizes: Sequence[int], stop: Callable[[], bool] = lambda: False) -> int:
+    def warm(self, sizes: Sequence[int], stop: Callable[[], bool] = lambda: False,
+             since: int | None = None) -> int:
         """Allocate and touch idle buffers for ``sizes``, in order, until the
         capacity is reached or ``stop()``, so a later save copies into memory
         already mapped (a copy into reused pages is 3x one into fresh pages). Sizes
-        already idle count; return the bytes added."""
+        already idle count; return the bytes added. ``since``: the :attr:`epoch`
+        the warm-up is for (a save's start); a :meth:`release` since then stops it,
+        before or while it maps."""
         added = 0
+        epoch = self._epoch if since is None else since
         with self._lock:
             have = collections.Counter({n: len(ids) for n, ids in self._by_size.items()})
         for n in sizes:
-            if stop():
+            if stop() or self._epoch != epoch:
                 break
             if have[n] > 0:
                 have[n] -= 1
@@ -155,15 +170,18 @@ class StagingPool:
             with self._lock:
                 self.allocations += 1
                 self.lent_bytes += n  # give() takes it back as idle
-            self.give(buf)
+            self.give(buf, since=epoch)  # released meanwhile: dropped
             added += n
         return added
 
-    def give(self, buf: np.ndarray, *, keep: bool = True) -> None:
-        """Return a buffer from :meth:`take`; it is kept for reuse if it fits."""
+    def give(self, buf: np.ndarray, *, keep: bool = True, since: int | None = None) -> None:
+        """Return a buffer from :meth:`take`; it is kept for reuse if it fits, and
+        (``since``: the :attr:`epoch` its save began in) if no release came since."""
         n = int(buf.nbytes)
         with self._lock:
             self.lent_bytes = max(0, self.lent_bytes - n)
+            if since is not None and since != self._epoch:
+                return  # a save in flight when a release came keeps nothing
             if not keep or self.idle_bytes + self.lent_bytes + n > self.capacity:
                 return
             key = id(buf)
@@ -172,8 +190,10 @@ class StagingPool:
             self.idle_bytes += n
 
     def release(self) -> int:
-        """Free every idle buffer; return how many bytes were freed."""
+        """Free every idle buffer; return how many bytes were freed. Saves in
+        flight keep none of theirs (see :attr:`epoch`)."""
         with self._lock:
+            self._epoch += 1
             freed = self.idle_bytes
             self._idle.clear()
             self._by_size.clear()
@@ -213,7 +233,12 @@ def release_staging() -> int:
     store writers keep their part buffers too, up to a byte cap across part sizes
     that each save sets to its writer threads x 2 parts (128 MiB before the first
     save; docs/storage.md). Call this when no more saves are coming, or to give
-    the memory back for a while.
+    the memory back for a while. A save in flight meanwhile (copying into
+    staging, writing, or done and mapping buffers for the next save) keeps
+    nothing for later: the buffers it holds are freed as it finishes with them,
+    and its warm-up for the next save stops (before 2026-12-06 a save whose
+    ``result()`` had returned went on to map a whole budget's worth after the
+    release).
 
     Returns:
         The number of bytes freed.
