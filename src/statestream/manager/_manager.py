@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -40,6 +41,7 @@ from statestream.manager._policies import (
 )
 from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
 from statestream.manager._retention import Retention, step_info, step_meta
+from statestream.manager._serial import one_at_a_time
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
@@ -89,6 +91,9 @@ class CheckpointManager:
             also sent (over torch.distributed) to the next node's local tier, so
             a lost node restores from its peer without the persistent directory.
 
+    Threads may share a manager: :meth:`save`, :meth:`wait`, :meth:`close` and
+    :meth:`load` run one at a time.
+
     A directory the manager cannot write (a read-only mount, no permission)
     opens read-only: :attr:`read_only` is true, steps list and load, and
     :meth:`save` raises a StorageError carrying the ``errno`` (EROFS, EACCES).
@@ -123,6 +128,7 @@ class CheckpointManager:
         local_keep_policy: KeepPolicy | None = None,
         replicate_to_peers: bool = False,
     ) -> None:
+        self._calls = threading.RLock()  # save, wait, close, load: one at a time
         self._incremental = bool(incremental)
         check_policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
         check_policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
@@ -190,6 +196,7 @@ class CheckpointManager:
                  tb: TracebackType | None) -> None:
         close_after(self.close, ev)  # an error in the block stays the one raised
 
+    @one_at_a_time
     def close(self) -> None:
         """Wait for the in-flight save, apply the keep policy, release the directory."""
         if self._closed:
@@ -343,6 +350,7 @@ class CheckpointManager:
         return self._decisions.reached_preemption(step)
 
     # ------------------------------------------------------------------ save/load
+    @one_at_a_time
     def save(
         self,
         step: int,
@@ -444,6 +452,7 @@ class CheckpointManager:
         """The handle of the save in progress, if any (e.g. for ``guard_optimizer``)."""
         return self._inflight
 
+    @one_at_a_time
     def wait(self) -> None:
         """Wait until the in-flight save is committed (and, with a local tier,
         every committed step is persisted); then apply the keep policies.
@@ -543,6 +552,7 @@ class CheckpointManager:
             protected |= self._tier.bases_to_keep()
         self._retention.apply(protected)
 
+    @one_at_a_time
     def load(
         self,
         step: int | None = None,
