@@ -80,3 +80,80 @@ def test_a_call_on_another_thread_waits_for_the_save_being_started(
     np.testing.assert_array_equal(ss.load(os.path.join(os.fspath(tmp_path),
                                                        "step_0000000001"))["w"], state["w"])
 
+
+# ------------------------------------------------- preemption=True off the main thread
+def _on_thread(fn: Any) -> Any:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    return out[0]
+
+
+def test_opened_on_a_thread_it_refuses_and_holds_nothing(tmp_path: os.PathLike[str]) -> None:
+    # Python lets only the main thread install a signal handler; before 2026-12-06
+    # signal.signal's ValueError came out of the manager, which kept the lease
+    got = _on_thread(lambda: ss.CheckpointManager(os.fspath(tmp_path), preemption=True))
+    assert isinstance(got, ss.InvalidOptionError)
+    assert "main thread" in str(got)
+    ss.CheckpointManager(os.fspath(tmp_path)).close()  # the directory is free
+
+
+def test_opened_on_a_thread_beside_one_on_the_main_thread_it_arms(
+        tmp_path: os.PathLike[str]) -> None:
+    first = ss.CheckpointManager(os.path.join(os.fspath(tmp_path), "a"), preemption=True)
+    try:
+        second = _on_thread(lambda: ss.CheckpointManager(
+            os.path.join(os.fspath(tmp_path), "b"), preemption=True))
+        assert isinstance(second, ss.CheckpointManager)
+        assert _on_thread(second.close) is None
+    finally:
+        first.close()
+
+
+_CLOSED_ON_A_THREAD = """
+import os, signal, sys, threading
+import statestream as ss
+if sys.argv[2] == "mine":
+    signal.signal(signal.SIGTERM, lambda s, f: print("MINE", flush=True))
+mgr = ss.CheckpointManager(sys.argv[1], preemption=True)
+err = []
+def close():
+    try:
+        mgr.close()
+    except BaseException as exc:
+        err.append(exc)
+t = threading.Thread(target=close)
+t.start()
+t.join()
+print("CLOSED", err, flush=True)
+ss.CheckpointManager(sys.argv[1]).close()  # the directory is free
+os.kill(os.getpid(), signal.SIGTERM)  # the handler the manager replaced has it
+os.kill(os.getpid(), signal.SIGTERM)  # and is back in place
+print("ALIVE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["default", "mine"])
+def test_closed_on_a_thread_it_frees_the_directory_and_the_signal(
+        tmp_path: os.PathLike[str], handler: str) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CLOSED_ON_A_THREAD),
+                        os.fspath(tmp_path), handler],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.startswith("CLOSED []\n"), r.stdout + r.stderr
+    if handler == "default":  # SIGTERM ends the process, as without the manager
+        assert r.returncode == -15 and "ALIVE" not in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[1:] == ["MINE", "MINE", "ALIVE"]

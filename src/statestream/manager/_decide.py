@@ -9,6 +9,7 @@ the preemption is reported at the next step, whose save sees it.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -17,11 +18,12 @@ from types import FrameType
 from typing import Any
 
 from statestream.distributed import Collective, gather_each
+from statestream.errors import InvalidOptionError
 from statestream.manager._policies import SaveContext, SavePolicy
 from statestream.manager._retention import plain_metrics
 from statestream.manager._steps import check_forward
 
-__all__ = ["SaveDecisions"]
+__all__ = ["SaveDecisions", "check_can_arm"]
 
 
 class SaveDecisions:
@@ -127,15 +129,47 @@ class SaveDecisions:
 # (a framework's or the user's; not the default action, which would end the job
 # before it saves). Closing a manager disarms its flag alone; the last one to close
 # puts the replaced handler back, unless someone else's handler has replaced ours.
+# Python lets only the main thread install a handler: a manager opened on another
+# thread arms its flag only where ours is installed already (check_can_arm), and one
+# closed on another thread leaves ours in place, to put the replaced one back on the
+# main thread when the next SIGTERM comes (until 2026-12-06 such a close raised
+# ValueError and kept the directory's lease until the process ended).
 _ARMED: list[threading.Event] = []
 _REPLACED: list[Any] = []  # [the handler ours replaced], while ours is installed
 _SIGNAL_LOCK = threading.Lock()
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def check_can_arm() -> None:
+    """Raise unless :func:`_arm` can arm a flag on this thread (before a manager
+    takes its directory's lease: one that cannot arm holds nothing)."""
+    if not _main_thread() and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        raise InvalidOptionError(
+            "CheckpointManager(preemption=True) installs a SIGTERM handler, and Python lets "
+            f"only the main thread install one; this is {threading.current_thread().name!r}. "
+            "Open it on the main thread (or open a manager with preemption=True there "
+            "first: later ones share its handler from any thread)")
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    for flag in list(_ARMED):
+    flags = list(_ARMED)
+    for flag in flags:
         flag.set()
     previous = _REPLACED[0] if _REPLACED else None
+    if not flags and previous is not None and _SIGNAL_LOCK.acquire(blocking=False):
+        # every manager closed, the last one off the main thread: put the replaced
+        # handler back now (this runs on the main thread) and let it have the signal
+        try:
+            signal.signal(signal.SIGTERM, previous)
+            _REPLACED.clear()
+        finally:
+            _SIGNAL_LOCK.release()
+        if previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # the default action: end the process
+            return
     if callable(previous):
         previous(signum, frame)
 
@@ -144,6 +178,7 @@ def _arm(flag: threading.Event) -> None:
     with _SIGNAL_LOCK:
         current = signal.getsignal(signal.SIGTERM)
         if current is not _on_sigterm:  # first manager, or another handler took over
+            check_can_arm()
             signal.signal(signal.SIGTERM, _on_sigterm)
             _REPLACED[:] = [current]
         if not any(f is flag for f in _ARMED):
@@ -153,8 +188,8 @@ def _arm(flag: threading.Event) -> None:
 def _disarm(flag: threading.Event) -> None:
     with _SIGNAL_LOCK:
         _ARMED[:] = [f for f in _ARMED if f is not flag]
-        if _ARMED or not _REPLACED:
-            return
+        if _ARMED or not _REPLACED or not _main_thread():
+            return  # off the main thread: ours stays, and puts it back (_on_sigterm)
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, _REPLACED[0])
         _REPLACED.clear()

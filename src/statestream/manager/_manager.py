@@ -21,7 +21,7 @@ from statestream.errors import (
     InvalidOptionError,
     ManagerLockedError,
 )
-from statestream.manager._decide import SaveDecisions
+from statestream.manager._decide import SaveDecisions, check_can_arm
 from statestream.manager._lease import (
     LeaseNotRenewedError,
     close_after,
@@ -134,6 +134,8 @@ class CheckpointManager:
         check_policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
         check_policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
         io_options(io), memory_options(memory)  # a bad option fails here, not at a save
+        if preemption:  # before the lease: a manager that cannot arm holds nothing
+            check_can_arm()
         if local_tier is not None:
             path_arg(local_tier, "local_tier")
         storage, self.directory = storage_for(os.fspath(path_arg(directory, "directory")))
