@@ -131,6 +131,33 @@ def test_save_async_from_a_progress_callback_is_refused_not_a_deadlock(
 
 
 @pytest.mark.parametrize("lazy", [False, True])
+def test_waiting_for_the_save_from_its_progress_callback_is_refused_not_a_hang(
+        tmp_path: Path, lazy: bool) -> None:
+    # the callback runs on the save's writer thread: handle.result() there waited for
+    # the writers to finish, which waited for the callback (forever without a timeout).
+    # The first call that gets past `started` holds its writer, so the save is unfinished.
+    handle: list[ss.SaveHandle] = []
+    started = threading.Event()
+    seen: list[BaseException] = []
+
+    def progress(done: int, total: int) -> None:
+        if seen or not started.wait(_WAIT_S):
+            return
+        try:
+            handle[0].result(timeout=_WAIT_S)
+            seen.append(AssertionError("result() returned on the save's own thread"))
+        except ss.CheckpointError as exc:
+            seen.append(exc)
+
+    h = ss.save_async(tmp_path / "ck", _state(), progress=progress, lazy=lazy)
+    handle.append(h)
+    started.set()
+    h.result(timeout=_WAIT_S)
+    assert seen and "called on a thread of a save in flight" in str(seen[0]), seen
+    assert ss.verify(tmp_path / "ck").ok
+
+
+@pytest.mark.parametrize("lazy", [False, True])
 def test_an_interrupt_between_queueing_and_the_thread_settles_the_save(
         tmp_path: Path, lazy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # the window after the handle is queued and before its thread is made (where the

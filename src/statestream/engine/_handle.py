@@ -15,9 +15,13 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from statestream.errors import CheckpointError
 from statestream.providers import array_provider_for
 
-__all__ = ["SaveHandle", "enqueue", "previous_save", "start_lock"]
+__all__ = ["SAVE_THREADS", "SaveHandle", "enqueue", "previous_save", "start_lock"]
+
+#: Names of the threads a save runs on (its writers and its background thread).
+SAVE_THREADS = ("statestream-write-", "statestream-save")
 
 _LOCK = threading.Lock()
 #: Held while an asynchronous save waits for the previous one and starts: two
@@ -80,8 +84,11 @@ class SaveHandle:
 
         Raises:
             TimeoutError: the snapshot did not finish within ``timeout`` seconds.
-            CheckpointError: the snapshot failed (the save is abandoned).
+            CheckpointError: the snapshot failed (the save is abandoned), or this
+                was called on a thread of the save (it would wait for itself).
         """
+        if not self._snapshot.is_set():
+            self._not_on_its_thread("wait_snapshot()")
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
         if self._snapshot_failed and self._error is not None:
@@ -96,6 +103,7 @@ class SaveHandle:
         """
         if self._snapshot.is_set():
             return
+        self._not_on_its_thread("waiting for its arrays")
         ids: set[int] = set()
         for v in values:
             p = array_provider_for(v)
@@ -114,13 +122,26 @@ class SaveHandle:
         Raises:
             TimeoutError: not finished within ``timeout`` seconds.
             CheckpointError (or the original error): the background phase failed;
-                nothing was committed.
+                nothing was committed. Also: called on a thread of the save (a
+                progress callback), which it would wait for forever.
         """
+        if not self._finished.is_set():
+            self._not_on_its_thread("result()")
         if not self._finished.wait(timeout):
             raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
         if self._error is not None:
             self._reported()
             raise self._error
+
+    def _not_on_its_thread(self, what: str) -> None:
+        """Refuse to wait on a thread of a save in flight (a progress callback runs on
+        its writers): it would wait for itself, and hang (only one save runs at a
+        time, so an unfinished save's wait there is always this one's)."""
+        if threading.current_thread().name.startswith(SAVE_THREADS):
+            raise CheckpointError(
+                f"{what} of the save to {self.path} was called on a thread of a save in "
+                "flight (from a progress callback?): it would wait for that thread, and "
+                "never return. Wait for the save after save_async returns")
 
     # -- the job's side -----------------------------------------------------------
     def array_ready(self, index: int) -> None:

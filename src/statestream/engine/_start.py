@@ -15,16 +15,18 @@ import threading
 from typing import Any
 
 from statestream._gc import gc_paused
-from statestream.engine._handle import SaveHandle, enqueue, previous_save, start_lock
+from statestream.engine._handle import (
+    SAVE_THREADS,
+    SaveHandle,
+    enqueue,
+    previous_save,
+    start_lock,
+)
 from statestream.engine._job import SaveJob
 from statestream.engine._saveopts import SaveOptions
 from statestream.errors import CheckpointError
 
 __all__ = ["run_save", "start_save"]
-
-#: Names of the threads a save runs on (its writers and its background thread).
-_SAVE_THREADS = ("statestream-write-", "statestream-save")
-
 
 def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
     """A synchronous save (the caller blocks until it is committed)."""
@@ -37,7 +39,7 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
     previous = previous_save()
     if previous is not None and not previous._settled.is_set() and (
-            threading.current_thread().name.startswith(_SAVE_THREADS)):
+            threading.current_thread().name.startswith(SAVE_THREADS)):
         raise CheckpointError(
             f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight "
             f"to {previous.path} (from a progress callback?): it would wait for that save, "
