@@ -5,6 +5,11 @@ run as separate processes with this directory on ``sys.path``)."""
 from __future__ import annotations
 
 import datetime
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,3 +52,36 @@ def require_gloo() -> tuple[Any, Any]:
     if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
         pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
     return torch, dist
+
+
+def kill_all_ranks_at(ctx: Context, point: str, nth: int) -> Callable[[], None]:
+    """SIGKILL every rank the ``nth`` time it reaches ``point`` (a point of a background
+    thread: ``tier.persist``), once every rank has reached it and every rank's training
+    thread has called the returned ``saved()``, after which it runs no collective.
+
+    Killed at once, a rank whose training thread was still in a collective (the keep
+    policy's agreement after a save, the next save) got "Connection reset by peer"
+    from the rank killed first and exited 1 (its error written) before its own
+    background thread, niced and slow on a loaded machine, reached the point: the
+    test expected -9 from every rank. Marker files in the launch's directory say
+    who is where; a kill waits for all of them (polling the disk, no time limit:
+    the launch's timeout bounds a rank that never gets there).
+    """
+    from statestream.testing import faults
+
+    run_dir = Path(ctx.tmp)
+
+    def mark(kind: str) -> None:
+        (run_dir / f"{kind}-{ctx.rank}").touch()
+
+    def everyone(kind: str) -> bool:
+        return all((run_dir / f"{kind}-{r}").exists() for r in range(ctx.world))
+
+    def kill() -> None:
+        mark("reached")
+        while not (everyone("reached") and everyone("saved")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    faults.on(point, kill, nth=nth)
+    return lambda: mark("saved")

@@ -34,6 +34,7 @@ from _launch import Context, launch  # noqa: E402
 from _workers import assert_tree_equal as _equal  # noqa: E402
 from _workers import (
     init_gloo,  # noqa: E402
+    kill_all_ranks_at,  # noqa: E402
     require_gloo,  # noqa: E402
 )
 
@@ -149,17 +150,17 @@ def test_a_lost_node_restores_from_its_peer(tmp_path: Path) -> None:
 
 
 def killed_worker(ctx: Context) -> None:
-    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins."""
-    from statestream.testing import faults
-
+    """Save steps 1..3 (sync); SIGKILLed as the persistence of step 2 begins, on every
+    rank once both are done saving (``kill_all_ranks_at``: step 3 is committed locally)."""
     _init(ctx)
     a = ctx.args
-    faults.kill_at("tier.persist", nth=2)
+    saved = kill_all_ranks_at(ctx, "tier.persist", nth=2)
     mgr = ss.CheckpointManager(os.path.join(a["root"], "persist"),
                                local_tier=os.path.join(a["root"], f"node{ctx.rank}"),
                                async_save=False, io=ss.IOOptions(max_chunk_bytes=256 << 10))
     for step in (1, 2, 3):
         mgr.save(step, state_at(step, ctx.rank))
+    saved()
     mgr.wait()
 
 

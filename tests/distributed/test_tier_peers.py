@@ -28,6 +28,7 @@ from _launch import Context, launch  # noqa: E402
 from _workers import assert_tree_equal as _equal  # noqa: E402
 from _workers import (
     init_gloo,  # noqa: E402
+    kill_all_ranks_at,  # noqa: E402
     require_gloo,  # noqa: E402
 )
 
@@ -117,18 +118,18 @@ def test_two_managers_in_one_job_persist_on_channels_of_their_own(tmp_path: Path
 
 
 def killed_worker(ctx: Context) -> None:
-    """Save steps 1 and 2 (sync); SIGKILLed as the persistence of step 2 begins.
+    """Save steps 1 and 2 (sync); SIGKILLed as the persistence of step 2 begins,
+    on every rank once both are done saving (``kill_all_ranks_at``).
 
     No step follows: persistence runs in the background, so a step 3 saved next
     was committed to node 0's disk before the kill in some runs and not in others
     (the CI of stop 40 failed on it: unpersisted [2, 3] where [2] was asserted)."""
-    from statestream.testing import faults
-
     _init(ctx)
-    faults.kill_at("tier.persist", nth=2)
+    saved = kill_all_ranks_at(ctx, "tier.persist", nth=2)
     mgr = _manager(ctx, "a", async_save=False)
     for step in (1, 2):
         mgr.save(step, state_at(step, ctx.rank))
+    saved()
     mgr.wait()
 
 
