@@ -52,7 +52,7 @@ exec(STATE_SRC, _ns)
 state_at = _ns["state_at"]
 
 _CHILD = STATE_SRC + f"CHUNK, N_STEPS = {CHUNK}, {N_STEPS}\n" + """
-import sys
+import os, sys
 import statestream as ss
 from statestream.testing import faults
 
@@ -62,7 +62,9 @@ with ss.CheckpointManager(directory, async_save=mode == "async",
                           io=ss.IOOptions(max_chunk_bytes=CHUNK),
                           memory=ss.MemoryOptions(memory_budget_bytes=3 * CHUNK)) as mgr:
     for step in range(1, N_STEPS + 1):
-        print("begin", step, flush=True)
+        # One write(2) per line: print() under PYTHONUNBUFFERED=1 writes "begin", " ",
+        # the step and "\\n" apart, and a kill from the save's thread could land between.
+        os.write(1, b"begin %d\\n" % step)
         mgr.save(step, state_at(step))
     mgr.wait()
 print("DONE", flush=True)
