@@ -161,12 +161,34 @@ def worker(ctx: Context) -> dict[str, Any]:
         # deletes its own once every process is past them, so saves do not pile up.
         from jax._src import distributed
 
+        from statestream.distributed import _jax
+
         client = distributed.global_state.client
         coll = JaxCollective()
+        # The heartbeat thread deletes the keys queued in _TRASH (once a second, one
+        # request per key: ~170 queued after the exchanges below). A fixed sleep(2.5)
+        # for it is too short for a heartbeat starved on a loaded machine: wait until
+        # every queued key is popped and the beat that popped the last has returned.
+        beat = _jax._BEATS[id(client)]
+        trash = _jax._TRASH[id(client)]
+        beats = [0]
+        one_beat = beat._beat
+
+        def counted_beat() -> None:
+            one_beat()
+            beats[0] += 1
+
+        beat._beat = counted_beat
 
         def count() -> int:
             coll.all_gather_object(None)  # every process is past what came before
-            time.sleep(2.5)  # the heartbeat thread deletes (once a second)
+            while trash and beat.alive():  # queued keys are popped, beat after beat
+                time.sleep(0.05)
+            seen = beats[0]
+            while beats[0] == seen and beat.alive():  # the beat that popped the last
+                # one has deleted it
+                time.sleep(0.05)
+            coll.barrier("deleted")  # on every process
             n = len([k for k, _ in client.key_value_dir_get("statestream/")
                      if not k.startswith("statestream/alive/")])
             coll.barrier("counted")
