@@ -346,3 +346,26 @@ def test_an_optimizer_target_loads_from_dcp(tmp_path: Path, made_by: str) -> Non
     assert got["param_groups"] == want["param_groups"]
     got_sd = ss.load(tmp_path / "d", target={"optim": o3.state_dict()})  # a plain dict too
     assert torch.equal(got_sd["optim"]["state"][1]["exp_avg"], want["state"][1]["exp_avg"])
+
+
+def test_bytes_inside_a_list_or_tuple_convert_to_dcp(tmp_path: Path) -> None:
+    """A list or tuple of plain values holding bytes is one DCP item, as dcp.save stores
+    it; the conversion refused it as 'a list holding arrays' (a bytes leaf's data is an
+    array of the checkpoint), though it holds no tensor. A tuple holding a tensor is
+    still refused."""
+    state = {"a": [b"x", b"yz"], "b": (b"\x00\xff", 1), "w": torch.ones(2)}
+    ss.save(tmp_path / "ck", {**state, "e": [b""]})
+    ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    _save(state, tmp_path / "own")
+    back, own = ss.load(tmp_path / "d"), ss.load(tmp_path / "own")
+    assert back["a"] == own["a"] == [b"x", b"yz"]
+    assert back["b"] == own["b"] == (b"\x00\xff", 1)
+    assert back["e"] == [b""]
+    target: dict[str, object] = {"a": None, "b": None, "e": None, "w": torch.zeros(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "d"))
+    assert target["a"] == [b"x", b"yz"] and target["e"] == [b""]
+    ss.save(tmp_path / "t", {"t": (torch.ones(1), b"x")})
+    with pytest.raises(ss.UnsupportedTypeError, match="key path 't' is a tuple holding arrays"):
+        ss.convert(tmp_path / "t", tmp_path / "d2", to="dcp")

@@ -67,7 +67,9 @@ def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]]) -> None:
 
 
 def _has_array(node: Node) -> bool:
-    return node.array is not None or any(_has_array(c) for c in node.children or [])
+    """Whether ``node`` holds a tensor. ``bytes`` leaves (whose data is an array of the
+    checkpoint, too) are plain values: they go into the item's pickle."""
+    return node.kind in ("array", "alias") or any(_has_array(c) for c in node.children or [])
 
 
 def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
@@ -87,7 +89,7 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
             raise UnsupportedTypeError(
                 f"key paths '{format_keypath(fqns[fqn])}' and '{format_keypath(p)}' both "
                 f"become the DCP key {fqn!r}; rename one to convert")
-        if node.kind not in ("array", "bytes", "pickle") and _has_array(node):
+        if node.kind != "array" and _has_array(node):
             raise UnsupportedTypeError(
                 f"key path '{format_keypath(p)}' is a {node.kind} holding arrays, which DCP "
                 "stores only inside dicts and lists")
