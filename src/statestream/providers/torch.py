@@ -92,16 +92,19 @@ class TorchProvider(ArrayProvider):
             and obj.layout == torch.strided
             and obj.device.type == "cpu"
             and not obj.is_quantized
+            and not obj.is_nested  # a nested tensor may be strided too
         ):
             name = to_name.get(obj.dtype)
             if name is not None:
                 return self._prepare_dense(obj, name)
         where = format_keypath(path)
-        if obj.layout != torch.strided:
+        if obj.layout != torch.strided or obj.is_nested:
             raise UnsupportedTypeError(
-                f"tensor at key path '{where}' has layout {obj.layout}; only dense (strided) "
-                "tensors are supported, convert with .to_dense()"
-            )
+                f"tensor at key path '{where}' " + (
+                    f"is a nested tensor ({obj.layout} layout); only dense tensors are "
+                    "supported, save its parts (.unbind()) or .to_padded_tensor(0)"
+                    if obj.is_nested else f"has layout {obj.layout}; only dense (strided) "
+                    "tensors are supported, convert with .to_dense()"))
         if obj.is_quantized:
             raise UnsupportedTypeError(
                 f"tensor at key path '{where}' is quantized ({obj.dtype}); save its "
@@ -354,7 +357,7 @@ class TorchProvider(ArrayProvider):
             torch = _torch()
             dev = obj.device
             if (obj.layout == torch.strided and dev.type == "cpu" and obj._base is None
-                    and not obj.is_quantized and obj.is_contiguous()):
+                    and not obj.is_quantized and not obj.is_nested and obj.is_contiguous()):
                 name = _tables()[0].get(obj.dtype)
                 n = obj.numel()
                 if name is not None and n:
@@ -377,7 +380,7 @@ class TorchProvider(ArrayProvider):
             local, extra = obj.to_local(), (tuple(obj.shape), str(obj.placements))
         else:
             return None
-        if (local.layout != _torch().strided or not local.numel()
+        if (local.layout != _torch().strided or local.is_nested or not local.numel()
                 or local.device.type == "meta"):
             return None
         return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
