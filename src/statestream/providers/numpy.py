@@ -108,6 +108,11 @@ class NumpyProvider(ArrayProvider):
     def prepare(self, obj: Any, path: KeyPath) -> PreparedArray:
         if isinstance(obj, np.generic):
             return prepare_host_array(np.asarray(obj), path, self.kind, {"scalar": True})
+        if isinstance(obj, np.ma.MaskedArray):  # its data alone: the mask would be lost
+            raise UnsupportedTypeError(
+                f"array at key path '{format_keypath(path)}' is a masked array; statestream "
+                "stores no mask: save its .data and np.ma.getmaskarray(...) as two arrays "
+                "(or .filled(...))")
         if obj.dtype.hasobject or obj.dtype.fields is not None:
             raise UnsupportedTypeError(
                 f"array at key path '{format_keypath(path)}' has dtype {obj.dtype}; object "
@@ -131,9 +136,9 @@ class NumpyProvider(ArrayProvider):
     def alias_key(self, obj: Any) -> Hashable | None:
         """Plain ndarrays over the same memory with the same shape, strides and dtype
         (one array under two keys, or a view of all of it): stored once. None for empty
-        arrays, for ndarray subclasses (``np.memmap``, masked arrays: stored under each
-        key, as before) and for NumPy scalars (immutable values that load as scalars,
-        which an alias leaf does not record)."""
+        arrays, for ndarray subclasses (``np.memmap``: stored under each key, as
+        before; masked arrays are refused) and for NumPy scalars (immutable values
+        that load as scalars, which an alias leaf does not record)."""
         if type(obj) is not np.ndarray or not obj.size:
             return None
         return (_address(obj, obj.flags.c_contiguous), obj.shape, obj.strides, obj.dtype)
