@@ -235,10 +235,11 @@ def release_staging() -> int:
     save; docs/storage.md). Call this when no more saves are coming, or to give
     the memory back for a while. A save in flight meanwhile (copying into
     staging, writing, or done and mapping buffers for the next save) keeps
-    nothing for later: the buffers it holds are freed as it finishes with them,
-    and its warm-up for the next save stops (before 2026-12-06 a save whose
-    ``result()`` had returned went on to map a whole budget's worth after the
-    release).
+    nothing for later: the buffers it holds (its object store part buffers too)
+    are freed as it finishes with them, and its warm-up for the next save stops
+    (before 2026-12-06 a save whose ``result()`` had returned went on to map a
+    whole budget's worth after the release, and a save writing to an object store
+    put its part buffers back).
 
     Returns:
         The number of bytes freed.

@@ -29,6 +29,16 @@ __all__ = ["ObjectFileWriter", "ObjectTxn", "keep_part_buffers", "release_part_b
 _kept_limit = 8 * (16 << 20)
 _parts: dict[int, list[np.ndarray]] = {}
 _parts_lock = threading.Lock()
+#: How many times :func:`release_part_buffers` was called. A save's writers give
+#: their part buffers back with the count its transaction began with: after a
+#: release since then they are dropped, not kept (what was released stays released,
+#: as with the staging pools' ``StagingPool.epoch``).
+_parts_epoch = 0
+
+
+def parts_epoch() -> int:
+    """The current count of :func:`release_part_buffers` calls (see ``_parts_epoch``)."""
+    return _parts_epoch
 
 
 def _take_part(size: int) -> np.ndarray:
@@ -43,8 +53,12 @@ def _kept_locked() -> int:
     return sum(b.nbytes for free in _parts.values() for b in free)
 
 
-def _give_part(buf: np.ndarray) -> None:
+def _give_part(buf: np.ndarray, since: int | None = None) -> None:
+    """Keep ``buf`` for reuse if it fits and (``since``: the :func:`parts_epoch` its
+    save began with) no release came since."""
     with _parts_lock:
+        if since is not None and since != _parts_epoch:
+            return  # a save in flight when a release came keeps nothing
         if _kept_locked() + buf.nbytes <= _kept_limit:
             _parts.setdefault(buf.nbytes, []).append(buf)
 
@@ -62,8 +76,11 @@ def keep_part_buffers(max_bytes: int) -> None:
 
 
 def release_part_buffers() -> int:
-    """Free the part buffers object writers keep between saves; return the bytes."""
+    """Free the part buffers object writers keep between saves; return the bytes.
+    Saves in flight keep none of theirs (see ``_parts_epoch``)."""
+    global _parts_epoch
     with _parts_lock:
+        _parts_epoch += 1
         freed = _kept_locked()
         _parts.clear()
     return freed
@@ -115,7 +132,8 @@ class ObjectFileWriter:
     #: Part buffers of its own a writer has at once: one filling while one uploads.
     OWN_PARTS = 2
 
-    def __init__(self, owner: ObjectStorage, bucket: str, key: str) -> None:
+    def __init__(self, owner: ObjectStorage, bucket: str, key: str,
+                 since: int | None = None) -> None:
         import obstore
 
         self._where = owner._url(bucket, key)
@@ -135,6 +153,7 @@ class ObjectFileWriter:
         self._spare: list[np.ndarray] = []
         self._fill: np.ndarray | None = None  # own bytes after _sent, not handed over
         self._filled = 0
+        self._since = parts_epoch() if since is None else since  # see _give_part
 
     # -- handing bytes to obstore -------------------------------------------------
     def _borrowed_released(self) -> None:
@@ -256,7 +275,7 @@ class ObjectFileWriter:
         with self._cv:
             spare, self._spare = self._spare, []
         for buf in spare:
-            _give_part(buf)
+            _give_part(buf, self._since)
 
 
 class ObjectTxn:
@@ -269,6 +288,9 @@ class ObjectTxn:
         self._overwrite = overwrite
         self._marker: bytes | None = None
         self._done = False
+        #: the part buffers' epoch when the save began: after a release_part_buffers()
+        #: (release_staging()) since then, its writers keep no part buffer
+        self._parts_since = parts_epoch()
 
     @property
     def token(self) -> str:
@@ -278,7 +300,7 @@ class ObjectTxn:
         return f"{self._prefix}/{self._root}/{check_member_name(name)}"
 
     def create_file(self, name: str, size_hint: int) -> ObjectFileWriter:
-        return ObjectFileWriter(self._owner, self._bucket, self._key(name))
+        return ObjectFileWriter(self._owner, self._bucket, self._key(name), self._parts_since)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         if name == COMMIT_NAME:
