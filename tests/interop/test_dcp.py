@@ -369,3 +369,58 @@ def test_bytes_inside_a_list_or_tuple_convert_to_dcp(tmp_path: Path) -> None:
     ss.save(tmp_path / "t", {"t": (torch.ones(1), b"x")})
     with pytest.raises(ss.UnsupportedTypeError, match="key path 't' is a tuple holding arrays"):
         ss.convert(tmp_path / "t", tmp_path / "d2", to="dcp")
+
+
+def test_empty_dicts_converted_to_dcp_are_left_out_with_a_warning(tmp_path: Path) -> None:
+    """DCP holds no item for an empty dict (dcp.save drops it too): the conversion says
+    which key paths it leaves out, and dcp.load into a target that has them works."""
+    _, opt = _trained()
+    fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())  # no step: state is {}
+    state = {"a": {}, "b": 1, "l": [torch.ones(2), {"x": {}, "y": 2}, 3],
+             "opt": fresh.state_dict()}
+    ss.save(tmp_path / "ck", state)
+    with pytest.warns(UserWarning, match=r"key path\(s\) 'a', 'l/1/x', 'opt/state' are not in"):
+        ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    back = ss.load(tmp_path / "d")
+    assert "a" not in back and "state" not in back["opt"] and back["b"] == 1
+    assert back["l"][1] == {"y": 2} and back["l"][2] == 3
+    target = {"a": {}, "b": 0, "l": [torch.zeros(2), {"x": {}, "y": 0}, 0],
+              "opt": torch.optim.Adam(torch.nn.Linear(4, 3).parameters()).state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "d"))
+    assert target["a"] == {} and target["b"] == 1 and target["l"][1] == {"x": {}, "y": 2}
+    assert target["opt"]["state"] == {}  # type: ignore[index]
+    ss.save(tmp_path / "full", {"opt": opt.state_dict()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left out: no warning
+        ss.convert(tmp_path / "full", tmp_path / "d2", to="dcp")
+
+
+@pytest.mark.parametrize("element", [{}, {"x": {}}])
+def test_an_empty_dict_inside_a_list_of_tensors_is_refused_for_dcp(
+        tmp_path: Path, element: dict[str, object]) -> None:
+    """No DCP item holds it, so the list reads back as a dict {0: .., 2: ..} and dcp.load
+    into a matching target fails ('Missing key ... l.1'), as with dcp.save's own."""
+    ss.save(tmp_path / "ck", {"l": [torch.ones(2), element, 3]})
+    with pytest.raises(ss.UnsupportedTypeError,
+                       match=r"key path 'l/1' is an empty dict .* inside a list holding"):
+        ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    assert not os.path.exists(tmp_path / "d")
+
+
+@pytest.mark.parametrize("state", [
+    {"0": {0: 0, "0": {"w": np.ones(2)}}},  # '0/0' and '0/0/w': nested in each other
+    {"x": {0: {"a": np.ones(2)}, "0": {"b": np.ones(2)}}},  # would merge into one dict
+    {"x": {1: np.ones(2), "1": 2}},  # one FQN
+])
+def test_int_and_str_keys_written_alike_are_refused_for_dcp(tmp_path: Path,
+                                                            state: dict[str, object]) -> None:
+    """DCP stores dict keys as str: an int key and its str in one mapping were converted
+    when their FQNs differed, and read back flat ('0.0', '0.0.w') or merged."""
+    ss.save(tmp_path / "ck", state)
+    where = next(iter(state))
+    with pytest.raises(ss.UnsupportedTypeError,
+                       match=rf"mapping at key path '{where}' has the keys .* DCP stores alike"):
+        ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
+    assert not os.path.exists(tmp_path / "d")

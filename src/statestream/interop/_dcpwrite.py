@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from statestream.interop._torchwrite import (
     write_zip,
 )
 from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
-from statestream.tree import KeyPath, Node, format_keypath
+from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = ["write_dcp"]
 
@@ -49,21 +50,54 @@ def _walked(node: Node) -> bool:
     return any(c.kind == "array" or _walked(c) for c in node.children or [])
 
 
-def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]]) -> None:
+def _items(node: Node, p: KeyPath, out: list[tuple[KeyPath, Node]],
+           empty: list[KeyPath], at: KeyPath = ()) -> None:
     """DCP's flattening: mappings and lists holding tensors or mappings are walked,
-    anything else is one item."""
+    anything else is one item. ``p``: the planner path (mapping keys as str); ``at``:
+    the key path; ``empty``: the empty mappings, which hold no item (left out)."""
     if node.kind == "stateful":
-        _items((node.children or [])[0], p, out)
+        _items((node.children or [])[0], p, out, empty, at)
         return
     kids = node.children or []
     if node.kind == "list" and _walked(node):
         for i, c in enumerate(kids):
-            _items(c, p + (i,), out)
+            n = len(out)
+            _items(c, p + (i,), out, empty, at + (i,))
+            if len(out) == n:  # dcp.load of what dcp.save writes then fails too
+                raise UnsupportedTypeError(
+                    f"key path '{format_keypath(at + (i,))}' is an empty dict (or holds "
+                    "only empty dicts) inside a list holding tensors: DCP stores no item "
+                    "for it, so the list cannot be read back (dcp.load into a matching "
+                    "state dict fails with 'Missing key'); remove it or store the list "
+                    "as a dict to convert")
     elif node.kind in _MAPPINGS:  # DCP's planner paths hold mapping keys as str
+        if not kids:
+            empty.append(at)
+        seen: dict[str, Key] = {}
         for k, c in zip(node.keys or [], kids):
-            _items(c, p + (str(k),), out)
+            if str(k) in seen:  # their items would nest in (or merge with) each other
+                raise UnsupportedTypeError(
+                    f"the mapping at key path '{format_keypath(at)}' has the keys "
+                    f"{seen[str(k)]!r} and {k!r}, which DCP stores alike (its dict keys "
+                    "are str): what they hold would nest in or merge with each other "
+                    "when read; rename one to convert")
+            seen[str(k)] = k
+            _items(c, p + (str(k),), out, empty, at + (k,))
     else:
         out.append((p, node))
+
+
+def _warn_empty(empty: list[KeyPath], dst: str) -> None:
+    """An empty dict holds no DCP item: say which are left out (dcp.save drops them too)."""
+    if not empty:
+        return
+    names = ", ".join(f"'{format_keypath(p)}'" for p in empty[:8])
+    more = f" and {len(empty) - 8} more" if len(empty) > 8 else ""
+    warnings.warn(
+        f"converting to DCP leaves out empty dicts, which DCP cannot store (dcp.save "
+        f"drops them too): key path(s) {names}{more} are not in {dst}. dcp.load into a "
+        "state dict that has them leaves them as they are; read without one (ss.load, "
+        "convert back) they are missing (docs/interop.md)", UserWarning, stacklevel=4)
 
 
 def _has_array(node: Node) -> bool:
@@ -81,7 +115,8 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                            "writing DCP checkpoints")._StorageInfo
 
     items: list[tuple[KeyPath, Node]] = []
-    _items(root, (), items)
+    empty: list[KeyPath] = []
+    _items(root, (), items, empty)
     fqns: dict[str, KeyPath] = {}
     for p, node in items:
         fqn = ".".join(str(k) for k in p)
@@ -94,6 +129,7 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                 f"key path '{format_keypath(p)}' is a {node.kind} holding arrays, which DCP "
                 "stores only inside dicts and lists")
         fqns[fqn] = p
+    _warn_empty(empty, dst)
     small = small_bytes(root, specs, slabs)
     _claim(dst, overwrite, directory=True)
     staging = _staging_path(dst)
