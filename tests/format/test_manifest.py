@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,27 @@ def test_float_values_are_hex_and_exact(value: float) -> None:
 def test_float_nan_round_trips() -> None:
     back = _leaf_round_trip(Node("float", value=float("nan")))
     assert math.isnan(back.value)
+
+
+def _bits(x: float) -> str:
+    return struct.pack("<d", x).hex()
+
+
+@pytest.mark.parametrize(("bits", "written", "read"), [
+    ("000000000000f87f", "nan", "000000000000f87f"),
+    ("000000000000f8ff", "-nan", "000000000000f8ff"),  # -nan: was written "nan"
+    ("010000000000f8ff", "-nan", "000000000000f8ff"),  # its payload is not kept
+    ("010000000000f07f", "nan", "000000000000f87f"),   # nor a signaling NaN's
+])
+def test_a_float_nan_keeps_its_sign_not_its_payload(bits: str, written: str,
+                                                     read: str) -> None:
+    """A plain float NaN is written "nan" or "-nan", which every reader's
+    float.fromhex parses (readers from before 2026-12-06 too); a NaN's payload
+    bits are not kept (arrays keep every bit: docs/format.md)."""
+    value = struct.unpack("<d", bytes.fromhex(bits))[0]
+    assert _leaf_doc(Node("float", value=value)) == {"t": "float", "v": written}
+    assert _bits(float.fromhex(written)) == read  # what every reader's decoder does
+    assert _bits(_leaf_round_trip(Node("float", value=value)).value) == read
 
 
 def test_negative_zero_keeps_sign() -> None:

@@ -163,6 +163,15 @@ def _encode_kids(out: dict[str, Any], kids: list[Node], compact: bool) -> None:
     out["c"] = [_encode_node(c, compact) for c in kids]
 
 
+def _float_text(x: float) -> str:
+    """``float.hex()``, and ``-nan`` for a NaN whose sign is set (``hex()`` gives "nan"):
+    ``float.fromhex`` (every reader's) parses it with its sign. A NaN's payload is not
+    kept."""
+    if x != x and math.copysign(1.0, x) < 0:
+        return "-nan"
+    return x.hex()
+
+
 def _encode_node(node: Node, compact: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"t": node.kind}
     k = node.kind
@@ -182,7 +191,7 @@ def _encode_node(node: Node, compact: bool = False) -> dict[str, Any]:
     elif k == "int":
         out["v"] = format(int(node.value), "x")
     elif k == "float":
-        out["v"] = float(node.value).hex()
+        out["v"] = _float_text(float(node.value))
     elif k == "str":
         out["v"] = str(node.value)
     elif k in _ARRAY_KINDS or k == "alias":
