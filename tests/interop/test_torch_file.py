@@ -309,3 +309,20 @@ def test_a_tensor_statestream_cannot_hold_is_named_not_foreign_code_nor_damage(
     with pytest.raises(ss.UnsupportedTypeError, match=what.replace("(", r"\(").replace(")", r"\)")):
         ss.metadata(path)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_a_numpy_scalar_converted_to_torch_becomes_a_0d_tensor(tmp_path: Path, to: str) -> None:
+    """As docs/interop.md says: a torch file (or DCP item) holds a 0-d tensor, read back
+    as a 0-d array without a target and as the NumPy scalar into one that holds it."""
+    ss.save(tmp_path / "ck", {"u": np.uint16(5), "f": np.float32(1.5)})
+    dst = tmp_path / ("c.pt" if to == "torch" else "d")
+    ss.convert(tmp_path / "ck", dst, to=to)
+    back = ss.load(dst)
+    assert type(back["u"]) is np.ndarray and back["u"].shape == () and back["u"].dtype == np.uint16
+    assert back["u"] == 5 and back["f"] == np.float32(1.5)
+    got = ss.load(dst, target={"u": np.uint16(0), "f": np.float32(0)})
+    assert type(got["u"]) is np.uint16 and got["u"] == 5 and type(got["f"]) is np.float32
+    if to == "torch":
+        t = torch.load(dst, weights_only=True)["u"]
+        assert t.dtype == torch.uint16 and t.shape == () and int(t) == 5
