@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -307,3 +312,73 @@ def test_optimizer_states_are_read_and_weights_mapped(tmp_path):
     assert torch.equal(moment, big * 2) and torch.equal(got["state_dict"]["w"], big)
     assert (_mapped_file(got["state_dict"]["w"]) or "").startswith(str(path))
     assert not (_mapped_file(moment) or "").startswith(str(path))
+
+
+KILLED_REMOVAL = textwrap.dedent("""
+    import sys
+    import torch
+    torch.set_num_threads({threads})
+    sys.path.insert(0, {here!r})
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_lightning import Net, data, trainer
+    from statestream.integrations.lightning import StatestreamCheckpointIO
+    from statestream.testing import faults
+    # top-k (2) saves epoch=2, then removes epoch=0: killed with its commit marker gone
+    faults.kill_at("delete.uncommitted")
+    top = ModelCheckpoint(dirpath={ckdir!r}, monitor="epoch_score", mode="max", save_top_k=2,
+                          save_last=True, filename="{{epoch}}")
+    trainer({root!r}, 3, StatestreamCheckpointIO(), [top]).fit(Net(), data())
+""")
+
+
+def test_a_removal_killed_part_way_is_finished_by_the_next(tmp_path, caplog):
+    # Lightning's top-k removal killed after the commit marker went: the directory
+    # (manifest and data) stayed, and the resumed run's removal of it logged "is not a
+    # statestream checkpoint; left alone" and kept it (a checkpoint's size, forever);
+    # a save to that path raised CheckpointExistsError.
+    straight = trainer(tmp_path / "a", 4, StatestreamCheckpointIO())
+    straight.fit(Net(), data())
+    ckdir = tmp_path / "ck"
+    code = KILLED_REMOVAL.format(here=os.path.dirname(__file__), ckdir=str(ckdir),
+                                 root=str(tmp_path / "b"), threads=torch.get_num_threads())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert ckpt_names(ckdir) == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt"]
+    assert not (ckdir / "epoch=0.ckpt" / "COMMITTED").exists()
+    assert ss.load(ckdir / "last.ckpt", items=["epoch"]) == {"epoch": 1}
+
+    top = ModelCheckpoint(dirpath=ckdir, monitor="epoch_score", mode="max", save_top_k=2,
+                          save_last=True, filename="{epoch}")
+    resumed = trainer(tmp_path / "c", 4, StatestreamCheckpointIO(), [top])
+    with caplog.at_level(logging.WARNING, logger="statestream"):
+        resumed.fit(Net(seed=5), data(), ckpt_path="last")
+    assert "left alone" not in caplog.text
+    # epoch=2.ckpt is the killed run's (Lightning saves the resumed run's as epoch=2-v1)
+    assert ckpt_names(ckdir) == ["epoch=2-v1.ckpt", "epoch=2.ckpt", "epoch=3.ckpt", "last.ckpt"]
+    assert_bitwise_equal(snapshot(straight), snapshot(resumed))
+
+
+def test_remains_of_a_killed_removal_are_replaced_but_nothing_else(tmp_path):
+    io = StatestreamCheckpointIO()
+    path = tmp_path / "x.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    (path / "COMMITTED").unlink()  # what a removal killed after its first step leaves
+    io.save_checkpoint({"w": torch.zeros(3)}, path)  # raised CheckpointExistsError
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.zeros(3))
+    (path / "COMMITTED").unlink()
+    (path / "manifest.json").unlink()  # killed further on: data files only
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    for other in ({"manifest.json": b'{"a": 1}'}, {"manifest.json": b"x", "notes.txt": b"x"},
+                  {"data/model.pt": b"x"}):  # not statestream's: left alone
+        d = tmp_path / "other"
+        for name, body in other.items():
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            (d / name).write_bytes(body)
+        io.remove_checkpoint(d)
+        with pytest.raises(ss.CheckpointExistsError):
+            io.save_checkpoint({"w": torch.ones(1)}, d)
+        assert sorted(p.name for p in d.rglob("*") if p.is_file()) == sorted(
+            os.path.basename(n) for n in other)
+        shutil.rmtree(d)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -49,6 +50,7 @@ from lightning.fabric.plugins import CheckpointIO
 import statestream as ss
 from statestream.api._pickles import AllowPickle
 from statestream.errors import CheckpointError, InvalidOptionTypeError
+from statestream.format import DATA_DIR, FORMAT_NAME, MANIFEST_NAME
 from statestream.storage import storage_for
 
 __all__ = ["AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO"]
@@ -127,6 +129,8 @@ class StatestreamCheckpointIO(CheckpointIO):
             )
         key = os.fspath(path)
         self._reap(key, wait=False)
+        if _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
+            storage_for(key)[0].delete(key)
         kwargs: dict[str, Any] = {
             "overwrite": True,  # Lightning rewrites last.ckpt in place
             "pickle_paths": ["<root>"] if self.pickle else (),
@@ -191,13 +195,15 @@ class StatestreamCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the statestream checkpoint at ``path`` (its commit marker first).
 
-        Anything else there (a ``torch.save`` file of an earlier run) is left
-        alone with a warning in the log; a missing path is not an error.
+        What a removal killed part-way left (its commit marker gone, files of it
+        still there) is removed too. Anything else there (a ``torch.save`` file of
+        an earlier run) is left alone with a warning in the log; a missing path is
+        not an error.
         """
         key = os.fspath(path)
         self._reap(key, wait=True)
         storage, spath = storage_for(key)
-        if storage.is_committed(spath):
+        if storage.is_committed(spath) or _interrupted_deletion(key):
             storage.delete(spath)
             log.debug("removed checkpoint %s", key)
         elif "://" not in key and os.path.lexists(key):
@@ -248,6 +254,36 @@ class AsyncStatestreamCheckpointIO(StatestreamCheckpointIO):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("async_save", True)
         super().__init__(**kwargs)
+
+
+#: A data file's name in a checkpoint's ``data/`` (``r<rank>-<n>.bin`` and the like).
+_DATA_FILE = re.compile(r"^r\d+-\d+[.\w-]*$")
+
+
+def _interrupted_deletion(key: str) -> bool:
+    """Whether local ``key`` is what a killed deletion of a statestream checkpoint
+    left: a directory without a commit marker (a deletion removes it first) that
+    holds nothing but a statestream manifest and data files (or their empty ``data/``).
+
+    Such a directory loads as nothing and is no one else's: :meth:`remove_checkpoint`
+    removes it and a save replaces it (storage refuses to replace an uncommitted
+    directory, which could be anyone's).
+    """
+    if "://" in key or os.path.islink(key) or not os.path.isdir(key):
+        return False
+    try:
+        names = set(os.listdir(key))
+        data = os.path.join(key, DATA_DIR)
+        files = os.listdir(data) if DATA_DIR in names else []
+        if not names or not names <= {MANIFEST_NAME, DATA_DIR} or not all(
+                _DATA_FILE.match(f) and os.path.isfile(os.path.join(data, f)) for f in files):
+            return False
+        if MANIFEST_NAME in names:
+            with open(os.path.join(key, MANIFEST_NAME), "rb") as f:
+                return f.read(64).startswith(b'{"format":"%s",' % FORMAT_NAME.encode())
+        return True
+    except OSError:
+        return False
 
 
 #: Top-level keys of a Lightning checkpoint whose tensors become an object's state.
