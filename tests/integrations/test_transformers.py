@@ -247,3 +247,59 @@ def test_saving_a_step_again_replaces_it_and_leftovers_go(tmp_path):
     saved = ss.load(tmp_path / "checkpoint-6" / "statestream", items=["model"])["model"]
     assert torch.equal(torch.as_tensor(saved["lm_head.weight"]),
                        trainer.model.lm_head.weight.detach())
+
+
+RESAVE_KILLED = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    sys.path.insert(0, {here!r})
+    from test_transformers import StopAt, make
+    import statestream.integrations.transformers as integration
+    from statestream.integrations.transformers import StatestreamTrainer
+    _, trainer = make(StatestreamTrainer, {out!r}, callbacks=[StopAt(6)], async_save=False,
+                      args={{"save_total_limit": None}})
+    trainer.train()
+    if {two_renames!r}:  # a file system without renameat2
+        integration._rename2 = lambda src, dst, flags: False
+    real = os.rename
+    def rename(src, dst):
+        real(src, dst)
+        if dst.endswith(".old"):  # the old checkpoint moved aside, the new one not in
+            os.kill(os.getpid(), signal.SIGKILL)
+    integration.os.rename = rename
+    with torch.no_grad():
+        trainer.model.lm_head.weight.add_(1.0)
+    trainer._save_checkpoint(trainer.model, None)  # step 6 again
+    print("saved")
+""")
+
+
+class StepAtBegin(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+@pytest.mark.parametrize("two_renames", [False, True], ids=["renameat2", "two renames"])
+def test_a_step_saved_again_and_killed_while_replacing_keeps_a_checkpoint(
+        tmp_path, reference, two_renames):
+    # Saving a step again moved the old checkpoint aside, then renamed the new one in;
+    # killed between the two, no checkpoint-6 was in place: the resume took step 3 and
+    # the next save deleted both complete copies. Now one atomic swap (renameat2), and
+    # without it the old one is put back before transformers looks for the last one.
+    out = tmp_path / "out"
+    code = RESAVE_KILLED.format(here=os.path.dirname(__file__), out=str(out),
+                                two_renames=two_renames)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=200)
+    if two_renames:
+        assert proc.returncode == -9, proc.stderr[-3000:]
+        assert "checkpoint-6" not in os.listdir(out) and ".checkpoint-6.old" in os.listdir(out)
+    else:  # no window: the swap is one rename(2)
+        assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+    begin = StepAtBegin()
+    model, trainer = make(StatestreamTrainer, out, seed=1, callbacks=[begin])
+    trainer.train(resume_from_checkpoint=True)
+    assert begin.step == 6  # resumed from step 6, not step 3
+    assert not [n for n in os.listdir(out) if n.endswith((".old", ".partial"))]
+    if two_renames:  # the old checkpoint of step 6: training from it ends as the reference
+        assert_same(weights(model), reference)

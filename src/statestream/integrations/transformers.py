@@ -77,7 +77,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 import statestream as ss
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.storage import storage_for
-from statestream.storage._local import fsync_dir
+from statestream.storage._local import _RENAME_EXCHANGE, _rename2, fsync_dir
 
 __all__ = ["StatestreamCheckpointing", "StatestreamTrainer", "is_statestream_checkpoint"]
 
@@ -96,6 +96,33 @@ def is_statestream_checkpoint(path: str | os.PathLike[str]) -> bool:
         return False
     storage, where = storage_for(inner)
     return storage.is_committed(where)
+
+
+def restore_replaced(run_dir: str) -> list[str]:
+    """Put ``checkpoint-<step>`` back from ``.checkpoint-<step>.old`` where a save of
+    that step again was killed after moving the old one aside and before renaming the
+    new one in (a file system without renameat2: two renames), so no checkpoint of the
+    step was in place; the paths restored. The new one never completed: the old one is
+    the step's checkpoint."""
+    try:
+        entries = sorted(os.listdir(run_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    restored = []
+    for entry in entries:
+        m = _PARTIAL.match(entry)
+        if m is None or m[2] != "old":
+            continue
+        old = os.path.join(run_dir, entry)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{m[1]}")
+        if os.path.lexists(final) or not is_statestream_checkpoint(old):
+            continue
+        os.rename(old, final)
+        fsync_dir(run_dir)
+        log.warning("statestream: restored %s from %s: a save of the same step again was "
+                    "killed while replacing it", final, old)
+        restored.append(final)
+    return restored
 
 
 def _rng_state() -> dict[str, Any]:
@@ -203,6 +230,10 @@ class StatestreamCheckpointing:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; returns once the last checkpoint is in place."""
+        t: Any = self
+        if t.args.should_save:  # before transformers looks for the last checkpoint
+            restore_replaced(t.args.output_dir)
+        t.accelerator.wait_for_everyone()
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -305,12 +336,16 @@ class StatestreamCheckpointing:
         fsync_dir(partial)
         final = os.path.join(run_dir, name)
         if os.path.lexists(final):  # the same step saved again: the new one wins
-            old = os.path.join(run_dir, f".{name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(partial, final)
-            fsync_dir(run_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            if _rename2(partial, final, _RENAME_EXCHANGE):  # one atomic swap
+                fsync_dir(run_dir)
+                shutil.rmtree(partial, ignore_errors=True)  # the old one now
+            else:  # a kill between the renames: restore_replaced puts the old one back
+                old = os.path.join(run_dir, f".{name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(partial, final)
+                fsync_dir(run_dir)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(partial, final)
             fsync_dir(run_dir)
@@ -342,7 +377,9 @@ class StatestreamCheckpointing:
     @staticmethod
     def _remove_partials(run_dir: str, keep: str) -> None:
         """Remove ``.checkpoint-<step>.partial`` (and ``.old``) directories that earlier
-        saves left (a crash)."""
+        saves left (a crash), after putting back a replaced checkpoint no new one took
+        the place of (:func:`restore_replaced`)."""
+        restore_replaced(run_dir)
         for entry in os.listdir(run_dir):
             path = os.path.join(run_dir, entry)
             if _PARTIAL.match(entry) and path != keep:
