@@ -260,7 +260,7 @@ RESAVE_KILLED = textwrap.dedent("""
                       args={{"save_total_limit": None}})
     trainer.train()
     if {two_renames!r}:  # a file system without renameat2
-        integration._rename2 = lambda src, dst, flags: False
+        integration.exchange_paths = lambda a, b: False
     real = os.rename
     def rename(src, dst):
         real(src, dst)

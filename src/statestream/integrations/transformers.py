@@ -77,7 +77,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 import statestream as ss
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.storage import storage_for
-from statestream.storage._local import _RENAME_EXCHANGE, _rename2, fsync_dir
+from statestream.storage._local import exchange_paths, fsync_dir
 
 __all__ = ["StatestreamCheckpointing", "StatestreamTrainer", "is_statestream_checkpoint"]
 
@@ -336,7 +336,7 @@ class StatestreamCheckpointing:
         fsync_dir(partial)
         final = os.path.join(run_dir, name)
         if os.path.lexists(final):  # the same step saved again: the new one wins
-            if _rename2(partial, final, _RENAME_EXCHANGE):  # one atomic swap
+            if exchange_paths(partial, final):  # one atomic swap
                 fsync_dir(run_dir)
                 shutil.rmtree(partial, ignore_errors=True)  # the old one now
             else:  # a kill between the renames: restore_replaced puts the old one back

@@ -35,7 +35,7 @@ from statestream.storage._local_lease import (
 from statestream.storage._local_read import _LocalReader
 from statestream.storage._local_write import _LocalFileWriter
 
-__all__ = ["LocalStorage", "fsync_dir"]
+__all__ = ["LocalStorage", "exchange_paths", "fsync_dir"]
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -67,6 +67,12 @@ def _rename2(src: str, dst: str, flags: int) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), dst)
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic rename (renameat2 RENAME_EXCHANGE); False
+    where the kernel or file system does not support it (nothing was changed)."""
+    return _rename2(a, b, _RENAME_EXCHANGE)
 
 
 def fsync_dir(path: str) -> None:
