@@ -398,7 +398,7 @@ def test_a_lease_taken_over_stops_the_manager(storage: S3Storage, base_url: str)
         bucket, key = split_url(f"{url}/.statestream.lock")
         storage._put(bucket, key, b'{"holder": "pid 1 on elsewhere", "ttl_s": 60}')
         deadline = time.monotonic() + 60
-        while mgr._lease is not None and mgr._lease._lost is None:
+        while mgr._hold.lease is not None and mgr._hold.lease._lost is None:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         with pytest.raises(ss.ManagerLockedError, match="lost its lease"):

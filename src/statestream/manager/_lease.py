@@ -19,8 +19,8 @@ from statestream.errors import CheckpointError, ManagerLockedError, StorageError
 from statestream.manager._steps import StepDirectory
 from statestream.storage import Lease, LocalStorage, Storage
 
-__all__ = ["DirectoryLease", "LeaseNotRenewedError", "OpenedLease", "close_after",
-           "holder_name", "open_lease", "take_lease", "warn_deferred"]
+__all__ = ["DirectoryHold", "DirectoryLease", "LeaseNotRenewedError", "OpenedLease",
+           "close_after", "holder_name", "open_lease", "take_lease", "warn_deferred"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -242,6 +242,64 @@ def take_lease(directory: StepDirectory, ttl_s: float) -> DirectoryLease:
         lease.release()
         raise
     return lease
+
+
+class DirectoryHold:
+    """A manager's hold on its directory, as this rank sees it: rank 0's lease (taken
+    when the manager opened, or late: after an outage at open, before the first
+    persistence of a local tier), why the directory is read-only, and a refusal
+    that stands for good once a late lease found another manager holding it."""
+
+    def __init__(self, directory: StepDirectory, opened: OpenedLease, ttl_s: float) -> None:
+        self._dir = directory
+        self._ttl_s = ttl_s
+        #: rank 0's lease (None on the other ranks, and while not taken)
+        self.lease = opened.lease
+        #: why the directory is read-only (None: it is not)
+        self.read_only = opened.read_only
+        #: why another manager's lease keeps this one from the directory (a lease
+        #: taken late, after an outage at open, found it held)
+        self.refused: ManagerLockedError | None = None
+
+    @property
+    def deletes(self) -> bool:
+        """Whether this process deletes from the directory: it holds the lease of a
+        writable one (a read-only directory or a lost lease deletes nothing)."""
+        return self.lease is not None and self.read_only is None
+
+    def ensure(self) -> None:
+        """Rank 0, on the persistence worker, before each persistence (agreed by the
+        tier): the lease taken, if the manager opened while its store could not be
+        reached, and still held (renewed first if no renewal went through for longer
+        than its ttl: a persistence never writes where another manager may)."""
+        if self.lease is None:
+            if self.refused is not None:  # refused once: never again (as a lost lease)
+                raise self.refused
+            try:
+                self.lease = take_lease(self._dir, self._ttl_s)
+            except ManagerLockedError as exc:
+                self.refused = exc  # the next save raises it on every rank
+                raise
+        self.lease.check()
+
+    def check_writable(self, *, confirm: bool = True) -> None:
+        """Raise unless rank 0 still holds the lease (rank 0 alone decides); without
+        ``confirm`` (a local tier's save) it does not wait for the store."""
+        if self.refused is not None:
+            raise ManagerLockedError(
+                f"{self._dir.directory} is managed by another CheckpointManager, found "
+                f"when this one took the directory's lease after the store came back "
+                f"({self.refused}); it saves and deletes nothing any more; its steps since "
+                "stay in its local tier") from self.refused
+        if self.lease is not None:
+            self.lease.check(confirm=confirm)
+        elif self.read_only is not None:  # another rank's view: rank 0 found it read-only
+            raise CheckpointError(f"{self._dir.directory} is read-only: {self.read_only}")
+
+    def release(self) -> None:
+        """Give the lease up (nothing without one)."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 def warn_deferred(directory: str, local_tier: str, why: str) -> None:

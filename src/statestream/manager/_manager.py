@@ -23,10 +23,10 @@ from statestream.errors import (
 )
 from statestream.manager._decide import SaveDecisions, check_can_arm
 from statestream.manager._lease import (
+    DirectoryHold,
     LeaseNotRenewedError,
     close_after,
     open_lease,
-    take_lease,
     warn_deferred,
 )
 from statestream.manager._policies import (
@@ -36,7 +36,6 @@ from statestream.manager._policies import (
     best_metrics,
     check_policy,
     drops_for_good,
-    is_score,
     warn_missing_metrics,
 )
 from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
@@ -161,25 +160,20 @@ class CheckpointManager:
             lambda: (self._last_saved_step, self._last_saved_time))
         opened = open_lease(self._coll, self._dir, lease_ttl_s,
                             may_defer=local_tier is not None)
-        self._lease, self._read_only = opened.lease, opened.read_only
-        self._lease_ttl_s = lease_ttl_s
-        #: why another manager's lease keeps this one from the directory (a lease
-        #: taken late, after an outage at open, found it held)
-        self._refused: ManagerLockedError | None = None
+        self._hold = DirectoryHold(self._dir, opened, lease_ttl_s)
         self._tier: LocalTier | None = None
         if local_tier is not None:
             if opened.deferred is not None:
                 warn_deferred(self.directory, os.fspath(local_tier), opened.deferred)
             try:
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
-                                       self._coll, self._read_only,
+                                       self._coll, self._hold.read_only,
                                        replicate_to_peers, self._keep_after_persist,
                                        keep_policy if drops_for_good(keep_policy) else None,
                                        (memory or MemoryOptions()).resolved(),
-                                       take_lease=self._hold_lease)
+                                       take_lease=self._hold.ensure)
             except BaseException:
-                if self._lease is not None:  # a manager that failed to open holds nothing
-                    self._lease.release()
+                self._hold.release()  # a manager that failed to open holds nothing
                 raise
         self._last_saved_step = self._agreed_latest()
         if preemption:
@@ -188,7 +182,7 @@ class CheckpointManager:
     @property
     def read_only(self) -> bool:
         """True if the directory could not be written when the manager opened it."""
-        return self._read_only is not None
+        return self._hold.read_only is not None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> CheckpointManager:
@@ -208,8 +202,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._decisions.restore_sigterm()
-            if self._lease is not None:
-                self._lease.release()
+            self._hold.release()
             if self._tier is not None:
                 self._tier.close()
 
@@ -230,25 +223,12 @@ class CheckpointManager:
         try:
             self._apply_keep_policy(directory=directory)
             if check:
-                self._check_writable()
+                self._hold.check_writable(confirm=self._tier is None)
             if then is not None:
                 then()
         except Exception as exc:  # noqa: BLE001 - agreed and raised on every rank
             err = exc
         agree(self._coll, phase, err, outcome=outcome)
-
-    def _check_writable(self) -> None:
-        """Raise unless rank 0 still holds the lease (rank 0 alone decides)."""
-        if self._refused is not None:
-            raise ManagerLockedError(
-                f"{self.directory} is managed by another CheckpointManager, found when this "
-                f"one took the directory's lease after the store came back ({self._refused}); "
-                "it saves and deletes nothing any more; its steps since stay in its local "
-                "tier") from self._refused
-        if self._lease is not None:  # a local tier's save does not wait for the store
-            self._lease.check(confirm=self._tier is None)
-        elif self._read_only is not None:  # another rank's view: rank 0 found it read-only
-            raise CheckpointError(f"{self.directory} is read-only: {self._read_only}")
 
     # ------------------------------------------------------------------ discovery
     def step_path(self, step: int) -> str:
@@ -318,13 +298,7 @@ class CheckpointManager:
         """
         if mode not in ("min", "max"):
             raise InvalidOptionError(f"best_step mode must be 'min' or 'max', got {mode!r}")
-        scored = [(float(si.metrics[metric]), si.step) for si in self._retention.infos()
-                  if is_score(si.metrics.get(metric))]
-        if not scored:
-            return None
-        if mode == "min":
-            return min(scored)[1]
-        return min((-v, s) for v, s in scored)[1]
+        return self._retention.best(metric, mode)
 
     # ------------------------------------------------------------------ policies
     def should_save(self, step: int) -> bool:
@@ -518,21 +492,6 @@ class CheckpointManager:
         if directory:
             self._apply_directory_keep()
 
-    def _hold_lease(self) -> None:
-        """Rank 0, on the persistence worker, before each persistence (agreed by the
-        tier): the directory's lease taken, if the manager opened while its store could
-        not be reached, and still held (renewed first if no renewal went through for
-        longer than its ttl: a persistence never writes where another manager may)."""
-        if self._lease is None:
-            if self._refused is not None:  # refused once: never again (as a lost lease)
-                raise self._refused
-            try:
-                self._lease = take_lease(self._dir, self._lease_ttl_s)
-            except ManagerLockedError as exc:
-                self._refused = exc  # the next save raises it on every rank
-                raise
-        self._lease.check()
-
     def _keep_after_persist(self) -> None:
         """The directory's keep policy, on the persistence worker (a lost lease, or one
         the store did not renew for longer than its ttl, is reported by the next
@@ -544,11 +503,11 @@ class CheckpointManager:
 
     def _apply_directory_keep(self, *, after_persist: bool = False) -> None:
         # Only the lease holder deletes; a read-only or lost lease deletes nothing.
-        if self._coll.rank != 0 or self._lease is None or self._read_only is not None:
+        if self._coll.rank != 0 or not self._hold.deletes:
             return
         if self._tier is not None and self._tier.directory_failing and not after_persist:
             return  # the store is down: tried again once a persistence went through
-        self._lease.check()
+        self._hold.ensure()
         protected = self._pending_steps() | self._resumed.kept(self._dir.steps)
         if self._tier is not None:
             protected |= self._tier.bases_to_keep()

@@ -13,7 +13,7 @@ from statestream import _hooks
 from statestream.api import metadata
 from statestream.api._options import meta_option
 from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
-from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo
+from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score
 from statestream.manager._steps import StepDirectory, parse_step
 
 __all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info",
@@ -192,6 +192,17 @@ class Retention:
         listed = set(self.listed())
         return [si for si in map(self._info, self._steps.steps())
                 if si is not None and si.step in listed]
+
+    def best(self, metric: str, mode: str) -> int | None:
+        """The listed step with the lowest (``"min"``) or highest (``"max"``) ``metric``;
+        steps without it (or with NaN) do not count; on a tie the earliest wins."""
+        scored = [(float(si.metrics[metric]), si.step) for si in self.infos()
+                  if is_score(si.metrics.get(metric))]
+        if not scored:
+            return None
+        if mode == "min":
+            return min(scored)[1]
+        return min((-v, s) for v, s in scored)[1]
 
     def listed(self) -> list[int]:
         """The committed steps, without the retired ones (see the class docstring) and
