@@ -57,7 +57,7 @@ from statestream.interop._safetensors import (
     find_single,
 )
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
-from statestream.storage import LocalStorage, Storage, staging_dir, storage_for
+from statestream.storage import FileWriter, LocalStorage, Storage, staging_dir, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -271,6 +271,7 @@ def _commit_statestream(storage: Storage, path: str, *, overwrite: bool, root: N
     """``write_statestream``'s checkpoint, written and committed at ``path`` by ``storage``."""
     txn = storage.begin_write(path, overwrite=overwrite)
     packed = codecs is not None and any(c is not None for c in codecs)
+    fw: FileWriter | None = None
     try:
         name = "data/r0-0.bin"
         offsets, total = _layout(specs, slab_bytes)
@@ -296,7 +297,9 @@ def _commit_statestream(storage: Storage, path: str, *, overwrite: bool, root: N
                     chunks.append(entry)
                 del buf  # before the next slab is read: one at a time
             arrays.append(ArrayEntry(dtype, tuple(shape), tuple(chunks)))
-        fw.finish()
+        done = fw
+        fw = None  # finish closes it, whatever happens
+        done.finish()
         size = end if packed else total
         data_bytes = sum(math.prod(s) * itemsize_of(d) for d, s in specs)
         full = {**meta, "library": f"statestream {__version__}", "created_unix": time.time(),
@@ -306,6 +309,8 @@ def _commit_statestream(storage: Storage, path: str, *, overwrite: bool, root: N
         txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
         txn.commit()
     except BaseException:
+        if fw is not None:  # its descriptors would hold the removed file's space
+            fw.abort()
         txn.abort()
         raise
 

@@ -1,0 +1,91 @@
+"""``convert`` when writing fails part-way: a real full file system (a small tmpfs, root
+only) and a damaged source. The error names the file being written and carries its
+errno, nothing is left at ``dst`` or beside it, and no descriptor stays open on the
+staging files (a deleted file held open keeps its space: on a full disk every failed
+conversion would have made it fuller)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+
+# (to, dst name, extra convert arguments)
+_TARGETS = [
+    ("statestream", "out", {}),
+    ("statestream", "out", {"compression": "zstd"}),
+    ("safetensors", "out.safetensors", {}),
+    ("safetensors", "out", {"max_shard_bytes": 1 << 20}),
+]
+_IDS = ["statestream", "statestream-zstd", "safetensors", "safetensors-shards"]
+
+
+def _source(path: Path) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(0)
+    state = {"w": g.standard_normal((1024, 1024)).astype(np.float32),  # 4 MiB, incompressible
+             "b": np.arange(1000, dtype=np.float32)}
+    ss.save(path, state)
+    return state
+
+
+def _open_under(d: Path) -> list[str]:
+    """What this process holds open under ``d`` (deleted files included)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith(str(d) + os.sep):
+            held.append(target)
+    return held
+
+
+def _free(d: Path) -> int:
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize(("to", "name", "kw"), _TARGETS, ids=_IDS)
+def test_a_full_disk_names_the_file_and_holds_nothing(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path, to: str, name: str,
+        kw: dict[str, object]) -> None:
+    if to in ("torch", "dcp"):
+        pytest.importorskip("torch")
+    _source(tmp_path / "src")
+    d = mount_tmpfs("2m")
+    free = _free(d)
+    with pytest.raises(ss.StorageError) as ei:
+        ss.convert(tmp_path / "src", d / name, to=to, **kw)
+    assert ei.value.errno == errno.ENOSPC, ei.value
+    assert str(d) in str(ei.value), ei.value  # the file it was writing, not a bare OSError
+    assert os.listdir(d) == []
+    assert _open_under(d) == []
+    assert _free(d) == free  # the space the failed conversion wrote is free again
+
+
+def test_a_damaged_source_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """A statestream output being written when the source fails (a chunk whose checksum
+    does not match) is removed and its data file closed."""
+    _source(tmp_path / "src")
+    data = next((tmp_path / "src" / "data").iterdir())
+    with open(data, "r+b") as f:  # a byte of the last chunk: read after the first slabs
+        f.seek(os.path.getsize(data) - 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    out = tmp_path / "out"
+    mem = ss.MemoryOptions(memory_budget_bytes=1 << 20)  # several slabs
+    with pytest.raises(ss.CheckpointCorruptError, match=str(data.name)):
+        ss.convert(tmp_path / "src", out, to="statestream", memory=mem)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+    assert _open_under(tmp_path) == []
