@@ -24,8 +24,10 @@ _TARGETS = [
     ("statestream", "out", {"compression": "zstd"}),
     ("safetensors", "out.safetensors", {}),
     ("safetensors", "out", {"max_shard_bytes": 1 << 20}),
+    ("torch", "out.pt", {}),
+    ("dcp", "out", {}),
 ]
-_IDS = ["statestream", "statestream-zstd", "safetensors", "safetensors-shards"]
+_IDS = ["statestream", "statestream-zstd", "safetensors", "safetensors-shards", "torch", "dcp"]
 
 
 def _source(path: Path) -> dict[str, np.ndarray]:

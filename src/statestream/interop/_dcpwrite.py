@@ -27,7 +27,14 @@ from statestream.interop._torchwrite import (
     with_big_bytes,
     write_zip,
 )
-from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
+from statestream.interop._writers import (
+    ArraySpec,
+    Slabs,
+    _claim,
+    _publish,
+    _staging_path,
+    _writing,
+)
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = ["write_dcp"]
@@ -136,7 +143,8 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
     try:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
-        with open(os.path.join(staging, DATA_NAME), "wb") as f:
+        data_path = os.path.join(staging, DATA_NAME)
+        with _writing(data_path), open(data_path, "wb") as f:
             for fqn, (p, node) in zip(fqns, items):
                 start = f.tell()
                 if node.kind == "array":
@@ -161,7 +169,8 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
         planner = {fqn: tuple(p) for fqn, p in fqns.items()}  # ints: list indices
         meta = md.Metadata(state_dict_metadata=sdm, planner_data=planner,
                            storage_data=storage, storage_meta=md.StorageMeta())
-        with open(os.path.join(staging, ".metadata"), "wb") as f:
+        meta_path = os.path.join(staging, ".metadata")
+        with _writing(meta_path), open(meta_path, "wb") as f:
             pickle.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())

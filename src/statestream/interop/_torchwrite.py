@@ -25,7 +25,14 @@ from statestream.errors import PickleNotAllowedError, UnsupportedTypeError
 from statestream.format import itemsize_of
 from statestream.interop._deps import require
 from statestream.interop._torchfile import STORAGE_DTYPES
-from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
+from statestream.interop._writers import (
+    ArraySpec,
+    Slabs,
+    _claim,
+    _publish,
+    _staging_path,
+    _writing,
+)
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["StreamedPickle", "big_marker", "pickle_state", "python_state", "small_bytes",
@@ -142,7 +149,7 @@ def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     staging = _staging_path(dst)
     try:
         out = os.path.join(staging, "out.pt")
-        with open(out, "wb") as f:
+        with _writing(out), open(out, "wb") as f:
             write_zip(f, data, tensors, slabs)
             f.flush()
             os.fsync(f.fileno())

@@ -7,6 +7,7 @@ one slab at a time, never the state.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -161,6 +162,18 @@ def _claim(final: str, overwrite: bool, *, directory: bool) -> None:
         f"{final} exists and is {what}; this conversion writes {out} and never replaces "
         "it, not even with overwrite=True (only a file by a file, or an empty or "
         "checkpoint directory by a directory). Choose another path, or remove it yourself")
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """A file system failure (ENOSPC, EIO, EACCES) while writing ``path`` raised as a
+    ``StorageError`` naming it, with its errno (a bare OSError named no file)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise storage_error(f"writing {path} failed: {exc}", exc) from exc
 
 
 def _publish(staged: str, final: str) -> None:
@@ -515,7 +528,8 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
             weight_map.update((names[i], fname) for i in members)
         index = {"metadata": {"total_size": total, **metadata},
                  "weight_map": {n: weight_map[n] for n in names}}
-        with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+        ipath = os.path.join(staging, "model.safetensors.index.json")
+        with _writing(ipath), open(ipath, "w") as f:
             json.dump(index, f, indent=2)
         _publish(staging, dst)
         staging = ""
