@@ -14,6 +14,7 @@ import pytest
 
 import statestream as ss
 from statestream.format import encode_commit
+from statestream.testing import faults
 
 MB = 1 << 20
 
@@ -186,6 +187,30 @@ def test_loading_after_the_base_was_deleted_names_it(tmp_path: Path) -> None:
     rep = ss.verify(tmp_path / "s2")
     assert not rep.ok and "s1" in rep.problems[0]
     assert ss.metadata(tmp_path / "s2").bases == ["s1"]  # no data read: still describable
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_base_deleted_while_the_save_runs_fails_the_save(tmp_path: Path, mode: str) -> None:
+    """The base is checked when the save begins; one removed before the commit (someone's
+    own retention deleting old checkpoints while the next one is written) failed nothing:
+    the save reported success and committed a checkpoint that no load could read."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    s["lora"] = s["lora"] + 1
+    faults.on("save.data_synced", lambda: shutil.rmtree(tmp_path / "s1"))
+    try:
+        with pytest.raises(ss.CheckpointError, match="refers to chunks of s1, which is no "
+                           "longer committed") as err:
+            if mode == "sync":
+                ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+            else:
+                ss.save_async(tmp_path / "s2", s, base=tmp_path / "s1").result()
+    finally:
+        faults.clear()
+    assert str(tmp_path / "s2") in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing committed, nothing left
+    ss.save(tmp_path / "s2", s)  # a full save goes through
+    np.testing.assert_array_equal(ss.load(tmp_path / "s2")["lora"], s["lora"])
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])

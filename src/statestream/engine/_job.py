@@ -55,6 +55,7 @@ from statestream.engine._refs import (
     BaseChunks,
     base_chunks,
     base_name_for,
+    check_bases_committed,
     refuse_replacing_a_base,
     remember_committed,
 )
@@ -452,6 +453,8 @@ class SaveJob:
         merged, txn = self.merged, self.txn
         assert merged is not None and txn is not None and parts is not None
         manifest = self._built = build_manifest(merged, parts, self._meta())
+        check_bases_committed(self.storage, self.spath, {
+            c.ref.base for a in manifest.arrays for c in a.chunks if c.ref is not None})
         mbytes = encode_manifest(manifest)
         if self.multi:
             # Check the merged manifest exactly as a reader will (coverage, overlaps,

@@ -18,6 +18,7 @@ import json
 import math
 import threading
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ __all__ = [
     "BaseChunks",
     "base_chunks",
     "base_name_for",
+    "check_bases_committed",
     "chunk_digest",
     "digest_and_checksums",
     "remember_committed",
@@ -157,6 +159,19 @@ def _split(spath: str) -> tuple[str, str]:
 def sibling_path(spath: str, name: str) -> str:
     """The path of checkpoint ``name`` next to the checkpoint at ``spath``."""
     return f"{_split(spath)[0]}/{name}"
+
+
+def check_bases_committed(storage: Storage, spath: str, bases: Collection[str]) -> None:
+    """Refuse to commit ``spath`` while a checkpoint its references point into is no
+    longer committed: removed while the save ran (the base was checked when it began),
+    the new checkpoint could never be loaded, and its save must not report success."""
+    for name in sorted(bases):
+        there = sibling_path(spath, name)
+        if not storage.is_committed(there):
+            raise CheckpointError(
+                f"cannot commit {spath}: it refers to chunks of {name}, which is no longer "
+                f"committed at {there} (removed while this save was running?); nothing "
+                "was committed")
 
 
 def dependents_of(storage: Storage, spath: str) -> list[str]:
