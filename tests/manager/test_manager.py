@@ -597,6 +597,84 @@ def test_a_step_that_cannot_be_deleted_does_not_stop_the_saves(tmp_path, monkeyp
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_0000000006"]
 
 
+def _immutable(path, on: bool) -> None:
+    """``chattr +i``/``-i``: EPERM even for root (a read-only mount's errors, for one path)."""
+    r = subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"chattr is not available here: {r.stderr.strip()!r}")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="chattr needs root")
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_deletion_that_fails_after_the_marker_warns_and_is_tried_again(tmp_path,
+                                                                          incremental):
+    """A step's files that cannot be removed once its commit marker is gone (its data
+    directory immutable): the local storage ignored the error, so the keep policy
+    neither warned nor tried again, and the step's data stayed on disk until a manager
+    next opened the directory."""
+    with ss.CheckpointManager(tmp_path, keep_policy=ss.KeepLatest(1), async_save=False,
+                              incremental=incremental) as mgr:
+        mgr.save(1, state_at(1))
+        stuck = tmp_path / "step_0000000001" / "data"
+        _immutable(stuck, True)
+        try:
+            with pytest.warns(RuntimeWarning, match=r"could not delete .*step_0000000001 "
+                              r"\(deleting .* failed after it was uncommitted"):
+                mgr.save(2, state_at(2))
+                mgr.save(3, state_at(3))
+            assert mgr.steps() == [3]  # uncommitted: never listed, never loaded
+            assert (tmp_path / "step_0000000001").exists()
+        finally:
+            _immutable(stuck, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing fails now
+            mgr.save(4, state_at(4))  # the same manager finishes the deletion
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [
+            "step_0000000004"]
+        check_step(mgr, 4)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="chattr needs root")
+def test_a_manager_opens_beside_an_interrupted_deletion_it_cannot_finish(tmp_path):
+    """Opening removes what interrupted deletions left; one that cannot be removed warns
+    (the local storage now reports it) instead of failing the open."""
+    with ss.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))
+    (tmp_path / "step_0000000001" / "COMMITTED").unlink()  # a deletion killed there
+    _immutable(tmp_path / "step_0000000001" / "data", True)
+    try:
+        with pytest.warns(RuntimeWarning, match="could not remove .*step_0000000001"):
+            mgr = ss.CheckpointManager(tmp_path, async_save=False)
+        with mgr:
+            assert mgr.steps() == [2]
+            check_step(mgr, 2)
+    finally:
+        _immutable(tmp_path / "step_0000000001" / "data", False)
+    ss.CheckpointManager(tmp_path).close()  # removed now
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [
+        "step_0000000002"]
+
+
+def test_the_local_storage_reports_a_tree_it_could_not_remove(tmp_path):
+    from statestream.storage import LocalStorage
+
+    if os.geteuid() != 0 or sys.platform != "linux":
+        pytest.skip("chattr needs root")
+    ss.save(tmp_path / "ck", state_at(1))
+    _immutable(tmp_path / "ck" / "data", True)
+    try:
+        with pytest.raises(ss.StorageError, match="failed after it was uncommitted") as ei:
+            LocalStorage().delete(str(tmp_path / "ck"))
+        assert str(tmp_path / "ck") in str(ei.value)
+        with pytest.raises(ss.CheckpointError):
+            ss.load(tmp_path / "ck")  # uncommitted first: what is left never loads
+    finally:
+        _immutable(tmp_path / "ck" / "data", False)
+    LocalStorage().delete(str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
+
+
 def _wait_flag(mgr) -> None:
     for _ in range(1000):  # the Python handler runs at the next bytecode boundary
         if mgr._decisions.preempted.is_set():

@@ -152,6 +152,9 @@ class Retention:
         #: unreadable steps already warned about, and why each could not be read
         self._warned: set[int] = set()
         self._why: dict[int, str] = {}
+        #: steps whose deletion failed after their commit marker was removed: no
+        #: listing shows them again (they are not committed), so apply retries them
+        self._unfinished: set[int] = set()
 
     def forget(self, step: int) -> None:
         with self._lock:
@@ -302,6 +305,7 @@ class Retention:
             RuntimeWarning: a step could not be deleted (names it and the cause),
                 or the directory could not be listed.
         """
+        self._finish_deletions()
         try:
             steps = self._steps.steps()
         except OSError as exc:  # StorageError included: a store that is down
@@ -316,10 +320,31 @@ class Retention:
             try:
                 self._steps.delete(s)  # marker first, then data
             except OSError as exc:  # StorageError included
+                if self._uncommitted(s):
+                    self._unfinished.add(s)
                 _warn_not_deleted(self._steps.path(s), dropped[i + 1:], exc)
                 return dropped[:i]
             _hooks.fire("manager.step_deleted")
         return dropped
+
+    def _uncommitted(self, step: int) -> bool:
+        try:
+            return not self._steps.is_committed(step)
+        except OSError:  # cannot tell: a committed step is listed, and retried, anyway
+            return False
+
+    def _finish_deletions(self) -> None:
+        """Delete again what a failed deletion left after removing a step's commit
+        marker (a step that is not committed is never listed, so nothing else would
+        until a manager opens the directory); it warns again while that fails."""
+        for s in sorted(self._unfinished, reverse=True):
+            try:
+                if self._uncommitted(s):
+                    self._steps.delete(s)
+            except OSError as exc:  # StorageError included
+                _warn_not_deleted(self._steps.path(s), [], exc)
+                return
+            self._unfinished.discard(s)
 
 
 def _warn_not_deleted(path: str, later: list[int], exc: BaseException) -> None:

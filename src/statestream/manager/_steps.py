@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import re
+import warnings
 from typing import Any
 
 from statestream.errors import CheckpointError, InvalidOptionError
@@ -105,6 +106,12 @@ class StepDirectory:
                     self.storage.delete(self.path(step))
                 except NotADirectoryError:
                     continue  # a file named like a step: not a save's, left alone
+                except OSError as exc:  # StorageError: it never loads; cleaning up only
+                    warnings.warn(f"could not remove {self.path(step)}, a step that never "
+                                  f"committed or whose deletion was interrupted ({exc}); "
+                                  "it is tried again when a manager next opens "
+                                  f"{self.directory}", RuntimeWarning, stacklevel=2)
+                    continue
                 removed.append(self.path(step))
         return removed
 

@@ -295,7 +295,9 @@ class LocalStorage:
     def delete(self, path: str) -> None:
         """Uncommit, then remove the tree. A symbolic link (a checkpoint linked in from
         elsewhere) is removed as a link: what it points to is not this path's to
-        delete. A file that is not a directory is refused (NotADirectoryError)."""
+        delete. A file that is not a directory is refused (NotADirectoryError). A tree
+        that cannot be removed whole raises (StorageError), uncommitted: before
+        2026-12-06 that was ignored, and what was left stayed on disk, unreported."""
         try:
             if os.path.islink(path):
                 os.unlink(path)
@@ -316,7 +318,13 @@ class LocalStorage:
             pass  # no marker: not committed (or half-deleted); the tree goes below
         except OSError as exc:
             raise storage_error(f"deleting {path} failed: {exc}", exc) from exc
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass  # removed meanwhile (by another deleter)
+        except OSError as exc:  # uncommitted already: what is left never loads, and says so
+            raise storage_error(f"deleting {path} failed after it was uncommitted, part of "
+                                f"it is left: {exc}", exc) from exc
 
     def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> _LocalLease:
         """``flock`` on the file ``path``; ``ttl_s`` is not needed (ends with the holder)."""
