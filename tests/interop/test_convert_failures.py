@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +28,10 @@ _TARGETS = [
     ("safetensors", "out", {"max_shard_bytes": 1 << 20}),
     ("torch", "out.pt", {}),
     ("dcp", "out", {}),
+    ("orbax", "out", {}),
 ]
-_IDS = ["statestream", "statestream-zstd", "safetensors", "safetensors-shards", "torch", "dcp"]
+_IDS = ["statestream", "statestream-zstd", "safetensors", "safetensors-shards", "torch", "dcp",
+        "orbax"]
 
 
 def _source(path: Path) -> dict[str, np.ndarray]:
@@ -60,8 +64,7 @@ def _free(d: Path) -> int:
 def test_a_full_disk_names_the_file_and_holds_nothing(
         mount_tmpfs: Callable[[str], Path], tmp_path: Path, to: str, name: str,
         kw: dict[str, object]) -> None:
-    if to in ("torch", "dcp"):
-        pytest.importorskip("torch")
+    _needs(to)
     _source(tmp_path / "src")
     d = mount_tmpfs("2m")
     free = _free(d)
@@ -72,6 +75,35 @@ def test_a_full_disk_names_the_file_and_holds_nothing(
     assert os.listdir(d) == []
     assert _open_under(d) == []
     assert _free(d) == free  # the space the failed conversion wrote is free again
+
+
+def _needs(to: str) -> None:
+    if to in ("torch", "dcp"):
+        pytest.importorskip("torch")
+    if to == "orbax":
+        pytest.importorskip("orbax.checkpoint")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="chattr needs root")
+@pytest.mark.parametrize(("to", "name", "kw"), _TARGETS, ids=_IDS)
+def test_a_directory_that_refuses_writes_is_a_storage_error(
+        tmp_path: Path, to: str, name: str, kw: dict[str, object]) -> None:
+    """An immutable parent (EPERM even for root): every target raises the same
+    StoragePermissionError (the non-statestream ones raised a bare PermissionError)."""
+    _needs(to)
+    _source(tmp_path / "src")
+    d = tmp_path / "locked"
+    d.mkdir()
+    r = subprocess.run(["chattr", "+i", str(d)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"chattr is not available here: {r.stderr.strip()!r}")
+    try:
+        with pytest.raises(ss.StoragePermissionError) as ei:
+            ss.convert(tmp_path / "src", d / name, to=to, **kw)
+    finally:
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    assert ei.value.errno == errno.EPERM and str(d) in str(ei.value), ei.value
+    assert os.listdir(d) == []
 
 
 def test_a_damaged_source_leaves_no_descriptor_open(tmp_path: Path) -> None:

@@ -11,19 +11,28 @@ reads the result.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from statestream._memory import fresh_bytes
-from statestream.errors import CheckpointError, UnsupportedTypeError
+from statestream.errors import CheckpointError, UnsupportedTypeError, storage_error
 from statestream.format import dtype_from_name, itemsize_of
 from statestream.interop._deps import require
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
-from statestream.interop._writers import ArraySpec, Slabs, _claim, _publish, _staging_path
+from statestream.interop._writers import (
+    ArraySpec,
+    Slabs,
+    _claim,
+    _publish,
+    _staging_path,
+    _writing,
+)
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["write_orbax"]
@@ -136,7 +145,7 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     staging = _staging_path(dst)
     try:
         out = os.path.join(staging, "out")
-        with warnings.catch_warnings():
+        with _writing(out), _os_errors_of_tensorstore(out), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if len(batches) == 1:  # one tree: the plain StandardCheckpointer save
                 ck = ocp.StandardCheckpointer()
@@ -158,6 +167,25 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
         _publish(item, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+#: how tensorstore (under orbax) reports a failed system call: a ValueError
+#: ("... No space left on device [os_error_code='28']")
+_TS_OS_ERROR = re.compile(r"os_error_code='(\d+)'")
+
+
+@contextlib.contextmanager
+def _os_errors_of_tensorstore(path: str) -> Iterator[None]:
+    """A file system failure inside orbax (tensorstore's ValueError carrying the errno)
+    raised as the StorageError that the other writers raise, with that errno."""
+    try:
+        yield
+    except ValueError as exc:
+        code = _TS_OS_ERROR.search(str(exc))
+        if code is None:
+            raise
+        raise storage_error(f"writing the Orbax checkpoint {path} failed: {exc}",
+                            int(code.group(1))) from exc
 
 
 def _put(tree: dict[Any, Any], path: KeyPath, value: Any) -> None:

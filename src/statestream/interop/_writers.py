@@ -125,8 +125,9 @@ def _staging_path(final: str) -> str:
     directory with the umask's mode (a published shard directory is readable as any
     other), that ``statestream gc`` removes when the conversion was killed. Missing
     parent directories of ``final`` are made, as a save makes them."""
-    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-    return staging_dir(final)
+    with _writing(final):
+        os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+        return staging_dir(final)
 
 
 def _holds_checkpoint(path: str) -> bool:
@@ -178,13 +179,14 @@ def _writing(path: str) -> Iterator[None]:
 
 def _publish(staged: str, final: str) -> None:
     """Move the finished file or directory into place (replacing an old one)."""
-    if os.path.isdir(final) and not os.path.islink(final):
-        old = final + f".old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(staged, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staged, final)
+    with _writing(final):
+        if os.path.isdir(final) and not os.path.islink(final):
+            old = final + f".old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(staged, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staged, final)
 
 
 # ----------------------------------------------------------------------------- statestream
