@@ -214,6 +214,28 @@ def test_a_base_deleted_while_the_save_runs_fails_the_save(tmp_path: Path, mode:
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_base_manifest_damaged_after_this_process_wrote_it_is_refused(
+        tmp_path: Path, damage: str) -> None:
+    """This process keeps the index of a checkpoint it committed, checked against the
+    commit marker only: a base whose manifest was damaged since was used anyway, and the
+    save committed references that no load could follow (a fresh process refused it)."""
+    s = _state()
+    ss.save(tmp_path / "s1", s, hashes=True)
+    f = tmp_path / "s1" / "manifest.json"
+    raw = bytearray(f.read_bytes())
+    if damage == "flipped":
+        raw[len(raw) // 2] ^= 0x01
+    else:
+        del raw[len(raw) // 2:]
+    f.write_bytes(bytes(raw))
+    s["lora"] = s["lora"] + 1
+    with pytest.raises(ss.CheckpointCorruptError, match="does not match its commit marker") as err:
+        ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+    assert str(f) in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s1"]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_damage_in_a_base_names_the_bases_own_file(tmp_path: Path, damage: str) -> None:
     """A damaged chunk that s2 refers to is reported under s1's file, where it is; it was
     reported under the reader's alias 's2/../s1/data/...' (a path in no listing, and on

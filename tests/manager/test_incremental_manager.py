@@ -149,6 +149,33 @@ def test_a_step_deleted_by_hand_is_not_referred_to_by_the_next_steps(tmp_path: P
             assert got["step"] == step
 
 
+@pytest.mark.parametrize("reopen", [False, True], ids=["same-manager", "new-manager"])
+def test_a_newest_step_with_a_damaged_manifest_is_not_the_next_base(tmp_path: Path,
+                                                                     reopen: bool) -> None:
+    """The newest step was always the next save's base: with its manifest damaged every
+    save raised CheckpointCorruptError (a new manager, and since the engine re-reads a
+    kept base manifest, the same one too), so training could no longer checkpoint."""
+    mgr = ss.CheckpointManager(tmp_path, incremental=True, async_save=False,
+                               keep_policy=ss.KeepLatest(2))
+    for step in (1, 2):
+        mgr.save(step, state_at(step))
+    f = tmp_path / "step_0000000002" / "manifest.json"
+    f.write_bytes(f.read_bytes()[:100])
+    if reopen:
+        mgr.close()
+        with pytest.warns(RuntimeWarning, match="cannot read step 2"):
+            mgr = ss.CheckpointManager(tmp_path, incremental=True, async_save=False,
+                                       keep_policy=ss.KeepLatest(2))
+    with mgr, pytest.warns(RuntimeWarning, match=r"step 2 .* cannot be the base of step 3 "
+                           r"\(manifest .*step_0000000002/manifest.json"):
+        mgr.save(3, state_at(3))
+        mgr.save(4, state_at(4))
+        assert _bases(tmp_path, 3) == [1]  # the step before the damaged one
+        for step in (3, 4):
+            _check_state(mgr.load(step), step)
+        _check_state(mgr.load(), 4)
+
+
 def test_load_skips_a_newest_step_whose_base_was_deleted(tmp_path: Path) -> None:
     """A step whose base is gone cannot be read, as if its data files were missing:
     load() warns and resumes from the step before it instead of stopping."""

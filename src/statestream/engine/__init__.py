@@ -16,7 +16,7 @@ from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
-from statestream.engine._refs import read_manifest
+from statestream.engine._refs import check_base, read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._start import run_save, start_save
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
@@ -24,6 +24,7 @@ from statestream.engine._transfer import complete_copies, describe_copy, replica
 from statestream.engine._write import StreamWriter, chunk_checksums
 
 __all__ = [
+    "check_base",
     "BackgroundTasks",
     "ByteBudget",
     "ChainReader",

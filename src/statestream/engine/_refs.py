@@ -50,6 +50,7 @@ __all__ = [
     "BaseChunks",
     "base_chunks",
     "base_name_for",
+    "check_base",
     "check_bases_committed",
     "chunk_digest",
     "digest_and_checksums",
@@ -429,9 +430,10 @@ def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> Ba
         try:
             size, crc = decode_commit(reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES),
                                       f"{reader.location}/{COMMIT_NAME}")
+            same = (size, crc) == known[:2] and _manifest_is(reader, size, crc)
         finally:
             reader.close()
-        if (size, crc) == known[:2]:
+        if same:
             _remember(path, size, crc, known[2])  # used again: the last to be evicted
             return known[2]
     reader, m, size, crc = _open_committed(storage, spath, name, of=of)
@@ -439,6 +441,31 @@ def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> Ba
     chunks = BaseChunks(name, m)
     _remember(path, size, crc, chunks)
     return chunks
+
+
+def check_base(path: str) -> None:
+    """Raise the CheckpointError that a save with ``base=path`` would raise opening it
+    (missing, not committed, its manifest damaged); the index read is kept for that save.
+
+    Raises:
+        StorageError: the store failed (not the checkpoint).
+        CheckpointError: ``path`` cannot be a base.
+    """
+    storage, spath = storage_for(path)
+    _committed_chunks(storage, spath, _split(spath)[1], of=f"the base {spath}")
+
+
+def _manifest_is(reader: CheckpointReader, size: int, crc: int) -> bool:
+    """Whether the manifest file still holds what the commit marker names: a kept index
+    must not hide a manifest damaged since (a save would then commit references that
+    no load can follow, where a fresh process refuses the base). Read, not decoded."""
+    try:
+        data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    except StorageError:
+        raise  # the store failed, not the checkpoint
+    except CheckpointError:
+        return False  # the full read below names what is wrong
+    return len(data) == size and checksum(data) == crc
 
 
 def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:

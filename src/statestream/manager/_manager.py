@@ -372,7 +372,8 @@ class CheckpointManager:
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
         meta = step_meta(step, metrics, metadata)
-        base_step = (base_for(step, self._coll, self._tier, self._retention.listed)
+        base_step = (base_for(step, self._coll, self._tier, self._retention.listed,
+                              self._dir.path)
                      if self._incremental else None)
         base = None if base_step is None else target.path(base_step)
         if self._async:

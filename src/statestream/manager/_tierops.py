@@ -34,11 +34,17 @@ from statestream.engine import (
     MemoryOptions,
     NodeGroups,
     TaskHandle,
+    check_base,
     complete_copies,
     copy_checkpoint,
     node_groups,
 )
-from statestream.errors import CheckpointCorruptError, CheckpointError, InvalidOptionError
+from statestream.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    InvalidOptionError,
+    StorageError,
+)
 from statestream.format import Manifest
 from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory, parse_step
@@ -348,15 +354,20 @@ def _is_committed(directory: StepDirectory, step: int) -> bool:
 
 
 def base_for(step: int, coll: Collective, tier: LocalTier | None,
-             listed: Callable[[], list[int]]) -> int | None:
+             listed: Callable[[], list[int]], path: Callable[[int], str]) -> int | None:
     """An incremental save's base step: the newest kept step before ``step`` (never
-    ``step`` itself, which an overwrite replaces), the same on every rank;
-    ``listed`` gives the directory's kept steps (asked on rank 0).
+    ``step`` itself, which an overwrite replaces) that can be a base, the same on every
+    rank; ``listed`` gives the directory's kept steps (asked on rank 0), ``path`` a
+    step's path there.
 
     With a local tier the save commits there, and references stay among
     siblings: the base is the newest step before ``step`` in the local tier
     (none: a full save, e.g. the first on a new machine); with several nodes,
     in every node's tier (each process reads the base's manifest there).
+
+    A step whose manifest is damaged (or that is gone) is passed over with a
+    ``RuntimeWarning``: a save against it fails, so every later save of the manager
+    failed while it was the newest step.
     """
     phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
@@ -367,7 +378,19 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
 
     def newest_older() -> int | None:
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
-        return older[-1] if older else None
+        for s in reversed(older):
+            where = path(s) if tier is None else tier.dir.path(s)
+            try:
+                check_base(where)
+            except StorageError:
+                raise  # the store failed, not the step
+            except CheckpointError as exc:
+                warnings.warn(f"step {s} ({where}) cannot be the base of step {step} ({exc}); "
+                              "an older step is used instead, or none (a full save)",
+                              RuntimeWarning, stacklevel=6)
+                continue
+            return s
+        return None
 
     return share_from_0(coll, phase, newest_older)
 
