@@ -123,3 +123,39 @@ def test_a_damaged_source_leaves_no_descriptor_open(tmp_path: Path) -> None:
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["src"]
     assert _open_under(tmp_path) == []
+
+
+_REPLACE_KILLED = """
+import os, signal, sys
+import statestream as ss
+import statestream.interop._writers as writers
+real = os.rename
+def rename(src, dst):
+    real(src, dst)
+    if ".old-" in os.path.basename(dst):  # the old output moved aside, the new not in
+        os.kill(os.getpid(), signal.SIGKILL)
+writers.os.rename = rename
+ss.convert(sys.argv[1], sys.argv[2], to=sys.argv[3], overwrite=True)
+print("converted")
+"""
+
+
+@pytest.mark.parametrize(("to", "kw"), [("dcp", {}), ("safetensors", {"max_shard_bytes": 1 << 20})],
+                         ids=["dcp", "safetensors-shards"])
+def test_a_directory_output_replaced_and_killed_keeps_one_in_place(
+        tmp_path: Path, to: str, kw: dict[str, object]) -> None:
+    """Replacing a directory output moved the old one aside, then renamed the new one in:
+    killed between the two, nothing was left at ``dst`` (the new output in a staging
+    directory that gc removes, the old one under ``dst.old-<pid>``). Now one swap."""
+    _needs(to)
+    state = _source(tmp_path / "src")
+    dst = tmp_path / "out"
+    ss.convert(tmp_path / "src", dst, to=to, items=["b"], **kw)  # the old output: b only
+    proc = subprocess.run([sys.executable, "-c", _REPLACE_KILLED, str(tmp_path / "src"),
+                           str(dst), to], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0 and "converted" in proc.stdout, proc.stderr[-3000:]
+    got = ss.load(dst)  # the new output, whole
+    np.testing.assert_array_equal(got["w"], state["w"])
+    np.testing.assert_array_equal(got["b"], state["b"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]

@@ -59,6 +59,7 @@ from statestream.interop._safetensors import (
 )
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
 from statestream.storage import FileWriter, LocalStorage, Storage, staging_dir, storage_for
+from statestream.storage._local import exchange_paths, fsync_dir
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -178,15 +179,25 @@ def _writing(path: str) -> Iterator[None]:
 
 
 def _publish(staged: str, final: str) -> None:
-    """Move the finished file or directory into place (replacing an old one)."""
+    """Move the finished file or directory into place (replacing an old one), durably.
+
+    A directory replaces the old one in one atomic swap (renameat2 RENAME_EXCHANGE):
+    before 2026-12-06 the old one was renamed aside first, so a kill between the two
+    renames left no ``final`` (the new output in a staging directory that ``gc``
+    removes, the old one under ``final.old-<pid>``). Where the file system has no
+    renameat2 that window remains."""
     with _writing(final):
         if os.path.isdir(final) and not os.path.islink(final):
-            old = final + f".old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(staged, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if exchange_paths(staged, final):
+                shutil.rmtree(staged, ignore_errors=True)  # the old one, now
+            else:
+                old = final + f".old-{os.getpid()}"
+                os.rename(final, old)
+                os.rename(staged, final)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staged, final)
+        fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
 # ----------------------------------------------------------------------------- statestream
