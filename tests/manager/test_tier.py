@@ -430,6 +430,33 @@ def test_an_earlier_attempts_local_steps_are_dropped_not_loaded_or_persisted(tmp
         _equal(ss.load(str(tmp_path / "persist" / f"step_{s:010d}")), state_at(10 + s))
 
 
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="chattr needs root")
+def test_an_earlier_attempts_step_that_cannot_be_removed_does_not_fail_the_open(tmp_path):
+    """The local storage reports a tree it could not remove once uncommitted (d9ec4b0):
+    the stale local step is uncommitted, so it never loads; the open warns, not fails."""
+    persist, node_a = str(tmp_path / "persist"), str(tmp_path / "node-a")
+    _hooks.register("tier.persist", _store_down)
+    try:
+        mgr = ss.CheckpointManager(persist, local_tier=node_a, async_save=False)
+        mgr.save(1, state_at(1))
+        with pytest.raises(ss.StorageError, match="down"):
+            mgr.close()
+    finally:
+        _hooks.clear()
+    with ss.CheckpointManager(persist, local_tier=str(tmp_path / "node-b")) as mgr:
+        mgr.save(1, state_at(11))
+    stuck = os.path.join(node_a, "step_0000000001", "data")
+    subprocess.run(["chattr", "+i", stuck], check=True)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"could not remove all of .*step_0000000001"):
+            mgr = ss.CheckpointManager(persist, local_tier=node_a)
+        with mgr:
+            assert mgr.steps() == [1]
+            _equal(mgr.load(1), state_at(11))
+    finally:
+        subprocess.run(["chattr", "-i", stuck], check=True)
+
+
 def test_a_damaged_unpersisted_step_does_not_hold_back_the_later_ones(tmp_path):
     _hooks.register("tier.persist", _store_down)
     try:

@@ -118,3 +118,17 @@ class StepDirectory:
     def delete(self, step: int) -> None:
         """Delete ``step`` (the backend uncommits first, then removes the data)."""
         self.storage.delete(self.path(step))
+
+    def discard(self, step: int) -> None:
+        """Delete ``step`` where only its being gone matters (a local tier's step that
+        is not the run's history): once uncommitted it never loads, so data that
+        cannot be removed is warned about (and removed when a manager next opens the
+        directory), not raised; a step that stays committed raises."""
+        try:
+            self.delete(step)
+        except OSError as exc:  # StorageError included
+            if self.is_committed(step):
+                raise
+            warnings.warn(f"could not remove all of {self.path(step)}, uncommitted ({exc}); "
+                          f"it is tried again when a manager next opens {self.directory}",
+                          RuntimeWarning, stacklevel=2)

@@ -236,7 +236,7 @@ class LocalTier:
             "attempt's, removed (a step the directory holds loads from there)",
             RuntimeWarning, stacklevel=2)
         for s in reversed(stale):  # newest first: no dangling reference
-            self.dir.delete(s)
+            self.dir.discard(s)
             self.records.forget(s)
             self.retention.forget(s)
 

@@ -71,7 +71,7 @@ def reconcile(tier: LocalTier, coll: Collective) -> list[int]:
         try:
             for s in reversed(drop):  # newest first
                 if tier.is_committed(s):
-                    tier.dir.delete(s)
+                    tier.dir.discard(s)
                 tier.records.forget(s)
                 tier.retention.forget(s)
         except BaseException as exc:
