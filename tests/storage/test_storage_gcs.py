@@ -198,7 +198,8 @@ def test_credentials_never_in_repr_or_errors(gcs_server: dict[str, Any],
     assert "TopSecret" not in repr(opts)
     st = GCSStorage(opts)
     with pytest.raises(ss.StorageError) as ei:  # a write this emulator refuses, or a 404
-        st.begin_write("gs://no-such-bucket-here/x", overwrite=False)
+        st.begin_write("gs://no-such-bucket-here/x", overwrite=False).write_bytes(
+            "manifest.json", b"{}")
     chain: list[BaseException] = []
     exc: BaseException | None = ei.value
     while exc is not None:

@@ -51,7 +51,8 @@ def test_wrong_bucket_is_a_clear_error(storage: S3Storage) -> None:
         ss.load("s3://no-such-bucket-here/x")
     # the manager's first write is its lease: the store's NoSuchBucket is in the body of
     # the response, below its first line (it was CheckpointNotFoundError "not found")
-    with pytest.raises(ss.StorageError, match="the bucket does not exist") as ei:
+    with pytest.raises(ss.StorageError,
+                       match="the bucket s3://no-such-bucket-here does not exist") as ei:
         ss.CheckpointManager("s3://no-such-bucket-here/run")
     assert not isinstance(ei.value, ss.CheckpointNotFoundError)
 

@@ -66,6 +66,8 @@ class AzureStorage(ObjectStorage):
                         "AZURE_STORAGE_SAS_TOKEN; or pass AzureOptions)")
     timeout_hint = "AzureOptions.timeout_s / retry_timeout_s"
     missing_bucket_codes = ("containernotfound",)
+    list_permission = ("the List permission on the container ('l' in a SAS token's sp=; "
+                       "with Microsoft Entra ID, a role such as Storage Blob Data Reader)")
 
     options: AzureOptions
 

@@ -52,6 +52,7 @@ class GCSStorage(ObjectStorage):
     credentials_hint = ("set GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT "
                         "(or pass GCSOptions)")
     timeout_hint = "GCSOptions.timeout_s / retry_timeout_s"
+    list_permission = "storage.objects.list on the bucket"
 
     options: GCSOptions
 

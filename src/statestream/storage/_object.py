@@ -114,6 +114,8 @@ class ObjectStorage:
     timeout_hint: ClassVar[str] = ""
     #: Error codes (lower case, spaces removed) that mean the bucket does not exist.
     missing_bucket_codes: ClassVar[tuple[str, ...]] = ("nosuchbucket",)
+    #: The permission a listing needs, named when the store refuses one.
+    list_permission: ClassVar[str] = "permission to list the bucket's objects"
 
     # Measured on a local S3-compatible server: 256 MiB GETs with 8 readers
     # loaded ~3x faster than 32 MiB with 4 (benchmarks/results/s3-*).
@@ -155,7 +157,9 @@ class ObjectStorage:
         squashed = _scrub(redact(str(exc))).lower().replace(" ", "")
         word = self.bucket_word
         if any(code in squashed for code in self.missing_bucket_codes):
-            return StorageError(f"{what}: the {word} does not exist")
+            named = re.search(rf"\b{re.escape(self.scheme)}://[^/\s]+", what)
+            bucket = f"{word} {named.group(0)}" if named else word
+            return StorageError(f"{what}: the {bucket} does not exist")
         if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):
             return CheckpointNotFoundError(f"{what}: not found")
         denied = (f"{what}: access denied (403); check the credentials and the {word} "
@@ -173,6 +177,27 @@ class ObjectStorage:
         if "credential" in text or "signature" in text:
             return StorageError(f"{what}: credentials missing or invalid")
         return StorageError(f"{what} failed: {name}: {first[:300]}")
+
+    def _write_error(self, exc: BaseException, bucket: str, key: str) -> BaseException:
+        """The error of a PUT of ``key``: "not found" can only be the bucket's (a store
+        whose answer names no code for it, as fake-gcs-server's JSON)."""
+        err = self._map_error(exc, f"writing {self._url(bucket, key)}")
+        if isinstance(err, CheckpointNotFoundError):
+            return StorageError(f"writing {self._url(bucket, key)}: the {self.bucket_word} "
+                                f"{self._url(bucket)} does not exist (the store answered "
+                                "404 to a write)")
+        return err
+
+    def _list_error(self, exc: BaseException, url: str, why: str) -> BaseException:
+        """The error of a listing of the objects under ``url``: a refusal says that it was
+        the listing, of which prefix, for what (``why``) and which permission it needs."""
+        err = self._map_error(exc, f"listing {url.rstrip('/')}/ ({why})")
+        if isinstance(err, PermissionError):
+            return storage_error(
+                f"listing the objects under {url.rstrip('/')}/ was refused (403): {why} "
+                f"needs {self.list_permission}; check the credentials and the "
+                f"{self.bucket_word} policy", errno.EACCES)
+        return err
 
     def _config_key(self) -> tuple[Any, ...]:
         """What a client is built from: the options and every variable it reads.
@@ -199,7 +224,7 @@ class ObjectStorage:
         try:
             obstore.put(self._store(bucket), key, data)
         except Exception as exc:
-            raise self._map_error(exc, f"writing {self._url(bucket, key)}") from exc
+            raise self._write_error(exc, bucket, key) from exc
 
     def _put_new(self, bucket: str, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent; False when it already exists."""
@@ -211,12 +236,17 @@ class ObjectStorage:
 
         where = self._url(bucket, key)
         try:
-            meta = obstore.head(self._store(bucket), key)
-            if int(meta["size"]) > max_bytes:
+            # one GET, not HEAD then GET: its size comes with the answer's headers (the
+            # body is not read past the limit), and a missing object's answer has a
+            # body, which tells a missing bucket (NoSuchBucket, ContainerNotFound) from
+            # a missing key without listing the bucket (see check_bucket)
+            got = obstore.get(self._store(bucket), key)
+            size = int(got.meta["size"])
+            if size > max_bytes:
                 raise CheckpointCorruptError(
-                    f"{where} is {meta['size']} bytes, over the {max_bytes}-byte limit"
+                    f"{where} is {size} bytes, over the {max_bytes}-byte limit"
                 )
-            return bytes(obstore.get(self._store(bucket), key).bytes())
+            return bytes(got.bytes())
         except CheckpointCorruptError:
             raise
         except Exception as exc:
@@ -230,7 +260,11 @@ class ObjectStorage:
             raise err from exc
 
     def check_bucket(self, bucket: str) -> None:
-        """Raise a clear StorageError if the bucket is missing or not accessible."""
+        """Raise a clear StorageError if the bucket is missing or not accessible.
+
+        It lists the bucket: a save does not call it (reading the commit marker tells a
+        missing bucket already, see :meth:`_get_small`), so saving needs no permission
+        to list."""
         import obstore
 
         try:
@@ -247,7 +281,8 @@ class ObjectStorage:
                     f"{self._url(bucket)} does not exist (or is not visible with these "
                     "credentials)"
                 ) from None
-            raise self._map_error(exc, f"accessing {self._url(bucket)}") from exc
+            raise self._list_error(exc, self._url(bucket, "statestream-probe"),
+                                   f"checking that {self._url(bucket)} exists") from exc
 
     def _live_root(self, bucket: str, prefix: str) -> str | None:
         """The root the commit marker at ``prefix`` names; None without a marker;
@@ -269,8 +304,13 @@ class ObjectStorage:
         st = self._store(bucket)
         try:
             paths = [m["path"] for batch in obstore.list(st, prefix=prefix) for m in batch]
-            if paths:
-                obstore.delete(st, paths)
+        except Exception as exc:
+            raise self._list_error(exc, self._url(bucket, prefix),
+                                   "deleting them (they are found by listing)") from exc
+        if not paths:
+            return
+        try:
+            obstore.delete(st, paths)
         except Exception as exc:
             err = self._map_error(exc, f"deleting {self._url(bucket, prefix)}")
             if isinstance(err, CheckpointNotFoundError):
@@ -287,7 +327,7 @@ class ObjectStorage:
         except Exception as exc:
             if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
                 return None
-            raise self._map_error(exc, f"writing {self._url(bucket, key)}") from exc
+            raise self._write_error(exc, bucket, key) from exc
         return version_of(res)
 
     def acquire_lease(self, path: str, *, holder: str, ttl_s: float) -> ObjectLease:
@@ -412,7 +452,7 @@ class ObjectStorage:
                         when = m["last_modified"].timestamp()
                         roots[name, kind] = max(roots.get((name, kind), 0), when)
         except Exception as exc:
-            raise self._map_error(exc, f"listing {parent}") from exc
+            raise self._list_error(exc, parent, "finding what unfinished saves left") from exc
         names = {name for name, _ in roots if name not in foreign}
         live = {name: self._live_root(bucket, f"{prefix}/{name}") for name in names}
         # a damaged marker cannot say which root is live: none of them is garbage
@@ -437,7 +477,8 @@ class ObjectStorage:
         except StorageError:
             raise
         except Exception as exc:
-            raise self._map_error(exc, f"listing {self._url(bucket, checkpoint)}") from exc
+            raise self._list_error(exc, self._url(bucket, checkpoint),
+                                   "removing what an unfinished save left") from exc
         live = self._live_root(bucket, checkpoint)
         if live == root:
             raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
@@ -449,7 +490,6 @@ class ObjectStorage:
     # -- Storage protocol ------------------------------------------------------------
     def begin_write(self, path: str, *, overwrite: bool) -> ObjectTxn:
         bucket, prefix = self.split_url(path)
-        self.check_bucket(bucket)
         if not overwrite and self._live_root(bucket, prefix) is not None:
             raise CheckpointExistsError(
                 f"{path} already holds a checkpoint; pass overwrite=True to replace it "
@@ -476,7 +516,7 @@ class ObjectStorage:
         try:
             res = obstore.list_with_delimiter(self._store(bucket), prefix=prefix + "/")
         except Exception as exc:
-            raise self._map_error(exc, f"listing {path}") from exc
+            raise self._list_error(exc, path, "finding the checkpoints under it") from exc
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
         names += [m["path"].rsplit("/", 1)[-1] for m in res["objects"]]
         return sorted(names)

@@ -58,7 +58,10 @@ class ObjectReader:
         marker = owner._get_small(self._bucket, f"{self._prefix}/{COMMIT_NAME}",
                                   MAX_COMMIT_BYTES, missing_ok=True)
         if marker is None:
-            owner.check_bucket(self._bucket)
+            try:  # a clearer error for a missing bucket, if the credentials may list
+                owner.check_bucket(self._bucket)
+            except PermissionError:
+                pass  # they may not: reading the marker found no bucket missing
             raise CheckpointNotFoundError(
                 not_a_checkpoint_hint(owner, url)
                 or f"no committed checkpoint at {url}: it has no {COMMIT_NAME} marker"
@@ -181,7 +184,9 @@ class ObjectReader:
                     elif not (sep and ROOT_RE.match(first)):
                         out.append(rel)
         except Exception as exc:
-            raise self._owner._map_error(exc, f"listing {self.location}") from exc
+            raise self._owner._list_error(
+                exc, self.location, "finding every object of the checkpoint (verify "
+                "looks for objects its manifest does not name)") from exc
         return out
 
     def close(self) -> None:

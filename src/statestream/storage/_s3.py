@@ -74,6 +74,8 @@ class S3Storage(ObjectStorage):
     env_prefixes = ("AWS_",)
     credentials_hint = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or pass S3Options)"
     timeout_hint = "S3Options.timeout_s / retry_timeout_s"
+    list_permission = ("s3:ListBucket on the bucket (a policy may limit it to the prefix "
+                       "with the s3:prefix condition)")
 
     options: S3Options
 
