@@ -28,7 +28,7 @@ from statestream.storage import S3Options, S3Storage, set_backend
 from statestream.storage._s3 import split_url
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _emulators import AnswerLosingProxy  # noqa: E402
+from _emulators import AnswerLosingProxy, OutageProxy  # noqa: E402
 
 _FAST_FAIL = dict(timeout_s=2, max_retries=1, retry_timeout_s=5)
 
@@ -200,6 +200,58 @@ def test_a_stall_mid_upload_fails_save_async_in_bounded_time(
         set_backend("s3", storage)
         proxy.close()
     assert not storage.is_committed(f"{base_url}/a")
+
+
+def _save_through_an_outage(s3_server: dict[str, Any], storage: S3Storage, url: str,
+                            fault: str, how: str, multipart: bool) -> BaseException:
+    """Save ``url`` through an OutageProxy whose ``fault`` (stall: the store hangs; down:
+    it resets connections) starts after the first chunk; the save's error."""
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    via_proxy = S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                   part_bytes=5 << 20, **_FAST_FAIL))
+    state = {"w": np.ones((2048 if multipart else 512, 1024))}  # 16 MiB or 4 MiB
+    io = ss.IOOptions(max_chunk_bytes=256 << 10, num_threads=1)
+
+    def progress(done: int, total: int) -> None:
+        getattr(proxy, fault).set()
+
+    set_backend("s3", via_proxy)
+    try:
+        with pytest.raises(ss.StorageError) as ei:
+            if how == "sync":
+                ss.save(url, state, progress=progress, io=io)
+            else:
+                ss.save_async(url, state, lazy=how == "lazy", progress=progress,
+                              io=io).result(timeout=90)
+    finally:
+        getattr(proxy, fault).clear()
+        set_backend("s3", storage)
+        proxy.close()
+    assert not storage.is_committed(url)
+    return ei.value
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("how", "multipart"),
+                         [("sync", False), ("async", False), ("lazy", True)])
+def test_a_store_that_stalls_mid_upload_is_a_timeout_in_every_save(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str, how: str,
+        multipart: bool) -> None:
+    """The data objects go up through obstore's writer, whose errors are plain OSErrors
+    holding the first line of the message only (not the chain with "kind: Timeout"): a
+    save whose store stopped answering mid-upload raised a plain StorageError, where a
+    stall met by a GET or PUT (a silent server) raised StorageTimeoutError."""
+    err = _save_through_an_outage(s3_server, storage, f"{base_url}/a", "stall", how,
+                                  multipart)
+    assert isinstance(err, ss.StorageTimeoutError) and err.errno == errno.ETIMEDOUT, err
+    assert "timed out" in str(err) and "S3Options.timeout_s" in str(err), err
+
+
+@pytest.mark.timeout(120)
+def test_a_store_that_resets_mid_upload_is_no_timeout(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    err = _save_through_an_outage(s3_server, storage, f"{base_url}/a", "down", "async", False)
+    assert not isinstance(err, TimeoutError) and "timed out" not in str(err), err
 
 
 @pytest.mark.timeout(120)

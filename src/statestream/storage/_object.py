@@ -74,6 +74,13 @@ _NOISE = re.compile(
 _DENIED = re.compile(r"status(?: code)?:?\s*403\b|\b403\s+forbidden|\bforbidden\b|accessdenied")
 
 
+#: obstore's message of a failed request: "Error performing PUT <url> in 4.1s, after 1
+#: retries, ... - HTTP error: error sending request" (no "after" without retries)
+_ATTEMPTS = re.compile(r"Error performing [A-Z]+ \S+ in (\d+(?:\.\d+)?)(s|ms|\u00b5s|us|ns)"
+                       r"(?:, after (\d+) retries)?[^\n]*error sending request")
+_UNIT_S = {"s": 1.0, "ms": 1e-3, "\u00b5s": 1e-6, "us": 1e-6, "ns": 1e-9}
+
+
 def _scrub(text: str) -> str:
     """``text`` without what may hold digits or words by chance (see :data:`_NOISE`)."""
     return _NOISE.sub(" ", text)
@@ -171,12 +178,28 @@ class ObjectStorage:
         text = _scrub(first).lower()
         if _DENIED.search(text):
             return storage_error(denied, errno.EACCES)
-        if "kind: Timeout" in str(exc) or "TimedOut" in str(exc):  # obstore's error chain
+        if ("kind: Timeout" in str(exc) or "TimedOut" in str(exc)  # obstore's error chain
+                or self._attempts_timed_out(str(exc))):
             return storage_error(f"{what} timed out ({self.timeout_hint}): "
                                  f"{name}: {first[:300]}", errno.ETIMEDOUT)
         if "credential" in text or "signature" in text:
             return StorageError(f"{what}: credentials missing or invalid")
         return StorageError(f"{what} failed: {name}: {first[:300]}")
+
+    def _attempts_timed_out(self, text: str) -> bool:
+        """Whether a request's attempts all ran into the client's time limits, by its
+        message alone: obstore's writer (open_writer) raises a plain OSError with the
+        first line of the error, without the chain that says "kind: Timeout"."""
+        m = _ATTEMPTS.search(text)
+        if m is None:
+            return False
+        elapsed = float(m.group(1)) * _UNIT_S[m.group(2)]
+        attempts = 1 + int(m.group(3) or 0)
+        # every attempt ends within timeout_s (connect_timeout_s while connecting) plus
+        # a backoff of ~0.1-3 s in all; a transport error after that long on average is
+        # the limit running out (a refused or reset connection fails in milliseconds)
+        limit = float(min(self.options.timeout_s, self.options.connect_timeout_s))
+        return elapsed / attempts >= 0.9 * limit
 
     def _write_error(self, exc: BaseException, bucket: str, key: str) -> BaseException:
         """The error of a PUT of ``key``: "not found" can only be the bucket's (a store
