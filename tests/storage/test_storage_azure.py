@@ -170,6 +170,51 @@ def test_a_wrong_key_is_a_403_that_does_not_show_the_key(azurite: dict[str, Any]
         set_backend("az", None)
 
 
+def test_a_key_that_is_no_key_is_reported_once(azurite: dict[str, Any],
+                                              base_url: str) -> None:
+    """A key the client cannot decode fails while building the client: that error was
+    wrapped again by the request around it ("reading .../COMMITTED failed: StorageError:
+    configuring access to az://... failed: ... Invalid Access Key ...")."""
+    for key in ("not-base64!!", "YQ"):
+        st = AzureStorage(_options(azurite, account_key=key, max_retries=0))
+        set_backend("az", st)
+        try:
+            for call in (lambda: ss.save(f"{base_url}/k", {"a": np.ones(3)}),
+                         lambda: ss.load(f"{base_url}/k"),
+                         lambda st=st: st.is_committed(f"{base_url}/k"),
+                         lambda: ss.CheckpointManager(f"{base_url}/run")):
+                with pytest.raises(ss.StorageError) as ei:
+                    call()
+                msg = str(ei.value)
+                assert msg.startswith(f"configuring access to az://{azurite['container']} "
+                                      "failed:"), msg
+                assert msg.count("configuring access") == 1 and "Invalid Access Key" in msg
+                assert "StorageError" not in msg and key not in msg, msg
+        finally:
+            set_backend("az", None)
+
+
+def test_a_wrong_key_is_not_a_missing_list_permission(azurite: dict[str, Any],
+                                                      base_url: str) -> None:
+    """Every request of a wrong key is refused (403), a listing too: the manager's (its
+    first request) said the listing "needs the List permission on the container"."""
+    import base64
+
+    st = AzureStorage(_options(azurite, account_key=base64.b64encode(b"k" * 64).decode(),
+                               max_retries=0))
+    set_backend("az", st)
+    try:
+        for call in (lambda: ss.CheckpointManager(f"{base_url}/run"),
+                     lambda: ss.save(f"{base_url}/k", {"a": np.ones(3)})):
+            with pytest.raises(ss.StoragePermissionError, match="403") as ei:
+                call()
+            msg = str(ei.value)
+            assert "did not accept the credentials" in msg and "List permission" not in msg
+            assert "AZURE_STORAGE_ACCOUNT_KEY" in msg, msg
+    finally:
+        set_backend("az", None)
+
+
 def test_a_sas_token_never_appears_in_errors_or_reprs(azurite: dict[str, Any],
                                                       base_url: str) -> None:
     """A SAS token travels in the query string of every request: obstore's messages

@@ -81,6 +81,24 @@ _ATTEMPTS = re.compile(r"Error performing [A-Z]+ \S+ in (\d+(?:\.\d+)?)(s|ms|\u0
 _UNIT_S = {"s": 1.0, "ms": 1e-3, "\u00b5s": 1e-6, "us": 1e-6, "ns": 1e-9}
 
 
+#: what marks a 403 that refuses the credentials themselves (a wrong key or secret, an
+#: expired token), not a permission they lack: error codes, and the message Azure and
+#: Azurite give a bad signature (Azurite's code is AuthorizationFailure, which Azure
+#: uses for network rules); looked for lower case, without spaces
+_NOT_ACCEPTED = {"<code>authenticationfailed</code>": "AuthenticationFailed",
+                 "serverfailedtoauthenticatetherequest": "the signature was refused",
+                 "<code>signaturedoesnotmatch</code>": "SignatureDoesNotMatch",
+                 "<code>invalidaccesskeyid</code>": "InvalidAccessKeyId",
+                 "<code>expiredtoken</code>": "ExpiredToken",
+                 "<code>invalidtoken</code>": "InvalidToken"}
+
+
+def _credentials_refused(exc: BaseException) -> str | None:
+    """What says that ``exc`` refuses the credentials themselves, else None."""
+    squashed = _scrub(redact(str(exc))).lower().replace(" ", "")
+    return next((name for mark, name in _NOT_ACCEPTED.items() if mark in squashed), None)
+
+
 def _scrub(text: str) -> str:
     """``text`` without what may hold digits or words by chance (see :data:`_NOISE`)."""
     return _NOISE.sub(" ", text)
@@ -155,6 +173,8 @@ class ObjectStorage:
         """Turn a client error into a statestream error without leaking credentials."""
         from obstore import exceptions as oe
 
+        if isinstance(exc, CheckpointError):
+            return exc  # mapped already (building the client): wrapping it repeats it
         name = type(exc).__name__
         first = str(exc).splitlines()[0] if str(exc) else name
         first = redact(first)
@@ -169,8 +189,10 @@ class ObjectStorage:
             return StorageError(f"{what}: the {bucket} does not exist")
         if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):
             return CheckpointNotFoundError(f"{what}: not found")
-        denied = (f"{what}: access denied (403); check the credentials and the {word} "
-                  "policy")
+        refused = _credentials_refused(exc)
+        denied = (f"{what}: access denied (403); the store did not accept the credentials "
+                  f"({refused}): {self.credentials_hint}" if refused else
+                  f"{what}: access denied (403); check the credentials and the {word} policy")
         if isinstance(exc, (oe.PermissionDeniedError, PermissionError)):
             return storage_error(denied, errno.EACCES)
         if isinstance(exc, oe.UnauthenticatedError):
@@ -215,7 +237,7 @@ class ObjectStorage:
         """The error of a listing of the objects under ``url``: a refusal says that it was
         the listing, of which prefix, for what (``why``) and which permission it needs."""
         err = self._map_error(exc, f"listing {url.rstrip('/')}/ ({why})")
-        if isinstance(err, PermissionError):
+        if isinstance(err, PermissionError) and not _credentials_refused(exc):
             return storage_error(
                 f"listing the objects under {url.rstrip('/')}/ was refused (403): {why} "
                 f"needs {self.list_permission}; check the credentials and the "
