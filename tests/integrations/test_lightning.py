@@ -382,3 +382,104 @@ def test_remains_of_a_killed_removal_are_replaced_but_nothing_else(tmp_path):
         assert sorted(p.name for p in d.rglob("*") if p.is_file()) == sorted(
             os.path.basename(n) for n in other)
         shutil.rmtree(d)
+
+
+# ----------------------------------------------------------------------------- on S3
+KILLED_S3_REMOVAL = textwrap.dedent("""
+    from statestream.integrations.lightning import StatestreamCheckpointIO
+    from statestream.testing import faults
+    faults.kill_at("delete.uncommitted")  # the commit marker is gone, the rest not yet
+    StatestreamCheckpointIO().remove_checkpoint({url!r})
+""")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on loopback; the s3 backend points at it (also in a child
+    process, through the AWS_* variables)."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("obstore")
+    from statestream.storage import S3Options, S3Storage, set_backend
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ALLOW_HTTP": "true",
+           "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing-secret"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing-secret")
+    client.create_bucket(Bucket="lightning")
+    set_backend("s3", S3Storage(S3Options(endpoint=env["AWS_ENDPOINT_URL"], region="us-east-1",
+                                          access_key_id="testing",
+                                          secret_access_key="testing-secret")))
+    try:
+        yield client, env
+    finally:
+        set_backend("s3", None)
+        srv.stop()
+
+
+def _keys(client, prefix):
+    got = client.list_objects_v2(Bucket="lightning", Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for o in got.get("Contents", []))
+
+
+def _kill_a_removal(client, env, url):
+    """Remove ``url`` in a child killed once its commit marker is gone; then delete its
+    manifest by hand (a kill inside the bulk delete leaves any part of the rest)."""
+    proc = subprocess.run([sys.executable, "-c", KILLED_S3_REMOVAL.format(url=url)],
+                          capture_output=True, text=True, timeout=200,
+                          env={**os.environ, **env})
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    key = url[len("s3://lightning/"):]
+    manifest = next(k for k in _keys(client, key) if k.endswith("/manifest.json"))
+    client.delete_object(Bucket="lightning", Key=f"{key}/{manifest}")
+    left = _keys(client, key)
+    assert "COMMITTED" not in left and any("/data/" in k for k in left), left
+
+
+def test_a_removal_killed_part_way_on_s3_is_finished_by_the_next_or_a_save(s3, tmp_path):
+    """On an object store the remains of a removal killed part-way (no commit marker,
+    some of the data) were kept for good: the next removal saw no committed checkpoint
+    and did nothing, and a save to the path committed beside them (garbage for gc)."""
+    client, env = s3
+    io = StatestreamCheckpointIO()
+    base = f"s3://lightning/run-{os.getpid()}-{tmp_path.name}"
+    for name in ("a.ckpt", "b.ckpt"):
+        io.save_checkpoint({"w": torch.ones(64), "epoch": 1}, f"{base}/{name}")
+        _kill_a_removal(client, env, f"{base}/{name}")
+        # nothing reads what is left as a checkpoint
+        with pytest.raises(ss.CheckpointNotFoundError):
+            ss.load(f"{base}/{name}")
+        with pytest.raises(FileNotFoundError):
+            io.load_checkpoint(f"{base}/{name}")
+    key = base[len("s3://lightning/"):]
+    io.remove_checkpoint(f"{base}/a.ckpt")  # the next removal finishes the job
+    assert _keys(client, f"{key}/a.ckpt") == []
+    io.save_checkpoint({"w": torch.zeros(64), "epoch": 2}, f"{base}/b.ckpt")  # replaces it
+    left = _keys(client, f"{key}/b.ckpt")
+    roots = {k.split("/")[0] for k in left if k != "COMMITTED"}
+    assert "COMMITTED" in left and len(roots) == 1 and "DELETING" not in left, left
+    got = io.load_checkpoint(f"{base}/b.ckpt")
+    assert torch.equal(got["w"], torch.zeros(64)) and got["epoch"] == 2
+
+
+def test_on_s3_a_save_in_flight_is_no_remains(s3, tmp_path):
+    """Objects under a path without a commit marker are also what a save in flight (or a
+    killed one) writes: without a deletion's mark they are not removed or replaced."""
+    from statestream.storage import storage_for
+
+    client, _ = s3
+    io = StatestreamCheckpointIO()
+    url = f"s3://lightning/flight-{os.getpid()}-{tmp_path.name}/c.ckpt"
+    storage, spath = storage_for(url)
+    txn = storage.begin_write(spath, overwrite=True)
+    txn.write_bytes("manifest.json", b"{}")  # a save that has not committed yet
+    key = url[len("s3://lightning/"):]
+    before = _keys(client, key)
+    io.remove_checkpoint(url)
+    assert _keys(client, key) == before != []
+    txn.abort()

@@ -130,7 +130,8 @@ class StatestreamCheckpointIO(CheckpointIO):
         key = os.fspath(path)
         self._reap(key, wait=False)
         if _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
-            storage_for(key)[0].delete(key)
+            storage, spath = storage_for(key)
+            storage.delete(spath)
         kwargs: dict[str, Any] = {
             "overwrite": True,  # Lightning rewrites last.ckpt in place
             "pickle_paths": ["<root>"] if self.pickle else (),
@@ -261,15 +262,22 @@ _DATA_FILE = re.compile(r"^r\d+-\d+[.\w-]*$")
 
 
 def _interrupted_deletion(key: str) -> bool:
-    """Whether local ``key`` is what a killed deletion of a statestream checkpoint
-    left: a directory without a commit marker (a deletion removes it first) that
-    holds nothing but a statestream manifest and data files (or their empty ``data/``).
+    """Whether ``key`` is what a killed deletion of a statestream checkpoint left.
 
-    Such a directory loads as nothing and is no one else's: :meth:`remove_checkpoint`
-    removes it and a save replaces it (storage refuses to replace an uncommitted
-    directory, which could be anyone's).
+    Locally: a directory without a commit marker (a deletion removes it first) that
+    holds nothing but a statestream manifest and data files (or their empty ``data/``).
+    On an object store: the deletion's mark and no commit marker (the backend's
+    ``deletion_interrupted``; objects without the mark may be a save in flight).
+
+    Such remains load as nothing and are no one else's: :meth:`remove_checkpoint`
+    removes them and a save replaces them (storage refuses to replace an uncommitted
+    directory, which could be anyone's; an object store would keep them as garbage).
     """
-    if "://" in key or os.path.islink(key) or not os.path.isdir(key):
+    if "://" in key:
+        storage, spath = storage_for(key)
+        probe = getattr(storage, "deletion_interrupted", None)
+        return bool(probe is not None and probe(spath))
+    if os.path.islink(key) or not os.path.isdir(key):
         return False
     try:
         names = set(os.listdir(key))

@@ -24,12 +24,14 @@ import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
 import uuid
 from typing import Any, ClassVar
 
+from statestream import _hooks
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,6 +45,7 @@ from statestream.format import COMMIT_NAME, MANIFEST_NAME, MAX_COMMIT_BYTES, val
 from statestream.storage._base import Leftover, StorageCapabilities
 from statestream.storage._object_config import (
     DAMAGED_MARKER,
+    DELETING_NAME,
     ROOT_RE,
     TransferOptions,
     check_transfer_options,
@@ -107,9 +110,9 @@ def _scrub(text: str) -> str:
 
 def _saved_kind(rel: str) -> str | None:
     """What the object at ``rel`` (below a checkpoint's prefix) is: ``""`` for its
-    commit marker, the root for a root's manifest or data file, None for anything
-    a save does not write there."""
-    if rel == COMMIT_NAME:
+    commit marker (or a deletion's mark), the root for a root's manifest or data file,
+    None for anything a save (or a deletion) does not write there."""
+    if rel in (COMMIT_NAME, DELETING_NAME):
         return ""
     root, _, rest = rel.partition("/")
     if not ROOT_RE.match(root):
@@ -343,12 +346,14 @@ class ObjectStorage:
             return DAMAGED_MARKER
         return root if isinstance(root, str) and ROOT_RE.match(root) else DAMAGED_MARKER
 
-    def _delete_prefix(self, bucket: str, prefix: str) -> None:
+    def _delete_prefix(self, bucket: str, prefix: str, keep: str | None = None) -> None:
+        """Delete every object under ``prefix`` but ``keep``."""
         import obstore
 
         st = self._store(bucket)
         try:
-            paths = [m["path"] for batch in obstore.list(st, prefix=prefix) for m in batch]
+            paths = [m["path"] for batch in obstore.list(st, prefix=prefix) for m in batch
+                     if m["path"] != keep]
         except Exception as exc:
             raise self._list_error(exc, self._url(bucket, prefix),
                                    "deleting them (they are found by listing)") from exc
@@ -567,14 +572,43 @@ class ObjectStorage:
         return sorted(names)
 
     def delete(self, path: str) -> None:
+        """Mark the deletion, uncommit, delete everything under ``path``, then the mark.
+
+        A deletion killed part-way leaves no commit marker (nothing loads what is
+        left) and its mark, :data:`DELETING_NAME`, by which
+        :meth:`deletion_interrupted` knows the rest for remains: deleting the path
+        again finishes the job."""
         import obstore
 
         bucket, prefix = self.split_url(path)
         st = self._store(bucket)
+        mark = f"{prefix}/{DELETING_NAME}"
+        try:
+            self._put(bucket, mark, b"")
+        except TimeoutError:
+            raise  # the store is not answering: so would the deletes
+        except CheckpointError as exc:  # credentials that may delete but not write, or
+            # a store that refuses this PUT (fake-gcs-server): delete as before, unmarked
+            logging.getLogger("statestream").info(
+                "deleting %s without its %s mark: %s", path, DELETING_NAME, exc)
         try:  # uncommit first: a half-deleted checkpoint never loads
             obstore.delete(st, f"{prefix}/{COMMIT_NAME}")
         except Exception as exc:  # only "already gone" may pass; else data would go first
             err = self._map_error(exc, f"uncommitting {path}")
             if not isinstance(err, CheckpointNotFoundError):
                 raise err from exc
-        self._delete_prefix(bucket, prefix + "/")
+        _hooks.fire("delete.uncommitted")
+        self._delete_prefix(bucket, prefix + "/", keep=mark)
+        try:
+            obstore.delete(st, mark)
+        except Exception as exc:
+            err = self._map_error(exc, f"deleting {self._url(bucket, mark)}")
+            if not isinstance(err, CheckpointNotFoundError):
+                raise err from exc
+
+    def deletion_interrupted(self, path: str) -> bool:
+        """Whether ``path`` holds what a :meth:`delete` killed part-way left: its mark
+        and no commit marker (a save to ``path`` committed since then)."""
+        bucket, prefix = self.split_url(path)
+        mark = self._get_small(bucket, f"{prefix}/{DELETING_NAME}", 4096, missing_ok=True)
+        return mark is not None and not self.is_committed(path)

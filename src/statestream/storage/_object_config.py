@@ -10,14 +10,20 @@ from typing import Any
 
 from statestream.errors import StorageError
 
-__all__ = ["DAMAGED_MARKER", "ROOT_RE", "TransferOptions", "check_transfer_options",
-           "client_and_retry", "env_client_options", "redact", "split_object_url", "version_of"]
+__all__ = ["DAMAGED_MARKER", "DELETING_NAME", "ROOT_RE", "TransferOptions",
+           "check_transfer_options", "client_and_retry", "env_client_options", "redact",
+           "split_object_url", "version_of"]
 
 ROOT_RE = re.compile(r"^[0-9a-f]{32}$")
 
 #: What ObjectStorage._live_root answers for a commit marker that is there but names
 #: no valid root (not a root name: those are 32 hex digits).
 DAMAGED_MARKER = "damaged"
+
+#: The object a deletion writes beside the commit marker before it removes anything and
+#: deletes last: what a deletion killed part-way left is known by it (a save in flight
+#: to the same path has unreferenced roots too, and is not to be taken for remains).
+DELETING_NAME = "DELETING"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate_file_name
 from statestream.storage._base import Buffer
 from statestream.storage._hints import not_a_checkpoint_hint
-from statestream.storage._object_config import ROOT_RE
+from statestream.storage._object_config import DELETING_NAME, ROOT_RE
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -181,6 +181,8 @@ class ObjectReader:
                     first, sep, rest = rel.partition("/")
                     if first == self._root and sep:
                         out.append(rest)
+                    elif rel == DELETING_NAME:
+                        continue  # a deletion's mark, left by one that was killed
                     elif not (sep and ROOT_RE.match(first)):
                         out.append(rel)
         except Exception as exc:
