@@ -54,57 +54,19 @@ from statestream.storage._object_config import (
     split_object_url,
     version_of,
 )
+from statestream.storage._object_errors import (
+    ATTEMPTS,
+    DENIED,
+    UNIT_S,
+    credentials_refused,
+    scrub,
+)
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
 from statestream.storage._object_read import ObjectReader
 from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
 __all__ = ["ObjectStorage", "TransferOptions", "check_transfer_options", "client_and_retry",
            "redact", "split_object_url"]
-
-
-
-#: what a store's message holds besides its status and error code: URLs (with the
-#: bucket, key and port), addresses, obstore's ``path: "..."`` and durations; a
-#: status looked for in them would be found in ``127.0.0.1:40371`` or ``1.403ms``
-_NOISE = re.compile(
-    r"[a-z][a-z0-9+.-]*://[^\s,)\"']*"
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?"
-    r"|\bpath:?\s*\"[^\"]*\""
-    r"|\bfor path \S+"
-    r"|\b\d+(?:\.\d+)?\s*(?:ms|\u00b5s|us|ns|s)\b",
-    re.IGNORECASE)
-#: a refusal (403) in a scrubbed, lower-cased message
-_DENIED = re.compile(r"status(?: code)?:?\s*403\b|\b403\s+forbidden|\bforbidden\b|accessdenied")
-
-
-#: obstore's message of a failed request: "Error performing PUT <url> in 4.1s, after 1
-#: retries, ... - HTTP error: error sending request" (no "after" without retries)
-_ATTEMPTS = re.compile(r"Error performing [A-Z]+ \S+ in (\d+(?:\.\d+)?)(s|ms|\u00b5s|us|ns)"
-                       r"(?:, after (\d+) retries)?[^\n]*error sending request")
-_UNIT_S = {"s": 1.0, "ms": 1e-3, "\u00b5s": 1e-6, "us": 1e-6, "ns": 1e-9}
-
-
-#: what marks a 403 that refuses the credentials themselves (a wrong key or secret, an
-#: expired token), not a permission they lack: error codes, and the message Azure and
-#: Azurite give a bad signature (Azurite's code is AuthorizationFailure, which Azure
-#: uses for network rules); looked for lower case, without spaces
-_NOT_ACCEPTED = {"<code>authenticationfailed</code>": "AuthenticationFailed",
-                 "serverfailedtoauthenticatetherequest": "the signature was refused",
-                 "<code>signaturedoesnotmatch</code>": "SignatureDoesNotMatch",
-                 "<code>invalidaccesskeyid</code>": "InvalidAccessKeyId",
-                 "<code>expiredtoken</code>": "ExpiredToken",
-                 "<code>invalidtoken</code>": "InvalidToken"}
-
-
-def _credentials_refused(exc: BaseException) -> str | None:
-    """What says that ``exc`` refuses the credentials themselves, else None."""
-    squashed = _scrub(redact(str(exc))).lower().replace(" ", "")
-    return next((name for mark, name in _NOT_ACCEPTED.items() if mark in squashed), None)
-
-
-def _scrub(text: str) -> str:
-    """``text`` without what may hold digits or words by chance (see :data:`_NOISE`)."""
-    return _NOISE.sub(" ", text)
 
 
 
@@ -184,7 +146,7 @@ class ObjectStorage:
         # the store's error code may sit in the response body, lines below the first
         # (a PUT to a missing bucket: "<Code>NoSuchBucket</Code>"); codes are looked
         # for without the URLs, addresses and durations ("127.0.0.1:40371" is no 403)
-        squashed = _scrub(redact(str(exc))).lower().replace(" ", "")
+        squashed = scrub(redact(str(exc))).lower().replace(" ", "")
         word = self.bucket_word
         if any(code in squashed for code in self.missing_bucket_codes):
             named = re.search(rf"\b{re.escape(self.scheme)}://[^/\s]+", what)
@@ -192,7 +154,7 @@ class ObjectStorage:
             return StorageError(f"{what}: the {bucket} does not exist")
         if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):
             return CheckpointNotFoundError(f"{what}: not found")
-        refused = _credentials_refused(exc)
+        refused = credentials_refused(exc)
         denied = (f"{what}: access denied (403); the store did not accept the credentials "
                   f"({refused}): {self.credentials_hint}" if refused else
                   f"{what}: access denied (403); check the credentials and the {word} policy")
@@ -200,8 +162,8 @@ class ObjectStorage:
             return storage_error(denied, errno.EACCES)
         if isinstance(exc, oe.UnauthenticatedError):
             return StorageError(f"{what}: not authenticated; {self.credentials_hint}")
-        text = _scrub(first).lower()
-        if _DENIED.search(text):
+        text = scrub(first).lower()
+        if DENIED.search(text):
             return storage_error(denied, errno.EACCES)
         if ("kind: Timeout" in str(exc) or "TimedOut" in str(exc)  # obstore's error chain
                 or self._attempts_timed_out(str(exc))):
@@ -215,10 +177,10 @@ class ObjectStorage:
         """Whether a request's attempts all ran into the client's time limits, by its
         message alone: obstore's writer (open_writer) raises a plain OSError with the
         first line of the error, without the chain that says "kind: Timeout"."""
-        m = _ATTEMPTS.search(text)
+        m = ATTEMPTS.search(text)
         if m is None:
             return False
-        elapsed = float(m.group(1)) * _UNIT_S[m.group(2)]
+        elapsed = float(m.group(1)) * UNIT_S[m.group(2)]
         attempts = 1 + int(m.group(3) or 0)
         # every attempt ends within timeout_s (connect_timeout_s while connecting) plus
         # a backoff of ~0.1-3 s in all; a transport error after that long on average is
@@ -240,7 +202,7 @@ class ObjectStorage:
         """The error of a listing of the objects under ``url``: a refusal says that it was
         the listing, of which prefix, for what (``why``) and which permission it needs."""
         err = self._map_error(exc, f"listing {url.rstrip('/')}/ ({why})")
-        if isinstance(err, PermissionError) and not _credentials_refused(exc):
+        if isinstance(err, PermissionError) and not credentials_refused(exc):
             return storage_error(
                 f"listing the objects under {url.rstrip('/')}/ was refused (403): {why} "
                 f"needs {self.list_permission}; check the credentials and the "
@@ -320,7 +282,7 @@ class ObjectStorage:
                                   chunk_size=1)
             next(iter(stream), None)
         except Exception as exc:
-            text = _scrub(str(exc)).lower()
+            text = scrub(str(exc)).lower()
             squashed = text.replace(" ", "")
             # a status of 404, not "404" inside a port, key or request id of the message
             if (any(code in squashed for code in self.missing_bucket_codes)
