@@ -147,3 +147,19 @@ def test_a_missing_container_is_an_error_not_an_absent_checkpoint(
                            match="the container az://no-such-container does not exist"):
             st.is_committed("az://no-such-container/x")
         assert not st.is_committed(f"az://{azurite['container']}/absent-{uuid.uuid4().hex}")
+
+
+def test_s3_a_wrong_secret_is_not_a_missing_list_permission(s3_no_list: dict[str, Any]
+                                                            ) -> None:
+    """A wrong secret is refused on every request (SignatureDoesNotMatch, 403), a
+    listing too: that is not a permission to grant."""
+    st = S3Storage(S3Options(endpoint=s3_no_list["endpoint"], region="us-east-1",
+                             access_key_id=s3_no_list["access_key_id"],
+                             secret_access_key="not-the-secret", max_retries=0))
+    base = f"s3://{s3_no_list['bucket']}/t-{uuid.uuid4().hex[:8]}"
+    for call in (lambda: st.list(base), lambda: st.is_committed(f"{base}/a")):
+        with pytest.raises(ss.StoragePermissionError) as ei:
+            call()
+        msg = str(ei.value)
+        assert "did not accept the credentials (SignatureDoesNotMatch)" in msg, msg
+        assert "ListBucket" not in msg and "not-the-secret" not in msg, msg

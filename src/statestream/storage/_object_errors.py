@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 
-from statestream.storage._object_config import redact
-
 __all__ = ["ATTEMPTS", "DENIED", "NOISE", "NOT_ACCEPTED", "UNIT_S", "credentials_refused",
            "scrub"]
 
@@ -45,8 +43,10 @@ NOT_ACCEPTED = {"<code>authenticationfailed</code>": "AuthenticationFailed",
 
 
 def credentials_refused(exc: BaseException) -> str | None:
-    """What says that ``exc`` refuses the credentials themselves, else None."""
-    squashed = scrub(redact(str(exc))).lower().replace(" ", "")
+    """What says that ``exc`` refuses the credentials themselves, else None (a fixed
+    label: nothing of the message is returned, so it is read unredacted, as
+    the redaction of secrets would hide ``SignatureDoesNotMatch`` as a ``Signature=``)."""
+    squashed = str(exc).lower().replace(" ", "")
     return next((name for mark, name in NOT_ACCEPTED.items() if mark in squashed), None)
 
 
