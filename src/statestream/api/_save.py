@@ -49,6 +49,8 @@ def save(
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``, atomically.
 
+    Saves run one at a time in a process (a ``save_async`` in flight is waited for).
+
     Args:
         path: a directory path (it must not exist unless ``overwrite``).
         state: nested dict/list/tuple/namedtuple/dataclass/JAX pytree of

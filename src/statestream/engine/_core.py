@@ -233,12 +233,17 @@ class ByteBudget:
         (0, 60)
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *,
+                 on_use: Callable[[int], None] | None = None) -> None:
         self.capacity = capacity
         self.in_use = 0
         self.peak = 0
         self._error: BaseException | None = None
         self._cv = threading.Condition()
+        #: called with the bytes in use after each acquire that took some (outside the
+        #: lock, before the caller allocates them): a synchronous save frees idle
+        #: staging buffers there, so that they and its own stay within one budget
+        self._on_use = on_use
 
     def acquire(self, n: int) -> int:
         n = min(n, self.capacity)
@@ -251,6 +256,9 @@ class ByteBudget:
                 self._cv.wait()
             self.in_use += n
             self.peak = max(self.peak, self.in_use)
+            used = self.in_use
+        if self._on_use is not None:
+            self._on_use(used)
         return n
 
     def try_acquire(self, n: int) -> int | None:
@@ -263,6 +271,9 @@ class ByteBudget:
                 return None
             self.in_use += n
             self.peak = max(self.peak, self.in_use)
+            used = self.in_use
+        if self._on_use is not None:
+            self._on_use(used)
         return n
 
     def release(self, n: int) -> None:

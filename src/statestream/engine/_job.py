@@ -136,7 +136,10 @@ class SaveJob:
             self.collector.arrays, self.collector.key, options.memory,
             retains_buffers=self.storage.capabilities.retains_buffers, snapshot=snapshot,
             capacity=capacity)
-        self.budget = self._codec_budget = ByteBudget(capacity)
+        # A synchronous save's own buffers share the budget with the staging buffers
+        # an earlier save_async left idle: taking bytes frees idle ones beyond the rest.
+        self.budget = self._codec_budget = ByteBudget(
+            capacity, on_use=None if snapshot else self.ledger.leave_room)
         if snapshot:
             self.budget, self._codec_budget = snapshot_budgets(
                 self.budget.capacity, compresses=bool(options.compression))

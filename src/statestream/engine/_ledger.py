@@ -73,6 +73,13 @@ class StagingLedger:
         self.copied_bytes = 0
         self.direct_bytes = 0
         self._fresh = False  # race copies may take fresh host buffers (race_start)
+        self._capacity = memory.resolved() if capacity is None else capacity
+
+    def leave_room(self, in_use: int) -> None:
+        """A synchronous save holds ``in_use`` bytes of its budget (copies of chunks,
+        compression buffers): free the idle host staging buffers kept between saves
+        beyond what the budget leaves, so that the two together stay within it."""
+        host_pool().trim_idle(self._capacity - in_use)
 
     # -- streaming -------------------------------------------------------------------
     def read(self, item: WriteItem) -> np.ndarray:

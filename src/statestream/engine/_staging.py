@@ -189,6 +189,15 @@ class StagingPool:
             self._by_size.setdefault(n, []).append(key)
             self.idle_bytes += n
 
+    def trim_idle(self, keep: int) -> int:
+        """Free idle buffers, least recently used first, until at most ``keep`` bytes
+        are idle; return the bytes freed."""
+        with self._lock:
+            before = self.idle_bytes
+            while self._idle and self.idle_bytes > keep:
+                self._pop_oldest_locked()
+            return before - self.idle_bytes
+
     def release(self) -> int:
         """Free every idle buffer; return how many bytes were freed. Saves in
         flight keep none of theirs (see :attr:`epoch`)."""
@@ -203,12 +212,15 @@ class StagingPool:
     def _evict_locked(self, incoming: int) -> None:
         # Oldest idle buffers go first until idle + lent + incoming fits.
         while self._idle and self.idle_bytes + self.lent_bytes + incoming > self.capacity:
-            key, buf = self._idle.popitem(last=False)
-            n = int(buf.nbytes)
-            self._by_size[n].remove(key)
-            if not self._by_size[n]:
-                del self._by_size[n]
-            self.idle_bytes -= n
+            self._pop_oldest_locked()
+
+    def _pop_oldest_locked(self) -> None:
+        key, buf = self._idle.popitem(last=False)
+        n = int(buf.nbytes)
+        self._by_size[n].remove(key)
+        if not self._by_size[n]:
+            del self._by_size[n]
+        self.idle_bytes -= n
 
 
 _HOST = StagingPool()

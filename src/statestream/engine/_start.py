@@ -1,9 +1,10 @@
 """Entry points of a save: synchronous, or started in the background.
 
-Asynchronous saves run one at a time in a process: a new one waits for the
-previous one (which stops warming staging buffers for it), then snapshots and
-hands the rest to a thread of its own. The start holds a lock, so that two
-threads calling ``save_async`` at once start one after the other; and a start
+Saves run one at a time in a process: a new one waits for the previous
+asynchronous one (which stops warming staging buffers for it); an asynchronous
+one then snapshots and hands the rest to a thread of its own. The start holds a
+lock (a synchronous save holds it to the end), so that two threads saving at
+once run one after the other, never two saves' buffers at once; and a start
 interrupted anywhere (a KeyboardInterrupt) settles its handle, which the next
 save and the interpreter's exit wait for.
 """
@@ -28,8 +29,28 @@ from statestream.errors import CheckpointError
 
 __all__ = ["run_save", "start_save"]
 
+
 def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
-    """A synchronous save (the caller blocks until it is committed)."""
+    """A synchronous save (the caller blocks until it is committed).
+
+    It queues with the asynchronous saves: it first waits for the one in flight
+    (which stops warming staging buffers for a next save), and holds the start lock
+    while it runs, so a ``save_async`` (or another ``save``) from another thread
+    waits for it. On a thread of a save in flight (a progress callback) it cannot
+    wait for that save, which waits for the thread: it runs at once there.
+    """
+    if threading.current_thread().name.startswith(SAVE_THREADS):
+        _run_sync(path, state, options)
+        return
+    with start_lock():
+        previous = previous_save()
+        if previous is not None:
+            previous._superseded.set()
+            previous._settled.wait()
+        _run_sync(path, state, options)
+
+
+def _run_sync(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
     with gc_paused():
         SaveJob(path, state, options, snapshot=False).run()
 
@@ -38,11 +59,17 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
                lazy: bool) -> SaveHandle:
     """An asynchronous save: return after the snapshot (at once when ``lazy``)."""
     previous = previous_save()
-    if previous is not None and not previous._settled.is_set() and (
-            threading.current_thread().name.startswith(SAVE_THREADS)):
+    # On a thread of a save (a progress callback), a save in flight is that save: an
+    # asynchronous one not settled, or a synchronous one, which holds the start lock
+    # while it runs. Waiting for it would wait for this thread.
+    if threading.current_thread().name.startswith(SAVE_THREADS) and (
+            (previous is not None and not previous._settled.is_set())
+            or start_lock().locked()):
+        to = (f" to {previous.path}" if previous is not None
+              and not previous._settled.is_set() else "")
         raise CheckpointError(
-            f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight "
-            f"to {previous.path} (from a progress callback?): it would wait for that save, "
+            f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight"
+            f"{to} (from a progress callback?): it would wait for that save, "
             "which waits for this thread. Call ss.save there, or save after it returns")
     with start_lock():
         previous = previous_save()
