@@ -157,3 +157,50 @@ def test_closed_on_a_thread_it_frees_the_directory_and_the_signal(
     else:
         assert r.returncode == 0, r.stderr
         assert r.stdout.splitlines()[1:] == ["MINE", "MINE", "ALIVE"]
+
+
+# ------------------------------------------- steps() on a thread while a save deletes
+@pytest.mark.parametrize("paused", ["after the names", "after the listing"])
+def test_steps_on_another_thread_while_the_keep_policy_deletes_is_one_moment(
+        tmp_path: os.PathLike[str], paused: str) -> None:
+    # The other thread lists step 0 and is held there while save(1) commits step 1
+    # and the keep policy deletes step 0. Before, its steps() then read a deleted
+    # step: it listed it, warned that it was damaged ("after the listing"), or found
+    # its marker gone and returned [] while a step was committed all along ("after
+    # the names"). The hold is a test seam (the manager's own directory object).
+    import warnings
+
+    mgr = ss.CheckpointManager(os.fspath(tmp_path), keep_policy=ss.KeepLatest(1),
+                               async_save=False)
+    state = {"w": np.arange(1024, dtype=np.float32)}
+    mgr.save(0, state)
+    listed, deleted = threading.Event(), threading.Event()
+    target: Any = mgr._dir.storage if paused == "after the names" else mgr._dir
+    name = "list" if paused == "after the names" else "steps"
+    real = getattr(target, name)
+
+    def held(*args: Any) -> Any:
+        out = real(*args)
+        if threading.current_thread().name == "other" and not listed.is_set():
+            listed.set()
+            assert deleted.wait(60)
+        return out
+
+    setattr(target, name, held)
+    got: list[Any] = []
+    other = threading.Thread(target=lambda: got.append(mgr.steps()), name="other")
+    faults.on("manager.step_deleted", deleted.set)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            other.start()
+            assert listed.wait(60)
+            mgr.save(1, state)  # commits step 1, then deletes step 0
+            other.join(60)
+    finally:
+        faults.clear()
+        deleted.set()
+    assert got == [[1]]
+    assert not [w for w in caught if "cannot read" in str(w.message)]
+    mgr.close()
+

@@ -52,6 +52,9 @@ class _Dir:
     def path(self, step: int) -> str:
         return f"mem/{step}"
 
+    def is_committed(self, step: int) -> bool:
+        return step in self.held
+
     def delete(self, step: int) -> None:
         del self.held[step]
         self.deleted.append(step)

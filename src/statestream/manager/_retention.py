@@ -19,6 +19,9 @@ from statestream.manager._steps import StepDirectory, parse_step
 __all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info",
            "step_meta"]
 
+#: listings of a directory whose steps a keep policy deletes meanwhile, at most
+_RELISTS = 8
+
 #: Non-finite metric values, which JSON cannot hold, are stored as these strings.
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 #: A string metric that spells one of them is stored as {_STR_TAG: value}, so that it
@@ -149,6 +152,8 @@ class Retention:
         self._infos: dict[int, StepInfo] = {}
         self._bases: dict[int, list[int]] = {}
         self._lock = threading.Lock()
+        #: deletions begun by :meth:`apply`: a listing that one overlapped is retaken
+        self._deletions = 0
         #: unreadable steps already warned about, and why each could not be read
         self._warned: set[int] = set()
         self._why: dict[int, str] = {}
@@ -211,12 +216,41 @@ class Retention:
         """The committed steps, without the retired ones (see the class docstring) and
         without a step that refers to a step no longer committed (a retired step whose
         own bases were deleted: it cannot be loaded), unless it is the newest."""
-        steps = self._steps.steps()
         if isinstance(self._policy, KeepAll):
-            return steps
-        keep, needed = self._plan(steps, set())
+            return self._steps.steps()
+        steps, read = self._list_and_read()
+        keep, needed = self._plan(steps, set(), read=read)
         broken = self._broken(steps)
         return [s for s in steps if s not in needed and (s not in broken or s == steps[-1])]
+
+    def _list_and_read(self) -> tuple[list[int], dict[int, tuple[StepInfo | None, list[int]]]]:
+        """The committed steps, ascending, each read (:meth:`_read`), as they were at
+        one moment although :meth:`apply` may delete steps on another thread (a
+        save's, a local tier's persistence worker's).
+
+        A listing that a deletion overlapped is taken again: it could hold a step
+        deleted before its manifest was read (which looks damaged), or miss every
+        step (the names listed before a newer step appeared, the older one's commit
+        marker checked after its deletion). A keep policy deletes only after a newer
+        step committed, so a listing begun after the deletion holds that step.
+        Before 2026-12-06 ``steps()`` on another thread then kept a deleted step,
+        with every older one, and warned that it was damaged, or returned ``[]``.
+        """
+        for _ in range(_RELISTS):
+            began = self._deletions
+            steps = self._steps.steps()
+            read = {s: self._read(s) for s in steps}
+            gone = {s for s, r in read.items() if r[0] is None and not self._committed(s)}
+            if not gone and self._deletions == began:
+                return steps, read
+        kept = [s for s in steps if s not in gone]  # deleting faster than listing
+        return kept, {s: read[s] for s in kept}
+
+    def _committed(self, step: int) -> bool:
+        try:
+            return self._steps.is_committed(step)
+        except OSError:  # cannot tell (a store that is down): unreadable, as before
+            return True
 
     def dropped_by(self, policy: KeepPolicy, steps: list[int], protected: set[int],
                    through: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -235,7 +269,9 @@ class Retention:
         return {s for s in steps if any(b not in have for b in self._read(s)[1])}
 
     def _plan(self, steps: list[int], protected: set[int], policy: KeepPolicy | None = None,
-              through: set[int] | frozenset[int] = frozenset()) -> tuple[set[int], set[int]]:
+              through: set[int] | frozenset[int] = frozenset(),
+              read: dict[int, tuple[StepInfo | None, list[int]]] | None = None,
+              ) -> tuple[set[int], set[int]]:
         """(kept, referred to by a kept step but not kept itself).
 
         Kept: what the policy keeps of the readable steps that refer to no missing
@@ -247,7 +283,8 @@ class Retention:
         nothing kept refers to them, and a retired step whose bases are gone is
         never offered to the policy (nor listed, nor a base): it cannot be loaded.
         """
-        read = {s: self._read(s) for s in steps}
+        if read is None:
+            read = {s: self._read(s) for s in steps}
         policy = self._policy if policy is None else policy
         broken = self._broken(steps)
         keep = set(policy.keep([si for s, (si, _) in read.items()
@@ -307,16 +344,18 @@ class Retention:
         """
         self._finish_deletions()
         try:
-            steps = self._steps.steps()
+            steps, read = self._list_and_read()
         except OSError as exc:  # StorageError included: a store that is down
             _warn_not_listed(self._steps.directory, exc)
             return []
         if len(steps) <= 1:
             return []
-        keep, needed = self._plan(steps, protected)
+        keep, needed = self._plan(steps, protected, read=read)
         dropped = [s for s in reversed(steps) if s not in keep and s not in needed]
         for i, s in enumerate(dropped):
             self.forget(s)
+            with self._lock:
+                self._deletions += 1
             try:
                 self._steps.delete(s)  # marker first, then data
             except OSError as exc:  # StorageError included
@@ -324,6 +363,7 @@ class Retention:
                     self._unfinished.add(s)
                 _warn_not_deleted(self._steps.path(s), dropped[i + 1:], exc)
                 return dropped[:i]
+            self.forget(s)  # read again on another thread meanwhile (a listing)
             _hooks.fire("manager.step_deleted")
         return dropped
 
