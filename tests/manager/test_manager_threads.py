@@ -204,3 +204,38 @@ def test_steps_on_another_thread_while_the_keep_policy_deletes_is_one_moment(
     assert not [w for w in caught if "cannot read" in str(w.message)]
     mgr.close()
 
+
+@pytest.mark.parametrize("call", ["should_save", "reached_preemption"])
+def test_a_save_decision_on_another_thread_waits_for_the_save_being_started(
+        tmp_path: os.PathLike[str], call: str) -> None:
+    # Both read and change the decision save() records (which step was decided, a
+    # preemption seen): before, another thread's should_save(7) in the middle of
+    # save(1) replaced it, and reached_preemption(1) then disagreed with what save(1)
+    # did. Now they take the manager's call lock as save does.
+    state = {"w": np.arange(1 << 18, dtype=np.float32)}
+    mgr = ss.CheckpointManager(os.fspath(tmp_path), save_policy=ss.EveryNSteps(1))
+    progressed = threading.Event()
+    returned = threading.Event()
+    seen: list[bool] = []
+    mgr._calls = _Watched(mgr._calls, progressed)  # type: ignore[assignment]
+
+    def in_blocking_phase() -> None:  # save(1) is copying its snapshot
+        other.start()
+        assert progressed.wait(60)
+        seen.append(returned.is_set())
+
+    def other_call() -> None:
+        getattr(mgr, call)(7)
+        returned.set()
+        progressed.set()
+
+    other = threading.Thread(target=other_call)
+    faults.on("async.snapshot_chunk", in_blocking_phase)
+    try:
+        assert mgr.save(1, state)
+    finally:
+        faults.clear()
+    other.join(60)
+    assert seen == [False]  # it had not returned while save(1) was starting
+    assert returned.is_set()
+    mgr.close()

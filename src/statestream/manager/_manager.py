@@ -40,7 +40,7 @@ from statestream.manager._policies import (
 )
 from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
 from statestream.manager._retention import Retention, step_info, step_meta
-from statestream.manager._serial import one_at_a_time
+from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
@@ -237,6 +237,7 @@ class CheckpointManager:
             return self._tier.path(step)
         return self._dir.path(step)
 
+    @one_at_a_time_if_collective
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written, nor a step
         the keep policy dropped that is kept only because a kept step refers to it).
@@ -259,6 +260,7 @@ class CheckpointManager:
         e.g. stop a job whose store has been down for too many steps."""
         return [] if self._tier is None else self._tier.unpersisted()
 
+    @one_at_a_time_if_collective
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
         s = self.steps()
@@ -301,6 +303,7 @@ class CheckpointManager:
         return self._retention.best(metric, mode)
 
     # ------------------------------------------------------------------ policies
+    @one_at_a_time
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` at ``step`` would save (decided by rank 0, shared).
 
@@ -315,6 +318,7 @@ class CheckpointManager:
             pending |= self._tier.pending_steps()
         return pending
 
+    @one_at_a_time
     def reached_preemption(self, step: int) -> bool:
         """True (on every rank) once SIGTERM arrived; save and exit at this boundary.
 
