@@ -161,3 +161,53 @@ def test_a_sync_save_right_after_save_async_stays_within_one_budget(tmp_path: Pa
     # the budget, one 8 MiB bounce buffer per data file, slack for the interpreter
     bound = budget + 2 * 8 * MiB + 16 * MiB
     assert growth < bound, f"peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+class _SavesInside:
+    """A stateful value whose state_dict() saves (walked on the caller's thread)."""
+
+    def __init__(self, path: Path, use_async: bool) -> None:
+        self.path, self.use_async = path, use_async
+        self.seen: list[BaseException] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        try:
+            if self.use_async:
+                ss.save_async(self.path, {"x": np.ones(2)}).result()
+            else:
+                ss.save(self.path, {"x": np.ones(2)})
+        except ss.CheckpointError as exc:
+            self.seen.append(exc)
+        return {"x": np.zeros(3)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def _save_then_wait(path: Path, state: Any, outer_async: bool) -> None:
+    if outer_async:
+        ss.save_async(path, state).result()
+    else:
+        ss.save(path, state)
+
+
+@pytest.mark.parametrize("outer_async", [False, True], ids=["in-save", "in-save_async"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "save_async"])
+def test_a_save_from_a_state_dict_that_a_save_walks_is_not_a_deadlock(
+        tmp_path: Path, use_async: bool, outer_async: bool) -> None:
+    # ss.save and save_async's start hold the start lock on the caller's thread, which
+    # also walks the state: a save there waited for that lock forever (save_async in
+    # save_async's walk did before too). ss.save runs at once (as on a save's own
+    # thread); save_async is refused. The thread and its timeout only guard a hang.
+    inner = _SavesInside(tmp_path / "inner", use_async)
+    t = threading.Thread(target=_save_then_wait,
+                         args=(tmp_path / "outer", {"s": inner}, outer_async), daemon=True)
+    t.start()
+    t.join(_WAIT_S)
+    assert not t.is_alive(), "ss.save hung"
+    assert ss.verify(tmp_path / "outer").ok
+    if use_async:
+        assert inner.seen and "thread of the save in flight" in str(inner.seen[0])
+        assert not (tmp_path / "inner").exists()
+    else:
+        assert not inner.seen and ss.load(tmp_path / "inner")["x"].tolist() == [1.0, 1.0]

@@ -11,8 +11,10 @@ save and the interpreter's exit wait for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from statestream._gc import gc_paused
@@ -30,6 +32,25 @@ from statestream.errors import CheckpointError
 __all__ = ["run_save", "start_save"]
 
 
+class _Holding(threading.local):
+    #: this thread holds the start lock: its ss.save runs, or its save_async starts
+    #: (a state_dict() it walks is called with the lock held)
+    active = False
+
+
+_HOLDING = _Holding()
+
+
+@contextlib.contextmanager
+def _start_held() -> Iterator[None]:
+    with start_lock():
+        _HOLDING.active = True
+        try:
+            yield
+        finally:
+            _HOLDING.active = False
+
+
 def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> None:
     """A synchronous save (the caller blocks until it is committed).
 
@@ -39,10 +60,12 @@ def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> 
     waits for it. On a thread of a save in flight (a progress callback) it cannot
     wait for that save, which waits for the thread: it runs at once there.
     """
-    if threading.current_thread().name.startswith(SAVE_THREADS):
+    if threading.current_thread().name.startswith(SAVE_THREADS) or _HOLDING.active:
+        # a save's thread, or a state_dict() that this thread's own save walks: the
+        # start lock is not this save's to wait for
         _run_sync(path, state, options)
         return
-    with start_lock():
+    with _start_held():
         previous = previous_save()
         if previous is not None:
             previous._superseded.set()
@@ -61,17 +84,18 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     previous = previous_save()
     # On a thread of a save (a progress callback), a save in flight is that save: an
     # asynchronous one not settled, or a synchronous one, which holds the start lock
-    # while it runs. Waiting for it would wait for this thread.
-    if threading.current_thread().name.startswith(SAVE_THREADS) and (
-            (previous is not None and not previous._settled.is_set())
-            or start_lock().locked()):
-        to = (f" to {previous.path}" if previous is not None
-              and not previous._settled.is_set() else "")
+    # while it runs; so is this thread's own save (a state_dict() it walks).
+    # Waiting for it would wait for this thread.
+    in_flight = previous is not None and not previous._settled.is_set()
+    if _HOLDING.active or (threading.current_thread().name.startswith(SAVE_THREADS)
+                           and (in_flight or start_lock().locked())):
+        to = f" to {previous.path}" if previous is not None and in_flight else ""
         raise CheckpointError(
             f"save_async({os.fspath(path)!r}) was called on a thread of the save in flight"
-            f"{to} (from a progress callback?): it would wait for that save, "
-            "which waits for this thread. Call ss.save there, or save after it returns")
-    with start_lock():
+            f"{to} (from a progress callback, or a state_dict() that a save walks?): it "
+            "would wait for that save, which waits for this thread. Call ss.save there, "
+            "or save after it returns")
+    with _start_held():
         previous = previous_save()
         if previous is not None:
             # One save at a time. The previous one's error stays on its handle (and is
