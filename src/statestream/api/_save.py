@@ -96,9 +96,8 @@ def save(
         UnsupportedTypeError: a leaf cannot be saved (the key path is named);
             nothing is written.
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
-        CheckpointError: ``base`` is missing, not committed or not a sibling
-            (also when it is removed before this save commits);
-            or ``overwrite`` would replace the base of a committed sibling.
+        CheckpointError: ``base`` is missing, not committed or not a sibling (also when
+            removed before this save commits); or ``overwrite`` would replace a base.
         StorageError: the file system failed; nothing is committed.
 
     Example:
