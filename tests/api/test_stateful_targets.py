@@ -208,3 +208,39 @@ def test_a_target_that_takes_more_than_the_plain_value_saved_is_refused(
                                    "blob": b"", "rng": None})
     assert got == {"optim": None, "scaler": None, "model": 7, "step": 3, "blob": b"xy",
                    "rng": "r"}
+
+
+class _Refuses:
+    """An object whose load_state_dict refuses any state: only the call can tell."""
+
+    def __init__(self) -> None:
+        self.x = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": self.x}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError("refused by its own rules")
+
+
+def test_a_late_refusal_names_what_was_loaded_and_what_was_not(tmp_path: Path) -> None:
+    """A load_state_dict that refuses only when called stops the load there: the
+    error says which objects before it were loaded (they keep the checkpoint's
+    state), and those after it are untouched and named as not loaded."""
+    torch.manual_seed(0)
+    ss.save(tmp_path / "c", {"enc": torch.nn.Linear(4, 4), "obj": {"x": 1},
+                             "dec": torch.nn.Linear(4, 4)})
+    saved_enc = _weights(ss.load(tmp_path / "c", {"enc": torch.nn.Linear(4, 4)})["enc"])
+    enc, obj, dec = torch.nn.Linear(4, 4), _Refuses(), torch.nn.Linear(4, 4)
+    dec_before = _weights(dec)
+    with pytest.raises(ss.TargetMismatchError) as e:
+        ss.load(tmp_path / "c", {"enc": enc, "obj": obj, "dec": dec})
+    msg = str(e.value).replace("\n", " ")
+    assert "_Refuses.load_state_dict() at key path 'obj' rejected the checkpoint's state: " \
+           "ValueError: refused by its own rules" in msg
+    assert ("The load stopped there, leaving the target partly loaded: 'enc' (before it) was "
+            "loaded with the checkpoint's state, which a load cannot undo; 'obj' holds what "
+            "the failed call left of it; 'dec' (after it) was not loaded.") in msg
+    assert _same(_weights(enc), saved_enc) and _same(_weights(dec), dec_before)
+    with pytest.raises(ss.TargetMismatchError, match="The load stopped there: 'obj' holds"):
+        ss.load(tmp_path / "c", {"obj": _Refuses(), "dec": torch.nn.Linear(4, 4)})

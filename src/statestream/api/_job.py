@@ -17,6 +17,7 @@ import numpy as np
 from statestream.api._open import array_paths, has_checksums
 from statestream.api._overlap import InPlaceMemory
 from statestream.api._pickles import _PickleTrust
+from statestream.api._state_loads import StateLoad
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -77,7 +78,7 @@ class _Job:
     filled: dict[int, tuple[ArrayProvider, list[Any]]] = dataclasses.field(
         default_factory=dict)
     #: the stateful targets' load_state_dict calls, made once every value is built
-    state_loads: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    state_loads: list[StateLoad] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:

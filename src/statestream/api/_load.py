@@ -36,6 +36,7 @@ from statestream.api._options import (
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
 from statestream.api._select import NO_TARGET, _children, selected
+from statestream.api._state_loads import StateLoad, run_state_loads
 from statestream.api._target_keys import (
     int_keyed,
     naming_checkpoint,
@@ -268,20 +269,15 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     def load_state(value: Any) -> None:
         restore = [r for r in (prov.keep_ties(like, options, named_ties) for prov in providers()
                                if prov.capabilities.state_hints) if r is not None]
-        try:
-            like.load_state_dict(value, **options)
-        except Exception as exc:
-            raise TargetMismatchError(
-                f"{type_name(like)}.load_state_dict() at key path "
-                f"'{format_keypath(path)}' rejected the checkpoint's state: {exc}"
-            ) from exc
+        like.load_state_dict(value, **options)
         for r in restore:
             r()
 
     def build_stateful() -> Any:
         # loaded once every value is built (_load): a value that fails to build (a
         # refused pickle, a lossy scalar) then leaves every stateful target as it was
-        job.state_loads.append(functools.partial(load_state, build_inner()))
+        job.state_loads.append(StateLoad(path, f"{type_name(like)}.load_state_dict()",
+                                         functools.partial(load_state, build_inner())))
         return like
 
     return build_stateful
@@ -397,9 +393,9 @@ def load(
             for a meta target, a meta DTensor's mesh's device), JAX arrays stay
             JAX (target sharding), NumPy stays NumPy; objects with
             ``load_state_dict`` get their state loaded (meta modules with
-            ``assign=True``) once every value is built, and are returned. A
-            partial target loads only that part. Without a target: NumPy
-            arrays and plain dicts/lists/tuples.
+            ``assign=True``) once every value is built, in tree order (a refusal then
+            names those loaded before it), and are returned. A partial target, that
+            part. Without a target: NumPy arrays and plain dicts/lists/tuples.
         items: key paths to load (``"model"``, ``"model/layers.0.weight"``; ``~1`` for ``/``
             in a key): top-level checkpointables, subtrees or leaves; others are not read, and
             levels above one come back as dicts of only what was selected. ``0`` names the key
@@ -540,7 +536,6 @@ def _load(
         finally:
             reader.close()
         out = build()
-        for load_state in job.state_loads:  # every value is built: now load_state_dict
-            load_state()
+        run_state_loads(job.state_loads)  # every value is built: now load_state_dict
     return out
 
