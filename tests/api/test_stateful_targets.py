@@ -244,3 +244,71 @@ def test_a_late_refusal_names_what_was_loaded_and_what_was_not(tmp_path: Path) -
     assert _same(_weights(enc), saved_enc) and _same(_weights(dec), dec_before)
     with pytest.raises(ss.TargetMismatchError, match="The load stopped there: 'obj' holds"):
         ss.load(tmp_path / "c", {"obj": _Refuses(), "dec": torch.nn.Linear(4, 4)})
+
+
+def _adam(module: Any, groups: int = 1) -> Any:
+    ps = list(module.parameters())
+    if groups == 2:
+        return torch.optim.Adam([{"params": ps[:1]}, {"params": ps[1:]}])
+    return torch.optim.Adam(ps)
+
+
+def test_an_optimizer_whose_groups_do_not_match_is_refused_before_anything_loads(
+        tmp_path: Path) -> None:
+    """torch's Optimizer.load_state_dict refuses other numbers of parameter groups or
+    of parameters in a group; that is known from the manifest, so the load raises
+    before the module before it in the tree is loaded (it was loaded, then the
+    optimizer refused)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    ss.save(tmp_path / "one", {"model": m, "optim": _adam(m)})
+    ss.save(tmp_path / "none", {"model": m, "optim": {"state": {}}})
+    ss.save(tmp_path / "int", {"model": m, "optim": {"state": {}, "param_groups": 5}})
+    for name, groups, match in (
+            ("one", 2, r"its 1 parameter groups hold \[2\] parameters, the optimizer's 2 hold "
+                       r"\[1, 1\]"),
+            ("none", 1, "it has no 'state' or no 'param_groups'"),
+            ("int", 1, "its 'param_groups' is an int, not a list")):
+        model = torch.nn.Linear(4, 4)
+        before = _weights(model)
+        with pytest.raises(ss.TargetMismatchError,
+                           match=r"state at key path 'optim' is not one torch.optim.adam.Adam"
+                                 rf".load_state_dict\(\) accepts: {match}.*nothing was loaded"):
+            ss.load(tmp_path / name, {"model": model, "optim": _adam(model, groups)})
+        assert _same(_weights(model), before)
+
+
+def test_an_optimizer_with_a_load_pre_hook_is_left_to_decide(tmp_path: Path) -> None:
+    """A load pre-hook may rewrite the state (here: it supplies the groups the saved
+    state lacks), so nothing is refused early for such an optimizer."""
+    torch.manual_seed(0)
+    ss.save(tmp_path / "c", {"optim": {"state": {}}})
+    opt = _adam(torch.nn.Linear(4, 4))
+    opt.param_groups[0]["lr"] = 0.5
+
+    def groups(o: Any, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "param_groups": o.state_dict()["param_groups"]}
+
+    opt.register_load_state_dict_pre_hook(groups)
+    assert ss.load(tmp_path / "c", {"optim": opt})["optim"] is opt
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_a_module_state_holding_no_tensor_for_a_weight_is_refused_first(
+        tmp_path: Path) -> None:
+    """A saved state with a plain value (or a list) where the module has a parameter:
+    torch's strict load_state_dict refuses it after copying the other tensors, so
+    the load raises before that, and before the module ahead of it is loaded."""
+    torch.manual_seed(0)
+    ss.save(tmp_path / "c", {"enc": torch.nn.Linear(4, 4),
+                             "dec": {"weight": 3, "bias": torch.ones(4)},
+                             "lst": {"weight": [1.0], "bias": torch.ones(4)}})
+    for key, kind in (("dec", "an int"), ("lst", "a list")):
+        enc, dec = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        before = _weights(enc, dec)
+        with pytest.raises(ss.TargetMismatchError,
+                           match=rf"state at key path '{key}' is not one torch.nn.modules.linear"
+                                 rf".Linear.load_state_dict\(\) accepts: 'weight' is {kind} in "
+                                 "the checkpoint, a tensor in the module.*nothing was loaded"):
+            ss.load(tmp_path / "c", {"enc": enc, key: dec})
+        assert _same(_weights(enc, dec), before)

@@ -102,8 +102,16 @@ def int_keyed(kids: list[tuple[Key, Node]], target_items: list[tuple[Key, Any]])
 def refuse_early(like: Any, sub_like: Any, node: Node, path: KeyPath) -> None:
     """Raise, before anything is read or loaded, where stateful target ``like``'s
     ``load_state_dict`` is sure to refuse the saved state ``node`` (a module's
-    missing or unexpected keys, as its providers tell): found only by that call,
+    missing or unexpected keys or a value that is no tensor, an optimizer's parameter
+    groups that do not match, as its providers tell): found only by that call,
     the refusal would come after the load had filled the targets before it."""
+    for prov in providers():
+        why = prov.refused_state(like, node) if prov.capabilities.state_hints else None
+        if why is not None:
+            raise TargetMismatchError(
+                f"the checkpoint's state at key path '{format_keypath(path)}' is not one "
+                f"{type_name(like)}.load_state_dict() accepts: {why}; nothing was loaded. "
+                "Load into an object built like the saved one, or without a target")
     if node.kind != "dict" or node.keys is None or not isinstance(sub_like, dict):
         return
     for prov in providers():

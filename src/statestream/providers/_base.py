@@ -354,6 +354,14 @@ class ArrayProvider(abc.ABC):
         fresh ``state_dict()`` is only a hint of what it accepts."""
         return [], []
 
+    def refused_state(self, obj: Any, saved: Node) -> str | None:
+        """Why stateful ``obj``'s ``load_state_dict`` is sure to refuse the saved state
+        ``saved`` (its ``state_dict()`` as the manifest holds it) for more than its keys
+        (a value of a kind it cannot take, a structure it checks), told before the load
+        reads anything; None where it accepts it or only the call can tell
+        (``state_hints``)."""
+        return None
+
     def tied_names(self, obj: Any) -> list[list[str]]:
         """Names of stateful ``obj``'s ``state_dict()`` that are one value (ties), one
         list per tie; told by the object itself, not by memory (``state_hints``)."""

@@ -5,6 +5,7 @@ Used by :class:`TorchProvider`."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_target",
-           "refused_keys", "retie", "tied_names"]
+           "refused_keys", "refused_state", "retie", "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -214,3 +215,67 @@ def _unexpected(module: Any, key: str, base: Any) -> bool:
         m = m._modules[head]
         if m is None:
             return False
+
+
+def refused_state(obj: Any, saved: Node) -> str | None:
+    """Why ``obj.load_state_dict`` (a module's, strict, or an optimizer's) is sure to
+    refuse the saved state ``saved`` for more than its keys, told before it is called;
+    None where it accepts it or only the call can tell (the same conditions as
+    :func:`refused_keys` for a module; for an optimizer, torch's own
+    ``load_state_dict`` with no load pre-hook, which may rewrite the state)."""
+    torch = sys.modules.get("torch")  # (never imported here: no torch, no torch object)
+    if torch is None:
+        return None
+    if isinstance(obj, torch.nn.Module):
+        base = torch.nn.Module
+        if type(obj).load_state_dict is not base.load_state_dict or any(
+                not _plain_loader(m, base) for m in obj.modules()):
+            return None
+        for key, c in zip(saved.keys or [], saved.children or []):
+            if type(key) is str and c.kind not in ("array", "alias") and _holds_tensor(obj, key):
+                return (f"'{key}' is {_a(c.kind)} in the checkpoint, a tensor in the module "
+                        "(torch copies only a tensor into its parameters and buffers)")
+        return None
+    opt = torch.optim.Optimizer
+    if (not isinstance(obj, opt) or type(obj).load_state_dict is not opt.load_state_dict
+            or obj._optimizer_load_state_dict_pre_hooks):
+        return None
+    return _refused_groups(obj, saved)
+
+
+def _holds_tensor(module: Any, key: str) -> bool:
+    """Whether ``key`` names a parameter or persistent buffer that torch copies into."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        return head in _local_state(module)
+    sub = module._modules.get(head)
+    return sub is not None and _holds_tensor(sub, rest)
+
+
+def _refused_groups(opt: Any, saved: Node) -> str | None:
+    """What a torch optimizer's ``load_state_dict`` checks before it changes anything:
+    a ``state`` dict, and ``param_groups`` of as many groups of as many parameters."""
+    state, groups = saved.child("state"), saved.child("param_groups")
+    if saved.kind != "dict" or state is None or groups is None:
+        return "it has no 'state' or no 'param_groups' (a torch optimizer's state has both)"
+    if state.kind != "dict":
+        return f"its 'state' is {_a(state.kind)}, not a dict"
+    if groups.kind not in ("list", "tuple"):
+        return f"its 'param_groups' is {_a(groups.kind)}, not a list"
+    have = [len(g.get("params", ())) for g in opt.param_groups]
+    sizes: list[int | None] = []
+    for g in groups.children or []:
+        params = g.child("params") if g.kind == "dict" else None
+        sizes.append(len(params.children or []) if params is not None
+                     and params.kind in ("list", "tuple") else None)
+    if None in sizes:
+        return "one of its 'param_groups' is not a dict with a list of 'params'"
+    if sizes != have:
+        return (f"its {len(sizes)} parameter groups hold {sizes} parameters, the "
+                f"optimizer's {len(have)} hold {have} (torch matches them group by group, "
+                "parameter by parameter)")
+    return None
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {kind}"

@@ -453,6 +453,10 @@ class TorchProvider(ArrayProvider):
             return [], []
         return _torch_targets.refused_keys(obj, target_keys, saved_keys)
 
+    def refused_state(self, obj: Any, saved: Node) -> str | None:
+        """A module's value that is no tensor, an optimizer's other groups: torch's rules."""
+        return _torch_targets.refused_state(obj, saved)
+
     def tied_names(self, obj: Any) -> list[list[str]]:
         """A module's tied parameters and buffers, told by identity (so a model on the
         meta device has them too); providers/_torch_targets.py."""
