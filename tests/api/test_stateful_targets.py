@@ -240,7 +240,7 @@ def test_a_late_refusal_names_what_was_loaded_and_what_was_not(tmp_path: Path) -
            "ValueError: refused by its own rules" in msg
     assert ("The load stopped there, leaving the target partly loaded: 'enc' (before it) was "
             "loaded with the checkpoint's state, which a load cannot undo; 'obj' holds what "
-            "the failed call left of it; 'dec' (after it) was not loaded.") in msg
+            "the failed call left of it; 'dec' (due after it) was not loaded.") in msg
     assert _same(_weights(enc), saved_enc) and _same(_weights(dec), dec_before)
     with pytest.raises(ss.TargetMismatchError, match="The load stopped there: 'obj' holds"):
         ss.load(tmp_path / "c", {"obj": _Refuses(), "dec": torch.nn.Linear(4, 4)})
@@ -312,3 +312,75 @@ def test_a_module_state_holding_no_tensor_for_a_weight_is_refused_first(
                                  "the checkpoint, a tensor in the module.*nothing was loaded"):
             ss.load(tmp_path / "c", {"enc": enc, key: dec})
         assert _same(_weights(enc, dec), before)
+
+
+def _rng_states(*gens: Any) -> list[Any]:
+    import copy
+    import random
+
+    out: list[Any] = []
+    for g in gens:
+        if isinstance(g, np.random.Generator):
+            out.append(copy.deepcopy(g.bit_generator.state))
+        elif isinstance(g, random.Random):
+            out.append(g.getstate())
+        else:
+            out.append(g.get_state().tolist())
+    return out
+
+
+def test_generators_get_their_state_only_once_the_whole_load_holds(tmp_path: Path) -> None:
+    """A generator in the target got its state as its value was built, before the
+    values after it: one that then failed (a lossy scalar, a generator of another
+    kind) or a load_state_dict that refused left the generators before it moved.
+    Their state is now checked on a fresh generator of their kind and put in last,
+    after every call that may refuse."""
+    import random
+
+    ss.save(tmp_path / "c", {"np": np.random.default_rng(1), "py": random.Random(1),
+                             "tg": torch.Generator().manual_seed(1),
+                             "np2": np.random.default_rng(3), "step": np.int64(2**53 + 1),
+                             "obj": {"x": 1}})
+
+    def fresh() -> dict[str, Any]:
+        return {"np": np.random.default_rng(2), "py": random.Random(2),
+                "tg": torch.Generator().manual_seed(2)}
+
+    for extra, err, match in (
+            ({"step": 0.0}, ss.TargetMismatchError, "key path 'step'"),
+            ({"np2": np.random.Generator(np.random.MT19937(4))}, ss.TargetMismatchError,
+             "'np2' was saved with bit generator 'PCG64'"),
+            ({"obj": _Refuses()}, ss.TargetMismatchError,
+             r"The load stopped there: 'obj' holds what the failed call left of it; 'np', "
+             r"'py', 'tg' \(due after it\) were not loaded")):
+        gens = fresh()
+        before = _rng_states(*gens.values())
+        with pytest.raises(err, match=match):
+            ss.load(tmp_path / "c", {**gens, **extra})
+        assert _rng_states(*gens.values()) == before
+    gens = fresh()
+    out = ss.load(tmp_path / "c", {**gens, "step": 0})
+    assert all(out[k] is gens[k] for k in gens)
+    assert _rng_states(*gens.values()) == _rng_states(
+        np.random.default_rng(1), random.Random(1), torch.Generator().manual_seed(1))
+
+
+def test_a_compiled_module_loads_as_the_module_it_wraps_once_the_whole_load_holds(
+        tmp_path: Path) -> None:
+    """A torch.compile'd module target of a saved module got its load_state_dict as
+    its value was built: a saved state it refuses was found only after every read,
+    and a value after it that failed left it loaded. It now loads as the module it
+    wraps: refused before anything is read, loaded with the other objects."""
+    torch.manual_seed(0)
+    ss.save(tmp_path / "c", {"m": _Big(), "step": np.int64(2**53 + 1)})
+    small = torch.compile(_Small())
+    with pytest.raises(ss.TargetMismatchError, match=r"key path 'm/b.weight' \(and 1 more"
+                       r".*_Small.load_state_dict\(\) would refuse.*nothing was loaded"):
+        ss.load(tmp_path / "c", {"m": small})
+    big = torch.compile(_Big())
+    before = _weights(big)
+    with pytest.raises(ss.TargetMismatchError, match="key path 'step'"):
+        ss.load(tmp_path / "c", {"m": big, "step": 0.0})
+    assert _same(_weights(big), before)
+    assert ss.load(tmp_path / "c", {"m": big, "step": 0})["m"] is big
+    assert _same(_weights(big), _weights(ss.load(tmp_path / "c", {"m": _Big()})["m"]))

@@ -4,12 +4,14 @@ numbers from 0-d arrays, containers like the target's, values a state adapter re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from statestream.api._job import Build
 from statestream.api._select import NO_TARGET
+from statestream.api._state_loads import StateLoad
 from statestream.errors import CheckpointError, TargetMismatchError
 from statestream.format import dtype_from_name
 from statestream.providers import (
@@ -79,15 +81,23 @@ def python_scalar(dtype: str, like: Any, path: KeyPath) -> Destination:
     return Destination(boxes=dest.boxes, finish=finish)
 
 
-def adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath) -> Build:
-    """Put the loaded state into ``like`` (or a new value when it is None)."""
+def adapted_build(adapter: StateAdapter, like: Any, inner: Build, path: KeyPath,
+                  defer: Callable[[StateLoad], None] | None = None) -> Build:
+    """Put the loaded state into ``like`` (or a new value when it is None); with
+    ``defer``, an adapter that can stage it (:meth:`StateAdapter.staged`) checks it
+    now and hands ``defer`` the call that puts it in, made once every value is built."""
 
     def build() -> Any:
         state = inner()
         try:
             if like is None:
                 return adapter.new(state, path)
-            return adapter.set_state(like, state, path)
+            call = adapter.staged(like, state, path) if defer is not None else None
+            if call is None:
+                return adapter.set_state(like, state, path)
+            assert defer is not None
+            defer(StateLoad(path, f"the {adapter.name or type_name(like)}", call, True))
+            return like
         except CheckpointError:
             raise
         except Exception as exc:

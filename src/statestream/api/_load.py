@@ -341,8 +341,11 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
                   job: _Job) -> Build:
     """Load a value that a state adapter restores (its saved state is a stateful node,
     or a plain state_dict when the adapter's value wraps a stateful object)."""
-    inner_like = adapter.wrapped(like) if node.kind != "stateful" else None
-    if inner_like is not None:  # e.g. {"model": model.state_dict()} into a compiled model
+    inner_like = adapter.wrapped(like)
+    if inner_like is not None and (node.kind != "stateful"
+                                   or adapter_by_name(node.type_name) is None):
+        # a compiled module: loads as the module it wraps, a saved module or its
+        # state_dict() (refused early, its load_state_dict once every value is built)
         build_wrapped = _walk_stateful_target(node, inner_like, path, m, job)
         return lambda: (build_wrapped(), like)[1]
     if node.kind != "stateful" or not node.children or (
@@ -354,7 +357,7 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
         )
     sub_like = adapter.target_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
-    return adapted_build(adapter, like, inner, path)
+    return adapted_build(adapter, like, inner, path, job.state_loads.append)
 
 
 def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,

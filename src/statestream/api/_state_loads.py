@@ -21,12 +21,17 @@ class StateLoad:
 
     path: KeyPath
     what: str
-    call: Callable[[], None]
+    call: Callable[[], object]
+    #: checked already (a generator's state, put into a fresh one of its kind): the
+    #: call cannot refuse, and is made after every call that can
+    checked: bool = False
 
 
 def run_state_loads(loads: list[StateLoad]) -> None:
-    """Make every call in order; the first that raises stops the rest and raises a
-    TargetMismatchError that says which objects already hold the checkpoint's state."""
+    """Make every call, those that may refuse first, each group in tree order; the first
+    that raises stops the rest and raises a TargetMismatchError that says which objects
+    already hold the checkpoint's state."""
+    loads = sorted(loads, key=lambda x: x.checked)  # (stable)
     for i, load in enumerate(loads):
         try:
             load.call()
@@ -57,7 +62,7 @@ def _left(loads: list[StateLoad], i: int) -> str:
                      "checkpoint's state, which a load cannot undo")
     parts.append(f"'{format_keypath(failed.path)}' holds what the failed call left of it")
     if after:
-        parts.append(f"{_paths(after)} (after it) {_were(after)} not loaded")
+        parts.append(f"{_paths(after)} (due after it) {_were(after)} not loaded")
     return ("\nThe load stopped there" + (", leaving the target partly loaded" if done else "")
             + ": " + "; ".join(parts) + ".")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from statestream.errors import UnsupportedTypeError
@@ -60,6 +61,15 @@ class StateAdapter(abc.ABC):
     def new(self, state: Any, path: KeyPath) -> Any:
         """A fresh value holding ``state`` (loading with ``None`` in the target)."""
         return state
+
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any] | None:
+        """Check that :meth:`set_state` would take ``state`` into target ``obj``, without
+        changing ``obj``, and return the call that puts it in (raising as
+        :meth:`set_state` does). A load makes it with the ``load_state_dict`` calls, once
+        every value is built, so that a value that fails to build leaves ``obj`` as it
+        was. None (the default): :meth:`set_state` is called as the value is built (an
+        adapter whose set_state returns a new value must keep the default)."""
+        return None
 
     def target_state(self, obj: Any) -> Any:
         """The target tree a load matches the saved state against (default:

@@ -8,8 +8,10 @@ only, never imported here.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,6 +111,10 @@ class NumpyBitGeneratorAdapter(StateAdapter):
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
         return _restore(obj, state, path)
 
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        _restore(type(obj)(), state, path)  # into a fresh one of its kind: a check
+        return functools.partial(_restore, obj, state, path)
+
     def new(self, state: Any, path: KeyPath) -> Any:
         return _bit_generator(state, path)
 
@@ -131,6 +137,10 @@ class NumpyGeneratorAdapter(StateAdapter):
         _restore(obj.bit_generator, state, path)
         return obj
 
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        _restore(type(obj.bit_generator)(), state, path)  # a check, as above
+        return functools.partial(self.set_state, obj, state, path)
+
     def new(self, state: Any, path: KeyPath) -> Any:
         return np.random.Generator(_bit_generator(state, path))
 
@@ -149,6 +159,10 @@ class NumpyRandomStateAdapter(StateAdapter):
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
         obj.set_state(state)
         return obj
+
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        self.new(state, path)  # a check: a fresh one takes it
+        return functools.partial(self.set_state, obj, state, path)
 
     def new(self, state: Any, path: KeyPath) -> Any:
         return self.set_state(np.random.RandomState(), state, path)
@@ -173,6 +187,10 @@ class PythonRandomAdapter(StateAdapter):
         obj.setstate((state["version"], internal, None if gauss is None else float(gauss)))
         return obj
 
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        self.new(state, path)  # a check: a fresh one takes it
+        return functools.partial(self.set_state, obj, state, path)
+
     def new(self, state: Any, path: KeyPath) -> Any:
         return self.set_state(random.Random(), state, path)
 
@@ -195,6 +213,12 @@ class TorchGeneratorAdapter(StateAdapter):
 
         obj.set_state(torch.as_tensor(np.asarray(state["state"]), dtype=torch.uint8))
         return obj
+
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        import torch
+
+        self.set_state(torch.Generator(device=obj.device), state, path)  # a check
+        return functools.partial(self.set_state, obj, state, path)
 
     def new(self, state: Any, path: KeyPath) -> Any:
         import torch
