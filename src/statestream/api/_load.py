@@ -30,6 +30,7 @@ from statestream.api._options import (
     collective_option,
     io_options,
     key_paths,
+    max_arrays_option,
     memory_options,
     path_arg,
     progress_option,
@@ -386,6 +387,7 @@ def load(
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
     collective: Collective | None = None,
+    max_arrays: int | None = None,
 ) -> Any:
     """Load a checkpoint, verifying every chunk's checksum.
 
@@ -422,18 +424,17 @@ def load(
             only the bytes its target's shards need) and an error on any of
             them is raised on all, naming it. Defaults like :func:`save`; pass
             ``SingleProcess()`` to load on one process of a running job.
+        max_arrays: refuse a manifest of more arrays (default 2^20; at most the format's 2^24).
 
     Returns the restored state.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
-        CheckpointCorruptError: a checksum, size or manifest check failed
-            (the message names the key path and file).
+        CheckpointCorruptError: a checksum, size or manifest check failed (named).
         MissingKeyError: the target or ``items`` names a key not saved, or two alike.
-        TargetMismatchError: a shape or structure differs from the target (named:
-            the key path and the checkpoint).
-        PickleNotAllowedError: a pickled leaf that ``allow_pickle`` does not
-            allow (the message names every such key path).
+        TargetMismatchError: a shape or structure differs from the target (named).
+        PickleNotAllowedError: a pickled leaf that ``allow_pickle`` does not allow.
+        CheckpointError: more arrays than ``max_arrays``.
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -448,7 +449,7 @@ def load(
     with gc_paused():
         try:
             result = _load(path, target, items, allow_pickle, bool_option(in_place, "in_place"),
-                           io, memory, progress)
+                           io, memory, progress, max_arrays_option(max_arrays))
         except BaseException as exc:
             if coll.world_size == 1:
                 raise
@@ -501,12 +502,13 @@ def _load(
     io: IOOptions | None,
     memory: MemoryOptions | None,
     progress: Progress | None,
+    max_arrays: int,
 ) -> Any:
     path, items = path_arg(path, "path"), key_paths(items, "items")
     trust = _PickleTrust(allow_pickle)
     io = io_options(io) if io is not None else _default_io(path)
     memory, progress = memory_options(memory), progress_option(progress)
-    reader, m = open_checkpoint(path, allow_pickle=trust.all)
+    reader, m = open_checkpoint(path, allow_pickle=trust.all, max_arrays=max_arrays)
     with naming_checkpoint(reader.location):  # a target that does not fit: where
         try:
             root, like = selected(m, target, items, reader.location)

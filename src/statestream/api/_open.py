@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from statestream.engine import follow_bases, read_manifest
-from statestream.format import Manifest
+from statestream.format import MAX_ARRAYS, Manifest, check_max_arrays
 from statestream.interop import FileSetReader, open_foreign
 from statestream.plan import ReadRequest
 from statestream.storage import CheckpointReader, storage_for
@@ -42,7 +42,8 @@ def has_checksums(reader: CheckpointReader | None) -> bool:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    follow: bool = True) -> tuple[CheckpointReader, Manifest]:
+                    follow: bool = True, max_arrays: int = MAX_ARRAYS,
+                    ) -> tuple[CheckpointReader, Manifest]:
     """Open the committed checkpoint at ``path`` and read its verified manifest.
 
     A foreign checkpoint (safetensors, ...; see docs/interop.md) is recognised
@@ -53,14 +54,22 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
     checked against the bases and resolved (the reader reads the bases'
     files; the manifest's chunks are all plain). Without it the manifest
     comes back as stored, references and all (``metadata``).
+
+    ``max_arrays``: refuse (CheckpointError) a checkpoint of more arrays, a manifest
+    before its entries are built (a base's is bounded by the format's limit).
     """
     foreign = open_foreign(path, allow_pickle=allow_pickle)
     if foreign is not None:
+        try:
+            check_max_arrays(len(foreign.manifest.arrays), max_arrays, foreign.reader.location)
+        except BaseException:
+            foreign.reader.close()
+            raise
         return foreign.reader, foreign.manifest
     storage, spath = storage_for(path)
     reader = storage.open_read(spath)
     try:
-        m = read_manifest(reader)
+        m = read_manifest(reader, max_arrays)
         if not follow or not m.bases:
             return reader, m
         paths: dict[int, KeyPath] = {}

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 
 from statestream.engine import IOOptions, MemoryOptions
-from statestream.errors import InvalidOptionTypeError
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError
+from statestream.format import LOAD_MAX_ARRAYS, MAX_ARRAYS
 
 __all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
-           "key_paths", "memory_options", "meta_option", "path_arg", "path_option",
-           "progress_option"]
+           "key_paths", "max_arrays_option", "memory_options", "meta_option", "path_arg",
+           "path_option", "progress_option"]
 
 
 def _shown(value: Any) -> str:
@@ -97,6 +98,20 @@ def bool_option(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidOptionTypeError(f"{name} must be True or False, not {_shown(value)}")
     return bool(value)
+
+
+def max_arrays_option(value: Any) -> int:
+    """``load``'s ``max_arrays``: None for :data:`LOAD_MAX_ARRAYS`, or an int from 1 to
+    the format's :data:`MAX_ARRAYS`."""
+    if value is None:
+        return LOAD_MAX_ARRAYS
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidOptionTypeError(
+            f"max_arrays must be an int (arrays a manifest may hold) or None, not {_shown(value)}")
+    if not 1 <= value <= MAX_ARRAYS:
+        raise InvalidOptionError(
+            f"max_arrays must be from 1 to {MAX_ARRAYS} (the format's limit), not {value}")
+    return int(value)
 
 
 def allow_pickle_option(value: Any) -> bool | list[str]:

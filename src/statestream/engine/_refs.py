@@ -33,6 +33,7 @@ from statestream.errors import (
 from statestream.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
+    MAX_ARRAYS,
     MAX_COMMIT_BYTES,
     MAX_MANIFEST_BYTES,
     ChunkEntry,
@@ -115,12 +116,14 @@ def digest_and_checksums(data: np.ndarray, block_bytes: int
     return bytes(h.digest()), crc, ()
 
 
-def read_manifest(reader: CheckpointReader) -> Manifest:
-    """Read and verify the commit marker and manifest of an open checkpoint."""
-    return _read_committed(reader)[0]
+def read_manifest(reader: CheckpointReader, max_arrays: int = MAX_ARRAYS) -> Manifest:
+    """Read and verify the commit marker and manifest of an open checkpoint (of at most
+    ``max_arrays`` arrays: ``decode_manifest``'s)."""
+    return _read_committed(reader, max_arrays)[0]
 
 
-def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
+def _read_committed(reader: CheckpointReader,
+                    max_arrays: int = MAX_ARRAYS) -> tuple[Manifest, int, int]:
     """:func:`read_manifest`, with the manifest's size and CRC-32C (its commit marker's)."""
     where = file_where(reader, MANIFEST_NAME)
     marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
@@ -136,7 +139,7 @@ def _read_committed(reader: CheckpointReader) -> tuple[Manifest, int, int]:
     except UnicodeDecodeError as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid UTF-8: {exc}") from None
     del data
-    m = decode_manifest(text, where)
+    m = decode_manifest(text, where, max_arrays)
     # the marker's version is trusted without the manifest where that saves a read
     # (dependents_of skips a v1 sibling): a marker that lies about it is damage
     if json.loads(marker)["version"] != m.version:

@@ -31,11 +31,13 @@ from statestream.format._decode_arrays import (
     _UnknownCodec,
 )
 from statestream.format._decode_tree import (
+    OverLimit,
     _Bad,
     _check_tree,
     _int,
     _list,
     _TreeHook,
+    over_limit,
     validate_base_name,
     validate_file_name,
 )
@@ -82,7 +84,8 @@ def _expect(s: str, i: int, ch: str) -> int:
     return _ws(s, i + 1)
 
 
-def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
+def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any],
+                    max_arrays: int = MAX_ARRAYS) -> Any:
     """``json.loads`` of a manifest, except that the chunk lists of array entries
     stream into ``store`` one chunk at a time (see :func:`_stream_chunks`).
 
@@ -105,7 +108,7 @@ def _parse_document(s: str, store: ChunkStore, doc: dict[str, Any]) -> Any:
                 raise _Bad(f"the manifest gives {key!r:.40} twice")
             i = _expect(s, _ws(s, i), ":")
             if key == "arrays":
-                doc[key], i = _arrays(s, i, store, _eager_files(doc))
+                doc[key], i = _arrays(s, i, store, _eager_files(doc), max_arrays)
             elif key == "bases":
                 doc[key], i = _value(s, i)
                 store.bases = _decode_bases(doc[key])
@@ -185,13 +188,19 @@ _SMALL_MANIFEST_BYTES = 1 << 20
 
 
 def _arrays(s: str, i: int, store: ChunkStore,
-            eager: tuple[list[FileEntry], np.ndarray] | None) -> tuple[Any, int]:
-    if s[i:i + 1] != "[":
-        return _value(s, i)
+            eager: tuple[list[FileEntry], np.ndarray] | None,
+            max_arrays: int = MAX_ARRAYS) -> tuple[Any, int]:
+    if s[i:i + 1] != "[":  # a v3 table: its arrays counted before the tree is parsed
+        table, i = _value(s, i)
+        if type(table) is dict and type(table.get("dtype")) is list:
+            over_limit(len(table["dtype"]), max_arrays)
+        return table, i
     if len(s) <= _SMALL_MANIFEST_BYTES and eager is not None:
         entries, i = _value(s, i)  # one C parse of the whole list, then a tight loop
         if type(entries) is list and len(entries) > MAX_ARRAYS:
             raise _Bad(f"{len(entries)} arrays (limit {MAX_ARRAYS})")
+        if type(entries) is list:
+            over_limit(len(entries), max_arrays)
         return _decode_small(entries, store, eager[0], eager[1]), i
     out: list[Any] = _DecodedArrays() if eager is not None else []
     i = _ws(s, i + 1)
@@ -201,6 +210,7 @@ def _arrays(s: str, i: int, store: ChunkStore,
     while True:
         if len(out) >= MAX_ARRAYS:
             raise _Bad(f"more than {MAX_ARRAYS} arrays (the limit)")
+        over_limit(len(out) + 1, max_arrays, exact=False)
         peeked = _peek(s, i) if eager is not None and s[i:i + 1] == "{" else None
         if peeked is not None:  # a short entry: read by the C parser
             d, i = peeked
@@ -366,8 +376,12 @@ def _check_v2_fields(doc: dict[str, Any], store: ChunkStore, version: int) -> No
         raise _Bad(f"base checkpoint {missing[0]} is listed but no chunk refers to it")
 
 
-def decode_manifest(data: bytes | str, where: str) -> Manifest:
+def decode_manifest(data: bytes | str, where: str, max_arrays: int = MAX_ARRAYS) -> Manifest:
     """Parse and fully validate manifest bytes read from ``where`` (format v1, v2 or v3).
+
+    ``max_arrays``: a caller's bound on the arrays the manifest may hold (a load's
+    option), at most the format's :data:`MAX_ARRAYS`; checked as the arrays are
+    parsed, before their entries are built.
 
     Raises:
         FormatVersionError: the manifest is from an unknown format version, or a
@@ -375,6 +389,7 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
         UnsafeCheckpointError: a file name escapes the checkpoint, or a base is
             not a sibling's name.
         CheckpointCorruptError: anything else is malformed or out of limits.
+        CheckpointError: more arrays than ``max_arrays`` (within the format's limit).
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(
@@ -384,7 +399,9 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
     head: dict[str, Any] = {}
     try:
         text = data if isinstance(data, str) else data.decode("utf-8")
-        doc = _parse_document(text, store, head)
+        doc = _parse_document(text, store, head, max_arrays)
+    except OverLimit as exc:
+        raise exc.error(where) from None
     except UnsafeCheckpointError:
         if type(head.get("version")) is int and head.get("format") == FORMAT_NAME:
             _check_version(head, where)  # a future version's fields are not "unsafe"
@@ -406,7 +423,8 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
             if type(arrays_l) is _DecodedArrays:
                 raise _Bad("format v3 arrays must be a table (an object of columns)")
             arrays: list[ArrayEntry] = decode_table(
-                arrays_l, files, store, np.array([f.size for f in files], dtype=np.int64))
+                arrays_l, files, store, np.array([f.size for f in files], dtype=np.int64),
+                max_arrays)
             _check_v2_fields(doc, store, version)
         elif type(arrays_l) is _DecodedArrays:
             arrays = list(arrays_l)
@@ -414,6 +432,7 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
             arrays_l = _list(arrays_l, "arrays")
             if len(arrays_l) > MAX_ARRAYS:
                 raise _Bad(f"{len(arrays_l)} arrays (limit {MAX_ARRAYS})")
+            over_limit(len(arrays_l), max_arrays)
             sizes = np.array([f.size for f in files], dtype=np.int64)
             arrays = [_decode_array(a, i, files, store, sizes) for i, a in enumerate(arrays_l)]
         del arrays_l, doc["arrays"]
@@ -424,6 +443,8 @@ def decode_manifest(data: bytes | str, where: str) -> Manifest:
             raise _Bad("meta must be an object")
     except _Bad as exc:
         raise _bad_manifest(exc, where) from None
+    except OverLimit as exc:
+        raise exc.error(where) from None
     except RecursionError:
         raise CheckpointCorruptError(f"manifest {where} is nested too deeply") from None
     _check_leaf_arrays(tree, arrays, where)

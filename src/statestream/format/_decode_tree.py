@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, NoReturn
 
-from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
+from statestream.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from statestream.format._manifest import (
     _ARRAY_KINDS,
     _BASE_NAME_RE,
@@ -16,6 +16,7 @@ from statestream.format._manifest import (
     _FILE_NAME_RE,
     _KEYED,
     _LEAF_VALUE_KINDS,
+    MAX_ARRAYS,
     MAX_FILE_BYTES,
     MAX_INT_HEX_DIGITS,
 )
@@ -24,6 +25,36 @@ from statestream.tree import MAX_TREE_DEPTH, Key, Node
 
 class _Bad(Exception):
     pass
+
+
+class OverLimit(Exception):
+    """More arrays than a caller's ``max_arrays`` (within the format's limit): the
+    checkpoint is not damaged, the load is bounded tighter than the format."""
+
+    def __init__(self, n: int, limit: int, exact: bool) -> None:
+        super().__init__(n, limit, exact)
+        self.n, self.limit, self.exact = n, limit, exact
+
+    def error(self, where: str) -> CheckpointError:
+        many = f"{self.n}" if self.exact else f"more than {self.limit}"
+        return CheckpointError(
+            f"manifest {where} declares {many} arrays, over this load's limit of "
+            f"{self.limit} (max_arrays); nothing was read. A checkpoint you trust with more "
+            f"arrays loads with max_arrays= set higher (at most {MAX_ARRAYS}, the format's "
+            "limit)")
+
+
+def over_limit(n: int, limit: int, exact: bool = True) -> None:
+    """Raise :class:`OverLimit` when ``n`` arrays exceed ``limit``."""
+    if n > limit:
+        raise OverLimit(n if exact else limit, limit, exact)
+
+
+def check_max_arrays(n: int, limit: int, where: str) -> None:
+    """Raise CheckpointError, naming ``where`` and ``limit``, when a manifest (one
+    already built: a foreign checkpoint's) holds more than ``limit`` arrays."""
+    if n > limit:
+        raise OverLimit(n, limit, True).error(where)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

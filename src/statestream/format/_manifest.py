@@ -30,6 +30,7 @@ __all__ = [
     "FORMAT_VERSION",
     "FORMAT_VERSIONS",
     "MANIFEST_NAME",
+    "LOAD_MAX_ARRAYS",
     "MAX_ARRAYS",
     "MAX_ARRAY_BYTES",
     "MAX_CODEC_RATIO",
@@ -43,6 +44,7 @@ __all__ = [
     "ChunkRef",
     "FileEntry",
     "Manifest",
+    "check_max_arrays",
     "decode_commit",
     "decode_manifest",
     "decode_tree",
@@ -82,6 +84,10 @@ MAX_FILES = 1 << 20
 #: a v3 table needs as little as ~10 characters for one, so without this bound a
 #: 1 GiB manifest could make a load allocate ~20x its size.
 MAX_ARRAYS = 1 << 24
+#: A load's own bound on a manifest's arrays unless its caller sets ``max_arrays``
+#: (up to :data:`MAX_ARRAYS`): a load costs ~750-1,600 bytes of Python objects per
+#: array at its peak, so ~0.8-1.7 GB at this bound, against ~12-27 GB at the format's.
+LOAD_MAX_ARRAYS = 1 << 20
 MAX_FILE_BYTES = 1 << 52
 MAX_INT_HEX_DIGITS = 1 << 24
 #: A compressed chunk's raw size is at most this many times its stored size: a zstd
@@ -410,6 +416,7 @@ def encode_commit(manifest_bytes: bytes, version: int | None = None) -> bytes:
 # so every name stays importable from here. Imported last: those modules import the schema above.
 from statestream.format._decode import decode_commit, decode_manifest  # noqa: E402
 from statestream.format._decode_tree import (  # noqa: E402
+    check_max_arrays,
     decode_tree,
     validate_base_name,
     validate_file_name,

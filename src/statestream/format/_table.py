@@ -24,7 +24,7 @@ from statestream.format._decode_arrays import (
     _intern,
     _stored_size_msg,
 )
-from statestream.format._decode_tree import _Bad
+from statestream.format._decode_tree import _Bad, over_limit
 from statestream.format._dtypes import DTYPE_NAMES, itemsize_of
 from statestream.format._manifest import (
     MAX_ARRAY_BYTES,
@@ -105,7 +105,7 @@ def _dtypes(t: dict[str, Any]) -> list[str]:
 class _Table:
     """The columns of one table, checked; indexes of arrays and chunks."""
 
-    def __init__(self, t: Any) -> None:
+    def __init__(self, t: Any, max_arrays: int = MAX_ARRAYS) -> None:
         if type(t) is not dict:
             raise _Bad("format v3 arrays must be a table (an object of columns)")
         missing = [k for k in _COLUMNS if k not in t]
@@ -117,6 +117,8 @@ class _Table:
         self.names = _dtypes(t)
         if type(t["dtype"]) is list and len(t["dtype"]) > MAX_ARRAYS:
             raise _Bad(f"{len(t['dtype'])} arrays (limit {MAX_ARRAYS})")
+        if type(t["dtype"]) is list:
+            over_limit(len(t["dtype"]), max_arrays)
         self.dtype = _column(t, "dtype", 0, len(self.names) - 1)
         n = self.n = len(self.dtype)
         self.ndim = _column(t, "ndim", 0, MAX_NDIM, n)
@@ -303,7 +305,7 @@ def _fill_store(tb: _Table, store: ChunkStore, listed: np.ndarray) -> None:
 
 
 def decode_table(t: Any, files: list[FileEntry], store: ChunkStore,
-                 file_sizes: np.ndarray) -> list[ArrayEntry]:
+                 file_sizes: np.ndarray, max_arrays: int = MAX_ARRAYS) -> list[ArrayEntry]:
     """The array entries of a v3 manifest's table ``t`` (parsed JSON; its columns are
     taken out of it), checked as the list form's are.
 
@@ -311,7 +313,7 @@ def decode_table(t: Any, files: list[FileEntry], store: ChunkStore,
     manifests do; the others read theirs from ``store`` (empty before), through a
     :class:`ChunkList`.
     """
-    tb = _Table(t)
+    tb = _Table(t, max_arrays)
     tb.check_fields()
     _extensions(tb, store)
     _check_chunks(tb, files, file_sizes)
