@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from statestream.errors import TargetMismatchError, UnsupportedTypeError
-from statestream.tree import Key, KeyPath, Node
+from statestream.tree import Key, KeyPath, Node, format_keypath
 
 __all__ = [
     "ArrayProvider",
@@ -29,6 +29,7 @@ __all__ = [
     "box_slices",
     "find_box",
     "chunk_of_host_array",
+    "refuse_int_overflow",
     "row_block_chunker",
 ]
 
@@ -43,6 +44,27 @@ def find_box(
             return bstart
     # Engine bug, not bad input: the engine asks only for boxes this process owns.
     raise TargetMismatchError(f"box {start}+{shape} is not held by this process")
+
+
+def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
+                        advice: str = "") -> None:
+    """Raise TargetMismatchError where casting the loaded integer array ``host`` (of the
+    saved dtype ``saved``) to the target's integer dtype ``want`` would change a value:
+    NumPy, torch and JAX wrap it around (2**40 into int32 is 0), which no caller asks
+    for. One min/max pass, only where ``want`` cannot hold every value of ``saved``."""
+    want = np.dtype(want)
+    if host.dtype.kind not in "iu" or want.kind not in "iu" or not host.size:
+        return
+    have, can = np.iinfo(host.dtype), np.iinfo(want)
+    if can.min <= have.min and have.max <= can.max:
+        return
+    lo, hi = int(host.min()), int(host.max())
+    if lo < can.min or hi > can.max:
+        raise TargetMismatchError(
+            f"the checkpoint's {saved} array at key path '{format_keypath(path)}' holds "
+            f"{lo if lo < can.min else hi}, which the target's dtype {want} cannot hold "
+            f"(from {can.min} to {can.max}; a cast would wrap it around); "
+            + (advice or f"pass a target of a wider dtype there ({saved}), or None"))
 
 
 def box_slices(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -9,12 +9,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from statestream.errors import TargetMismatchError
+from statestream.providers._base import refuse_int_overflow
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_target",
-           "refused_keys", "refused_state", "retie", "tied_names"]
+__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_overflow",
+           "refuse_target", "refused_keys", "refused_state", "retie", "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -33,6 +36,19 @@ def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
         raise TargetMismatchError(
             f"the target at key path '{where}' has dtype {dt}, which torch cannot cast "
             f"the saved {dtype} array to; pass a tensor of a numeric dtype (or None there)")
+
+
+def refuse_overflow(boxes: list[tuple[Any, Any]], want: str, dtype: str,
+                    path: KeyPath) -> None:
+    """:func:`refuse_int_overflow` of the loaded host arrays ``boxes`` (saved as ``dtype``)
+    for a target of torch dtype ``want`` (``str(torch.int32)``): integers only."""
+    name = want.removeprefix("torch.")
+    if name in _INTS:
+        for _, host in boxes:
+            refuse_int_overflow(host, np.dtype(name), dtype, path)
+
+
+_INTS = frozenset(f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64))
 
 
 def refuse_layout(like: Any) -> None:

@@ -20,6 +20,7 @@ from statestream.providers._base import (
     ProviderCapabilities,
     chunk_of_host_array,
     find_box,
+    refuse_int_overflow,
 )
 from statestream.providers.numpy import host_destination, prepare_host_array
 from statestream.tree import KeyPath, PytreeExpansion, format_keypath, type_name
@@ -139,6 +140,9 @@ class JaxProvider(ArrayProvider):
         def finish() -> Any:
             out = dest
             sharding = None
+            # what a device_put makes of it (int64 is int32 unless jax_enable_x64)
+            refuse_int_overflow(out, _canonical(out.dtype if like is None else like.dtype),
+                                dtype, path, _x64_advice(like, dtype))
             if like is not None:
                 if np.dtype(like.dtype) != out.dtype:
                     try:
@@ -174,6 +178,7 @@ class JaxProvider(ArrayProvider):
                 bufs[box] = host_destination(dtype, box[1])
             per_device.append((device, box))
         want = np.dtype(like.dtype)
+        canonical = _canonical(want)
         # each shard in the target's memory (a host-offloaded "pinned_host" state too)
         memory_kind = getattr(sharding, "memory_kind", None)
 
@@ -181,6 +186,7 @@ class JaxProvider(ArrayProvider):
             arrays = []
             for device, box in per_device:
                 host = bufs[box]
+                refuse_int_overflow(host, canonical, dtype, path, _x64_advice(like, dtype))
                 if host.dtype != want:
                     host = host.astype(want)
                 place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
@@ -188,6 +194,24 @@ class JaxProvider(ArrayProvider):
             return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
+
+
+def _canonical(dtype: Any) -> Any:
+    """The dtype a JAX array of ``dtype`` gets (64-bit ones are 32-bit unless
+    ``jax_enable_x64``)."""
+    import jax
+
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _x64_advice(like: Any, saved: str) -> str:
+    """What to do about a JAX array that cannot hold the saved values: without
+    ``jax_enable_x64`` no JAX array holds 64 bits, so a wider target is no answer."""
+    if _canonical(np.int64) == np.int64:
+        return ""  # the default: a wider target
+    return (f"JAX makes {saved} arrays 32-bit unless jax_enable_x64 is set: set it "
+            "(jax.config.update('jax_enable_x64', True)), or load the array as NumPy (a "
+            "NumPy target there)")
 
 
 def _host_view_is_free(obj: Any) -> bool:

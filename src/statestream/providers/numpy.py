@@ -19,6 +19,7 @@ from statestream.providers._base import (
     PreparedArray,
     ProviderCapabilities,
     chunk_of_host_array,
+    refuse_int_overflow,
     row_block_chunker,
 )
 from statestream.tree import KeyPath, format_keypath
@@ -197,6 +198,7 @@ class NumpyProvider(ArrayProvider):
         def finish() -> Any:
             out = dest
             if want is not None and want != out.dtype:
+                refuse_int_overflow(out, want, dtype, path)
                 try:
                     out = out.astype(want)
                 except (TypeError, ValueError) as exc:

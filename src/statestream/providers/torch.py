@@ -276,7 +276,7 @@ class TorchProvider(ArrayProvider):
             finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
         else:
             _torch_targets.refuse_target(like, dtype, path, like.dtype in _tables()[0])
-            finish = functools.partial(_like_target, buf, like)
+            finish = functools.partial(_like_target, buf, like, np_view, dtype, path)
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
@@ -336,6 +336,7 @@ class TorchProvider(ArrayProvider):
 
         def finish() -> Any:
             local = inner.finish()
+            _torch_targets.refuse_overflow(inner.boxes, str(like.dtype), dtype, path)
             if local.dtype != like.dtype or local.device != device:
                 local = local.to(device=device, dtype=like.dtype)
             out: Any = DTensor.from_local(local, like.device_mesh, like.placements,
@@ -547,13 +548,14 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _like_target(loaded: Any, like: Any) -> Any:
-    """The loaded CPU tensor as ``like`` is: its dtype, device, Parameter-ness and
-    ``requires_grad``. A target on the meta device gives shape and dtype only (it
-    holds no data, so the tensor stays on the CPU, ready for
-    ``load_state_dict(..., assign=True)``)."""
+def _like_target(loaded: Any, like: Any, host: np.ndarray, dtype: str, path: KeyPath) -> Any:
+    """The loaded CPU tensor (on ``host``, saved as ``dtype``) as ``like`` is: its dtype
+    (never wrapping an integer around), device, Parameter-ness and ``requires_grad``. A
+    target on the meta device gives shape and dtype only (it holds no data, so the
+    tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
     import torch
 
+    _torch_targets.refuse_overflow([((), host)], str(like.dtype), dtype, path)
     out = loaded
     device = out.device if like.device.type == "meta" else like.device
     if like.dtype != out.dtype or device != out.device:

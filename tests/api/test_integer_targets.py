@@ -1,0 +1,117 @@
+"""An integer array into a target of a narrower integer dtype: a cast would wrap a
+value it cannot hold around (2**40 into int32 is 0) and the load returned it, with
+no error; such a value is now refused, naming the key path, the value and the dtype.
+Values that fit still load into the narrower dtype (an int64 step into int32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import statestream as ss
+
+_BIG = 2**40
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    c = tmp_path / "c"
+    ss.save(c, {"big": np.arange(8, dtype=np.int64) + _BIG, "small": np.arange(8, dtype=np.int64),
+                "neg": np.array([-1, 2], np.int64)})
+    return c
+
+
+def _refused(saved: str, value: int, want: str) -> str:
+    return (rf"the checkpoint's {saved} array at key path '[\w/]+' holds {value}, which the "
+            rf"target's dtype {want} cannot hold \(from -?\d+ to \d+; a cast would wrap it "
+            r"around\)")
+
+
+def test_numpy_targets(ckpt: Path) -> None:
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int64", _BIG + 7, "int32")
+                       + r"; pass a target of a wider dtype there \(int64\), or None"):
+        ss.load(ckpt, {"big": np.zeros(8, np.int32)}, items=["big"])
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int64", -1, "uint64")):
+        ss.load(ckpt, {"neg": np.zeros(2, np.uint64)}, items=["neg"])
+    out = ss.load(ckpt, {"small": np.zeros(8, np.int8), "big": np.zeros(8, np.uint64),
+                         "neg": np.zeros(2, np.int16)})
+    assert out["small"].dtype == np.int8 and out["small"].tolist() == list(range(8))
+    assert out["big"].tolist() == [_BIG + i for i in range(8)]
+    assert out["neg"].dtype == np.int16 and out["neg"].tolist() == [-1, 2]
+
+
+def test_torch_targets(ckpt: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int64", _BIG + 7, "int32")):
+        ss.load(ckpt, {"big": torch.zeros(8, dtype=torch.int32)}, items=["big"])
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int64", -1, "uint8")):
+        ss.load(ckpt, {"neg": torch.zeros(2, dtype=torch.uint8)}, items=["neg"])
+    out = ss.load(ckpt, {"small": torch.zeros(8, dtype=torch.int16)}, items=["small"])
+    assert out["small"].dtype == torch.int16 and out["small"].tolist() == list(range(8))
+
+
+def test_a_module_buffer_of_a_narrower_dtype(tmp_path: Path) -> None:
+    """Inside a module: torch's own copy_ would wrap it as well."""
+    torch = pytest.importorskip("torch")
+    src = torch.nn.Module()
+    src.register_buffer("count", torch.tensor([_BIG], dtype=torch.int64))
+    ss.save(tmp_path / "c", {"m": src})
+    dst = torch.nn.Module()
+    dst.register_buffer("count", torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int64", _BIG, "int32")):
+        ss.load(tmp_path / "c", {"m": dst})
+    assert dst.count.tolist() == [0]
+
+
+_JAX = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp, statestream as ss
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    path = sys.argv[1]
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    out = {}
+    def run(name, target, items, at=path):
+        try:
+            got = ss.load(at, target, items=items)[items[0]]
+            out[name] = ["ok", str(got.dtype), np.asarray(got).tolist()]
+        except ss.CheckpointError as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+    sharded = NamedSharding(mesh, P("x"))
+    run("int32", {"big": jnp.zeros(8, jnp.int32)}, ["big"])
+    run("sds_int64", {"big": jax.ShapeDtypeStruct((8,), np.int64)}, ["big"])
+    run("sharded", {"big": jax.ShapeDtypeStruct((8,), np.int64, sharding=sharded)}, ["big"])
+    run("small", {"small": jax.ShapeDtypeStruct((8,), np.int64, sharding=sharded)}, ["small"])
+    jax.config.update("jax_enable_x64", True)  # saved by JAX as int64, loaded as saved
+    ss.save(path + "-jax", {"v": jnp.arange(2, dtype=jnp.int64) + 2**40})
+    jax.config.update("jax_enable_x64", False)
+    run("none", {"v": None}, ["v"], path + "-jax")
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_jax_targets_on_eight_devices(ckpt: Path) -> None:
+    """Without jax_enable_x64 a JAX array holds no int64: an int64 target (or a sharded
+    one, on 8 host devices) was an int32 array of wrapped values."""
+    pytest.importorskip("jax")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_ENABLE_X64", None)
+    r = subprocess.run([sys.executable, "-c", _JAX, str(ckpt)], capture_output=True,
+                       text=True, timeout=240, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    out: dict[str, Any] = json.loads(r.stdout.splitlines()[-1])
+    assert out["small"] == ["ok", "int32", list(range(8))]
+    for name in ("int32", "sds_int64", "sharded", "none"):
+        kind, msg = out[name]
+        assert kind == "TargetMismatchError", out[name]
+        assert "which the target's dtype int32 cannot hold" in msg
+        assert "JAX makes int64 arrays 32-bit unless jax_enable_x64 is set" in msg
