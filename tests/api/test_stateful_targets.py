@@ -384,3 +384,20 @@ def test_a_compiled_module_loads_as_the_module_it_wraps_once_the_whole_load_hold
     assert _same(_weights(big), before)
     assert ss.load(tmp_path / "c", {"m": big, "step": 0})["m"] is big
     assert _same(_weights(big), _weights(ss.load(tmp_path / "c", {"m": _Big()})["m"]))
+
+
+def test_with_in_place_a_late_refusal_says_the_objects_after_it_may_hold_read_values(
+        tmp_path: Path) -> None:
+    """With in_place=True the reads write straight into a module's own tensors, before
+    any load_state_dict: a module due after a refusing object was said to be 'not
+    loaded', though its weights already held the checkpoint's."""
+    torch.manual_seed(0)
+    ss.save(tmp_path / "c", {"obj": {"x": 1}, "m": torch.nn.Linear(4, 4)})
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(ss.TargetMismatchError,
+                       match=r"'m' \(due after it\) was not loaded \(with in_place=True the "
+                             r"reads may have written the checkpoint's values into their "
+                             r"tensors and arrays already\)"):
+        ss.load(tmp_path / "c", {"obj": _Refuses(), "m": m}, in_place=True)
+    with pytest.raises(ss.TargetMismatchError, match=r"'m' \(due after it\) was not loaded\.$"):
+        ss.load(tmp_path / "c", {"obj": _Refuses(), "m": torch.nn.Linear(4, 4)})

@@ -541,6 +541,6 @@ def _load(
         finally:
             reader.close()
         out = build()
-        run_state_loads(job.state_loads)  # every value is built: now load_state_dict
+        run_state_loads(job.state_loads, in_place)  # every value is built: load_state_dict
     return out
 

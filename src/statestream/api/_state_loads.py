@@ -27,21 +27,22 @@ class StateLoad:
     checked: bool = False
 
 
-def run_state_loads(loads: list[StateLoad]) -> None:
+def run_state_loads(loads: list[StateLoad], in_place: bool = False) -> None:
     """Make every call, those that may refuse first, each group in tree order; the first
     that raises stops the rest and raises a TargetMismatchError that says which objects
-    already hold the checkpoint's state."""
+    already hold the checkpoint's state (``in_place``: the reads wrote into the target's
+    own tensors, those of the objects not loaded too)."""
     loads = sorted(loads, key=lambda x: x.checked)  # (stable)
     for i, load in enumerate(loads):
         try:
             load.call()
         except CheckpointError as exc:
-            exc.args = (f"{exc}{_left(loads, i)}", *exc.args[1:])
+            exc.args = (f"{exc}{_left(loads, i, in_place)}", *exc.args[1:])
             raise
         except Exception as exc:
             raise TargetMismatchError(
                 f"{load.what} at key path '{format_keypath(load.path)}' rejected the "
-                f"checkpoint's state: {type(exc).__name__}: {exc}{_left(loads, i)}"
+                f"checkpoint's state: {type(exc).__name__}: {exc}{_left(loads, i, in_place)}"
             ) from exc
 
 
@@ -50,7 +51,7 @@ def _paths(loads: list[StateLoad]) -> str:
     return shown + (f" and {len(loads) - 10} more" if len(loads) > 10 else "")
 
 
-def _left(loads: list[StateLoad], i: int) -> str:
+def _left(loads: list[StateLoad], i: int, in_place: bool) -> str:
     """What a failure of call ``i`` leaves: the objects loaded before it keep the
     checkpoint's state (a load cannot take that back); the failing one holds what its
     own call left (a torch module: the tensors it copied before it raised; a torch
@@ -62,7 +63,9 @@ def _left(loads: list[StateLoad], i: int) -> str:
                      "checkpoint's state, which a load cannot undo")
     parts.append(f"'{format_keypath(failed.path)}' holds what the failed call left of it")
     if after:
-        parts.append(f"{_paths(after)} (due after it) {_were(after)} not loaded")
+        parts.append(f"{_paths(after)} (due after it) {_were(after)} not loaded"
+                     + (" (with in_place=True the reads may have written the checkpoint's "
+                        "values into their tensors and arrays already)" if in_place else ""))
     return ("\nThe load stopped there" + (", leaving the target partly loaded" if done else "")
             + ": " + "; ".join(parts) + ".")
 
