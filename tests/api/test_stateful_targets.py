@@ -401,3 +401,20 @@ def test_with_in_place_a_late_refusal_says_the_objects_after_it_may_hold_read_va
         ss.load(tmp_path / "c", {"obj": _Refuses(), "m": m}, in_place=True)
     with pytest.raises(ss.TargetMismatchError, match=r"'m' \(due after it\) was not loaded\.$"):
         ss.load(tmp_path / "c", {"obj": _Refuses(), "m": torch.nn.Linear(4, 4)})
+
+
+class _Seeded(np.random.PCG64):
+    """A bit generator of its own kind that cannot be made without an argument."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+
+
+def test_a_bit_generator_that_needs_arguments_still_loads(tmp_path: Path) -> None:
+    """Its state cannot be checked on a fresh one of its kind (none can be made), so
+    it goes in as its value is built, as before the checks."""
+    ss.save(tmp_path / "c", {"g": np.random.Generator(_Seeded(1))})
+    g = np.random.Generator(_Seeded(2))
+    assert ss.load(tmp_path / "c", {"g": g})["g"] is g
+    assert g.integers(1000, size=4).tolist() == np.random.Generator(
+        _Seeded(1)).integers(1000, size=4).tolist()

@@ -82,6 +82,18 @@ def _restore(bg: Any, state: Any, path: KeyPath) -> Any:
     return bg
 
 
+def _staged(bg: Any, state: Any, path: KeyPath, call: Callable[[], Any]
+            ) -> Callable[[], Any] | None:
+    """``call`` once ``state`` went into a fresh bit generator of ``bg``'s kind (a
+    check); None (set at once) for a kind that cannot be made without arguments."""
+    try:
+        fresh = type(bg)()
+    except Exception:  # (a subclass of its own)
+        return None
+    _restore(fresh, state, path)
+    return call
+
+
 def _bit_generator(state: Any, path: KeyPath) -> Any:
     name = state.get("bit_generator") if isinstance(state, dict) else None
     if name not in _BIT_GENERATORS:
@@ -111,9 +123,8 @@ class NumpyBitGeneratorAdapter(StateAdapter):
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
         return _restore(obj, state, path)
 
-    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
-        _restore(type(obj)(), state, path)  # into a fresh one of its kind: a check
-        return functools.partial(_restore, obj, state, path)
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any] | None:
+        return _staged(obj, state, path, functools.partial(_restore, obj, state, path))
 
     def new(self, state: Any, path: KeyPath) -> Any:
         return _bit_generator(state, path)
@@ -137,9 +148,9 @@ class NumpyGeneratorAdapter(StateAdapter):
         _restore(obj.bit_generator, state, path)
         return obj
 
-    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
-        _restore(type(obj.bit_generator)(), state, path)  # a check, as above
-        return functools.partial(self.set_state, obj, state, path)
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any] | None:
+        return _staged(obj.bit_generator, state, path,
+                       functools.partial(self.set_state, obj, state, path))
 
     def new(self, state: Any, path: KeyPath) -> Any:
         return np.random.Generator(_bit_generator(state, path))
