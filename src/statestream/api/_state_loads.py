@@ -1,7 +1,8 @@
 """The last step of a load into a target: the calls that put the loaded state into
-objects the target holds (``load_state_dict``, a generator's state), in tree order,
-once every value is built. A call that still fails then is reported with what it
-leaves: which objects were loaded before it, which were not."""
+objects the target holds (``load_state_dict``, a generator's state), once every value
+is built: those that may refuse first, in tree order, then the checked ones (a
+generator's). A call that still fails then is reported with what it leaves: which
+objects were loaded before it, which were not."""
 
 from __future__ import annotations
 
