@@ -1,7 +1,9 @@
 """An integer array into a target of a narrower integer dtype: a cast would wrap a
 value it cannot hold around (2**40 into int32 is 0) and the load returned it, with
 no error; such a value is now refused, naming the key path, the value and the dtype.
-Values that fit still load into the narrower dtype (an int64 step into int32)."""
+Values that fit still load into the narrower dtype (an int64 step into int32). So is a
+float array into an integer target whose values an integer cannot hold exactly (NaN
+and 3e10 were INT32_MIN, 1.5 was 1)."""
 
 from __future__ import annotations
 
@@ -29,15 +31,14 @@ def ckpt(tmp_path: Path) -> Path:
     return c
 
 
-def _refused(saved: str, value: int, want: str) -> str:
+def _refused(saved: str, value: Any, want: str, how: str = "wrap it around") -> str:
     return (rf"the checkpoint's {saved} array at key path '[\w/]+' holds {value}, which the "
-            rf"target's dtype {want} cannot hold \(from -?\d+ to \d+; a cast would wrap it "
-            r"around\)")
+            rf"target's dtype {want} cannot hold \(from -?\d+ to \d+; a cast would {how}\)")
 
 
 def test_numpy_targets(ckpt: Path) -> None:
     with pytest.raises(ss.TargetMismatchError, match=_refused("int64", _BIG + 7, "int32")
-                       + r"; pass a target of a wider dtype there \(int64\), or None"):
+                       + r"; pass a target of dtype int64 there, or None"):
         ss.load(ckpt, {"big": np.zeros(8, np.int32)}, items=["big"])
     with pytest.raises(ss.TargetMismatchError, match=_refused("int64", -1, "uint64")):
         ss.load(ckpt, {"neg": np.zeros(2, np.uint64)}, items=["neg"])
@@ -115,3 +116,29 @@ def test_jax_targets_on_eight_devices(ckpt: Path) -> None:
         assert kind == "TargetMismatchError", out[name]
         assert "which the target's dtype int32 cannot hold" in msg
         assert "JAX makes int64 arrays 32-bit unless jax_enable_x64 is set" in msg
+
+
+def test_floats_into_integer_targets(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    ss.save(tmp_path / "c", {"nan": np.array([1.0, np.nan], np.float32),
+                             "big": np.array([3e10], np.float32),
+                             "half": np.array([1.0, 2.5], np.float16),
+                             "neg": np.array([1.0, -2.0]),
+                             "bf": torch.tensor([1.0, 3e10], dtype=torch.bfloat16)})
+    for key, target, value, want in (
+            ("nan", np.zeros(2, np.int32), "nan", "int32"),
+            ("nan", torch.zeros(2, dtype=torch.int64), "nan", "int64"),
+            ("big", np.zeros(1, np.int32), r"30000001024\.0", "int32"),
+            ("half", np.zeros(2, np.int64), r"2\.5", "int64"),
+            ("neg", np.zeros(2, np.uint8), r"-2\.0", "uint8"),
+            ("bf", torch.zeros(2, dtype=torch.int32), r"30064771072\.0", "int32")):
+        saved = {"nan": "float32", "big": "float32", "half": "float16", "neg": "float64",
+                 "bf": "bfloat16"}[key]
+        with pytest.raises(ss.TargetMismatchError,
+                           match=_refused(saved, value, want, "change it")
+                           + f"; pass a target of dtype {saved} there, or None"):
+            ss.load(tmp_path / "c", {key: target}, items=[key])
+    out = ss.load(tmp_path / "c", {"neg": np.zeros(2, np.int8),
+                                   "bf": torch.zeros(2, dtype=torch.int64)},
+                  items=["neg", "bf"])
+    assert out["neg"].tolist() == [1, -2] and out["bf"].tolist() == [1, 30064771072]

@@ -48,23 +48,47 @@ def find_box(
 
 def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
                         advice: str = "") -> None:
-    """Raise TargetMismatchError where casting the loaded integer array ``host`` (of the
-    saved dtype ``saved``) to the target's integer dtype ``want`` would change a value:
-    NumPy, torch and JAX wrap it around (2**40 into int32 is 0), which no caller asks
-    for. One min/max pass, only where ``want`` cannot hold every value of ``saved``."""
+    """Raise TargetMismatchError where casting the loaded array ``host`` (of the saved
+    dtype ``saved``) to the target's integer dtype ``want`` would change a value:
+    NumPy, torch and JAX wrap an integer around (2**40 into int32 is 0) and make any
+    int of a NaN or a float out of range (and cut 1.5 to 1), which no caller asks
+    for. Integers: one min/max pass, only where ``want`` cannot hold every value of
+    ``saved``; floats: a few passes (a float array into an integer target is rare)."""
     want = np.dtype(want)
-    if host.dtype.kind not in "iu" or want.kind not in "iu" or not host.size:
+    if want.kind not in "iu" or not host.size:
         return
-    have, can = np.iinfo(host.dtype), np.iinfo(want)
-    if can.min <= have.min and have.max <= can.max:
+    can = np.iinfo(want)
+    if host.dtype.kind in "iu":
+        have = np.iinfo(host.dtype)
+        if can.min <= have.min and have.max <= can.max:
+            return
+        lo, hi = int(host.min()), int(host.max())
+        bad: Any = lo if lo < can.min else hi if hi > can.max else None
+        how = "a cast would wrap it around"
+    elif saved.startswith(("float", "bfloat")):
+        bad, how = _changed_float(host, can), "a cast would change it"
+    else:
         return
-    lo, hi = int(host.min()), int(host.max())
-    if lo < can.min or hi > can.max:
+    if bad is not None:
         raise TargetMismatchError(
             f"the checkpoint's {saved} array at key path '{format_keypath(path)}' holds "
-            f"{lo if lo < can.min else hi}, which the target's dtype {want} cannot hold "
-            f"(from {can.min} to {can.max}; a cast would wrap it around); "
-            + (advice or f"pass a target of a wider dtype there ({saved}), or None"))
+            f"{bad}, which the target's dtype {want} cannot hold (from {can.min} to "
+            f"{can.max}; {how}); "
+            + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def _changed_float(host: np.ndarray, can: Any) -> Any:
+    """A value of float array ``host`` that an integer of range ``can`` cannot hold
+    exactly (NaN, an infinity, out of range, a fraction), or None."""
+    f = host if host.dtype.kind == "f" else host.astype(np.float32)  # (bfloat16, float8)
+    finite = np.isfinite(f)
+    if not finite.all():
+        return f[~finite][0]
+    lo, hi = float(f.min()), float(f.max())
+    if lo < can.min or hi > can.max:
+        return lo if lo < can.min else hi
+    frac = f != np.trunc(f)
+    return f[frac][0] if frac.any() else None
 
 
 def box_slices(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
