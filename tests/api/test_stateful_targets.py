@@ -418,3 +418,38 @@ def test_a_bit_generator_that_needs_arguments_still_loads(tmp_path: Path) -> Non
     assert ss.load(tmp_path / "c", {"g": g})["g"] is g
     assert g.integers(1000, size=4).tolist() == np.random.Generator(
         _Seeded(1)).integers(1000, size=4).tolist()
+
+
+class _Factor:
+    """A callable object: LambdaLR saves its __dict__ (a function saves as None)."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, epoch: int) -> float:
+        return self.k
+
+
+def test_a_lambda_scheduler_of_fewer_lambdas_is_refused_before_anything_loads(
+        tmp_path: Path) -> None:
+    """LambdaLR.load_state_dict takes the state's other entries, then raises an
+    IndexError for a callable's state past its own lambdas: the module before it was
+    loaded and the scheduler half loaded (its base_lrs those of two groups)."""
+    ps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    two = torch.optim.SGD([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.1)
+    ss.save(tmp_path / "c", {"m": torch.nn.Linear(4, 4), "s": torch.optim.lr_scheduler.LambdaLR(
+        two, [_Factor(1.0), _Factor(0.5)])})
+    one = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(one, [_Factor(1.0)])
+    m = torch.nn.Linear(4, 4)
+    before = _weights(m)
+    with pytest.raises(ss.TargetMismatchError,
+                       match=r"state at key path 's' is not one torch.optim.lr_scheduler."
+                             r"LambdaLR.load_state_dict\(\) accepts: its 'lr_lambdas' hold the "
+                             r"state of a callable at index 1, the scheduler has 1 lr_lambdas"
+                             r".*nothing was loaded"):
+        ss.load(tmp_path / "c", {"m": m, "s": sched})
+    assert _same(_weights(m), before) and sched.base_lrs == [0.1]
+    ss.save(tmp_path / "f", {"s": torch.optim.lr_scheduler.LambdaLR(
+        two, [lambda e: 1.0, lambda e: 0.5])})  # functions save as None: torch takes it
+    assert ss.load(tmp_path / "f", {"s": sched})["s"] is sched

@@ -252,11 +252,33 @@ def refused_state(obj: Any, saved: Node) -> str | None:
                 return (f"'{key}' is {_a(c.kind)} in the checkpoint, a tensor in the module "
                         "(torch copies only a tensor into its parameters and buffers)")
         return None
+    sched = torch.optim.lr_scheduler
+    if any(type(obj).load_state_dict is c.load_state_dict for c in (sched.LambdaLR,
+                                                                     sched.MultiplicativeLR)):
+        return _refused_lambdas(obj, saved)
     opt = torch.optim.Optimizer
     if (not isinstance(obj, opt) or type(obj).load_state_dict is not opt.load_state_dict
             or obj._optimizer_load_state_dict_pre_hooks):
         return None
     return _refused_groups(obj, saved)
+
+
+def _refused_lambdas(sched: Any, saved: Node) -> str | None:
+    """What a LambdaLR's (MultiplicativeLR's) ``load_state_dict`` raises on, after it
+    has taken the rest of the state: no ``lr_lambdas``, or the state of a callable
+    object at an index past its own lambdas."""
+    lams = saved.child("lr_lambdas") if saved.kind == "dict" else None
+    if lams is None:
+        return "it has no 'lr_lambdas' (a LambdaLR's state has them)"
+    kids = lams.children or [] if lams.kind in ("list", "tuple") else None
+    if kids is None:
+        return None  # (what torch makes of it is its own affair)
+    held = [i for i, c in enumerate(kids) if c.kind != "none"]
+    if held and held[-1] >= len(sched.lr_lambdas):
+        return (f"its 'lr_lambdas' hold the state of a callable at index {held[-1]}, the "
+                f"scheduler has {len(sched.lr_lambdas)} lr_lambdas (one per parameter "
+                "group)")
+    return None
 
 
 def _holds_tensor(module: Any, key: str) -> bool:
