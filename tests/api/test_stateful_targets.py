@@ -453,3 +453,23 @@ def test_a_lambda_scheduler_of_fewer_lambdas_is_refused_before_anything_loads(
     ss.save(tmp_path / "f", {"s": torch.optim.lr_scheduler.LambdaLR(
         two, [lambda e: 1.0, lambda e: 0.5])})  # functions save as None: torch takes it
     assert ss.load(tmp_path / "f", {"s": sched})["s"] is sched
+
+
+def test_a_sequential_scheduler_of_fewer_schedulers_is_refused_before_anything_loads(
+        tmp_path: Path) -> None:
+    """SequentialLR.load_state_dict takes its own entries and loads the schedulers it
+    has, then raises an IndexError for a saved one past them."""
+    def sequential(n: int) -> Any:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        subs = [torch.optim.lr_scheduler.StepLR(opt, 2) for _ in range(n)]
+        return torch.optim.lr_scheduler.SequentialLR(opt, subs, milestones=list(range(1, n)))
+
+    ss.save(tmp_path / "c", {"m": torch.nn.Linear(4, 4), "s": sequential(3)})
+    m, sched = torch.nn.Linear(4, 4), sequential(2)
+    before = _weights(m)
+    with pytest.raises(ss.TargetMismatchError,
+                       match=r"its '_schedulers' hold the states of 3 schedulers, the "
+                             r"scheduler has 2.*nothing was loaded"):
+        ss.load(tmp_path / "c", {"m": m, "s": sched})
+    assert _same(_weights(m), before) and sched._milestones == [1]
+    assert ss.load(tmp_path / "c", {"s": sequential(3)})["s"]._milestones == [1, 2]

@@ -256,11 +256,34 @@ def refused_state(obj: Any, saved: Node) -> str | None:
     if any(type(obj).load_state_dict is c.load_state_dict for c in (sched.LambdaLR,
                                                                      sched.MultiplicativeLR)):
         return _refused_lambdas(obj, saved)
+    if any(type(obj).load_state_dict is c.load_state_dict for c in (sched.SequentialLR,
+                                                                     sched.ChainedScheduler)):
+        return _refused_chain(obj, saved)
     opt = torch.optim.Optimizer
     if (not isinstance(obj, opt) or type(obj).load_state_dict is not opt.load_state_dict
             or obj._optimizer_load_state_dict_pre_hooks):
         return None
     return _refused_groups(obj, saved)
+
+
+def _refused_chain(sched: Any, saved: Node) -> str | None:
+    """What a SequentialLR's (ChainedScheduler's) ``load_state_dict`` raises on, after it
+    has taken the rest of the state and loaded the schedulers before: no
+    ``_schedulers``, more of them than its own, or one its scheduler refuses."""
+    subs = saved.child("_schedulers") if saved.kind == "dict" else None
+    if subs is None:
+        return "it has no '_schedulers' (the state of a scheduler of schedulers has them)"
+    kids = subs.children or [] if subs.kind in ("list", "tuple") else None
+    if kids is None:
+        return None
+    if len(kids) > len(sched._schedulers):
+        return (f"its '_schedulers' hold the states of {len(kids)} schedulers, the "
+                f"scheduler has {len(sched._schedulers)}")
+    for i, (own, kid) in enumerate(zip(sched._schedulers, kids)):
+        why = refused_state(own, kid)
+        if why is not None:
+            return f"its '_schedulers' item {i}: {why}"
+    return None
 
 
 def _refused_lambdas(sched: Any, saved: Node) -> str | None:
