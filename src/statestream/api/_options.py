@@ -13,7 +13,7 @@ import numpy as np
 
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionError, InvalidOptionTypeError
-from statestream.format import LOAD_MAX_ARRAYS, MAX_ARRAYS
+from statestream.format import MAX_ARRAYS
 
 __all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
            "key_paths", "max_arrays_option", "memory_options", "meta_option", "path_arg",
@@ -101,10 +101,11 @@ def bool_option(value: Any, name: str) -> bool:
 
 
 def max_arrays_option(value: Any) -> int:
-    """``load``'s ``max_arrays``: None for :data:`LOAD_MAX_ARRAYS`, or an int from 1 to
-    the format's :data:`MAX_ARRAYS`."""
+    """``load``'s ``max_arrays``: None for the format's :data:`MAX_ARRAYS` (every
+    checkpoint a save can write loads), or an int from 1 to it (tighter, for
+    checkpoints from elsewhere)."""
     if value is None:
-        return LOAD_MAX_ARRAYS
+        return MAX_ARRAYS
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidOptionTypeError(
             f"max_arrays must be an int (arrays a manifest may hold) or None, not {_shown(value)}")

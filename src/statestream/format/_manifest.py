@@ -30,7 +30,6 @@ __all__ = [
     "FORMAT_VERSION",
     "FORMAT_VERSIONS",
     "MANIFEST_NAME",
-    "LOAD_MAX_ARRAYS",
     "MAX_ARRAYS",
     "MAX_ARRAY_BYTES",
     "MAX_CODEC_RATIO",
@@ -84,10 +83,6 @@ MAX_FILES = 1 << 20
 #: a v3 table needs as little as ~10 characters for one, so without this bound a
 #: 1 GiB manifest could make a load allocate ~20x its size.
 MAX_ARRAYS = 1 << 24
-#: A load's own bound on a manifest's arrays unless its caller sets ``max_arrays``
-#: (up to :data:`MAX_ARRAYS`): a load costs ~750-1,600 bytes of Python objects per
-#: array at its peak, so ~0.8-1.7 GB at this bound, against ~12-27 GB at the format's.
-LOAD_MAX_ARRAYS = 1 << 20
 MAX_FILE_BYTES = 1 << 52
 MAX_INT_HEX_DIGITS = 1 << 24
 #: A compressed chunk's raw size is at most this many times its stored size: a zstd
