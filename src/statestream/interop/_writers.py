@@ -185,8 +185,11 @@ def _publish(staged: str, final: str) -> None:
     before 2026-12-06 the old one was renamed aside first, so a kill between the two
     renames left no ``final`` (the new output in a staging directory that ``gc``
     removes, the old one under ``final.old-<pid>``). Where the file system has no
-    renameat2 that window remains."""
+    renameat2 that window remains. A staged directory's entries are made durable
+    before it moves (its files are fsynced by their writers)."""
     with _writing(final):
+        if os.path.isdir(staged) and not os.path.islink(staged):
+            fsync_dir(staged)
         if os.path.isdir(final) and not os.path.islink(final):
             if exchange_paths(staged, final):
                 shutil.rmtree(staged, ignore_errors=True)  # the old one, now
@@ -544,6 +547,8 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
         ipath = os.path.join(staging, "model.safetensors.index.json")
         with _writing(ipath), open(ipath, "w") as f:
             json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())  # durable before the directory moves into place
         _publish(staging, dst)
         staging = ""
     finally:
