@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -166,3 +168,32 @@ def test_registry() -> None:
     assert isinstance(provider_by_kind("numpy"), NumpyProvider)
     assert isinstance(provider_by_kind("no-such-framework"), NumpyProvider)
 
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("mode", ["sync", "async", "lazy"])
+def test_ndarray_subclasses_save_in_chunks(tmp_path: Path, mode: str) -> None:
+    """np.matrix keeps two dimensions when reshaped or indexed, so chunking it (rows cut
+    into chunks smaller than a row) crashed inside memoryview (TypeError) or refused it,
+    and the byte shuffle of compression crashed in a NumPy broadcast (found by
+    tests/fuzz/test_randomized_roundtrip.py, seeds 100652 and 101079). A subclass is
+    saved as its plain ndarray view: the same bytes, shape and dtype."""
+    import statestream as ss
+
+    m = np.asmatrix(np.arange(6, dtype=np.int64).reshape(2, 3))
+    mm = np.memmap(tmp_path / "mm.bin", dtype=np.float32, mode="w+", shape=(3, 5))
+    mm[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
+    mf = np.asmatrix(np.arange(24, dtype=np.float32).reshape(4, 6))  # shuffled when compressed
+    state = {"m": m, "mT": m.T, "mf": mf, "mm": mm}
+    for chunk, comp in [(7, None), (8, None), (16, None), (4096, None), (4096, "zstd")]:
+        path = tmp_path / f"{mode}-{chunk}-{comp}"
+        io = ss.IOOptions(max_chunk_bytes=chunk)
+        if mode == "sync":
+            ss.save(path, state, io=io, compression=comp)
+        else:
+            ss.save_async(path, state, io=io, compression=comp, lazy=mode == "lazy").result()
+        got = ss.load(path)
+        for k, v in state.items():
+            assert type(got[k]) is np.ndarray and got[k].shape == v.shape
+            assert got[k].tobytes() == np.ascontiguousarray(v).tobytes(), (k, chunk, comp)
+        assert ss.verify(path).ok

@@ -119,6 +119,10 @@ class NumpyProvider(ArrayProvider):
                 f"array at key path '{format_keypath(path)}' has dtype {obj.dtype}; object "
                 "and structured arrays are not supported (pickle it via pickle_paths)"
             )
+        if type(obj) is not np.ndarray:  # np.matrix, np.memmap, ...: the same memory
+            # as a plain ndarray; a matrix stays 2-D when reshaped or indexed, which
+            # the chunking of its rows does not expect
+            obj = obj.view(np.ndarray)
         return prepare_host_array(obj, path, self.kind)
 
     def alias_and_prepare(self, obj: Any,
