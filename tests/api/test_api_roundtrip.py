@@ -843,3 +843,21 @@ def test_load_in_place_fills_the_target_objects(tmp_path) -> None:
     fresh = {"a": torch.zeros(10)}
     out2 = ss.load(path, target=fresh)
     assert out2["a"] is not fresh["a"] and torch.equal(fresh["a"], torch.zeros(10))
+
+
+def test_load_in_place_returns_empty_target_arrays_themselves(tmp_path) -> None:
+    """An empty NumPy target came back as a new empty array under in_place=True (a torch
+    target came back as itself), though the docstring says in_place returns the target's
+    own objects (found by tests/fuzz/test_randomized_roundtrip.py, seed 200021)."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "ck"
+    ss.save(path, {"n0": np.zeros((0,), np.float32), "n2": np.zeros((4, 0, 2), np.int16),
+                   "t": torch.zeros(0, 3), "n": np.arange(3)})
+    target = {"n0": np.zeros((0,), np.float32), "n2": np.zeros((4, 0, 2), np.int16),
+              "t": torch.zeros(0, 3), "n": np.zeros(3, np.int64)}
+    out = ss.load(path, target=target, in_place=True)
+    for k in target:
+        assert out[k] is target[k], k
+    cast = {"n0": np.zeros((0,), np.float64)}  # a dtype change: a new array, as for any size
+    out = ss.load(path, target=cast, in_place=True, items=["n0"])
+    assert out["n0"] is not cast["n0"] and out["n0"].dtype == np.float64

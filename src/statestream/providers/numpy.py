@@ -157,13 +157,11 @@ class NumpyProvider(ArrayProvider):
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
                      path: KeyPath) -> Destination | None:
         """Destinations in ``like``'s own memory (None when that is not possible)."""
-        if (
-            not isinstance(like, np.ndarray)
-            or like.dtype != dtype_from_name(dtype)
-            or not like.flags.c_contiguous
-            or not like.flags.writeable
-            or like.size == 0
-        ):
+        if not isinstance(like, np.ndarray) or like.dtype != dtype_from_name(dtype):
+            return None
+        if like.size == 0:
+            return Destination(boxes=[], finish=lambda: like)  # nothing to fill: itself
+        if not like.flags.c_contiguous or not like.flags.writeable:
             return None
         return Destination(boxes=[((0,) * len(shape), like)], finish=lambda: like)
 
