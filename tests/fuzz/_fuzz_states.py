@@ -108,7 +108,7 @@ def rand_shape(rng: random.Random) -> tuple[int, ...]:
 def _np_form(rng: random.Random, name: str, a: np.ndarray[Any, Any]) -> Any:
     form = rng.choice(["plain", "plain", "noncontig", "fortran", "swapped", "readonly",
                        "broadcast", "scalar", "transpose", "reversed", "broadcast0",
-                       "swapped_view", "matrix"])
+                       "swapped_view", "matrix", "from_jax"])
     if form == "noncontig" and a.ndim:
         return rand_array(rng, name, (a.shape[0] * 2,) + a.shape[1:])[::2]
     if form == "fortran" and a.ndim >= 2:
@@ -133,6 +133,10 @@ def _np_form(rng: random.Random, name: str, a: np.ndarray[Any, Any]) -> Any:
         return a.T
     if form == "reversed" and a.ndim:
         return a[::-1, ...] if a.ndim == 1 or rng.random() < 0.5 else a[..., ::-2]
+    if form == "from_jax" and name in ("float32", "int32", "uint8", "bfloat16"):
+        import jax
+
+        return np.asarray(jax.device_put(a))  # read-only, over JAX's buffer
     if form == "matrix" and a.ndim == 2 and name in ("float32", "int64", "float64"):
         return np.asmatrix(a)
     return a
@@ -153,7 +157,8 @@ def np_to_torch(a: Any, name: str) -> torch.Tensor:
 
 def _torch_form(rng: random.Random, name: str, t: torch.Tensor) -> torch.Tensor:
     form = rng.choice(["plain", "plain", "view", "transpose", "expand", "channels_last",
-                       "param", "grad", "nonleaf", "offset", "expand0", "unsqueezed"])
+                       "param", "grad", "nonleaf", "offset", "expand0", "unsqueezed", "conj",
+                       "neg"])
     floating = t.is_floating_point()
     if form == "view" and t.ndim and t.shape[0] > 1:
         return t[1:]
@@ -177,6 +182,11 @@ def _torch_form(rng: random.Random, name: str, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1)[1:-1]
     if form == "unsqueezed":
         return t.unsqueeze(0)
+    if form == "conj" and t.is_complex():  # a lazy conjugate: the bytes are not conjugated
+        return t.conj()
+    if form == "neg" and (t.is_complex() or floating) and name in ("float32", "float64",
+                                                                    "complex64"):
+        return torch._neg_view(t)  # a lazy negation, as torch makes for conj().imag
     return t
 
 
@@ -225,9 +235,16 @@ def _module(rng: random.Random) -> torch.nn.Module:
     m = rng.choice([lambda: torch.nn.Linear(3, 2), lambda: torch.nn.BatchNorm1d(3),
                     lambda: torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(),
                                                 torch.nn.Linear(2, 1, bias=False)),
-                    lambda: torch.nn.Embedding(4, 3)])()
+                    lambda: torch.nn.Embedding(4, 3), _tied_lm])()
     if rng.random() < 0.3:
         m = m.to(rng.choice([torch.float64, torch.bfloat16, torch.float16]))
+    return m
+
+
+def _tied_lm() -> torch.nn.Module:
+    """An embedding and an output layer that share their weight (tied weights)."""
+    m = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    m[1].weight = m[0].weight
     return m
 
 
@@ -313,8 +330,10 @@ def add_ties(rng: random.Random, state: dict[Any, Any]) -> dict[Any, Any]:
     if not leaves or rng.random() >= 0.5:
         return state
     v = rng.choice(leaves)
-    how = rng.choice(["same", "same", "view", "reshape"])
-    if how == "view" and v.ndim and v.shape[0] > 1:
+    how = rng.choice(["same", "same", "view", "reshape", "other_framework"])
+    if how == "other_framework":  # torch.from_numpy / .numpy(): one memory, two kinds
+        v = _other_framework_view(v)
+    elif how == "view" and v.ndim and v.shape[0] > 1:
         v = v[1:]
     elif how == "reshape" and (v.is_contiguous() if isinstance(v, torch.Tensor)
                                else v.flags.c_contiguous):
@@ -323,6 +342,20 @@ def add_ties(rng: random.Random, state: dict[Any, Any]) -> dict[Any, Any]:
     if rng.random() < 0.3:
         state["tied2"] = {"deep": [v]}
     return state
+
+
+def _other_framework_view(v: Any) -> Any:
+    """The same memory as a tensor of the other framework, where one can be had."""
+    if isinstance(v, np.ndarray):
+        if type(v) is np.ndarray and v.dtype.isnative and v.dtype.name in TORCH_DTYPES and \
+                v.flags.writeable and v.dtype.type.__module__ == "numpy" and \
+                min(v.strides, default=0) >= 0:
+            return torch.from_numpy(v)
+        return v
+    if not v.requires_grad and v.dtype in (torch.float32, torch.int64, torch.uint8,
+                                           torch.bool, torch.float64, torch.int16):
+        return v.numpy()
+    return v
 
 
 def rand_state(rng: random.Random, kinds: list[str], depth: int = 3,

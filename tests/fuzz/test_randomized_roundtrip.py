@@ -4,14 +4,17 @@ The states (tests/fuzz/_fuzz_states.py) mix NumPy arrays of every dtype (ml_dtyp
 float8 and sub-byte types, big-endian, Fortran-ordered, negative-stride and
 zero-stride views, matrices, scalars), torch tensors (views into bigger storages,
 transposes, expanded, channels_last, parameters, tensors with a grad_fn), JAX arrays
-sharded over 8 CPU devices, empty and 0-d arrays of each framework, modules,
-optimizers and random generators, nested dicts (int keys, unicode, ``/``, ``.``,
-``~``, NUL and 300-character keys), lists, tuples, namedtuples, dataclasses, plain
-values, tied arrays and 120-deep chains. Each is saved with random options
-(chunk size, threads, memory budget, compression, incremental bases, hashes; sync,
-async and lazy saves, the state changed in place right after ``wait_snapshot()``),
-then loaded without a target, into targets of the same and of other frameworks
-(in place or not), with ``items=``, verified, and read by ``metadata``.
+sharded over 8 CPU devices (also NumPy views of JAX buffers), empty and 0-d arrays
+of each framework, modules (tied embedding/output weights), optimizers and random
+generators, nested dicts (int keys, unicode, ``/``, ``.``, ``~``, NUL and
+300-character keys), lists, tuples, namedtuples, dataclasses, plain values, tied
+arrays (one object twice, views of one storage, ``torch.from_numpy``) and 120-deep
+chains. Each is saved with random options (chunk size, threads, memory budget,
+compression, incremental bases, hashes; sync, async and lazy saves, the state
+changed in place right after ``wait_snapshot()``), then loaded without a target,
+into whole or partial targets of the same and of other frameworks (``in_place``:
+the target's own arrays come back; without it no target is written), with
+``items=``, verified, and read by ``metadata``.
 tests/fuzz/_fuzz_campaign.py lists the modes: ``roundtrip``, ``s3`` (on a moto
 server on loopback), ``convert``, ``manager`` and ``refuse``.
 
