@@ -40,7 +40,16 @@ from _fuzz_expect import (  # noqa: E402
     prune,
     target_of,
 )
-from _fuzz_states import DC, KEYS, NT, bad_value, rand_state, rand_tree, walk  # noqa: E402
+from _fuzz_states import (  # noqa: E402
+    KEYS,
+    bad_value,
+    is_record,
+    rand_state,
+    rand_tree,
+    rebuild,
+    record_fields,
+    walk,
+)
 
 BUCKET = "statestream-test"
 
@@ -133,10 +142,8 @@ def mutate(rng: random.Random, state: Any) -> Any:
     def m(x: Any) -> Any:
         if isinstance(x, dict):
             return {k: m(v) for k, v in x.items()}
-        if isinstance(x, NT):
-            return NT(*(m(v) for v in x))
-        if isinstance(x, DC):
-            return DC(m(x.x), m(x.y))
+        if is_record(x):
+            return rebuild(x, [m(v) for _, v in record_fields(x)])
         if isinstance(x, (list, tuple)):
             return type(x)(m(v) for v in x)
         if type(x) is np.ndarray and x.size and rng.random() < 0.5:
@@ -228,12 +235,9 @@ def subpaths(x: Any, p: tuple[Any, ...] = ()) -> Any:
     if isinstance(x, dict):
         for k, v in x.items():
             yield from subpaths(v, p + (k,))
-    elif isinstance(x, NT):
-        for k, v in zip(x._fields, x):
+    elif is_record(x):
+        for k, v in record_fields(x):
             yield from subpaths(v, p + (k,))
-    elif isinstance(x, DC):
-        yield from subpaths(x.x, p + ("x",))
-        yield from subpaths(x.y, p + ("y",))
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from subpaths(v, p + (i,))
@@ -241,7 +245,7 @@ def subpaths(x: Any, p: tuple[Any, ...] = ()) -> Any:
 
 def get(x: Any, path: tuple[Any, ...]) -> Any:
     for k in path:
-        x = getattr(x, k) if isinstance(x, (NT, DC)) else x[k]
+        x = getattr(x, k) if is_record(x) else x[k]
     return x
 
 
@@ -250,7 +254,7 @@ def ambiguous(x: Any, path: tuple[Any, ...]) -> bool:
     for k in path:
         if isinstance(x, dict) and sum(1 for kk in x if str(kk) == str(k)) > 1:
             return True
-        x = getattr(x, k) if isinstance(x, (NT, DC)) else x[k]
+        x = getattr(x, k) if is_record(x) else x[k]
     return False
 
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from _fuzz_states import DC, NT, TORCH_DTYPES, TORCH_NAME, mesh, np_dtype
+from _fuzz_states import (
+    TORCH_DTYPES,
+    TORCH_NAME,
+    is_record,
+    mesh,
+    np_dtype,
+    rebuild,
+    record_fields,
+)
 
 
 class Loose:
@@ -69,17 +77,11 @@ def norm_np(a: Any) -> np.ndarray[Any, Any]:
     return np.array(a, order="C", copy=True, subok=False)
 
 
-def record_fields(x: Any) -> list[tuple[str, Any]]:
-    if isinstance(x, DC):
-        return [("x", x.x), ("y", x.y)]
-    return list(zip(x._fields, x))
-
-
 def expect_plain(x: Any) -> Any:
     """What load without a target returns."""
     if isinstance(x, dict):
         return {k: expect_plain(v) for k, v in x.items()}
-    if isinstance(x, (NT, DC)):
+    if is_record(x):
         return {k: expect_plain(v) for k, v in record_fields(x)}
     if isinstance(x, list):
         return [expect_plain(v) for v in x]
@@ -145,7 +147,7 @@ class Differ:
         return [
             (lambda e: isinstance(e, Loose), self.loose),
             (lambda e: isinstance(e, dict), self.mapping),
-            (lambda e: isinstance(e, (NT, DC)), self.record),
+            (is_record, self.record),
             (lambda e: type(e) in (list, tuple), self.sequence),
             (is_generator, self.generator),
             (lambda e: isinstance(e, (torch.nn.Module, torch.optim.Optimizer)), self.stateful),
@@ -323,10 +325,8 @@ def target_of(rng: random.Random, x: Any, mode: str) -> Any:
     and JAX, torch for NumPy)."""
     if isinstance(x, dict):
         return {k: target_of(rng, v, mode) for k, v in x.items()}
-    if isinstance(x, NT):
-        return NT(*(target_of(rng, v, mode) for v in x))
-    if isinstance(x, DC):
-        return DC(target_of(rng, x.x, mode), target_of(rng, x.y, mode))
+    if is_record(x):
+        return rebuild(x, [target_of(rng, v, mode) for _, v in record_fields(x)])
     if isinstance(x, list):
         return [target_of(rng, v, mode) for v in x]
     if isinstance(x, tuple):
@@ -360,7 +360,7 @@ def expect_none(x: Any) -> Any:
     """A whole subtree loaded into a None target."""
     if isinstance(x, dict):
         return {k: expect_none(v) for k, v in x.items()}
-    if isinstance(x, (NT, DC)):
+    if is_record(x):
         return {k: expect_none(v) for k, v in record_fields(x)}
     if isinstance(x, list):
         return [expect_none(v) for v in x]
@@ -383,10 +383,9 @@ def expect_target(x: Any, t: Any) -> Any:
     """Expected result of loading x into target t."""
     if isinstance(x, dict) and isinstance(t, dict):  # a target covering part loads that part
         return {k: expect_target(v, t[k]) for k, v in x.items() if k in t}
-    if isinstance(x, NT):
-        return NT(*(expect_target(v, tv) for v, tv in zip(x, t)))
-    if isinstance(x, DC):
-        return DC(expect_target(x.x, t.x), expect_target(x.y, t.y))
+    if is_record(x):
+        return rebuild(t, [expect_target(v, tv) for (_, v), (_, tv) in zip(
+            record_fields(x), record_fields(t))])
     if isinstance(x, (list, tuple)):
         return type(x)(expect_target(v, tv) for v, tv in zip(x, t))
     if t is None:

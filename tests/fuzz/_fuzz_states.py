@@ -64,6 +64,42 @@ class DC:
 
 
 @functools.cache
+def pytree_class() -> type:
+    """A JAX pytree (a registered dataclass with a static field), registered on first use."""
+    import jax
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class PT:
+        w: Any
+        v: Any
+        tag: str = dataclasses.field(default="s", metadata={"static": True})
+
+    return PT
+
+
+def is_record(x: Any) -> bool:
+    """A namedtuple, dataclass or pytree node of these states."""
+    return isinstance(x, (NT, DC)) or (pytree_class.cache_info().currsize > 0
+                                      and type(x) is pytree_class())
+
+
+def record_fields(x: Any) -> list[tuple[str, Any]]:
+    if isinstance(x, NT):
+        return list(zip(x._fields, x))
+    if isinstance(x, DC):
+        return [("x", x.x), ("y", x.y)]
+    return [("w", x.w), ("v", x.v)]
+
+
+def rebuild(x: Any, values: list[Any]) -> Any:
+    """A record of x's type (and static fields) with these field values."""
+    if isinstance(x, (NT, DC)):
+        return type(x)(*values)
+    return type(x)(*values, tag=x.tag)
+
+
+@functools.cache
 def mesh() -> Any:
     """The 8-device mesh (made on first use: the subprocess has set XLA_FLAGS by then)."""
     import jax
@@ -295,6 +331,8 @@ def rand_tree(rng: random.Random, depth: int, kinds: list[str],
         return tuple(sub() for _ in range(n))
     if c < 0.93:
         return NT(sub(), sub())
+    if "jax" in kinds and rng.random() < 0.5:
+        return pytree_class()(sub(), sub(), tag=rng.choice(["s", "t"]))
     return DC(sub(), sub())
 
 
@@ -311,12 +349,9 @@ def walk(x: Any, p: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any
     if isinstance(x, dict):
         for k, v in x.items():
             yield from walk(v, p + (k,))
-    elif isinstance(x, NT):
-        for k, v in zip(x._fields, x):
+    elif is_record(x):
+        for k, v in record_fields(x):
             yield from walk(v, p + (k,))
-    elif isinstance(x, DC):
-        yield from walk(x.x, p + ("x",))
-        yield from walk(x.y, p + ("y",))
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from walk(v, p + (i,))
