@@ -120,7 +120,7 @@ def test_campaign_s3(tmp_path: Path, s3_env: dict[str, str]) -> None:
 
 def test_campaign_reports_a_failing_seed(tmp_path: Path) -> None:
     """A case that fails prints its seed and the command that replays it, and the
-    process exits 1 (an unknown mode's seed raises KeyError inside the case runner)."""
+    process exits 1 (a mode whose case fails at seed 7, added for this test)."""
     env = dict(os.environ, TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT / "src"))
     code = ("import sys; sys.argv[0] = 'x'; import _fuzz_campaign as c; "
