@@ -89,12 +89,13 @@ def save_options(rng: random.Random, base: str | None) -> dict[str, Any]:
     return opts
 
 
-def scribble(state: Any) -> Callable[[], None]:
+def scribble(state: Any, torch_only: bool = False) -> Callable[[], None]:
     """Overwrite every writable array and tensor of ``state`` in place (as a training step
     would after a save's snapshot); returns the function that puts the values back."""
     saved: list[tuple[Any, Any]] = []
     for _, v in walk(state):
-        if isinstance(v, np.ndarray) and v.flags.writeable and v.size and 0 not in v.strides:
+        if isinstance(v, np.ndarray) and v.flags.writeable and v.size and 0 not in v.strides \
+                and not torch_only:
             saved.append((v, v.copy()))
         elif isinstance(v, torch.Tensor) and v.numel() and 0 not in v.stride():
             saved.append((v, v.detach().clone()))
@@ -124,6 +125,9 @@ def do_save(rng: random.Random, path: str, state: Any, base: str | None) -> str:
         ss().save(path, state, **opts)
         return desc
     handle = ss().save_async(path, state, lazy=mode == "lazy", **opts)
+    if mode == "lazy" and rng.random() < 0.3 and not any(
+            isinstance(v, np.ndarray) for _, v in walk(state)):
+        return desc + torn_save(handle, path, state, opts)
     restore = None
     if rng.random() < 0.5:  # a training step changes the state once the snapshot is taken
         handle.wait_snapshot()
@@ -135,6 +139,28 @@ def do_save(rng: random.Random, path: str, state: Any, base: str | None) -> str:
         if restore is not None:
             restore()
     return desc
+
+
+def torn_save(handle: Any, path: str, state: Any, opts: dict[str, Any]) -> str:
+    """Change the torch tensors in place *before* the lazy snapshot is taken (what
+    docs/async.md says not to do): torch's version counters must catch it. The save
+    either commits the values from before the change (each tensor copied before its
+    change) or fails with a CheckpointError and commits nothing; then the state is
+    saved again, synchronously, for the rest of the case."""
+    restore = scribble(state, torch_only=True)
+    try:
+        handle.result()
+        return " (tensors changed before wait_snapshot: saved)"
+    except ss().CheckpointError as e:
+        outcome = f" (tensors changed before wait_snapshot: refused: {str(e)[:120]})"
+    finally:
+        restore()
+    try:
+        ss().load(path)
+    except ss().CheckpointNotFoundError:
+        ss().save(path, state, **opts)
+        return outcome
+    raise Fail(f"a save refused as torn left a checkpoint at {path}")
 
 
 def mutate(rng: random.Random, state: Any) -> Any:
