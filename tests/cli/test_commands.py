@@ -18,6 +18,7 @@ import pytest
 import statestream as ss
 from statestream.cli import main
 from statestream.cli._convert import parse_size
+from statestream.tree import format_keypath
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(ss.__file__).parents[1])}
 
@@ -170,6 +171,25 @@ def test_diff_added_removed_dtype_shape(tmp_path: Path,
     assert [e["key"] for e in out["removed"]] == ["gone"]
     assert {c["key"] for c in out["changed"]} == {"x", "s"}
     assert set(out) == {"a", "b", "equal", "added", "removed", "changed"}
+
+
+@pytest.mark.parametrize("keys", [("", "b"), ("<root>", "b"), ("/", "~1"), ("~1", "/"),
+                                  ("a/b", "a~1b")])
+def test_diff_top_level_keys_whose_key_path_reads_otherwise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: tuple[str, str]) -> None:
+    """A top-level key "" or "<root>" has a key path that parse_keypath reads as the root,
+    and of the top-level keys "/" and "~1" the key path of "/" ("~1") is spelled as the
+    other key, which items= then picks: diff read the wrong value (a whole tree, a
+    missing key) and crashed with a ValueError from NumPy or int() (found by
+    tests/fuzz/test_randomized_roundtrip.py, seed 800024)."""
+    k1, k2 = keys
+    ss.save(tmp_path / "a", {k1: np.arange(3.0), k2: np.ones(2), "n": {k1: np.zeros(2)}})
+    ss.save(tmp_path / "b", {k1: np.arange(3.0) + 1, k2: np.ones(2), "n": {k1: np.zeros(2)}})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and [(c["key"], c["max_abs_diff"]) for c in out["changed"]] == [
+        (format_keypath((k1,)), 1.0)]
 
 
 def test_diff_across_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

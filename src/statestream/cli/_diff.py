@@ -25,7 +25,7 @@ from statestream.cli._main import (
     safe,
 )
 from statestream.cli._progress import progress_bar
-from statestream.tree import format_keypath, parse_keypath
+from statestream.tree import KeyPath, format_keypath, parse_keypath
 
 __all__ = ["add_parser", "diff"]
 
@@ -46,8 +46,10 @@ def _numeric(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return x
 
 
-def _dig(tree: Any, key: str) -> Any:
-    for k in parse_keypath(key):
+def _dig(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The leaf at ``path`` (its keys as saved: ``""`` and ``"<root>"`` are keys, not the
+    root, as they are in a key path parsed back)."""
+    for k in path:
         if isinstance(tree, (list, tuple)):
             tree = tree[int(k)]
         else:  # items= returns a list's selected elements as a dict keyed by index
@@ -75,8 +77,10 @@ class _Side:
 
     def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool,
                  batch_bytes: int = BATCH_BYTES,
-                 memory: ss.MemoryOptions | None = None) -> None:
+                 memory: ss.MemoryOptions | None = None,
+                 keys: dict[str, KeyPath] | None = None) -> None:
         self.path, self.order, self.allow_pickle = path, order, allow_pickle
+        self.keys = keys or {}  # key path -> its keys (else parsed from the key path)
         self.batch_bytes, self.memory = batch_bytes, memory
         self.pos = 0
         self.batch: dict[str, np.ndarray[Any, Any]] = {}
@@ -93,9 +97,18 @@ class _Side:
                 keys.append(k)
                 size += n
                 self.pos += 1
-            tree = ss.load(self.path, items=keys, allow_pickle=self.allow_pickle,
-                           memory=self.memory)
-            self.batch = {k: _as_numpy(_dig(tree, k)) for k in keys}
+            paths = {k: self.keys.get(k) or parse_keypath(k) for k in keys}
+            # a top-level key such as "/" has the key path "~1", which items= reads as
+            # the top-level key "~1" where there is one: such a key is read by a target
+            alone = [p for k, p in paths.items() if len(p) == 1 and p[0] != k]
+            tree: dict[Any, Any] = {}
+            if len(alone) < len(keys):
+                tree.update(ss.load(self.path, items=[k for k in keys if paths[k] not in alone],
+                                    allow_pickle=self.allow_pickle, memory=self.memory))
+            if alone:
+                tree.update(ss.load(self.path, target={p[0]: None for p in alone},
+                                    allow_pickle=self.allow_pickle, memory=self.memory))
+            self.batch = {k: _as_numpy(_dig(tree, paths[k])) for k in keys}
         return self.batch.pop(key)
 
 
@@ -214,10 +227,11 @@ def _compare(sa: _Side, sb: _Side, key: str, la: Any, lb: Any, opts: argparse.Na
     return None if ok and same_dtype else change
 
 
-def _leaves(md: ss.CheckpointMetadata) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Key path -> leaf, and key path -> the types of its keys (``{5: x}`` and
-    ``{"5": x}`` share the key path ``5``: a change of key type is a change), refusing
-    a checkpoint with two leaves at one key path.
+def _leaves(md: ss.CheckpointMetadata
+            ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, KeyPath]]:
+    """Key path -> leaf, key path -> the types of its keys (``{5: x}`` and
+    ``{"5": x}`` share the key path ``5``: a change of key type is a change), and key
+    path -> its keys, refusing a checkpoint with two leaves at one key path.
 
     An int key and a str key of the same digits (``{5: x, "5": y}``) share the key path
     ``5``. A dict of the leaves kept one of them, so a change in the other went unseen
@@ -227,6 +241,7 @@ def _leaves(md: ss.CheckpointMetadata) -> tuple[dict[str, Any], dict[str, list[s
     """
     out: dict[str, Any] = {}
     types: dict[str, list[str]] = {}
+    paths: dict[str, KeyPath] = {}
     for p, leaf in leaf_paths(md.tree):
         k = format_keypath(p)
         if k in out:
@@ -236,22 +251,23 @@ def _leaves(md: ss.CheckpointMetadata) -> tuple[dict[str, Any], dict[str, list[s
                 "tell them apart")
         out[k] = leaf
         types[k] = [type(key).__name__ for key in p]
-    return out, types
+        paths[k] = p
+    return out, types, paths
 
 
 def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
     ma = ss.metadata(a, allow_pickle=opts.allow_pickle)
     mb = ss.metadata(b, allow_pickle=opts.allow_pickle)
-    (la, ta), (lb, tb) = _leaves(ma), _leaves(mb)
+    (la, ta, pa), (lb, tb, pb) = _leaves(ma), _leaves(mb)
     common = [k for k in la if k in lb]
     retyped = [k for k in common if ta[k] != tb[k]]
     read = [k for k in common if _arrays_to_read(la[k], lb[k])]
     # Each side's batch holds its arrays; with a budget, half of it per side.
     mem = memory_options(opts)
     batch = BATCH_BYTES if mem is None else max(1, mem.resolved() // 2)
-    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle, batch, mem)
-    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle, batch, mem)
+    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pa)
+    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pb)
     total = sum(la[k].nbytes + lb[k].nbytes for k in read)
     changed: list[dict[str, Any]] = []
     done = [0]
