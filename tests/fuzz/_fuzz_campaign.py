@@ -212,6 +212,54 @@ def check_plain_loads(states: list[tuple[str, Any]], expected: list[Any]) -> Non
         check_metadata(path, exp)
 
 
+def _cli(*argv: str) -> tuple[int, Any]:
+    """Run ``statestream ARGV --json`` in this process: (exit status, its parsed output)."""
+    import contextlib
+    import io
+    import json
+
+    from statestream.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([*argv, "--json"])
+    text = out.getvalue()
+
+    def strict(c: str) -> None:
+        raise Fail(f"statestream {' '.join(argv)} --json wrote {c}, which is not JSON")
+    try:
+        return rc, json.loads(text, parse_constant=strict) if text.strip() else None
+    except ValueError as e:
+        raise Fail(f"statestream {' '.join(argv)} --json: {e}: {text[:300]!r} "
+                   f"{err.getvalue()[-300:]!r}") from e
+
+
+def has_int_str_twins(x: Any) -> bool:
+    """Does some dict hold an int key and a str key of the same digits?"""
+    if isinstance(x, dict):
+        if len({str(k) for k in x}) < len(x):
+            return True
+        return any(has_int_str_twins(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(has_int_str_twins(v) for v in x)
+    if is_record(x):
+        return any(has_int_str_twins(v) for _, v in record_fields(x))
+    return False
+
+
+def check_cli(path: str, st: Any) -> None:
+    """inspect, verify and diff (against itself) succeed and write strict JSON."""
+    rc, _ = _cli("inspect", "--all", path)
+    check(rc == 0, f"statestream inspect --all {path}: exit {rc}")
+    rc, rep = _cli("verify", path)
+    check(rc == 0 and rep["ok"], f"statestream verify {path}: exit {rc}: {rep}")
+    rc, rep = _cli("diff", path, path)
+    if rc == 2:
+        check(has_int_str_twins(st), f"statestream diff {path} {path}: exit 2")
+    else:
+        check(rc == 0 and rep["equal"], f"statestream diff {path} {path}: exit {rc}: {rep}")
+
+
 def check_targets(rng: random.Random, path: str, st: Any, log: list[str]) -> None:
     for mode in rng.sample(["same", "none", "cross"], 2):
         tgt = target_of(rng, st, mode)
@@ -331,6 +379,9 @@ def case_roundtrip(seed: int, root: str, log: list[str], s3: bool = False) -> No
             states.append((base + f"/s{i}", st2))
     check_plain_loads(states, expected)
     path, st = states[-1]
+    if rng.random() < 0.3:
+        log.append("cli")
+        check_cli(path, st)
     check_targets(rng, path, st, log)
     check_items(rng, path, st, log)
 

@@ -14,7 +14,9 @@ compression, incremental bases, hashes; sync, async and lazy saves, the state
 changed in place right after ``wait_snapshot()``), then loaded without a target,
 into whole or partial targets of the same and of other frameworks (``in_place``:
 the target's own arrays come back; without it no target is written), with
-``items=``, verified, and read by ``metadata``.
+``items=``, verified, read by ``metadata`` and by ``statestream inspect``, ``verify``
+and ``diff`` (strict JSON). Lazy saves of torch tensors changed before
+``wait_snapshot()`` must commit the old values or nothing.
 tests/fuzz/_fuzz_campaign.py lists the modes: ``roundtrip``, ``s3`` (on a moto
 server on loopback), ``convert``, ``manager`` and ``refuse``.
 
