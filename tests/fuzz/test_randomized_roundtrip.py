@@ -105,7 +105,8 @@ def _run_campaign(mode: str, tmp_path: Path, extra_env: dict[str, str]) -> None:
                         str(n)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=_limit_s())
     out = r.stdout + r.stderr[-5000:]
-    assert f"done {n} {mode} cases" in r.stdout and r.returncode == 0, (
+    finished = f"done {n} {mode} cases" in r.stdout and r.returncode == 0
+    assert finished, (
         f"the {mode} campaign (seeds {start}..{start + n - 1}) failed:\n{out[-30000:]}")
 
 
