@@ -110,3 +110,16 @@ def test_manager_load_forwards_trusted_paths(tmp_path):
         assert "extra/evil" in str(ei.value) and not evil.exists() and not tok.exists()
         out = mgr.load(1, allow_pickle=["extra/tok", "extra/evil"])
         assert out["extra"]["evil"] == str(evil) and evil.exists()
+
+
+@pytest.mark.parametrize("root", ["", "<root>", [""], ["a", "<root>"]])
+def test_a_key_path_naming_the_root_is_refused_not_trusting_every_leaf(tmp_path, root):
+    """``""`` and ``"<root>"`` parse to the root, which covers every leaf: a caller who
+    meant a top-level key of that name trusted every pickle of the checkpoint (found by
+    the randomized campaign). Trusting all is said with True."""
+    marker = tmp_path / "ran"
+    ss.save(tmp_path / "c", {"": {1, 2}, "other": Touch(marker)},
+            pickle_paths=["", "other"])
+    with pytest.raises(ss.InvalidOptionError, match="names the root"):
+        ss.load(tmp_path / "c", allow_pickle=root)
+    assert not marker.exists()

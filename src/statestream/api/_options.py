@@ -14,6 +14,7 @@ import numpy as np
 from statestream.engine import IOOptions, MemoryOptions
 from statestream.errors import InvalidOptionError, InvalidOptionTypeError
 from statestream.format import MAX_ARRAYS
+from statestream.tree import parse_keypath
 
 __all__ = ["allow_pickle_option", "bool_option", "collective_option", "io_options",
            "key_paths", "max_arrays_option", "memory_options", "meta_option", "path_arg",
@@ -126,6 +127,12 @@ def allow_pickle_option(value: Any) -> bool | list[str]:
         raise InvalidOptionTypeError(
             "allow_pickle takes True, False or key paths (str, e.g. ['extra/tok']), not "
             f"{_shown(value)}")
+    for p in paths:  # trusting every leaf is said with True, never by a key path
+        if not parse_keypath(p):
+            raise InvalidOptionError(
+                f"allow_pickle key path {p!r} names the root: it would trust every pickle "
+                "leaf of the checkpoint, not a top-level key of that name. Pass "
+                "allow_pickle=True if you trust them all")
     return paths
 
 
