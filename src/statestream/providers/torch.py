@@ -32,6 +32,7 @@ from statestream.providers._base import (
 from statestream.providers._dtensor import DTensorLayout, dtensor_layout, strided_split
 from statestream.providers._dtensor import is_dtensor as _is_dtensor
 from statestream.providers._torch_bytes import byte_view, contiguous_bytes, host_bytes
+from statestream.providers._torch_device import device_staging
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["TorchProvider"]
@@ -160,7 +161,7 @@ class TorchProvider(ArrayProvider):
         if not copies and t.numel():
             chunk = row_block_chunker(byte_view(t), shape, t.element_size(), general)
         return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies,
-                             **_device_staging(t, _same_start))
+                             **device_staging(t, _same_start))
 
     def _prepare_dtensor(self, obj: Any, path: KeyPath) -> PreparedArray:
         to_name, _ = _tables()
@@ -189,7 +190,7 @@ class TorchProvider(ArrayProvider):
             kind=self.kind, dtype=name, shape=shape, chunk=chunk,
             copies=not local.is_contiguous() or local.device.type != "cpu",
             boxes=layout.held(), distributed=True, attrs={"dtensor": True},
-            **_device_staging(local, layout.local_start),
+            **device_staging(local, layout.local_start),
         )
 
     def is_target(self, like: Any) -> bool:
@@ -494,54 +495,6 @@ _PLAIN_TENSORS = _PlainTensors()
 def _local(obj: Any) -> Any:
     """A DTensor's local shard; any other tensor as it is."""
     return obj.to_local() if _is_dtensor(obj) else obj
-
-
-_SIDE_STREAMS: dict[Any, Any] = {}
-
-
-def _side_stream(device: Any) -> Any:
-    """One copy stream per CUDA device, shared by every save in the process."""
-    import torch
-
-    s = _SIDE_STREAMS.get(device)
-    if s is None:
-        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-    return s
-
-
-def _device_staging(t: Any, local_start: Callable[[tuple[int, ...], tuple[int, ...]],
-                                                  tuple[int, ...]]) -> dict[str, Any]:
-    """PreparedArray fields for a CUDA tensor: its device and an async stager.
-
-    ``stage`` copies a box device-to-host on a side stream into the engine's
-    (page-locked, reused) staging buffer and returns the wait for its event.
-    The side stream first waits for the stream that was current when the
-    save began (captured here, on the caller's thread), so the copy sees every
-    kernel the caller had queued; the source's memory is marked as used by
-    the side stream so the caching allocator cannot hand it out before the
-    copy has run. Non-CUDA tensors get no stager.
-    """
-    if t.device.type != "cuda":
-        return {}
-    import torch
-
-    producer = torch.cuda.current_stream(t.device)
-
-    def stage(start: tuple[int, ...], cshape: tuple[int, ...],
-              out: np.ndarray) -> Callable[[], None]:
-        rel = local_start(start, cshape)
-        part = t[box_slices(rel, cshape)] if t.dim() else t
-        side = _side_stream(t.device)
-        side.wait_stream(producer)
-        with torch.cuda.stream(side):
-            src = part.contiguous().reshape(-1).view(torch.uint8)
-            torch.from_numpy(out).copy_(src, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(side)
-        t.record_stream(side)
-        return done.synchronize  # type: ignore[no-any-return]
-
-    return {"device": str(t.device), "stage": stage}
 
 
 def _same(value: Any) -> Any:
