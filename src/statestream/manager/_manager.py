@@ -44,6 +44,7 @@ from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collecti
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
+from statestream.manager._tierspace import raise_if_full, write_making_room
 from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
@@ -380,22 +381,17 @@ class CheckpointManager:
                               self._dir.path)
                      if self._incremental else None)
         base = None if base_step is None else target.path(base_step)
+
+        write_making_room(self._tier, self._coll, step, base_step,  # a full local tier
+                          lambda: self._write(path, state, overwrite, meta, base))
         if self._async:
-            self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
-                                        io=self._io, memory=self._memory,
-                                        collective=self._coll, meta=meta,
-                                        compression=self._compression, base=base,
-                                        hashes=self._incremental,
-                                        node_local=self._tier is not None)
+            assert self._inflight is not None
             if self._lazy:  # a step or a forward pass must not race the lazy snapshot
                 guard_state_in(state, self._inflight)
             self._inflight_step = step
             if self._tier is not None:
                 self._tier.persist(step, self._inflight, base=base_step)
         else:
-            save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
-                 collective=self._coll, meta=meta, compression=self._compression, base=base,
-                 hashes=self._incremental, node_local=self._tier is not None)
             self._resumed.saved(step)
             if self._tier is not None:
                 self._tier.persist(step, base=base_step)
@@ -405,6 +401,21 @@ class CheckpointManager:
         self._last_saved_step = step
         self._last_saved_time = time.time()
         return True
+
+    def _write(self, path: str, state: Any, overwrite: bool, meta: dict[str, Any],
+               base: str | None) -> None:
+        """Save (or start saving, ``async_save``) ``state`` to ``path``."""
+        tiered = self._tier is not None
+        if self._async:
+            self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
+                                        io=self._io, memory=self._memory,
+                                        collective=self._coll, meta=meta,
+                                        compression=self._compression, base=base,
+                                        hashes=self._incremental, node_local=tiered)
+        else:
+            save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
+                 collective=self._coll, meta=meta, compression=self._compression,
+                 base=base, hashes=self._incremental, node_local=tiered)
 
     def _prepare_save(self, step: int, metrics: Mapping[str, float] | None,
                       force: bool) -> bool:
@@ -461,12 +472,14 @@ class CheckpointManager:
             return
         try:
             h.result()
-        except BaseException:
+        except BaseException as exc:
             if not h.done():
                 raise  # the wait was interrupted, not the save
-            self._inflight, self._inflight_step = None, None
+            failed, self._inflight, self._inflight_step = self._inflight_step, None, None
             # that step never committed: it may be saved again
             self._last_saved_step = self.latest_step()
+            if failed is not None and self._tier is not None:
+                raise_if_full(self._tier, failed, exc)
             raise
         if self._inflight_step is not None:
             self._resumed.saved(self._inflight_step)

@@ -64,6 +64,7 @@ from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory
 from statestream.manager._tierrefs import missing_bases
+from statestream.manager._tierspace import make_room
 from statestream.manager._uploads import upload_filter
 from statestream.storage import LocalStorage, storage_for
 
@@ -554,7 +555,9 @@ class LocalTier:
         return dropped
 
     def apply_keep(self) -> list[int]:
-        """Apply the local keep policy to persisted steps (the leader only)."""
+        """Apply the local keep policy to persisted steps (the leader only), then,
+        if the tier has less room than the next save needs, drop the oldest persisted
+        steps still there (``_tierspace.make_room``)."""
         if not self._leader or self.lease is None:
             return []
         self.lease.check()
@@ -565,7 +568,10 @@ class LocalTier:
         dropped = self.retention.apply(protected)
         for s in dropped:
             self.records.forget(s)
-        return dropped
+        with self._lock:  # a full tier: persisted copies make room for the next save
+            if self._active is not None:
+                protected.add(self._active)
+            return dropped + make_room(self, protected | self.pending_steps())
 
     def close(self) -> None:
         """End the persistence thread and release the local lease. The thread is
