@@ -21,6 +21,7 @@ from statestream.errors import (
     InvalidOptionError,
     ManagerLockedError,
 )
+from statestream.manager._chain import CHAIN_KEY, chain_base, incremental_option
 from statestream.manager._decide import SaveDecisions, check_can_arm
 from statestream.manager._lease import (
     DirectoryHold,
@@ -43,7 +44,7 @@ from statestream.manager._retention import Retention, step_info, step_meta
 from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
-from statestream.manager._tierops import base_for, open_tier, tier_load, tier_steps
+from statestream.manager._tierops import open_tier, tier_load, tier_steps
 from statestream.manager._tierspace import raise_if_full, write_making_room
 from statestream.storage import storage_for
 
@@ -67,13 +68,14 @@ class CheckpointManager:
         collective: processes that save together (default: detected).
         io, memory: engine options for every save and load.
         compression: how every save compresses arrays (see ``save``).
-        incremental: each save uses the previous step as its ``base`` (see
+        incremental: True: each save uses the previous step as its ``base`` (see
             ``ss.save``): chunks that did not change are not written again, the
             new step refers to the step that holds them. Every step records
             chunk hashes. A step the keep policy drops is kept (not listed by
             :meth:`steps`) while a kept step refers to it, and deleted once
             none does. With ``local_tier``, steps refer to local steps and
-            persist after what they refer to.
+            persist after what they refer to. An int N >= 1: the same, but after
+            N incremental saves a full one (docs/manager.md, "Incremental steps").
         lease_ttl_s: how long the directory's lease lasts without renewal where
             the store needs one (object stores; renewed every third of it in the
             background). A crashed manager's directory can be taken over this
@@ -123,13 +125,13 @@ class CheckpointManager:
         memory: MemoryOptions | None = None,
         lease_ttl_s: float = 60.0,
         compression: CompressionOption = None,
-        incremental: bool = False,
+        incremental: bool | int = False,
         local_tier: str | os.PathLike[str] | None = None,
         local_keep_policy: KeepPolicy | None = None,
         replicate_to_peers: bool = False,
     ) -> None:
         self._calls = threading.RLock()  # save, wait, close, load: one at a time
-        self._incremental = bool(incremental)
+        self._incremental, self._chain = incremental_option(incremental)
         check_policy(save_policy, "save_policy", "should_save", "ss.EveryNSteps(100)")
         check_policy(keep_policy, "keep_policy", "keep", "ss.KeepLatest(3)")
         check_policy(local_keep_policy, "local_keep_policy", "keep", "ss.KeepLatest(2)")
@@ -377,9 +379,10 @@ class CheckpointManager:
         target = self._dir if self._tier is None else self._tier.dir
         path = target.path(step)
         meta = step_meta(step, metrics, metadata)
-        base_step = (base_for(step, self._coll, self._tier, self._retention.listed,
-                              self._dir.path)
-                     if self._incremental else None)
+        base_step, depth = (chain_base(step, self._chain, self._coll, self._tier,
+                                       self._retention.listed, self._dir.path)
+                            if self._incremental else (None, None))
+        meta.update({} if depth is None else {CHAIN_KEY: depth})
         base = None if base_step is None else target.path(base_step)
 
         write_making_room(self._tier, self._coll, step, base_step,  # a full local tier
