@@ -1,7 +1,8 @@
 """Incremental saves across processes (2 real processes, torch.distributed gloo):
 each rank hashes the chunks it writes and refers to the base's equal chunks; the
 checkpoint loads resharded on the same processes and whole in this one; an
-incremental manager run keeps what its kept steps refer to."""
+incremental manager run keeps what its kept steps refer to, and one with
+incremental=2 makes the same full saves on both ranks."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def worker(ctx: Context) -> dict[str, Any]:  # runs in the child processes
                 mgr.save(step, state(step))
             steps = mgr.steps()
             got = mgr.load()
+        # incremental=2: both ranks take rank 0's reading of the base's depth
+        with ss.CheckpointManager(os.path.join(d, "chain"), incremental=2, async_save=False,
+                                  io=io) as mgr:
+            for step in range(1, 8):
+                mgr.save(step, state(step))
         return {"reshard_ok": ok, "steps": steps, "step": got["step"], "refused": refused}
     finally:
         dist.destroy_process_group()
@@ -117,3 +123,10 @@ def test_two_process_incremental_saves(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("step_*")) == ["step_0000000001", "step_0000000003"]
     np.testing.assert_array_equal(ss.load(run / "step_0000000003")["frozen"], _frozen().numpy())
+    # incremental=2 on two ranks: every third save is full, each step whole
+    chain = [tmp_path / "chain" / f"step_{s:010d}" for s in range(1, 8)]
+    assert [s for s, ck in enumerate(chain, 1) if not ss.metadata(ck).bases] == [1, 4, 7]
+    for s, ck in enumerate(chain, 1):
+        out = ss.load(ck)
+        np.testing.assert_array_equal(out["frozen"], _frozen().numpy())
+        np.testing.assert_array_equal(out["trained"], _trained(s).numpy())
