@@ -51,3 +51,18 @@ def test_implements_every_collective_member() -> None:
         if callable(proto):
             assert list(inspect.signature(impl).parameters) == list(
                 inspect.signature(proto).parameters)
+
+
+def test_a_rank_that_leaves_records_nothing_without_a_store() -> None:
+    from statestream.distributed import forget_left, note_left
+
+    note_left(SingleProcess(), ValueError("x"), "its block")  # no store: nothing, no error
+    forget_left(SingleProcess())
+
+
+def test_the_record_of_a_rank_that_left_is_bounded() -> None:
+    from statestream.distributed._left import MAX_CHARS, left_text
+
+    text = left_text(ValueError("y" * 10_000 + "\nsecond line"), "its block")
+    assert len(text) == MAX_CHARS and text.startswith("its block raised ValueError: yyy")
+    assert left_text(KeyboardInterrupt(), "its block") == "its block raised KeyboardInterrupt"

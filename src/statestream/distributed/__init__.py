@@ -14,6 +14,7 @@ from statestream.distributed._agree import (
 )
 from statestream.distributed._base import ByteChannel, Collective, SingleProcess
 from statestream.distributed._jax import JaxCollective
+from statestream.distributed._left import forget_left, note_left
 from statestream.distributed._torch import TorchCollective
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "agree",
     "byte_channel",
     "default_collective",
+    "forget_left",
     "gather_each",
+    "note_left",
     "share_from_0",
 ]

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from statestream.distributed._base import seconds_option
+from statestream.distributed._left import left_key, left_notes, with_notes
 from statestream.distributed._liveness import Heartbeat, Watch, describe_ranks
 from statestream.errors import CollectiveTimeoutError, DistributedError
 
@@ -124,8 +125,30 @@ class JaxCollective:
     def _key(self, name: str) -> str:
         return f"statestream/{self._channel}/{next(self._seq)}/{name}"
 
+    def note_left(self, text: str) -> None:
+        """Record why this process leaves (see :mod:`._left`); diagnostics only."""
+        self._client.key_value_set(left_key(self._rank), text, allow_overwrite=True)
+
+    def forget_left(self) -> None:
+        """Clear this process's record of why it left (a new manager opens)."""
+        if not self._missing(left_key(self._rank)):
+            self._client.key_value_delete(left_key(self._rank))
+
+    def _left_notes(self) -> str:
+        def read(process: int) -> str | None:
+            key = left_key(process)
+            return None if self._missing(key) else str(self._client.key_value_try_get(key))
+
+        peers = [(r, r) for r in range(self._world) if r != self._rank]
+        return left_notes(read, peers, "process")
+
     def _fail(self, what: str, exc: BaseException,
               missing: list[int] | None = None, dead: list[int] | None = None) -> BaseException:
+        err = self._explain(what, exc, missing, dead)
+        return with_notes(err, self._left_notes())
+
+    def _explain(self, what: str, exc: BaseException,
+                 missing: list[int] | None, dead: list[int] | None) -> BaseException:
         if _is_deadline(exc):
             who = ""
             gone = [r for r in missing or [] if r in (dead or [])]
@@ -186,12 +209,12 @@ class JaxCollective:
             dead = [r for r in watch[0].stalled(self._dead_after_s)
                     if r in pending and self._missing(pending[r])]
             if dead:
-                raise DistributedError(
+                raise with_notes(DistributedError(
                     f"{describe_ranks(dead, 'process')} "
                     f"died or disconnected during {what} (seen from process {self._rank}; "
                     f"{'their' if len(dead) > 1 else 'its'} heartbeat stopped "
                     f"{self._dead_after_s:g}s ago)"
-                )
+                ), self._left_notes())
 
     def barrier(self, name: str) -> None:
         key = self._key(f"barrier/{name}")

@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 from statestream.distributed._base import seconds_option
+from statestream.distributed._left import left_key, left_notes, with_notes
 from statestream.distributed._liveness import (
     INTERVAL_S,
     Heartbeat,
@@ -339,7 +340,30 @@ class TorchCollective:
         """The group rank of global rank 0 (which hosts the store unless a launcher does)."""
         return self._global_ranks.index(0) if 0 in self._global_ranks else None
 
+    def note_left(self, text: str) -> None:
+        """Record why this rank leaves (see :mod:`._left`); diagnostics only."""
+        if self._store is not None:
+            self._store.set(left_key(self._global_ranks[self._rank]), text)
+
+    def forget_left(self) -> None:
+        """Clear this rank's record of why it left (a new manager opens)."""
+        key = left_key(self._global_ranks[self._rank])
+        if self._store is not None and self._store.check([key]):
+            self._store.delete_key(key)
+
+    def _read_left(self, global_rank: int) -> str | None:
+        key = left_key(global_rank)
+        store = self._store
+        if store is None or not store.check([key]):
+            return None
+        return str(store.get(key).decode(errors="replace"))
+
     def _wrap(self, what: str, exc: BaseException, seq: int = 0) -> BaseException:
+        err = self._explain(what, exc, seq)
+        peers = [(r, g) for r, g in enumerate(self._global_ranks) if r != self._rank]
+        return with_notes(err, left_notes(self._read_left, peers))
+
+    def _explain(self, what: str, exc: BaseException, seq: int) -> BaseException:
         text = str(exc)
         where = f"{what} (call #{seq})" if seq else what
         if "timed out" in text.lower() or "timeout" in text.lower():

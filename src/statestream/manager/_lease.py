@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-from statestream.distributed import Collective, agree
+from statestream.distributed import Collective, agree, forget_left, note_left
 from statestream.distributed._base import seconds_option
 from statestream.errors import CheckpointError, ManagerLockedError, StorageError, storage_error
 from statestream.manager._steps import StepDirectory
@@ -193,6 +193,7 @@ def open_lease(coll: Collective, directory: StepDirectory, ttl_s: float, *,
         CheckpointError: opening failed (on every rank).
     """
     ttl_s = seconds_option(ttl_s, "lease_ttl_s")  # (-1 or NaN: a lease that never holds)
+    forget_left(coll)  # this rank's record of leaving an earlier manager is stale now
     lease: DirectoryLease | None = None
     err: BaseException | None = None
     read_only: str | None = None
@@ -311,18 +312,25 @@ def warn_deferred(directory: str, local_tier: str, why: str) -> None:
         "then, saves raise ManagerLockedError)", RuntimeWarning, stacklevel=3)
 
 
-def close_after(close: Callable[[], None], error: BaseException | None) -> None:
+def close_after(close: Callable[[], None], error: BaseException | None,
+                coll: Collective | None = None, directory: str = "") -> None:
     """``close()`` at the end of a manager's ``with`` block; after ``error`` (raised in
     the block) a failure of the close does not replace it: ``error`` is raised as it
     was, with the close's failure in its notes (Python 3.10: warned about).
 
     A block that raised on one rank alone leaves that rank's close waiting, until
     the collective's timeout, in collectives the other ranks never enter: the
-    timeout is a consequence, the block's error the cause.
+    timeout is a consequence, the block's error the cause. So first the rank
+    records in ``coll``'s store that it left and why (``note_left``): the other
+    ranks' collectives that fail name it. Nothing aborts early on it: the rank's
+    close still runs its collectives (every rank may have left alike, e.g. Ctrl-C,
+    and an async save in flight still commits).
     """
     if error is None:
         close()
         return
+    if coll is not None:
+        note_left(coll, error, f"its with CheckpointManager({directory!r}) block")
     try:
         close()
     except Exception as exc:  # noqa: BLE001 - reported with the error that caused it

@@ -193,7 +193,7 @@ class CheckpointManager:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
-        close_after(self.close, ev)  # an error in the block stays the one raised
+        close_after(self.close, ev, self._coll, self.directory)  # ev stays the one raised
 
     @one_at_a_time
     def close(self) -> None:
