@@ -41,7 +41,7 @@ from statestream.errors import (
     StorageError,
     storage_error,
 )
-from statestream.format import COMMIT_NAME, MANIFEST_NAME, MAX_COMMIT_BYTES, validate_file_name
+from statestream.format import COMMIT_NAME, MAX_COMMIT_BYTES
 from statestream.storage._base import Leftover, StorageCapabilities
 from statestream.storage._object_config import (
     DAMAGED_MARKER,
@@ -62,6 +62,7 @@ from statestream.storage._object_errors import (
     scrub,
 )
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
+from statestream.storage._object_list import child_names, odd_key, saved_kind, saved_roots
 from statestream.storage._object_read import ObjectReader
 from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
@@ -69,23 +70,6 @@ __all__ = ["ObjectStorage", "TransferOptions", "check_transfer_options", "client
            "redact", "split_object_url"]
 
 
-
-def _saved_kind(rel: str) -> str | None:
-    """What the object at ``rel`` (below a checkpoint's prefix) is: ``""`` for its
-    commit marker (or a deletion's mark), the root for a root's manifest or data file,
-    None for anything a save (or a deletion) does not write there."""
-    if rel in (COMMIT_NAME, DELETING_NAME):
-        return ""
-    root, _, rest = rel.partition("/")
-    if not ROOT_RE.match(root):
-        return None
-    if rest == MANIFEST_NAME:
-        return root
-    try:
-        validate_file_name(rest)
-    except CheckpointError:
-        return None
-    return root
 
 class ObjectStorage:
     """The Storage protocol on an object store reached through obstore.
@@ -201,6 +185,15 @@ class ObjectStorage:
     def _list_error(self, exc: BaseException, url: str, why: str) -> BaseException:
         """The error of a listing of the objects under ``url``: a refusal says that it was
         the listing, of which prefix, for what (``why``) and which permission it needs."""
+        key = odd_key(exc)
+        if key is not None:
+            store = re.match(r"[a-z0-9]+://[^/]+", url)
+            return StorageError(
+                f"listing {url.rstrip('/')}/ ({why}) failed: it holds the object "
+                f"{store.group(0) if store else ''}/{key}, whose key has an empty, '.' or '..' "
+                "segment: it names no path inside it (not written by statestream; not "
+                "followed) and the client cannot list past it. Delete it with the store's "
+                "own tools")
         err = self._map_error(exc, f"listing {url.rstrip('/')}/ ({why})")
         if isinstance(err, PermissionError) and not credentials_refused(exc):
             return storage_error(
@@ -447,24 +440,8 @@ class ObjectStorage:
         checkpoint, another tool's files under a hex-named folder) has no
         leftovers, whatever its age.
         """
-        import obstore
-
         bucket, prefix = self.split_url(parent)
-        roots: dict[tuple[str, str], float] = {}
-        foreign: set[str] = set()
-        try:
-            for batch in obstore.list(self._store(bucket), prefix=prefix + "/"):
-                for m in batch:
-                    name, _, rest = m["path"][len(prefix) + 1 :].partition("/")
-                    kind = _saved_kind(rest)
-                    if kind is None:
-                        if rest:  # an object directly under parent is no checkpoint's
-                            foreign.add(name)
-                    elif kind:
-                        when = m["last_modified"].timestamp()
-                        roots[name, kind] = max(roots.get((name, kind), 0), when)
-        except Exception as exc:
-            raise self._list_error(exc, parent, "finding what unfinished saves left") from exc
+        roots, foreign = saved_roots(self, bucket, prefix, parent)
         names = {name for name, _ in roots if name not in foreign}
         live = {name: self._live_root(bucket, f"{prefix}/{name}") for name in names}
         # a damaged marker cannot say which root is live: none of them is garbage
@@ -482,7 +459,7 @@ class ObjectStorage:
         try:  # what it holds now, not what the listing saw: only what a save writes
             for batch in obstore.list(self._store(bucket), prefix=checkpoint + "/"):
                 for m in batch:
-                    if _saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
+                    if saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
                         raise StorageError(
                             f"{self._url(bucket, checkpoint)} holds {self._url(bucket, m['path'])}"
                             f", which no save writes; not removing {leftover.path}")
@@ -522,16 +499,10 @@ class ObjectStorage:
         return self._live_root(bucket, prefix) is not None
 
     def list(self, path: str) -> builtins.list[str]:
-        import obstore
-
+        """Names directly under ``path``; objects whose keys name no path inside it
+        (``run/../x``, ``run//y``) are skipped with a warning (see ``_object_list``)."""
         bucket, prefix = self.split_url(path)
-        try:
-            res = obstore.list_with_delimiter(self._store(bucket), prefix=prefix + "/")
-        except Exception as exc:
-            raise self._list_error(exc, path, "finding the checkpoints under it") from exc
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
-        names += [m["path"].rsplit("/", 1)[-1] for m in res["objects"]]
-        return sorted(names)
+        return child_names(self, bucket, prefix, path)
 
     def delete(self, path: str) -> None:
         """Mark the deletion, uncommit, delete everything under ``path``, then the mark.
