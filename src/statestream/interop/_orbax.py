@@ -47,6 +47,7 @@ from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
+from statestream.interop._orbax_direct import read_chunk_direct
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
 from statestream.interop._orbax_part import PartReads, read_part
 from statestream.storage import Buffer
@@ -434,6 +435,9 @@ class _OrbaxReader(FileSetReader):
                 offset += v.nbytes
             return
         if len(views) == 1 and offset == 0 and views[0].nbytes == size and size:
+            if read_chunk_direct(store, start, bshape, np.dtype(dt), views[0],
+                                 f"{self._item}: key path '{format_keypath(leaf.path)}'"):
+                return  # decompressed into the view: tensorstore's decode buffer held it twice
             ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
             dst = np.frombuffer(views[0], dtype=dt).reshape(bshape)
             box = tuple(slice(s, s + n) for s, n in zip(start, bshape))
