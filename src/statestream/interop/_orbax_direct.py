@@ -5,9 +5,10 @@ asked to fill, so a load of a 512 MiB array stored as one chunk (orbax's default
 it twice at its peak (+1,021 MiB for a 512 MiB result). For the layout orbax writes by
 default, zarr v2 with zstd or no compression, no filters, C order, a chunk is one zstd
 frame of the array's bytes: here tensorstore's own key-value store (OCDBT or files)
-reads the frame, and zstd decompresses it into the destination, so the peak is the
-destination plus the compressed frame. Any other layout (zarr v3, filters, another
-codec, a chunk that is missing and reads as fill values) goes through tensorstore.
+reads the frame in 4 MiB ranges, and zstd decompresses it into the destination as they
+come, so the peak is the destination plus a few MiB. Any other layout (zarr v3,
+filters, another codec, a chunk that is missing and reads as fill values) goes through
+tensorstore.
 
 The frame must decompress to exactly the block's bytes (a short or long one is damage);
 zstd checks the frame's own checksum when it has one.
@@ -16,13 +17,16 @@ zstd checks the frame's own checksum when it has one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 
 from statestream.errors import CheckpointCorruptError
 
 __all__ = ["read_chunk_direct"]
+
+#: The compressed bytes of a chunk are read in ranges of this size.
+_PIECE = 4 << 20
 
 
 def _chunk_key(meta: dict[str, Any], start: tuple[int, ...], bshape: tuple[int, ...],
@@ -54,12 +58,52 @@ def _chunk_key(meta: dict[str, Any], start: tuple[int, ...], bshape: tuple[int, 
     return str(meta.get("dimension_separator", ".")).join(idx) or "0"
 
 
+class _Frame:
+    """The value of ``key`` in ``kv`` (a tensorstore KvStore) as a file read in ranges of
+    at most ``_PIECE`` bytes: never the whole compressed chunk in memory at once (held
+    whole, it and the client's copy of it took twice its size beside the destination)."""
+
+    def __init__(self, kv: Any, key: str, where: str) -> None:
+        self._kv, self._key, self._where = kv, key, where
+        self._pos = 0
+        self._end = False
+        self._generation: bytes | None = None
+
+    def read(self, n: int = -1) -> bytes:
+        if self._end:
+            return b""
+        n = _PIECE if n is None or n < 0 else min(n, _PIECE)
+        try:
+            got = self._kv.read(self._key, byte_range=slice(self._pos, self._pos + n)).result()
+        except ValueError as exc:
+            if "OUT_OF_RANGE" not in str(exc):
+                raise
+            # the value ends before pos + n: the rest of it, from pos
+            got = self._kv.read(self._key, byte_range=slice(self._pos, None)).result()
+            self._end = True
+        if got.state != "value":
+            raise CheckpointCorruptError(f"{self._where}: its chunk {self._key!r} vanished "
+                                         "while being read")
+        gen = bytes(got.stamp.generation)
+        if self._generation is None:
+            self._generation = gen
+        elif gen != self._generation:
+            raise CheckpointCorruptError(f"{self._where}: its chunk {self._key!r} changed "
+                                         "while being read")
+        data = bytes(got.value)
+        self._pos += len(data)
+        if len(data) < n:
+            self._end = True
+        return data
+
+
 def read_chunk_direct(store: Any, start: tuple[int, ...], bshape: tuple[int, ...],
                       dt: np.dtype, view: memoryview, where: str) -> bool:
     """Read the block at ``start`` of ``store``'s array into ``view`` (its bytes, C
-    order) by decompressing its chunk straight into it; False (nothing read) when the
-    layout is not one this module decodes or the chunk is missing."""
-    import zstandard
+    order) by decompressing its chunk straight into it, the compressed bytes read in
+    ranges; False (nothing read) when the layout is not one this module decodes or the
+    chunk is missing."""
+    import zstandard  # it reads only read(n) of its source
 
     spec = store.spec().to_json()
     if spec.get("driver") != "zarr" or "transform" in spec and any(
@@ -69,27 +113,28 @@ def read_chunk_direct(store: Any, start: tuple[int, ...], bshape: tuple[int, ...
     key = _chunk_key(meta, start, bshape, dt)
     if key is None or view.nbytes != math.prod(bshape) * dt.itemsize:
         return False
-    got = store.kvstore.read(key).result()
-    if got.state != "value":
+    kv = store.kvstore
+    try:
+        first = kv.read(key, byte_range=slice(0, 0)).result()
+    except ValueError:
+        first = None  # an empty value: read below, as any other
+    if first is not None and first.state != "value":
         return False  # missing: tensorstore fills it (or reports it)
-    frame = got.value
-    del got
-    if meta.get("compressor") is None:
-        if len(frame) != view.nbytes:
-            raise CheckpointCorruptError(f"{where}: its chunk {key!r} holds {len(frame)} "
-                                         f"bytes, not {view.nbytes}")
-        view[:] = frame
-        return True
+    frame = _Frame(kv, key, where)
     n = 0
-    with zstandard.ZstdDecompressor().stream_reader(frame) as reader:
-        while n < view.nbytes:
-            k = reader.readinto(view[n:])
-            if not k:
-                break
-            n += k
-        extra = reader.read(1)
+    if meta.get("compressor") is None:
+        while n < view.nbytes and (piece := frame.read(view.nbytes - n)):
+            view[n:n + len(piece)] = piece
+            n += len(piece)
+        extra = frame.read(1)
+    else:
+        source = cast(IO[bytes], frame)
+        with zstandard.ZstdDecompressor().stream_reader(source, read_size=_PIECE) as reader:
+            while n < view.nbytes and (k := reader.readinto(view[n:])):
+                n += k
+            extra = reader.read(1)
     if n != view.nbytes or extra:
         raise CheckpointCorruptError(
-            f"{where}: its chunk {key!r} decompresses to {'more' if extra else n} bytes, "
-            f"not {view.nbytes}")
+            f"{where}: its chunk {key!r} holds {'more than ' if extra else ''}"
+            f"{n} bytes (decompressed), not {view.nbytes}")
     return True
