@@ -179,7 +179,13 @@ def saved_roots(owner: ObjectStorage, bucket: str, prefix: str, parent: str
         top = f"{prefix}/{name}"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            found = [m for m in _scan(owner, bucket, top, owner._url(bucket, top))]
+            try:
+                found = list(_scan(owner, bucket, top, owner._url(bucket, top)))
+            except CheckpointError as exc:  # a store that cannot list past it
+                if exc.__cause__ is None or odd_key(exc.__cause__) is None:
+                    raise
+                warnings.warn(str(exc), stacklevel=2)  # caught just below
+                found = []
         for w in caught:
             warnings.warn(f"{w.message} Nothing of {owner._url(bucket, top)} is taken for "
                           "an unfinished save's leftovers.", stacklevel=3)
