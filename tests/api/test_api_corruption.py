@@ -126,6 +126,22 @@ def test_deleted_data_file(ckpt):
     _assert_reported(ckpt, ss.TruncatedFileError, ["bad/w", name])
 
 
+@pytest.mark.parametrize("cut", ["chunk 2", "zero", "deleted"])
+def test_a_short_data_file_is_one_problem(ckpt, cut):
+    """One problem for one short or missing file, naming what it lacks; requests of
+    16 KiB make a read request per chunk. It was two or more: the size against the
+    manifest, then each failed read of the chunks past its end."""
+    name, off, nb = _chunk(ckpt, ["bad", "w"], 2)
+    if cut == "deleted":
+        os.unlink(ckpt / name)
+    else:
+        os.truncate(ckpt / name, off + nb // 2 if cut == "chunk 2" else 0)
+    rep = ss.verify(ckpt, io=ss.IOOptions(max_request_bytes=16 << 10))
+    assert len(rep.problems) == 1, rep.problems
+    assert name in rep.problems[0] and "key path 'bad/w'" in rep.problems[0]
+    assert ("key path 'good'" in rep.problems[0]) == (cut != "chunk 2"), rep.problems
+
+
 def test_deleted_data_dir(ckpt):
     shutil.rmtree(ckpt / "data")
     _assert_reported(ckpt, ss.TruncatedFileError, ["bad/w"], cli=False)

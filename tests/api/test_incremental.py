@@ -501,3 +501,31 @@ def test_a_base_replaced_behind_its_dependents_fails_them_loudly(tmp_path: Path)
     ss.save(tmp_path / "a", {"frozen": frozen + 1, "lora": np.zeros(8)}, hashes=True)
     with pytest.raises(ss.UnsafeCheckpointError, match="refers to a chunk of base checkpoint a"):
         ss.load(tmp_path / "b")
+
+
+@pytest.mark.parametrize("cut", ["half", "all", "deleted"])
+def test_verify_reports_a_truncated_base_file_once(tmp_path: Path, cut: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A base's data file that is short (or gone) is one problem of the later step's
+    report, naming the file, its sizes and the arrays it lacks: it was two, the file's
+    size against the manifest and the read of the chunks past its end, each "is N
+    bytes ... it is truncated" (also in ``statestream verify``: "2 problem(s)")."""
+    from statestream.cli import main
+
+    s1, s2 = _pair(tmp_path)
+    (f,) = [p for p in (s1 / "data").iterdir() if p.stat().st_size >= MB]
+    size = f.stat().st_size
+    if cut == "deleted":
+        f.unlink()
+    else:
+        os.truncate(f, size // 2 if cut == "half" else 0)
+    problems = ss.verify(s2, io=ss.IOOptions(max_request_bytes=64 << 10)).problems
+    assert len(problems) == 1, problems
+    (p,) = problems
+    assert str(f) in p and "key path 'frozen'" in p and "lora" not in p, p
+    if cut != "deleted":
+        assert f"is {size // 2 if cut == 'half' else 0} bytes, the manifest says {size}" in p
+        assert p.count("truncated") == 1, p
+    assert main(["verify", str(s2)]) == 1
+    err = capsys.readouterr().err
+    assert "1 problem(s)" in err and err.count(str(f)) == 1, err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from statestream._gc import gc_paused
@@ -25,7 +25,7 @@ from statestream.errors import (
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
 from statestream.interop import FileSetReader
-from statestream.plan import ReadPiece, plan_verify
+from statestream.plan import ReadPiece, ReadRequest, coalesce, plan_verify
 from statestream.storage import CheckpointReader, file_where
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -181,28 +181,49 @@ def _unlisted(reader: CheckpointReader, m: Manifest) -> list[str]:
     ]
 
 
-def _size_problems(reader: CheckpointReader, m: Manifest) -> list[str]:
-    """A problem for every data file shorter or longer than the manifest lists."""
-    out = []
-    for f in m.files:
+def _size_problems(reader: CheckpointReader, m: Manifest) -> dict[int, tuple[str, int]]:
+    """A problem for every data file shorter or longer than the manifest lists, or
+    unreadable (missing), by file index, with the bytes it holds (-1: none can be read)."""
+    out: dict[int, tuple[str, int]] = {}
+    for i, f in enumerate(m.files):
         try:
             size = reader.file_size(f.name)
         except (StorageError, CheckpointGoneError):
             raise
         except CheckpointError as exc:
-            out.append(str(exc))
+            out[i] = (str(exc), -1)
             continue
         if size < f.size:
-            out.append(
-                f"data file {file_where(reader, f.name)} is {size} bytes, the manifest says "
-                f"{f.size}; it is truncated"
-            )
+            out[i] = (f"data file {file_where(reader, f.name)} is {size} bytes, the manifest "
+                      f"says {f.size}; it is truncated", size)
         elif size > f.size:
-            out.append(
-                f"data file {file_where(reader, f.name)} is {size} bytes, longer than the "
-                f"{f.size} the manifest lists; {size - f.size} bytes were added after the save"
-            )
+            out[i] = (f"data file {file_where(reader, f.name)} is {size} bytes, longer than the "
+                      f"{f.size} the manifest lists; {size - f.size} bytes were added after "
+                      "the save", size)
     return out
+
+
+def _cut_off(requests: list[ReadRequest], short: dict[int, tuple[str, int]],
+             describe: Callable[[ReadPiece], str], max_request_bytes: int
+             ) -> tuple[list[str], list[ReadRequest]]:
+    """One problem per short or unreadable file, naming the arrays whose chunks it lacks,
+    and the requests for the chunks left to read: a chunk the file cannot hold is not
+    read again, whose error would report the same file a second time."""
+    lost: dict[int, list[ReadPiece]] = {}
+    kept: list[ReadPiece] = []
+    for p in (p for r in requests for p in r.pieces):
+        s = short.get(p.file, (None, 1 << 62))[1]
+        if p.offset + p.nbytes > s:
+            lost.setdefault(p.file, []).append(p)
+        else:
+            kept.append(p)
+    problems = []
+    for i, (msg, _) in short.items():
+        names = "; ".join(sorted({describe(p) for p in lost.get(i, [])})[:5])
+        problems.append(f"{msg} (affects {names})" if names else msg)
+    if not lost:
+        return problems, requests
+    return problems, coalesce(kept, max_request_bytes=max_request_bytes)
 
 
 #: what opening a checkpoint raises that says nothing of its bytes: :func:`verify` raises
@@ -282,16 +303,18 @@ def _check(reader: CheckpointReader, m: Manifest, report: VerifyReport, io: IOOp
     paths: dict[int, KeyPath] = {}
     array_paths(m.tree, (), paths)
     names = [f.name for f in m.files]
-    report.problems.extend(_size_problems(reader, m))
-    report.problems.extend(_unlisted(reader, m))
     requests = plan_verify(m.arrays, max_request_bytes=io.max_request_bytes)
     skip_missing_checksums(reader, requests)
 
     def describe(p: ReadPiece) -> str:
         return f"array at key path '{format_keypath(paths.get(p.array, ()))}'"
 
+    problems, to_read = _cut_off(requests, _size_problems(reader, m), describe,
+                                 io.max_request_bytes)
+    report.problems.extend(problems)
+    report.problems.extend(_unlisted(reader, m))
     errors: list[CheckpointCorruptError] = []
-    read_requests(reader, names, requests, options=io,
+    read_requests(reader, names, to_read, options=io,
                   budget=ByteBudget(memory.resolved()), describe=describe,
                   progress=progress, collect=errors)
     for e in errors:
