@@ -295,3 +295,27 @@ def test_manager_lease_ttl_is_positive_seconds(tmp_path: Path, bad: Any,
         ss.CheckpointManager(tmp_path / "r", lease_ttl_s=bad)
     with ss.CheckpointManager(tmp_path / "r", lease_ttl_s=30) as mgr:  # not left locked
         assert mgr.steps() == []
+
+
+_MAX_ARRAYS_TAKERS: dict[str, Callable[[Path, Any], Any]] = {
+    "load": lambda tmp, bad: ss.load(_saved(tmp), max_arrays=bad),
+    "metadata": lambda tmp, bad: ss.metadata(_saved(tmp), max_arrays=bad),
+    "verify": lambda tmp, bad: ss.verify(_saved(tmp), max_arrays=bad),
+    "convert": lambda tmp, bad: ss.convert(_saved(tmp), tmp / "o", max_arrays=bad),
+    "manager-load": lambda tmp, bad: _manager_load(tmp, max_arrays=bad),
+}
+
+
+@pytest.mark.parametrize(("bad", "err"), [
+    (0, InvalidOptionError), (-1, InvalidOptionError), (1 << 24 | 1, InvalidOptionError),
+    (True, InvalidOptionTypeError), ("3", InvalidOptionTypeError),
+    (3.0, InvalidOptionTypeError)])
+@pytest.mark.parametrize("call", sorted(_MAX_ARRAYS_TAKERS))
+def test_max_arrays_is_checked_by_every_taker(tmp_path: Path, call: str, bad: Any,
+                                              err: type[Exception]) -> None:
+    """load's ``max_arrays`` check, where metadata, verify, convert and a manager's
+    load take it too: named before anything is read or written."""
+    with pytest.raises(err, match="^max_arrays must be (from 1 to 16777216|an int)") as ei:
+        _MAX_ARRAYS_TAKERS[call](tmp_path, bad)
+    assert isinstance(ei.value, ValueError if err is InvalidOptionError else TypeError)
+    assert not (tmp_path / "o").exists()

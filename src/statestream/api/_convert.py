@@ -16,6 +16,7 @@ from statestream.api._options import (
     bool_option,
     io_options,
     key_paths,
+    max_arrays_option,
     memory_options,
     path_arg,
     progress_option,
@@ -240,26 +241,30 @@ def _write_as(fmt: str, dst_s: str, root: Node, specs: list[ArraySpec], slabs: _
                           block_bytes=block_bytes)
 
 
-def _convert_open(reader: CheckpointReader, m: Manifest, fmt: str, dst_s: str, *,
-                  items: Sequence[str] | None, overwrite: bool, max_shard_bytes: int | None,
-                  io: IOOptions, memory: MemoryOptions, progress: Progress | None,
-                  policy: CompressionPolicy) -> None:
-    """Convert the opened source (``reader``, ``m``) to ``fmt`` at ``dst_s``."""
-    root, old = _convert_root(m.tree, items, reader.location,
-                              keep_aliases=fmt in ("statestream", "safetensors", "torch"))
-    specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
-    # the safetensors writer's two blocks come out of the budget too, and so do an
-    # object store writer's part buffers (a statestream checkpoint on S3, GCS, Azure)
-    block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
-    writer = 2 * block
-    if fmt == "statestream":
-        writer += storage_for(dst_s)[0].capabilities.writer_buffer_bytes
-    slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
-                   writer_bytes=writer, reuse=fmt in _STREAMING)
-    meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
-    _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
-              max_shard_bytes=max_shard_bytes, block_bytes=block,
-              codecs=_codecs(policy, root, specs) if policy else None)
+def _convert_open(src: str | os.PathLike[str], fmt: str, dst_s: str, *, allow_pickle: bool,
+                  max_arrays: int, items: Sequence[str] | None, overwrite: bool,
+                  max_shard_bytes: int | None, io: IOOptions, memory: MemoryOptions,
+                  progress: Progress | None, policy: CompressionPolicy) -> None:
+    """Open the source at ``src`` and convert it to ``fmt`` at ``dst_s``."""
+    reader, m = open_checkpoint(src, allow_pickle=allow_pickle, max_arrays=max_arrays)
+    try:
+        root, old = _convert_root(m.tree, items, reader.location,
+                                  keep_aliases=fmt in ("statestream", "safetensors", "torch"))
+        specs: list[ArraySpec] = [(m.arrays[i].dtype, m.arrays[i].shape) for i in old]
+        # the safetensors writer's two blocks come out of the budget too, and so do an
+        # object store writer's part buffers (a statestream checkpoint on S3, GCS, Azure)
+        block = min(_BLOCK_BYTES, memory.resolved() // 8) if fmt == "safetensors" else 0
+        writer = 2 * block
+        if fmt == "statestream":
+            writer += storage_for(dst_s)[0].capabilities.writer_buffer_bytes
+        slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
+                       writer_bytes=writer, reuse=fmt in _STREAMING)
+        meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
+        _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
+                  max_shard_bytes=max_shard_bytes, block_bytes=block,
+                  codecs=_codecs(policy, root, specs) if policy else None)
+    finally:
+        reader.close()
 
 
 def _shard_bytes(n: Any) -> int | None:
@@ -286,6 +291,7 @@ def convert(
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
     compression: CompressionOption = None,
+    max_arrays: int | None = None,
 ) -> str:
     """Convert a checkpoint to another format, streaming it through the memory budget.
 
@@ -319,6 +325,8 @@ def convert(
             ``compression`` does (a codec name, an ``ss.Compression``, or key-path
             patterns to those); default raw. A compressed source is always
             decoded on the way, so this also recompresses or decompresses.
+        max_arrays: ``load``'s: refuse (``CheckpointError``) a source, or a base of
+            it, whose manifest declares more arrays (default: the format's 2^24).
 
     Returns ``dst`` as a string.
 
@@ -345,11 +353,8 @@ def convert(
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
     progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
-    reader, m = open_checkpoint(src, allow_pickle=bool_option(allow_pickle, "allow_pickle"))
-    try:
-        _convert_open(reader, m, fmt, dst_s, items=selected, overwrite=overwrite,
-                      max_shard_bytes=max_shard_bytes, io=io, memory=memory,
-                      progress=progress, policy=policy)
-    finally:
-        reader.close()
+    _convert_open(src, fmt, dst_s, allow_pickle=bool_option(allow_pickle, "allow_pickle"),
+                  max_arrays=max_arrays_option(max_arrays), items=selected, overwrite=overwrite,
+                  max_shard_bytes=max_shard_bytes, io=io, memory=memory, progress=progress,
+                  policy=policy)
     return dst_s

@@ -10,7 +10,13 @@ from typing import Any
 from statestream._gc import gc_paused
 from statestream.api._load import array_paths
 from statestream.api._open import open_checkpoint, skip_missing_checksums
-from statestream.api._options import bool_option, io_options, memory_options, path_arg
+from statestream.api._options import (
+    bool_option,
+    io_options,
+    max_arrays_option,
+    memory_options,
+    path_arg,
+)
 from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
@@ -23,7 +29,7 @@ from statestream.errors import (
     StorageError,
     UnsupportedTypeError,
 )
-from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest
+from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest, over_max_arrays
 from statestream.interop import FileSetReader
 from statestream.plan import ReadPiece, ReadRequest, coalesce, plan_verify
 from statestream.storage import CheckpointReader, file_where
@@ -115,13 +121,16 @@ def _meta_tree(node: Node, m: Manifest) -> Any:
     return dict(zip(node.keys or [], kids))
 
 
-def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False
-             ) -> CheckpointMetadata:
+def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False,
+             max_arrays: int | None = None) -> CheckpointMetadata:
     """Describe a checkpoint without reading tensor data.
 
     ``allow_pickle``: let a torch.save/DCP checkpoint's pickle name globals a
     weights-only load refuses (as ``load``'s; only for files you trust). A
     statestream checkpoint's pickled leaves are described, never unpickled.
+
+    ``max_arrays``: refuse (``CheckpointError``, naming the manifest) a checkpoint
+    of more arrays before they are decoded, as ``load``'s (default: the format's 2^24).
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -133,7 +142,8 @@ def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False
     """
     with gc_paused():  # a large manifest is many small objects (see statestream._gc)
         reader, m = open_checkpoint(path_arg(path, "path"), follow=False,
-                                    allow_pickle=bool_option(allow_pickle, "allow_pickle"))
+                                    allow_pickle=bool_option(allow_pickle, "allow_pickle"),
+                                    max_arrays=max_arrays_option(max_arrays))
         reader.close()
         return _describe(reader, m)
 
@@ -239,6 +249,7 @@ def verify(
     io: IOOptions | None = None,
     memory: MemoryOptions | None = None,
     progress: Progress | None = None,
+    max_arrays: int | None = None,
 ) -> VerifyReport:
     """Re-read every chunk of a checkpoint and check sizes and checksums.
 
@@ -252,6 +263,10 @@ def verify(
     weights-only load refuses (as ``load``'s; only for files you trust).
     Pickled leaves of a statestream checkpoint are checked as bytes, never
     unpickled.
+
+    ``max_arrays``: refuse a checkpoint (or an incremental checkpoint's base) whose
+    manifest declares more arrays, before they are decoded, as ``load``'s
+    (default: the format's 2^24).
 
     What is not damage is raised, as ``statestream verify`` exits 2 for it
     rather than 1:
@@ -271,6 +286,8 @@ def verify(
             represent (a sparse tensor, a dtype it does not hold).
         InvalidOptionError, InvalidOptionTypeError: an argument statestream does
             not take (an empty path).
+        CheckpointError: a manifest of more arrays than ``max_arrays`` (the bound
+            refused it; the checkpoint is not damaged).
 
     Example:
         >>> import numpy as np, tempfile, os, statestream as ss
@@ -281,12 +298,15 @@ def verify(
     """
     io, memory = io_options(io), memory_options(memory)
     allow_pickle = bool_option(allow_pickle, "allow_pickle")
+    limit = max_arrays_option(max_arrays)
     report = VerifyReport(path=os.fspath(path_arg(path, "path")))
     try:
-        reader, m = open_checkpoint(path, allow_pickle=allow_pickle)
+        reader, m = open_checkpoint(path, allow_pickle=allow_pickle, max_arrays=limit)
     except _NOT_DAMAGE:
         raise  # nothing to verify, the store failed, or statestream will not read it
     except CheckpointError as exc:
+        if over_max_arrays(exc):
+            raise  # the caller's bound refused it: nothing was read, nothing is damaged
         report.problems.append(str(exc))
         return report
     try:

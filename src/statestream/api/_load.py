@@ -424,7 +424,7 @@ def load(
             only the bytes its target's shards need) and an error on any of
             them is raised on all, naming it. Defaults like :func:`save`; pass
             ``SingleProcess()`` to load on one process of a running job.
-        max_arrays: refuse a manifest of more arrays (default: the format's 2^24).
+        max_arrays: refuse a manifest (a base's too) of more arrays (default: the format's 2^24).
 
     Returns the restored state.
 

@@ -56,7 +56,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
     comes back as stored, references and all (``metadata``).
 
     ``max_arrays``: refuse (CheckpointError) a checkpoint of more arrays, a manifest
-    before its entries are built (a base's is bounded by the format's limit).
+    before its entries are built; each base's manifest too (with ``follow``).
     """
     foreign = open_foreign(path, allow_pickle=allow_pickle)
     if foreign is not None:
@@ -75,7 +75,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
         paths: dict[int, KeyPath] = {}
         array_paths(m.tree, (), paths)
         return follow_bases(storage, spath, reader, m,
-                            lambda i: format_keypath(paths.get(i, ())))
+                            lambda i: format_keypath(paths.get(i, ())), max_arrays)
     except BaseException:
         reader.close()
         raise

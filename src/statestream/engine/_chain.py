@@ -16,7 +16,14 @@ from typing import Any
 
 from statestream.engine._refs import _open_committed, _same_record
 from statestream.errors import TruncatedFileError, UnsafeCheckpointError
-from statestream.format import ArrayEntry, ChunkEntry, FileEntry, Manifest, itemsize_of
+from statestream.format import (
+    MAX_ARRAYS,
+    ArrayEntry,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    itemsize_of,
+)
 from statestream.storage import CheckpointReader, MappedReader, Storage, file_where
 
 __all__ = ["ChainReader", "MappedChainReader", "follow_bases"]
@@ -145,6 +152,7 @@ class _Bases:
     storage: Storage
     spath: str
     where: str
+    max_arrays: int
     readers: dict[str, CheckpointReader] = dataclasses.field(default_factory=dict)
     manifests: dict[str, Manifest] = dataclasses.field(default_factory=dict)
     own: dict[str, dict[tuple[int, int], tuple[ChunkEntry, int]]] = dataclasses.field(
@@ -154,7 +162,8 @@ class _Bases:
         for name in names:
             # a checkpoint whose base is gone is damaged (its chunks' files are missing)
             r, m, _, _ = _open_committed(self.storage, self.spath, name, of=self.where,
-                                         missing=TruncatedFileError)
+                                         missing=TruncatedFileError,
+                                         max_arrays=self.max_arrays)
             self.readers[name] = r
             self.manifests[name] = m
             self.own[name] = _own_chunks(m)
@@ -165,23 +174,26 @@ class _Bases:
 
 
 def follow_bases(storage: Storage, spath: str, reader: CheckpointReader, m: Manifest,
-                 key_of: Callable[[int], str]) -> tuple[CheckpointReader, Manifest]:
+                 key_of: Callable[[int], str], max_arrays: int = MAX_ARRAYS,
+                 ) -> tuple[CheckpointReader, Manifest]:
     """Resolve ``m``'s references: a reader and manifest where they are plain chunks.
 
     Every referenced chunk is checked against its base's manifest first
     (:func:`_check_ref`); the returned manifest lists the bases' files after
     the checkpoint's own, and the reader reads them from the bases. A
-    manifest without bases comes back unchanged.
+    manifest without bases comes back unchanged. A base's manifest of more than
+    ``max_arrays`` arrays is refused as the checkpoint's own is (``read_manifest``).
 
     Raises:
         TruncatedFileError: a base is missing, naming it (the files holding the
             referenced chunks are gone: the checkpoint is damaged).
         UnsafeCheckpointError: a base is not committed, or does not list a
             referenced chunk exactly as the reference records it.
+        CheckpointError: a base's manifest holds more than ``max_arrays`` arrays.
     """
     if not m.bases:
         return reader, m
-    bases = _Bases(storage, spath, reader.location)
+    bases = _Bases(storage, spath, reader.location, max_arrays)
     try:
         bases.open(m.bases)
         files = list(m.files)

@@ -281,10 +281,12 @@ def open_base(storage: Storage, spath: str, name: str, *, of: str
 
 
 def _open_committed(storage: Storage, spath: str, name: str, *, of: str,
-                    missing: type[CheckpointError] = CheckpointError
+                    missing: type[CheckpointError] = CheckpointError,
+                    max_arrays: int = MAX_ARRAYS,
                     ) -> tuple[CheckpointReader, Manifest, int, int]:
     """:func:`open_base`, with the manifest's size and CRC-32C from its commit marker;
-    a missing base raises ``missing``."""
+    a missing base raises ``missing``; a manifest of more than ``max_arrays`` arrays,
+    a CheckpointError (:func:`read_manifest`)."""
     path = sibling_path(spath, name)
     if not storage.is_committed(path):
         if name in storage.list(_split(spath)[0]):
@@ -301,7 +303,7 @@ def _open_committed(storage: Storage, spath: str, name: str, *, of: str,
             f"base checkpoint {name} of {of} is not a plain directory next to it ({exc}): "
             "references must not lead out of the parent directory") from None
     try:
-        return (reader, *_read_committed(reader))
+        return (reader, *_read_committed(reader, max_arrays))
     except BaseException:
         reader.close()
         raise

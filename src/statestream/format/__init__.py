@@ -36,6 +36,7 @@ from statestream.format._manifest import (
     encode_manifest,
     encode_tree,
     manifest_version,
+    over_max_arrays,
     validate_base_name,
     validate_file_name,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "encode_tree",
     "itemsize_of",
     "manifest_version",
+    "over_max_arrays",
     "validate_base_name",
     "validate_file_name",
 ]

@@ -37,11 +37,13 @@ class OverLimit(Exception):
 
     def error(self, where: str) -> CheckpointError:
         many = f"{self.n}" if self.exact else f"more than {self.limit}"
-        return CheckpointError(
+        err = CheckpointError(
             f"manifest {where} declares {many} arrays, over this load's limit of "
             f"{self.limit} (max_arrays); nothing was read. A checkpoint you trust with more "
             f"arrays loads with max_arrays= set higher (at most {MAX_ARRAYS}, the format's "
             "limit)")
+        err.max_arrays = self.limit  # type: ignore[attr-defined]  # see over_max_arrays
+        return err
 
 
 def over_limit(n: int, limit: int, exact: bool = True) -> None:
@@ -55,6 +57,13 @@ def check_max_arrays(n: int, limit: int, where: str) -> None:
     already built: a foreign checkpoint's) holds more than ``limit`` arrays."""
     if n > limit:
         raise OverLimit(n, limit, True).error(where)
+
+
+def over_max_arrays(exc: BaseException) -> bool:
+    """Whether ``exc`` is the refusal of a manifest of more arrays than a caller's
+    ``max_arrays`` (:func:`check_max_arrays`, ``decode_manifest``): a plain
+    ``CheckpointError``, not damage, which ``verify`` raises rather than reports."""
+    return isinstance(exc, CheckpointError) and isinstance(getattr(exc, "max_arrays", None), int)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

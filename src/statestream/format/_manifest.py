@@ -51,6 +51,7 @@ __all__ = [
     "encode_manifest",
     "encode_tree",
     "manifest_version",
+    "over_max_arrays",
     "validate_base_name",
     "validate_file_name",
 ]
@@ -413,6 +414,7 @@ from statestream.format._decode import decode_commit, decode_manifest  # noqa: E
 from statestream.format._decode_tree import (  # noqa: E402
     check_max_arrays,
     decode_tree,
+    over_max_arrays,
     validate_base_name,
     validate_file_name,
 )

@@ -9,9 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from statestream.api import SaveHandle, load, save, save_async
+from statestream.api import SaveHandle, save, save_async
 from statestream.api._async import guard_state_in
-from statestream.api._options import collective_option, io_options, memory_options, path_arg
+from statestream.api._options import (
+    collective_option,
+    io_options,
+    max_arrays_option,
+    memory_options,
+    path_arg,
+)
 from statestream.api._pickles import AllowPickle
 from statestream.distributed import Collective, agree, default_collective, share_from_0
 from statestream.engine import CompressionOption, CompressionPolicy, IOOptions, MemoryOptions
@@ -44,7 +50,7 @@ from statestream.manager._retention import Retention, step_info, step_meta
 from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
-from statestream.manager._tierops import open_tier, tier_load, tier_steps
+from statestream.manager._tierops import load_step, open_tier, tier_steps
 from statestream.manager._tierspace import raise_if_full, write_making_room
 from statestream.storage import storage_for
 
@@ -542,6 +548,7 @@ class CheckpointManager:
         *,
         items: Sequence[str] | None = None,
         allow_pickle: AllowPickle = False,
+        max_arrays: int | None = None,
     ) -> Any:
         """Load ``step`` (default: the newest committed one that is not damaged).
 
@@ -553,8 +560,8 @@ class CheckpointManager:
         damaged step; the older step's load then overwrites what it holds.) A
         ``step`` asked for by number is never replaced by another.
 
-        ``allow_pickle`` is :func:`statestream.load`'s: ``True``, ``False`` or the
-        key paths whose pickle leaves may be unpickled.
+        ``allow_pickle`` and ``max_arrays`` are :func:`statestream.load`'s (over
+        ``max_arrays``, a plain ``CheckpointError``: not damage, no older step is tried).
 
         A save of this manager still in flight is waited for first (its commit,
         not its persistence): a load right after ``save`` sees that step, and a
@@ -567,13 +574,20 @@ class CheckpointManager:
             CheckpointCorruptError: every committed step is damaged (the newest
                 one's error; with several processes a ``DistributedError``).
         """
+        limit = max_arrays_option(max_arrays)
         self._settle_save()
         resume = step is None or (self._tier is not None and self._incremental)
         latest = self._agreed_latest() if resume else None
+
+        def one(s: int) -> Any:  # only the newest step is fetched into the tier
+            return load_step(self._tier, self.step_path(s), s, target, items=items,
+                             allow_pickle=allow_pickle, io=self._io, memory=self._memory,
+                             collective=self._coll, fetch=self._incremental and s == latest,
+                             max_arrays=limit)
         if step is not None:
             step = check_step(step)
             try:
-                return self._load_step(step, target, latest, items, allow_pickle)
+                return one(step)
             except CheckpointNotFoundError as exc:
                 if self._tier is not None or self._dir.is_committed(step):
                     raise
@@ -581,18 +595,4 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
-        return load_newest_good(
-            latest, self._agreed_steps,
-            lambda s: self._load_step(s, target, latest if s == latest else None, items,
-                                      allow_pickle),
-            self.directory, self._resumed)
-
-    def _load_step(self, step: int, target: Any, latest: int | None,
-                   items: Sequence[str] | None, allow_pickle: AllowPickle) -> Any:
-        if self._tier is not None:
-            return tier_load(self._tier, step, target, items=items, allow_pickle=allow_pickle,
-                             io=self._io, memory=self._memory, collective=self._coll,
-                             fetch=self._incremental and step == latest)
-        return load(self.step_path(step), target, items=items, allow_pickle=allow_pickle,
-                    io=self._io, memory=self._memory, collective=self._coll)
-
+        return load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed)

@@ -232,9 +232,23 @@ def _name(tier: LocalTier, step: int) -> str:
     return os.path.basename(tier.path(step))
 
 
+def load_step(tier: LocalTier | None, path: str, step: int, target: Any, *,
+              items: Sequence[str] | None, allow_pickle: AllowPickle, io: IOOptions | None,
+              memory: MemoryOptions | None, collective: Collective, fetch: bool,
+              max_arrays: int) -> Any:
+    """A manager's load of ``step`` (at ``path`` in its directory): through the local
+    tier where it has one (:func:`tier_load`), else ``load``."""
+    if tier is not None:
+        return tier_load(tier, step, target, items=items, allow_pickle=allow_pickle, io=io,
+                         memory=memory, collective=collective, fetch=fetch,
+                         max_arrays=max_arrays)
+    return load(path, target, items=items, allow_pickle=allow_pickle, io=io, memory=memory,
+                collective=collective, max_arrays=max_arrays)
+
+
 def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] | None,
               allow_pickle: AllowPickle, io: IOOptions | None, memory: MemoryOptions | None,
-              collective: Collective, fetch: bool = False) -> Any:
+              collective: Collective, fetch: bool = False, max_arrays: int | None = None) -> Any:
     """Load ``step`` from the local tier if it holds a copy that verifies, else persistent.
 
     Each process reads on its own (``load`` agrees only on errors), so a
@@ -246,6 +260,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     ``fetch``: loaded from the persistent directory, ``step`` (an incremental
     manager's newest: a resume on a new machine) is then copied into the tier in
     the background (:func:`fetch_into_tier`), so the next save can refer to it.
+    ``max_arrays``: ``load``'s, for either copy.
     """
     one = SingleProcess()
     result: Any = None
@@ -260,7 +275,7 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     if not from_persistent and err is None:
         try:
             result = load(tier.path(step), target, items=items, allow_pickle=allow_pickle,
-                          io=io, memory=memory, collective=one)
+                          io=io, memory=memory, collective=one, max_arrays=max_arrays)
         except CheckpointCorruptError as exc:
             from_persistent, err = _damaged(
                 tier, step, exc, f"the local copy of step {step} ({tier.path(step)}) is damaged")
@@ -269,7 +284,8 @@ def tier_load(tier: LocalTier, step: int, target: Any, *, items: Sequence[str] |
     if from_persistent and err is None:
         try:
             result = load(tier.persistent.path(step), target, items=items,
-                          allow_pickle=allow_pickle, io=io, memory=memory, collective=one)
+                          allow_pickle=allow_pickle, io=io, memory=memory, collective=one,
+                          max_arrays=max_arrays)
         except BaseException as exc:
             err = exc
     agree(collective, "loading", err, outcome="no process returns a result")
