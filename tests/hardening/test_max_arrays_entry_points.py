@@ -1,6 +1,7 @@
 """``max_arrays`` wherever a manifest is read from a checkpoint that may come from
 elsewhere: ``load``, ``metadata``, ``verify``, ``convert``, ``CheckpointManager.load``
-and the manifests of an incremental checkpoint's bases, which were read with the format's
+and the CLI's ``inspect``, ``verify`` and ``convert`` (``--max-arrays N``), and the
+manifests of an incremental checkpoint's bases, which were read with the format's
 bound whatever the caller asked (tests/hardening/test_max_arrays.py: load's own)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import statestream as ss
 from statestream.format import MAX_ARRAYS
 
+from .conftest import run_cli
+
 K = 3  # arrays of _state()
 
 
@@ -25,8 +28,13 @@ def _state(extra: int = 0) -> dict[str, Any]:
     return s
 
 
-def refusal(manifest: Path, n: int, limit: int) -> str:
-    """The refusal's text."""
+def refusal(manifest: Path, n: int, limit: int, cli: bool = False) -> str:
+    """The refusal's text: the API's, or the CLI's (its option's name)."""
+    if cli:
+        return (f"manifest {manifest} declares {n} arrays, over this load's limit of {limit} "
+                "(--max-arrays); nothing was read. A checkpoint you trust with more arrays "
+                f"is read with --max-arrays set higher (at most {MAX_ARRAYS}, the format's "
+                "limit)")
     return (f"manifest {manifest} declares {n} arrays, over this load's limit of {limit} "
             "(max_arrays); nothing was read. A checkpoint you trust with more arrays loads "
             f"with max_arrays= set higher (at most {MAX_ARRAYS}, the format's limit)")
@@ -120,3 +128,29 @@ def test_an_incremental_managers_bases_are_bounded(tmp_path: Path) -> None:
             mgr.load(2, max_arrays=K)
         assert str(e.value) == refusal(Path(mgr.step_path(1)) / "manifest.json", K + 2, K)
         assert mgr.load(max_arrays=K + 2)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_the_cli_takes_max_arrays(tmp_path: Path, command: str) -> None:
+    """Over the bound: exit 2 (an error, not damage: verify's 1), the refusal in the
+    command's words; at the bound the command runs."""
+    ss.save(tmp_path / "ck", _state())
+    dst = [str(tmp_path / "out")] if command == "convert" else []
+    r = run_cli(command, str(tmp_path / "ck"), *dst, "--max-arrays", str(K - 1))
+    assert r.returncode == 2, r
+    assert r.stderr == f"error: {refusal(tmp_path / 'ck' / 'manifest.json', K, K - 1, True)}\n"
+    assert not (tmp_path / "out").exists()
+    r = run_cli(command, str(tmp_path / "ck"), *dst, "--max-arrays", str(K))
+    assert r.returncode == 0, r
+    assert (tmp_path / "out").exists() == (command == "convert")
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", str(MAX_ARRAYS + 1), "3.0", "many"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_the_cli_refuses_a_bad_max_arrays(tmp_path: Path, command: str, bad: str) -> None:
+    ss.save(tmp_path / "ck", _state())
+    dst = [str(tmp_path / "out")] if command == "convert" else []
+    r = run_cli(command, str(tmp_path / "ck"), *dst, f"--max-arrays={bad}")
+    assert r.returncode == 2, r
+    assert "argument --max-arrays:" in r.stderr and repr(bad) in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

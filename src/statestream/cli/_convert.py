@@ -6,7 +6,13 @@ import argparse
 import re
 
 import statestream as ss
-from statestream.cli._main import add_memory_budget, memory_options, path_arg, safe
+from statestream.cli._main import (
+    add_max_arrays,
+    add_memory_budget,
+    memory_options,
+    path_arg,
+    safe,
+)
 from statestream.cli._progress import progress_bar
 
 __all__ = ["add_parser", "parse_size"]
@@ -44,7 +50,8 @@ def _cmd(args: argparse.Namespace) -> int:
             out = ss.convert(args.src, args.dst, to=args.to, items=args.items,
                              overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                              max_shard_bytes=args.max_shard_size, progress=cb,
-                             compression=args.compression, memory=memory_options(args))
+                             compression=args.compression, memory=memory_options(args),
+                             max_arrays=args.max_arrays)
     except ss.CheckpointExistsError as exc:  # the API's advice in the command's words
         raise ss.CheckpointExistsError(
             str(exc).replace("pass overwrite=True", "pass --overwrite")) from None
@@ -68,4 +75,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="admit arbitrary pickle in SRC (only for a source you trust)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     add_memory_budget(p)
+    add_max_arrays(p)
     p.set_defaults(fn=_cmd)

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import statestream as ss
+from statestream.format import over_max_arrays
 
-__all__ = ["json_text", "main", "nonnegative", "path_arg"]
+__all__ = ["add_max_arrays", "json_text", "main", "nonnegative", "path_arg"]
 
 
 def _human(n: int) -> str:
@@ -113,7 +114,7 @@ def _rows(tree: Any, collapse: bool) -> list[_Row]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    md = ss.metadata(args.path)
+    md = ss.metadata(args.path, max_arrays=args.max_arrays)
     rows = _rows(md.tree, collapse=not (args.all or args.json))
     if args.json:
         out = {
@@ -198,7 +199,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     # overwritten or deleted while being verified, a refused pickle, unsupported content
     with progress_bar("verify") as cb:
         rep = ss.verify(args.path, allow_pickle=args.allow_pickle, progress=cb,
-                        memory=memory_options(args))
+                        memory=memory_options(args), max_arrays=args.max_arrays)
     if args.json:
         print(json_text({"path": rep.path, "ok": rep.ok, "checked_chunks": rep.checked_chunks,
                          "checked_bytes": rep.checked_bytes,
@@ -283,6 +284,28 @@ def add_memory_budget(p: argparse.ArgumentParser, help: str | None = None) -> No
                                 "(default: 25%% of RAM, at most 4 GiB)")
 
 
+def _max_arrays(text: str) -> int:
+    """``--max-arrays N``: a whole number from 1 to the format's limit."""
+    from statestream.format import MAX_ARRAYS
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= n <= MAX_ARRAYS:
+        raise argparse.ArgumentTypeError(
+            f"from 1 to {MAX_ARRAYS} (the format's limit), not {text!r}")
+    return n
+
+
+def add_max_arrays(p: argparse.ArgumentParser) -> None:
+    """The ``--max-arrays N`` option (the API's ``max_arrays``)."""
+    p.add_argument("--max-arrays", type=_max_arrays, metavar="N", default=None,
+                   help="refuse a checkpoint whose manifest (or an incremental one's base's) "
+                        "declares more than N arrays, before decoding them (for checkpoints "
+                        "from elsewhere; default: the format's limit, 2^24)")
+
+
 def memory_options(args: argparse.Namespace) -> ss.MemoryOptions | None:
     n = getattr(args, "memory_budget", None)
     return None if n is None else ss.MemoryOptions(memory_budget_bytes=n)
@@ -304,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list every value of long sequences")
+    add_max_arrays(p)
     p.set_defaults(fn=_cmd_inspect)
     p = sub.add_parser("verify", help="re-read every chunk and check its checksum",
                        formatter_class=raw, epilog="examples:\n  statestream verify "
@@ -314,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit arbitrary pickle in a torch.save/DCP checkpoint (only for "
                         "checkpoints you trust)")
     add_memory_budget(p)
+    add_max_arrays(p)
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("gc", help="remove what killed saves left in DIRECTORY",
                        formatter_class=raw, epilog="example:\n  statestream gc ckpts/\n")
@@ -368,7 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {safe(_pickle_advice(str(exc), args))}", file=sys.stderr)
         return 2
     except ss.CheckpointError as exc:
-        print(f"error: {safe(str(exc))}", file=sys.stderr)
+        msg = str(exc)
+        if over_max_arrays(exc):  # the API's advice in the command's words
+            msg = msg.replace("max_arrays); ", "--max-arrays); ").replace(
+                "loads with max_arrays= set higher", "is read with --max-arrays set higher")
+        print(f"error: {safe(msg)}", file=sys.stderr)
         return 2
     except OSError as exc:  # the path itself is unreadable (permissions, a special file, ...)
         print(f"error: {safe(str(exc))}", file=sys.stderr)
