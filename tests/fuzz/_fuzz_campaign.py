@@ -105,7 +105,7 @@ def scribble(state: Any, torch_only: bool = False) -> Callable[[], None]:
             flipped.reshape(-1).view(np.uint8)[:] ^= 1
             v[...] = flipped
         else:
-            flipped = old.resolve_conj().resolve_neg().contiguous().clone()
+            flipped = old.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
             flipped.reshape(-1).view(torch.uint8).bitwise_xor_(1)
             with torch.no_grad():
                 v.detach().copy_(flipped)
@@ -429,20 +429,30 @@ def _convert_one(rng: random.Random, src: str, state: Any, ref: Any, fmt: str, d
     check(not d2, f"convert {fmt} -> statestream: {d2}")
 
 
-def as_converted(x: Any, fmt: str) -> Any:
+def as_converted(x: Any, fmt: str, walked: bool = True) -> Any:
     """What a state loads as after a convert to ``fmt``, as docs/interop.md says: torch and
     DCP turn a NumPy scalar into a 0-d array; DCP keys are strings, and it drops empty
-    dicts (with a warning)."""
+    dicts (with a warning) where its flattening walks: dicts, and lists holding an array,
+    a dict or such a list. A tuple, or a list of plain values, is one DCP item, kept
+    whole with any empty dict in it. ``walked``: whether DCP walks into ``x``."""
     if isinstance(x, dict):
-        out = {str(k) if fmt == "dcp" else k: as_converted(v, fmt) for k, v in x.items()}
-        if fmt == "dcp":
+        out = {str(k) if fmt == "dcp" else k: as_converted(v, fmt, walked)
+               for k, v in x.items()}
+        if fmt == "dcp" and walked:
             out = {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
         return out
     if isinstance(x, (list, tuple)):
-        return type(x)(as_converted(v, fmt) for v in x)
+        inner = walked and isinstance(x, list) and _dcp_walks(x)
+        return type(x)(as_converted(v, fmt, inner) for v in x)
     if isinstance(x, np.generic) and fmt in ("torch", "dcp"):
         return np.asarray(x)
     return x
+
+
+def _dcp_walks(x: list[Any]) -> bool:
+    """Whether DCP's flattening walks into the list ``x`` (interop/_dcpwrite.py)."""
+    return any(isinstance(v, (np.ndarray, np.generic, dict))
+               or isinstance(v, list) and _dcp_walks(v) for v in x)
 
 
 def case_manager(seed: int, root: str, log: list[str]) -> None:

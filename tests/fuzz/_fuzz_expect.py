@@ -65,7 +65,10 @@ def torch_to_np(t: torch.Tensor) -> np.ndarray[Any, Any]:
     name = TORCH_NAME[t.dtype]
     if not t.numel():
         return np.zeros(tuple(t.shape), np_dtype(name))
-    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+    # a fresh tensor: ``contiguous()`` keeps a 1-element dim's odd stride (shape (1,),
+    # stride (2,) counts as contiguous), which ``view(torch.uint8)`` refuses
+    raw = t.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+    raw = raw.numpy().copy()
     return raw.view(np_dtype(name)).reshape(tuple(t.shape))
 
 

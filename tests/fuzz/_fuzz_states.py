@@ -387,8 +387,8 @@ def _other_framework_view(v: Any) -> Any:
                 min(v.strides, default=0) >= 0:
             return torch.from_numpy(v)
         return v
-    if not v.requires_grad and v.dtype in (torch.float32, torch.int64, torch.uint8,
-                                           torch.bool, torch.float64, torch.int16):
+    if not v.requires_grad and not v.is_neg() and not v.is_conj() and v.dtype in (
+            torch.float32, torch.int64, torch.uint8, torch.bool, torch.float64, torch.int16):
         return v.numpy()
     return v
 
