@@ -1,11 +1,15 @@
-"""Peak memory of a synchronous ``ss.save`` started while a ``save_async`` is in flight.
+"""Peak memory of a synchronous ``ss.save`` (or ``ss.load``) started while a
+``save_async`` is in flight.
 
 A 1 GiB state, a 256 MiB budget (both saves): ``h = save_async(a, state)``, then at
 once ``save(b, other)``, then ``h.result()``. Reports VmHWM growth over the state
 (a fresh process per run) and the host pool's high-water mark of lent staging bytes.
 ``other`` is the same state (``contiguous``: written straight from it), or a
 transposed view of it (``transposed``: every chunk of the sync save is a copy, charged
-to its budget). Compare source trees with --src OLD --src NEW. Run from the repository
+to its budget). ``load``: instead of the sync save, ``ss.load`` of a zstd-compressed
+256 MiB checkpoint saved beforehand, in place into a target allocated beforehand (so
+the growth is transient memory only: the load's scratch for compressed chunks, the
+staging). Compare source trees with --src OLD --src NEW. Run from the repository
 root with the project venv::
 
     .venv/bin/python benchmarks/sync_behind_async.py --src /tmp/old/src --src src
@@ -37,11 +41,19 @@ big = np.arange(n, dtype=np.float32).reshape(1 << 14, 1 << 14)
 other = state if kind == "contiguous" else {"t": big.T}
 mem = ss.MemoryOptions(memory_budget_bytes=budget)
 ss.save(os.path.join(d, "warm"), {"x": np.ones(8)})
+if kind == "load":
+    rng = np.random.default_rng(0)
+    saved = {f"c{i}": rng.standard_normal(1 << 22, np.float32) for i in range(16)}
+    ss.save(os.path.join(d, "c"), saved, compression="zstd")
+    target = {k: np.zeros_like(v) for k, v in saved.items()}
 before = hwm()
 t0 = time.perf_counter()
 h = ss.save_async(os.path.join(d, "a"), state, memory=mem)
 t1 = time.perf_counter()
-ss.save(os.path.join(d, "b"), other, memory=mem)
+if kind == "load":
+    ss.load(os.path.join(d, "c"), target, in_place=True, memory=mem)
+else:
+    ss.save(os.path.join(d, "b"), other, memory=mem)
 t2 = time.perf_counter()
 h.result()
 t3 = time.perf_counter()
@@ -56,10 +68,11 @@ def main() -> None:
     ap.add_argument("--src", action="append", default=[])
     ap.add_argument("--budget-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--kind", action="append", default=[])
+    ap.add_argument("--kind", action="append", default=[],
+                    help="contiguous, transposed, load (default: all three)")
     args = ap.parse_args()
     srcs = args.src or ["src"]
-    for kind in args.kind or ["contiguous", "transposed"]:
+    for kind in args.kind or ["contiguous", "transposed", "load"]:
         for r in range(args.repeats):
             for src in (srcs if r % 2 == 0 else srcs[::-1]):
                 d = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))

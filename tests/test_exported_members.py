@@ -74,8 +74,8 @@ EXPECTED: dict[str, list[str]] = {
         "default_memory_budget_bytes",
         "describe_copy",
         "follow_bases", "host_pool", "lower_thread_priority", "node_groups", "parallel_for",
-        "pinned_pool", "read_committed", "read_manifest", "read_requests", "release_staging",
-        "replicate_to_peers", "run_save", "start_save",
+        "pinned_pool", "read_budget", "read_committed", "read_manifest", "read_requests",
+        "release_staging", "replicate_to_peers", "run_save", "saving_to", "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",

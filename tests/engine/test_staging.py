@@ -360,3 +360,32 @@ def test_take_within_allocates_only_what_the_capacity_holds() -> None:
     b = pool.take_within(4 << 20)  # the idle 8 MiB buffer makes room
     assert b is not None and pool.idle_bytes == 0 and pool.lent_bytes == 4 << 20
     assert pool.take_within(11 << 20) is None  # never more than the capacity
+
+
+def test_reserve_frees_idle_buffers_and_waits_for_lent_ones_only_while_told() -> None:
+    # a load's scratch reserved beside the staging: idle buffers make room (oldest
+    # first), lent ones are waited for (a save in flight) or, told not to, gone past
+    pool = StagingPool(capacity=10 << 20)
+    old, new = pool.take(4 << 20), pool.take(4 << 20)
+    pool.give(old)
+    pool.give(new)
+    pool.reserve(4 << 20, 10 << 20, lambda: True)
+    assert pool.reserved_bytes == 4 << 20 and pool.idle_bytes == 4 << 20
+    assert pool.take_idle(4 << 20) is new  # the least recently used one went
+    assert pool.take_within(4 << 20) is None  # reserved bytes count against the save
+    assert not pool.try_reserve(4 << 20, 10 << 20)  # 4 lent + 4 reserved + 4
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (pool.reserve(4 << 20, 10 << 20, lambda: True),
+                                         got.set()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not pool.waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pool.waiting == 1 and not got.is_set()
+    pool.give(new)  # a staged copy written: room for it
+    t.join(60)
+    assert got.is_set() and pool.reserved_bytes == 8 << 20
+    pool.unreserve(8 << 20)
+    pool.take(8 << 20)
+    pool.reserve(4 << 20, 10 << 20, lambda: False)  # no save in flight: goes past
+    assert pool.reserved_bytes == 4 << 20 and pool.lent_bytes == 8 << 20

@@ -17,7 +17,7 @@ from statestream.api._options import (
     memory_options,
     path_arg,
 )
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
+from statestream.engine import IOOptions, MemoryOptions, Progress, read_budget, read_requests
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -335,7 +335,7 @@ def _check(reader: CheckpointReader, m: Manifest, report: VerifyReport, io: IOOp
     report.problems.extend(_unlisted(reader, m))
     errors: list[CheckpointCorruptError] = []
     read_requests(reader, names, to_read, options=io,
-                  budget=ByteBudget(memory.resolved()), describe=describe,
+                  budget=read_budget(memory), describe=describe,
                   progress=progress, collect=errors)
     for e in errors:
         msg = str(e)

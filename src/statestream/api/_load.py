@@ -47,8 +47,15 @@ from statestream.api._target_keys import (
     with_target_ties,
 )
 from statestream.distributed import Collective, agree, default_collective
-from statestream.engine import ByteBudget, IOOptions, MemoryOptions, Progress, read_requests
-from statestream.errors import MissingKeyError, TargetMismatchError
+from statestream.engine import (
+    IOOptions,
+    MemoryOptions,
+    Progress,
+    read_budget,
+    read_requests,
+    saving_to,
+)
+from statestream.errors import CheckpointNotFoundError, MissingKeyError, TargetMismatchError
 from statestream.format import Manifest
 from statestream.plan import ReadPiece, Wanted
 from statestream.providers import (
@@ -61,7 +68,7 @@ from statestream.providers import (
     providers,
     target_provider_for,
 )
-from statestream.storage import MappedReader, ReadAhead, storage_for
+from statestream.storage import CheckpointReader, MappedReader, ReadAhead, storage_for
 from statestream.tree import (
     CONTAINER_KINDS,
     Key,
@@ -418,7 +425,7 @@ def load(
             corrupt chunk) leaves the target partly overwritten. Memory under two keys (tied
             weights) gets the later key's bytes; torch version counters move as ``copy_()``
             moves them. Without it, target arrays and tensors are never written.
-        io, memory: thread count and request sizes; the host scratch budget.
+        io, memory: thread count and request sizes; the host scratch budget (docs/async.md).
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.
         collective: in a multi-process job every process loads (each reads
             only the bytes its target's shards need) and an error on any of
@@ -482,6 +489,21 @@ def files_read(m: Manifest, target: Any = None, *, items: Sequence[str] | None =
     return out
 
 
+def _open_loaded(path: str | os.PathLike[str], trust: _PickleTrust, max_arrays: int
+                 ) -> tuple[CheckpointReader, Manifest]:
+    """:func:`open_checkpoint` for a load; a checkpoint not there yet because the
+    ``save_async`` in flight is still writing it is named as such."""
+    try:
+        return open_checkpoint(path, allow_pickle=trust.all, max_arrays=max_arrays)
+    except CheckpointNotFoundError as exc:
+        if not saving_to(storage_for(path)[1]):
+            raise
+        raise CheckpointNotFoundError(
+            f"{exc}; a save_async to it is in flight in this process and has not "
+            "committed yet: nothing was loaded (wait for its handle's result() first)"
+        ) from exc
+
+
 def _default_io(path: str | os.PathLike[str]) -> IOOptions:
     """Engine options when the caller gives none: the backend's read preferences."""
     caps = storage_for(path)[0].capabilities
@@ -508,7 +530,7 @@ def _load(
     trust = _PickleTrust(allow_pickle)
     io = io_options(io) if io is not None else _default_io(path)
     memory, progress = memory_options(memory), progress_option(progress)
-    reader, m = open_checkpoint(path, allow_pickle=trust.all, max_arrays=max_arrays)
+    reader, m = _open_loaded(path, trust, max_arrays)
     with naming_checkpoint(reader.location):  # a target that does not fit: where
         try:
             root, like = selected(m, target, items, reader.location)
@@ -535,7 +557,7 @@ def _load(
                 return f"array at key path '{format_keypath(job.paths.get(p.array, ()))}'"
 
             read_requests(reader, names, requests, options=io,
-                          budget=ByteBudget(memory.resolved()), describe=describe,
+                          budget=read_budget(memory), describe=describe,
                           progress=progress)
             job.own.copy_back()  # in-place targets sharing memory: what was read apart
         finally:

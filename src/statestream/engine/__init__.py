@@ -16,6 +16,7 @@ from statestream.engine._handle import SaveHandle
 from statestream.engine._job import SaveJob, SaveOptions
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
+from statestream.engine._readbudget import read_budget, saving_to
 from statestream.engine._refs import check_base, read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._start import run_save, start_save
@@ -53,9 +54,11 @@ __all__ = [
     "pinned_pool",
     "read_manifest",
     "read_committed",
+    "read_budget",
     "read_requests",
     "release_staging",
     "replicate_to_peers",
     "run_save",
+    "saving_to",
     "start_save",
 ]

@@ -10,7 +10,10 @@ far more expensive to allocate than to reuse.
 
 A pool keeps idle buffers only up to its capacity (the save's memory
 budget), evicting the least recently used first, and never lets idle plus
-lent-out bytes exceed it when it allocates. ``release()`` (exposed as
+lent-out bytes exceed it when it allocates. A load's scratch buffers are
+reserved beside them (:meth:`StagingPool.reserve`): idle buffers make room
+first, and a load waits for a save in flight to give staged copies back rather
+than go over (engine/_readbudget.py). ``release()`` (exposed as
 :func:`statestream.release_staging`) frees every idle buffer; a save that was in
 flight then keeps none of its buffers when it gives them back, and maps none for
 the next save (see :attr:`StagingPool.epoch`).
@@ -76,7 +79,13 @@ class StagingPool:
         self.reuses = 0
         #: the most bytes lent out at once (staging in use) since creation
         self.peak_lent_bytes = 0
+        #: bytes loads hold for their scratch buffers (:meth:`reserve`): no buffers of
+        #: this pool, but counted with it, so neither goes over the budget for the other
+        self.reserved_bytes = 0
+        #: loads waiting in :meth:`reserve` now (a test hook)
+        self.waiting = 0
         self._epoch = 0
+        self._room = threading.Condition(self._lock)
 
     @property
     def epoch(self) -> int:
@@ -125,7 +134,7 @@ class StagingPool:
             buf = self._take_idle_locked(nbytes)
             if buf is not None:
                 return buf
-            if within and self.lent_bytes + nbytes > self.capacity:
+            if within and self.lent_bytes + self.reserved_bytes + nbytes > self.capacity:
                 return None
             self._evict_locked(nbytes)
             self.lent_bytes += nbytes
@@ -136,6 +145,7 @@ class StagingPool:
         except BaseException:
             with self._lock:
                 self.lent_bytes -= nbytes
+                self._room.notify_all()
             raise
 
     def can_serve(self, sizes: Sequence[int]) -> bool:
@@ -163,7 +173,7 @@ class StagingPool:
                 have[n] -= 1
                 continue
             with self._lock:
-                if self.idle_bytes + self.lent_bytes + n > self.capacity:
+                if self.idle_bytes + self.lent_bytes + self.reserved_bytes + n > self.capacity:
                     break
             buf = self._allocate(n)
             buf.fill(0)  # fault the pages in now, not during the next save
@@ -180,9 +190,12 @@ class StagingPool:
         n = int(buf.nbytes)
         with self._lock:
             self.lent_bytes = max(0, self.lent_bytes - n)
+            if self.waiting:
+                self._room.notify_all()
             if since is not None and since != self._epoch:
                 return  # a save in flight when a release came keeps nothing
-            if not keep or self.idle_bytes + self.lent_bytes + n > self.capacity:
+            if not keep or (self.idle_bytes + self.lent_bytes + self.reserved_bytes + n
+                            > self.capacity):
                 return
             key = id(buf)
             self._idle[key] = buf
@@ -198,6 +211,51 @@ class StagingPool:
                 self._pop_oldest_locked()
             return before - self.idle_bytes
 
+    def reserve(self, nbytes: int, limit: int, wait: Callable[[], bool]) -> None:
+        """Hold ``nbytes`` of host memory beside the pool's buffers (a load's scratch),
+        so that idle + lent + reserved bytes stay within ``limit``.
+
+        Idle buffers go first (least recently used first). If the lent ones (a save's
+        staged copies) and other reservations still leave too little room, it waits
+        for them to be given back while ``wait()`` holds (a save is in flight: its
+        writers give staged copies back as they write them), then goes through
+        anyway; it always goes through once nothing is lent or reserved.
+        :meth:`unreserve` gives the bytes back.
+        """
+        with self._room:
+            while not self._try_reserve_locked(nbytes, limit):
+                if not wait():
+                    self.reserved_bytes += nbytes
+                    return
+                self.waiting += 1
+                try:
+                    # give() and unreserve() notify; the timeout notices a save
+                    # that settled without giving anything back
+                    self._room.wait(0.05)
+                finally:
+                    self.waiting -= 1
+
+    def try_reserve(self, nbytes: int, limit: int) -> bool:
+        """:meth:`reserve` if it fits now (idle buffers freed for it); else False."""
+        with self._lock:
+            return self._try_reserve_locked(nbytes, limit)
+
+    def _try_reserve_locked(self, nbytes: int, limit: int) -> bool:
+        while self._idle and (self.idle_bytes + self.lent_bytes + self.reserved_bytes
+                              + nbytes > limit):
+            self._pop_oldest_locked()
+        busy = self.lent_bytes + self.reserved_bytes
+        if busy and busy + nbytes > limit:
+            return False
+        self.reserved_bytes += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back bytes held by :meth:`reserve`."""
+        with self._room:
+            self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+            self._room.notify_all()
+
     def release(self) -> int:
         """Free every idle buffer; return how many bytes were freed. Saves in
         flight keep none of theirs (see :attr:`epoch`)."""
@@ -210,8 +268,9 @@ class StagingPool:
         return freed
 
     def _evict_locked(self, incoming: int) -> None:
-        # Oldest idle buffers go first until idle + lent + incoming fits.
-        while self._idle and self.idle_bytes + self.lent_bytes + incoming > self.capacity:
+        # Oldest idle buffers go first until idle + lent + reserved + incoming fits.
+        while self._idle and (self.idle_bytes + self.lent_bytes + self.reserved_bytes
+                              + incoming > self.capacity):
             self._pop_oldest_locked()
 
     def _pop_oldest_locked(self) -> None:

@@ -29,7 +29,7 @@ from statestream.engine._job import SaveJob
 from statestream.engine._saveopts import SaveOptions
 from statestream.errors import CheckpointError
 
-__all__ = ["run_save", "start_save"]
+__all__ = ["holding_start", "run_save", "start_save"]
 
 
 class _Holding(threading.local):
@@ -39,6 +39,12 @@ class _Holding(threading.local):
 
 
 _HOLDING = _Holding()
+
+
+def holding_start() -> bool:
+    """Whether this thread holds the start lock (its ``ss.save`` runs, or its
+    ``save_async`` starts): a ``state_dict()`` that save walks runs here."""
+    return _HOLDING.active
 
 
 @contextlib.contextmanager
