@@ -211,9 +211,10 @@ def test_items_with_a_target(tmp_path: Path) -> None:
     assert list(rng) == ["rank0"] and isinstance(rng["rank0"], torch.Tensor)
     mod = torch.nn.Linear(2, 4)
     ss.save(tmp_path / "m", {"model": mod})
-    got = ss.load(tmp_path / "m", {"model": torch.nn.Linear(2, 4)}, items=["model/bias"])
-    assert isinstance(got["model"]["bias"], torch.Tensor)  # typed by the module's state
-    assert torch.equal(got["model"]["bias"], mod.bias)
+    into = torch.nn.Linear(2, 4)
+    got = ss.load(tmp_path / "m", {"model": into}, items=["model/bias"])
+    assert got["model"] is into  # loaded into the module (tests/api/test_items_into_modules.py)
+    assert torch.equal(into.bias, mod.bias)
     with pytest.raises(TargetMismatchError,
                        match="selected key paths; at 'model' it has a builtins.int"):
         ss.load(path, {"model": 3}, items=["model/layers.0.weight"])

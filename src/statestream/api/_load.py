@@ -36,7 +36,7 @@ from statestream.api._options import (
     progress_option,
 )
 from statestream.api._pickles import AllowPickle, _PickleTrust
-from statestream.api._select import NO_TARGET, _children, selected
+from statestream.api._select import NO_TARGET, PartialTarget, _children, selected
 from statestream.api._state_loads import StateLoad, run_state_loads
 from statestream.api._target_keys import (
     int_keyed,
@@ -181,6 +181,9 @@ def _restore_blob(node: Node, path: KeyPath, m: Manifest, job: _Job) -> Build:
 def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
           default_kind: str, merge: bool) -> Build:
     k = node.kind
+    if isinstance(like, PartialTarget):  # items= selects some of a module's entries
+        build_module = _walk_stateful_target(node, like.module, path, m, job, partial=True)
+        return lambda: (build_module(), like.returned)[1]
     if like is None and k != "none":
         # None in a target means "whatever was saved", of the kind it was saved as
         like, default_kind = NO_TARGET, "saved"
@@ -252,8 +255,9 @@ def _refuse_structured(like: Any, k: str, path: KeyPath) -> None:
 
 
 def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
-                          job: _Job) -> Build:
-    """Load a stateful target's state (all of it), then call its load_state_dict."""
+                          job: _Job, partial: bool = False) -> Build:
+    """Load a stateful target's state (all of it; ``partial``: a module's entries that
+    items= selects, with ``strict=False``), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     if inner.kind not in CONTAINER_KINDS:  # (a compiled module's, from _walk_adapted)
         _refuse_structured(like, inner.kind, path)
@@ -261,8 +265,8 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     named_ties = [names for prov in providers() if prov.capabilities.state_hints
                   for names in prov.tied_names(like)]
     inner = with_target_ties(unprefixed(inner, sub_like), sub_like, named_ties)
-    refuse_early(like, sub_like, inner, path)
-    options: dict[str, Any] = {}
+    refuse_early(like, sub_like, inner, path, partial=partial)
+    options: dict[str, Any] = {"strict": False} if partial else {}
     for prov in providers():
         if prov.capabilities.state_hints:
             hinted = prov.state_hints(like, sub_like, inner, lambda i: m.arrays[i].shape)
@@ -277,9 +281,15 @@ def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
     def load_state(value: Any) -> None:
         restore = [r for r in (prov.keep_ties(like, options, named_ties) for prov in providers()
                                if prov.capabilities.state_hints) if r is not None]
-        like.load_state_dict(value, **options)
+        got = like.load_state_dict(value, **options)
         for r in restore:
             r()
+        if partial and getattr(got, "unexpected_keys", None):  # a loader of its own
+            raise TargetMismatchError(
+                f"{type_name(like)}.load_state_dict(strict=False) at key path "
+                f"'{format_keypath(path)}' had no place for the selected "
+                f"{', '.join(map(repr, got.unexpected_keys))}; the other selected entries "
+                "were loaded into it")
 
     def build_stateful() -> Any:
         # loaded once every value is built (_load): a value that fails to build (a
@@ -412,13 +422,11 @@ def load(
             in a key): top-level checkpointables, subtrees or leaves; others are not read, and
             levels above one come back as dicts of only what was selected. ``0`` names the key
             0 or ``"0"``; a dict with both refuses it (a target with the typed key picks one).
-        allow_pickle: which pickled leaves (saved with ``pickle_paths``) may be
-            unpickled — unpickling runs code, so only a checkpoint you trust.
-            ``False`` (default): none. A collection of key paths (``["extra/tok"]``):
-            the pickle leaves at or under those paths, as ``pickle_paths`` matches
-            on save. ``True``: every pickle leaf, wherever the checkpoint puts one.
-            A pickle leaf that is not allowed raises before anything is read or
-            unpickled.
+            A target module's entries load into it (strict=False); an optimizer's: refused.
+        allow_pickle: which pickled leaves (saved with ``pickle_paths``) may be unpickled, which
+            runs code: only for a checkpoint you trust. ``False`` (default): none; key paths
+            (``["extra/tok"]``): the pickle leaves at or under them, as ``pickle_paths`` matches;
+            ``True``: every pickle leaf. One not allowed raises before anything is read.
         in_place: read straight into the target's own CPU tensors/arrays (and DTensor local
             shards) when their dtype matches and they are contiguous, and return those same
             objects — as DCP does: faster, no extra memory, but a load that fails part-way (a

@@ -8,7 +8,7 @@ from typing import Any
 
 from statestream.errors import MissingKeyError, TargetMismatchError
 from statestream.format import Manifest
-from statestream.providers import target_provider_for
+from statestream.providers import adapter_for, providers, target_provider_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -27,6 +27,18 @@ class _NoTarget:
 
 
 NO_TARGET: Any = _NoTarget()
+
+
+class PartialTarget:
+    """A module in the target of which ``items=`` selects some entries: ``load`` loads
+    them into ``module`` (``load_state_dict(..., strict=False)``, the rest untouched)
+    and returns ``returned`` there (the target as given: a compiled module, say)."""
+
+    __slots__ = ("module", "returned")
+
+    def __init__(self, module: Any, returned: Any) -> None:
+        self.module = module
+        self.returned = returned
 
 
 def _children(node: Node) -> list[tuple[Key, Node]]:
@@ -87,8 +99,6 @@ def _target_child(like: Any, key: Key, path: KeyPath) -> Any:
     (NO_TARGET if none)."""
     if like is NO_TARGET or like is None:
         return like  # None: the saved kind, all the way down
-    if is_stateful(like) and target_provider_for(like) is None:
-        like = like.state_dict()  # its state's leaves type what is loaded
     if isinstance(like, dict):
         return like.get(key, NO_TARGET)
     if type(key) is str and _named(like):  # an optax state, a dataclass: by field name
@@ -142,22 +152,30 @@ def _select(root: Node, items: Sequence[str], like: Any, where: str,
     return _select_level(root, wanted, like, (), where, typed)
 
 
+def _selected_child(node: Node, seg: str, path: KeyPath, where: str,
+                    typed: bool) -> tuple[Key, Node]:
+    found = _saved_child(node, seg, path, where, typed)
+    if found is None:
+        have = ", ".join(repr(k) for k, _ in _children(node)[:20])
+        raise MissingKeyError(
+            f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
+            + (f"at '{format_keypath(path)}' it has: {have}" if have
+               else f"'{format_keypath(path)}' holds a {node.kind} without keys")
+        )
+    return found
+
+
 def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
                   where: str, typed: bool) -> tuple[Node, Any]:
     node = _unwrap(node)
+    if (like is not NO_TARGET and like is not None and is_stateful(like)
+            and target_provider_for(like) is None):
+        return _select_in_module(node, wanted, like, path, where, typed)
     keys: list[Key] = []
     kids: list[Node] = []
     targets: dict[Key, Any] = {}
     for seg, sub in wanted.items():
-        found = _saved_child(node, seg, path, where, typed)
-        if found is None:
-            have = ", ".join(repr(k) for k, _ in _children(node)[:20])
-            raise MissingKeyError(
-                f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
-                + (f"at '{format_keypath(path)}' it has: {have}" if have
-                   else f"'{format_keypath(path)}' holds a {node.kind} without keys")
-            )
-        key, child = found
+        key, child = _selected_child(node, seg, path, where, typed)
         t = _target_child(like, key, path)
         if sub is not None:
             child, t = _select_level(child, sub, t, path + (key,), where, typed)
@@ -165,6 +183,48 @@ def _select_level(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
         kids.append(child)
         targets[key] = t
     return Node("dict", keys=keys, children=kids), targets
+
+
+def _select_in_module(node: Node, wanted: dict[str, Any], like: Any, path: KeyPath,
+                      where: str, typed: bool) -> tuple[Node, PartialTarget]:
+    """Entries of a stateful target's saved state selected by ``items=``: loaded into a
+    module, whole entries of its ``state_dict()``; refused for anything else, whose
+    ``load_state_dict`` takes the whole state (an optimizer's: its parameter groups
+    and every parameter's state together), before anything is read."""
+    adapter = adapter_for(like)
+    obj = (adapter.wrapped(like) if adapter is not None else None) or like
+    hints = [prov for prov in providers() if prov.capabilities.state_hints]
+    at = format_keypath(path)
+    if not any(prov.is_module(obj) for prov in hints):
+        what = ("an optimizer, whose state loads whole (its parameter groups and every "
+                "parameter's state together)"
+                if any(prov.is_optimizer(obj) for prov in hints)
+                else "an object whose load_state_dict() takes its whole state")
+        raise TargetMismatchError(
+            f"items= selects entries of the {type_name(obj)} at key path '{at}' in the "
+            f"target, {what}: a part of it cannot be loaded into it; nothing was loaded. "
+            f"Select '{at}' whole, or pass None there in the target to get the selected "
+            "entries back as saved")
+    state = obj.state_dict()
+    keys: list[Key] = []
+    kids: list[Node] = []
+    for seg, sub in wanted.items():
+        key, child = _selected_child(node, seg, path, where, typed)
+        if key not in state:
+            raise TargetMismatchError(
+                f"items= selects key path '{format_keypath(path + (key,))}', which the "
+                f"target's {type_name(obj)} at '{at}' has no place for (no {key!r} in its "
+                "state_dict()); nothing was loaded. Pass None there in the target to get "
+                "it back as saved")
+        if sub is not None:
+            raise TargetMismatchError(
+                f"items= selects a part of the entry '{format_keypath(path + (key,))}' of "
+                f"the target's {type_name(obj)} at '{at}': a module loads whole entries of "
+                f"its state_dict(); nothing was loaded. Select "
+                f"'{format_keypath(path + (key,))}'")
+        keys.append(key)
+        kids.append(child)
+    return Node("dict", keys=keys, children=kids), PartialTarget(obj, like)
 
 
 def selected(m: Manifest, target: Any, items: Sequence[str] | None,

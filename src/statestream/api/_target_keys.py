@@ -99,12 +99,14 @@ def int_keyed(kids: list[tuple[Key, Node]], target_items: list[tuple[Key, Any]])
         type(k) is int for k, _ in target_items)
 
 
-def refuse_early(like: Any, sub_like: Any, node: Node, path: KeyPath) -> None:
+def refuse_early(like: Any, sub_like: Any, node: Node, path: KeyPath, *,
+                 partial: bool = False) -> None:
     """Raise, before anything is read or loaded, where stateful target ``like``'s
     ``load_state_dict`` is sure to refuse the saved state ``node`` (a module's
     missing or unexpected keys or a value that is no tensor, an optimizer's parameter
     groups that do not match, as its providers tell): found only by that call,
-    the refusal would come after the load had filled the targets before it."""
+    the refusal would come after the load had filled the targets before it.
+    ``partial``: some of a module's entries, selected by items= (none missing)."""
     for prov in providers():
         why = prov.refused_state(like, node) if prov.capabilities.state_hints else None
         if why is not None:
@@ -119,7 +121,7 @@ def refuse_early(like: Any, sub_like: Any, node: Node, path: KeyPath) -> None:
             continue
         missing, unexpected = prov.refused_keys(like, list(sub_like), list(node.keys))
         what = f"{type_name(like)}.load_state_dict() would refuse the checkpoint's state"
-        if missing:
+        if missing and not partial:
             saved = {(type(k), k): c for k, c in zip(node.keys, node.children or [])}
             raise MissingKeyError(
                 f"key path '{format_keypath(path + (missing[0],))}' is in the target but "
