@@ -64,7 +64,7 @@ from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory
 from statestream.manager._tierrefs import missing_bases
-from statestream.manager._tierspace import make_room
+from statestream.manager._tierspace import TierRoom, make_room
 from statestream.manager._uploads import upload_filter
 from statestream.storage import LocalStorage, storage_for
 
@@ -116,6 +116,7 @@ class LocalTier:
         self.persistent = persistent
         self.retention = Retention(keep, self.dir)
         self.records = StepRecords(self.dir)
+        self.room = TierRoom()  # what its leader said of a tier short of room
         self._coll = coll
         self.groups = groups
         self._leader = leader = groups.is_leader

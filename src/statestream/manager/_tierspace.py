@@ -5,13 +5,19 @@ A local tier sized for fewer steps than its keep policy keeps plus one new step
 failed every save with ENOSPC, although the steps it would have had to drop were
 persisted (the directory holds them). Before each save, a node's leader (on the
 path where the tier applies its keep policy) drops the oldest persisted local
-copies until the tier has the newest step's size free, the estimate of the next
-save; a save that fails for lack of room anyway says the tier is full.
+copies until the tier has room for the next save (:func:`next_save_bytes`); a save
+that fails for lack of room anyway says the tier is full.
+
+A tier sized for its keep policy's steps but not one more drops a copy before every
+save: that is warned once when it starts, and again only when it gets worse (the
+tier holds fewer steps with the next save than when it last warned) or starts again
+after the tier had room; otherwise it is logged at debug level (:class:`TierRoom`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import warnings
@@ -24,11 +30,46 @@ if TYPE_CHECKING:
     from statestream.distributed import Collective
     from statestream.manager._tier import LocalTier
 
-__all__ = ["free_bytes", "make_room", "raise_if_full", "retry_when_full", "tier_full_error",
-           "write_making_room"]
+__all__ = ["TierRoom", "free_bytes", "make_room", "next_save_bytes", "raise_if_full",
+           "retry_when_full", "tier_full_error", "write_making_room"]
 
-#: room asked past the newest step's size (the manifest, the markers, the records)
+#: room asked past the estimate of the next save (the manifest, the markers, the records)
 _MARGIN = 64 * 1024
+
+_log = logging.getLogger("statestream.manager")
+
+
+class TierRoom:
+    """What a node's leader last said about its local tier running short of room.
+
+    ``warned``: how many steps the tier held with the next save (the steps left
+    after making room, plus that save) when it last warned; None once the tier had
+    room for more steps than that (or it never ran short). A shortage warns when it
+    starts and when the tier holds fewer steps than that; otherwise it is logged at
+    debug level.
+    """
+
+    def __init__(self) -> None:
+        self.warned: int | None = None
+
+    def had_room(self, root: str, held: int) -> None:
+        """The tier had room for the next save beside its ``held - 1`` steps: when that
+        is more steps than it held when it warned, a later shortage warns again (just
+        after making room it has room for as many steps as then: nothing changed)."""
+        if self.warned is not None and held > self.warned:
+            _log.debug("the local tier %s has room for %d steps again", root, held)
+            self.warned = None
+
+    def report(self, message: str, held: int) -> None:
+        """Warn ``message`` when the shortage starts or gets worse (``held``: the steps
+        the tier holds with the next save); log it at debug level otherwise."""
+        if self.warned is not None and held >= self.warned:
+            _log.debug("%s", message)
+            return
+        self.warned = held
+        warnings.warn(f"{message} (warned once while this lasts, and again if the tier "
+                      "holds fewer steps; logged at debug level, logger "
+                      "'statestream.manager', otherwise)", RuntimeWarning, stacklevel=7)
 
 
 def free_bytes(root: str) -> int | None:
@@ -52,11 +93,29 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
+def _kind(tier: LocalTier, step: int) -> bool:
+    """Whether ``step`` refers to other steps (an incremental save); unreadable: False."""
+    return bool(tier.retention.bases_of(step))
+
+
+def next_save_bytes(tier: LocalTier, steps: list[int]) -> int:
+    """The room the next save is expected to take in the tier holding ``steps``: the
+    largest of them (a full save after incremental ones takes what the last full one
+    did), plus what the newest grew by over the step before it of the same kind (full
+    or incremental: a state that grows keeps growing), plus a margin."""
+    sizes = {s: _disk_bytes(tier.path(s)) for s in steps}
+    newest = steps[-1]
+    kind = _kind(tier, newest)
+    before = next((s for s in reversed(steps[:-1]) if _kind(tier, s) == kind), None)
+    growth = 0 if before is None else max(0, sizes[newest] - sizes[before])
+    return max(sizes.values()) + growth + _MARGIN
+
+
 def make_room(tier: LocalTier, protected: set[int], failed: int | None = None) -> list[int]:
     """Drop the oldest persisted local steps while the tier has less room than the
-    newest step takes (plus a margin); returns the steps dropped, oldest first.
-    ``failed``: a save of that step just failed for lack of room: every step that
-    can leave does.
+    next save is expected to take (:func:`next_save_bytes`); returns the steps
+    dropped, oldest first. ``failed``: a save of that step just failed for lack of
+    room: every step that can leave does.
 
     Never dropped: a step not recorded as persisted, a ``protected`` one (being
     persisted, the base of a queued save), a step a step still in the tier refers
@@ -64,14 +123,18 @@ def make_room(tier: LocalTier, protected: set[int], failed: int | None = None) -
     read (what it refers to is unknown). Local disk only (the leader).
 
     Warns:
-        RuntimeWarning: naming the steps dropped, the room there was and why.
+        RuntimeWarning: naming the steps dropped, the room there was and why, when
+            the tier starts running short or holds fewer steps than when it last
+            warned (:class:`TierRoom`; logged at debug level otherwise).
     """
     steps = tier.steps()
     free = free_bytes(tier.root)
     if not steps or free is None:
         return []
-    need = (sys.maxsize if failed is not None
-            else _disk_bytes(tier.path(steps[-1])) + _MARGIN)
+    need = sys.maxsize if failed is not None else next_save_bytes(tier, steps)
+    if free >= need:
+        tier.room.had_room(tier.root, len(steps) + 1)
+        return []
     had = free
     dropped: list[int] = []
     while free is not None and free < need:
@@ -89,15 +152,26 @@ def make_room(tier: LocalTier, protected: set[int], failed: int | None = None) -
         dropped.append(s)
         free = free_bytes(tier.root)
     if dropped:
-        why = (f"less than the next save needs (about {need} bytes, the size of its newest "
-               "step)" if failed is None else f"and the save of step {failed} did not fit")
-        warnings.warn(
-            f"the local tier {tier.root} had {had} bytes free, {why}: the persisted local "
-            f"steps {dropped} were removed from it to make room (they load from "
-            f"{tier.persistent.directory} while its keep policy keeps them); give the local "
-            "tier more room or keep fewer steps there (local_keep_policy)",
-            RuntimeWarning, stacklevel=5)
+        _report(tier, steps, dropped, had, need, failed)
     return dropped
+
+
+def _report(tier: LocalTier, steps: list[int], dropped: list[int], had: int, need: int,
+            failed: int | None) -> None:
+    """Warn (or log, :class:`TierRoom`) that ``dropped`` left the tier to make room."""
+    held = len(steps) - len(dropped) + 1  # with the next save
+    why = (f"less than the next save is expected to take (about {need} bytes: the largest "
+           "local step, plus what the newest grew by)" if failed is None
+           else f"and the save of step {failed} did not fit")
+    was = tier.room.warned
+    fewer = (f"; with the next save it holds {held} step(s), fewer than the {was} it held "
+             "when this was last warned" if was is not None and held < was
+             else f"; with the next save it holds {held} step(s)")
+    tier.room.report(
+        f"the local tier {tier.root} had {had} bytes free, {why}: the persisted local "
+        f"steps {dropped} were removed from it to make room (they load from "
+        f"{tier.persistent.directory} while its keep policy keeps them){fewer}; give the "
+        "local tier more room or keep fewer steps there (local_keep_policy)", held)
 
 
 def write_making_room(tier: LocalTier | None, coll: Collective, step: int,
