@@ -51,7 +51,7 @@ from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collecti
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierops import load_step, open_tier, tier_steps
-from statestream.manager._tierspace import raise_if_full, write_making_room
+from statestream.manager._tierspace import raise_if_full, started, write_making_room
 from statestream.storage import storage_for
 
 __all__ = ["CheckpointManager", "ManagerLockedError"]
@@ -391,7 +391,7 @@ class CheckpointManager:
         meta.update({} if depth is None else {CHAIN_KEY: depth})
         base = None if base_step is None else target.path(base_step)
 
-        write_making_room(self._tier, self._coll, step, base_step,  # a full local tier
+        write_making_room(self._tier, self._coll, step, base_step, not self._async,
                           lambda: self._write(path, state, overwrite, meta, base))
         if self._async:
             assert self._inflight is not None
@@ -415,12 +415,12 @@ class CheckpointManager:
                base: str | None) -> None:
         """Save (or start saving, ``async_save``) ``state`` to ``path``."""
         tiered = self._tier is not None
-        if self._async:
-            self._inflight = save_async(path, state, lazy=self._lazy, overwrite=overwrite,
-                                        io=self._io, memory=self._memory,
-                                        collective=self._coll, meta=meta,
-                                        compression=self._compression, base=base,
-                                        hashes=self._incremental, node_local=tiered)
+        if self._async:  # an agreed failure: raised at the next save, wait, close
+            self._inflight = started(self._coll, path, lambda: save_async(
+                path, state, lazy=self._lazy, overwrite=overwrite, io=self._io,
+                memory=self._memory, collective=self._coll, meta=meta,
+                compression=self._compression, base=base, hashes=self._incremental,
+                node_local=tiered))
         else:
             save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
                  collective=self._coll, meta=meta, compression=self._compression,

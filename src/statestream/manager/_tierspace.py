@@ -24,14 +24,17 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from statestream.errors import StorageError, storage_error
+from statestream.distributed import gather_each
+from statestream.engine import SaveHandle
+from statestream.errors import DistributedError, StorageError, storage_error
 
 if TYPE_CHECKING:
     from statestream.distributed import Collective
     from statestream.manager._tier import LocalTier
 
-__all__ = ["TierRoom", "free_bytes", "make_room", "next_save_bytes", "raise_if_full",
-           "retry_when_full", "tier_full_error", "write_making_room"]
+__all__ = ["TierRoom", "free_bytes", "lacks_room", "make_room", "next_save_bytes", "raise_if_full",
+           "retry_together", "retry_when_full", "started", "tier_full_error",
+           "write_making_room"]
 
 #: room asked past the estimate of the next save (the manifest, the markers, the records)
 _MARGIN = 64 * 1024
@@ -175,27 +178,51 @@ def _report(tier: LocalTier, steps: list[int], dropped: list[int], had: int, nee
 
 
 def write_making_room(tier: LocalTier | None, coll: Collective, step: int,
-                      base: int | None, write: Callable[[], None]) -> None:
+                      base: int | None, agreed: bool, write: Callable[[], None]) -> None:
     """``write()`` (a save of ``step`` against ``base``), tried once more in a full
-    local ``tier`` (:func:`retry_when_full`)."""
+    local ``tier``: :func:`retry_when_full` with one process; with several, when
+    ``agreed`` (a synchronous save: a failed ``write`` raises on every process
+    together), :func:`retry_together`. Otherwise a failure that was a lack of room
+    in this process's tier raises as a full tier's error (:func:`raise_if_full`)."""
     try:
         write()
-    except StorageError as exc:
+    except (StorageError, DistributedError) as exc:
         if tier is None:
             raise
-        retry_when_full(tier, coll, step, exc, base, write)
+        if coll.world_size == 1:
+            return retry_when_full(tier, coll, step, exc, base, write)
+        if agreed and getattr(exc, "failed_types", None) is not None:
+            return retry_together(tier, coll, step, exc, base, write)
+        raise_if_full(tier, step, exc)
+        raise
 
 
-def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: StorageError,
+def started(coll: Collective, path: str, start: Callable[[], SaveHandle]) -> SaveHandle:
+    """``start()`` (a ``save_async`` to ``path``). With several processes, a failure of
+    it that every process agreed on (a ``DistributedError`` naming the failing
+    ranks) comes back as a failed handle instead of being raised: the other
+    processes' ``save_async`` may have returned before they knew (their background
+    phase raises it), and raising it here alone would leave this process out of
+    step with them (its next collective matched to another). Every process then
+    raises it at the same call: the next ``save``, ``wait`` or ``close``. Not
+    retried: the processes whose ``save_async`` returned cannot try it again."""
+    try:
+        return start()
+    except DistributedError as exc:
+        if coll.world_size == 1 or getattr(exc, "failed_types", None) is None:
+            raise
+        failed = SaveHandle(path, 0)
+        failed.fail(exc)
+        return failed
+
+
+def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
                     base: int | None, write: Callable[[], None]) -> None:
     """After ``write`` (a save of ``step`` against ``base``) failed with ``exc``: when
     that was a lack of room in a single process's tier, every persisted local step
     that can leave (:func:`make_room`; not ``base``, nor a step being persisted)
     does, and ``write`` is tried once more. Raises ``exc`` otherwise (as a full
-    tier's error, :func:`raise_if_full`), or the retry's error.
-
-    With several processes the save is not retried (every process would have to
-    agree to); it raises, and only the room made before each save applies."""
+    tier's error, :func:`raise_if_full`), or the retry's error."""
     if (coll.world_size == 1 and _is_full(exc)
             and make_room(tier, tier.pending_steps() | ({base} if base is not None else set()),
                           failed=step)):
@@ -207,6 +234,58 @@ def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: StorageEr
     raise exc
 
 
+def retry_together(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
+                   base: int | None, write: Callable[[], None]) -> None:
+    """After a synchronous save of ``step`` failed on every process with ``exc`` (an
+    agreed ``DistributedError``): when a process's part did not fit in its node's
+    local tier, the leader of each such node drops every persisted local step that
+    can leave (:func:`make_room`), and if each of them dropped one, every process
+    tries ``write`` once more, together. Each decision is gathered from every
+    process, so none waits alone in a collective.
+
+    Raises:
+        StorageError: (errno ENOSPC) on every process, naming each rank whose local
+            tier is full and what could leave it, when nothing could leave one of
+            them or the save failed for room again.
+        DistributedError: ``exc``, or the retry's error, when that was not a lack
+            of room.
+    """
+    texts = _full_texts(tier, coll, step, exc)
+    full = {tier.groups.leader(r) for r, t in enumerate(texts) if t is not None}
+    if not full:
+        raise exc
+    protected = tier.pending_steps() | ({base} if base is not None else set())
+    dropped = gather_each(
+        coll, f"making room for step {step} in the full local tiers",
+        lambda: make_room(tier, protected, failed=step) if coll.rank in full else [],
+        outcome=f"step {step} was not saved")
+    if all(dropped[r] for r in full):
+        try:
+            return write()
+        except DistributedError as again:
+            if getattr(again, "failed_types", None) is None:
+                raise
+            exc = again
+        texts = _full_texts(tier, coll, step, exc)
+        if all(t is None for t in texts):
+            raise exc
+    named = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
+    raise storage_error(f"{named}; step {step} was saved on no rank", errno.ENOSPC) from exc
+
+
+def _full_texts(tier: LocalTier, coll: Collective, step: int,
+                exc: BaseException) -> list[str | None]:
+    """Every process's full tier error (:func:`tier_full_error`) as text, None where
+    ``exc`` was not a lack of room in its node's local tier."""
+
+    def mine() -> str | None:
+        full = tier_full_error(tier, step, exc)
+        return None if full is exc else str(full)
+
+    return gather_each(coll, f"finding which local tiers step {step} did not fit in", mine,
+                       outcome=f"step {step} was not saved")
+
+
 def raise_if_full(tier: LocalTier, step: int, exc: BaseException) -> None:
     """Raise a full tier's error (:func:`tier_full_error`) if ``exc`` is one."""
     full = tier_full_error(tier, step, exc)
@@ -214,8 +293,25 @@ def raise_if_full(tier: LocalTier, step: int, exc: BaseException) -> None:
         raise full from exc
 
 
-def _is_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+def lacks_room(exc: BaseException) -> bool:
+    """``exc`` is a lack of room (ENOSPC), or was raised from one (an agreed
+    ``DistributedError`` on the process that had it)."""
+    return _enospc(exc) is not None
+
+
+_is_full = lacks_room
+
+
+def _enospc(exc: BaseException | None) -> OSError | None:
+    """The lack of room (ENOSPC) ``exc`` is, or was raised from (an agreed
+    ``DistributedError`` on the process that had it); None if neither."""
+    for _ in range(8):
+        if exc is None:
+            return None
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return exc
+        exc = exc.__cause__
+    return None
 
 
 def _droppable(tier: LocalTier, steps: list[int], protected: set[int]) -> int | None:
@@ -232,22 +328,25 @@ def _droppable(tier: LocalTier, steps: list[int], protected: set[int]) -> int | 
 
 def tier_full_error(tier: LocalTier, step: int, exc: BaseException) -> BaseException:
     """``exc``, or, when it is a lack of room (ENOSPC), an error that says the local
-    tier is full, naming it, its free space, ``step`` and what could leave it."""
-    if not isinstance(exc, OSError) or not _is_full(exc):
+    tier is full, naming it, its free space, ``step`` and what could leave it
+    (also when ``exc`` was raised from one: an agreed ``DistributedError``)."""
+    cause = _enospc(exc)
+    if cause is None:
         return exc
     free = free_bytes(tier.root)
     try:
         could = _all_droppable(tier, tier.pending_steps())
     except OSError:
         could = []
-    why = (f"this save needed more room than the newest local step takes (the room made "
-           f"before a save); the persisted local steps {could} could leave it" if could
+    why = (f"this save needed more room than was made before it (the largest local step "
+           f"and the newest one's growth); the persisted local steps {could} could leave it"
+           if could
            else "it holds no persisted step that can leave it (the others wait to be "
            "persisted, or a kept step refers to them)")
     return storage_error(
         f"saving step {step} failed: the local tier {tier.root} is full "
         f"({'unknown' if free is None else free} bytes free); {why}; give it more room "
-        f"or keep fewer steps there ({exc})", exc)
+        f"or keep fewer steps there ({cause})", cause)
 
 
 def _all_droppable(tier: LocalTier, protected: set[int]) -> list[int]:

@@ -1,0 +1,148 @@
+"""A local tier too small for its steps on one node of two (torch.distributed gloo,
+loopback; a real 2 MiB tmpfs holds rank 1's tier, rank 0's is on the test's disk).
+
+A save that does not fit in rank 1's tier fails on every rank; the ranks agree to
+drop the persisted copies of the full tier and save once more together (a
+synchronous save), and when nothing can leave it every rank raises an error that
+names rank 1's full local tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import Context, launch  # noqa: E402
+from _workers import init_gloo, require_gloo  # noqa: E402
+
+torch, dist = require_gloo()
+
+import statestream as ss  # noqa: E402
+from statestream import _hooks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux (tmpfs)")
+
+THIS = os.path.abspath(__file__)
+WORLD = 2
+
+
+def state_at(step: int, rank: int) -> dict[str, Any]:
+    """Rank 1's part is 0.6 MB, then 1 MB from step 3 (more than the newest step
+    the room before the save was made for); rank 0's is small."""
+    n = 75_000 if step < 3 else 125_000
+    return {"per_rank": {f"rank{rank}": np.arange(n if rank == 1 else 1000,
+                                                  dtype=np.float64) + step}}
+
+
+def expected(step: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"per_rank": {}}
+    for r in range(WORLD):
+        out["per_rank"].update(state_at(step, r)["per_rank"])
+    return out
+
+
+def _manager(ctx: Context, keep: int = 2, **kw: Any) -> ss.CheckpointManager:
+    args = ctx.args
+    local = args["full"] if ctx.rank == 1 else os.path.join(args["root"], "node0")
+    return ss.CheckpointManager(os.path.join(args["root"], "persist"), local_tier=local,
+                                collective=ss.TorchCollective(timeout_s=30),
+                                local_keep_policy=ss.KeepLatest(keep), **kw)
+
+
+def retry_worker(ctx: Context) -> dict[str, Any]:
+    init_gloo(ctx)
+    with _manager(ctx, async_save=False) as mgr:
+        for step in (1, 2):
+            assert mgr.save(step, state_at(step, ctx.rank))
+            mgr.wait()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            saved = mgr.save(3, state_at(3, ctx.rank))
+        mgr.wait()
+        out = {"saved": saved, "steps": mgr.steps(), "local": mgr._tier.steps(),
+               "warned": [str(w.message) for w in got if "to make room" in str(w.message)]}
+        for s in (1, 2, 3):
+            got_state = mgr.load(s)
+            for k, v in expected(s)["per_rank"].items():
+                np.testing.assert_array_equal(got_state["per_rank"][k], v)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_save_that_does_not_fit_one_ranks_tier_is_tried_again_by_every_rank(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    # Before: step 3 failed on both ranks (a DistributedError naming rank 1's ENOSPC);
+    # only one process tried a save again after making room.
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "retry_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full)})
+    r0, r1 = (r.value for r in res)
+    assert r0["saved"] and r1["saved"]
+    assert r0["steps"] == r1["steps"] == [1, 2, 3]
+    # rank 1's tier made room for step 3 (and may have let it go since, persisted,
+    # for the next save: steps grow); rank 0's tier kept its two steps
+    assert r1["local"] in ([3], []) and r0["local"] == [2, 3], (r0, r1)
+    assert any("save of step 3 did not fit" in w and str(full) in w for w in r1["warned"])
+    assert r0["warned"] == []
+
+
+def nothing_to_drop_worker(ctx: Context) -> dict[str, Any]:
+    init_gloo(ctx)
+
+    def down() -> None:
+        raise ss.StorageError("the object store is down (injected)")
+
+    _hooks.register("tier.persist", down)
+    mgr = _manager(ctx, async_save=ctx.args["async"])
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in (1, 2):
+            assert mgr.save(step, state_at(step, ctx.rank))
+        try:
+            mgr.save(3, state_at(3, ctx.rank))
+            mgr._wait_save()
+        except ss.CheckpointError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["errno"] = getattr(exc, "errno", None)
+        out["local"] = mgr._tier.steps()
+        try:
+            mgr.close()
+        except ss.CheckpointError:
+            pass  # the store is still down: nothing was persisted
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_tier_on_one_rank_is_named_on_every_rank(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path, async_save: bool) -> None:
+    """The store is down: nothing can leave rank 1's tier. A synchronous save raises
+    on every rank an ENOSPC StorageError naming rank 1's full tier (before: a
+    DistributedError on each). An async save that fails in the background is not
+    tried again (the ranks' saves return before they know): rank 1 raises its full
+    tier's error, rank 0 the DistributedError naming rank 1's lack of room."""
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "nothing_to_drop_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full), "async": async_save})
+    says = f"saving step 3 failed: the local tier {full} is full ("
+    for r in res:
+        v = r.value
+        assert "error" in v and v["local"] == [1, 2], (r.rank, v)
+        if not async_save:
+            assert f"rank 1: {says}" in v["error"] and "saved on no rank" in v["error"], v
+            assert v["errno"] == errno.ENOSPC, v
+        elif r.rank == 1:
+            assert says in v["error"] and v["errno"] == errno.ENOSPC, v
+        else:
+            assert ("DistributedError: rank 1 failed" in v["error"]
+                    and "No space left on device" in v["error"]), v
