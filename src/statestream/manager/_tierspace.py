@@ -346,7 +346,7 @@ def tier_full_error(tier: LocalTier, step: int, exc: BaseException) -> BaseExcep
     return storage_error(
         f"saving step {step} failed: the local tier {tier.root} is full "
         f"({'unknown' if free is None else free} bytes free); {why}; give it more room "
-        f"or keep fewer steps there ({cause})", cause)
+        f"or keep fewer steps there ({exc})", cause)
 
 
 def _all_droppable(tier: LocalTier, protected: set[int]) -> list[int]:
