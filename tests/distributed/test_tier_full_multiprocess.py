@@ -146,3 +146,82 @@ def test_a_full_tier_on_one_rank_is_named_on_every_rank(
         else:
             assert ("DistributedError: rank 1 failed" in v["error"]
                     and "No space left on device" in v["error"]), v
+
+
+def _peer_state(step: int, rank: int, big: bool = False) -> dict[str, Any]:
+    """Rank 1's part: 0.72 MB; ``big``: 1.4 MB for steps 1-3, 0.4 MB from step 4."""
+    n = (175_000 if step < 4 else 50_000) if big else 90_000
+    return {"per_rank": {f"rank{rank}": np.arange(n if rank == 1 else 1000,
+                                                  dtype=np.float64) + step}}
+
+
+def peers_worker(ctx: Context) -> dict[str, Any]:
+    """Rank 0's tier holds three steps, with rank 1's files too (``replicate_to_peers``);
+    rank 1's 2 MiB tier holds fewer. Saves 1-5, loads 4 and 3, saves 6-8."""
+    init_gloo(ctx)
+    big = ctx.args["big"]
+    mgr = _manager(ctx, keep=3, async_save=False, replicate_to_peers=True)
+    out: dict[str, Any] = {"loads": {}}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for step in range(1, 6):
+            assert mgr.save(step, _peer_state(step, ctx.rank, big))
+            mgr.wait()
+        out["before"] = mgr._tier.steps()
+        for s in (4, 3):  # rank 1's tier dropped them; rank 0's holds rank 1's files
+            loaded = mgr.load(s)["per_rank"]
+            for r in range(WORLD):
+                np.testing.assert_array_equal(loaded[f"rank{r}"],
+                                              _peer_state(s, r, big)["per_rank"][f"rank{r}"])
+            out["loads"][s] = mgr._tier.steps()
+        out["entries"] = sorted(os.listdir(mgr._tier.root))
+        for step in range(6, 9):
+            assert mgr.save(step, _peer_state(step, ctx.rank, big))
+            mgr.wait()
+        out["after"] = mgr.steps()
+        out["unpersisted"] = mgr.unpersisted_steps()
+        mgr.close()
+    out["warned"] = [str(w.message) for w in got if "was not copied into" in str(w.message)]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_copy_that_would_fill_a_full_tier_is_not_made_on_load(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    """Loading steps 4 and 3, which rank 1's full tier dropped for room, used to copy
+    them back there from rank 0's peer copy before the load: step 4 filled the tier
+    (the next save had to drop its newest step), step 3 did not fit and the load
+    failed on every rank (a DistributedError naming ENOSPC), although the directory
+    held it. Now the copy is not made: both load from the directory, with a warning
+    on every rank naming rank 1's tier."""
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "peers_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full), "big": False})
+    r0, r1 = (r.value for r in res)
+    assert r0["before"] == [3, 4, 5] and r1["before"] == [5], (r0, r1)
+    assert r1["loads"] == {"4": [5], "3": [5]}, r1  # nothing copied back into it
+    assert r0["loads"] == {"4": [3, 4, 5], "3": [3, 4, 5]}, r0
+    for v in (r0, r1):
+        assert v["after"] == list(range(1, 9)) and v["unpersisted"] == [], v
+        assert len(v["warned"]) == 2 and all(f"local tier {full} (rank 1" in w
+                                             for w in v["warned"]), v
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_copy_that_does_not_fit_a_tier_loads_from_the_directory(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    """Rank 1's tier holds two 0.4 MB steps and has room for two more, but step 3 is
+    1.4 MB: its copy from rank 0's peer copy fails for room (ENOSPC). The load used
+    to fail on every rank; now it loads from the directory on every rank, with a
+    warning naming rank 1's full tier, and step 4 (held there) from the tiers."""
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "peers_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full), "big": True})
+    r0, r1 = (r.value for r in res)
+    assert r0["before"] == [3, 4, 5] and r1["before"] == [4, 5], (r0, r1)
+    assert r1["loads"] == {"4": [4, 5], "3": [4, 5]}, r1
+    assert not [e for e in r1["entries"] if "step_0000000003" in e], r1  # nothing left
+    for v in (r0, r1):
+        assert v["after"] == list(range(1, 9)) and v["unpersisted"] == [], v
+        assert len(v["warned"]) == 1 and f"local tier {full} (rank 1)" in v["warned"][0], v
+        assert "the tier is full" in v["warned"][0], v

@@ -42,6 +42,7 @@ from statestream.engine import (
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    DistributedError,
     InvalidOptionError,
     StorageError,
 )
@@ -50,6 +51,7 @@ from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tiercheck import reconcile
+from statestream.manager._tierspace import free_bytes, lacks_room, next_save_bytes
 
 __all__ = ["base_for", "fetch_into_tier", "open_tier", "tier_load", "tier_steps"]
 
@@ -303,6 +305,8 @@ def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str]
     (load from the directory, the error to raise instead of loading)."""
     # with a target (or items), each node fetches only what its processes read
     reads = None if target is None and items is None else _Reads(target, items, allow_pickle)
+    if _no_room_to_restore(tier, step, coll):
+        return True, None
     try:
         ok = complete_copies(coll, byte_channel(coll), tier.groups, tier.path(step),
                              None if reads is None else reads.of_step)
@@ -310,6 +314,10 @@ def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str]
     except CheckpointCorruptError as exc:  # raised on every process alike
         return _damaged(tier, step, exc, f"the nodes' local copies of step {step} cannot "
                         "be completed")
+    except DistributedError as exc:  # agreed: raised on every process alike
+        if getattr(exc, "failed_types", None) is None:
+            raise
+        return _not_restored(tier, step, exc, coll)
     if ok and tier.holds(step):  # its bases too (a local base may be retired)
         return False, None
     # a node holds it, none can complete it (files no node holds; every process
@@ -320,6 +328,68 @@ def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str]
             f"step {step} cannot be loaded: the nodes' local copies of it cannot be "
             f"completed (a file of it is on no node: a save of it was interrupted, or a "
             f"node lost its disk) and {tier.persistent.directory} does not hold it")
+    return True, None
+
+
+def _no_room_to_restore(tier: LocalTier, step: int, coll: Collective) -> bool:
+    """Whether a node's tier lacks ``step`` and the room for a copy of it beside the
+    next save (less than twice what the next save is expected to take,
+    ``_tierspace.next_save_bytes``), while the directory holds it: a tier too small
+    for its keep policy dropped it for room, and a copy from a peer would fill it
+    again (the next save would then drop its newest step). The step then loads from
+    the directory on every process, with a warning. Collective: one gather, and one
+    broadcast (rank 0 asks the directory) only when a tier is short."""
+
+    def mine() -> list[Any] | None:  # [holds it, short of room for a copy of it]
+        if not tier.groups.is_leader:
+            return None
+        if tier.is_committed(step):
+            return [True, None]
+        steps, free = tier.steps(), free_bytes(tier.root)
+        if not steps or free is None or free >= 2 * next_save_bytes(tier, steps):
+            return [False, None]
+        return [False, f"{tier.root} (rank {coll.rank}, {free} bytes free)"]
+
+    if len(tier.groups.leaders()) < 2:
+        return False  # no peer to copy from
+    nodes = [x for x in gather_each(coll, f"finding the room for step {step} in the local "
+                                    "tiers", mine, outcome="nothing was loaded") if x]
+    short = [s for _, s in nodes if s]
+    if (not short or not any(h for h, _ in nodes)
+            or not share_from_0(coll, f"finding step {step} in the directory",
+                                lambda: _is_committed(tier.persistent, step))):
+        return False
+    warnings.warn(
+        f"step {step} was not copied into the local tier {', '.join(short)} from its "
+        "peer's copy: the tier has no room for it beside the next save (a tier too small "
+        "for its keep policy drops persisted steps for room); it is loaded from "
+        f"{tier.persistent.directory} instead",
+        RuntimeWarning, stacklevel=5)
+    return True
+
+
+def _not_restored(tier: LocalTier, step: int, exc: DistributedError,
+                  coll: Collective) -> tuple[bool, BaseException | None]:
+    """Completing the nodes' copies of ``step`` failed on every process with ``exc``.
+    When that was a lack of room in a node's local tier (one too small for its keep
+    policy drops persisted copies, and a peer's copy would fill it again) and the
+    directory holds the step, it loads from there on every process, with a warning
+    naming the full tiers; else (False, ``exc``): raised on every process.
+    Collective."""
+
+    def mine() -> list[Any]:
+        full = tier.root if lacks_room(exc) else None
+        return [full, _is_committed(tier.persistent, step) if coll.rank == 0 else None]
+
+    got = gather_each(coll, f"finding why step {step}'s local copies were not completed",
+                      mine, outcome="nothing was loaded")
+    full = sorted({f"{root} (rank {r})" for r, (root, _) in enumerate(got) if root})
+    if not full or not got[0][1]:
+        return False, exc
+    warnings.warn(
+        f"step {step} was not copied into the local tier {', '.join(full)} from its "
+        f"peer's copy: the tier is full ({exc}); it is loaded from "
+        f"{tier.persistent.directory} instead", RuntimeWarning, stacklevel=5)
     return True, None
 
 
