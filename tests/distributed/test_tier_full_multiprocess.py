@@ -225,3 +225,31 @@ def test_a_peer_copy_that_does_not_fit_a_tier_loads_from_the_directory(
         assert v["after"] == list(range(1, 9)) and v["unpersisted"] == [], v
         assert len(v["warned"]) == 1 and f"local tier {full} (rank 1)" in v["warned"][0], v
         assert "the tier is full" in v["warned"][0], v
+
+
+def peer_files_worker(ctx: Context) -> list[str]:
+    """Rank 0's 0.72 MB part goes to rank 1's 2 MiB tier as peer files, after each
+    save commits there; rank 1's own part is small."""
+    init_gloo(ctx)
+    mgr = _manager(ctx, async_save=False, replicate_to_peers=True)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for step in range(1, 11):
+            assert mgr.save(step, _peer_state(step, 1 - ctx.rank))  # the big part on rank 0
+            mgr.wait()
+        assert mgr.unpersisted_steps() == []
+        mgr.close()
+    return [str(w.message) for w in got if "to make room" in str(w.message)]
+
+
+@pytest.mark.timeout(240)
+def test_peer_files_landing_after_a_save_do_not_make_the_full_tier_warn_at_every_save(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    """Right after a save, the new step lacks its peer files (they land with its
+    persistence), so the tier looked as if it had room again, and the next drop
+    warned as a new shortage: at every save. It warns once."""
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "peer_files_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full)})
+    assert res[0].value == [], res[0].value
+    assert len(res[1].value) == 1 and str(full) in res[1].value[0], res[1].value

@@ -11,7 +11,8 @@ that fails for lack of room anyway says the tier is full.
 A tier sized for its keep policy's steps but not one more drops a copy before every
 save: that is warned once when it starts, and again only when it gets worse (the
 tier holds fewer steps with the next save than when it last warned) or starts again
-after the tier had room; otherwise it is logged at debug level (:class:`TierRoom`).
+after the tier had room for two saves; otherwise it is logged at debug level
+(:class:`TierRoom`).
 """
 
 from __future__ import annotations
@@ -47,20 +48,21 @@ class TierRoom:
 
     ``warned``: how many steps the tier held with the next save (the steps left
     after making room, plus that save) when it last warned; None once the tier had
-    room for more steps than that (or it never ran short). A shortage warns when it
-    starts and when the tier holds fewer steps than that; otherwise it is logged at
-    debug level.
+    room for the next save and as much again (or it never ran short). A shortage
+    warns when it starts and when the tier holds fewer steps than that; otherwise
+    it is logged at debug level.
     """
 
     def __init__(self) -> None:
         self.warned: int | None = None
 
-    def had_room(self, root: str, held: int) -> None:
-        """The tier had room for the next save beside its ``held - 1`` steps: when that
-        is more steps than it held when it warned, a later shortage warns again (just
-        after making room it has room for as many steps as then: nothing changed)."""
-        if self.warned is not None and held > self.warned:
-            _log.debug("the local tier %s has room for %d steps again", root, held)
+    def had_room(self, root: str, free: int, need: int) -> None:
+        """A check found ``free`` bytes, ``need`` for the next save: once that is
+        room for it and as much again, a later shortage warns again. (Room for the
+        next save alone is what making room leaves, and what a step whose files are
+        still coming, a peer's with ``replicate_to_peers``, seems to leave.)"""
+        if self.warned is not None and free >= 2 * need:
+            _log.debug("the local tier %s has room again (%d bytes free)", root, free)
             self.warned = None
 
     def report(self, message: str, held: int) -> None:
@@ -136,7 +138,7 @@ def make_room(tier: LocalTier, protected: set[int], failed: int | None = None) -
         return []
     need = sys.maxsize if failed is not None else next_save_bytes(tier, steps)
     if free >= need:
-        tier.room.had_room(tier.root, len(steps) + 1)
+        tier.room.had_room(tier.root, free, need)
         return []
     had = free
     dropped: list[int] = []
