@@ -110,8 +110,10 @@ def nothing_to_drop_worker(ctx: Context) -> dict[str, Any]:
             assert mgr.save(step, state_at(step, ctx.rank))
         try:
             mgr.save(3, state_at(3, ctx.rank))
+            out["at"] = "wait"  # the failure came after save returned
             mgr._wait_save()
         except ss.CheckpointError as exc:
+            out.setdefault("at", "save")
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["errno"] = getattr(exc, "errno", None)
         out["local"] = mgr._tier.steps()
@@ -128,13 +130,16 @@ def test_a_full_tier_on_one_rank_is_named_on_every_rank(
         mount_tmpfs: Callable[[str], Path], tmp_path: Path, async_save: bool) -> None:
     """The store is down: nothing can leave rank 1's tier. A synchronous save raises
     on every rank an ENOSPC StorageError naming rank 1's full tier (before: a
-    DistributedError on each). An async save that fails in the background is not
-    tried again (the ranks' saves return before they know): rank 1 raises its full
-    tier's error, rank 0 the DistributedError naming rank 1's lack of room."""
+    DistributedError on each). An async save is not tried again (a rank's save may
+    return before its write fails): every rank raises at the same call (before,
+    when rank 1's save_async failed at once, rank 0's save returned and its next
+    collective met another: a CollectiveTimeoutError), rank 1 its full tier's
+    error, rank 0 a DistributedError naming rank 1's lack of room."""
     full = mount_tmpfs("2m")
     res = launch(THIS, "nothing_to_drop_worker", WORLD, tmp_path, timeout_s=180,
                  args={"root": str(tmp_path / "job"), "full": str(full), "async": async_save})
     says = f"saving step 3 failed: the local tier {full} is full ("
+    assert res[0].value["at"] == res[1].value["at"], res  # the same call on every rank
     for r in res:
         v = r.value
         assert "error" in v and v["local"] == [1, 2], (r.rank, v)

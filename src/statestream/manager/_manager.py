@@ -415,7 +415,7 @@ class CheckpointManager:
                base: str | None) -> None:
         """Save (or start saving, ``async_save``) ``state`` to ``path``."""
         tiered = self._tier is not None
-        if self._async:  # an agreed failure: raised at the next save, wait, close
+        if self._async:  # agreed: one rank's failure is raised on every rank
             self._inflight = started(self._coll, path, lambda: save_async(
                 path, state, lazy=self._lazy, overwrite=overwrite, io=self._io,
                 memory=self._memory, collective=self._coll, meta=meta,

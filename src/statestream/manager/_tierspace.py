@@ -17,6 +17,7 @@ after the tier had room for two saves; otherwise it is logged at debug level
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -25,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from statestream.distributed import gather_each
+from statestream.distributed import agree, gather_each
 from statestream.engine import SaveHandle
 from statestream.errors import DistributedError, StorageError, storage_error
 
@@ -200,22 +201,35 @@ def write_making_room(tier: LocalTier | None, coll: Collective, step: int,
 
 
 def started(coll: Collective, path: str, start: Callable[[], SaveHandle]) -> SaveHandle:
-    """``start()`` (a ``save_async`` to ``path``). With several processes, a failure of
-    it that every process agreed on (a ``DistributedError`` naming the failing
-    ranks) comes back as a failed handle instead of being raised: the other
-    processes' ``save_async`` may have returned before they knew (their background
-    phase raises it), and raising it here alone would leave this process out of
-    step with them (its next collective matched to another). Every process then
-    raises it at the same call: the next ``save``, ``wait`` or ``close``. Not
-    retried: the processes whose ``save_async`` returned cannot try it again."""
-    try:
+    """``start()`` (a ``save_async`` to ``path``), agreed: with several processes one
+    process's ``save_async`` may fail (its snapshot's write failed: the engine
+    agrees on that in the background) while the others' return, their saves failing
+    later; raised there alone, that process's next collective would meet another
+    one. Every process says whether its own failed (one all-reduce when none did);
+    if one did, those whose save started wait for it to end and every process
+    raises, here.
+
+    Raises:
+        DistributedError: on every process, naming the ranks whose ``save_async``
+            failed (chained, on those, to their own error).
+    """
+    if coll.world_size == 1:
         return start()
-    except DistributedError as exc:
-        if coll.world_size == 1 or getattr(exc, "failed_types", None) is None:
-            raise
-        failed = SaveHandle(path, 0)
-        failed.fail(exc)
-        return failed
+    handle: SaveHandle | None = None
+    err: BaseException | None = None
+    try:
+        handle = start()
+    except Exception as exc:  # noqa: BLE001 - agreed just below, raised on every rank
+        err = exc
+    try:
+        agree(coll, f"starting the save to {path}", err, outcome="nothing was saved")
+    except DistributedError:
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.result()  # it fails too (the failed rank agreed on it): seen here
+        raise
+    assert handle is not None
+    return handle
 
 
 def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
