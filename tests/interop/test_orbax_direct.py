@@ -83,3 +83,17 @@ def test_bfloat16_and_float16_arrays_still_load(tmp_path: Path) -> None:
     out = ss.load(tmp_path / "o")
     for k, v in state.items():
         assert out[k].dtype == v.dtype and np.array_equal(out[k], v), k
+
+
+@pytest.mark.parametrize("sep", [".", "/", "/../../", "\\", "", None, 3])
+def test_a_chunk_key_is_built_only_with_zarrs_separators(sep: object) -> None:
+    """The key of a chunk read straight from the store joins its indices with the
+    array's ``dimension_separator``: only zarr v2's '.' and '/' are used (any other,
+    such as '/../../' from a hostile .zarray, goes through tensorstore, which refuses
+    it), so the key never names a file outside the array."""
+    from statestream.interop._orbax_direct import _chunk_key
+
+    meta = {"zarr_format": 2, "order": "C", "compressor": None, "dtype": "<f4",
+            "chunks": [2, 2], "shape": [4, 4], "dimension_separator": sep}
+    key = _chunk_key(meta, (2, 0), (2, 2), np.dtype("<f4"))
+    assert key == (f"1{sep}0" if sep in (".", "/") else None)

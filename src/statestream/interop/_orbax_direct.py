@@ -55,7 +55,10 @@ def _chunk_key(meta: dict[str, Any], start: tuple[int, ...], bshape: tuple[int, 
         idx.append(str(s // c))
     if any(n < c for n, c in zip(bshape, chunks)):
         return None  # an edge chunk is stored padded to the chunk shape
-    return str(meta.get("dimension_separator", ".")).join(idx) or "0"
+    sep = meta.get("dimension_separator", ".")
+    if sep not in (".", "/"):  # zarr v2 knows these two; a key is never built from others
+        return None
+    return str(sep).join(idx) or "0"
 
 
 class _Frame:
