@@ -88,8 +88,8 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "statestream.distributed": [
         "ByteChannel", "Collective", "JaxCollective", "SingleProcess", "TorchCollective",
-        "agree", "byte_channel", "default_collective", "forget_left", "gather_each", "note_left",
-        "share_from_0",
+        "agree", "any_of", "byte_channel", "default_collective", "forget_left", "gather_each",
+        "note_left", "share_from_0",
     ],
     "statestream.api": [
         "ArrayMetadata", "CheckpointMetadata", "SaveHandle", "VerifyReport", "files_read",

@@ -123,8 +123,8 @@ class _Broken:
     world_size = 2
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.statuses is not None:
-            return self.statuses
+        if self.statuses is not None:  # every rank in this rank's phase
+            return [[obj[0], s, None] for s in self.statuses]
         raise self.exc
 
 
@@ -146,7 +146,7 @@ class _Flags:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.calls.append("all_gather_object")
-        return [obj, *self.others]
+        return [obj, *([obj[0], o, None] for o in self.others)]
 
 
 def test_agree_gathers_statuses_only_when_some_rank_failed() -> None:

@@ -7,6 +7,7 @@ single process otherwise. Implementations import their framework lazily.
 
 from statestream.distributed._agree import (
     agree,
+    any_of,
     byte_channel,
     default_collective,
     gather_each,
@@ -24,6 +25,7 @@ __all__ = [
     "SingleProcess",
     "TorchCollective",
     "agree",
+    "any_of",
     "byte_channel",
     "default_collective",
     "forget_left",

@@ -19,9 +19,11 @@ T = TypeVar("T")
 class Collective(Protocol):
     """What save/load need from a group of processes.
 
-    Two methods are optional, used when a collective has them:
-    ``any_true(flag) -> bool`` (whether ``flag`` is true on any process; agreements
-    ask it before gathering statuses) and ``gather_object(obj, dst=0)`` (every
+    Three methods are optional, used when a collective has them:
+    ``max_ints(values) -> list[int]`` (the elementwise maximum over the processes;
+    agreements reduce their failure flag and a hash of their phase with it before
+    gathering anything), ``any_true(flag) -> bool`` (whether ``flag`` is true on any
+    process; the same without the phase check) and ``gather_object(obj, dst=0)`` (every
     process's ``obj`` in rank order on ``dst``, None on the others; a save's
     records of what each process wrote go to rank 0 alone with it).
     """

@@ -134,6 +134,10 @@ class JaxCollective:
         if not self._missing(left_key(self._rank)):
             self._client.key_value_delete(left_key(self._rank))
 
+    def peers_left(self) -> str:
+        """Which peers left their manager with an error, and why (see :mod:`._left`)."""
+        return self._left_notes()
+
     def _left_notes(self) -> str:
         def read(process: int) -> str | None:
             key = left_key(process)

@@ -204,6 +204,12 @@ def _check_same_save(coll: Collective, src: str, marker: bytes) -> None:
             "nothing was committed")
 
 
+def _name(path: str) -> str:
+    """The last part of ``path`` (a step's directory name): what the ranks compare of
+    a path in their agreements, as a node-local copy's path may differ by node."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransaction:
     storage, path = storage_for(dst)
     txn: WriteTransaction | None = None
@@ -215,14 +221,14 @@ def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransa
             txn = storage.begin_write(path, overwrite=overwrite)
         except BaseException as exc:
             err = exc
-    agree(coll, f"starting the copy to {dst}", err)
+    agree(coll, f"starting the copy to {dst}", err, check_as=f"starting the copy to {_name(dst)}")
     token = coll.broadcast_object(txn.token if txn is not None else None, src=0)
     try:
         if txn is None:
             txn = storage.join_write(path, token)
     except BaseException as exc:
         err = exc
-    agree(coll, f"joining the copy to {dst}", err)
+    agree(coll, f"joining the copy to {dst}", err, check_as=f"joining the copy to {_name(dst)}")
     assert txn is not None
     return txn
 
@@ -269,7 +275,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
     except BaseException as exc:
         err = exc
     try:
-        agree(coll, f"opening {src} to copy it", err)
+        agree(coll, f"opening {src} to copy it", err, check_as=f"opening {_name(src)} to copy it")
         assert reader is not None
         _check_same_save(coll, src, marker)
         txn = _open_dst(coll, dst, overwrite)
@@ -286,7 +292,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                              mine, n)
             except BaseException as exc:
                 err = exc
-            agree(coll, f"copying {src} to {dst}", err)
+            agree(coll, f"copying {src} to {dst}", err,
+                  check_as=f"copying {_name(src)} to {_name(dst)}")
             err = None
             if coll.rank == 0:
                 try:
@@ -297,7 +304,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                     txn.commit()
                 except BaseException as exc:
                     err = exc
-            agree(coll, f"committing the copy of {src} at {dst}", err)
+            agree(coll, f"committing the copy of {src} at {dst}", err,
+                  check_as=f"committing the copy of {_name(src)} at {_name(dst)}")
         except BaseException:
             if coll.rank == 0:
                 txn.abort()

@@ -77,6 +77,7 @@ def node_groups(coll: Collective, directory: str) -> NodeGroups:
         ident = _identity(directory)
     except BaseException as exc:
         err = exc
-    agree(coll, f"identifying the node-local directory {directory}", err)
+    agree(coll, f"identifying the node-local directory {directory}", err,
+          check_as="identifying the node-local directory")  # its path may differ by node
     ids = coll.all_gather_object(ident) if coll.world_size > 1 else [ident]
     return NodeGroups([str(i) for i in ids], coll.rank)

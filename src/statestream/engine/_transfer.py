@@ -131,6 +131,12 @@ def _recv(channel: ByteChannel, path: str, t: Transfer) -> None:
                             exc) from exc
 
 
+def _name(path: str) -> str:
+    """The step directory's name: what the ranks compare of a node-local path in their
+    agreements (its parent may differ by node)."""
+    return os.path.basename(path.rstrip("/"))
+
+
 def run_transfers(coll: Collective, channel: ByteChannel, transfers: Sequence[Transfer],
                   source: Callable[[int], str], sink: Callable[[int], str]) -> None:
     """Run ``transfers`` in order: this rank sends from ``source(src)``'s copy or
@@ -168,7 +174,8 @@ def replicate_to_peers(coll: Collective, channel: ByteChannel | None, groups: No
         return
     everyone = gather_each(coll, f"listing the files of {path} to send to the peer node",
                            lambda: sorted((n, s) for n, s in _held(path).items()
-                                          if n.startswith(f"{DATA_DIR}/r{coll.rank}-")))
+                                          if n.startswith(f"{DATA_DIR}/r{coll.rank}-")),
+                           check_as=f"listing the files of {_name(path)} to send")
     transfers = []
     for r, files in enumerate(everyone):
         node = leaders.index(groups.leader(r))
@@ -205,7 +212,8 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
     def info() -> dict[str, Any] | None:
         return describe_copy(path) if groups.is_leader else None
 
-    infos: list[Any] = gather_each(coll, f"listing the nodes' copies of {path}", info)
+    infos: list[Any] = gather_each(coll, f"listing the nodes' copies of {path}", info,
+                                   check_as=f"listing the nodes' copies of {_name(path)}")
     src = _source(infos, path)
     if src is None:
         return False
@@ -221,7 +229,8 @@ def complete_copies(coll: Collective, channel: ByteChannel | None, groups: NodeG
             texts = (marker.decode("utf-8"), mbytes.decode("utf-8"))
         except BaseException as exc:
             err = exc
-    agree(coll, f"reading the manifest of {path}", err)
+    agree(coll, f"reading the manifest of {path}", err,
+          check_as=f"reading the manifest of {_name(path)}")
     marker_text, manifest_text = coll.broadcast_object(texts, src=src)
     m = decode_manifest(manifest_text, f"{path}/{MANIFEST_NAME}")
     sizes = {f.name: f.size for f in m.files}
@@ -343,7 +352,8 @@ def _complete(coll: Collective, channel: ByteChannel, groups: NodeGroups, path: 
             stage = txn.token  # the staging directory: files land there, then commit
         except BaseException as exc:
             err = exc
-    agree(coll, f"preparing the copy of {path}", err)
+    agree(coll, f"preparing the copy of {path}", err,
+          check_as=f"preparing the copy of {_name(path)}")
     try:
         run_transfers(coll, channel, transfers, lambda _: path, lambda _: stage)
         if txn is not None:
@@ -353,7 +363,8 @@ def _complete(coll: Collective, channel: ByteChannel, groups: NodeGroups, path: 
                 txn.commit()
             except BaseException as exc:
                 err = exc
-        agree(coll, f"committing the restored copy of {path}", err)
+        agree(coll, f"committing the restored copy of {path}", err,
+              check_as=f"committing the restored copy of {_name(path)}")
     except BaseException:
         if txn is not None:
             txn.abort()

@@ -411,6 +411,7 @@ class LocalTier:
             except Exception as exc:  # noqa: BLE001 - agreed: the next collective must match
                 err = exc
         agree(self._coll, f"recording step {step} as persisted in {self.root}", err,
+              check_as=f"recording step {step} as persisted in the local tier",
               outcome=f"step {step} was persisted but is not recorded so: it is copied again")
 
     def _agreed_missing_bases(self, step: int) -> list[int]:

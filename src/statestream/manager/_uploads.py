@@ -43,7 +43,8 @@ def upload_filter(coll: Collective, groups: NodeGroups, path: str,
         return held, (_wanted(path) if coll.rank == 0 else None)
 
     everyone = gather_each(coll, f"listing the nodes' copies of {path} to persist it", mine,
-                           outcome=f"step {step} was not persisted")
+                           outcome=f"step {step} was not persisted",
+                           check_as=f"listing the nodes' copies of step {step} to persist it")
     wanted = everyone[0][1]
     assert wanted is not None
     owners, lost = _assign(wanted, [h for h, _ in everyone], groups)
