@@ -63,6 +63,11 @@ def worker(ctx: Context) -> dict[str, Any]:
     }
     mgr = ss.CheckpointManager(root / "ck", async_save=False, collective=coll)
     mgr.save(1, {"w": np.full(100, ctx.rank, np.float32)})
+    # a raw all-gather of process 0's flag met process 1's envelope, and any() of it
+    # said "preempted" on process 0
+    out["preemption"] = _outcome([lambda: mgr.reached_preemption(2),
+                                  lambda: mgr.save(2, {"w": np.zeros(100, np.float32)})
+                                  ][ctx.rank])
     out["manager"] = _outcome([lambda: mgr.save(2, {"w": np.zeros(100, np.float32)}),
                                mgr.close][ctx.rank])
     done = root / "process0-done"
@@ -93,6 +98,11 @@ def test_processes_in_different_phases_raise_naming_both_on_every_process(
         assert msg.startswith("DistributedError: ranks out of step"), got
         assert ("rank 0 was in 'deciding whether to save step 2', "
                 "rank 1 in 'applying the keep policy'") in msg, got
+    for rank in (0, 1):
+        msg = got[rank]["preemption"]
+        assert msg.startswith("DistributedError: ranks out of step"), got
+        assert ("rank 0 was in 'checking for a preemption at step 2', "
+                "rank 1 in 'deciding whether to save step 2'") in msg, got
     assert got[0]["manager"].endswith("nothing was changed"), got
     assert got[1]["manager"].endswith("the keep policy was not applied"), got
     assert [n for n in got[0]["listed"] if n.startswith("step_")] == ["step_0000000001"], got

@@ -114,8 +114,11 @@ def manager(ctx: Context) -> dict[str, Any]:
     coll = ss.TorchCollective(timeout_s=TIMEOUT_S)
     mgr = ss.CheckpointManager(root / "ck", async_save=False, collective=coll)
     mgr.save(1, {"w": np.full(100, ctx.rank, np.float32)})
+    out: dict[str, Any] = {"preemption": _outcome(
+        [lambda: mgr.reached_preemption(2),
+         lambda: mgr.save(2, {"w": np.zeros(100, np.float32)})][ctx.rank])}
     calls = [lambda: mgr.save(2, {"w": np.zeros(100, np.float32)}), mgr.close]
-    out: dict[str, Any] = {"outcome": _outcome(calls[ctx.rank])}
+    out["outcome"] = _outcome(calls[ctx.rank])
     done = root / "rank0-done"
     if ctx.rank == 0:
         out["listed"] = sorted(p.name for p in (root / "ck").iterdir())
@@ -134,6 +137,11 @@ def test_a_save_beside_a_close_raises_naming_both_on_every_rank(tmp_path: Path) 
         assert msg.startswith("DistributedError: ranks out of step"), got
         assert ("rank 0 was in 'deciding whether to save step 2', "
                 "rank 1 in 'applying the keep policy'") in msg, got
+    for rank in (0, 1):
+        msg = got[rank]["preemption"]
+        assert msg.startswith("DistributedError: ranks out of step"), got
+        assert ("rank 0 was in 'checking for a preemption at step 2', "
+                "rank 1 in 'deciding whether to save step 2'") in msg, got
     assert got[0]["outcome"].endswith("nothing was changed"), got
     assert got[1]["outcome"].endswith("the keep policy was not applied"), got
     assert [n for n in got[0]["listed"] if n.startswith("step_")] == ["step_0000000001"], got

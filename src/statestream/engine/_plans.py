@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from statestream import _hooks
-from statestream.distributed import Collective, agree
+from statestream.distributed import Collective, agree, any_of
 from statestream.errors import DistributedError, TargetMismatchError
 from statestream.format import DTYPE_NAMES, decode_tree, encode_tree, itemsize_of
 from statestream.plan import (
@@ -223,7 +223,7 @@ def agree_on_plan(coll: Collective, tree: Node, decls: Sequence[ArrayDecl],
                                     "v": encode_tree(Node("list", children=values))})
     digests = tuple(str(g["d"]) for g in first)
     kept = kept_plan(coll.rank, digests)
-    missed = _anyone(coll, kept is None)  # collective: every process asks
+    missed = any_of(coll, "reusing the save plan", kept is None)  # every process asks
     if missed or kept is None:
         plan = _plan_anew(coll, encoded, arrays, digests)
     else:
@@ -334,15 +334,6 @@ def _agree_on_tree(gathered: list[Any]) -> MergedTree:
                       frozenset(g["unheld"]))
              for r, g in enumerate(gathered)]
     return merge_trees(ranks)
-
-
-def _anyone(coll: Collective, flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (one all-reduce where the collective
-    has ``any_true``)."""
-    any_true = getattr(coll, "any_true", None)
-    if any_true is not None:
-        return bool(any_true(flag))
-    return any(bool(f) for f in coll.all_gather_object(flag))
 
 
 def _owners(gathered: list[Any], tied: dict[str, str]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
-from statestream.distributed import Collective, gather_each
+from statestream.distributed import Collective, any_of, gather_each
 from statestream.errors import InvalidOptionError
 from statestream.manager._policies import SaveContext, SavePolicy
 from statestream.manager._retention import plain_metrics
@@ -109,7 +109,7 @@ class SaveDecisions:
         """True (on every rank) once SIGTERM arrived on any; collective."""
         flag = self.preempted.is_set()
         if self._coll.world_size > 1:
-            flag = any(self._coll.all_gather_object(flag))
+            flag = any_of(self._coll, f"checking for a preemption at step {step}", flag)
             if flag:
                 self.preempted.set()
         if flag and self._decided is not None and self._decided == (step, False):

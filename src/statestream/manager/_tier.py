@@ -355,7 +355,8 @@ class LocalTier:
             held = self.is_committed(step)
             self._active = step if todo and held else None
         if self._coll.world_size > 1:
-            seen = self._coll.all_gather_object((todo, held))
+            seen = gather_each(self._coll, f"deciding whether to persist step {step}",
+                               lambda: (todo, held), outcome="nothing was persisted")
             todo, held = all(t for t, _ in seen), any(h for _, h in seen)
         todo = todo and held
         if not todo:

@@ -25,6 +25,7 @@ from statestream.distributed import (
     Collective,
     SingleProcess,
     agree,
+    any_of,
     byte_channel,
     gather_each,
     share_from_0,
@@ -135,7 +136,8 @@ def _persist_channel(coll: Collective) -> tuple[Collective, int]:
     persistence thread ends, and reused by a later manager."""
     with _BUSY_LOCK:
         mine = sorted(_BUSY)
-    busy = set().union(*map(set, coll.all_gather_object(mine)))
+    busy = set().union(*map(set, gather_each(coll, "picking a channel for persistence",
+                                             lambda: mine)))
     slot = next(i for i in itertools.count() if i not in busy)
     with _BUSY_LOCK:
         _BUSY.add(slot)
@@ -219,8 +221,8 @@ def _complete_bases(tier: LocalTier, step: int, coll: Collective,
     References are flattened, so the direct bases hold every chunk referred to.
     False on every rank if one cannot be completed (load from the directory).
     """
-    bases = tier.retention.bases_of(step) if coll.rank == 0 else None
-    bases = coll.broadcast_object(bases, src=0)
+    bases = share_from_0(coll, f"finding the steps that step {step} refers to",
+                         lambda: tier.retention.bases_of(step))
     if bases is None:
         return False
     channel = byte_channel(coll)
@@ -322,7 +324,7 @@ def _complete_step(tier: LocalTier, step: int, target: Any, items: Sequence[str]
         return False, None
     # a node holds it, none can complete it (files no node holds; every process
     # knows ok alike), and the directory lacks it: unloadable, not merely missing
-    held = any(coll.all_gather_object(tier.is_committed(step)))
+    held = any_of(coll, f"looking for a node's copy of step {step}", tier.is_committed(step))
     if held and byte_channel(coll) is not None and not _might_hold(tier, step):
         return True, CheckpointCorruptError(
             f"step {step} cannot be loaded: the nodes' local copies of it cannot be "
@@ -401,7 +403,8 @@ def _settle_restored(tier: LocalTier, step: int, had: bool, coll: Collective) ->
     directory lost it), and no node keeps it alone, unpersisted, forever.
     Collective (after a load that every process got through)."""
     mine = [not had, tier.is_persisted(step)] if tier.groups.is_leader else None
-    nodes = [x for x in coll.all_gather_object(mine) if x is not None]
+    nodes = [x for x in gather_each(coll, f"settling the restored copies of step {step}",
+                                    lambda: mine) if x is not None]
     if not (any(f for f, _ in nodes) and any(p for _, p in nodes)):
         return
     try:
