@@ -63,6 +63,12 @@ def test_a_gather_of_the_wrong_shape_is_a_distributed_error(whole: Any, name: st
         call(_Peer(None, whole=whole))
 
 
+def test_a_collective_that_gathers_into_a_tuple_is_fine() -> None:
+    whole = (["save of step 2", None, 4], ["save of step 2", None, 5])
+    assert gather_each(_Peer(None, whole=whole), "save of step 2",  # type: ignore[arg-type]
+                       lambda: 4) == [4, 5]
+
+
 @pytest.mark.parametrize("name,call,outcome", HELPERS, ids=[h[0] for h in HELPERS])
 def test_a_peer_in_another_phase_is_named(name: str, call: Any, outcome: str) -> None:
     with pytest.raises(DistributedError) as ei:

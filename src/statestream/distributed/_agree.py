@@ -129,7 +129,7 @@ def _opened(coll: Collective, phase: str, key: str, got: Any, error: BaseExcepti
             a rank's own argument that differs from the others' (a step number
             in the phase) makes both.
     """
-    if not isinstance(got, list) or len(got) != coll.world_size:
+    if not isinstance(got, (list, tuple)) or len(got) != coll.world_size:
         raise _out_of_step(coll, f"{phase} received {_brief(got)} from the collective, not one "
                            f"message from each of the {coll.world_size} ranks", outcome, error)
     for r, g in enumerate(got):
