@@ -222,7 +222,8 @@ def started(coll: Collective, path: str, start: Callable[[], SaveHandle]) -> Sav
     except Exception as exc:  # noqa: BLE001 - agreed just below, raised on every rank
         err = exc
     try:
-        agree(coll, f"starting the save to {path}", err, outcome="nothing was saved")
+        agree(coll, f"starting the save to {path}", err, outcome="nothing was saved",
+              check_as=f"starting the save of {path.rstrip('/').rsplit('/', 1)[-1]}")
     except DistributedError:
         if handle is not None:
             with contextlib.suppress(Exception):
