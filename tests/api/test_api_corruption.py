@@ -89,6 +89,21 @@ def _assert_reported(c, exc_type, names, *, exact=False, cli=True):
     return ei.value
 
 
+def _assert_refused(c, exc_type, names):
+    """load and verify raise ``exc_type`` naming ``names``: not damage (a checkpoint this
+    statestream cannot read), so ``statestream verify`` exits 2 with the error, not 1."""
+    for call in (ss.load, ss.verify):
+        with pytest.raises(exc_type) as ei:
+            call(c)
+        for n in names:
+            assert n in str(ei.value), (n, str(ei.value))
+    r = _cli_verify(c)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "DAMAGED" not in r.stderr, r
+    for n in names:
+        assert n in r.stderr, (n, r.stderr)
+    return ei.value
+
+
 # ----------------------------------------------------------------------------- data damage
 
 
@@ -208,7 +223,7 @@ def test_future_version_in_marker(ckpt):
     m = json.loads((ckpt / "COMMITTED").read_bytes())
     m["version"] = 4
     (ckpt / "COMMITTED").write_bytes(json.dumps(m).encode())
-    _assert_reported(ckpt, ss.FormatVersionError, ["COMMITTED"], cli=False)
+    _assert_refused(ckpt, ss.FormatVersionError, ["COMMITTED"])
 
 
 # ----------------------------------------------------------------------------- symlinks
@@ -451,7 +466,7 @@ def test_future_version_in_manifest(ckpt):
     data = (ckpt / "manifest.json").read_bytes()
     (ckpt / "COMMITTED").write_bytes(encode_commit(data, version=1))  # only the manifest says 4
     shutil.rmtree(ckpt / "data")
-    err = _assert_reported(ckpt, ss.FormatVersionError, ["manifest.json"])
+    err = _assert_refused(ckpt, ss.FormatVersionError, ["manifest.json"])
     assert "version 4" in str(err)
 
 

@@ -295,11 +295,10 @@ def test_unknown_codec_is_a_format_version_error(zckpt: pathlib.Path) -> None:
     doc = _doc(zckpt)
     _chunks_of(doc, "w")[0][7]["codec"] = "zfuture"
     _write_doc(zckpt, doc)
-    for fn in (ss.load, ss.metadata):
+    # verify too: a codec this statestream does not know is not damage (upgrade it)
+    for fn in (ss.load, ss.metadata, ss.verify):
         with pytest.raises(ss.FormatVersionError, match="codec 'zfuture'.*upgrade"):
             fn(zckpt)
-    rep = ss.verify(zckpt)
-    assert not rep.ok and "zfuture" in rep.problems[0]
 
 
 @pytest.mark.parametrize("codec", [5, None, ["zstd"]])

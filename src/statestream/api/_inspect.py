@@ -23,6 +23,7 @@ from statestream.errors import (
     CheckpointError,
     CheckpointGoneError,
     CheckpointNotFoundError,
+    FormatVersionError,
     InvalidOptionError,
     InvalidOptionTypeError,
     PickleNotAllowedError,
@@ -30,7 +31,7 @@ from statestream.errors import (
     UnsupportedTypeError,
 )
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME, Manifest, over_max_arrays
-from statestream.interop import FileSetReader
+from statestream.interop import FileSetReader, MissingDependencyError
 from statestream.plan import ReadPiece, ReadRequest, coalesce, plan_verify
 from statestream.storage import CheckpointReader, file_where
 from statestream.tree import KeyPath, Node, format_keypath
@@ -239,7 +240,8 @@ def _cut_off(requests: list[ReadRequest], short: dict[int, tuple[str, int]],
 #: what opening a checkpoint raises that says nothing of its bytes: :func:`verify` raises
 #: it (``statestream verify`` exits 2) rather than report damage (exit 1)
 _NOT_DAMAGE = (CheckpointNotFoundError, CheckpointGoneError, StorageError, PickleNotAllowedError,
-               UnsupportedTypeError, InvalidOptionError, InvalidOptionTypeError)
+               UnsupportedTypeError, InvalidOptionError, InvalidOptionTypeError,
+               FormatVersionError, MissingDependencyError)
 
 
 def verify(
@@ -283,9 +285,15 @@ def verify(
         PickleNotAllowedError: a torch.save/DCP checkpoint's pickle names a
             global that ``allow_pickle=False`` refuses.
         UnsupportedTypeError: the checkpoint holds what statestream cannot
-            represent (a sparse tensor, a dtype it does not hold).
+            represent (a sparse tensor, a dtype it does not hold), or ``path`` is a
+            file in a format it does not read (a legacy torch.save file, a data file).
+        FormatVersionError: written by a format version (or with a codec) this
+            statestream does not know: upgrade it.
+        MissingDependencyError: the format needs an optional library that is not
+            installed (orbax-checkpoint: ``statestream[orbax]``).
         InvalidOptionError, InvalidOptionTypeError: an argument statestream does
-            not take (an empty path).
+            not take (an empty path; an Orbax CheckpointManager step of several
+            items, where one item's directory is what can be read).
         CheckpointError: a manifest of more arrays than ``max_arrays`` (the bound
             refused it; the checkpoint is not damaged).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from statestream.errors import CheckpointCorruptError, CheckpointError
+from statestream.errors import CheckpointCorruptError, CheckpointError, UnsupportedTypeError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, Manifest
 from statestream.interop._dcp import looks_like_dcp, open_dcp
 from statestream.interop._files import FileSetReader, hub_blob
@@ -83,9 +83,16 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
         if p.endswith(".safetensors"):
             return "safetensors"  # a damaged one: its parser says what is wrong
         if p.endswith(_TORCH_EXTENSIONS):
-            raise CheckpointCorruptError(
+            if head.startswith(_ZIP_MAGIC):  # a zip that is not a whole torch.save archive
+                raise CheckpointCorruptError(
+                    f"{p} is a zip archive but not a readable torch.save file (truncated or "
+                    "damaged?)")
+            # not damage: a format statestream does not read (or no checkpoint at all, such
+            # as a statestream data file), so verify raises it rather than report it
+            raise UnsupportedTypeError(
                 f"{p} is neither a zip-format torch.save file nor safetensors (a legacy "
-                "torch.save file, or damaged); load it with torch and save it again")
+                "torch.save file, or not a checkpoint); statestream does not read it: "
+                "load it with torch and save it again")
     return None
 
 

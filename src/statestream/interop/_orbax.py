@@ -30,7 +30,7 @@ import numpy as np
 from statestream._memory import fresh_bytes
 from statestream.errors import (
     CheckpointCorruptError,
-    CheckpointError,
+    InvalidOptionError,
     TruncatedFileError,
     UnsafeCheckpointError,
     UnsupportedTypeError,
@@ -92,7 +92,8 @@ def _item_dir(directory: str) -> str:
     its one item's directory (``default``, or the single item's name).
 
     Raises:
-        CheckpointError: a step with several items (naming them: pass one).
+        InvalidOptionError: a step with several items (naming them: pass one); the
+            path names the wrong directory, the checkpoint is not damaged.
     """
     if os.path.isfile(os.path.join(directory, "_METADATA")):
         return directory
@@ -106,7 +107,7 @@ def _item_dir(directory: str) -> str:
     if len(subs) > 1:  # suggest a PyTree item (a JSON item's one file is plain JSON)
         trees = [n for n in subs if os.path.isfile(os.path.join(directory, n, "_METADATA"))]
         other = [n for n in subs if n not in trees]
-        raise CheckpointError(
+        raise InvalidOptionError(  # the path names the wrong thing: not damage
             f"{directory} is an Orbax CheckpointManager step with items {', '.join(subs)}; "
             f"pass one item's directory (e.g. {os.path.join(directory, (trees or subs)[0])})"
             + (f"; not PyTree items, which statestream does not read: {', '.join(other)} (a "
