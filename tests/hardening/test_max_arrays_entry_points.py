@@ -6,6 +6,7 @@ bound whatever the caller asked (tests/hardening/test_max_arrays.py: load's own)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,52 @@ def test_the_cli_refuses_a_bad_max_arrays(tmp_path: Path, command: str, bad: str
     assert r.returncode == 2, r
     assert "argument --max-arrays:" in r.stderr and repr(bad) in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _ls_and_diff_args(tmp: Path, command: str) -> list[str]:
+    """``ls`` of the directory holding ``ck``; ``diff`` of ``ck`` against a checkpoint of
+    fewer arrays (``small``) in both orders: each side is bounded."""
+    ss.save(tmp / "small", {"w": np.arange(4.0)})
+    return {"ls": [str(tmp)], "diff": [str(tmp / "small"), str(tmp / "ck")],
+            "diff-reversed": [str(tmp / "ck"), str(tmp / "small")]}[command]
+
+
+@pytest.mark.parametrize("command", ["ls", "diff", "diff-reversed"])
+def test_ls_and_diff_take_max_arrays(tmp_path: Path, command: str) -> None:
+    """K arrays with --max-arrays K-1: exit 2, the refusal naming the manifest and
+    --max-arrays (ls does not list it as damaged); with K the command runs."""
+    ss.save(tmp_path / "ck", _state())
+    args = _ls_and_diff_args(tmp_path, command)
+    r = run_cli(command.split("-")[0], *args, "--max-arrays", str(K - 1))
+    assert r.returncode == 2, r
+    assert r.stderr == f"error: {refusal(tmp_path / 'ck' / 'manifest.json', K, K - 1, True)}\n"
+    assert r.stdout == ""
+    r = run_cli(command.split("-")[0], *args, "--max-arrays", str(K), "--json")
+    assert r.returncode == (0 if command == "ls" else 1), r  # diff: they differ
+    if command == "ls":
+        assert [e["state"] for e in json.loads(r.stdout)["entries"]] == ["committed"] * 2
+
+
+def test_diff_bounds_the_bases_it_reads(tmp_path: Path) -> None:
+    """An incremental checkpoint within the bound whose base declares more arrays: its
+    metadata reads (no base), its arrays' reads follow the base and are refused there."""
+    ss.save(tmp_path / "base", _state(extra=2), hashes=True)  # K + 2 arrays
+    ss.save(tmp_path / "ck", _state(), base=tmp_path / "base")
+    ss.save(tmp_path / "other", _state())
+    args = [str(tmp_path / "other"), str(tmp_path / "ck")]
+    r = run_cli("diff", *args, "--max-arrays", str(K + 1))
+    assert r.returncode == 2, r
+    assert r.stderr == (f"error: "
+                        f"{refusal(tmp_path / 'base' / 'manifest.json', K + 2, K + 1, True)}\n")
+    assert run_cli("diff", *args, "--max-arrays", str(K + 2)).returncode == 0
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", str(MAX_ARRAYS + 1), "3.0", "many"])
+@pytest.mark.parametrize("command", ["ls", "diff"])
+def test_ls_and_diff_refuse_a_bad_max_arrays(tmp_path: Path, command: str, bad: str) -> None:
+    ss.save(tmp_path / "ck", _state())
+    args = _ls_and_diff_args(tmp_path, command)
+    r = run_cli(command, *args, f"--max-arrays={bad}")
+    assert r.returncode == 2 and r.stdout == "", r
+    assert "usage: statestream" in r.stderr, r.stderr
+    assert "argument --max-arrays:" in r.stderr and repr(bad) in r.stderr, r.stderr

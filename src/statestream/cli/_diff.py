@@ -17,6 +17,7 @@ import numpy as np
 import statestream as ss
 from statestream.api._inspect import leaf_paths
 from statestream.cli._main import (
+    add_max_arrays,
     add_memory_budget,
     json_text,
     memory_options,
@@ -78,8 +79,10 @@ class _Side:
     def __init__(self, path: str, order: list[tuple[str, int]], allow_pickle: bool,
                  batch_bytes: int = BATCH_BYTES,
                  memory: ss.MemoryOptions | None = None,
-                 keys: dict[str, KeyPath] | None = None) -> None:
+                 keys: dict[str, KeyPath] | None = None,
+                 max_arrays: int | None = None) -> None:
         self.path, self.order, self.allow_pickle = path, order, allow_pickle
+        self.max_arrays = max_arrays  # each read's bound, as its metadata's
         self.keys = keys or {}  # key path -> its keys (else parsed from the key path)
         self.batch_bytes, self.memory = batch_bytes, memory
         self.pos = 0
@@ -104,10 +107,12 @@ class _Side:
             tree: dict[Any, Any] = {}
             if len(alone) < len(keys):
                 tree.update(ss.load(self.path, items=[k for k in keys if paths[k] not in alone],
-                                    allow_pickle=self.allow_pickle, memory=self.memory))
+                                    allow_pickle=self.allow_pickle, memory=self.memory,
+                                    max_arrays=self.max_arrays))
             if alone:
                 tree.update(ss.load(self.path, target={p[0]: None for p in alone},
-                                    allow_pickle=self.allow_pickle, memory=self.memory))
+                                    allow_pickle=self.allow_pickle, memory=self.memory,
+                                    max_arrays=self.max_arrays))
             self.batch = {k: _as_numpy(_dig(tree, paths[k])) for k in keys}
         return self.batch.pop(key)
 
@@ -257,8 +262,9 @@ def _leaves(md: ss.CheckpointMetadata
 
 def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     """The report ``statestream diff --json`` prints (schema: docs/cli.md)."""
-    ma = ss.metadata(a, allow_pickle=opts.allow_pickle)
-    mb = ss.metadata(b, allow_pickle=opts.allow_pickle)
+    limit = getattr(opts, "max_arrays", None)  # both checkpoints are bounded by it
+    ma = ss.metadata(a, allow_pickle=opts.allow_pickle, max_arrays=limit)
+    mb = ss.metadata(b, allow_pickle=opts.allow_pickle, max_arrays=limit)
     (la, ta, pa), (lb, tb, pb) = _leaves(ma), _leaves(mb)
     common = [k for k in la if k in lb]
     retyped = [k for k in common if ta[k] != tb[k]]
@@ -266,8 +272,8 @@ def diff(a: str, b: str, opts: argparse.Namespace) -> dict[str, Any]:
     # Each side's batch holds its arrays; with a budget, half of it per side.
     mem = memory_options(opts)
     batch = BATCH_BYTES if mem is None else max(1, mem.resolved() // 2)
-    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pa)
-    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pb)
+    sa = _Side(a, [(k, la[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pa, limit)
+    sb = _Side(b, [(k, lb[k].nbytes) for k in read], opts.allow_pickle, batch, mem, pb, limit)
     total = sum(la[k].nbytes + lb[k].nbytes for k in read)
     changed: list[dict[str, Any]] = []
     done = [0]
@@ -343,4 +349,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_memory_budget(p, help="host memory for the arrays compared at once, half of it per "
                               "side (one array alone may be larger), e.g. 512MiB (default: "
                               f"{BATCH_BYTES >> 20} MiB per side)")
+    add_max_arrays(p)
     p.set_defaults(fn=_cmd)

@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 import statestream as ss
-from statestream.cli._main import _human, json_text, path_arg, safe
+from statestream.cli._main import _human, add_max_arrays, json_text, path_arg, safe
+from statestream.format import over_max_arrays
 from statestream.manager._retention import decode_metrics
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.storage import storage_for
@@ -49,13 +50,16 @@ def _missing_bases(storage: Any, path: str, bases: list[str]) -> list[str]:
     return [b for b in bases if not storage.is_committed(f"{parent}/{b}")]
 
 
-def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, Any]:
+def _entry(storage: Any, path: str, name: str, step: int | None,
+           max_arrays: int | None = None) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "path": path, "step": step, "state": "committed",
                          "format": None, "time": None, "nbytes": None, "disk_bytes": None,
                          "metrics": {}, "error": None, "bases": []}
     try:
-        md = ss.metadata(path)
+        md = ss.metadata(path, max_arrays=max_arrays)
     except ss.CheckpointError as exc:
+        if over_max_arrays(exc):
+            raise  # the caller's bound refused it: not damage, nothing was decoded
         e["state"] = "damaged" if storage.is_committed(path) else "uncommitted"
         if e["state"] == "damaged":
             e["error"] = str(exc)
@@ -80,8 +84,11 @@ def _entry(storage: Any, path: str, name: str, step: int | None) -> dict[str, An
     return e
 
 
-def list_directory(directory: str) -> dict[str, Any]:
+def list_directory(directory: str, max_arrays: int | None = None) -> dict[str, Any]:
     """Every checkpoint (or manager step) under ``directory``, and unfinished saves.
+
+    ``max_arrays``: each checkpoint's metadata is read with it (``ss.metadata``'s): one
+    whose manifest declares more arrays raises the refusal rather than be listed.
 
     ``state`` is ``committed``, ``uncommitted`` (a step directory without its
     commit marker), ``damaged`` (committed but unreadable) or ``leftover`` (the
@@ -93,7 +100,7 @@ def list_directory(directory: str) -> dict[str, Any]:
     if storage.is_committed(path):  # a checkpoint itself: list it alone
         parent, _, name = path.rstrip("/").rpartition("/")
         return {"directory": directory, "kind": "checkpoint",
-                "entries": [_entry(storage, path, name, parse_step(name))]}
+                "entries": [_entry(storage, path, name, parse_step(name), max_arrays)]}
     steps = StepDirectory(storage, path)
     leftovers = storage.leftovers(path)
     # a save killed after its commit marker was written but before the rename leaves a
@@ -112,7 +119,7 @@ def list_directory(directory: str) -> dict[str, Any]:
         child = steps.path(step) if step is not None else f"{path}/{name}"
         if step is None and not storage.is_committed(child):
             continue  # a plain directory: only checkpoints
-        e = _entry(storage, child, name, step)
+        e = _entry(storage, child, name, step, max_arrays)
         if not (e["state"] == "uncommitted" and child in holds_leftover):
             entries.append(e)
     for lo in leftovers:
@@ -150,7 +157,7 @@ def _bases_text(bases: list[str]) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    out = list_directory(args.directory)
+    out = list_directory(args.directory, args.max_arrays)
     if args.json:
         print(json_text(out))
         return 0
@@ -203,4 +210,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_max_arrays(p, bases=False)
     p.set_defaults(fn=_cmd)

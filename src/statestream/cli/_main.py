@@ -298,11 +298,13 @@ def _max_arrays(text: str) -> int:
     return n
 
 
-def add_max_arrays(p: argparse.ArgumentParser) -> None:
-    """The ``--max-arrays N`` option (the API's ``max_arrays``)."""
+def add_max_arrays(p: argparse.ArgumentParser, bases: bool = True) -> None:
+    """The ``--max-arrays N`` option (the API's ``max_arrays``); ``bases``: the command
+    reads an incremental checkpoint's bases too (``ls`` and ``inspect`` read none)."""
     p.add_argument("--max-arrays", type=_max_arrays, metavar="N", default=None,
-                   help="refuse a checkpoint whose manifest (or an incremental one's base's) "
-                        "declares more than N arrays, before decoding them (for checkpoints "
+                   help="refuse a checkpoint whose manifest "
+                        + ("(or an incremental one's base's) " if bases else "")
+                        + "declares more than N arrays, before decoding them (for checkpoints "
                         "from elsewhere; default: the format's limit, 2^24)")
 
 
@@ -327,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=path_arg)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="list every value of long sequences")
-    add_max_arrays(p)
+    add_max_arrays(p, bases=False)
     p.set_defaults(fn=_cmd_inspect)
     p = sub.add_parser("verify", help="re-read every chunk and check its checksum",
                        formatter_class=raw, epilog="examples:\n  statestream verify "
