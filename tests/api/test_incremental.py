@@ -469,20 +469,23 @@ def test_overwriting_a_base_is_refused_naming_its_dependents(tmp_path: Path) -> 
 def test_finding_the_dependents_decodes_only_manifests_that_name_the_base(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Siblings' manifests are searched for the base's name (as JSON writes it) before
-    they are decoded; a name no manifest may record as a base is not searched for."""
+    they are decoded (their heads only, up to ``bases``:
+    tests/api/test_overwrite_hostile_sibling.py); a name no manifest may record as a base
+    is not searched for."""
     from statestream.engine import _refs
 
     decoded: list[str] = []
-    real = _refs.read_manifest
-    monkeypatch.setattr(_refs, "read_manifest",
-                        lambda r: decoded.append(r.location) or real(r))
+    real = _refs._names_as_base
+    monkeypatch.setattr(_refs, "_names_as_base",
+                        lambda text, own: decoded.append(text) or real(text, own))
     ss.save(tmp_path / "s1", _state(), hashes=True)
     for i in range(3):  # format v2, not dependents: read, never decoded
         ss.save(tmp_path / f"other{i}", {"x": np.ones(3)}, hashes=True)
     ss.save(tmp_path / "dep", _state(), base=tmp_path / "s1")
     with pytest.raises(ss.CheckpointError, match=r"base of the incremental checkpoint\(s\) dep "):
         ss.save(tmp_path / "s1", _state(seed=1), overwrite=True)
-    assert [os.path.basename(p) for p in decoded] == ["dep"]
+    # dep's manifest alone
+    assert decoded == [(tmp_path / "dep" / "manifest.json").read_text()]
     decoded.clear()
     ss.save(tmp_path / "bäse", _state(), hashes=True)  # no base may be named so
     ss.save(tmp_path / "bäse", _state(seed=1), overwrite=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import threading
 import warnings
 from collections.abc import Collection
@@ -178,11 +179,45 @@ def check_bases_committed(storage: Storage, spath: str, bases: Collection[str]) 
                 "was committed")
 
 
+#: a JSON value's decoder and the whitespace JSON allows between tokens
+_JSON = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _names_as_base(text: str, own: str) -> bool:
+    """Whether the manifest ``text`` lists ``own`` in its ``bases``, decoding its
+    top-level values only up to ``bases`` (statestream writes it after ``files``, before
+    ``arrays`` and ``tree``): never its arrays or tree, which a hostile sibling can make
+    cost gigabytes to decode (2^24 arrays). ``arrays`` before any ``bases``: it has
+    none (a decoder refuses a reference to a base not listed before the arrays).
+    ``tree`` first, as statestream never writes it: it counts as referring to ``own``
+    (its text names it), so an overwrite is refused rather than risk its chunks."""
+    i = _WS.match(text, 0).end()  # type: ignore[union-attr]  # (it matches "")
+    if text[i:i + 1] != "{":
+        return False  # not a manifest: nothing can load it, nothing refers
+    while True:
+        key, i = _JSON.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
+        i = _WS.match(text, i).end()  # type: ignore[union-attr]
+        if text[i:i + 1] != ":":
+            return False  # not JSON: nothing can load it
+        i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+        if key == "bases":
+            bases, _ = _JSON.raw_decode(text, i)
+            return isinstance(bases, list) and own in bases
+        if key in ("arrays", "tree"):
+            return bool(key == "tree")
+        _, i = _JSON.raw_decode(text, i)  # format, version, checksum, meta, files
+        i = _WS.match(text, i).end()  # type: ignore[union-attr]
+        if text[i:i + 1] != ",":
+            return False  # the object ended without bases: it refers to nothing
+
+
 def dependents_of(storage: Storage, spath: str) -> list[str]:
     """The committed siblings of ``spath`` that refer to chunks of it (their
     manifests' ``bases`` name it), sorted. A sibling that cannot be read is
     skipped: whatever it refers to, nothing can load it now. Reads the manifest
-    of every committed sibling of format v2 or later (v1 cannot refer)."""
+    of every committed sibling of format v2 or later (v1 cannot refer) that names
+    ``spath``, but decodes only its values before ``bases`` (:func:`_names_as_base`)."""
     parent, own = _split(spath)
     try:
         validate_base_name(own)
@@ -205,9 +240,12 @@ def dependents_of(storage: Storage, spath: str) -> list[str]:
                 decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
                 if json.loads(marker)["version"] == 1:
                     continue  # format v1 has no references: its manifest is not read
-                if quoted not in reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES):
+                data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+                if quoted not in data:
                     continue
-                if own in read_manifest(reader).bases:
+                text = data.decode("utf-8")
+                del data  # (not held twice while the head is decoded)
+                if _names_as_base(text, own):
                     found.append(name)
             finally:
                 reader.close()
