@@ -52,7 +52,13 @@ from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tiercheck import reconcile
-from statestream.manager._tierspace import free_bytes, lacks_room, next_save_bytes
+from statestream.manager._tierspace import (
+    copy_bytes,
+    fetch_shortage,
+    free_bytes,
+    lacks_room,
+    next_save_bytes,
+)
 
 __all__ = ["base_for", "fetch_into_tier", "open_tier", "tier_load", "tier_steps"]
 
@@ -493,7 +499,10 @@ def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
     disk. Each node's leader copies into its node's tier; with several nodes a
     node's copy holds, as a node-local save leaves it, the manifest and its
     own processes' files (``data/r<rank>-*``): committed, whole with the other
-    nodes' copies. An optimisation: a failure warns and leaves nothing behind.
+    nodes' copies. An optimisation: a tier without room for the copy beside the
+    next save (``_tierspace.fetch_shortage``) is left as it is, and a failure
+    (a copy that did not fit included) removes what this copy put there; either
+    warns once.
     """
     if not tier.groups.is_leader or tier.tasks.closed:  # a closed manager's load
         return None
@@ -501,21 +510,49 @@ def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
     files = None if len(tier.groups.leaders()) == 1 else (lambda n: n.startswith(own))
 
     def task() -> None:
+        copied: list[int] = []
         try:
-            for s in _fetch_order(tier.persistent, step):
-                if not tier.is_committed(s):
-                    # a base is needed for its own chunks only; its own bases may be gone
-                    copy_checkpoint(tier.persistent.path(s), tier.path(s), files=files,
-                                    memory_bytes=tier.memory_bytes,
-                                    require_bases=s == step)
-                    tier.records.record(s)
+            todo = [s for s in _fetch_order(tier.persistent, step) if not tier.is_committed(s)]
+            sizes = {s: copy_bytes(metadata(tier.persistent.path(s)).files, files)
+                     for s in todo}
+            short = fetch_shortage(tier, sizes)
+            if short is not None:
+                warnings.warn(f"step {step} was not copied from {tier.persistent.directory} "
+                              f"into the local tier {tier.root}: {short}; its loads read "
+                              "the directory, and the next save cannot refer to it",
+                              RuntimeWarning, stacklevel=2)
+                return
+            for s in todo:
+                # a base is needed for its own chunks only; its own bases may be gone
+                copy_checkpoint(tier.persistent.path(s), tier.path(s), files=files,
+                                memory_bytes=tier.memory_bytes, require_bases=s == step)
+                copied.append(s)
+                tier.records.record(s)
             _hooks.fire("tier.fetched")
         except Exception as exc:  # noqa: BLE001 - an optimisation: warn, go on
-            warnings.warn(f"could not copy step {step} from {tier.persistent.directory} "
-                          f"into the local tier {tier.root} ({exc}); the next save "
+            left = _unfetch(tier, copied)
+            full = " (the local tier is full)" if lacks_room(exc) else ""
+            warnings.warn(f"could not copy step {step} from {tier.persistent.directory} into "
+                          f"the local tier {tier.root}{full} ({exc}); {left}the next save "
                           "writes everything", RuntimeWarning, stacklevel=2)
 
     return tier.tasks.submit(task, f"fetching step {step} into {tier.root}")
+
+
+def _unfetch(tier: LocalTier, copied: list[int]) -> str:
+    """Remove the steps a failed fetch copied into ``tier`` (a step's bases, copied
+    before it), newest first; what could not be removed, as the warning says it."""
+    left = []
+    for s in reversed(copied):
+        try:
+            tier.dir.delete(s)
+        except OSError:  # StorageError included
+            left.append(s)
+            continue
+        tier.records.forget(s)
+        tier.retention.forget(s)
+    return f"the copied steps {left} could not be removed from it; " if left else ""
+
 
 def _fetch_order(persistent: StepDirectory, step: int) -> list[int]:
     """The steps ``step`` refers to, oldest first, then ``step``: references are

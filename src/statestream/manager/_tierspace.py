@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from statestream.distributed import Collective
     from statestream.manager._tier import LocalTier
 
-__all__ = ["TierRoom", "free_bytes", "lacks_room", "make_room", "next_save_bytes", "raise_if_full",
+__all__ = ["TierRoom", "copy_bytes", "fetch_shortage", "free_bytes", "lacks_room", "make_room",
+           "next_save_bytes", "raise_if_full",
            "retry_together", "retry_when_full", "started", "tier_full_error",
            "write_making_room"]
 
@@ -115,6 +116,33 @@ def next_save_bytes(tier: LocalTier, steps: list[int]) -> int:
     before = next((s for s in reversed(steps[:-1]) if _kind(tier, s) == kind), None)
     growth = 0 if before is None else max(0, sizes[newest] - sizes[before])
     return max(sizes.values()) + growth + _MARGIN
+
+
+def fetch_shortage(tier: LocalTier, sizes: dict[int, int]) -> str | None:
+    """Why a copy of steps of ``sizes`` bytes (each step's files that the copy takes)
+    into the tier would leave it without room for the next save, or None: it has
+    room for them and for the next save as it is expected to be once they are there
+    (:func:`next_save_bytes`, at least the largest of them plus the margin: the
+    next save is like the step loaded). A copy that takes that room would make the
+    next save drop persisted steps, or fail (a resume's copy of the step it loaded,
+    made so the next save can refer to it, is not worth that). Local disk only."""
+    free = free_bytes(tier.root)
+    if free is None or not sizes:
+        return None
+    steps = tier.steps()
+    after = max(max(sizes.values()) + _MARGIN, next_save_bytes(tier, steps) if steps else 0)
+    need = sum(sizes.values()) + after
+    if free >= need:
+        return None
+    return (f"the local tier {tier.root} has {free} bytes free, less than the copy takes "
+            f"({sum(sizes.values())} bytes) plus what the next save is expected to take "
+            f"(about {after} bytes)")
+
+
+def copy_bytes(files: list[tuple[str, int]], take: Callable[[str], bool] | None) -> int:
+    """The disk a copy of ``files`` (name, size) takes, those ``take`` selects (None:
+    all), each rounded up to a 4 KiB block."""
+    return sum(-(-size // 4096) * 4096 for name, size in files if take is None or take(name))
 
 
 def make_room(tier: LocalTier, protected: set[int], failed: int | None = None) -> list[int]:
