@@ -48,7 +48,7 @@ def test_a_manifest_of_more_arrays_than_max_arrays_is_refused(ckpt: Path, versio
         ss.load(ckpt, max_arrays=n - 1)
     assert type(e.value) is ss.CheckpointError  # not damage: a manager would skip the step
     assert str(e.value) == (
-        f"manifest {ckpt}/manifest.json declares {many} arrays, over this load's limit of "
+        f"manifest {ckpt}/manifest.json declares {many} arrays, over the caller's limit of "
         f"{n - 1} (max_arrays); nothing was read. A checkpoint you trust with more arrays "
         f"loads with max_arrays= set higher (at most {MAX_ARRAYS}, the format's limit)")
     out = ss.load(ckpt, max_arrays=n)
@@ -90,7 +90,7 @@ def test_a_table_is_counted_before_the_tree_is_parsed(ckpt: Path) -> None:
     doc = read_doc(ckpt)
     doc["tree"] = {"t": "not a node"}
     write_doc(ckpt, doc)
-    with pytest.raises(ss.CheckpointError, match="declares 3000 arrays, over this load's limit"):
+    with pytest.raises(ss.CheckpointError, match="declares 3000 arrays, over the caller's limit"):
         ss.load(ckpt, max_arrays=2999)
     with pytest.raises(ss.CheckpointCorruptError, match="unknown tree node type"):
         ss.load(ckpt)

@@ -32,11 +32,11 @@ def _state(extra: int = 0) -> dict[str, Any]:
 def refusal(manifest: Path, n: int, limit: int, cli: bool = False) -> str:
     """The refusal's text: the API's, or the CLI's (its option's name)."""
     if cli:
-        return (f"manifest {manifest} declares {n} arrays, over this load's limit of {limit} "
+        return (f"manifest {manifest} declares {n} arrays, over the caller's limit of {limit} "
                 "(--max-arrays); nothing was read. A checkpoint you trust with more arrays "
                 f"is read with --max-arrays set higher (at most {MAX_ARRAYS}, the format's "
                 "limit)")
-    return (f"manifest {manifest} declares {n} arrays, over this load's limit of {limit} "
+    return (f"manifest {manifest} declares {n} arrays, over the caller's limit of {limit} "
             "(max_arrays); nothing was read. A checkpoint you trust with more arrays loads "
             f"with max_arrays= set higher (at most {MAX_ARRAYS}, the format's limit)")
 

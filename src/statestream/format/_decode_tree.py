@@ -38,7 +38,7 @@ class OverLimit(Exception):
     def error(self, where: str) -> CheckpointError:
         many = f"{self.n}" if self.exact else f"more than {self.limit}"
         err = CheckpointError(
-            f"manifest {where} declares {many} arrays, over this load's limit of "
+            f"manifest {where} declares {many} arrays, over the caller's limit of "
             f"{self.limit} (max_arrays); nothing was read. A checkpoint you trust with more "
             f"arrays loads with max_arrays= set higher (at most {MAX_ARRAYS}, the format's "
             "limit)")
