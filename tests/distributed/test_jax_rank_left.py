@@ -60,6 +60,10 @@ def worker(ctx: Context) -> dict[str, Any]:
     else:  # stay until process 0 has its error (JAX's shutdown waits for both anyway)
         while not done.exists():
             time.sleep(0.05)
+    # Both leave JAX's coordination service together: the launcher ends a process with
+    # os._exit, so process 0 leaving first took the service down while process 1 still
+    # ran, and its error poller aborted it (exit -6, seen once under load in CI)
+    jax.distributed.shutdown()
     return {"outcome": outcome}
 
 
