@@ -70,6 +70,9 @@ def worker_orbax(ctx: Context) -> dict[str, Any]:
     shards_ok = all(
         np.array_equal(np.asarray(s.data), want["w"][s.index]) for s in out["w"].addressable_shards)
     b_ok = all(np.array_equal(np.asarray(s.data), want["b"]) for s in out["b"].addressable_shards)
+    # both leave JAX's coordination service together (the launcher ends a process with
+    # os._exit: process 0 leaving first aborted process 1 once under load)
+    jax.distributed.shutdown()
     return {"shards_ok": shards_ok, "b_ok": b_ok, "step": out["step"], "name": out["name"],
             "w_blocks": sorted({start for path, start in reads if path == ("w",)}),
             "rows": sorted({s.index[0].start or 0 for s in out["w"].addressable_shards})}
