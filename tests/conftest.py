@@ -5,10 +5,34 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every temporary file of the run goes under pytest's base directory.
+
+    ``tempfile`` users (doctests, property tests, the emulators and the worker processes,
+    which inherit ``TMPDIR``) then share the retention of ``tmp_path``: pyproject keeps only
+    failed tests' directories and removes the base directory of a run that passed. A CI run
+    once failed with "No space left on device" after earlier runs' leftovers filled /tmp.
+    """
+    d = tmp_path_factory.mktemp("tmp", numbered=False)
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(d)
+    tempfile.tempdir = None
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
+        tempfile.tempdir = None
 
 
 @pytest.fixture
