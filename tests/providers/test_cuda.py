@@ -135,3 +135,15 @@ def test_second_async_save_reuses_pinned_buffers(tmp_path: os.PathLike[str]) -> 
     ss.save_async(os.path.join(tmp_path, "b"), state).result(timeout=120)
     assert pool.allocations == allocated
     assert pool.reuses > 0
+
+
+def test_in_place_load_writes_the_gpu_targets_themselves(tmp_path: os.PathLike[str]) -> None:
+    """A GPU target cannot be read into; in_place copies the checked values into it."""
+    path = os.path.join(tmp_path, "c")
+    ss.save(path, {"w": torch.arange(12.0).reshape(4, 3), "h": torch.ones(5)})
+    target = {"w": torch.zeros(4, 3, device="cuda"),
+              "h": torch.zeros(5, device="cuda", dtype=torch.bfloat16)}
+    out = ss.load(path, target, in_place=True)
+    assert out["w"] is target["w"] and out["h"] is target["h"]
+    assert torch.equal(target["w"].cpu(), torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(target["h"].cpu(), torch.ones(5, dtype=torch.bfloat16))

@@ -149,6 +149,21 @@ class _Job:
             self._fills(prov, like)
         return found
 
+    def copied_in(self, prov: ArrayProvider, like: Any, dest: Destination) -> Destination:
+        """``dest``, whose value is then copied into ``like``'s own memory and ``like``
+        returned (``prov.assign``) where the load fills ``like`` in place but
+        :meth:`restore_into` could not (non-contiguous, another dtype or device)."""
+        if not self.fills(prov, like):
+            return dest
+        finish = dest.finish
+
+        def copy_in() -> Any:
+            value = finish()
+            done = prov.assign(like, value)
+            return value if done is None else done
+
+        return Destination(boxes=dest.boxes, finish=copy_in)
+
     def _fills(self, prov: ArrayProvider, like: Any) -> None:
         found = self.filled.get(id(prov))
         if found is None:

@@ -125,7 +125,8 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         found = job.restore_into(prov, node.array, entry, like, path)
         if found is None:
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
-        dest = found or mapped or prov.restore(entry.dtype, entry.shape, like, path)
+        dest = found or job.copied_in(
+            prov, like, mapped or prov.restore(entry.dtype, entry.shape, like, path))
     for start, buf in dest.boxes:
         if buf.size:  # (an empty box has nothing to read: 1M empty arrays, no 1M plans)
             job.wanted.append(Wanted(node.array, start, buf, mapped=mapped is not None))
@@ -427,11 +428,12 @@ def load(
             runs code: only for a checkpoint you trust. ``False`` (default): none; key paths
             (``["extra/tok"]``): the pickle leaves at or under them, as ``pickle_paths`` matches;
             ``True``: every pickle leaf. One not allowed raises before anything is read.
-        in_place: read straight into the target's own CPU tensors/arrays (and DTensor local
-            shards) when their dtype matches and they are contiguous, and return those same
-            objects — as DCP does: faster, no extra memory, but a load that fails part-way (a
-            corrupt chunk) leaves the target partly overwritten. Memory under two keys (tied
-            weights) gets the later key's bytes; torch version counters move as ``copy_()``
+        in_place: write into the target's own tensors/arrays (DTensors' local shards) and
+            return them, as DCP does: contiguous CPU ones of the saved dtype are read into
+            (no extra memory; a load failing part-way leaves them partly written), others
+            (strided, neg/conj views, another dtype, a GPU) get ``copy_()`` once all was
+            read and checked; unwritable ones (read-only, JAX, meta) get new values. Tied
+            weights get the later key's bytes; torch version counters move as ``copy_()``
             moves them. Without it, target arrays and tensors are never written.
         io, memory: thread count and request sizes; the host scratch budget (docs/async.md).
         progress: called as ``progress(bytes_done, bytes_total)`` while reading.

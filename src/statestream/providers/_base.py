@@ -291,6 +291,15 @@ class ArrayProvider(abc.ABC):
         """Destinations in ``like``'s own memory, or None (``in_place_restore``)."""
         return None
 
+    def assign(self, like: Any, value: Any) -> Any | None:
+        """Copy ``value`` (what :meth:`restore` built for target ``like``: its shape,
+        dtype and device) into ``like``'s own memory and return ``like``; None where
+        ``like`` cannot be written (immutable, read-only, on no real device). An
+        in-place load calls it for targets :meth:`restore_into` could not fill
+        (``in_place_restore``), once every array was read and checked. Optional:
+        default None (the load returns ``value``)."""
+        return None
+
     def before_fill(self, targets: list[Any]) -> None:
         """Called once per load, after its walk and before any byte is read, with the
         targets whose own memory the load writes (``in_place_restore``: those whose

@@ -165,6 +165,14 @@ class NumpyProvider(ArrayProvider):
             return None
         return Destination(boxes=[((0,) * len(shape), like)], finish=lambda: like)
 
+    def assign(self, like: Any, value: Any) -> Any | None:
+        """Copy ``value`` into a writable ndarray target (non-contiguous, another dtype:
+        :meth:`_restore` cast and checked the values already)."""
+        if not isinstance(like, np.ndarray) or not like.flags.writeable:
+            return None
+        np.copyto(like, value, casting="unsafe")
+        return like
+
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
                      in_place: bool, memory: np.ndarray | None = None,
                      ) -> tuple[np.ndarray, Any] | None:

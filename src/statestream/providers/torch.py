@@ -305,6 +305,26 @@ class TorchProvider(ArrayProvider):
         boxes = [((0,) * len(shape), view)] if layout is None else _layout_views(layout, view)
         return Destination(boxes=boxes, finish=lambda: like)
 
+    def assign(self, like: Any, value: Any) -> Any | None:
+        """``like.copy_(value)`` (DTensors: their local shards) for a target the load
+        could not fill directly: non-contiguous, a negative or conjugate view, another
+        dtype, a GPU tensor. None for what ``copy_`` cannot write: a meta, sparse,
+        quantized or nested tensor, an inference tensor, overlapping memory."""
+        torch = _torch()
+        if (not isinstance(like, torch.Tensor) or not isinstance(value, torch.Tensor)
+                or _is_dtensor(like) != _is_dtensor(value)):
+            return None
+        dst, src = (like.to_local(), value.to_local()) if _is_dtensor(like) else (like, value)
+        if (dst.device.type == "meta" or dst.layout != torch.strided or dst.is_quantized
+                or dst.is_nested or dst.shape != src.shape):
+            return None
+        try:
+            with torch.no_grad():
+                dst.copy_(src)
+        except RuntimeError:  # an inference tensor, overlapping memory: a new value
+            return None
+        return like
+
     def before_fill(self, targets: list[Any]) -> None:
         """Bump the version counter of every tensor (and DTensor's local shard) the load
         writes in place, as ``t.copy_()`` would: it writes their bytes through a
