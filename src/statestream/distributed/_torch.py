@@ -203,6 +203,7 @@ class TorchCollective:
         # records how many it has entered, so a timeout can name the ranks that
         # never came (gloo's own error does not say).
         self._key = key
+        self._at = ""  # what this rank's latest arrival mark says it entered
         store = _default_store()
         self._store_ref = weakref.ref(store) if store is not None else None
         self._prefix = (f"statestream/arrive/{channel}/{self._timeout_s:g}/"
@@ -249,6 +250,7 @@ class TorchCollective:
     def _arrive(self, what: str) -> int:
         seq = _SEQ.get(self._key, 0) + 1
         _SEQ[self._key] = seq
+        self._at = what
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}/{self._global_ranks[self._rank]}",
@@ -278,6 +280,9 @@ class TorchCollective:
                            f"(call #{n}); its heartbeat stopped")
             elif int(n) < seq:
                 out.append(f"rank {local} is still at {last} (call #{n})")
+            elif int(n) == seq and self._at and last != self._at:  # another kind of call
+                out.append(f"rank {local} is at {last} (call #{n}) while this rank is at "
+                           f"{self._at}: the ranks called different statestream functions")
         return out
 
     def _read_beat(self, local: int) -> int:

@@ -1,0 +1,71 @@
+"""Two ranks in different raw collectives (a broadcast against an all-reduce, an
+all-gather against a barrier): the error names what each rank was in, from the arrival
+marks, instead of only "waited more than timeout_s" (real processes, gloo)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _launch import Context, launch  # noqa: E402
+from _workers import init_gloo  # noqa: E402
+
+pytest.importorskip("torch")
+
+THIS = __file__
+
+CALLS = {
+    "broadcast": lambda c: c.broadcast_object("x"),
+    "all_reduce": lambda c: c.max_ints([1]),
+    "all_gather": lambda c: c.all_gather_object("x"),
+    "barrier": lambda c: c.barrier("b"),
+}
+
+
+def worker_mismatch(ctx: Context) -> dict[str, Any]:
+    init_gloo(ctx, 90.0)
+    import statestream as ss
+
+    coll = ss.TorchCollective(timeout_s=3)
+    coll.max_ints([0])  # one call in step first: both at call #2 next
+    mine = ctx.args["calls"][ctx.rank]
+    t0 = time.monotonic()
+    try:
+        CALLS[mine](coll)
+        out: dict[str, Any] = {"type": None, "message": "no error"}
+    except Exception as exc:  # noqa: BLE001
+        out = {"type": type(exc).__name__, "message": str(exc),
+               "distributed": isinstance(exc, ss.DistributedError)}
+    out["elapsed_s"] = time.monotonic() - t0
+    # rank 0 hosts the rendezvous store: it stays until rank 1 has read the marks
+    done = Path(ctx.tmp) / "rank1-done"
+    if ctx.rank == 1:
+        done.touch()
+    deadline = time.monotonic() + 60
+    while ctx.rank == 0 and not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("calls", [("broadcast", "all_reduce"), ("all_gather", "barrier")],
+                         ids="-".join)
+def test_ranks_in_different_collectives_are_named(tmp_path: Path, calls: tuple[str, str]) -> None:
+    res = launch(THIS, "worker_mismatch", 2, tmp_path, args={"calls": list(calls)},
+                 timeout_s=120, check=False)
+    a, b = calls
+    for rank, (mine, theirs) in enumerate([(a, b), (b, a)]):
+        v = res[rank].value
+        assert v["type"] == "CollectiveTimeoutError" and v["distributed"], v
+        assert (f"rank {1 - rank} is at {_mark(theirs)} (call #2) while this rank is at "
+                f"{_mark(mine)}: the ranks called different statestream functions"
+                in v["message"]), v["message"]
+
+
+def _mark(call: str) -> str:
+    return "barrier 'b'" if call == "barrier" else call
