@@ -294,10 +294,11 @@ def _check_in_place(tgt: Any, got: Any, in_place: bool, log: list[str]) -> None:
 
 
 def _any_bits(a: Any) -> bool:
-    """Is any bit of a (fresh, contiguous) target array set?"""
+    """Is any bit of a (fresh) target array set?"""
     if isinstance(a, torch.Tensor):
-        return bool(a.numel()) and bool(a.detach().reshape(-1).view(torch.uint8).any())
-    return bool(a.reshape(-1).view(np.uint8).any())
+        flat = torch.empty(a.numel(), dtype=a.dtype).copy_(a.detach().reshape(-1))
+        return bool(a.numel()) and bool(flat.view(torch.uint8).any())
+    return bool(np.ascontiguousarray(a).reshape(-1).view(np.uint8).any())
 
 
 def esc(k: Any) -> str:

@@ -291,18 +291,31 @@ def _leaf_target(rng: random.Random, x: Any, mode: str) -> Any:
     if isinstance(x, torch.Tensor):
         if mode == "cross":
             return np.zeros(tuple(x.shape), np_dtype(TORCH_NAME[x.dtype]))
-        t = torch.zeros(tuple(x.shape), dtype=x.dtype)
         if isinstance(x, torch.nn.Parameter):
+            t = torch.zeros(tuple(x.shape), dtype=x.dtype)
             return torch.nn.Parameter(t, requires_grad=x.requires_grad)
-        return t
+        return _strided(rng, tuple(x.shape), lambda s: torch.zeros(s, dtype=x.dtype))
     if is_jax_array(x):
         return _jax_target(rng, x, mode)
     if isinstance(x, np.ndarray):
         dt = norm_np(x[:0] if x.ndim else x).dtype
         if mode == "cross" and dt.name in TORCH_DTYPES:
             return torch.zeros(x.shape, dtype=TORCH_DTYPES[dt.name])
-        return np.zeros(x.shape, dt)
+        return _strided(rng, x.shape, lambda s: np.zeros(s, dt))
     return None if rng.random() < 0.5 else x
+
+
+def _strided(rng: random.Random, shape: tuple[int, ...], zeros: Any) -> Any:
+    """``zeros(shape)``, or a quarter of the time a non-contiguous view of that shape
+    (transposed, or every other row), which an in-place load fills by a copy."""
+    if not shape or not math.prod(shape) or rng.random() >= 0.25:
+        return zeros(shape)
+    if len(shape) > 1 and rng.random() < 0.5:
+        z = zeros(shape[::-1])
+        if isinstance(z, torch.Tensor):
+            return z.permute(*reversed(range(len(shape))))
+        return z.transpose()
+    return zeros((2 * shape[0],) + shape[1:])[::2]
 
 
 def _jax_target(rng: random.Random, x: Any, mode: str) -> Any:
@@ -374,7 +387,7 @@ def expect_none(x: Any) -> Any:
 
 def _into_tensor(x: Any, t: torch.Tensor) -> torch.Tensor:
     src = np.array(expect_plain(x))
-    r = t.detach().clone()
+    r = t.detach().clone(memory_format=torch.contiguous_format)
     if src.size:
         r.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src.reshape(-1).view(np.uint8)))
     if isinstance(t, torch.nn.Parameter):
