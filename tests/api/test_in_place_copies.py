@@ -9,6 +9,8 @@ array was read and checked, and the load returns the targets themselves.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,23 @@ def test_without_in_place_targets_are_never_written(tmp_path) -> None:
     t = torch.zeros(3, 2).t()
     out = ss.load(path, {"t": t})
     assert out["t"] is not t and not t.any()
+
+
+def test_a_copied_target_gets_a_new_version_before_the_copy(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy snapshot checks the version after its own copy: a version moved only after
+    the write (``copy_`` moves it then) would let a snapshot torn by the load pass."""
+    path = _saved(tmp_path, {"t": torch.arange(6.0).reshape(2, 3)})
+    t = torch.zeros(3, 2).t()
+    before = t._version
+    seen: list[int] = []
+    copy = torch.Tensor.copy_
+
+    def spying(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is t:
+            seen.append(self._version)
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spying)
+    assert ss.load(path, {"t": t}, in_place=True)["t"] is t
+    assert seen and seen[0] > before, (before, seen)

@@ -318,6 +318,7 @@ class TorchProvider(ArrayProvider):
         if (dst.device.type == "meta" or dst.layout != torch.strided or dst.is_quantized
                 or dst.is_nested or dst.shape != src.shape):
             return None
+        self.before_fill([like])  # bumped before the write too, as the direct fills are
         try:
             with torch.no_grad():
                 dst.copy_(src)
