@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import subprocess
 import tempfile
@@ -21,6 +22,9 @@ def _temporary_files_under_basetemp(tmp_path_factory: pytest.TempPathFactory) ->
     failed tests' directories and removes the base directory of a run that passed. A CI run
     once failed with "No space left on device" after earlier runs' leftovers filled /tmp.
     """
+    # multiprocessing's own temporary directory stays where it is: its clean-up runs at
+    # the interpreter's exit, after pytest has removed the base directory
+    multiprocessing.util.get_temp_dir()
     d = tmp_path_factory.mktemp("tmp", numbered=False)
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(d)
