@@ -184,3 +184,35 @@ def test_the_step_a_resume_went_back_to_is_kept_until_a_newer_one_commits(tmp_pa
         mgr.wait()
         assert mgr.steps() == [2]  # a good newer step: the policy decides again
         assert mgr.load()["step"] == 2
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_a_resume_found_damaged_is_not_the_next_incremental_base(tmp_path,
+                                                                       async_save):
+    # The damaged step's manifest reads fine, so the next incremental save took it as
+    # its base: a chunk that did not change since referred to its damaged bytes, and
+    # the new step, reported saved, failed its checksum (and the resume after it went
+    # back past it too).
+    def state(s: int) -> dict:
+        return {"frozen": np.arange(4096, dtype=np.float32), "w": np.full(64, s % 3, np.int64)}
+
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state(s))
+    with ss.CheckpointManager(tmp_path, async_save=async_save, incremental=True,
+                              keep_policy=ss.KeepLatest(2)) as mgr:
+        _flip(_data_file(mgr, 2), at=8)  # step 2 holds w alone; frozen is step 1's
+        with pytest.warns(RuntimeWarning, match="step 2 .* is damaged, loading step 1"):
+            assert mgr.load()["w"][0] == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.save(3, state(2))  # w as in step 2 (a deterministic run redoing it)
+            mgr.wait()
+        report = ss.verify(mgr.step_path(3))
+        assert report.ok, report.problems
+        assert ss.metadata(mgr.step_path(3)).bases == ["step_0000000001"]
+        assert any("step 2" in str(w.message) and "cannot be the base of step 3: a load "
+                   "found it damaged" in str(w.message) for w in caught)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mgr.load()["w"][0] == 2

@@ -14,7 +14,7 @@ a full save starts a new chain.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -78,14 +78,14 @@ def chain_depth(path: str) -> int | None:
 
 
 def chain_base(step: int, limit: int | None, coll: Collective, tier: LocalTier | None,
-               listed: Callable[[], list[int]], path: Callable[[int], str]
-               ) -> tuple[int | None, int | None]:
+               listed: Callable[[], list[int]], path: Callable[[int], str],
+               damaged: Collection[int] = ()) -> tuple[int | None, int | None]:
     """(the base of an incremental save of ``step`` or None for a full one, the depth
     to record for it or None for none); ``limit``: ``incremental``'s N, None for an
     unbounded chain (no depth recorded). The same on every rank: rank 0 reads the
     base's depth (in the local tier with one, where the base is chosen); the other
     arguments are :func:`base_for`'s."""
-    base = base_for(step, coll, tier, listed, path)
+    base = base_for(step, coll, tier, listed, path, damaged)
     if limit is None:
         return base, None
     if base is None:

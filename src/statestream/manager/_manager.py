@@ -386,7 +386,8 @@ class CheckpointManager:
         path = target.path(step)
         meta = step_meta(step, metrics, metadata)
         base_step, depth = (chain_base(step, self._chain, self._coll, self._tier,
-                                       self._retention.listed, self._dir.path)
+                                       self._retention.listed, self._dir.path,
+                                       self._resumed.damaged)
                             if self._incremental else (None, None))
         meta.update({} if depth is None else {CHAIN_KEY: depth})
         base = None if base_step is None else target.path(base_step)

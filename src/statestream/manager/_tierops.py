@@ -15,7 +15,7 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from statestream import _hooks
@@ -449,7 +449,8 @@ def _is_committed(directory: StepDirectory, step: int) -> bool:
 
 
 def base_for(step: int, coll: Collective, tier: LocalTier | None,
-             listed: Callable[[], list[int]], path: Callable[[int], str]) -> int | None:
+             listed: Callable[[], list[int]], path: Callable[[int], str],
+             damaged: Collection[int] = ()) -> int | None:
     """An incremental save's base step: the newest kept step before ``step`` (never
     ``step`` itself, which an overwrite replaces) that can be a base, the same on every
     rank; ``listed`` gives the directory's kept steps (asked on rank 0), ``path`` a
@@ -462,19 +463,27 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
 
     A step whose manifest is damaged (or that is gone) is passed over with a
     ``RuntimeWarning``: a save against it fails, so every later save of the manager
-    failed while it was the newest step.
+    failed while it was the newest step. So is a step in ``damaged`` (a resume found
+    its data damaged and went back past it): its manifest reads fine, but a chunk the
+    new step left unchanged would refer to its damaged bytes, and the new step, reported
+    saved, would not load.
     """
     phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
         held = gather_each(coll, phase, lambda: [s for s in tier.steps() if s < step]
                            if tier.groups.is_leader else None)
-        common = set.intersection(*(set(h) for h in held if h is not None))
+        common = set.intersection(*(set(h) for h in held if h is not None)) - set(damaged)
         return max(common) if common else None
 
     def newest_older() -> int | None:
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
         for s in reversed(older):
             where = path(s) if tier is None else tier.dir.path(s)
+            if s in damaged:
+                warnings.warn(f"step {s} ({where}) cannot be the base of step {step}: a load "
+                              "found it damaged; an older step is used instead, or none "
+                              "(a full save)", RuntimeWarning, stacklevel=6)
+                continue
             try:
                 check_base(where)
             except StorageError:
