@@ -182,3 +182,25 @@ def test_metadata_that_is_not_json_is_named(tmp_path, kw, where):
         with pytest.raises(ss.UnsupportedTypeError, match=where):
             mgr.save(1, state_at(1), **kw)
         assert mgr.steps() == []
+
+
+class _KeepThatRaises:
+    def keep(self, steps):
+        raise ValueError("a keep policy with a bug")
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["directory", "local tier"])
+def test_a_manager_whose_open_failed_holds_neither_directory(tmp_path, tier):
+    # Listing the steps (which runs the keep policy) came after the lease was taken and
+    # failed without giving it up: while the error was held (a retry loop, pytest.raises)
+    # the same process could not open the directory again: ManagerLockedError naming
+    # its own pid. Now the failed open releases the directory and the local tier.
+    d, local = tmp_path / "ckpt", tmp_path / "local"
+    with ss.CheckpointManager(d, async_save=False) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+    kw = {"local_tier": local} if tier else {}
+    with pytest.raises(ValueError, match="a keep policy with a bug") as failed:
+        ss.CheckpointManager(d, keep_policy=_KeepThatRaises(), **kw)
+    with ss.CheckpointManager(d, **kw) as mgr:  # the error (and its frames) still held
+        assert mgr.load()["w"].shape == (4,)
+    assert failed.value is not None

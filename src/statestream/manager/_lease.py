@@ -20,7 +20,8 @@ from statestream.manager._steps import StepDirectory
 from statestream.storage import Lease, LocalStorage, Storage
 
 __all__ = ["DirectoryHold", "DirectoryLease", "LeaseNotRenewedError", "OpenedLease",
-           "close_after", "holder_name", "open_lease", "take_lease", "warn_deferred"]
+           "close_after", "holder_name", "open_lease", "release_after_failed_open", "take_lease",
+           "warn_deferred"]
 
 #: OS errors that mean "this location cannot be written": open read-only instead.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -301,6 +302,21 @@ class DirectoryHold:
         """Give the lease up (nothing without one)."""
         if self.lease is not None:
             self.lease.release()
+
+
+def release_after_failed_open(hold: DirectoryHold,
+                              close_tier: Callable[[], None] | None) -> None:
+    """Give up what a manager whose open failed took: its local tier (``close_tier``:
+    its persistence thread and lease), then the directory's lease.
+    Until 2026-12-07 a failure after the lease was taken (listing the steps: a store
+    error, a keep policy that raised) left the directory locked by the half-opened
+    manager, renewed for as long as the process ran on an object store: a retry in the
+    same process was refused with ManagerLockedError naming its own pid."""
+    try:
+        if close_tier is not None:
+            close_tier()
+    finally:
+        hold.release()
 
 
 def warn_deferred(directory: str, local_tier: str, why: str) -> None:

@@ -34,6 +34,7 @@ from statestream.manager._lease import (
     LeaseNotRenewedError,
     close_after,
     open_lease,
+    release_after_failed_open,
     warn_deferred,
 )
 from statestream.manager._policies import (
@@ -171,20 +172,21 @@ class CheckpointManager:
                             may_defer=local_tier is not None)
         self._hold = DirectoryHold(self._dir, opened, lease_ttl_s)
         self._tier: LocalTier | None = None
-        if local_tier is not None:
-            if opened.deferred is not None:
-                warn_deferred(self.directory, os.fspath(local_tier), opened.deferred)
-            try:
+        try:
+            if local_tier is not None:
+                if opened.deferred is not None:
+                    warn_deferred(self.directory, os.fspath(local_tier), opened.deferred)
                 self._tier = open_tier(os.fspath(local_tier), self._dir, local_keep_policy,
                                        self._coll, self._hold.read_only,
                                        replicate_to_peers, self._keep_after_persist,
                                        keep_policy if drops_for_good(keep_policy) else None,
                                        (memory or MemoryOptions()).resolved(),
                                        take_lease=self._hold.ensure)
-            except BaseException:
-                self._hold.release()  # a manager that failed to open holds nothing
-                raise
-        self._last_saved_step = self._agreed_latest()
+            self._last_saved_step = self._agreed_latest()
+        except BaseException:
+            release_after_failed_open(  # it holds nothing
+                self._hold, None if self._tier is None else self._tier.close)
+            raise
         if preemption:
             self._decisions.install_sigterm()
 
