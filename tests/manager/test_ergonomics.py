@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 
@@ -204,3 +205,33 @@ def test_a_manager_whose_open_failed_holds_neither_directory(tmp_path, tier):
     with ss.CheckpointManager(d, **kw) as mgr:  # the error (and its frames) still held
         assert mgr.load()["w"].shape == (4,)
     assert failed.value is not None
+
+
+class _KeepNames:
+    def keep(self, steps):
+        return {f"step_{info.step:010d}" for info in steps}  # names, not step numbers
+
+
+class _KeepInfos:
+    def keep(self, steps):
+        return [info for info in steps if info.step % 2 == 0]  # StepInfos, not numbers
+
+
+@pytest.mark.parametrize("policy", [_KeepNames(), _KeepInfos()], ids=lambda p: type(p).__name__)
+def test_a_keep_policy_that_returns_no_step_numbers_is_named_and_deletes_nothing(tmp_path,
+                                                                               policy):
+    # Names kept nothing: every step but the latest was deleted, silently. StepInfos
+    # raised a TypeError about an unhashable dict from inside the manager.
+    mgr = ss.CheckpointManager(tmp_path, async_save=False, keep_policy=policy)
+    mgr.save(0, {"w": np.full(4, 0)})  # one step: nothing to decide
+    for s in (1, 2):  # 1 commits, then its policy is refused; 2 is refused before
+        with pytest.raises(ss.InvalidOptionTypeError,
+                           match=rf"{type(policy).__name__}\.keep\(\) must return the "
+                                 "step numbers to keep"):
+            mgr.save(s, {"w": np.full(4, s)})
+    assert sorted(os.listdir(tmp_path / "step_0000000000"))
+    assert [ss.load(mgr.step_path(s))["w"][0] for s in (0, 1)] == [0, 1]
+    with pytest.raises(ss.InvalidOptionTypeError):
+        mgr.close()  # applies the policy once more; the directory is released all the same
+    with ss.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [0, 1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
@@ -35,6 +36,7 @@ __all__ = [
     "check_policy",
     "drops_for_good",
     "is_score",
+    "kept_by",
     "warn_missing_metrics",
 ]
 
@@ -275,8 +277,39 @@ class KeepUnion:
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         out: set[int] = set()
         for p in self.policies:
-            out |= p.keep(steps)
+            out |= kept_by(p, steps)
         return out
+
+
+def kept_by(policy: KeepPolicy, steps: Sequence[StepInfo]) -> set[int]:
+    """``policy.keep(steps)``: the step numbers it keeps, checked.
+
+    Raises:
+        InvalidOptionTypeError: the policy returned something else than step numbers
+            (ints; NumPy integers count): the ``StepInfo`` objects it was given (a
+            ``TypeError`` about an unhashable dict before), strings (every step but the
+            latest was deleted), None. Nothing is deleted.
+    """
+    got = policy.keep(steps)
+    try:
+        items = None if isinstance(got, (str, bytes)) else list(got)
+    except TypeError:
+        items = None
+    out: set[int] = set()
+    for x in items or ():
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            out.add(operator.index(x))
+        except TypeError:
+            items = None
+            break
+    if items is None:
+        raise InvalidOptionTypeError(
+            f"{type(policy).__name__}.keep() must return the step numbers to keep (ints, "
+            "e.g. {info.step for info in steps if ...}), not "
+            f"{type(got).__name__} {got!r:.120}")
+    return out
 
 
 def is_score(value: object) -> bool:

@@ -13,7 +13,7 @@ from statestream import _hooks
 from statestream.api import metadata
 from statestream.api._options import meta_option
 from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
-from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score
+from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score, kept_by
 from statestream.manager._steps import StepDirectory, parse_step
 
 __all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info",
@@ -287,8 +287,8 @@ class Retention:
             read = {s: self._read(s) for s in steps}
         policy = self._policy if policy is None else policy
         broken = self._broken(steps)
-        keep = set(policy.keep([si for s, (si, _) in read.items()
-                                if si is not None and s not in broken]))
+        keep = kept_by(policy, [si for s, (si, _) in read.items()
+                                if si is not None and s not in broken])
         keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step
