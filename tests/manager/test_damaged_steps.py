@@ -216,3 +216,26 @@ def test_a_step_a_resume_found_damaged_is_not_the_next_incremental_base(tmp_path
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert mgr.load()["w"][0] == 2
+
+
+def test_steps_a_resume_found_all_damaged_are_not_the_next_incremental_base(tmp_path):
+    # Every listed step damaged: load() raises, and a run that starts over (a frozen
+    # array as it was) saved against the damaged step anyway, referring to its bytes.
+    def state(s: int) -> dict:
+        return {"frozen": np.arange(4096, dtype=np.float32), "w": np.full(64, s, np.int64)}
+
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state(s))
+        _flip(_data_file(mgr, 1), at=8)  # the frozen chunk, which step 2 refers to
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        with pytest.raises(ss.ChecksumMismatchError):
+            mgr.load()  # step 1 is retired (not listed): nothing older to go back to
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mgr.save(3, state(0))  # starting over
+        report = ss.verify(mgr.step_path(3))
+        assert report.ok, report.problems
+        assert ss.metadata(mgr.step_path(3)).bases == []

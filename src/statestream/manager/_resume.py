@@ -86,6 +86,8 @@ def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
         if guard is not None:
             guard.loaded(tried)
         return out
+    if guard is not None:
+        guard.none_loaded(tried)
     raise first
 
 
@@ -107,6 +109,13 @@ class ResumeGuard:
         """A resume tried ``tried`` (newest first) and loaded the last of them."""
         self.step = tried[-1] if len(tried) > 1 else None
         self.damaged = set(tried[:-1])
+
+    def none_loaded(self, tried: Sequence[int]) -> None:
+        """A resume found every step in ``tried`` damaged: none is protected, and none
+        is the next incremental save's base (a run that starts over after the error
+        would otherwise refer to their damaged chunks)."""
+        self.step = None
+        self.damaged = set(tried)
 
     def saved(self, step: int) -> None:
         """``step`` was committed by this manager: it is not damaged now."""
