@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -98,6 +99,33 @@ def test_a_failed_async_save_does_not_block_its_step(tmp_path):
         assert mgr.save(2, state_at(2))  # the failed step may be saved again
         mgr.wait()
         assert mgr.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("seen_by", ["wait", "save"])
+def test_a_failed_async_save_does_not_delay_a_time_based_policy(tmp_path, seen_by):
+    # EveryNSeconds counted from the save that failed: no step was saved for an hour,
+    # and its error was not raised either (no save started to raise it).
+    def boom():
+        raise OSError("disk on fire")
+
+    with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSeconds(3600)) as mgr:
+        faults.on("save.data_synced", boom, nth=1)
+        assert mgr.save(1, state_at(1))  # the first call saves; it fails in the background
+        handle = mgr.in_flight
+        assert handle is not None
+        while not handle.done():
+            time.sleep(0.01)
+        assert handle.failed()
+        with pytest.raises(OSError, match="disk on fire"):
+            if seen_by == "wait":
+                mgr.wait()
+            else:  # the policy counts from no save: it saves, and raises the error
+                mgr.save(2, state_at(2))
+        assert mgr.save(3, state_at(3))  # the last save that committed: none
+        mgr.wait()
+        assert mgr.steps() == [3]
+        assert not mgr.save(4, state_at(4))  # an hour from step 3's save
+        assert mgr.steps() == [3]
 
 
 @pytest.mark.parametrize("lazy", [False, True])

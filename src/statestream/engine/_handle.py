@@ -70,6 +70,11 @@ class SaveHandle:
         """True once the save is committed (or has failed)."""
         return self._finished.is_set()
 
+    def failed(self) -> bool:
+        """True once the save has failed (``result()`` raises its error); False while
+        it runs and once it is committed. Does not count as having seen the error."""
+        return self._finished.is_set() and self._error is not None
+
     def snapshot_done(self) -> bool:
         """True once every byte has been copied out of the state."""
         return self._snapshot.is_set()

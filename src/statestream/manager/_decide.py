@@ -17,13 +17,39 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
+from statestream.api import SaveHandle
 from statestream.distributed import Collective, any_of, gather_each
 from statestream.errors import InvalidOptionError
 from statestream.manager._policies import SaveContext, SavePolicy
 from statestream.manager._retention import plain_metrics
 from statestream.manager._steps import check_forward
 
-__all__ = ["SaveDecisions", "check_can_arm"]
+__all__ = ["LastSaveTime", "SaveDecisions", "check_can_arm"]
+
+
+class LastSaveTime:
+    """When a manager last saved, as its save policy counts it (``last_saved_time``):
+    a background save that failed does not count, so a time-based policy
+    (``EveryNSeconds``) saves at the next call instead of a period after the failure.
+    Before 2026-12-07 it counted from the failed save: an hour's ``EveryNSeconds`` saved
+    nothing for an hour (the failure was not even raised, since no save was started).
+    """
+
+    def __init__(self) -> None:
+        self._time: float | None = None
+        self._before: float | None = None  # when the save before the one in flight began
+
+    def started(self, now: float) -> None:
+        """A save began at ``now`` (it may still fail in the background)."""
+        self._before, self._time = self._time, now
+
+    def failed(self) -> None:
+        """The save in flight failed (its error was raised): it never counted."""
+        self._time = self._before
+
+    def counted(self, inflight: SaveHandle | None) -> float | None:
+        """The time to count from, ``inflight`` being the manager's save in flight."""
+        return self._before if inflight is not None and inflight.failed() else self._time
 
 
 class SaveDecisions:

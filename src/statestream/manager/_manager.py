@@ -28,7 +28,7 @@ from statestream.errors import (
     ManagerLockedError,
 )
 from statestream.manager._chain import CHAIN_KEY, chain_base, incremental_option
-from statestream.manager._decide import SaveDecisions, check_can_arm
+from statestream.manager._decide import LastSaveTime, SaveDecisions, check_can_arm
 from statestream.manager._lease import (
     DirectoryHold,
     LeaseNotRenewedError,
@@ -162,12 +162,12 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._inflight_step: int | None = None
         self._resumed = ResumeGuard()
-        self._last_saved_time: float | None = None
+        self._last_time = LastSaveTime()
         self._closed = False
         self._decisions = SaveDecisions(
             save_policy, self._coll,
             lambda step: step == self._last_saved_step or step in self._pending_steps(),
-            lambda: (self._last_saved_step, self._last_saved_time))
+            lambda: (self._last_saved_step, self._last_time.counted(self._inflight)))
         opened = open_lease(self._coll, self._dir, lease_ttl_s,
                             may_defer=local_tier is not None)
         self._hold = DirectoryHold(self._dir, opened, lease_ttl_s)
@@ -411,7 +411,7 @@ class CheckpointManager:
                                  directory=self._tier is None,
                                  outcome=f"step {step} was committed")
         self._last_saved_step = step
-        self._last_saved_time = time.time()
+        self._last_time.started(time.time())
         return True
 
     def _write(self, path: str, state: Any, overwrite: bool, meta: dict[str, Any],
@@ -488,8 +488,10 @@ class CheckpointManager:
             if not h.done():
                 raise  # the wait was interrupted, not the save
             failed, self._inflight, self._inflight_step = self._inflight_step, None, None
-            # that step never committed: it may be saved again
+            # that step never committed: it may be saved again, and a time-based save
+            # policy counts from the last save that did (not from the failed one)
             self._last_saved_step = self.latest_step()
+            self._last_time.failed()
             if failed is not None and self._tier is not None:
                 raise_if_full(self._tier, failed, exc)
             raise
