@@ -342,3 +342,41 @@ def test_a_store_that_hangs_through_100_saves_uploads_only_what_the_directory_ke
     finally:
         back.set()
         _hooks.clear()
+
+
+def test_a_local_copy_a_load_found_damaged_is_not_the_next_base(tmp_path):
+    # The load fell back to the persisted copy, but the damaged local copy stayed the
+    # newest local step and the next save's base: its unchanged chunk referred to the
+    # damaged bytes, so its own local copy (loaded first) was damaged too, and so was
+    # every later one while that array did not change.
+    persist, local = tmp_path / "persist", tmp_path / "local"
+
+    def state(s: int) -> dict:
+        return {"frozen": np.arange(4096, dtype=np.float32), "w": np.full(64, s % 3, np.int64)}
+
+    def manager() -> ss.CheckpointManager:
+        return ss.CheckpointManager(persist, local_tier=local, async_save=False,
+                                    incremental=True)
+
+    with manager() as mgr:
+        for s in (1, 2):
+            mgr.save(s, state(s))
+    (f,) = (local / "step_0000000002" / "data").iterdir()  # w alone; frozen is step 1's
+    with open(f, "r+b") as fh:
+        fh.seek(8)
+        b = fh.read(1)
+        fh.seek(8)
+        fh.write(bytes([b[0] ^ 1]))
+    with manager() as mgr:
+        with pytest.warns(RuntimeWarning, match="local copy of step 2 .* is damaged"):
+            assert mgr.load()["w"][0] == 2
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            mgr.save(3, state(2))  # w as in step 2
+        report = ss.verify(str(local / "step_0000000003"))
+        assert report.ok, report.problems
+        assert _bases(local, 3) == [1]
+        mgr.wait()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # read from the local copy, which verifies
+            assert mgr.load(3)["w"][0] == 2

@@ -135,6 +135,9 @@ class LocalTier:
         self._base_of: dict[int, int | None] = {}
         self.lease: DirectoryLease | None = None
         #: the last persistence failed: the directory is probably unreachable
+        #: steps whose local copy a load found damaged (the persisted copy was loaded
+        #: instead): never an incremental save's base here, until saved again
+        self.damaged_copies: set[int] = set()
         self.directory_failing = False
         if leader:
             self._open_as_leader(storage)
@@ -266,6 +269,7 @@ class LocalTier:
         marker was set would make the new copy's persistence skip it (the forced
         save was then never persisted, and removed at the next open).
         """
+        self.damaged_copies.discard(step)
         with self._lock:
             running = self._running.get(step)
         if running is not None:

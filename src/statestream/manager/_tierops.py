@@ -431,7 +431,11 @@ def _might_hold(tier: LocalTier, step: int) -> bool:
 def _damaged(tier: LocalTier, step: int, exc: CheckpointCorruptError,
              what: str) -> tuple[bool, BaseException | None]:
     """The local copy of ``step`` is damaged (``what``, ``exc``): load the persisted
-    copy (with a warning) if the directory holds one, else raise the damage."""
+    copy (with a warning) if the directory holds one, else raise the damage. Either
+    way the local copy is no incremental save's base from then on: a chunk left
+    unchanged would refer to its damaged bytes, and every later local copy (loaded
+    from the tier first) would be damaged too."""
+    tier.damaged_copies.add(step)
     if not _is_committed(tier.persistent, step):
         return False, exc
     warnings.warn(f"{what} ({exc}); loading the persisted copy "
@@ -470,8 +474,9 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
     """
     phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
-        held = gather_each(coll, phase, lambda: [s for s in tier.steps() if s < step]
-                           if tier.groups.is_leader else None)
+        held = gather_each(coll, phase, lambda: [
+            s for s in tier.steps() if s < step and s not in tier.damaged_copies]
+            if tier.groups.is_leader else None)
         common = set.intersection(*(set(h) for h in held if h is not None)) - set(damaged)
         return max(common) if common else None
 
@@ -479,7 +484,7 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
         for s in reversed(older):
             where = path(s) if tier is None else tier.dir.path(s)
-            if s in damaged:
+            if s in damaged or (tier is not None and s in tier.damaged_copies):
                 warnings.warn(f"step {s} ({where}) cannot be the base of step {step}: a load "
                               "found it damaged; an older step is used instead, or none "
                               "(a full save)", RuntimeWarning, stacklevel=6)
