@@ -263,3 +263,35 @@ def test_a_keep_policy_that_returns_no_step_numbers_is_named_and_deletes_nothing
         mgr.close()  # applies the policy once more; the directory is released all the same
     with ss.CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == [0, 1]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_saved_again_is_ranked_by_its_new_metrics(tmp_path, async_save):
+    # The keep policy read step 2 before it was saved again (force=True) and kept what it
+    # read: best_step ranked the old loss, and KeepBest(1) deleted the new best step.
+    with ss.CheckpointManager(tmp_path, async_save=async_save,
+                              keep_policy=ss.KeepBest(1, "loss")) as mgr:
+        mgr.save(1, state_at(1), metrics={"loss": 0.5})
+        mgr.save(2, state_at(2), metrics={"loss": 0.9})
+        mgr.save(2, state_at(20), metrics={"loss": 0.1}, force=True)
+        mgr.wait()
+        assert mgr.best_step("loss") == 2
+        assert mgr.steps() == [2]
+        mgr.save(3, state_at(3), metrics={"loss": 0.7})
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+        assert mgr.load(2)["step"] == 20
+
+
+def test_a_step_saved_again_no_longer_keeps_what_its_old_copy_referred_to(tmp_path):
+    # The bases read of step 2's old copy stayed: step 1, retired for it, stayed on
+    # disk (a whole step) for as long as step 2 was the newest.
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        mgr.save(1, {"frozen": np.zeros(1024), "w": np.full(8, 1.0)})
+        mgr.save(2, {"frozen": np.zeros(1024), "w": np.full(8, 2.0)})  # refers to step 1
+        assert sorted(os.listdir(tmp_path / "step_0000000001"))
+        mgr.save(2, {"frozen": np.ones(1024), "w": np.full(8, 3.0)}, force=True)  # a full save
+        assert ss.metadata(mgr.step_path(2)).bases == []
+        mgr.wait()
+        assert not (tmp_path / "step_0000000001").exists()

@@ -404,7 +404,7 @@ class CheckpointManager:
             if self._tier is not None:
                 self._tier.persist(step, self._inflight, base=base_step)
         else:
-            self._resumed.saved(step)
+            self._committed(step)
             if self._tier is not None:
                 self._tier.persist(step, base=base_step)
             self._keep_and_check(f"applying the keep policy after step {step}",
@@ -496,8 +496,20 @@ class CheckpointManager:
                 raise_if_full(self._tier, failed, exc)
             raise
         if self._inflight_step is not None:
-            self._resumed.saved(self._inflight_step)
+            self._committed(self._inflight_step)
         self._inflight, self._inflight_step = None, None
+
+    def _committed(self, step: int) -> None:
+        """This manager's save of ``step`` committed: it is not damaged now, and what
+        was read of an older copy (a save with ``force=True``; read when the keep
+        policy ran before the save) is read again: its metrics and bases. Before
+        2026-12-07 they stayed: ``best_step`` and ``KeepBest`` ranked the old metrics
+        (and deleted the new best step), the bases kept steps the new copy does not
+        need."""
+        self._resumed.saved(step)
+        self._retention.forget(step)
+        if self._tier is not None:
+            self._tier.retention.forget(step)
 
     def _settle_save(self) -> None:
         """Wait for the in-flight save to end; its error stays for the next ``save``,
