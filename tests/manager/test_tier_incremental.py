@@ -380,3 +380,27 @@ def test_a_local_copy_a_load_found_damaged_is_not_the_next_base(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # read from the local copy, which verifies
             assert mgr.load(3)["w"][0] == 2
+
+
+def test_a_step_saved_again_in_the_tier_can_be_persisted(tmp_path):
+    # Saved again (force=True) against the step before it, step 4 referred to steps 3
+    # and 2, which the directory had deleted (the old step 4 was a full save); step 2's
+    # own base, step 1, was gone everywhere, so step 2 could not be committed there again
+    # and the new step 4 never could: every wait() and close() raised, and the directory
+    # kept the old copy. A step saved again in the tier is a full save.
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    a = {k: np.full(1000, k, np.float32) for k in (1, 2, 3)}
+    b = {k: np.full(1000, 10 + k, np.float32) for k in (1, 2, 3)}
+    with ss.CheckpointManager(persist, local_tier=local, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        for s, (i, j) in [(1, (1, 1)), (2, (1, 2)), (3, (2, 2)), (4, (3, 3))]:
+            mgr.save(s, {"A": a[i], "B": b[j]})
+            mgr.wait()
+        assert _bases(local, 2) == [1] and _bases(local, 3) == [2] and _committed(persist) == [4]
+        mgr.save(4, {"A": a[2], "B": b[2]}, force=True)  # as step 3
+        mgr.wait()
+        assert mgr.persisted_steps() == [4]
+    got = ss.load(str(persist / "step_0000000004"))
+    np.testing.assert_array_equal(got["A"], a[2])
+    np.testing.assert_array_equal(got["B"], b[2])
+    assert ss.verify(str(persist / "step_0000000004")).ok

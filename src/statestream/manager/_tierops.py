@@ -474,13 +474,20 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
     """
     phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
-        held = gather_each(coll, phase, lambda: [
-            s for s in tier.steps() if s < step and s not in tier.damaged_copies]
-            if tier.groups.is_leader else None)
+        def mine() -> list[int] | None:  # a leader's candidates (none: an overwrite)
+            if not tier.groups.is_leader:
+                return None
+            if _overwrites(tier, step):
+                return []
+            return [s for s in tier.steps() if s < step and s not in tier.damaged_copies]
+
+        held = gather_each(coll, phase, mine)
         common = set.intersection(*(set(h) for h in held if h is not None)) - set(damaged)
         return max(common) if common else None
 
     def newest_older() -> int | None:
+        if tier is not None and _overwrites(tier, step):
+            return None
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
         for s in reversed(older):
             where = path(s) if tier is None else tier.dir.path(s)
@@ -502,6 +509,17 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
         return None
 
     return share_from_0(coll, phase, newest_older)
+
+
+def _overwrites(tier: LocalTier, step: int) -> bool:
+    """Whether a save of ``step`` into ``tier`` replaces a copy there (``force=True``):
+    it is then a full save. Its old copy no longer refers to the step before it, so the
+    directory's keep policy may have deleted that one, and persisting the new copy
+    would copy it back with every step it refers to; a retired step among them whose own
+    base is gone cannot be committed there, so the new copy could never be persisted
+    (until 2026-12-07 every ``wait`` and ``close`` then raised, and ``directory`` kept
+    the old copy)."""
+    return tier.is_committed(step)
 
 
 def fetch_into_tier(tier: LocalTier, step: int) -> TaskHandle | None:
