@@ -198,11 +198,13 @@ def test_sigkill_before_persistence_loses_nothing(tmp_path, mode):
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(persist), str(local), mode],
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    # what was persisted before the kill: some of steps 1-3 (step 2 refers to nothing
-    # step 3 needs, so it is dropped unpersisted when step 3 commits first), each with
-    # every step it refers to
+    # what was persisted before the kill (at the third persistence): usually some of
+    # steps 1-3 (step 2 refers to nothing step 3 needs, so it is dropped unpersisted when
+    # step 3 commits first); on a loaded machine the saves run ahead of the persistence
+    # and the keep policies drop more steps unpersisted, so later ones can be there
+    # (step 4 was, once). Each with every step it refers to.
     before = _committed(persist)
-    assert before and set(before) <= {1, 2, 3}, before
+    assert before and set(before) <= set(range(1, 7)), before
     assert all(set(_bases(persist, s)) <= set(before) for s in before), before
     left = _committed(local)
     # the newest step saved before the kill is there (older unpersisted ones the
