@@ -295,3 +295,20 @@ def test_a_step_saved_again_no_longer_keeps_what_its_old_copy_referred_to(tmp_pa
         assert ss.metadata(mgr.step_path(2)).bases == []
         mgr.wait()
         assert not (tmp_path / "step_0000000001").exists()
+
+
+def test_a_retry_of_a_step_whose_async_save_failed_raises_its_error(tmp_path):
+    """save(N) again after step N's background save failed returned False and raised
+    nothing (the step counted as saved): a retry loop never learned that it failed."""
+    def boom():
+        raise OSError("disk on fire")
+
+    with ss.CheckpointManager(tmp_path) as mgr:
+        faults.on("save.data_synced", boom, nth=1)
+        assert mgr.save(1, state_at(1))
+        with pytest.raises(OSError, match="disk on fire"):
+            mgr.save(1, state_at(1))
+        assert mgr.steps() == []
+        assert mgr.save(1, state_at(1))  # now it may be saved again
+        assert not mgr.save(1, state_at(1))  # in flight and fine: waits, not saved twice
+        assert mgr.steps() == [1]

@@ -359,7 +359,8 @@ class CheckpointManager:
         Steps only go forward: a step older than the last one saved raises
         (a resumed run that forgot to advance its step must not rewrite
         history). The last step itself is not saved again (returns False)
-        unless ``force``, which rewrites it atomically.
+        unless ``force``, which rewrites it atomically; while its async save is in
+        flight, this waits for that save and raises its error (then it may be saved).
 
         Returns:
             Whether a save was started.
@@ -381,6 +382,8 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
         decided = self._decisions.decide_save(step, metrics, force, self.directory)
         if decided is None:
+            if self._inflight_step is not None and self._inflight_step == step:
+                self._wait_save()  # a retry of the step in flight: its failure is raised
             return False
         step, metrics = decided
         overwrite = self._prepare_save(step, metrics, force)
