@@ -187,6 +187,9 @@ def _raw(header: object, data: bytes = b"", *, pad: bytes = b"") -> bytes:
     (_raw({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}}, b"\0" * 8),
      "exactly"),
     (_raw({"__metadata__": {"a": 1}}), "strings"),
+    (_raw({"__metadata__": []}), "strings"),
+    (_raw({"__metadata__": 0}), "strings"),
+    (_raw({"__metadata__": None}), None),
     (_raw([1, 2]), "object"),
     (struct.pack("<Q", 1 << 40) + b"{}", "header length"),
     (struct.pack("<Q", 10) + b'{"a":', "header length"),
@@ -217,6 +220,27 @@ def test_duplicate_keys_and_deep_nesting_refused(tmp_path: Path) -> None:
     f.write_bytes(struct.pack("<Q", len(deep)) + deep)
     with pytest.raises(ss.CheckpointCorruptError):
         ss.load(f)
+
+
+def _tagged(names: str, tree: str) -> bytes:
+    return _raw({"__metadata__": {"statestream.arrays": names, "statestream.tree": tree},
+                 "1": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+
+
+@pytest.mark.parametrize("blob,match", [
+    # a name that is not a string, though its str() is a tensor's name (was a KeyError)
+    (_tagged("[1]", '{"t": "array", "a": 0}'), "statestream.arrays"),
+    (_tagged('[["1"]]', '{"t": "array", "a": 0}'), "statestream.arrays"),
+    # a malformed tree names the file and the metadata key
+    (_tagged('["1"]', "{}"), r"bad\.safetensors: statestream\.tree: malformed tree"),
+])
+def test_hostile_statestream_metadata(tmp_path: Path, blob: bytes, match: str) -> None:
+    f = tmp_path / "bad.safetensors"
+    f.write_bytes(blob)
+    for fn in (ss.load, ss.metadata):
+        with pytest.raises(ss.CheckpointCorruptError, match=match):
+            fn(f)
+    assert ss.verify(f).problems
 
 
 def test_truncated_data_is_an_error(tmp_path: Path) -> None:

@@ -152,7 +152,9 @@ def parse_header(head: bytes, file_size: int, where: str) -> SafetensorsHeader:
         raise CheckpointCorruptError(f"{where}: safetensors header must be a JSON object")
     if len(doc) > MAX_TENSORS:
         raise CheckpointCorruptError(f"{where}: more than {MAX_TENSORS} tensors")
-    meta = doc.pop("__metadata__", None) or {}
+    meta = doc.pop("__metadata__", None)
+    if meta is None:  # absent, or null as safetensors writes no metadata
+        meta = {}
     if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
         raise CheckpointCorruptError(f"{where}: __metadata__ must map strings to strings")
     data_start = 8 + n
@@ -204,13 +206,17 @@ def _manifest(entries: list[tuple[int, TensorInfo]], files: list[FileEntry],
     tree = None
     if TREE_KEY in meta and NAMES_KEY in meta:
         order = _json(meta[NAMES_KEY].encode(), f"{where}: {NAMES_KEY}")
-        if type(order) is not list or sorted(map(str, order)) != sorted(names) or len(
-                set(names)) != len(names):
+        if (type(order) is not list or any(type(n) is not str for n in order)
+                or sorted(order) != sorted(names) or len(set(names)) != len(names)):
             raise CheckpointCorruptError(
-                f"{where}: {NAMES_KEY} does not list exactly the file's tensors")
+                f"{where}: {NAMES_KEY} does not list exactly the file's tensors (as strings)")
         pos = {n: i for i, n in enumerate(names)}
         arrays = [arrays[pos[n]] for n in order]
-        tree = decode_tree(_json(meta[TREE_KEY].encode(), f"{where}: {TREE_KEY}"), len(arrays))
+        doc = _json(meta[TREE_KEY].encode(), f"{where}: {TREE_KEY}")
+        try:
+            tree = decode_tree(doc, len(arrays))
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{where}: {TREE_KEY}: {exc}") from None
     if tree is None:
         keys: list[Key] = list(names)
         tree = Node("dict", keys=keys, children=[Node("array", array=i)
