@@ -327,3 +327,49 @@ def test_a_numpy_scalar_converted_to_torch_becomes_a_0d_tensor(tmp_path: Path, t
     if to == "torch":
         t = torch.load(dst, weights_only=True)["u"]
         assert t.dtype == torch.uint16 and t.shape == () and int(t) == 5
+
+
+@pytest.mark.parametrize("shape", [(1,) * 40, (0, 1 << 60)])
+def test_a_shape_statestream_cannot_hold_is_refused_not_converted(
+        tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """torch holds 40 dimensions, and an empty tensor of a dimension above 2**48: load
+    returned the first (and convert wrote a checkpoint whose manifest load then refused),
+    and failed on the second with NumPy's bare ValueError. Both are refused naming the
+    key path and the file."""
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(2), "layer": {"x": torch.zeros(shape)}}, path)
+    for call in (lambda: ss.load(path), lambda: ss.metadata(path),
+                 lambda: ss.convert(path, tmp_path / "out")):
+        with pytest.raises(ss.UnsupportedTypeError, match="outside statestream's limits") as ei:
+            call()
+        assert "'layer/x'" in str(ei.value) and str(path) in str(ei.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_v3_tensor_over_a_storage_statestream_cannot_hold_is_named(tmp_path: Path) -> None:
+    """_rebuild_tensor_v3 names the tensor's dtype and the storage's class apart: a float32
+    tensor over a QUInt8Storage raised a bare KeyError('quint8')."""
+    import collections
+    import io
+
+    storage, tensor = object(), object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("storage", torch.QUInt8Storage, "0", "cpu", 8) if obj is storage else None
+
+        def reducer_override(self, obj: object) -> object:
+            if obj is not tensor:
+                return NotImplemented
+            return torch._utils._rebuild_tensor_v3, (
+                storage, 0, (2,), (1,), False, collections.OrderedDict(), torch.float32)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"layer": {"x": tensor}})
+    path = tmp_path / "q.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", bytes(8))
+    with pytest.raises(ss.UnsupportedTypeError, match="dtype quint8") as ei:
+        ss.load(path)
+    assert "'layer/x'" in str(ei.value) and str(path) in str(ei.value)

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from statestream.errors import CheckpointCorruptError
+from statestream.errors import CheckpointCorruptError, CheckpointError
 from statestream.format import (
     MAX_ARRAY_BYTES,
     MAX_DIM,
@@ -16,7 +16,7 @@ from statestream.format import (
     itemsize_of,
 )
 
-__all__ = ["ROW_BLOCK_BYTES", "check_tiling", "row_chunks"]
+__all__ = ["ROW_BLOCK_BYTES", "check_shape", "check_tiling", "row_chunks"]
 
 #: A foreign tensor is described as chunks of about this size, so that a read of
 #: some of its rows (a slab of a conversion, a shard of a resharded load) reads
@@ -44,14 +44,24 @@ def row_chunks(file: int, offset: int, dtype: str, shape: tuple[int, ...],
         for r0 in range(0, shape[0], step))
 
 
+def check_shape(shape: tuple[int, ...], dtype: str, what: str,
+                error: type[CheckpointError] = CheckpointCorruptError) -> None:
+    """Refuse a shape a statestream manifest could not hold (more than ``MAX_NDIM``
+    dimensions, one above ``MAX_DIM``, more than ``MAX_ARRAY_BYTES``) with ``error``: a
+    foreign file's could otherwise be loaded, or converted into a checkpoint that cannot
+    be read back. An empty array is no exception (NumPy refuses ``(0, 2**70)``)."""
+    if len(shape) > MAX_NDIM or any(not 0 <= n <= MAX_DIM for n in shape) or (
+            math.prod(shape) * itemsize_of(dtype) > MAX_ARRAY_BYTES):
+        raise error(f"{what}: shape {shape!r:.200} is outside statestream's limits "
+                    f"({MAX_NDIM} dimensions of at most {MAX_DIM})")
+
+
 def check_tiling(entry: ArrayEntry, what: str) -> None:
     """The checks a statestream manifest gets: limits, chunks inside the array, covering it
     exactly once. A foreign format's metadata could otherwise make ``load`` allocate an
     array far larger than the file, or return memory no chunk filled."""
     shape = entry.shape
-    if len(shape) > MAX_NDIM or any(not 0 <= n <= MAX_DIM for n in shape) or (
-            math.prod(shape) * itemsize_of(entry.dtype) > MAX_ARRAY_BYTES):
-        raise CheckpointCorruptError(f"{what}: shape {shape} is outside statestream's limits")
+    check_shape(shape, entry.dtype, what)
     covered = 0
     for c in entry.chunks:
         if len(c.start) != len(shape) or len(c.shape) != len(shape) or any(

@@ -31,7 +31,7 @@ from statestream.errors import (
     UnsupportedTypeError,
 )
 from statestream.format import DTYPE_NAMES, ArrayEntry, FileEntry, Manifest, itemsize_of
-from statestream.interop._chunks import row_chunks
+from statestream.interop._chunks import check_shape, row_chunks
 from statestream.interop._files import ZIP_ERRORS, FileSetReader, open_binary
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -430,15 +430,17 @@ _BYTES = "<bytes values>"
 def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str,
                   path: str, p: KeyPath) -> ArrayEntry:
     where = f"tensor at key path '{format_keypath(p)}' of {path}"
-    if t.dtype not in DTYPE_NAMES:
-        raise UnsupportedTypeError(
-            f"{where}: dtype {t.dtype} is not supported (statestream cannot hold it)")
+    for dtype in (t.dtype, t.storage.dtype):  # a _v3 tensor names both
+        if dtype not in DTYPE_NAMES:
+            raise UnsupportedTypeError(
+                f"{where}: dtype {dtype} is not supported (statestream cannot hold it)")
     entry = offsets.get(f"{prefix}data/{t.storage.key}")
     if entry is None:
         raise CheckpointCorruptError(f"{where}: storage {t.storage.key!r:.40} is not in the "
                                      "archive (or is compressed)")
     start, length = entry
     item = itemsize_of(t.dtype)
+    check_shape(t.shape, t.dtype, where, UnsupportedTypeError)  # torch holds more dimensions
     check_row_major(t, where, "save tensor.contiguous() to convert it")
     nbytes = math.prod(t.shape) * item
     off = t.offset * item
