@@ -424,3 +424,15 @@ def test_int_and_str_keys_written_alike_are_refused_for_dcp(tmp_path: Path,
                        match=rf"mapping at key path '{where}' has the keys .* DCP stores alike"):
         ss.convert(tmp_path / "ck", tmp_path / "d", to="dcp")
     assert not os.path.exists(tmp_path / "d")
+
+
+def test_a_value_statestream_cannot_hold_names_its_key_path_and_file(tmp_path: Path) -> None:
+    """DCP stores a non-tensor value as a small torch.save archive; one statestream cannot
+    hold (a set) was refused as "key path '<root>' holds a set", naming neither where in
+    the state it is nor the file."""
+    _save({"w": torch.ones(2), "opt": {"tags": {"a", "b"}}}, tmp_path / "c")
+    for call in (ss.load, ss.metadata, ss.verify):
+        with pytest.raises(ss.UnsupportedTypeError, match="holds a set") as ei:
+            call(tmp_path / "c")
+        msg = str(ei.value)
+        assert "'opt/tags'" in msg and str(tmp_path / "c") in msg and ".distcp" in msg, msg

@@ -54,7 +54,7 @@ from statestream.interop._torchfile import (
     read_entry,
     to_node,
 )
-from statestream.tree import MAX_TREE_DEPTH, Key, KeyPath, Node
+from statestream.tree import MAX_TREE_DEPTH, Key, KeyPath, Node, format_keypath
 
 __all__ = ["METADATA_NAME", "looks_like_dcp", "open_dcp"]
 
@@ -264,7 +264,7 @@ def open_dcp(directory: str, *, allow_pickle: bool = False
             raise CheckpointCorruptError(f"{where}: key {fqn!r:.80} is not a string")
         ctx = _Ctx(directory, fqn, infos, files, sizes, allow_pickle, where)
         if type(meta).__name__ == "BytesStorageMetadata":
-            values[fqn] = ctx.value(arrays, blob)
+            values[fqn] = ctx.value(arrays, blob, _key_path(fqn, md.__dict__.get("planner_data")))
         else:
             arrays.append(ctx.tensor(meta))
             values[fqn] = Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
@@ -297,15 +297,18 @@ class _Ctx:
                         shape: tuple[int, ...]) -> int | None:
         return _safetensors_start(path, off, self.sizes[rel], self.fqn, dtype, shape)
 
-    def value(self, arrays: list[ArrayEntry], blob: Callable[[bytes], ArrayEntry]) -> Node:
+    def value(self, arrays: list[ArrayEntry], blob: Callable[[bytes], ArrayEntry],
+              path: KeyPath) -> Node:
+        """The non-tensor value stored for this fqn (``path``: its key path, for errors)."""
         rel, off, n = self._span(None)
-        obj = _torch_archive(os.path.join(self.directory, rel), off, n,
-                             f"{self.fqn!r} in {rel}", False, self.allow_pickle)
+        file = os.path.join(self.directory, rel)
+        obj = _torch_archive(file, off, n, f"{self.fqn!r} in {rel}", False, self.allow_pickle)
 
         def no_tensor(t: Any, p: KeyPath) -> ArrayEntry:
-            raise UnsupportedTypeError(f"{self.fqn!r} holds a tensor inside a non-tensor value")
+            raise UnsupportedTypeError(f"key path '{format_keypath(p)}' ({self.fqn!r} in "
+                                       f"{file}) holds a tensor inside a non-tensor value")
 
-        return to_node(obj, (), arrays, no_tensor, blob=blob)
+        return to_node(obj, path, arrays, no_tensor, blob=blob, where=f"{self.fqn!r} in {file}")
 
     def tensor(self, meta: Any) -> ArrayEntry:
         props = _record_of(meta, "properties", self.where)
@@ -382,6 +385,15 @@ def _safetensors_start(path: str, off: int, size: int, fqn: str, dtype: str,
             return off + t.offset
     raise CheckpointCorruptError(f"{path}: the safetensors data written by DCP at byte {off} "
                                  f"has no tensor {fqn!r}")
+
+
+def _key_path(fqn: str, planner: Any) -> KeyPath:
+    """``fqn``'s key path as :func:`_nest` would likely place it (for error messages)."""
+    p = planner.get(fqn) if isinstance(planner, dict) else None
+    if isinstance(p, tuple) and 0 < len(p) <= MAX_TREE_DEPTH and all(
+            type(k) in (str, int) for k in p):
+        return p
+    return (fqn,)
 
 
 def _nest(values: dict[str, Node], planner: Any) -> Node:
