@@ -373,3 +373,12 @@ def test_a_v3_tensor_over_a_storage_statestream_cannot_hold_is_named(tmp_path: P
     with pytest.raises(ss.UnsupportedTypeError, match="dtype quint8") as ei:
         ss.load(path)
     assert "'layer/x'" in str(ei.value) and str(path) in str(ei.value)
+
+
+def test_a_key_statestream_cannot_hold_names_the_file(tmp_path: Path) -> None:
+    """A dict key that is neither str nor int was refused naming the key path only."""
+    path = tmp_path / "k.pt"
+    torch.save({"layer": {(1, 2): torch.zeros(2)}}, path)
+    with pytest.raises(ss.UnsupportedTypeError, match=r"key \(1, 2\) at key path 'layer'") as ei:
+        ss.load(path)
+    assert str(path) in str(ei.value)

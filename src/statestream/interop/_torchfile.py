@@ -486,7 +486,8 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
         for k in obj:
             if type(k) not in (str, int):
                 raise UnsupportedTypeError(
-                    f"key {k!r:.60} at key path '{format_keypath(p)}' is not a str or int")
+                    f"key {k!r:.60} at key path '{format_keypath(p)}'"
+                    f"{f' in {where}' if where else ''} is not a str or int")
             keys.append(k)
         kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob, where)
                 for k in keys]
