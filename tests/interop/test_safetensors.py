@@ -231,6 +231,11 @@ def _tagged(names: str, tree: str) -> bytes:
     # a name that is not a string, though its str() is a tensor's name (was a KeyError)
     (_tagged("[1]", '{"t": "array", "a": 0}'), "statestream.arrays"),
     (_tagged('[["1"]]', '{"t": "array", "a": 0}'), "statestream.arrays"),
+    # NaN in statestream's metadata was read, and convert then failed with a bare
+    # ValueError writing it back
+    (_raw({"__metadata__": {"statestream.meta": '{"x": NaN}'},
+           "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+     "statestream.meta: NaN is not a JSON value"),
     # a malformed tree names the file and the metadata key
     (_tagged('["1"]', "{}"), r"bad\.safetensors: statestream\.tree: malformed tree"),
 ])

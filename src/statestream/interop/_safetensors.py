@@ -97,9 +97,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise _Bad(f"{name} is not a JSON value")
+
+
 def _json(data: bytes, what: str) -> Any:
+    """Strict JSON: no duplicate keys, and no ``NaN``/``Infinity`` (which Python's parser
+    takes, but no writer of these files writes, and which statestream metadata carried
+    into a converted checkpoint could not be written back)."""
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_no_constant)
     except _Bad as exc:
         raise CheckpointCorruptError(f"{what}: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
