@@ -382,3 +382,37 @@ def test_a_key_statestream_cannot_hold_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ss.UnsupportedTypeError, match=r"key \(1, 2\) at key path 'layer'") as ei:
         ss.load(path)
     assert str(path) in str(ei.value)
+
+
+def test_a_pickle_that_refers_to_one_list_over_and_over_is_refused(tmp_path: Path) -> None:
+    """``x = [x] * 10`` five times is a pickle of about 140 bytes and a tree of 111111
+    nodes (nine times: 10**9, and ``metadata`` ran out of memory): a state larger than
+    its pickle could hold without such sharing is refused before it is built."""
+    x: list[object] = [1]
+    for _ in range(5):
+        x = [x] * 10
+    path = tmp_path / "laugh.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"a": x}, protocol=2))
+    with pytest.raises(ss.CheckpointCorruptError, match="expands without bound") as ei:
+        ss.metadata(path)
+    assert str(path) in str(ei.value) and "key path 'a/" in str(ei.value)
+    # sharing within what the pickle could hold is no damage: 10 * 10 * 2 nodes
+    torch.save({"a": [[b"xy"] * 10] * 10}, path)
+    assert ss.load(path) == {"a": [[b"xy"] * 10] * 10}
+
+
+def test_a_bytes_value_referred_to_again_is_held_once(tmp_path: Path) -> None:
+    """torch.save pickles a bytes value named twice once; the reader copied it into its
+    in-memory file once per reference (3000 references to 64 KiB: 196 MB held for a
+    100 KB file)."""
+    from statestream.interop._torchfile import open_torch_file
+
+    b = bytes(range(256)) * 256
+    path = tmp_path / "b.pt"
+    torch.save({"a": b, "l": [b] * 3000}, path)
+    reader, m = open_torch_file(str(path))
+    reader.close()
+    assert [f.size for f in m.files[1:]] == [len(b)]  # the one in-memory file: one copy
+    out = ss.load(path)
+    assert out["a"] == b and len(out["l"]) == 3000 and all(v == b for v in out["l"])

@@ -46,6 +46,7 @@ from statestream.interop._files import (
 from statestream.interop._safetensors import looks_like_safetensors, parse_header
 from statestream.interop._torchfile import (
     DType,
+    Expansion,
     RestrictedUnpickler,
     TensorRef,
     _data_offsets_in,
@@ -308,7 +309,9 @@ class _Ctx:
             raise UnsupportedTypeError(f"key path '{format_keypath(p)}' ({self.fqn!r} in "
                                        f"{file}) holds a tensor inside a non-tensor value")
 
-        return to_node(obj, path, arrays, no_tensor, blob=blob, where=f"{self.fqn!r} in {file}")
+        where = f"{self.fqn!r} in {file}"
+        return to_node(obj, path, arrays, no_tensor, blob=blob, where=where,
+                       limit=Expansion(n, where))
 
     def tensor(self, meta: Any) -> ArrayEntry:
         props = _record_of(meta, "properties", self.where)

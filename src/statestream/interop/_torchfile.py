@@ -35,7 +35,8 @@ from statestream.interop._chunks import check_shape, row_chunks
 from statestream.interop._files import ZIP_ERRORS, FileSetReader, open_binary
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
-__all__ = ["RestrictedUnpickler", "looks_like_torch_zip", "open_torch_file", "to_node"]
+__all__ = ["Expansion", "RestrictedUnpickler", "looks_like_torch_zip", "open_torch_file",
+           "to_node"]
 
 MAX_PICKLE_BYTES = 1 << 30
 MAX_ZIP_ENTRIES = 1 << 22
@@ -414,7 +415,8 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
         return ArrayEntry("uint8", (len(data),),
                           row_chunks(1, len(memory) - len(data), "uint8", (len(data),)))
 
-    root = to_node(obj, (), arrays, tensor, blob=blob, where=path)
+    root = to_node(obj, (), arrays, tensor, blob=blob, where=path,
+                   limit=Expansion(len(data), f"{path} ({pkl[0]})"))
     name = os.path.basename(path)
     files = [FileEntry(name, size)]
     if memory:
@@ -449,17 +451,44 @@ def _tensor_entry(t: TensorRef, offsets: dict[str, tuple[int, int]], prefix: str
     return ArrayEntry(t.dtype, t.shape, row_chunks(0, start + off, t.dtype, t.shape))
 
 
+class Expansion:
+    """What the tree of one unpickled state may grow to, from the pickle's size.
+
+    A pickle refers to an object it built before by a memo index (a few bytes), and
+    :func:`to_node` makes a node for every reference: ``x = [x] * 10`` nine times over is
+    a pickle of 200 bytes and a tree of 10**9 nodes. Without sharing, a pickle needs an
+    opcode or more of a few bytes per node, so a state may have up to
+    ``8 * size + 65536`` nodes. A bytes value referred to again is stored once
+    (``blobs``: its array entry by the object's id; the unpickled state keeps it alive).
+    """
+
+    def __init__(self, size: int, where: str) -> None:
+        self.nodes, self.size, self.where = 8 * size + 65536, size, where
+        self.blobs: dict[int, ArrayEntry] = {}
+
+    def take(self, p: KeyPath) -> None:
+        self.nodes -= 1
+        if self.nodes < 0:
+            raise CheckpointCorruptError(
+                f"{self.where}: at key path '{format_keypath(p):.200}' the state is larger "
+                f"than its {self.size}-byte pickle can hold without referring to one object "
+                "over and over (a pickle that expands without bound); refusing to build it")
+
+
 def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
             tensor: Callable[[Any, KeyPath], ArrayEntry | int], depth: int = 0,
-            blob: Callable[[bytes], ArrayEntry] | None = None, where: str = "") -> Node:
+            blob: Callable[[bytes], ArrayEntry] | None = None, where: str = "", *,
+            limit: Expansion) -> Node:
     """A statestream tree for an unpickled state (containers, scalars, tensor references).
 
     ``tensor`` describes a tensor's array, or gives the index of an earlier array
     that holds the same bytes (an ``alias`` leaf: tied weights). ``blob`` stores a
     bytes value (without it, bytes are refused). ``where``: the file, for messages.
+    ``limit``: what the tree may grow to (every node and bytes value is counted).
     """
     if depth > 200:
         raise CheckpointCorruptError(f"state nested deeper than 200 at '{format_keypath(p)}'")
+    limit.take(p)
     if isinstance(obj, UnsupportedTensor):
         fix = f"; {obj.fix}" if obj.fix else ""
         raise UnsupportedTypeError(
@@ -479,7 +508,9 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
     if isinstance(obj, DType):
         return Node("str", value=str(obj))
     if type(obj) in (bytes, bytearray) and blob is not None:
-        arrays.append(blob(bytes(obj)))
+        if id(obj) not in limit.blobs:
+            limit.blobs[id(obj)] = blob(bytes(obj))
+        arrays.append(limit.blobs[id(obj)])
         return Node("bytes", array=len(arrays) - 1)
     if isinstance(obj, dict):
         keys: list[Key] = []
@@ -489,11 +520,11 @@ def to_node(obj: Any, p: KeyPath, arrays: list[ArrayEntry],
                     f"key {k!r:.60} at key path '{format_keypath(p)}'"
                     f"{f' in {where}' if where else ''} is not a str or int")
             keys.append(k)
-        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob, where)
+        kids = [to_node(obj[k], p + (k,), arrays, tensor, depth + 1, blob, where, limit=limit)
                 for k in keys]
         return Node("dict", keys=keys, children=kids)
     if type(obj) in (list, tuple):
-        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob, where)
+        kids = [to_node(v, p + (i,), arrays, tensor, depth + 1, blob, where, limit=limit)
                 for i, v in enumerate(obj)]
         return Node("list" if type(obj) is list else "tuple", children=kids)
     raise UnsupportedTypeError(
