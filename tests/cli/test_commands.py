@@ -80,6 +80,18 @@ def test_parse_size() -> None:
     assert parse_size("100") == 100
     with pytest.raises(Exception, match="not a size"):
         parse_size("lots")
+    assert parse_size("1.5KB") == 1500 and parse_size("0.5KiB") == 512
+
+
+def test_a_size_too_large_for_a_float_is_a_usage_error(tmp_path: Path) -> None:
+    """float("1" + "0" * 400) is infinity: --max-shard-size and --memory-budget ended in
+    an OverflowError traceback; they are a usage error (exit 2) like any bad size."""
+    ss.save(tmp_path / "ck", {"w": np.zeros(2)})
+    for opt in ("--max-shard-size", "--memory-budget"):
+        r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "out"), opt, "1" + "0" * 400)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"argument {opt}: not a size" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------- ls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fractions
 import re
 
 import statestream as ss
@@ -38,9 +39,12 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB)")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # exact: float() made 10**400 infinity (an OverflowError traceback, not a usage error)
+    n = int(fractions.Fraction(m.group(1)) * _UNITS[m.group(2).upper()])
     if n <= 0:
         raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    if n >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r:.40} is 2**63 bytes or more")
     return n
 
 
