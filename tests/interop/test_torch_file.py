@@ -416,3 +416,17 @@ def test_a_bytes_value_referred_to_again_is_held_once(tmp_path: Path) -> None:
     assert [f.size for f in m.files[1:]] == [len(b)]  # the one in-memory file: one copy
     out = ss.load(path)
     assert out["a"] == b and len(out["l"]) == 3000 and all(v == b for v in out["l"])
+
+
+def test_an_empty_slice_is_no_non_contiguous_view(tmp_path: Path) -> None:
+    """An empty slice keeps its base's strides (``ones(2, 4)[:, :0]``: size (2, 0),
+    stride (4, 1)); it was refused as a non-contiguous view, with advice to save
+    ``.contiguous()``, which returns it unchanged (torch calls it contiguous)."""
+    w = torch.ones(2, 4)[:, :0]
+    assert w.is_contiguous() and w.stride() == (4, 1)
+    path = tmp_path / "e.pt"
+    torch.save({"w": w, "v": torch.arange(3.0)}, path)
+    out = ss.load(path)
+    assert out["w"].shape == (2, 0) and out["v"].tolist() == [0.0, 1.0, 2.0]
+    ss.convert(path, tmp_path / "e.safetensors")
+    assert ss.load(tmp_path / "e.safetensors")["w"].shape == (2, 0)
