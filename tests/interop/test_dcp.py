@@ -436,3 +436,19 @@ def test_a_value_statestream_cannot_hold_names_its_key_path_and_file(tmp_path: P
             call(tmp_path / "c")
         msg = str(ei.value)
         assert "'opt/tags'" in msg and str(tmp_path / "c") in msg and ".distcp" in msg, msg
+
+
+@pytest.mark.parametrize("root", [np.arange(3.0), 5, None, "x"])
+def test_a_root_that_is_no_mapping_converts_to_dcp_and_back_as_itself(
+        tmp_path: Path, root: object) -> None:
+    """A state that is one tensor or value (a torch.save of a tensor) is DCP's item "" at
+    the empty planner path; it was read back as {"": value}, another tree."""
+    ss.save(tmp_path / "ck", root)
+    ss.convert(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    back = ss.load(tmp_path / "dcp")
+    if isinstance(root, np.ndarray):
+        assert isinstance(back, np.ndarray) and np.array_equal(back, root)
+    else:
+        assert back == root
+    ss.convert(tmp_path / "dcp", tmp_path / "ck2")
+    assert type(ss.load(tmp_path / "ck2")) is type(back)

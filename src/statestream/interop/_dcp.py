@@ -400,7 +400,13 @@ def _key_path(fqn: str, planner: Any) -> KeyPath:
 
 
 def _nest(values: dict[str, Node], planner: Any) -> Node:
-    """Nested dicts from DCP's planner_data (fqn -> original key path), else flat keys."""
+    """Nested dicts from DCP's planner_data (fqn -> original key path), else flat keys.
+
+    One value at the empty path is the root itself: what a conversion to DCP writes for
+    a state that is not a mapping or list (a torch.save of one tensor), as the item
+    ``""`` (DCP's own save takes only dicts)."""
+    if isinstance(planner, dict) and len(values) == 1 and planner.get(next(iter(values))) == ():
+        return next(iter(values.values()))
     paths: dict[str, tuple[Key, ...]] = {}
     if isinstance(planner, dict) and all(
             isinstance(planner.get(f), tuple) and 0 < len(planner[f]) <= MAX_TREE_DEPTH
