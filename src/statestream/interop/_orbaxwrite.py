@@ -57,6 +57,9 @@ def _unholdable(node: Node, specs: Sequence[ArraySpec], p: KeyPath, out: list[st
         for c in kids:
             _unholdable(c, specs, p, out)
         return
+    if node.keys is not None and len({type(k) for k in node.keys}) > 1:
+        # jax sorts a dict's keys: int against str fails inside orbax (a bare ValueError)
+        out.append(f"'{format_keypath(p)}' (a mapping with both int and str keys)")
     keys = list(node.keys) if node.keys is not None else list(range(len(kids)))
     for key, c in zip(keys, kids):
         _unholdable(c, specs, p + (key,), out)
@@ -133,11 +136,16 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     ocp = require("orbax.checkpoint", "orbax", "writing Orbax checkpoints")
     quiet_late_loop_callbacks()  # a failed orbax save abandons operations too
     bad: list[str] = []
+    top = root
+    while top.kind == "stateful" and top.children:
+        top = top.children[0]
+    if top.kind in ("int", "float", "bool"):  # StandardSave refuses a single scalar
+        bad.append("'<root>' (a number as the whole state)")
     _unholdable(root, specs, (), bad)
     if bad:
         raise UnsupportedTypeError(
-            "an Orbax StandardCheckpointer checkpoint holds non-empty arrays and numbers only, "
-            "not the "
+            "an Orbax StandardCheckpointer checkpoint holds non-empty arrays and numbers "
+            "(in dicts with keys of one type, lists and tuples) only, not the "
             f"values at key paths {', '.join(bad[:20])}{' and more' if len(bad) > 20 else ''}; "
             "leave them out with items=")
     _claim(dst, overwrite, directory=True)
