@@ -432,12 +432,19 @@ def test_converting_a_dtype_tensorstore_lacks_to_orbax_is_refused_by_name(
     (5, r"'<root>' \(a number as the whole state\)"),
     (2.5, r"'<root>' \(a number as the whole state\)"),
     ({"m": {1: np.ones(2), "b": np.ones(2)}}, r"'m' \(a mapping with both int and str keys\)"),
+    # orbax names a leaf by its key path joined with ".": it wrote both as "a.b" and
+    # restored the first under both names, the second array lost without a word
+    ({"a": {"b": np.ones(2)}, "a.b": np.zeros(2)}, r"'a/b' and 'a\.b' \(orbax names both"),
+    ({"a": [1.0], "a.0": 2.0}, r"'a/0' and 'a\.0' \(orbax names both"),
+    # written, then refused by statestream's own reader
+    ({"a\0b": np.ones(2)}, r"a key with a NUL character"),
 ])
 def test_a_state_orbax_cannot_take_is_refused_by_name_leaving_nothing(
         tmp_path: Path, state: object, match: str) -> None:
     """orbax refuses a number as the whole state, and jax cannot sort a dict's int and
     str keys: both failed inside orbax with a bare ValueError, and orbax's abandoned
-    work could leave a staging directory beside the output after the failure."""
+    work could leave a staging directory beside the output after the failure. Two leaves
+    orbax names alike, or a name statestream cannot read back, are refused too."""
     pytest.importorskip("orbax.checkpoint")
     ss.save(tmp_path / "c", state)
     with pytest.raises(ss.UnsupportedTypeError, match=match):

@@ -33,7 +33,7 @@ from statestream.interop._writers import (
     _staging_path,
     _writing,
 )
-from statestream.tree import KeyPath, Node, format_keypath
+from statestream.tree import CONTAINER_KINDS, KeyPath, Node, format_keypath
 
 __all__ = ["write_orbax"]
 
@@ -63,6 +63,29 @@ def _unholdable(node: Node, specs: Sequence[ArraySpec], p: KeyPath, out: list[st
     keys = list(node.keys) if node.keys is not None else list(range(len(kids)))
     for key, c in zip(keys, kids):
         _unholdable(c, specs, p + (key,), out)
+
+
+def _name_clashes(node: Node, p: KeyPath, seen: dict[str, KeyPath], out: list[str]) -> None:
+    """Leaves that orbax would store under one name: it names a leaf by its key path
+    joined with ``.`` (``param_name_from_keypath``), so ``{"a": {"b": x}, "a.b": y}``
+    writes both as ``a.b`` and restores ``x`` under both names, ``y`` lost."""
+    kids = node.children or []
+    if node.kind == "stateful":
+        for c in kids:
+            _name_clashes(c, p, seen, out)
+        return
+    if node.kind in CONTAINER_KINDS:
+        keys = list(node.keys) if node.keys is not None else list(range(len(kids)))
+        for key, c in zip(keys, kids):
+            _name_clashes(c, p + (key,), seen, out)
+        return
+    name = ".".join(str(k) for k in p)
+    if "\0" in name:  # statestream's reader refuses such a name (not one inside the checkpoint)
+        out.append(f"'{format_keypath(p)}' (a key with a NUL character)")
+    if name in seen:
+        out.append(f"'{format_keypath(seen[name])}' and '{format_keypath(p)}' (orbax names "
+                   f"both {name!r}: one would be lost)")
+    seen.setdefault(name, p)
 
 
 def _tree(node: Node, specs: Sequence[ArraySpec], slabs: Slabs, p: KeyPath) -> Any:
@@ -142,6 +165,7 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     if top.kind in ("int", "float", "bool"):  # StandardSave refuses a single scalar
         bad.append("'<root>' (a number as the whole state)")
     _unholdable(root, specs, (), bad)
+    _name_clashes(root, (), {}, bad)
     if bad:
         raise UnsupportedTypeError(
             "an Orbax StandardCheckpointer checkpoint holds non-empty arrays and numbers "
