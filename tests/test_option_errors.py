@@ -44,6 +44,11 @@ def test_classes_sit_in_the_tree() -> None:
         (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), to="zip"), "known formats"),
         (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), to="safetensors",
                                 max_shard_bytes=0), "max_shard_bytes must be positive"),
+        # other formats are not sharded: the option was silently ignored
+        (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out.pt"), max_shard_bytes=10),
+         r"max_shard_bytes=...\) shards safetensors output; torch is not sharded"),
+        (lambda tmp: ss.convert(_saved(tmp), str(tmp / "out"), max_shard_bytes=10),
+         "statestream is not sharded"),
         (lambda tmp: faults.on("no.such.point", lambda: None), "unknown fault point"),
         (lambda tmp: faults.StorageFault(kind="gremlins"), "unknown fault kind"),
     ],

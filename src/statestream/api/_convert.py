@@ -267,14 +267,20 @@ def _convert_open(src: str | os.PathLike[str], fmt: str, dst_s: str, *, allow_pi
         reader.close()
 
 
-def _shard_bytes(n: Any) -> int | None:
-    """``max_shard_bytes`` checked: None, or a positive int."""
+def _shard_bytes(n: Any, fmt: str) -> int | None:
+    """``max_shard_bytes`` checked: None, or a positive int for safetensors output
+    (another format's conversion ignored it: a directory ``dst`` without
+    ``to="safetensors"`` became a statestream checkpoint, not shards)."""
     if n is None:
         return None
     if isinstance(n, bool) or not isinstance(n, int):
         raise InvalidOptionTypeError(f"max_shard_bytes must be an int (bytes), not {n!r:.80}")
     if n < 1:
         raise InvalidOptionError(f"max_shard_bytes must be positive, not {n}")
+    if fmt != "safetensors":
+        raise InvalidOptionError(
+            f"convert(max_shard_bytes=...) shards safetensors output; {fmt} is not sharded "
+            "here (pass to='safetensors', or drop max_shard_bytes)")
     return n
 
 
@@ -315,7 +321,7 @@ def convert(
         max_shard_bytes: with ``to="safetensors"``, write Hugging Face shards
             of at most this many bytes (a larger tensor gets its own shard)
             and ``model.safetensors.index.json``; also chosen when ``dst`` does
-            not end in ``.safetensors`` (default shard size 5 GB).
+            not end in ``.safetensors`` (default 5 GB). Refused for other formats.
         io: thread count and request sizes for reading.
         memory: the budget; one slab of at most half of it (and at most
             ``io.max_chunk_bytes``) is held at a time (``to="orbax"``: arrays go
@@ -336,7 +342,7 @@ def convert(
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is false.
         PickleNotAllowedError: a torch.save/DCP source's pickle names a
             global a weights-only load refuses.
-        InvalidOptionError: ``compression`` with a target other than statestream.
+        InvalidOptionError: ``compression`` (``max_shard_bytes``) not to statestream (safetensors).
         MissingDependencyError: torch (``to="torch"``/``"dcp"``) or
             orbax-checkpoint (Orbax) is not installed; names the extra.
 
@@ -352,7 +358,7 @@ def convert(
     overwrite = bool_option(overwrite, "overwrite")
     fmt, policy = _target_format(dst_s, to, compression)
     io, memory, selected = io_options(io), memory_options(memory), key_paths(items, "items")
-    progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes)
+    progress, max_shard_bytes = progress_option(progress), _shard_bytes(max_shard_bytes, fmt)
     _convert_open(src, fmt, dst_s, allow_pickle=bool_option(allow_pickle, "allow_pickle"),
                   max_arrays=max_arrays_option(max_arrays), items=selected, overwrite=overwrite,
                   max_shard_bytes=max_shard_bytes, io=io, memory=memory, progress=progress,

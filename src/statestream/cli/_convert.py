@@ -72,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="output format (default: from DST's extension, else statestream)")
     p.add_argument("--items", nargs="+", metavar="K", help="only these checkpointables")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
-                   help="largest safetensors shard when DST is a directory (e.g. 5GB)")
+                   help="largest safetensors shard when DST is a directory (e.g. 5GB; with "
+                        "--to safetensors or a DST ending in .safetensors)")
     p.add_argument("--compression", choices=["zstd"], default=None,
                    help="compress the arrays of a statestream DST (default: raw)")
     p.add_argument("--allow-pickle", action="store_true",
