@@ -430,3 +430,22 @@ def test_an_empty_slice_is_no_non_contiguous_view(tmp_path: Path) -> None:
     assert out["w"].shape == (2, 0) and out["v"].tolist() == [0.0, 1.0, 2.0]
     ss.convert(path, tmp_path / "e.safetensors")
     assert ss.load(tmp_path / "e.safetensors")["w"].shape == (2, 0)
+
+
+def test_a_zip_entry_header_before_the_archive_is_a_corrupt_error(tmp_path: Path) -> None:
+    """A central directory whose recorded offset is too large makes zipfile place every
+    local header earlier by as much: before byte 0 for the first entry, and reading it
+    (or our own seek to it) was a bare OSError EINVAL naming no file."""
+    import struct
+
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    raw = bytearray(path.read_bytes())
+    eocd = raw.rfind(b"PK\x06\x06")  # torch.save writes the zip64 end record
+    (cd,) = struct.unpack_from("<Q", raw, eocd + 48)
+    struct.pack_into("<Q", raw, eocd + 48, cd + 100_000)
+    path.write_bytes(bytes(raw))
+    for call in (ss.load, ss.metadata):
+        with pytest.raises(ss.CheckpointCorruptError, match="outside the archive") as ei:
+            call(path)
+        assert str(path) in str(ei.value)

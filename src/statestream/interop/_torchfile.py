@@ -332,12 +332,22 @@ def read_entry(z: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, cap: int,
     have it reserve 2 GiB)."""
     if info.file_size > cap:
         raise CheckpointCorruptError(f"{where}: {info.filename} is larger than allowed")
+    _check_header_offset(info, size, where)
     if info.compress_size > size or (info.compress_type == zipfile.ZIP_STORED
                                       and info.compress_size != info.file_size):
         raise CheckpointCorruptError(
             f"{where}: zip entry {info.filename} claims {info.compress_size} stored bytes "
             f"in an archive of {size}")
     return z.read(info)
+
+
+def _check_header_offset(info: zipfile.ZipInfo, size: int, where: str) -> None:
+    """Refuse an entry whose local header the central directory places outside the
+    archive: zipfile would seek there (a negative offset: a bare ``OSError`` EINVAL)."""
+    if not 0 <= info.header_offset <= size - 30:
+        raise CheckpointCorruptError(
+            f"{where}: zip entry {info.filename!r:.120} has its header at byte "
+            f"{info.header_offset}, outside the archive of {size} bytes")
 
 
 def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
@@ -351,6 +361,7 @@ def _data_offsets_in(f: Any, z: zipfile.ZipFile, size: int, where: str
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             continue
+        _check_header_offset(info, size, where)
         f.seek(info.header_offset)
         head = f.read(30)
         if len(head) != 30 or head[:4] != b"PK\x03\x04":
