@@ -353,6 +353,16 @@ def test_flat_name_collision_is_an_error(tmp_path: Path) -> None:
         ss.convert(tmp_path / "ck", tmp_path / "x.safetensors")
 
 
+@pytest.mark.parametrize("dst", ["m.safetensors", "shards"])
+def test_a_tensor_named_metadata_is_refused(tmp_path: Path, dst: str) -> None:
+    """A key '__metadata__' became the tensor of that name, overwriting the header's
+    metadata: convert succeeded and wrote a file no reader (ours, safetensors') could open."""
+    ss.save(tmp_path / "ck", {"__metadata__": np.ones(2, np.float32), "w": np.zeros(1)})
+    with pytest.raises(ss.UnsupportedTypeError, match="key path '__metadata__'"):
+        ss.convert(tmp_path / "ck", tmp_path / dst, to="safetensors")
+    assert not (tmp_path / dst).exists()
+
+
 def test_convert_refuses_to_overwrite(tmp_path: Path) -> None:
     ss.save(tmp_path / "ck", {"w": np.zeros(3)})
     (tmp_path / "x.safetensors").write_bytes(b"keep")

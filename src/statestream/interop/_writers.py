@@ -356,7 +356,13 @@ def check_safetensors(root: Node, specs: Sequence[ArraySpec]) -> list[str]:
         raise UnsupportedTypeError(
             f"safetensors cannot hold the dtype of the arrays at key paths {listed}"
             f"{' and more' if len(bad) > 20 else ''}; it holds {', '.join(sorted(ST_CODES))}")
-    return tensor_names(root)
+    names = tensor_names(root)
+    if "__metadata__" in names:  # the header's own key: the file would be unreadable
+        p = next(p for p, n in array_paths(root) if names[n.array or 0] == "__metadata__")
+        raise UnsupportedTypeError(
+            f"the array at key path '{format_keypath(p)}' would be the safetensors tensor "
+            "'__metadata__', the name of the header's metadata; rename it to convert")
+    return names
 
 
 def _st_metadata(root: Node, names: list[str], meta: dict[str, Any]) -> dict[str, str]:
