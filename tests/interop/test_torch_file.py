@@ -449,3 +449,16 @@ def test_a_zip_entry_header_before_the_archive_is_a_corrupt_error(tmp_path: Path
         with pytest.raises(ss.CheckpointCorruptError, match="outside the archive") as ei:
             call(path)
         assert str(path) in str(ei.value)
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_a_dtype_torch_lacks_is_refused_naming_its_key_path(tmp_path: Path, to: str) -> None:
+    """float4_e2m1fn has no torch dtype: the error said only 'torch has no dtype
+    float4_e2m1fn', not which array, nor before anything was claimed."""
+    import ml_dtypes
+
+    ss.save(tmp_path / "ck", {"m": {"q": np.zeros(4, ml_dtypes.float4_e2m1fn)},
+                              "w": np.ones(2)})
+    with pytest.raises(ss.UnsupportedTypeError, match=r"'m/q' \(float4_e2m1fn\)"):
+        ss.convert(tmp_path / "ck", tmp_path / "out", to=to)
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from statestream.errors import UnsupportedTypeError
 from statestream.interop._deps import require
 from statestream.interop._torchwrite import (
     _Tensor,
+    check_torch_dtypes,
     pickle_state,
     python_state,
     small_bytes,
@@ -121,6 +122,7 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
     storage_info = require("torch.distributed.checkpoint.filesystem", "torch",
                            "writing DCP checkpoints")._StorageInfo
 
+    check_torch_dtypes(root, specs, "DCP")
     items: list[tuple[KeyPath, Node]] = []
     empty: list[KeyPath] = []
     _items(root, (), items, empty)

@@ -32,11 +32,12 @@ from statestream.interop._writers import (
     _publish,
     _staging_path,
     _writing,
+    array_paths,
 )
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["StreamedPickle", "big_marker", "pickle_state", "python_state", "small_bytes",
-           "with_big_bytes", "write_torch", "write_zip"]
+__all__ = ["StreamedPickle", "big_marker", "check_torch_dtypes", "pickle_state",
+           "python_state", "small_bytes", "with_big_bytes", "write_torch", "write_zip"]
 
 _PREFIX = "archive"
 _ALIGN = 64
@@ -83,6 +84,20 @@ def python_state(node: Node, specs: Sequence[ArraySpec], small: dict[int, bytes]
         return vals if k == "list" else tuple(vals)
     keys = node.keys or []
     return {key: python_state(c, specs, small, p + (key,), seen) for key, c in zip(keys, kids)}
+
+
+def check_torch_dtypes(root: Node, specs: Sequence[ArraySpec], fmt: str) -> None:
+    """Refuse arrays of dtypes torch has not (``float4_e2m1fn``, ``float8_e3m4``, ...)
+    naming their key paths, before anything is written (the pickler named only the dtype)."""
+    torch = require("torch", "torch", f"writing {fmt} checkpoints")
+    legacy = set(STORAGE_DTYPES.values())
+    bad = [f"'{format_keypath(p)}' ({specs[n.array or 0][0]})" for p, n in array_paths(root)
+           if n.kind in ("array", "alias") and specs[n.array or 0][0] not in legacy
+           and not isinstance(getattr(torch, specs[n.array or 0][0], None), torch.dtype)]
+    if bad:
+        raise UnsupportedTypeError(
+            f"{fmt} cannot hold the dtype of the arrays at key paths {', '.join(bad[:20])}"
+            f"{' and more' if len(bad) > 20 else ''}: torch has no such dtype")
 
 
 def pickle_state(obj: Any) -> tuple[bytes, list[_Tensor]]:
@@ -142,6 +157,7 @@ def _aligned_info(z: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
 def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
                 overwrite: bool) -> None:
     """A zip-format torch.save file that ``torch.load(weights_only=True)`` reads."""
+    check_torch_dtypes(root, specs, "torch.save")
     small = small_bytes(root, specs, slabs)
     raw, tensors = pickle_state(python_state(root, specs, small, ()))
     data = with_big_bytes(raw, root, specs, slabs, small)
