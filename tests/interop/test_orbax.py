@@ -436,6 +436,8 @@ def test_converting_a_dtype_tensorstore_lacks_to_orbax_is_refused_by_name(
     # restored the first under both names, the second array lost without a word
     ({"a": {"b": np.ones(2)}, "a.b": np.zeros(2)}, r"'a/b' and 'a\.b' \(orbax names both"),
     ({"a": [1.0], "a.0": 2.0}, r"'a/0' and 'a\.0' \(orbax names both"),
+    # NumPy makes an object array of it, which tensorstore refused with a bare ValueError
+    ({"w": np.ones(2), "big": 2**80}, r"'big' \(an int beyond 64 bits\)"),
     # written, then refused by statestream's own reader
     ({"a\0b": np.ones(2)}, r"a key with a NUL character"),
 ])
