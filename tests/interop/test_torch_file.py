@@ -462,3 +462,40 @@ def test_a_dtype_torch_lacks_is_refused_naming_its_key_path(tmp_path: Path, to: 
     with pytest.raises(ss.UnsupportedTypeError, match=r"'m/q' \(float4_e2m1fn\)"):
         ss.convert(tmp_path / "ck", tmp_path / "out", to=to)
     assert not (tmp_path / "out").exists()
+
+
+def test_damage_found_while_unpickling_names_the_file(tmp_path: Path) -> None:
+    """A persistent id that is not a storage, or a refused text encoding, was reported
+    without the file (the stand-ins that find them do not know it)."""
+    import collections
+    import io
+
+    storage, tensor = object(), object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:  # the key must be a str
+            return ("storage", torch.FloatStorage, 5, "cpu", 4) if obj is storage else None
+
+        def reducer_override(self, obj: object) -> object:
+            if obj is not tensor:
+                return NotImplemented
+            return torch._utils._rebuild_tensor_v2, (
+                storage, 0, (4,), (1,), False, collections.OrderedDict())
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"w": tensor})
+    path = tmp_path / "p.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", bytes(16))
+    with pytest.raises(ss.CheckpointCorruptError, match="is not a tensor storage") as ei:
+        ss.load(path)
+    assert str(path) in str(ei.value)
+    # _codecs.encode(text, "cp037"): an encoding a weights-only load refuses
+    pkl = (b"\x80\x02}q\x00X\x01\x00\x00\x00bq\x01c_codecs\nencode\nq\x02X\x01\x00\x00\x00aq"
+           b"\x03X\x05\x00\x00\x00cp037q\x04\x86q\x05Rq\x06s.")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pkl)
+    with pytest.raises(ss.PickleNotAllowedError, match="cp037") as ei2:
+        ss.load(path)
+    assert str(path) in str(ei2.value)

@@ -267,7 +267,12 @@ class RestrictedUnpickler(pickle.Unpickler):
         _check_memo(self.data, self.where)
         try:
             return super().load()
-        except CheckpointError:
+        except CheckpointError as exc:
+            if type(exc) in (CheckpointCorruptError, PickleNotAllowedError) and (
+                    self.where not in str(exc)):
+                # raised by a stand-in (a storage's persistent id, a tensor's size, an
+                # encoding), which does not know the file: name it here
+                raise type(exc)(f"{self.where}: {exc}") from None
             raise
         except Exception as exc:
             raise CheckpointCorruptError(f"{self.where} cannot be unpickled: {exc}") from None
