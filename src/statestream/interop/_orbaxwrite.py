@@ -47,7 +47,7 @@ def _unholdable(node: Node, specs: Sequence[ArraySpec], p: KeyPath, out: list[st
     arrays of zero size, dtypes tensorstore has not)."""
     if node.kind in ("none", "str", "bytes", "pickle"):
         out.append(f"'{format_keypath(p)}' ({node.kind})")
-    if node.kind == "int" and not -(1 << 63) <= int(node.value) < 1 << 63:  # type: ignore[arg-type]
+    if isinstance(node.value, int) and not -(1 << 63) <= node.value < 1 << 63:
         # NumPy makes it an object array, which tensorstore refuses (a bare ValueError)
         out.append(f"'{format_keypath(p)}' (an int beyond 64 bits)")
     if node.kind == "array" and 0 in specs[node.array or 0][1]:
