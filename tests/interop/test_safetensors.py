@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -529,3 +530,23 @@ def test_save_pretrained_directory_loads_into_a_tied_model(tmp_path: Path) -> No
     assert meta.lm_head.weight is meta.transformer.wte.weight
     assert meta.lm_head.weight.device.type == "cpu"
     assert torch.equal(meta(x).logits, model(x).logits)
+
+
+def test_a_header_or_index_above_the_readers_limits_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single file's header holds the tree: with enough arrays it passed the 100 MB
+    readers accept, and convert wrote a file no reader opened (here the limits are made
+    small instead). The index of shards is checked against statestream's limit too."""
+    import statestream.interop._safetensors as st_mod
+
+    ss.save(tmp_path / "ck", {f"layer_{i:04d}": np.zeros(1, np.float32) for i in range(100)})
+    monkeypatch.setattr(st_mod, "MAX_HEADER_BYTES", 4096)
+    with pytest.raises(ss.UnsupportedTypeError, match="header would be .* above the 4096"):
+        ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    ss.convert(tmp_path / "ck", tmp_path / "shards", to="safetensors", max_shard_bytes=64)
+    assert len(ss.load(tmp_path / "shards")) == 100  # shard headers are small: it loads
+    monkeypatch.setattr(st_mod, "MAX_INDEX_BYTES", 4096)
+    with pytest.raises(ss.UnsupportedTypeError, match="index would be .* above the 4096"):
+        ss.convert(tmp_path / "ck", tmp_path / "shards2", to="safetensors", max_shard_bytes=64)
+    assert not (tmp_path / "shards2").exists()

@@ -47,6 +47,7 @@ from statestream.format import (
     encode_tree,
     itemsize_of,
 )
+from statestream.interop import _safetensors as _st
 from statestream.interop._dcp import looks_like_dcp
 from statestream.interop._orbax import looks_like_orbax
 from statestream.interop._safetensors import (
@@ -500,6 +501,12 @@ def _write_one_file(path: str, members: list[int], names: list[str],
                             "data_offsets": list(offsets[i])}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
+    if len(hb) > _st.MAX_HEADER_BYTES:  # no reader (ours, safetensors') would open the file
+        raise UnsupportedTypeError(
+            f"the safetensors header would be {len(hb)} bytes, above the "
+            f"{_st.MAX_HEADER_BYTES}-byte limit of its readers (statestream's and "
+            "safetensors'): too many tensors, or too large a tree; write shards "
+            "(max_shard_bytes: the tree goes into the index) or convert fewer items")
     f = _SeqFile(path, block_bytes)
     try:
         f.write(np.frombuffer(struct.pack("<Q", len(hb)) + hb, np.uint8))
@@ -551,8 +558,14 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
         index = {"metadata": {"total_size": total, **metadata},
                  "weight_map": {n: weight_map[n] for n in names}}
         ipath = os.path.join(staging, "model.safetensors.index.json")
+        text = json.dumps(index, indent=2)
+        if len(text.encode()) > _st.MAX_INDEX_BYTES:  # statestream would refuse to read it
+            raise UnsupportedTypeError(
+                f"the safetensors index would be {len(text.encode())} bytes, above the "
+                f"{_st.MAX_INDEX_BYTES}-byte limit statestream reads: too many tensors or "
+                "too large a tree; convert fewer items")
         with _writing(ipath), open(ipath, "w") as f:
-            json.dump(index, f, indent=2)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())  # durable before the directory moves into place
         _publish(staging, dst)
