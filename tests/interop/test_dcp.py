@@ -452,3 +452,39 @@ def test_a_root_that_is_no_mapping_converts_to_dcp_and_back_as_itself(
         assert back == root
     ss.convert(tmp_path / "dcp", tmp_path / "ck2")
     assert type(ss.load(tmp_path / "ck2")) is type(back)
+
+
+def test_chunk_records_naming_the_same_bytes_over_and_over_are_refused(
+        tmp_path: Path) -> None:
+    """600 chunks of one 1 MiB byte range: a 600 MiB tensor from a 1 MiB file. Each chunk
+    was read on its own, so a small .metadata could make a load allocate without bound."""
+    import copy
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    n = 1 << 18
+    _save({"w": torch.arange(float(n))}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written just above by dcp.save
+    meta = md.state_dict_metadata["w"]
+    (index, info), = [(k, v) for k, v in md.storage_data.items() if k.fqn == "w"]
+    copies = 600
+    meta.size = torch.Size([copies * n])
+    meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([i * n]), sizes=torch.Size([n]))
+                   for i in range(copies)]
+    for i in range(1, copies):
+        md.storage_data[MetadataIndex("w", torch.Size([i * n]))] = copy.copy(info)
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ss.CheckpointCorruptError, match="the same bytes over and over"):
+        ss.metadata(tmp_path / "d")
+    with pytest.raises(ss.CheckpointCorruptError, match="the same bytes over and over"):
+        ss.load(tmp_path / "d")
+    # a few records over the same bytes are taken (a weight and its view, say)
+    meta.size, meta.chunks = torch.Size([4 * n]), meta.chunks[:4]
+    md.storage_data = {k: v for k, v in md.storage_data.items()
+                       if k.fqn != "w" or k.offset[0] < 4 * n}
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    out = ss.load(tmp_path / "d")["w"]
+    assert out.shape == (4 * n,) and np.array_equal(out[3 * n:], np.arange(float(n)))

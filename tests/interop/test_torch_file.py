@@ -410,12 +410,17 @@ def test_a_bytes_value_referred_to_again_is_held_once(tmp_path: Path) -> None:
 
     b = bytes(range(256)) * 256
     path = tmp_path / "b.pt"
-    torch.save({"a": b, "l": [b] * 3000}, path)
+    torch.save({"a": b, "l": [b] * 500}, path)
     reader, m = open_torch_file(str(path))
     reader.close()
     assert [f.size for f in m.files[1:]] == [len(b)]  # the one in-memory file: one copy
     out = ss.load(path)
-    assert out["a"] == b and len(out["l"]) == 3000 and all(v == b for v in out["l"])
+    assert out["a"] == b and len(out["l"]) == 500 and all(v == b for v in out["l"])
+    # each reference loads as a value of its own: 3000 of them (196 MB from a 171 KB
+    # file) name the same bytes over and over (check_stored_bytes)
+    torch.save({"a": b, "l": [b] * 3000}, path)
+    with pytest.raises(ss.CheckpointCorruptError, match="the same bytes over and over"):
+        open_torch_file(str(path))
 
 
 def test_an_empty_slice_is_no_non_contiguous_view(tmp_path: Path) -> None:
@@ -499,3 +504,21 @@ def test_damage_found_while_unpickling_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ss.PickleNotAllowedError, match="cp037") as ei2:
         ss.load(path)
     assert str(path) in str(ei2.value)
+
+
+def test_views_naming_the_same_bytes_over_and_over_are_refused(tmp_path: Path) -> None:
+    """600 views of one 1 MiB storage: a 1 MiB file that loaded as 600 MiB (each view an
+    array of its own); a few views over the same bytes still load."""
+    base = torch.arange(float(1 << 18))
+    many = {f"v{i}": base[i:] for i in range(600)}
+    torch.save(many, tmp_path / "many.pt")
+    assert os.path.getsize(tmp_path / "many.pt") < 2 << 20
+    with pytest.raises(ss.CheckpointCorruptError, match="the same bytes over and over"):
+        ss.metadata(tmp_path / "many.pt")
+    with pytest.raises(ss.CheckpointCorruptError, match="many.pt"):
+        ss.load(tmp_path / "many.pt")
+    few = {"w": base, "tail": base[7:], "head": base[:100]}
+    torch.save(few, tmp_path / "few.pt")
+    out = ss.load(tmp_path / "few.pt")
+    assert np.array_equal(out["tail"], base[7:].numpy())
+    assert np.array_equal(out["head"], base[:100].numpy())

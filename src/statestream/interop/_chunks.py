@@ -16,12 +16,18 @@ from statestream.format import (
     itemsize_of,
 )
 
-__all__ = ["ROW_BLOCK_BYTES", "check_shape", "check_tiling", "row_chunks"]
+__all__ = ["ROW_BLOCK_BYTES", "check_shape", "check_stored_bytes", "check_tiling",
+           "row_chunks"]
 
 #: A foreign tensor is described as chunks of about this size, so that a read of
 #: some of its rows (a slab of a conversion, a shard of a resharded load) reads
 #: only those rows' bytes. Foreign formats carry no checksums to keep whole.
 ROW_BLOCK_BYTES = 4 << 20
+
+#: A foreign file's tensors may add up to this many times the bytes stored for them,
+#: plus :data:`_STORED_SLACK` (:func:`check_stored_bytes`).
+STORED_FACTOR = 8
+_STORED_SLACK = 64 << 20
 
 
 def row_chunks(file: int, offset: int, dtype: str, shape: tuple[int, ...],
@@ -83,3 +89,23 @@ def check_tiling(entry: ArrayEntry, what: str) -> None:
         hit[np.arange(hit.shape[0]), np.arange(a, a + hit.shape[0])] = False
         if hit.any():
             raise CheckpointCorruptError(f"{what}: two of its chunks overlap")
+
+
+def check_stored_bytes(arrays: list[ArrayEntry], stored: int, where: str) -> None:
+    """Refuse tensors that add up to far more than the ``stored`` bytes they are read from.
+
+    A torch file's tensors are views of its storages and a DCP checkpoint's chunk records
+    name byte ranges of its files, each loaded as an array of its own: a few bytes of
+    pickle can name the same bytes over and over (100,000 views of a 1 MB storage: 100 GB
+    to allocate). A state holds its bytes once, or a few times (a weight and a view of
+    it, overlapping slices): up to :data:`STORED_FACTOR` times plus 64 MiB is read.
+
+    Raises:
+        CheckpointCorruptError: naming ``where``, the total and the stored bytes.
+    """
+    total = sum(math.prod(a.shape) * itemsize_of(a.dtype) for a in arrays)
+    if total > STORED_FACTOR * stored + _STORED_SLACK:
+        raise CheckpointCorruptError(
+            f"{where}: its {len(arrays)} tensors add up to {total} bytes, more than "
+            f"{STORED_FACTOR} times the {stored} bytes stored for them (plus 64 MiB): they "
+            "name the same bytes over and over; refusing to load them")

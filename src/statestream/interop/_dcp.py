@@ -35,7 +35,7 @@ from statestream.format import (
     Manifest,
     itemsize_of,
 )
-from statestream.interop._chunks import check_tiling, row_chunks
+from statestream.interop._chunks import check_stored_bytes, check_tiling, row_chunks
 from statestream.interop._files import (
     ZIP_ERRORS,
     FileSetReader,
@@ -269,6 +269,7 @@ def open_dcp(directory: str, *, allow_pickle: bool = False
         else:
             arrays.append(ctx.tensor(meta))
             values[fqn] = Node("array", array=len(arrays) - 1, attrs={"kind": "torch"})
+    check_stored_bytes(arrays, sum(sizes.values()) + len(memory), directory)
     root = _nest(values, md.__dict__.get("planner_data"))
     reader = FileSetReader(directory, {r: os.path.join(directory, r) for r in files},
                            memory={_MEMORY: bytes(memory)})

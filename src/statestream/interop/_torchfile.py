@@ -31,7 +31,7 @@ from statestream.errors import (
     UnsupportedTypeError,
 )
 from statestream.format import DTYPE_NAMES, ArrayEntry, FileEntry, Manifest, itemsize_of
-from statestream.interop._chunks import check_shape, row_chunks
+from statestream.interop._chunks import check_shape, check_stored_bytes, row_chunks
 from statestream.interop._files import ZIP_ERRORS, FileSetReader, open_binary
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -435,6 +435,7 @@ def open_torch_file(path: str, *, allow_pickle: bool = False
 
     root = to_node(obj, (), arrays, tensor, blob=blob, where=path,
                    limit=Expansion(len(data), f"{path} ({pkl[0]})"))
+    check_stored_bytes(arrays, size + len(memory), path)
     name = os.path.basename(path)
     files = [FileEntry(name, size)]
     if memory:
