@@ -142,3 +142,31 @@ def test_floats_into_integer_targets(tmp_path: Path) -> None:
                                    "bf": torch.zeros(2, dtype=torch.int64)},
                   items=["neg", "bf"])
     assert out["neg"].tolist() == [1, -2] and out["bf"].tolist() == [1, 30064771072]
+
+
+def test_narrow_ml_dtypes_integer_targets(tmp_path: Path) -> None:
+    """int4/uint4/int2/uint2 (ml_dtypes, NumPy kind 'V') were not seen as integers: an
+    int32 9 into an int4 target came back as -7, and 1.5 as 1, with no error."""
+    import ml_dtypes
+
+    ss.save(tmp_path / "c", {"i": np.arange(8, dtype=np.int32) * 3,
+                             "n": np.array([-2, 1], np.int8).astype(ml_dtypes.int4),
+                             "f": np.array([1.0, 1.5], np.float32)})
+    for key, target, saved, value, want, how in (
+            ("i", np.zeros(8, ml_dtypes.int4), "int32", 21, "int4", "wrap it around"),
+            ("i", np.zeros(8, ml_dtypes.uint2), "int32", 21, "uint2", "wrap it around"),
+            ("n", np.zeros(2, ml_dtypes.uint4), "int4", -2, "uint4", "wrap it around"),
+            ("f", np.zeros(2, ml_dtypes.int4), "float32", r"1\.5", "int4", "change it")):
+        with pytest.raises(ss.TargetMismatchError,
+                           match=_refused(saved, value, want, how)
+                           + f"; pass a target of dtype {saved} there, or None"):
+            ss.load(tmp_path / "c", {key: target}, items=[key])
+    out = ss.load(tmp_path / "c", {"n": np.zeros(2, np.int8), "i": np.zeros(8, np.int16)},
+                  items=["n", "i"])
+    assert out["n"].tolist() == [-2, 1] and out["i"].tolist() == [3 * i for i in range(8)]
+    jax = pytest.importorskip("jax")
+    with pytest.raises(ss.TargetMismatchError, match=_refused("int32", 21, "int4")):
+        ss.load(tmp_path / "c", {"i": jax.ShapeDtypeStruct((8,), jax.numpy.int4)}, items=["i"])
+    got = ss.load(tmp_path / "c", {"i": jax.ShapeDtypeStruct((8,), jax.numpy.int8)},
+                  items=["i"])
+    assert got["i"].dtype == jax.numpy.int8 and got["i"].tolist() == [3 * i for i in range(8)]

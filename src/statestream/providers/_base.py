@@ -54,12 +54,12 @@ def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
     int of a NaN or a float out of range (and cut 1.5 to 1), which no caller asks
     for. Integers: one min/max pass, only where ``want`` cannot hold every value of
     ``saved``; floats: a few passes (a float array into an integer target is rare)."""
-    want = np.dtype(want)
-    if want.kind not in "iu" or not host.size:
+    can = _int_range(np.dtype(want))
+    if can is None or not host.size:
         return
-    can = np.iinfo(want)
-    if host.dtype.kind in "iu":
-        have = np.iinfo(host.dtype)
+    want = np.dtype(want)
+    have = _int_range(host.dtype)
+    if have is not None:
         if can.min <= have.min and have.max <= can.max:
             return
         lo, hi = int(host.min()), int(host.max())
@@ -75,6 +75,22 @@ def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
             f"{bad}, which the target's dtype {want} cannot hold (from {can.min} to "
             f"{can.max}; {how}); "
             + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def _int_range(dtype: np.dtype) -> Any:
+    """The range (``min``, ``max``) of an integer dtype, or None: NumPy's own
+    (kind 'i'/'u') and ml_dtypes' narrow ones (int4, uint4, int2, uint2: kind 'V',
+    so an int4 target wrapped values around unchecked: 9 came back as -7)."""
+    if dtype.kind in "iu":
+        return np.iinfo(dtype)
+    if dtype.kind == "V" and dtype.name.startswith(("int", "uint")):
+        import ml_dtypes
+
+        try:
+            return ml_dtypes.iinfo(dtype)  # type: ignore[no-untyped-call]
+        except ValueError:  # pragma: no cover - an ml_dtypes integer it cannot describe
+            return None
+    return None
 
 
 def _changed_float(host: np.ndarray, can: Any) -> Any:
