@@ -170,3 +170,16 @@ def test_narrow_ml_dtypes_integer_targets(tmp_path: Path) -> None:
     got = ss.load(tmp_path / "c", {"i": jax.ShapeDtypeStruct((8,), jax.numpy.int8)},
                   items=["i"])
     assert got["i"].dtype == jax.numpy.int8 and got["i"].tolist() == [3 * i for i in range(8)]
+
+
+def test_jax_advice_names_x64_only_for_a_64_bit_array(tmp_path: Path) -> None:
+    """The advice to set jax_enable_x64 came with every refusal into a JAX target, also
+    for a negative int32 into a uint32 target, which x64 does not change."""
+    jax = pytest.importorskip("jax")
+    if jax.config.read("jax_enable_x64"):
+        pytest.skip("the advice is for JAX without jax_enable_x64")
+    ss.save(tmp_path / "c", {"neg": np.array([-1, 2], np.int32)})
+    with pytest.raises(ss.TargetMismatchError,
+                       match=_refused("int32", -1, "uint32")
+                       + "; pass a target of dtype int32 there, or None$"):
+        ss.load(tmp_path / "c", {"neg": jax.ShapeDtypeStruct((2,), jax.numpy.uint32)})

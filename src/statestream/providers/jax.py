@@ -204,11 +204,16 @@ def _canonical(dtype: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+_WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
+
+
 def _x64_advice(like: Any, saved: str) -> str:
     """What to do about a JAX array that cannot hold the saved values: without
     ``jax_enable_x64`` no JAX array holds 64 bits, so a wider target is no answer."""
-    if _canonical(np.int64) == np.int64:
-        return ""  # the default: a wider target
+    if _canonical(np.int64) == np.int64 or saved not in _WIDE:
+        # the default: a wider target (x64 is no answer for int32 into uint32, or for
+        # bfloat16 into int4: JAX holds those without it)
+        return ""
     return (f"JAX makes {saved} arrays 32-bit unless jax_enable_x64 is set: set it "
             "(jax.config.update('jax_enable_x64', True)), or load the array as NumPy (a "
             "NumPy target there)")
