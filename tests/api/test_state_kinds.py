@@ -144,6 +144,18 @@ def test_typed_key_in_a_jax_pytree(tmp_path: Path) -> None:
         assert a.shape == b.shape
 
 
+def test_a_typed_key_of_another_impl_is_refused(tmp_path: Path) -> None:
+    # rbg and unsafe_rbg keys hold the same uint32[4] data: the saved rbg key came
+    # back into an unsafe_rbg target as an rbg key, the target's impl ignored
+    ss.save(tmp_path / "c", {"k": jax.random.key(6, impl="rbg")})
+    with pytest.raises(TargetMismatchError,
+                       match="key path 'k' is a unsafe_rbg key, the checkpoint holds a rbg"):
+        ss.load(tmp_path / "c", {"k": jax.random.key(0, impl="unsafe_rbg")})
+    out = ss.load(tmp_path / "c", {"k": jax.random.key(0, impl="rbg")})
+    assert np.array_equal(jax.random.key_data(out["k"]),
+                          jax.random.key_data(jax.random.key(6, impl="rbg")))
+
+
 def test_typed_keys_load_into_abstract_targets(tmp_path: Path) -> None:
     # jax.eval_shape of a state with typed keys gives ShapeDtypeStructs of a key
     # dtype; they used to be refused ("the target has an array ... holds a dict")

@@ -285,6 +285,16 @@ class JaxKeyAdapter(StateAdapter):
         return {"impl": str(jax.random.key_impl(obj)), "data": jax.random.key_data(obj)}
 
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        import jax
+
+        want = str(jax.random.key_impl(obj))
+        if str(state["impl"]) != want:
+            # rbg and unsafe_rbg keys hold the same uint32[4] data: the saved impl's
+            # key came back where the target asked for the other
+            raise TargetMismatchError(
+                f"the target at key path '{format_keypath(path)}' is a {want} key, the "
+                f"checkpoint holds a {state['impl']} key: pass a key of that impl there, "
+                "or None for the saved key")
         return self.new(state, path)  # keys are immutable: a new one
 
     def new(self, state: Any, path: KeyPath) -> Any:
