@@ -156,6 +156,18 @@ def test_a_typed_key_of_another_impl_is_refused(tmp_path: Path) -> None:
                           jax.random.key_data(jax.random.key(6, impl="rbg")))
 
 
+def test_a_typed_key_into_a_raw_key_target_names_the_key(tmp_path: Path) -> None:
+    # a raw uint32 key (jax.random.PRNGKey) as the target of a saved typed key said
+    # "the checkpoint holds a dict there" (the key's saved state)
+    ss.save(tmp_path / "c", {"k": jax.random.key(6), "g": np.random.default_rng(0)})
+    with pytest.raises(TargetMismatchError, match="key path 'k' but the checkpoint holds a "
+                       r"jax\.random\.key there; load it into a typed key target"):
+        ss.load(tmp_path / "c", {"k": jax.random.PRNGKey(0)}, items=["k"])
+    with pytest.raises(TargetMismatchError, match="key path 'g' but the checkpoint holds a "
+                       r"numpy\.random\.Generator there$"):
+        ss.load(tmp_path / "c", {"g": np.zeros(2)}, items=["g"])
+
+
 def test_typed_keys_load_into_abstract_targets(tmp_path: Path) -> None:
     # jax.eval_shape of a state with typed keys gives ShapeDtypeStructs of a key
     # dtype; they used to be refused ("the target has an array ... holds a dict")

@@ -217,6 +217,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         described = _walk_described(node, like, path, m, job)
         if described is not None:
             return described
+        _refuse_array_target(node, like, path)
         build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
         rebuild = adapter_by_name(node.type_name) if like is NO_TARGET else None
         if rebuild is None or default_kind != "saved":
@@ -242,6 +243,21 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     ):
         return _walk_sequence(k, kids, like, path, m, job, default_kind, merge)
     return _walk_mapping(k, kids, like, path, m, job, default_kind, merge)
+
+
+def _refuse_array_target(node: Node, like: Any, path: KeyPath) -> None:
+    """Raise where an array target meets a saved stateful value whose state is no
+    array (a typed JAX key into a raw uint32 key: it said the checkpoint held a
+    dict there, the key's state, naming neither the key nor what to do)."""
+    child = node.children[0] if node.children else None
+    if (like is NO_TARGET or child is None or child.kind in ("array", "alias")
+            or target_provider_for(like) is None):
+        return
+    hint = ("; load it into a typed key target (jax.random.key(0)), or None, and take "
+            "jax.random.key_data of it" if node.type_name == "jax.random.key" else "")
+    raise TargetMismatchError(
+        f"the target has an array at key path '{format_keypath(path)}' but the checkpoint "
+        f"holds a {node.type_name} there{hint}")
 
 
 def _refuse_structured(like: Any, k: str, path: KeyPath) -> None:
