@@ -85,6 +85,28 @@ def test_train_state_saves_without_its_functions_and_resumes_exactly(tmp_path):
     assert set(plain) == {"step", "params", "opt_state"}
 
 
+def test_a_fresh_train_state_loads_into_its_abstract_target(tmp_path):
+    # TrainState.create's step=0 is a Python int; jax.eval_shape(make_state) makes it a
+    # 0-d ShapeDtypeStruct, and the load refused it ("the target has an array at key
+    # path 'step' but the checkpoint holds a int there")
+    state = make_state(0)
+    ss.save(tmp_path / "ts", state)
+    got = ss.load(tmp_path / "ts", target=jax.eval_shape(lambda: make_state(1)))
+    assert isinstance(got.step, jax.Array) and got.step.dtype == jnp.int32
+    assert int(got.step) == 0
+    assert_trees_equal(state.params, got.params)
+    got = train_step(got, *batch(0))  # trains on, as the state it was saved from
+    assert int(got.step) == 1
+    ss.save(tmp_path / "n", {"f": 2.5, "neg": -1})
+    with pytest.raises(ss.TargetMismatchError, match="the checkpoint's float at key path 'f' "
+                       "is 2.5, which the target's 0-d int32 JAX array cannot hold"):
+        ss.load(tmp_path / "n", {"f": jax.ShapeDtypeStruct((), jnp.int32)}, items=["f"])
+    with pytest.raises(ss.TargetMismatchError, match="key path 'neg' is -1"):
+        ss.load(tmp_path / "n", {"neg": jnp.zeros((), jnp.uint8)}, items=["neg"])
+    with pytest.raises(ss.TargetMismatchError, match="holds a int there"):  # not 0-d
+        ss.load(tmp_path / "n", {"neg": jnp.zeros((1,), jnp.int32)}, items=["neg"])
+
+
 def test_static_fields_of_plain_and_jax_dataclasses(tmp_path):
     @struct.dataclass
     class Holder:

@@ -197,6 +197,9 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if adapter is not None:  # a generator, typed key or compiled module as target
         return _walk_adapted(adapter, node, like, path, m, job)
     if k in PLAIN_KINDS or k in ("bytes", "pickle"):
+        number = _number_into_jax(node, like, path)
+        if number is not None:
+            return number
         # a plain target (an int for an int) takes it; an array, object or container
         # target would be returned untouched, its load_state_dict never called
         _refuse_structured(like, k, path)
@@ -243,6 +246,38 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     ):
         return _walk_sequence(k, kids, like, path, m, job, default_kind, merge)
     return _walk_mapping(k, kids, like, path, m, job, default_kind, merge)
+
+
+def _number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
+    """A saved Python number (a fresh flax ``TrainState``'s ``step=0``) into a 0-d JAX
+    target (``jax.eval_shape`` of that state makes it a ``ShapeDtypeStruct``): a JAX
+    array of the target's dtype and sharding, refused where the cast would change the
+    value, as for a saved 0-d array. Was refused ('the target has an array')."""
+    if node.kind not in ("int", "float", "bool") or like is NO_TARGET:
+        return None
+    provider = target_provider_for(like)
+    if provider is None or provider.kind != "jax" or tuple(provider.target_shape(like)):
+        return None
+    v = node.value
+    dtype = {"bool": "bool", "float": "float64"}.get(node.kind, "int64")
+    if node.kind == "int" and not -2**63 <= v < 2**64:
+        return None  # no NumPy integer holds it: refused as before
+    if node.kind == "int" and v >= 2**63:
+        dtype = "uint64"
+    dest = provider.restore(dtype, (), like, path)
+
+    def build() -> Any:
+        for _, buf in dest.boxes:
+            buf[...] = v
+        try:
+            return dest.finish()
+        except TargetMismatchError as exc:  # (its text is about a saved array)
+            raise TargetMismatchError(
+                f"the checkpoint's {node.kind} at key path '{format_keypath(path)}' is "
+                f"{v!r}, which the target's 0-d {like.dtype} JAX array cannot hold without "
+                f"changing it; pass None there for the saved {node.kind}") from exc
+
+    return build
 
 
 def _refuse_array_target(node: Node, like: Any, path: KeyPath) -> None:
