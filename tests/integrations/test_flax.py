@@ -179,6 +179,26 @@ def test_nnx_state_round_trips(tmp_path):
     assert_trees_equal(nnx.state(model), nnx.state(model2))
 
 
+def test_items_inside_an_nnx_state_target(tmp_path):
+    # an nnx.State is a JAX pytree, not a dict: items= below it was refused ("at 'model'
+    # it has a flax.nnx.statelib.State, which has no entry 'lin'", which it has)
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    model = Net(nnx.Rngs(0))
+    ss.save(tmp_path / "c", {"model": nnx.state(model)})
+    fresh = nnx.state(Net(nnx.Rngs(1)))
+    got = ss.load(tmp_path / "c", {"model": fresh}, items=["model/lin/kernel"])
+    assert list(got["model"]["lin"]) == ["kernel"]
+    kernel = got["model"]["lin"]["kernel"]
+    assert isinstance(kernel, nnx.Param)
+    np.testing.assert_array_equal(kernel[...], model.lin.kernel[...])
+    got = ss.load(tmp_path / "c", {"model": fresh}, items=["model/out"])
+    np.testing.assert_array_equal(got["model"]["out"]["bias"][...], model.out.bias[...])
+
+
 def test_nnx_dropout_keys_continue_after_a_load(tmp_path):
     """Typed JAX keys inside NNX state (Dropout's rngs) save and restore the stream."""
 

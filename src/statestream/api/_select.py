@@ -8,7 +8,7 @@ from typing import Any
 
 from statestream.errors import MissingKeyError, TargetMismatchError
 from statestream.format import Manifest
-from statestream.providers import adapter_for, providers, target_provider_for
+from statestream.providers import adapter_for, expand_pytree, providers, target_provider_for
 from statestream.tree import (
     Key,
     KeyPath,
@@ -107,10 +107,16 @@ def _target_child(like: Any, key: Key, path: KeyPath) -> Any:
         return getattr(like, key) if key in names else NO_TARGET
     if isinstance(like, (list, tuple)) and type(key) is int:
         return like[key] if 0 <= key < len(like) else NO_TARGET
+    # a JAX pytree node (an nnx.State, a registered class): by the keys it is saved
+    # under; it was refused as having 'no entry' that it has
+    exp = None if isinstance(like, (list, tuple)) else expand_pytree(like)
+    if exp is not None:
+        return next((c for k, c in zip(exp.keys, exp.children) if k == key), NO_TARGET)
     where = f"at '{format_keypath(path)}'" if path else "at the top"
     raise TargetMismatchError(
-        f"with items=, the target must hold dicts, lists, named tuples, dataclasses or "
-        f"objects with state_dict() along the selected key paths; {where} it has a "
+        f"with items=, the target must hold dicts, lists, named tuples, dataclasses, JAX "
+        f"pytrees or objects with state_dict() along the selected key paths; {where} it "
+        "has a "
         f"{type_name(like)}, which has no entry {key!r}"
     )
 
