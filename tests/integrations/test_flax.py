@@ -132,6 +132,26 @@ def test_static_fields_of_plain_and_jax_dataclasses(tmp_path):
     np.testing.assert_array_equal(got["r"].w, [1.0, 1.0])
 
 
+def test_meta_fields_named_to_register_dataclass_are_not_state(tmp_path):
+    # register_dataclass(cls, data_fields=[...], meta_fields=[...]) marks no field
+    # metadata: its meta fields were saved (a function in one was refused) and a load
+    # put the saved ones over the target's
+    @dataclasses.dataclass
+    class Layer:
+        w: jax.Array
+        act: object
+        name: str
+
+    jax.tree_util.register_dataclass(Layer, data_fields=["w"], meta_fields=["act", "name"])
+    ss.save(tmp_path / "d", {"l": Layer(jnp.arange(2.0), jax.nn.relu, "saved")})
+    assert set(ss.metadata(tmp_path / "d").tree["l"]) == {"w"}
+    got = ss.load(tmp_path / "d", {"l": Layer(jnp.zeros(2), jax.nn.gelu, "target")})["l"]
+    assert got.act is jax.nn.gelu and got.name == "target"
+    np.testing.assert_array_equal(got.w, [0.0, 1.0])
+    abstract = jax.eval_shape(lambda: Layer(jnp.zeros(2), jax.nn.gelu, "target"))
+    assert ss.load(tmp_path / "d", {"l": abstract})["l"].name == "target"
+
+
 class Net(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.lin = nnx.Linear(4, 8, rngs=rngs)

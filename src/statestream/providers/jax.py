@@ -24,6 +24,7 @@ from statestream.providers._base import (
 )
 from statestream.providers.numpy import host_destination, prepare_host_array
 from statestream.tree import KeyPath, PytreeExpansion, format_keypath, type_name
+from statestream.tree._flatten import DATA_FIELD_HOOKS
 
 __all__ = ["JaxProvider", "expand_pytree"]
 
@@ -50,6 +51,31 @@ def expand_pytree(obj: Any) -> PytreeExpansion | None:
     pairs, _ = tu.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
     keys = [_key_str(p[-1]) if p else "" for p, _ in pairs]
     return PytreeExpansion(type_name(obj), keys, [c for _, c in pairs])
+
+
+def jax_data_fields(obj: Any) -> set[str] | None:
+    """The data fields of a dataclass registered as a JAX pytree node (JAX's own
+    answer: ``register_dataclass(cls, data_fields=..., meta_fields=...)`` names them
+    without field metadata, and its meta fields were saved, a function in one
+    refused, and loaded over the target's); None if JAX is not imported or ``obj`` is
+    no such node (the field metadata decide)."""
+    jax = _jax()
+    if jax is None:
+        return None
+    try:
+        pairs, _ = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    except Exception:  # a node whose flatten fails: the walk reports it where it applies
+        return None
+    names = set()
+    for path, _ in pairs:
+        name = getattr(path[-1], "name", None) if path else None
+        if type(name) is not str:
+            return None  # a leaf (not registered), or keys that are no field names
+        names.add(name)
+    return names
+
+
+DATA_FIELD_HOOKS.append(jax_data_fields)
 
 
 def rebuild_pytree(like: Any, values: list[Any]) -> Any:

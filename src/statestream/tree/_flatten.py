@@ -106,8 +106,9 @@ def state_fields(obj: Any) -> list[dataclasses.Field[Any]]:
 
     A field marked static is not state: ``flax.struct.field(pytree_node=False)``
     (a flax ``TrainState``'s ``apply_fn`` and ``tx``) or
-    ``dataclasses.field(metadata={"static": True})`` (``jax.tree_util.register_dataclass``).
-    A save skips it; a load keeps the target's value.
+    ``dataclasses.field(metadata={"static": True})`` (``jax.tree_util.register_dataclass``),
+    or one that a :data:`DATA_FIELD_HOOKS` hook leaves out (a ``meta_fields=`` entry of
+    ``register_dataclass``). A save skips it; a load keeps the target's value.
 
     Example:
         >>> @dataclasses.dataclass
@@ -117,10 +118,27 @@ def state_fields(obj: Any) -> list[dataclasses.Field[Any]]:
         >>> [f.name for f in state_fields(S(1))]
         ['w']
     """
+    data = _hooked_data_fields(obj)
     return [
         f for f in dataclasses.fields(obj)
-        if f.metadata.get("pytree_node", True) is not False and f.metadata.get("static") is not True
+        if (f.name in data if data is not None else
+            f.metadata.get("pytree_node", True) is not False
+            and f.metadata.get("static") is not True)
     ]
+
+
+#: asked, in order, for the data fields of a dataclass before its field metadata: a
+#: set of field names, or None where the hook has no answer (providers/jax.py adds
+#: JAX's own, for ``register_dataclass(cls, data_fields=..., meta_fields=...)``)
+DATA_FIELD_HOOKS: list[Callable[[Any], set[str] | None]] = []
+
+
+def _hooked_data_fields(obj: Any) -> set[str] | None:
+    for hook in DATA_FIELD_HOOKS:
+        names = hook(obj)
+        if names is not None:
+            return names
+    return None
 
 
 def _is_namedtuple(obj: Any) -> bool:
