@@ -53,6 +53,22 @@ def test_an_array_deleted_by_hand_is_refused_naming_its_key_path(tmp_path: Path,
         _save(tmp_path / "c", {"opt": [{"mu": x}]}, mode)
 
 
+@pytest.mark.parametrize("mode", ["sync", "lazy"])
+def test_a_save_inside_a_jitted_function_is_refused_naming_its_key_path(
+        tmp_path: Path, mode: str) -> None:
+    # the arrays there are tracers: JAX's ConcretizationTypeError came out of the
+    # deleted-array check, naming no key path
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        _save(tmp_path / "c", {"params": {"w": x}, "key": jax.random.key(0)}, mode)
+        return x + 1
+
+    with pytest.raises(ss.UnsupportedTypeError,
+                       match=r"key path 'params/w': the jax\.Array \(float32\[3\]\) is a tracer"):
+        step(jnp.ones(3))
+    assert not os.path.exists(tmp_path / "c")
+
+
 def test_a_committed_async_save_lets_go_of_the_state_before_warming_staging(
         tmp_path: Path) -> None:
     """After the commit the background thread maps staging buffers for the next save;

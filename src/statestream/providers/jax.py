@@ -282,8 +282,15 @@ def _prepared_on_device(obj: Any, path: KeyPath, kind: str) -> PreparedArray:
 
 def _check_not_deleted(obj: Any, where: str = "") -> None:
     """Raise UnsupportedTypeError if ``obj``'s buffers are gone (JAX's own error names
-    neither the key path nor the cause)."""
-    deleted = getattr(obj, "is_deleted", None)  # a tracer has none
+    neither the key path nor the cause), or if it is a tracer (a save inside a jitted,
+    grad or vmapped function: is_deleted() raised JAX's ConcretizationTypeError)."""
+    tracer = getattr(getattr(_jax(), "core", None), "Tracer", None)
+    if tracer is not None and isinstance(obj, tracer):
+        raise UnsupportedTypeError(
+            f"{where}the jax.Array ({obj.dtype}{list(obj.shape)}) is a tracer: the save "
+            "runs inside a function that JAX transforms (jax.jit, grad, vmap, scan), where "
+            "arrays hold no values. Save outside it, with the arrays it returns")
+    deleted = getattr(obj, "is_deleted", None)
     if deleted is not None and deleted():
         raise UnsupportedTypeError(
             f"{where}the jax.Array ({obj.dtype}{list(obj.shape)}) has been deleted: "
