@@ -154,6 +154,11 @@ def test_a_typed_key_of_another_impl_is_refused(tmp_path: Path) -> None:
     out = ss.load(tmp_path / "c", {"k": jax.random.key(0, impl="rbg")})
     assert np.array_equal(jax.random.key_data(out["k"]),
                           jax.random.key_data(jax.random.key(6, impl="rbg")))
+    # a jax.ShapeDtypeStruct of the other impl's key dtype (jax.eval_shape) too
+    abstract = jax.ShapeDtypeStruct((), jax.random.key(0, impl="unsafe_rbg").dtype)
+    with pytest.raises(TargetMismatchError, match="key path 'k' describes a key<urbg> "
+                       "value, the checkpoint holds a key<rbg> one"):
+        ss.load(tmp_path / "c", {"k": abstract})
 
 
 def test_a_typed_key_into_a_raw_key_target_names_the_key(tmp_path: Path) -> None:

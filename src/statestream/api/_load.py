@@ -442,7 +442,20 @@ def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
     if sub_like is None:
         return None
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
-    return adapted_build(named, None, inner, path)
+    build = adapted_build(named, None, inner, path)
+    want = getattr(like, "dtype", None)
+
+    def checked() -> Any:
+        value = build()
+        got = getattr(value, "dtype", None)
+        if want is not None and got is not None and got != want:
+            # an rbg key where the struct says unsafe_rbg (the same uint32[4] data)
+            raise TargetMismatchError(
+                f"the target at key path '{format_keypath(path)}' describes a {want} value, "
+                f"the checkpoint holds a {got} one: pass None there for the saved value")
+        return value
+
+    return checked
 
 
 def load(
