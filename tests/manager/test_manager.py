@@ -69,6 +69,20 @@ def test_should_save_agrees_with_save(tmp_path):
         assert not mgr.should_save(5)  # already saved: never twice
 
 
+def test_should_save_takes_the_steps_save_takes(tmp_path):
+    # a JAX step (state.step of a TrainState) was a TypeError (unhashable) in
+    # AtSteps/EveryNSteps, where save() took it; 8.5 and -1 were just False
+    jnp = pytest.importorskip("jax.numpy")
+    with ss.CheckpointManager(tmp_path, save_policy=ss.AtSteps({2, 5}),
+                              async_save=False) as mgr:
+        assert mgr.should_save(jnp.int32(2)) and mgr.should_save(np.int64(5))
+        assert not mgr.should_save(jnp.int32(3))
+        for bad in (8.5, -1):
+            with pytest.raises(ss.InvalidOptionError, match="step must be"):
+                mgr.should_save(bad)
+        assert mgr.save(jnp.int32(2), state_at(2)) and mgr.steps() == [2]
+
+
 def test_force_overrides_the_policy(tmp_path):
     with ss.CheckpointManager(tmp_path, save_policy=ss.EveryNSteps(100)) as mgr:
         assert mgr.save(0, state_at(0))

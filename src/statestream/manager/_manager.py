@@ -320,8 +320,14 @@ class CheckpointManager:
 
         Every rank's preemption flag counts: a SIGTERM seen by any rank fires
         ``OnPreemption`` on all of them.
+
+        Raises:
+            InvalidOptionError: ``step`` is not a step number, as for :meth:`save`
+                (a JAX or NumPy integer scalar is one).
         """
-        return self._decisions.should_save(step)
+        # the step as save() takes it: a policy's set of steps could not hash a JAX
+        # 0-d array (TypeError), and 8.5 was just 'no'
+        return self._decisions.should_save(step, lambda: check_step(step))
 
     def _pending_steps(self) -> set[int]:
         pending = {self._inflight_step} if self._inflight_step is not None else set()
