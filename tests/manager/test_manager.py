@@ -359,7 +359,7 @@ def test_keep_policy_never_deletes_the_step_being_written(tmp_path):
         mgr.save(3, state_at(3))  # waits for 2; 3 is now in flight, stuck before commit
         assert reached.wait(60)
         # a keep pass while 3 is in flight (white box: what wait()/close() run)
-        mgr._inflight_step = 3
+        mgr._flight.step = 3
         mgr._apply_keep_policy()
         staging = [n for n in os.listdir(tmp_path) if n.startswith(".step_0000000003.tmp-")]
         assert len(staging) == 1 and mgr.steps() == [2]

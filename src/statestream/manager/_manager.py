@@ -29,6 +29,7 @@ from statestream.errors import (
 )
 from statestream.manager._chain import CHAIN_KEY, chain_base, incremental_option
 from statestream.manager._decide import LastSaveTime, SaveDecisions, check_can_arm
+from statestream.manager._inflight import InFlight
 from statestream.manager._lease import (
     DirectoryHold,
     LeaseNotRenewedError,
@@ -46,7 +47,7 @@ from statestream.manager._policies import (
     drops_for_good,
     warn_missing_metrics,
 )
-from statestream.manager._resume import ResumeGuard, load_newest_good, missing_step
+from statestream.manager._resume import ResumeGuard, load_newest_good, load_numbered
 from statestream.manager._retention import Retention, step_info, step_meta
 from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
 from statestream.manager._steps import StepDirectory, check_step
@@ -159,15 +160,14 @@ class CheckpointManager:
         self._memory = memory
         CompressionPolicy(compression)  # a bad option fails here, not at the first save
         self._compression = compression
-        self._inflight: SaveHandle | None = None
-        self._inflight_step: int | None = None
+        self._flight = InFlight()
         self._resumed = ResumeGuard()
         self._last_time = LastSaveTime()
         self._closed = False
         self._decisions = SaveDecisions(
             save_policy, self._coll,
             lambda step: step == self._last_saved_step or step in self._pending_steps(),
-            lambda: (self._last_saved_step, self._last_time.counted(self._inflight)))
+            lambda: (self._last_saved_step, self._last_time.counted(self._flight.handle)))
         opened = open_lease(self._coll, self._dir, lease_ttl_s,
                             may_defer=local_tier is not None)
         self._hold = DirectoryHold(self._dir, opened, lease_ttl_s)
@@ -330,7 +330,7 @@ class CheckpointManager:
         return self._decisions.should_save(step, lambda: check_step(step))
 
     def _pending_steps(self) -> set[int]:
-        pending = {self._inflight_step} if self._inflight_step is not None else set()
+        pending = self._flight.steps()
         if self._tier is not None:
             pending |= self._tier.pending_steps()
         return pending
@@ -388,7 +388,7 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
         decided = self._decisions.decide_save(step, metrics, force, self.directory)
         if decided is None:
-            if self._inflight_step is not None and self._inflight_step == step:
+            if self._flight.step is not None and self._flight.step == step:
                 self._wait_save()  # a retry of the step in flight: its failure is raised
             return False
         step, metrics = decided
@@ -406,12 +406,12 @@ class CheckpointManager:
         write_making_room(self._tier, self._coll, step, base_step, not self._async,
                           lambda: self._write(path, state, overwrite, meta, base))
         if self._async:
-            assert self._inflight is not None
+            assert self._flight.handle is not None
             if self._lazy:  # a step or a forward pass must not race the lazy snapshot
-                guard_state_in(state, self._inflight)
-            self._inflight_step = step
+                guard_state_in(state, self._flight.handle)
+            self._flight.step = step
             if self._tier is not None:
-                self._tier.persist(step, self._inflight, base=base_step)
+                self._tier.persist(step, self._flight.handle, base=base_step)
         else:
             self._committed(step)
             if self._tier is not None:
@@ -428,7 +428,7 @@ class CheckpointManager:
         """Save (or start saving, ``async_save``) ``state`` to ``path``."""
         tiered = self._tier is not None
         if self._async:  # agreed: one rank's failure is raised on every rank
-            self._inflight = started(self._coll, path, lambda: save_async(
+            self._flight.handle = started(self._coll, path, lambda: save_async(
                 path, state, lazy=self._lazy, overwrite=overwrite, io=self._io,
                 memory=self._memory, collective=self._coll, meta=meta,
                 compression=self._compression, base=base, hashes=self._incremental,
@@ -463,7 +463,7 @@ class CheckpointManager:
     @property
     def in_flight(self) -> SaveHandle | None:
         """The handle of the save in progress, if any (e.g. for ``guard_optimizer``)."""
-        return self._inflight
+        return self._flight.handle
 
     @one_at_a_time
     def wait(self) -> None:
@@ -483,30 +483,16 @@ class CheckpointManager:
                              "committed; the keep policy was not applied")
 
     def _wait_save(self) -> None:
-        """Wait for the in-flight save (its local commit, with a local tier).
+        """Wait for the in-flight save (its local commit, with a local tier)."""
+        self._flight.wait(self._committed, self._save_failed)
 
-        An interrupted wait (KeyboardInterrupt) leaves the save in flight: it is
-        still running, so the next ``save``, ``wait`` or ``close`` waits for it.
-        """
-        h = self._inflight
-        if h is None:
-            return
-        try:
-            h.result()
-        except BaseException as exc:
-            if not h.done():
-                raise  # the wait was interrupted, not the save
-            failed, self._inflight, self._inflight_step = self._inflight_step, None, None
-            # that step never committed: it may be saved again, and a time-based save
-            # policy counts from the last save that did (not from the failed one)
-            self._last_saved_step = self.latest_step()
-            self._last_time.failed()
-            if failed is not None and self._tier is not None:
-                raise_if_full(self._tier, failed, exc)
-            raise
-        if self._inflight_step is not None:
-            self._committed(self._inflight_step)
-        self._inflight, self._inflight_step = None, None
+    def _save_failed(self, step: int | None, exc: BaseException) -> None:
+        """That step never committed: it may be saved again, and a time-based save
+        policy counts from the last save that did (not from the failed one)."""
+        self._last_saved_step = self.latest_step()
+        self._last_time.failed()
+        if step is not None and self._tier is not None:
+            raise_if_full(self._tier, step, exc)
 
     def _committed(self, step: int) -> None:
         """This manager's save of ``step`` committed: it is not damaged now, and what
@@ -519,18 +505,6 @@ class CheckpointManager:
         self._retention.forget(step)
         if self._tier is not None:
             self._tier.retention.forget(step)
-
-    def _settle_save(self) -> None:
-        """Wait for the in-flight save to end; its error stays for the next ``save``,
-        ``wait`` or ``close`` (the handle stays in flight and raises it again)."""
-        h = self._inflight
-        if h is None:
-            return
-        try:
-            h.result()
-        except BaseException:
-            if not h.done():
-                raise  # the wait was interrupted, not the save
 
     def _apply_keep_policy(self, *, directory: bool = True) -> None:
         """The local tier's keep policy, then (``directory``) the directory's.
@@ -601,7 +575,7 @@ class CheckpointManager:
                 one's error; with several processes a ``DistributedError``).
         """
         limit = max_arrays_option(max_arrays)
-        self._settle_save()
+        self._flight.settle()
         resume = step is None or (self._tier is not None and self._incremental)
         latest = self._agreed_latest() if resume else None
 
@@ -611,13 +585,8 @@ class CheckpointManager:
                              collective=self._coll, fetch=self._incremental and s == latest,
                              max_arrays=limit)
         if step is not None:
-            step = check_step(step)
-            try:
-                return one(step)
-            except CheckpointNotFoundError as exc:
-                if self._tier is not None or self._dir.is_committed(step):
-                    raise
-                raise missing_step(step, self.directory, self._retention.listed()) from exc
+            return load_numbered(check_step(step), one, self.directory, self._retention.listed,
+                                 lambda s: self._tier is not None or self._dir.is_committed(s))
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")

@@ -20,7 +20,7 @@ from statestream.errors import (
     DistributedError,
 )
 
-__all__ = ["ResumeGuard", "is_damage", "load_newest_good", "missing_step"]
+__all__ = ["ResumeGuard", "is_damage", "load_newest_good", "load_numbered", "missing_step"]
 
 
 def missing_step(step: int, directory: str, have: list[int]) -> CheckpointNotFoundError:
@@ -29,6 +29,18 @@ def missing_step(step: int, directory: str, have: list[int]) -> CheckpointNotFou
     return CheckpointNotFoundError(
         f"step {step} is not a committed step of {directory} (its steps: "
         f"{'..., ' if len(have) > 20 else ''}{shown}); a keep policy may have deleted it")
+
+
+def load_numbered(step: int, load_step: Callable[[int], Any], directory: str,
+                  listed: Callable[[], list[int]], exists: Callable[[int], bool]) -> Any:
+    """``load_step(step)`` for a step asked for by number: never another step. One
+    that is not there (``exists`` false) is an error naming the steps that are."""
+    try:
+        return load_step(step)
+    except CheckpointNotFoundError as exc:
+        if exists(step):
+            raise
+        raise missing_step(step, directory, listed()) from exc
 
 
 def _names(cls: type[Exception]) -> set[str]:

@@ -2,7 +2,7 @@
 
 A training job's threads share its manager: the training loop saves while a
 watchdog or an evaluation thread calls ``wait``, ``load`` or ``close``. Each of
-those calls reads and changes the save in flight (``_inflight``) and the
+those calls reads and changes the save in flight (``_flight``) and the
 manager's open state, so they run one after the other: a ``close`` or ``wait``
 that comes while ``save`` is starting a save waits for that save too, and a
 ``save`` that comes after a ``close`` raises (before 2026-12-06 ``close`` returned
