@@ -18,7 +18,7 @@ from statestream.api._builds import (
     value_of,
 )
 from statestream.api._job import Build, _Job, target_shape
-from statestream.api._kinds import PLAIN_KINDS, fits, structured
+from statestream.api._kinds import PLAIN_KINDS, fits
 from statestream.api._open import (
     array_paths,
     open_checkpoint,
@@ -45,6 +45,12 @@ from statestream.api._target_keys import (
     refuse_early,
     unprefixed,
     with_target_ties,
+)
+from statestream.api._targets import (
+    dtype_checked,
+    number_into_jax,
+    refuse_array_target,
+    refuse_structured,
 )
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import (
@@ -197,12 +203,12 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if adapter is not None:  # a generator, typed key or compiled module as target
         return _walk_adapted(adapter, node, like, path, m, job)
     if k in PLAIN_KINDS or k in ("bytes", "pickle"):
-        number = _number_into_jax(node, like, path)
+        number = number_into_jax(node, like, path)
         if number is not None:
             return number
         # a plain target (an int for an int) takes it; an array, object or container
         # target would be returned untouched, its load_state_dict never called
-        _refuse_structured(like, k, path)
+        refuse_structured(like, k, path)
         if k in ("bytes", "pickle"):
             return _restore_blob(node, path, m, job)
         v = node.value
@@ -220,7 +226,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
         described = _walk_described(node, like, path, m, job)
         if described is not None:
             return described
-        _refuse_array_target(node, like, path)
+        refuse_array_target(node, like, path)
         build_state = _walk(node.children[0], like, path, m, job, default_kind, merge)
         rebuild = adapter_by_name(node.type_name) if like is NO_TARGET else None
         if rebuild is None or default_kind != "saved":
@@ -248,71 +254,13 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     return _walk_mapping(k, kids, like, path, m, job, default_kind, merge)
 
 
-def _number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
-    """A saved Python number (a fresh flax ``TrainState``'s ``step=0``) into a 0-d JAX
-    target (``jax.eval_shape`` of that state makes it a ``ShapeDtypeStruct``): a JAX
-    array of the target's dtype and sharding, refused where the cast would change the
-    value, as for a saved 0-d array. Was refused ('the target has an array')."""
-    if node.kind not in ("int", "float", "bool") or like is NO_TARGET:
-        return None
-    provider = target_provider_for(like)
-    if provider is None or provider.kind != "jax" or tuple(provider.target_shape(like)):
-        return None
-    v = node.value
-    dtype = {"bool": "bool", "float": "float64"}.get(node.kind, "int64")
-    if node.kind == "int" and not -2**63 <= v < 2**64:
-        return None  # no NumPy integer holds it: refused as before
-    if node.kind == "int" and v >= 2**63:
-        dtype = "uint64"
-    dest = provider.restore(dtype, (), like, path)
-
-    def build() -> Any:
-        for _, buf in dest.boxes:
-            buf[...] = v
-        try:
-            return dest.finish()
-        except TargetMismatchError as exc:  # (its text is about a saved array)
-            raise TargetMismatchError(
-                f"the checkpoint's {node.kind} at key path '{format_keypath(path)}' is "
-                f"{v!r}, which the target's 0-d {like.dtype} JAX array cannot hold without "
-                f"changing it; pass None there for the saved {node.kind}") from exc
-
-    return build
-
-
-def _refuse_array_target(node: Node, like: Any, path: KeyPath) -> None:
-    """Raise where an array target meets a saved stateful value whose state is no
-    array (a typed JAX key into a raw uint32 key: it said the checkpoint held a
-    dict there, the key's state, naming neither the key nor what to do)."""
-    child = node.children[0] if node.children else None
-    if (like is NO_TARGET or child is None or child.kind in ("array", "alias")
-            or target_provider_for(like) is None):
-        return
-    hint = ("; load it into a typed key target (jax.random.key(0)), or None, and take "
-            "jax.random.key_data of it" if node.type_name == "jax.random.key" else "")
-    raise TargetMismatchError(
-        f"the target has an array at key path '{format_keypath(path)}' but the checkpoint "
-        f"holds a {node.type_name} there{hint}")
-
-
-def _refuse_structured(like: Any, k: str, path: KeyPath) -> None:
-    """Raise where target ``like`` takes more than the plain value (kind ``k``) saved."""
-    what = structured(like) if like is not NO_TARGET else None
-    if what is not None:
-        raise TargetMismatchError(
-            f"the target has {what} at key path '{format_keypath(path)}' but the "
-            f"checkpoint holds a {k} there; pass None there for whatever was saved, or "
-            "leave the key out of the target"
-        )
-
-
 def _walk_stateful_target(node: Node, like: Any, path: KeyPath, m: Manifest,
                           job: _Job, partial: bool = False) -> Build:
     """Load a stateful target's state (all of it; ``partial``: a module's entries that
     items= selects, with ``strict=False``), then call its load_state_dict."""
     inner = node.children[0] if node.kind == "stateful" and node.children else node
     if inner.kind not in CONTAINER_KINDS:  # (a compiled module's, from _walk_adapted)
-        _refuse_structured(like, inner.kind, path)
+        refuse_structured(like, inner.kind, path)
     sub_like = like.state_dict()
     named_ties = [names for prov in providers() if prov.capabilities.state_hints
                   for names in prov.tied_names(like)]
@@ -442,20 +390,7 @@ def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
     if sub_like is None:
         return None
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
-    build = adapted_build(named, None, inner, path)
-    want = getattr(like, "dtype", None)
-
-    def checked() -> Any:
-        value = build()
-        got = getattr(value, "dtype", None)
-        if want is not None and got is not None and got != want:
-            # an rbg key where the struct says unsafe_rbg (the same uint32[4] data)
-            raise TargetMismatchError(
-                f"the target at key path '{format_keypath(path)}' describes a {want} value, "
-                f"the checkpoint holds a {got} one: pass None there for the saved value")
-        return value
-
-    return checked
+    return dtype_checked(adapted_build(named, None, inner, path), like, path)
 
 
 def load(

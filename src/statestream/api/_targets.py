@@ -1,0 +1,95 @@
+"""What a target at a key path can take of a saved value that is not an array.
+
+The refusals name the key path and what to pass instead (a target that would be
+returned untouched, or a value of another kind); the one conversion is a saved
+Python number into a 0-d JAX target, which a fresh flax ``TrainState``'s ``step``
+needs (``jax.eval_shape`` makes it a ``ShapeDtypeStruct``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statestream.api._job import Build
+from statestream.api._kinds import structured
+from statestream.api._select import NO_TARGET
+from statestream.errors import TargetMismatchError
+from statestream.providers import target_provider_for
+from statestream.tree import KeyPath, Node, format_keypath
+
+__all__ = ["dtype_checked", "number_into_jax", "refuse_array_target", "refuse_structured"]
+
+
+def number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
+    """A saved Python number (a fresh flax ``TrainState``'s ``step=0``) into a 0-d JAX
+    target (``jax.eval_shape`` of that state makes it a ``ShapeDtypeStruct``): a JAX
+    array of the target's dtype and sharding, refused where the cast would change the
+    value, as for a saved 0-d array. Was refused ('the target has an array')."""
+    if node.kind not in ("int", "float", "bool") or like is NO_TARGET:
+        return None
+    provider = target_provider_for(like)
+    if provider is None or provider.kind != "jax" or tuple(provider.target_shape(like)):
+        return None
+    v = node.value
+    dtype = {"bool": "bool", "float": "float64"}.get(node.kind, "int64")
+    if node.kind == "int" and not -2**63 <= v < 2**64:
+        return None  # no NumPy integer holds it: refused as before
+    if node.kind == "int" and v >= 2**63:
+        dtype = "uint64"
+    dest = provider.restore(dtype, (), like, path)
+
+    def build() -> Any:
+        for _, buf in dest.boxes:
+            buf[...] = v
+        try:
+            return dest.finish()
+        except TargetMismatchError as exc:  # (its text is about a saved array)
+            raise TargetMismatchError(
+                f"the checkpoint's {node.kind} at key path '{format_keypath(path)}' is "
+                f"{v!r}, which the target's 0-d {like.dtype} JAX array cannot hold without "
+                f"changing it; pass None there for the saved {node.kind}") from exc
+
+    return build
+
+
+def refuse_array_target(node: Node, like: Any, path: KeyPath) -> None:
+    """Raise where an array target meets a saved stateful value whose state is no
+    array (a typed JAX key into a raw uint32 key: it said the checkpoint held a
+    dict there, the key's state, naming neither the key nor what to do)."""
+    child = node.children[0] if node.children else None
+    if (like is NO_TARGET or child is None or child.kind in ("array", "alias")
+            or target_provider_for(like) is None):
+        return
+    hint = ("; load it into a typed key target (jax.random.key(0)), or None, and take "
+            "jax.random.key_data of it" if node.type_name == "jax.random.key" else "")
+    raise TargetMismatchError(
+        f"the target has an array at key path '{format_keypath(path)}' but the checkpoint "
+        f"holds a {node.type_name} there{hint}")
+
+
+def refuse_structured(like: Any, k: str, path: KeyPath) -> None:
+    """Raise where target ``like`` takes more than the plain value (kind ``k``) saved."""
+    what = structured(like) if like is not NO_TARGET else None
+    if what is not None:
+        raise TargetMismatchError(
+            f"the target has {what} at key path '{format_keypath(path)}' but the "
+            f"checkpoint holds a {k} there; pass None there for whatever was saved, or "
+            "leave the key out of the target"
+        )
+
+
+def dtype_checked(build: Build, like: Any, path: KeyPath) -> Build:
+    """``build``, whose value must have the dtype target ``like`` describes (an rbg key
+    where a ``jax.ShapeDtypeStruct`` says unsafe_rbg: the same uint32[4] data)."""
+    want = getattr(like, "dtype", None)
+
+    def checked() -> Any:
+        value = build()
+        got = getattr(value, "dtype", None)
+        if want is not None and got is not None and got != want:
+            raise TargetMismatchError(
+                f"the target at key path '{format_keypath(path)}' describes a {want} value, "
+                f"the checkpoint holds a {got} one: pass None there for the saved value")
+        return value
+
+    return checked
