@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import zipfile
@@ -49,6 +50,17 @@ def _state() -> dict[str, object]:
         "empty": torch.zeros(0, 2),
     }
 
+
+
+def _write_pt(path: Path, pickler: type[pickle.Pickler], obj: object, storage: bytes) -> Path:
+    """A hand-made torch zip file at ``path``: ``obj`` pickled by ``pickler`` (which
+    names the storage "0"), and that storage's bytes."""
+    buf = io.BytesIO()
+    pickler(buf, protocol=2).dump(obj)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", storage)
+    return path
 
 def test_reads_every_dtype_bit_exact(tmp_path: Path) -> None:
     state = _state()
@@ -350,7 +362,6 @@ def test_a_v3_tensor_over_a_storage_statestream_cannot_hold_is_named(tmp_path: P
     """_rebuild_tensor_v3 names the tensor's dtype and the storage's class apart: a float32
     tensor over a QUInt8Storage raised a bare KeyError('quint8')."""
     import collections
-    import io
 
     storage, tensor = object(), object()
 
@@ -364,12 +375,7 @@ def test_a_v3_tensor_over_a_storage_statestream_cannot_hold_is_named(tmp_path: P
             return torch._utils._rebuild_tensor_v3, (
                 storage, 0, (2,), (1,), False, collections.OrderedDict(), torch.float32)
 
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump({"layer": {"x": tensor}})
-    path = tmp_path / "q.pt"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("archive/data.pkl", buf.getvalue())
-        z.writestr("archive/data/0", bytes(8))
+    path = _write_pt(tmp_path / "q.pt", Pickler, {"layer": {"x": tensor}}, bytes(8))
     with pytest.raises(ss.UnsupportedTypeError, match="dtype quint8") as ei:
         ss.load(path)
     assert "'layer/x'" in str(ei.value) and str(path) in str(ei.value)
@@ -473,7 +479,6 @@ def test_damage_found_while_unpickling_names_the_file(tmp_path: Path) -> None:
     """A persistent id that is not a storage, or a refused text encoding, was reported
     without the file (the stand-ins that find them do not know it)."""
     import collections
-    import io
 
     storage, tensor = object(), object()
 
@@ -487,12 +492,7 @@ def test_damage_found_while_unpickling_names_the_file(tmp_path: Path) -> None:
             return torch._utils._rebuild_tensor_v2, (
                 storage, 0, (4,), (1,), False, collections.OrderedDict())
 
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump({"w": tensor})
-    path = tmp_path / "p.pt"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("archive/data.pkl", buf.getvalue())
-        z.writestr("archive/data/0", bytes(16))
+    path = _write_pt(tmp_path / "p.pt", Pickler, {"w": tensor}, bytes(16))
     with pytest.raises(ss.CheckpointCorruptError, match="is not a tensor storage") as ei:
         ss.load(path)
     assert str(path) in str(ei.value)
