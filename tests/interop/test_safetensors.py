@@ -550,3 +550,26 @@ def test_a_header_or_index_above_the_readers_limits_is_refused(
     with pytest.raises(ss.UnsupportedTypeError, match="index would be .* above the 4096"):
         ss.convert(tmp_path / "ck", tmp_path / "shards2", to="safetensors", max_shard_bytes=64)
     assert not (tmp_path / "shards2").exists()
+
+
+def test_a_tensor_named_empty_keeps_its_name(tmp_path: Path) -> None:
+    """A safetensors tensor named "" converted back to safetensors was named "tensor"."""
+    st_torch.save_file({"": torch.ones(2), "b": torch.zeros(1)}, tmp_path / "e.safetensors")
+    ss.convert(tmp_path / "e.safetensors", tmp_path / "back.safetensors", to="safetensors")
+    got = st_torch.load_file(tmp_path / "back.safetensors")
+    assert sorted(got) == ["", "b"] and torch.equal(got[""], torch.ones(2))
+    ss.save(tmp_path / "lone", torch.ones(3))  # a lone array has no name: "tensor"
+    ss.convert(tmp_path / "lone", tmp_path / "lone.safetensors", to="safetensors")
+    assert list(st_torch.load_file(tmp_path / "lone.safetensors")) == ["tensor"]
+
+
+def test_shard_index_total_size_is_the_files_not_the_users(tmp_path: Path) -> None:
+    """A ``total_size`` in the user's safetensors metadata replaced the index's own."""
+    state = {f"w{i}": torch.randn(16, 16) for i in range(3)}
+    st_torch.save_file(state, tmp_path / "in.safetensors", metadata={"total_size": "7",
+                                                                     "note": "n"})
+    ss.convert(tmp_path / "in.safetensors", tmp_path / "hf", to="safetensors",
+               max_shard_bytes=2048)
+    idx = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert idx["metadata"]["total_size"] == 3 * 16 * 16 * 4
+    assert idx["metadata"]["note"] == "n"

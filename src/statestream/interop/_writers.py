@@ -111,7 +111,9 @@ def tensor_names(root: Node) -> list[str]:
     for p, n in array_paths(root):
         first.setdefault(n.array or 0, p)
     found = sorted(first.items(), key=lambda x: x[0])
-    names = [".".join(str(k) for k in p) or "tensor" for _, p in found]
+    # "tensor" names a lone array (the empty key path) only: a tensor saved under the
+    # name "" (key path ('',)) kept its name (it was written back as "tensor")
+    names = [".".join(str(k) for k in p) if p else "tensor" for _, p in found]
     seen: dict[str, KeyPath] = {}
     for (_, p), name in zip(found, names):
         if name in seen:
@@ -555,7 +557,7 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
             total += _write_one_file(os.path.join(staging, fname), members, names, specs,
                                      slabs, {"format": "pt"}, block_bytes)
             weight_map.update((names[i], fname) for i in members)
-        index = {"metadata": {"total_size": total, **metadata},
+        index = {"metadata": {**metadata, "total_size": total},  # the user's total_size lost
                  "weight_map": {n: weight_map[n] for n in names}}
         ipath = os.path.join(staging, "model.safetensors.index.json")
         text = json.dumps(index, indent=2)
