@@ -94,3 +94,17 @@ def test_a_table_is_counted_before_the_tree_is_parsed(ckpt: Path) -> None:
         ss.load(ckpt, max_arrays=2999)
     with pytest.raises(ss.CheckpointCorruptError, match="unknown tree node type"):
         ss.load(ckpt)
+
+
+def test_a_foreign_checkpoint_over_max_arrays_is_named_as_a_checkpoint(tmp_path: Path) -> None:
+    """A safetensors file of more arrays than ``max_arrays``: the error said "manifest",
+    which a foreign file has none of; it names the file as a checkpoint."""
+    st = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "w.safetensors"
+    st.save_file({f"t{i}": np.zeros(2, np.float32) for i in range(3)}, str(path))
+    with pytest.raises(ss.CheckpointError) as e:
+        ss.load(path, max_arrays=2)
+    assert type(e.value) is ss.CheckpointError
+    assert str(e.value).startswith(f"checkpoint {path} declares 3 arrays, over the caller's "
+                                   "limit of 2 (max_arrays)")
+    assert len(ss.load(path, max_arrays=3)) == 3

@@ -35,10 +35,10 @@ class OverLimit(Exception):
         super().__init__(n, limit, exact)
         self.n, self.limit, self.exact = n, limit, exact
 
-    def error(self, where: str) -> CheckpointError:
+    def error(self, where: str, what: str = "manifest") -> CheckpointError:
         many = f"{self.n}" if self.exact else f"more than {self.limit}"
         err = CheckpointError(
-            f"manifest {where} declares {many} arrays, over the caller's limit of "
+            f"{what} {where} declares {many} arrays, over the caller's limit of "
             f"{self.limit} (max_arrays); nothing was read. A checkpoint you trust with more "
             f"arrays loads with max_arrays= set higher (at most {MAX_ARRAYS}, the format's "
             "limit)")
@@ -53,10 +53,11 @@ def over_limit(n: int, limit: int, exact: bool = True) -> None:
 
 
 def check_max_arrays(n: int, limit: int, where: str) -> None:
-    """Raise CheckpointError, naming ``where`` and ``limit``, when a manifest (one
-    already built: a foreign checkpoint's) holds more than ``limit`` arrays."""
+    """Raise CheckpointError, naming ``where`` and ``limit``, when a foreign checkpoint
+    (a torch file, safetensors, DCP or Orbax: its manifest built as it was read) holds
+    more than ``limit`` arrays. (Its message said "manifest", which it has none of.)"""
     if n > limit:
-        raise OverLimit(n, limit, True).error(where)
+        raise OverLimit(n, limit, True).error(where, "checkpoint")
 
 
 def over_max_arrays(exc: BaseException) -> bool:
