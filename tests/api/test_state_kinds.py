@@ -157,8 +157,20 @@ def test_a_typed_key_of_another_impl_is_refused(tmp_path: Path) -> None:
     # a jax.ShapeDtypeStruct of the other impl's key dtype (jax.eval_shape) too
     abstract = jax.ShapeDtypeStruct((), jax.random.key(0, impl="unsafe_rbg").dtype)
     with pytest.raises(TargetMismatchError, match="key path 'k' describes a key<urbg> "
-                       "value, the checkpoint holds a key<rbg> one"):
+                       "key, the checkpoint holds a rbg key"):
         ss.load(tmp_path / "c", {"k": abstract})
+
+
+def test_a_typed_key_of_another_data_shape_names_both_impls(tmp_path: Path) -> None:
+    # a threefry key (uint32[2] data) into an rbg target (uint32[4]) was a shape
+    # mismatch at 'k/data', naming neither impl
+    ss.save(tmp_path / "c", {"k": jax.random.key(6)})
+    with pytest.raises(TargetMismatchError, match="key path 'k' is a rbg key, the "
+                       "checkpoint holds a threefry2x32 key: pass a key of that impl"):
+        ss.load(tmp_path / "c", {"k": jax.random.key(0, impl="rbg")})
+    with pytest.raises(TargetMismatchError, match="key path 'k' describes a key<rbg> key, "
+                       "the checkpoint holds a threefry2x32 key"):
+        ss.load(tmp_path / "c", {"k": jax.eval_shape(lambda: jax.random.key(0, impl="rbg"))})
 
 
 def test_a_typed_key_into_a_raw_key_target_names_the_key(tmp_path: Path) -> None:
@@ -194,7 +206,7 @@ def test_typed_keys_load_into_abstract_targets(tmp_path: Path) -> None:
         assert np.array_equal(jax.random.uniform(first(out[name]), (3,)),
                               jax.random.uniform(first(key), (3,)))
     assert out["split"].sharding.is_equivalent_to(state["split"].sharding, 1)
-    with pytest.raises(TargetMismatchError, match="key path 'rbg/data'"):
+    with pytest.raises(TargetMismatchError, match="key path 'rbg' describes a key<fry> key"):
         ss.load(tmp_path / "c", {"rbg": jax.ShapeDtypeStruct((), state["key"].dtype)})
 
 

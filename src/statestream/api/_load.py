@@ -51,6 +51,7 @@ from statestream.api._targets import (
     number_into_jax,
     refuse_array_target,
     refuse_structured,
+    saved_plain,
 )
 from statestream.distributed import Collective, agree, default_collective
 from statestream.engine import (
@@ -373,6 +374,7 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
             f"the target has a {type_name(like)} at key path '{format_keypath(path)}' but the "
             f"checkpoint holds a {saved} there"
         )
+    adapter.refuse_saved(saved_plain(node.children[0]), like, path)
     sub_like = adapter.target_state(like)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
     return adapted_build(adapter, like, inner, path, job.state_loads.append)
@@ -389,6 +391,7 @@ def _walk_described(node: Node, like: Any, path: KeyPath, m: Manifest,
     sub_like = named.abstract_state(like)
     if sub_like is None:
         return None
+    named.refuse_saved(saved_plain(node.children[0]), like, path)
     inner = _walk(node.children[0], sub_like, path, m, job, "saved", True)
     return dtype_checked(adapted_build(named, None, inner, path), like, path)
 

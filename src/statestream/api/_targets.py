@@ -17,7 +17,13 @@ from statestream.errors import TargetMismatchError
 from statestream.providers import target_provider_for
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["dtype_checked", "number_into_jax", "refuse_array_target", "refuse_structured"]
+__all__ = [
+    "dtype_checked",
+    "number_into_jax",
+    "refuse_array_target",
+    "refuse_structured",
+    "saved_plain",
+]
 
 
 def number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
@@ -93,3 +99,12 @@ def dtype_checked(build: Build, like: Any, path: KeyPath) -> Build:
         return value
 
     return checked
+
+
+def saved_plain(node: Node) -> dict[str, Any]:
+    """The plain values (str, int, float, bool, None) of a saved mapping node by key:
+    what an adapter's ``refuse_saved`` sees of a saved state before its arrays."""
+    if node.keys is None or node.children is None:
+        return {}
+    return {str(k): c.value for k, c in zip(node.keys, node.children)
+            if c.kind in ("none", "bool", "int", "float", "str")}

@@ -84,6 +84,13 @@ class StateAdapter(abc.ABC):
         None (the default) when ``like`` is no such description."""
         return None
 
+    def refuse_saved(self, saved: dict[str, Any], like: Any, path: KeyPath) -> None:
+        """Raise TargetMismatchError where the saved state's plain top-level entries
+        (``saved``: its str, int, float, bool and None values by key) show that target
+        ``like`` (a value or what :meth:`abstract_state` takes) cannot take it; called
+        before any saved array is matched against the target. Default: nothing."""
+        return None
+
     def wrapped(self, obj: Any) -> Any:
         """The stateful object (``state_dict()``/``load_state_dict()``) that ``obj``
         wraps and whose state is ``obj``'s, or None (the default): a saved plain

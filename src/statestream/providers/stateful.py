@@ -302,6 +302,27 @@ class JaxKeyAdapter(StateAdapter):
 
         return jax.random.wrap_key_data(state["data"], impl=str(state["impl"]))
 
+    def refuse_saved(self, saved: dict[str, Any], like: Any, path: KeyPath) -> None:
+        """A key of another impl than the target's (a key or its ShapeDtypeStruct) is
+        refused naming both impls; a threefry key (uint32[2] data) into an rbg target
+        (uint32[4]) was a shape mismatch at 'key/data', naming neither."""
+        import jax
+
+        impl, want = saved.get("impl"), getattr(like, "dtype", None)
+        if not isinstance(impl, str) or want is None:
+            return
+        try:
+            got = jax.random.key(0, impl=impl).dtype
+        except (TypeError, ValueError):
+            return  # an impl this JAX lacks: the load of the key says so
+        if got != want:
+            what = (f"is a {jax.random.key_impl(like)}" if isinstance(like, jax.Array)
+                    else f"describes a {want}")
+            raise TargetMismatchError(
+                f"the target at key path '{format_keypath(path)}' {what} key, the "
+                f"checkpoint holds a {impl} key: pass a key of that impl there, or None "
+                "for the saved key")
+
     def abstract_state(self, like: Any) -> Any:
         """A ``jax.ShapeDtypeStruct`` of a key dtype: its key data's shape, dtype and
         sharding (the key's, with the key data's trailing axes unsharded)."""
