@@ -204,6 +204,23 @@ def test_diff_top_level_keys_whose_key_path_reads_otherwise(
         (format_keypath((k1,)), 1.0)]
 
 
+def test_diff_of_lone_arrays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint whose root is one array (``ss.save(p, array)``): diff failed with
+    "items= names an empty key path '<root>'" (exit 2); it compares the arrays, and a
+    lone array against a tree is the root added and the tree's keys removed."""
+    ss.save(tmp_path / "a", np.arange(3.0))
+    ss.save(tmp_path / "b", np.arange(3.0) + 2)
+    ss.save(tmp_path / "t", {"x": np.zeros(2)})
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert "equal" in capsys.readouterr().out
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert rc == 1 and [(c["key"], c["max_abs_diff"]) for c in out["changed"]] == [
+        ("<root>", 2.0)]
+    rc, out = out_json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "t"), "--json"])
+    assert rc == 1 and [e["key"] for e in out["removed"]] == ["<root>"]
+    assert [e["key"] for e in out["added"]] == ["x"]
+
+
 def test_diff_across_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ss.save(tmp_path / "ck", {"w": np.arange(5, dtype=np.float32), "v": np.ones(2)})
     ss.convert(tmp_path / "ck", tmp_path / "m.safetensors")

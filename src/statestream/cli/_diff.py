@@ -104,16 +104,22 @@ class _Side:
             # a top-level key such as "/" has the key path "~1", which items= reads as
             # the top-level key "~1" where there is one: such a key is read by a target
             alone = [p for k, p in paths.items() if len(p) == 1 and p[0] != k]
+            named = [k for k in keys if paths[k] and paths[k] not in alone]
             tree: dict[Any, Any] = {}
-            if len(alone) < len(keys):
-                tree.update(ss.load(self.path, items=[k for k in keys if paths[k] not in alone],
+            if named:
+                tree.update(ss.load(self.path, items=named,
                                     allow_pickle=self.allow_pickle, memory=self.memory,
                                     max_arrays=self.max_arrays))
             if alone:
                 tree.update(ss.load(self.path, target={p[0]: None for p in alone},
                                     allow_pickle=self.allow_pickle, memory=self.memory,
                                     max_arrays=self.max_arrays))
-            self.batch = {k: _as_numpy(_dig(tree, paths[k])) for k in keys}
+            if any(not p for p in paths.values()):  # the root is the one array (a lone
+                # array saved): no items= names it (it was an error, "empty key path")
+                whole = ss.load(self.path, allow_pickle=self.allow_pickle, memory=self.memory,
+                                max_arrays=self.max_arrays)
+            self.batch = {k: _as_numpy(_dig(tree, paths[k]) if paths[k] else whole)
+                          for k in keys}
         return self.batch.pop(key)
 
 
