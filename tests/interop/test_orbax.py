@@ -431,6 +431,10 @@ def test_converting_a_dtype_tensorstore_lacks_to_orbax_is_refused_by_name(
 @pytest.mark.parametrize("state,match", [
     (5, r"'<root>' \(a number as the whole state\)"),
     (2.5, r"'<root>' \(a number as the whole state\)"),
+    # orbax: "Found empty item" (a bare ValueError), its thread then wrote into the
+    # removed staging directory, which stayed beside the output
+    ({}, r"'<root>' \(an empty dict as the whole state\)"),
+    ([], r"'<root>' \(an empty list as the whole state\)"),
     ({"m": {1: np.ones(2), "b": np.ones(2)}}, r"'m' \(a mapping with both int and str keys\)"),
     # orbax names a leaf by its key path joined with ".": it wrote both as "a.b" and
     # restored the first under both names, the second array lost without a word

@@ -167,6 +167,10 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
         top = top.children[0]
     if top.kind in ("int", "float", "bool"):  # StandardSave refuses a single scalar
         bad.append("'<root>' (a number as the whole state)")
+    if top.kind in CONTAINER_KINDS and not top.children:
+        # orbax refuses it ("Found empty item", a bare ValueError) from its thread,
+        # which then wrote into the staging directory after it was removed
+        bad.append(f"'<root>' (an empty {top.kind} as the whole state)")
     _unholdable(root, specs, (), bad)
     _name_clashes(root, (), {}, bad)
     if bad:
