@@ -392,3 +392,28 @@ def test_an_empty_path_is_refused_everywhere(tmp_path, monkeypatch):
         with pytest.raises(ss.InvalidOptionError, match="is empty: it names no checkpoint"):
             call()
     assert os.listdir(tmp_path) == []
+
+
+def test_nothing_is_written_inside_a_checkpoint(tmp_path):
+    """A checkpoint's directory is replaced or deleted whole (overwrite=True, a keep
+    policy): a save, a conversion or a manager inside one went through, and went with it
+    at the next overwrite, without a word. Each is refused naming the checkpoint, and
+    nothing is created there."""
+    outer = tmp_path / "outer"
+    ss.save(outer, {"w": np.ones(2)})
+    before = sorted(os.listdir(outer))
+    for inner in (outer / "inner", outer / "a" / "b" / "inner"):
+        with pytest.raises(ss.CheckpointExistsError,
+                           match=f"inside the checkpoint {outer}, whose directory"):
+            ss.save(inner, {"w": np.ones(2)})
+    with pytest.raises(ss.CheckpointExistsError, match=f"inside the checkpoint {outer}"):
+        ss.convert(outer, outer / "w.safetensors", to="safetensors")
+    with pytest.raises(ss.CheckpointExistsError, match=f"inside the checkpoint {outer}"):
+        ss.CheckpointManager(outer / "steps")
+    with pytest.raises(ss.CheckpointExistsError, match="is a statestream checkpoint, not a "
+                       "manager's directory"):
+        ss.CheckpointManager(outer)
+    assert sorted(os.listdir(outer)) == before
+    ss.save(outer, {"w": np.zeros(2)}, overwrite=True)  # the checkpoint itself still replaces
+    ss.save(tmp_path / "beside", {"w": np.ones(2)})  # and a sibling is fine
+    assert ss.load(outer)["w"][0] == 0

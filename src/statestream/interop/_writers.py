@@ -60,7 +60,7 @@ from statestream.interop._safetensors import (
 )
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
 from statestream.storage import FileWriter, LocalStorage, Storage, staging_dir, storage_for
-from statestream.storage._local import exchange_paths, fsync_dir
+from statestream.storage._local import exchange_paths, fsync_dir, refuse_inside_checkpoint
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -149,7 +149,9 @@ def _claim(final: str, overwrite: bool, *, directory: bool) -> None:
     """Refuse an existing ``final`` unless ``overwrite``, and even then anything the
     output (a ``directory`` or a file) should not replace: a directory by a file, a
     file by a directory, or a directory holding something other than a checkpoint
-    (publishing renames the output over it and removes what it held)."""
+    (publishing renames the output over it and removes what it held); nor a path inside
+    a statestream checkpoint (replaced or deleted whole, taking the output along)."""
+    refuse_inside_checkpoint(os.path.abspath(final))
     if not os.path.lexists(final):
         return
     if not overwrite:

@@ -201,6 +201,7 @@ def open_lease(coll: Collective, directory: StepDirectory, ttl_s: float, *,
     deferred: str | None = None
     if coll.rank == 0:
         try:
+            directory.refuse_checkpoint()
             lease = DirectoryLease(directory.storage, directory.directory,
                                    directory.lease_path(), ttl_s)
             read_only = lease.read_only

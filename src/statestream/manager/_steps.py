@@ -7,9 +7,10 @@ import re
 import warnings
 from typing import Any
 
-from statestream.errors import CheckpointError, InvalidOptionError
-from statestream.storage import Storage
+from statestream.errors import CheckpointError, CheckpointExistsError, InvalidOptionError
+from statestream.storage import LocalStorage, Storage
 from statestream.storage._leftovers import collect_garbage
+from statestream.storage._local import refuse_inside_checkpoint
 
 __all__ = ["LEASE_NAME", "MAX_STEP", "StepDirectory", "check_forward", "check_step", "parse_step"]
 
@@ -85,6 +86,19 @@ class StepDirectory:
 
     def is_committed(self, step: int) -> bool:
         return bool(self.storage.is_committed(self.path(step)))
+
+    def refuse_checkpoint(self) -> None:
+        """Raise where the directory is itself a committed checkpoint: steps saved in
+        it would go with it when it is replaced or deleted whole, and a load of it
+        reads the checkpoint, not the steps. On a local file system a directory inside
+        a checkpoint too (object stores: its first save is not refused)."""
+        if self.storage.is_committed(self.directory):
+            raise CheckpointExistsError(
+                f"{self.directory} is a statestream checkpoint, not a manager's directory: "
+                "steps saved in it would be deleted with it when it is replaced; load it "
+                "with ss.load, or give the manager a directory of its own")
+        if isinstance(self.storage, LocalStorage):
+            refuse_inside_checkpoint(self.directory)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written)."""

@@ -17,7 +17,7 @@ from statestream.errors import (
     StorageError,
     storage_error,
 )
-from statestream.format import COMMIT_NAME, DATA_DIR
+from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME
 from statestream.storage._base import (
     Leftover,
     StorageCapabilities,
@@ -225,6 +225,31 @@ def _file_above(path: str) -> str | None:
     return None
 
 
+def checkpoint_above(path: str) -> str | None:
+    """The nearest parent directory of ``path`` that is a committed checkpoint (its
+    commit marker and manifest there), if any."""
+    parent = os.path.dirname(path)
+    while parent and parent != os.path.dirname(parent):
+        if (os.path.isfile(os.path.join(parent, COMMIT_NAME))
+                and os.path.isfile(os.path.join(parent, MANIFEST_NAME))):
+            return parent
+        parent = os.path.dirname(parent)
+    return None
+
+
+def refuse_inside_checkpoint(path: str) -> None:
+    """Raise where ``path`` lies inside a committed checkpoint: a checkpoint's directory
+    is replaced or deleted whole (``overwrite=True``, a keep policy), and what was saved
+    inside it went with it, without a word. Before 2026-12-07 such saves (and a
+    ``CheckpointManager`` opened on a checkpoint) went through."""
+    above = checkpoint_above(path)
+    if above is not None:
+        raise CheckpointExistsError(
+            f"cannot write {path}: it lies inside the checkpoint {above}, whose directory "
+            "is replaced or deleted whole (overwrite=True, a keep policy), taking it along; "
+            "choose a path outside it")
+
+
 class LocalStorage:
     """Checkpoints as directories on a local (POSIX) file system.
 
@@ -259,6 +284,7 @@ class LocalStorage:
                     "choose another path"
                 )
             _check_replaceable(path)
+        refuse_inside_checkpoint(path)
         try:
             txn = _LocalWriteTransaction(path, overwrite, direct_io=self.direct_io)
         except OSError as exc:
