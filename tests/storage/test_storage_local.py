@@ -236,7 +236,9 @@ def test_overwrite_refuses_regular_file_and_symlink(st: LocalStorage, tmp_path: 
     write_checkpoint(st, tmp_path / "real")
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "real")
-    with pytest.raises(CheckpointExistsError, match="not a statestream checkpoint"):
+    # a link to a checkpoint was "not a statestream checkpoint": it says what it is
+    with pytest.raises(CheckpointExistsError, match=f"is a symbolic link \\(to {tmp_path}/real\\); "
+                       "statestream never replaces a link"):
         st.begin_write(str(link), overwrite=True)
     assert f.read_text() == "x" and link.is_symlink()
 

@@ -203,7 +203,13 @@ def _check_replaceable(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         if os.path.exists(os.path.join(path, COMMIT_NAME)) or not os.listdir(path):
             return
-    what = "a file, " if os.path.isfile(path) and not os.path.islink(path) else ""
+    if os.path.islink(path):  # it said "not a statestream checkpoint" of a link to one
+        raise CheckpointExistsError(
+            f"{path} exists and is a symbolic link (to {os.readlink(path)}); statestream "
+            "never replaces a link, not even with overwrite=True (a save would replace the "
+            "link, not what it points to). Save to the path it points to, or remove the "
+            "link yourself")
+    what = "a file, " if os.path.isfile(path) else ""
     raise CheckpointExistsError(
         f"{path} exists and is {what}not a statestream checkpoint; statestream never "
         "replaces it, not even with overwrite=True (only a committed checkpoint or an empty "
