@@ -62,7 +62,14 @@ from statestream.storage._object_errors import (
     scrub,
 )
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
-from statestream.storage._object_list import child_names, odd_key, saved_kind, saved_roots
+from statestream.storage._object_list import (
+    child_names,
+    odd_key,
+    odd_reason,
+    saved_kind,
+    saved_roots,
+    shown_key,
+)
 from statestream.storage._object_read import ObjectReader
 from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
@@ -190,10 +197,9 @@ class ObjectStorage:
             store = re.match(r"[a-z0-9]+://[^/]+", url)
             return StorageError(
                 f"listing {url.rstrip('/')}/ ({why}) failed: it holds the object "
-                f"{store.group(0) if store else ''}/{key}, whose key has an empty, '.' or '..' "
-                "segment: it names no path inside it (not written by statestream; not "
-                "followed) and the client cannot list past it. Delete it with the store's "
-                "own tools")
+                f"{store.group(0) if store else ''}/{shown_key(key)} ({odd_reason(key)}: it "
+                "names no path inside it; not written by statestream; not followed) and the "
+                "client cannot list past it. Delete it with the store's own tools")
         err = self._map_error(exc, f"listing {url.rstrip('/')}/ ({why})")
         if isinstance(err, PermissionError) and not credentials_refused(exc):
             return storage_error(

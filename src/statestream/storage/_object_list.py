@@ -1,63 +1,109 @@
 """Object stores: listings that survive objects whose keys map to no path.
 
 Anyone who may write to a bucket can put an object named ``run/../x``,
-``run/step_5/../../evil``, ``run/./y`` or ``run//z`` beside a manager's steps.
-Such a key has a ``..``, ``.`` or empty segment: it names no path inside
-``run/`` (``..`` would climb out of it), and the client (obstore) refuses to
-return it, failing the whole page of the listing that holds it. Before
-2026-12-07 that failure ended every listing of ``run/``: ``steps()``,
-``latest_step()``, the keep policy, ``statestream ls`` and the manager's start
-(it looks for leftovers) all raised.
+``run/step_5/../../evil``, ``run/./y``, ``run//z`` or ``run/a\x01b`` beside a
+manager's steps. Such a key has a ``..``, ``.`` or empty segment or an ASCII
+control character: it names no path inside ``run/`` (``..`` would climb out of
+it), and the client (obstore) refuses to return it, failing the whole page of
+the listing that holds it. Before 2026-12-07 that failure ended every listing
+of ``run/``: ``steps()``, ``latest_step()``, the keep policy, ``statestream
+ls`` and the manager's start (it looks for leftovers) all raised.
 
 Here a listing skips such a key with a warning that names it, never follows it,
 and goes on after it (the stores take an ``offset``: list what sorts after a
-key). What the client cannot do is read the rest of the page that held it: the
-objects in that page that sort *before* the odd key are not seen, and the
-warning says which range that was. A listing of many checkpoints' objects is
-done one checkpoint at a time when one of them holds such a key, so the odd key
-only hides its own checkpoint (which is then left alone: nothing of it is taken
-for garbage).
+key; the offset's own key is read apart, as a listing leaves it out). What the
+client cannot do is read the rest of the page that held it: the objects in that
+page that sort *before* the odd key are not seen, and the warning says which
+range that was. A listing of names raises instead when that range may hold a
+name starting with a letter, digit or ``_`` (a checkpoint's): never fewer
+steps. A listing of many checkpoints' objects is done one checkpoint at a time
+when one of them holds such a key, so the odd key only hides its own checkpoint
+(which is then left alone: nothing of it is taken for garbage).
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from statestream.errors import CheckpointError
+from statestream.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, validate_file_name
 from statestream.storage._object_config import DELETING_NAME, ROOT_RE
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
 
-__all__ = ["child_names", "odd_key", "saved_kind", "saved_roots"]
+__all__ = ["child_names", "odd_key", "odd_reason", "saved_kind", "saved_roots",
+           "shown_key"]
 
 #: obstore's message for a key it cannot parse: ``Error parsing Path "<key>": ...`` or
 #: ``Path "<key>" contained empty path segment`` (the key is quoted as it is)
 _ODD_RE = re.compile(r'Path "(.*)"(?:: | contained )')
+#: the same key in the error's debug text, escaped as Rust escapes it (``\u{1}``, ``\"``)
+_ODD_DEBUG_RE = re.compile(r'\n\s*path: "((?:[^"\\]|\\.)*)"')
+_RUST_ESCAPE = re.compile(r"\\(u\{([0-9a-fA-F]{1,6})\}|.)")
+_RUST_CHARS = {"n": "\n", "t": "\t", "r": "\r", "0": "\0"}
 _ODD_SEGMENTS = ("", ".", "..")
+#: what the client refuses in a key's segment besides those: ASCII control characters
+_ILLEGAL = re.compile(r"[\x00-\x1f\x7f]")
+#: the first character after the control characters and after '/' (an offset must be a
+#: key the client accepts: it refuses one holding a control character or an odd segment)
+_AFTER = {"\x1f": " ", "\x7f": "\x80", "/": "0"}
+
+
+def _unescape(text: str) -> str:
+    def one(m: re.Match[str]) -> str:
+        if m.group(2):
+            return chr(int(m.group(2), 16))
+        return _RUST_CHARS.get(m.group(1), m.group(1))
+    return _RUST_ESCAPE.sub(one, text)
 
 
 def odd_key(exc: BaseException) -> str | None:
-    """The key of the object that made a listing fail because it maps to no path (a
-    ``..``, ``.`` or empty segment); None when ``exc`` is another failure."""
+    """The key of the object that made a listing fail because the client refuses it as a
+    path (a ``..``, ``.`` or empty segment, a control character); None when ``exc`` is
+    another failure."""
     if type(exc).__name__ != "InvalidPathError":
         return None
-    m = _ODD_RE.search(str(exc).splitlines()[0] if str(exc) else "")
+    text = str(exc)
+    m = _ODD_DEBUG_RE.search(text)
+    if m is not None:
+        return _unescape(m.group(1))
+    m = _ODD_RE.search(text.splitlines()[0] if text else "")
     return m.group(1) if m else None
+
+
+def shown_key(key: str) -> str:
+    """``key`` for a message: its control characters escaped (``\\x01``)."""
+    return _ILLEGAL.sub(lambda m: f"\\x{ord(m.group()):02x}", key)
+
+
+def odd_reason(key: str) -> str:
+    """Why the client refuses ``key`` as a path."""
+    if _ILLEGAL.search(key):
+        return "its key holds a control character"
+    return "its key has an empty, '.' or '..' segment"
 
 
 def _skip_offset(key: str) -> str | None:
     """The offset that lists what sorts after every key that shares ``key``'s first odd
-    segment (``run/step_5/..0`` after ``run/step_5/../../evil``: ``0`` follows ``/``);
-    None when ``key`` has no odd segment."""
+    part, itself a key the client accepts: ``run/step_5/..0`` after
+    ``run/step_5/../../evil`` (``0`` follows ``/``), ``run/a `` after ``run/a\\x01b``
+    (`` `` follows the control characters), ``run/.. `` after ``run/..``. The one key equal
+    to it is not listed (see :func:`_scan`); None when ``key`` has no odd part."""
+    pos = 0
     parts = key.split("/")
     for i, part in enumerate(parts):
+        bad = _ILLEGAL.search(part)
+        if bad is not None:
+            at = pos + bad.start()
+            return key[:at] + _AFTER.get(key[at], " ")
         if part in _ODD_SEGMENTS and (part or i < len(parts) - 1):
-            return "/".join(parts[:i] + [part + "0"])
+            end = pos + len(part)
+            return key[:end] + (" " if end == len(key) else "0")
+        pos += len(part) + 1
     return None
 
 
@@ -65,15 +111,35 @@ def _warn_odd(owner: ObjectStorage, bucket: str, key: str, listing: str, after: 
               ) -> None:
     start = f"{owner._url(bucket, after)}" if after else f"the start of {listing}"
     warnings.warn(
-        f"ignored {owner._url(bucket, key)} while listing {listing}: its key has an "
-        "empty, '.' or '..' segment, so it names no path inside it (not written by "
+        f"ignored {owner._url(bucket, shown_key(key))} while listing {listing}: "
+        f"{odd_reason(key)}, so it names no path inside it (not written by "
         "statestream; it was not followed). The store answers a listing in pages and "
         "the client cannot read the page that holds it: entries that sort between "
         f"{start} and that key may be missing from this listing. Delete the object "
         "with the store's own tools to list them again.", stacklevel=4)
 
 
-def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str) -> Iterator[Any]:
+#: what a listing does before it skips an odd key: given the last key it listed (None at
+#: the start) and the odd key, it may raise (entries that must not go missing may be
+#: hidden between them)
+SkipCheck = Callable[[str | None, str], None]
+
+
+def _head(owner: ObjectStorage, bucket: str, key: str) -> Any:
+    """The metadata of object ``key``, None when there is none."""
+    import obstore
+
+    try:
+        return obstore.head(owner._store(bucket), key)
+    except Exception as exc:
+        err = owner._map_error(exc, f"reading {owner._url(bucket, key)}")
+        if isinstance(err, CheckpointNotFoundError):
+            return None
+        raise err from exc
+
+
+def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str,
+          check: SkipCheck | None = None) -> Iterator[Any]:
     """Every object under ``prefix/`` (its metadata), skipping odd keys (warned)."""
     import obstore
 
@@ -92,13 +158,19 @@ def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str) -> Itera
             nxt = _skip_offset(key) if key is not None else None
             if key is None or nxt is None or (offset is not None and nxt <= offset):
                 raise owner._list_error(exc, listing, "finding what it holds") from exc
-            _warn_odd(owner, bucket, key, listing, last)
-            offset = nxt
+        if check is not None:
+            check(last, key)
+        _warn_odd(owner, bucket, key, listing, last)
+        offset = nxt
+        exact = _head(owner, bucket, nxt)  # a listing after an offset leaves out its key
+        if exact is not None:
+            yield exact
 
 
 def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> list[str]:
     """Names of the entries directly under ``path`` (``prefix`` in ``bucket``), without
-    those that name no path inside it (warned)."""
+    those that name no path inside it (warned). Raises a StorageError when an odd key
+    may hide a name that starts with a letter, digit or ``_`` (see :func:`_hides`)."""
     import obstore
 
     try:
@@ -111,9 +183,50 @@ def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> li
         # a direct child with an odd name: the listing with a delimiter takes no offset,
         # so every key is listed, going on after each odd one
         names = set()
-        for m in _scan(owner, bucket, prefix, path):
+
+        def check(last: str | None, key: str) -> None:
+            low = None if last is None else last[len(prefix) + 1:].partition("/")[0]
+            name = key[len(prefix) + 1:].partition("/")[0]
+            if _hides(low, name):
+                raise _hidden_error(owner, bucket, path, key, last)
+
+        for m in _scan(owner, bucket, prefix, path, check):
             names.add(m["path"][len(prefix) + 1:].partition("/")[0])
-    return sorted(n for n in names if n not in _ODD_SEGMENTS and _mappable(owner, path, n))
+    return sorted(n for n in names if n not in _ODD_SEGMENTS and not _ILLEGAL.search(n)
+                  and _mappable(owner, path, n))
+
+
+#: the first characters of the names that no odd key may hide from a listing of names
+#: (every name statestream writes, ``step_...``, ``<32 hex>``, ``COMMITTED``, starts
+#: with one of them)
+_WORD_FIRST = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz"
+
+
+def _hides(low: str | None, high: str) -> bool:
+    """Whether a name that starts with a letter, digit or ``_`` sorts after ``low`` (None:
+    the start) and before ``high``: the names the listing page of an odd key may hide."""
+    for c in _WORD_FIRST:
+        if low is None or low < c:
+            least = c
+        elif low[0] == c:
+            least = low + "\x00"
+        else:
+            continue
+        if least < high:
+            return True
+    return False
+
+
+def _hidden_error(owner: ObjectStorage, bucket: str, path: str, key: str, last: str | None
+                  ) -> StorageError:
+    start = owner._url(bucket, last) if last else f"the start of {path}"
+    return StorageError(
+        f"listing {path.rstrip('/')}/ failed: it holds the object "
+        f"{owner._url(bucket, shown_key(key))} ({odd_reason(key)}: it names no path inside "
+        "it; not written by statestream; not followed), and the client cannot read the "
+        "page of the listing that holds it, so entries that sort between "
+        f"{start} and that object (checkpoints among them) would be missing from it. "
+        "Delete the object with the store's own tools")
 
 
 def _mappable(owner: ObjectStorage, path: str, name: str) -> bool:
