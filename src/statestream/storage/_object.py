@@ -64,6 +64,7 @@ from statestream.storage._object_errors import (
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
 from statestream.storage._object_list import (
     child_names,
+    listed,
     odd_key,
     odd_reason,
     saved_kind,
@@ -313,8 +314,7 @@ class ObjectStorage:
 
         st = self._store(bucket)
         try:
-            paths = [m["path"] for batch in obstore.list(st, prefix=prefix) for m in batch
-                     if m["path"] != keep]
+            paths = [m["path"] for m in listed(self, bucket, prefix) if m["path"] != keep]
         except Exception as exc:
             raise self._list_error(exc, self._url(bucket, prefix),
                                    "deleting them (they are found by listing)") from exc
@@ -456,19 +456,16 @@ class ObjectStorage:
                 if name in names and live[name] not in (root, DAMAGED_MARKER)]
 
     def remove_leftover(self, leftover: Leftover) -> None:
-        import obstore
-
         bucket, key = self.split_url(leftover.path)
         checkpoint, _, root = key.rpartition("/")
         if not ROOT_RE.match(root) or not checkpoint:
             raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
         try:  # what it holds now, not what the listing saw: only what a save writes
-            for batch in obstore.list(self._store(bucket), prefix=checkpoint + "/"):
-                for m in batch:
-                    if saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
-                        raise StorageError(
-                            f"{self._url(bucket, checkpoint)} holds {self._url(bucket, m['path'])}"
-                            f", which no save writes; not removing {leftover.path}")
+            for m in listed(self, bucket, checkpoint + "/"):
+                if saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
+                    raise StorageError(
+                        f"{self._url(bucket, checkpoint)} holds {self._url(bucket, m['path'])}"
+                        f", which no save writes; not removing {leftover.path}")
         except StorageError:
             raise
         except Exception as exc:

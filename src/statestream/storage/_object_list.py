@@ -35,7 +35,7 @@ from statestream.storage._object_config import DELETING_NAME, ROOT_RE
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
 
-__all__ = ["child_names", "odd_key", "odd_reason", "saved_kind", "saved_roots",
+__all__ = ["child_names", "listed", "odd_key", "odd_reason", "saved_kind", "saved_roots",
            "shown_key"]
 
 #: obstore's message for a key it cannot parse: ``Error parsing Path "<key>": ...`` or
@@ -51,6 +51,36 @@ _ILLEGAL = re.compile(r"[\x00-\x1f\x7f]")
 #: the first character after the control characters and after '/' (an offset must be a
 #: key the client accepts: it refuses one holding a control character or an odd segment)
 _AFTER = {"\x1f": " ", "\x7f": "\x80", "/": "0"}
+
+
+def listed(owner: ObjectStorage, bucket: str, prefix: str, **kw: Any) -> Iterator[Any]:
+    """Every object the store lists under ``prefix`` (``run/``: ends with ``/``), checked:
+    a key outside it (a store or proxy that does not apply the prefix; deleting what it
+    lists would delete someone else's objects) or a key listed twice (a continuation token
+    that repeats or loops: the client would list forever) is a StorageError. The object
+    ``run/`` itself (a folder made in a console), which the client lists as ``run``, is
+    no entry of it."""
+    import obstore
+
+    seen: set[str] = set()
+    for batch in obstore.list(owner._store(bucket), prefix=prefix, **kw):
+        for m in batch:
+            key = m["path"]
+            if key == prefix[:-1]:
+                continue  # the folder marker ``run/`` of a console, listed without its "/"
+            if not key.startswith(prefix):
+                raise StorageError(
+                    f"listing {owner._url(bucket, prefix)} failed: the store answered "
+                    f"{owner._url(bucket, shown_key(key))}, which is not under it (a store "
+                    "or proxy that does not apply the listing's prefix); nothing it listed "
+                    "was used")
+            if key in seen:
+                raise StorageError(
+                    f"listing {owner._url(bucket, prefix)} failed: the store answered "
+                    f"{owner._url(bucket, shown_key(key))} twice (its continuation token "
+                    "repeats or loops); stopped instead of listing forever")
+            seen.add(key)
+            yield m
 
 
 def _unescape(text: str) -> str:
@@ -141,17 +171,13 @@ def _head(owner: ObjectStorage, bucket: str, key: str) -> Any:
 def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str,
           check: SkipCheck | None = None) -> Iterator[Any]:
     """Every object under ``prefix/`` (its metadata), skipping odd keys (warned)."""
-    import obstore
-
-    st = owner._store(bucket)
     offset: str | None = None
     while True:
         last = offset
         try:
-            for batch in obstore.list(st, prefix=prefix + "/", offset=offset, chunk_size=1000):
-                for m in batch:
-                    last = m["path"]
-                    yield m
+            for m in listed(owner, bucket, prefix + "/", offset=offset, chunk_size=1000):
+                last = m["path"]
+                yield m
             return
         except Exception as exc:
             key = odd_key(exc)
@@ -175,8 +201,16 @@ def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> li
 
     try:
         res = obstore.list_with_delimiter(owner._store(bucket), prefix=prefix + "/")
-        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]}
-        names |= {m["path"].rsplit("/", 1)[-1] for m in res["objects"]}
+        keys = [p.rstrip("/") for p in res["common_prefixes"]]
+        keys += [m["path"] for m in res["objects"] if m["path"] != prefix]  # folder marker
+        outside = next((k for k in keys if not k.startswith(prefix + "/")), None)
+        if outside is not None:
+            raise StorageError(
+                f"listing {owner._url(bucket, prefix)}/ failed: the store answered "
+                f"{owner._url(bucket, shown_key(outside))}, which is not under it (a store "
+                "or proxy that does not apply the listing's prefix); nothing it listed was "
+                "used")
+        names = {k[len(prefix) + 1:].partition("/")[0] for k in keys}
     except Exception as exc:
         if odd_key(exc) is None:
             raise owner._list_error(exc, path, "finding the checkpoints under it") from exc
@@ -263,8 +297,6 @@ def saved_roots(owner: ObjectStorage, bucket: str, prefix: str, parent: str
     root)`` -> newest modification time) and the names of those holding any other
     object (foreign). One listing of everything; when an odd key makes it fail, one
     listing per checkpoint, and the checkpoint holding the odd key counts as foreign."""
-    import obstore
-
     roots: dict[tuple[str, str], float] = {}
     foreign: set[str] = set()
 
@@ -278,10 +310,9 @@ def saved_roots(owner: ObjectStorage, bucket: str, prefix: str, parent: str
             roots[name, kind] = max(roots.get((name, kind), 0), when)
 
     try:
-        for batch in obstore.list(owner._store(bucket), prefix=prefix + "/"):
-            for m in batch:
-                name, _, rest = m["path"][len(prefix) + 1:].partition("/")
-                note(name, rest, m)
+        for m in listed(owner, bucket, prefix + "/"):
+            name, _, rest = m["path"][len(prefix) + 1:].partition("/")
+            note(name, rest, m)
         return roots, foreign
     except Exception as exc:
         if odd_key(exc) is None:

@@ -19,6 +19,7 @@ from statestream.format import COMMIT_NAME, DATA_DIR, MAX_COMMIT_BYTES, validate
 from statestream.storage._base import Buffer
 from statestream.storage._hints import not_a_checkpoint_hint
 from statestream.storage._object_config import DELETING_NAME, ROOT_RE
+from statestream.storage._object_list import listed
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -170,21 +171,18 @@ class ObjectReader:
         ``extra.bin``, ``sub/x``). Other roots (an overwritten version not yet
         deleted, a killed save's leftovers) belong to ``statestream gc``.
         """
-        import obstore
-
         top = self._prefix + "/"
         out: list[str] = []
         try:
-            for batch in obstore.list(self._owner._store(self._bucket), prefix=top):
-                for m in batch:
-                    rel = m["path"][len(top):]
-                    first, sep, rest = rel.partition("/")
-                    if first == self._root and sep:
-                        out.append(rest)
-                    elif rel == DELETING_NAME:
-                        continue  # a deletion's mark, left by one that was killed
-                    elif not (sep and ROOT_RE.match(first)):
-                        out.append(rel)
+            for m in listed(self._owner, self._bucket, top):
+                rel = m["path"][len(top):]
+                first, sep, rest = rel.partition("/")
+                if first == self._root and sep:
+                    out.append(rest)
+                elif rel == DELETING_NAME:
+                    continue  # a deletion's mark, left by one that was killed
+                elif not (sep and ROOT_RE.match(first)):
+                    out.append(rel)
         except Exception as exc:
             raise self._owner._list_error(
                 exc, self.location, "finding every object of the checkpoint (verify "
