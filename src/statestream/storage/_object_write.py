@@ -155,6 +155,7 @@ class ObjectFileWriter:
         self._fill: np.ndarray | None = None  # own bytes after _sent, not handed over
         self._filled = 0
         self._since = parts_epoch() if since is None else since  # see _give_part
+        self._closed = False  # finished or aborted
 
     # -- handing bytes to obstore -------------------------------------------------
     def _borrowed_released(self) -> None:
@@ -256,6 +257,7 @@ class ObjectFileWriter:
         self._pos = end
 
     def finish(self) -> None:
+        self._closed = True
         try:
             if self._fill is not None:
                 self._send_fill()
@@ -266,11 +268,21 @@ class ObjectFileWriter:
             self._recycle()
 
     def abort(self) -> None:
-        # an unfinished multipart upload is never visible; own buffers obstore may
-        # still hold are not reused
+        """Give up the object: its multipart upload, if one began, is aborted (it is never
+        visible, but the store keeps its parts, and bills them, until it is completed or
+        aborted; a writer dropped unclosed leaves it open). Best effort: the save's own
+        failure is what is reported. Own buffers obstore may still hold are not reused."""
         self._fill = None
         with self._cv:
             self._spare.clear()
+        if self._closed:
+            return
+        self._closed = True
+        try:  # the client aborts the upload when its writer exits with an error
+            self._w.__exit__(StorageError, StorageError("save aborted"), None)
+        except Exception as exc:
+            logging.getLogger("statestream").info(
+                "aborting the upload of %s failed: %s", self._where, exc)
 
     def _recycle(self) -> None:
         with self._cv:
