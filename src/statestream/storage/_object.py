@@ -74,6 +74,10 @@ from statestream.storage._object_list import (
 from statestream.storage._object_read import ObjectReader
 from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
+#: The most of a lease object that is read: a lease is a few hundred bytes of JSON; a
+#: larger object at its key is someone else's, and its body is not read.
+_MAX_LEASE_BYTES = 4096
+
 __all__ = ["ObjectStorage", "TransferOptions", "check_transfer_options", "client_and_retry",
            "redact", "split_object_url"]
 
@@ -396,12 +400,15 @@ class ObjectStorage:
         return self._put_if(bucket, key, body, version_of(meta))
 
     def _read_lease(self, bucket: str, key: str) -> tuple[Any, bytes] | None:
-        """(metadata, body) of the lease object ``key`` from one GET; None if absent."""
+        """(metadata, body) of the lease object ``key`` from one GET; None if absent. A body
+        over :data:`_MAX_LEASE_BYTES` (no lease's: someone else's object) is not read."""
         import obstore
 
         try:
             got = obstore.get(self._store(bucket), key)
-            return got.meta, bytes(got.bytes())[:4096]
+            if int(got.meta["size"]) > _MAX_LEASE_BYTES:
+                return got.meta, b"<an object of %d bytes>" % int(got.meta["size"])
+            return got.meta, bytes(got.bytes())
         except Exception as exc:
             err = self._map_error(exc, f"reading {self._url(bucket, key)}")
             if isinstance(err, CheckpointNotFoundError):
