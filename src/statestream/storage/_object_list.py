@@ -48,9 +48,6 @@ _RUST_CHARS = {"n": "\n", "t": "\t", "r": "\r", "0": "\0"}
 _ODD_SEGMENTS = ("", ".", "..")
 #: what the client refuses in a key's segment besides those: ASCII control characters
 _ILLEGAL = re.compile(r"[\x00-\x1f\x7f]")
-#: the first character after the control characters and after '/' (an offset must be a
-#: key the client accepts: it refuses one holding a control character or an odd segment)
-_AFTER = {"\x1f": " ", "\x7f": "\x80", "/": "0"}
 
 
 def listed(owner: ObjectStorage, bucket: str, prefix: str, **kw: Any) -> Iterator[Any]:
@@ -128,8 +125,8 @@ def _skip_offset(key: str) -> str | None:
     for i, part in enumerate(parts):
         bad = _ILLEGAL.search(part)
         if bad is not None:
-            at = pos + bad.start()
-            return key[:at] + _AFTER.get(key[at], " ")
+            at = pos + bad.start()  # the first character after it the client accepts
+            return key[:at] + ("\x80" if key[at] == "\x7f" else " ")
         if part in _ODD_SEGMENTS and (part or i < len(parts) - 1):
             end = pos + len(part)
             return key[:end] + (" " if end == len(key) else "0")
