@@ -232,10 +232,62 @@ def test_steps_a_resume_found_all_damaged_are_not_the_next_incremental_base(tmp_
     with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
                               keep_policy=ss.KeepLatest(1)) as mgr:
         with pytest.raises(ss.ChecksumMismatchError):
-            mgr.load()  # step 1 is retired (not listed): nothing older to go back to
+            mgr.load()  # step 1, retired, is tried last: damaged too
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mgr.save(3, state(0))  # starting over
         report = ss.verify(mgr.step_path(3))
         assert report.ok, report.problems
         assert ss.metadata(mgr.step_path(3)).bases == []
+
+
+def _layered(s: int) -> dict:
+    """'frozen' never changes, 'a' changes at step 2, 'b' at every step: step 2 refers
+    to step 1, step 3 to steps 1 and 2."""
+    return {"frozen": np.arange(4096, dtype=np.float32),
+            "a": np.full(1024, min(s, 2), np.float32), "b": np.full(1024, s, np.float32)}
+
+
+def test_every_listed_step_damaged_falls_back_to_a_retired_step(tmp_path):
+    # KeepLatest(1) lists step 3 alone; steps 1 and 2 stay (step 3 refers to them), full
+    # committed checkpoints. A damaged step 3 made the resume raise, though step 2 loads.
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _layered(s))
+        assert mgr.steps() == [3]
+        assert ss.metadata(mgr.step_path(3)).bases == ["step_0000000001", "step_0000000002"]
+        _flip(_data_file(mgr, 3), at=8)  # step 3 holds 'b' alone
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"step 3 in .* is damaged, loading step 2, "
+                          r"which the keep policy dropped .*every listed step is damaged"):
+            out = mgr.load()
+        for k, v in _layered(2).items():
+            np.testing.assert_array_equal(out[k], v)
+        mgr.wait()  # the step the resume went back to is kept, with what it refers to
+        assert sorted(os.listdir(tmp_path)) == [".statestream.lock", "step_0000000001",
+                                                "step_0000000002", "step_0000000003"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mgr.save(4, _layered(4))  # not against damaged step 3
+        assert ss.verify(mgr.step_path(4)).ok
+        np.testing.assert_array_equal(mgr.load()["b"], _layered(4)["b"])
+
+
+def test_a_retired_step_that_refers_to_a_damaged_step_is_not_loaded(tmp_path):
+    # KeepBest(1) keeps step 1 (the best) and the newest, 3; step 2 is retired (3 refers
+    # to it) and refers to step 1's 'frozen', which is damaged: 2 is damaged too.
+    with ss.CheckpointManager(tmp_path, async_save=False, incremental=True,
+                              keep_policy=ss.KeepBest(1, "loss")) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _layered(s), metrics={"loss": 0.1 if s == 1 else 0.9})
+        assert mgr.steps() == [1, 3]
+        _flip(_data_file(mgr, 1), at=8)  # 'frozen'
+        with pytest.warns(RuntimeWarning) as caught:
+            with pytest.raises(ss.ChecksumMismatchError, match="step_0000000001"):
+                mgr.load()
+    said = [str(w.message) for w in caught.list]
+    assert any(m.startswith("step 2 in ") and "refers to step 1, found damaged" in m
+               for m in said), said
+    assert not any("loading step 2" in m for m in said), said

@@ -590,4 +590,6 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
-        return load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed)
+        return load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed,
+                                lambda: share_from_0(self._coll, "listing retired steps",
+                                                     self._retention.retired))

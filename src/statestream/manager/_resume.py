@@ -10,7 +10,7 @@ peer). Only damage makes a resume go back a step; the rest is raised.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from statestream.errors import (
@@ -60,10 +60,16 @@ def is_damage(exc: CheckpointError) -> bool:
 
 def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
                      load_step: Callable[[int], Any], directory: str,
-                     guard: ResumeGuard | None = None) -> Any:
+                     guard: ResumeGuard | None = None,
+                     retired: Callable[[], Iterable[Sequence[Any]]] | None = None) -> Any:
     """``load_step(newest)``, or else that of the newest older step (``older()``,
     asked only after a damaged step) that is not damaged, warning for each damaged
     step skipped. ``guard`` is told which steps were tried (see :class:`ResumeGuard`).
+
+    ``retired()`` (asked only when every listed step is damaged) gives the steps
+    the keep policy dropped but kept because a kept step refers to them, each as
+    (step, the steps it refers to): full committed checkpoints, tried last, newest
+    first. One that refers to a step found damaged is damaged too, and not loaded.
 
     Raises:
         CheckpointError: the first damage found, when every step is damaged; any
@@ -84,8 +90,16 @@ def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
             guard.loaded(tried)
         return out
     damaged, why = newest, first
-    for s in sorted((s for s in older() if s < newest), reverse=True):
-        warnings.warn(f"step {damaged} in {directory} is damaged, loading step {s} "
+    for s, bases in _fallbacks(newest, older, retired):
+        bad = [b for b in bases or () if b in tried]
+        if bad:  # its chain holds a damaged step: never trusted
+            warnings.warn(f"step {s} in {directory}, {_RETIRED}, is not loaded either: it "
+                          f"refers to step {bad[0]}, found damaged", RuntimeWarning,
+                          stacklevel=3)
+            tried.append(s)
+            continue
+        what = "" if bases is None else f", {_RETIRED} (every listed step is damaged),"
+        warnings.warn(f"step {damaged} in {directory} is damaged, loading step {s}{what} "
                       f"instead: {why}", RuntimeWarning, stacklevel=3)
         tried.append(s)
         try:
@@ -101,6 +115,24 @@ def load_newest_good(newest: int, older: Callable[[], Iterable[int]],
     if guard is not None:
         guard.none_loaded(tried)
     raise first
+
+
+#: how a resume's warnings name a retired step
+_RETIRED = "which the keep policy dropped but keeps because a kept step refers to it"
+
+
+def _fallbacks(newest: int, older: Callable[[], Iterable[int]],
+               retired: Callable[[], Iterable[Sequence[Any]]] | None,
+               ) -> Iterator[tuple[int, list[int] | None]]:
+    """The steps a resume tries after ``newest``, newest first: the listed ones
+    (bases None), then the retired ones (with the steps each refers to)."""
+    listed = sorted((s for s in older() if s < newest), reverse=True)
+    yield from ((s, None) for s in listed)
+    if retired is None:
+        return
+    for s, bases in sorted(((int(s), list(b)) for s, b in retired()), reverse=True):
+        if s < newest and s not in listed:
+            yield s, bases
 
 
 class ResumeGuard:

@@ -223,6 +223,16 @@ class Retention:
         broken = self._broken(steps)
         return [s for s in steps if s not in needed and (s not in broken or s == steps[-1])]
 
+    def retired(self) -> list[tuple[int, list[int]]]:
+        """(step, the steps it refers to) of each committed step :meth:`listed` leaves
+        out that can be loaded as far as a listing tells (its manifest reads, and what
+        it refers to is committed): a resume's last resort when every listed step is
+        damaged (a retired step is a full checkpoint: its own chunks, and its bases')."""
+        steps, read = self._list_and_read()
+        listed, have = set(self.listed()), set(steps)
+        return [(s, bases) for s, (si, bases) in read.items()
+                if s not in listed and si is not None and have.issuperset(bases)]
+
     def _list_and_read(self) -> tuple[list[int], dict[int, tuple[StepInfo | None, list[int]]]]:
         """The committed steps, ascending, each read (:meth:`_read`), as they were at
         one moment although :meth:`apply` may delete steps on another thread (a
