@@ -406,3 +406,38 @@ def test_a_step_saved_again_in_the_tier_can_be_persisted(tmp_path):
     np.testing.assert_array_equal(got["A"], a[2])
     np.testing.assert_array_equal(got["B"], b[2])
     assert ss.verify(str(persist / "step_0000000004")).ok
+
+
+def test_past_a_damaged_local_copy_the_base_is_one_that_can_be_persisted(tmp_path):
+    # As in the test above, but the base comes after a damaged newest local copy: step 4's
+    # local copy damaged, the next save took step 3 as its base, and step 3 refers to step
+    # 2, whose own base (step 1) is gone from both tiers; step 5 could never be persisted
+    # (every wait() and close() raised). Now the steps whose chain is gone are passed over
+    # with a warning, and step 5 is a full save.
+    persist, local = tmp_path / "persist", tmp_path / "local"
+    a = {k: np.full(1000, k, np.float32) for k in (1, 2, 3)}
+    b = {k: np.full(1000, 10 + k, np.float32) for k in (1, 2, 3)}
+
+    def manager() -> ss.CheckpointManager:
+        return ss.CheckpointManager(persist, local_tier=local, async_save=False,
+                                    incremental=True, keep_policy=ss.KeepLatest(1))
+
+    with manager() as mgr:
+        for s, (i, j) in [(1, (1, 1)), (2, (1, 2)), (3, (2, 2)), (4, (3, 3))]:
+            mgr.save(s, {"A": a[i], "B": b[j]})
+            mgr.wait()
+        assert _bases(local, 3) == [2] and _committed(persist) == [4]
+    (f,) = (local / "step_0000000004" / "data").iterdir()
+    f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:])
+    with manager() as mgr:
+        with pytest.warns(RuntimeWarning, match="local copy of step 4 .* is damaged"):
+            assert mgr.load()["A"][0] == 3
+        with pytest.warns(RuntimeWarning, match=r"step 3 .* cannot be the base of step 5 "
+                          r"\(cannot persist step 3: it refers to chunks of step 1"):
+            mgr.save(5, {"A": a[2], "B": b[2]})
+        mgr.wait()
+        assert mgr.persisted_steps() == [5] and mgr.unpersisted_steps() == []
+    assert _bases(persist, 5) == []
+    got = ss.load(str(persist / "step_0000000005"))
+    np.testing.assert_array_equal(got["A"], a[2])
+    np.testing.assert_array_equal(got["B"], b[2])

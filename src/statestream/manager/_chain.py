@@ -28,7 +28,7 @@ from statestream.errors import (
     StorageError,
 )
 from statestream.manager._tier import LocalTier
-from statestream.manager._tierops import base_for
+from statestream.manager._tierbase import base_for
 
 __all__ = ["CHAIN_KEY", "chain_base", "chain_depth", "incremental_option"]
 

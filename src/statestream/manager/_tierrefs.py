@@ -10,7 +10,7 @@ from statestream.errors import CheckpointError
 if TYPE_CHECKING:
     from statestream.manager._tier import LocalTier
 
-__all__ = ["missing_bases"]
+__all__ = ["missing_bases", "unpersistable"]
 
 
 def missing_bases(tier: LocalTier, step: int) -> list[int]:
@@ -42,3 +42,16 @@ def missing_bases(tier: LocalTier, step: int) -> list[int]:
             need.add(b)
             todo.append(b)
     return sorted(need)
+
+
+def unpersistable(tier: LocalTier, step: int) -> str | None:
+    """Why ``step`` of the local ``tier`` could not be persisted now (a step it refers
+    to, directly or through its bases, is committed neither in the persistent directory
+    nor in the tier, or cannot be read), or None if it could: a save against it would
+    refer to that step too, and could never be persisted either. Asks the directory;
+    a store that fails counts as a reason (a full save is always one that persists)."""
+    try:
+        missing_bases(tier, step)
+    except (CheckpointError, OSError) as exc:  # StorageError included
+        return str(exc)
+    return None
