@@ -279,3 +279,28 @@ def test_a_retired_step_keeps_nothing_it_refers_to(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(got[k], v)
         mgr.save(13, _in_turn(13))
         assert mgr.steps() == [11, 12, 13] and _on_disk(d) == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("keep", [None, ss.KeepLatest(5)], ids=["KeepAll", "KeepLatest(5)"])
+def test_a_step_whose_base_was_deleted_by_hand_is_kept_with_a_warning(tmp_path: Path,
+                                                                       keep: Any) -> None:
+    """Steps 2 and 3 refer to step 1, removed by hand (rm -rf): the keep policy, even
+    KeepAll, deleted them at the next save without a word. They are damaged, not
+    unwanted: kept while the policy would keep them, and a RuntimeWarning names each and
+    the step it lacks (restoring step 1 makes them load again)."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False, keep_policy=keep) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step))
+        assert _bases(d, 2) == [1] and _bases(d, 3) == [1]
+        shutil.move(d / "step_0000000001", tmp_path / "moved")
+        with pytest.warns(RuntimeWarning) as caught:
+            mgr.save(4, state_at(4))
+        said = [str(w.message) for w in caught.list]
+        for step in (2, 3):
+            assert any(m.startswith(f"step {step} in {d} refers to step 1, which is not "
+                                    "committed") for m in said), said
+        assert _on_disk(d) == [2, 3, 4]
+        shutil.move(tmp_path / "moved", d / "step_0000000001")
+        for step in (2, 3):
+            _check_state(mgr.load(step), step)

@@ -156,6 +156,8 @@ class Retention:
         self._deletions = 0
         #: unreadable steps already warned about, and why each could not be read
         self._warned: set[int] = set()
+        #: steps referring to a step not committed, kept and warned about
+        self._warned_broken: set[int] = set()
         self._why: dict[int, str] = {}
         #: steps whose deletion failed after their commit marker was removed: no
         #: listing shows them again (they are not committed), so apply retries them
@@ -297,8 +299,12 @@ class Retention:
             read = {s: self._read(s) for s in steps}
         policy = self._policy if policy is None else policy
         broken = self._broken(steps)
-        keep = kept_by(policy, [si for s, (si, _) in read.items()
-                                if si is not None and s not in broken])
+        readable = [si for si, _ in read.values() if si is not None]
+        keep = kept_by(policy, [si for si in readable if si.step not in broken])
+        if broken:  # damaged, not unwanted: deleted only once the policy drops it
+            held = broken & kept_by(policy, readable)
+            self._warn_broken(held, set(steps))
+            keep |= held
         keep |= protected
         if steps:
             keep.add(steps[-1])  # never the last good step
@@ -316,6 +322,19 @@ class Retention:
                     if b in through:
                         todo.append(b)
         return keep, needed - keep
+
+    def _warn_broken(self, held: set[int], have: set[int]) -> None:
+        """Warn once per step (per manager) that it refers to a step not committed."""
+        for s in sorted(held - self._warned_broken):
+            self._warned_broken.add(s)
+            gone = [b for b in self._read(s)[1] if b not in have]
+            warnings.warn(
+                f"step {s} in {self._steps.directory} refers to step {gone[0]}, which is "
+                "not committed there (removed by hand, or by a keep policy while step "
+                f"{s} was retired): it cannot be loaded. "
+                "The keep policy keeps it as long as it would keep it if it were good; "
+                f"restore step {gone[0]}, or delete step {s} yourself",
+                RuntimeWarning, stacklevel=6)
 
     def _warn_unreadable(self, unreadable: list[int], steps: list[int]) -> None:
         """Warn once per step (per manager) that it, and what is older, is kept."""
