@@ -52,6 +52,15 @@ def test_every_n_seconds_uses_injected_time():
     assert p.should_save(ctx(5, last_step=1, last_time=1000.0, now=5000.0))
 
 
+def test_every_n_seconds_saves_when_the_clock_was_set_back():
+    # now < the last save's time: the wall clock went back (NTP, a resumed VM). The
+    # policy saved nothing until the clock caught up again (here an hour), so a crash
+    # then lost more than an interval.
+    p = ss.EveryNSeconds(60.0)
+    assert p.should_save(ctx(2, last_step=1, last_time=5000.0, now=1400.0))
+    assert p.should_save(ctx(2, last_step=1, last_time=1000.0, now=999.5))
+
+
 def test_on_preemption():
     p = ss.OnPreemption()
     assert not p.should_save(ctx(5))

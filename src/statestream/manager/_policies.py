@@ -125,7 +125,12 @@ class AtSteps:
 
 @dataclasses.dataclass(frozen=True)
 class EveryNSeconds:
-    """Save when at least ``seconds`` passed since the last save (and at the first call)."""
+    """Save when at least ``seconds`` passed since the last save (and at the first call).
+
+    The times are the wall clock's (``time.time()``): a clock set back (NTP, a resumed
+    VM) makes the last save look in the future, and that counts as due (the next save
+    counts from the new time); it saved nothing until the clock caught up again.
+    """
 
     seconds: float
 
@@ -138,7 +143,10 @@ class EveryNSeconds:
                 f"EveryNSeconds needs seconds >= 0 (finite), got {self.seconds}")
 
     def should_save(self, ctx: SaveContext) -> bool:
-        return ctx.last_saved_time is None or ctx.now - ctx.last_saved_time >= self.seconds
+        if ctx.last_saved_time is None:
+            return True
+        elapsed = ctx.now - ctx.last_saved_time
+        return elapsed >= self.seconds or elapsed < 0
 
 
 @dataclasses.dataclass(frozen=True)
