@@ -287,13 +287,15 @@ class Retention:
         """(kept, referred to by a kept step but not kept itself).
 
         Kept: what the policy keeps of the readable steps that refer to no missing
-        step, the ``protected``, the newest, and every step up to the newest
-        unreadable one (references point to older steps, so what an unreadable
-        step needs is among those). References are flattened (a step's manifest
-        names every checkpoint it reads chunks from, each holding them itself), so
+        step, a step that refers to a missing one while the policy would keep it if
+        it were good (damaged, not unwanted: warned about), the ``protected``, the
+        newest, and every step up to the newest unreadable one (references point to
+        older steps, so what an unreadable step needs is among those).
+        References are flattened (a step's manifest names every checkpoint it
+        reads chunks from, each holding them itself), so
         a kept step needs its own bases only, not theirs: those are deleted once
         nothing kept refers to them, and a retired step whose bases are gone is
-        never offered to the policy (nor listed, nor a base): it cannot be loaded.
+        never listed nor a base: it cannot be loaded.
         """
         if read is None:
             read = {s: self._read(s) for s in steps}
