@@ -291,3 +291,40 @@ def test_a_retired_step_that_refers_to_a_damaged_step_is_not_loaded(tmp_path):
     assert any(m.startswith("step 2 in ") and "refers to step 1, found damaged" in m
                for m in said), said
     assert not any("loading step 2" in m for m in said), said
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_resumed_past_a_damaged_step_saves_the_steps_in_between(tmp_path, async_save):
+    # The resumed run goes on from step 100, but the manager counted damaged step 200 as
+    # its last save: every save (step 101 on) raised 'steps only go forward', and the
+    # run could not checkpoint until it passed step 200, whose own save was skipped.
+    _saved(str(tmp_path), [100, 200])
+    _flip(glob.glob(str(tmp_path / "step_0000000200" / "data" / "*"))[0])
+    with ss.CheckpointManager(tmp_path, async_save=async_save, save_policy=ss.EveryNSteps(50),
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        with pytest.warns(RuntimeWarning, match="step 200 .* is damaged, loading step 100"):
+            start = mgr.load()["step"]
+        assert start == 100
+        saved = [s for s in range(start + 1, 201) if mgr.save(s, state_at(s))]
+        assert saved == [150, 200]
+        mgr.wait()
+        assert mgr.steps() == [200]  # saved again: the damaged copy is replaced
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mgr.load()["step"] == 200
+
+
+def test_the_newest_good_step_is_kept_while_a_damaged_step_is_newer(tmp_path):
+    # KeepLatest(1) keeps damaged step 200 (the newest): the step the run saved since it
+    # resumed from 100 must stay, or nothing loadable is left.
+    _saved(str(tmp_path), [100, 200])
+    _flip(glob.glob(str(tmp_path / "step_0000000200" / "data" / "*"))[0])
+    with ss.CheckpointManager(tmp_path, async_save=False, keep_policy=ss.KeepLatest(1)) as mgr:
+        with pytest.warns(RuntimeWarning, match="step 200 .* is damaged"):
+            mgr.load()
+        mgr.save(150, state_at(150))
+        assert mgr.steps() == [150, 200]
+        with pytest.warns(RuntimeWarning, match="step 200 .* is damaged, loading step 150"):
+            assert mgr.load()["step"] == 150
+        mgr.save(201, state_at(201))
+        assert mgr.steps() == [201]

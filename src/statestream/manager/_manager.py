@@ -274,8 +274,7 @@ class CheckpointManager:
     @one_at_a_time_if_collective
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        s = self.steps()
-        return s[-1] if s else None
+        return max(self.steps(), default=None)
 
     def _agreed_steps(self) -> list[int]:
         """:meth:`steps`, the same on every rank: without a local tier, rank 0's
@@ -287,8 +286,7 @@ class CheckpointManager:
                             self._retention.listed)
 
     def _agreed_latest(self) -> int | None:
-        s = self._agreed_steps()
-        return s[-1] if s else None
+        return max(self._agreed_steps(), default=None)
 
     def step_info(self, step: int) -> dict[str, Any]:
         """Recorded metadata of a step: wall time, metrics, size, user metadata."""
@@ -489,7 +487,7 @@ class CheckpointManager:
     def _save_failed(self, step: int | None, exc: BaseException) -> None:
         """That step never committed: it may be saved again, and a time-based save
         policy counts from the last save that did (not from the failed one)."""
-        self._last_saved_step = self.latest_step()
+        self._last_saved_step = self._resumed.newest_good(self.steps())
         self._last_time.failed()
         if step is not None and self._tier is not None:
             raise_if_full(self._tier, step, exc)
@@ -590,6 +588,8 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
-        return load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed,
-                                lambda: share_from_0(self._coll, "listing retired steps",
-                                                     self._retention.retired))
+        out = load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed,
+                               lambda: share_from_0(self._coll, "listing retired steps",
+                                                    self._retention.retired))
+        self._last_saved_step = self._resumed.resumed_from(self._last_saved_step)
+        return out

@@ -140,9 +140,13 @@ class ResumeGuard:
 
     A keep policy sees a damaged step as a good one (its manifest reads fine), so
     ``KeepLatest(1)`` would keep the damaged newest step and delete the one the
-    run resumed from: nothing loadable left. This keeps that step until the
-    directory holds a newer step that is not one found damaged (a step saved
-    since, or one saved again under a damaged one's number).
+    run resumed from: nothing loadable left. This keeps the newest step not found
+    damaged while a step found damaged is newer (until the run saves past it, or
+    saves again under its number).
+
+    The run goes on from the step it loaded: its saves of the steps between that
+    step and the damaged ones are not refused as going back (a save under a damaged
+    step's number replaces it), see :meth:`resumed_from`.
     """
 
     def __init__(self) -> None:
@@ -165,11 +169,28 @@ class ResumeGuard:
         """``step`` was committed by this manager: it is not damaged now."""
         self.damaged.discard(step)
 
+    def resumed_from(self, last: int | None) -> int | None:
+        """The last step saved, as the next save's going-forward check sees it, after a
+        load (``last``: as before it): the step a resume went back to, past ``last`` found
+        damaged. Before 2026-12-07 every save of such a resumed run was refused ('steps
+        only go forward') until it passed the damaged step's number, and that step's own
+        number was skipped as saved already."""
+        if self.step is not None and (last is None or last in self.damaged):
+            return self.step
+        return last
+
+    def newest_good(self, steps: list[int]) -> int | None:
+        """The newest of ``steps`` (ascending) not found damaged (all are: the newest)."""
+        good = [s for s in steps if s not in self.damaged] or steps
+        return good[-1] if good else None
+
     def kept(self, committed: Callable[[], list[int]]) -> set[int]:
-        """The steps to protect from the keep policy (``committed``: the directory's)."""
-        if self.step is None:
+        """The steps to protect from the keep policy (``committed``: the directory's):
+        the newest one not found damaged, while a step found damaged is newer."""
+        if not self.damaged:
             return set()
-        if any(s > self.step and s not in self.damaged for s in committed()):
-            self.step = None  # a good step after it: the policy decides again
+        steps = committed()
+        good = [s for s in steps if s not in self.damaged]
+        if not good or not any(s > good[-1] for s in steps if s in self.damaged):
             return set()
-        return {self.step}
+        return {good[-1]}
