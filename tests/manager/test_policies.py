@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 import statestream as ss
@@ -125,6 +126,24 @@ def test_keep_best_min_and_max():
     assert ss.KeepBest(2, "acc", mode="max").keep(steps) == {3, 4}
     assert ss.KeepBest(3, "missing").keep(steps) == set()
     assert ss.KeepBest(100, "loss").keep(steps) == {1, 2, 3, 6}
+
+
+def test_keep_best_ranks_finite_metrics_only(tmp_path):
+    # A diverged step's loss of -inf was the best for ever (KeepBest deleted the good
+    # steps for it, best_step named it); an int beyond a float's range made the ranking
+    # raise OverflowError, and with it every later save.
+    m = {1: {"loss": 0.5}, 2: {"loss": -math.inf}, 3: {"loss": 0.4}, 4: {"loss": math.inf},
+         5: {"loss": -(10**400)}}
+    steps = infos(1, 2, 3, 4, 5, metrics=m)
+    assert ss.KeepBest(2, "loss").keep(steps) == {1, 3}
+    assert ss.KeepBest(1, "loss", mode="max").keep(steps) == {1}
+    with ss.CheckpointManager(tmp_path, async_save=False,
+                              keep_policy=ss.KeepBest(2, "loss")) as mgr:
+        with pytest.warns(UserWarning, match=r"step 2 .* without a number \(finite\)"):
+            for s in (1, 2, 3, 4):
+                mgr.save(s, {"w": np.full(3, s)}, metrics=m[s])
+        assert mgr.best_step("loss") == 3
+        assert mgr.steps() == [1, 3, 4]
 
 
 def test_keep_best_rejects_bad_mode():

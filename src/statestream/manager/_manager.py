@@ -295,7 +295,7 @@ class CheckpointManager:
     def best_step(self, metric: str, mode: str = "min") -> int | None:
         """The committed step with the lowest (``"min"``) or highest (``"max"``) ``metric``.
 
-        Steps saved without that metric (or with NaN) do not count; on a tie
+        Steps saved without that metric (or with NaN, an infinity) do not count; on a tie
         the earliest step wins. None if no committed step has the metric. A
         save still in flight is not committed yet: :meth:`wait` first to count it.
 

@@ -321,8 +321,21 @@ def kept_by(policy: KeepPolicy, steps: Sequence[StepInfo]) -> set[int]:
 
 
 def is_score(value: object) -> bool:
-    """True for a number a metric can be ranked by (not NaN)."""
-    return isinstance(value, (int, float)) and not math.isnan(float(value))
+    """True for a number a metric can be ranked by: finite. Not NaN, nor an infinity
+    (a loss of -inf is a diverged step: until 2026-12-07 it was the best for ever, and
+    ``KeepBest`` deleted good steps for it), nor an int beyond a float's range (its
+    ranking raised OverflowError, and every save with it).
+
+    Example:
+        >>> [is_score(v) for v in (0.5, 3, float("nan"), float("-inf"), 10**400, "1")]
+        [True, True, False, False, False, False]
+    """
+    if not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def warn_missing_metrics(step: int, metrics: Mapping[str, object] | None,
@@ -335,7 +348,7 @@ def warn_missing_metrics(step: int, metrics: Mapping[str, object] | None,
     missing = [m for m in wanted if not is_score((metrics or {}).get(m))]
     if missing:
         warnings.warn(
-            f"step {step} in {directory} is saved without a number for the metric "
+            f"step {step} in {directory} is saved without a number (finite) for the metric "
             f"{', '.join(repr(m) for m in missing)} of the KeepBest keep policy (metrics "
             f"given: {sorted(metrics or {})}): it never counts as a best step, and it is "
             "deleted once it is no longer the latest unless another policy keeps it",

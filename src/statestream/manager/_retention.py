@@ -205,7 +205,7 @@ class Retention:
 
     def best(self, metric: str, mode: str) -> int | None:
         """The listed step with the lowest (``"min"``) or highest (``"max"``) ``metric``;
-        steps without it (or with NaN) do not count; on a tie the earliest wins."""
+        steps without it (or with NaN, an infinity) do not count; on a tie the earliest wins."""
         scored = [(float(si.metrics[metric]), si.step) for si in self.infos()
                   if is_score(si.metrics.get(metric))]
         if not scored:
