@@ -328,3 +328,28 @@ def test_the_newest_good_step_is_kept_while_a_damaged_step_is_newer(tmp_path):
             assert mgr.load()["step"] == 150
         mgr.save(201, state_at(201))
         assert mgr.steps() == [201]
+
+
+def test_after_a_failed_save_a_resumed_run_still_saves_below_the_damaged_step(tmp_path):
+    # A background save that failed set the last step saved to the newest committed
+    # one again: damaged step 200, so the resumed run's next saves were refused again.
+    from statestream.testing import faults
+
+    def boom():
+        raise OSError("disk on fire")
+
+    _saved(str(tmp_path), [100, 200])
+    _flip(glob.glob(str(tmp_path / "step_0000000200" / "data" / "*"))[0])
+    with ss.CheckpointManager(tmp_path) as mgr:
+        with pytest.warns(RuntimeWarning, match="step 200 .* is damaged"):
+            assert mgr.load()["step"] == 100
+        faults.on("save.data_synced", boom, nth=1)
+        try:
+            assert mgr.save(150, state_at(150))
+            with pytest.raises(OSError, match="disk on fire"):
+                mgr.wait()
+        finally:
+            faults.clear()
+        assert mgr.save(160, state_at(160))
+        mgr.wait()
+        assert mgr.steps() == [100, 160, 200]

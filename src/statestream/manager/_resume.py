@@ -180,9 +180,12 @@ class ResumeGuard:
         return last
 
     def newest_good(self, steps: list[int]) -> int | None:
-        """The newest of ``steps`` (ascending) not found damaged (all are: the newest)."""
-        good = [s for s in steps if s not in self.damaged] or steps
-        return good[-1] if good else None
+        """The newest of ``steps`` (ascending) not found damaged; if all are, the step a
+        resume went back to (a retired one), else the newest."""
+        good = [s for s in steps if s not in self.damaged]
+        if good or self.step is None:
+            return max(good or steps, default=None)
+        return self.step
 
     def kept(self, committed: Callable[[], list[int]]) -> set[int]:
         """The steps to protect from the keep policy (``committed``: the directory's):
