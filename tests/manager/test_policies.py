@@ -159,3 +159,27 @@ def test_keep_union_and_all():
     best = infos(10, 15, 20, 25, 30, metrics=m)
     assert ss.KeepUnion(ss.KeepBest(1, "loss"), ss.KeepLatest(2)).keep(best) == {15, 25, 30}
     assert ss.KeepAll().keep(steps) == {10, 15, 20, 25, 30}
+
+
+class _KeepListed(list):
+    """Keeps the steps it lists: an empty one is falsy, and keeps none."""
+
+    def keep(self, steps):
+        return {s.step for s in steps if s.step in self}
+
+
+def test_a_falsy_keep_policy_is_used_as_given(tmp_path):
+    # `keep_policy or KeepAll()` put KeepAll (and `local_keep_policy or KeepLatest(2)`,
+    # KeepLatest(2)) in place of a policy that is falsy, as an empty list subclass is.
+    with ss.CheckpointManager(tmp_path / "a", async_save=False, keep_policy=_KeepListed()) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": np.full(3, s)})
+        assert mgr.steps() == [3]
+    with ss.CheckpointManager(tmp_path / "p", local_tier=tmp_path / "l", async_save=False,
+                              local_keep_policy=_KeepListed()) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": np.full(3, s)})
+            mgr.wait()
+        assert mgr.persisted_steps() == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "l").glob("step_*") if p.is_dir()) == [
+        "step_0000000003"]

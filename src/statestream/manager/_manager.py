@@ -150,7 +150,7 @@ class CheckpointManager:
             path_arg(local_tier, "local_tier")
         storage, self.directory = storage_for(os.fspath(path_arg(directory, "directory")))
         self._dir = StepDirectory(storage, self.directory)
-        self._retention = Retention(keep_policy or KeepAll(), self._dir)
+        self._retention = Retention(KeepAll() if keep_policy is None else keep_policy, self._dir)
         self._best_metrics = best_metrics(keep_policy)
         self._coll = (collective_option(collective) if collective is not None
                       else default_collective())

@@ -89,7 +89,8 @@ def open_tier(root: str, persistent: StepDirectory, keep: KeepPolicy | None,
     err: BaseException | None = None
     tier: LocalTier | None = None
     try:
-        tier = LocalTier(root, persistent, keep or KeepLatest(2), persist_coll, groups,
+        local_keep = KeepLatest(2) if keep is None else keep  # a falsy policy is one too
+        tier = LocalTier(root, persistent, local_keep, persist_coll, groups,
                          peers=peers and multi, after_persist=after_persist,
                          directory_keep=directory_keep,
                          memory_bytes=memory_bytes, take_lease=take_lease,
