@@ -722,3 +722,13 @@ def test_every_manager_sees_sigterm_and_the_users_handler_still_runs(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is user  # the last close puts it back
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_save_on_a_closed_manager_names_the_step_and_directory(tmp_path):
+    # the error said only "this CheckpointManager is closed"
+    mgr = ss.CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, state_at(1))
+    mgr.close()
+    with pytest.raises(ss.CheckpointError, match=r"cannot save step 2 in .*"
+                       + tmp_path.name + r": this CheckpointManager is closed"):
+        mgr.save(2, state_at(2))

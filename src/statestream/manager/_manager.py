@@ -328,10 +328,8 @@ class CheckpointManager:
         return self._decisions.should_save(step, lambda: check_step(step))
 
     def _pending_steps(self) -> set[int]:
-        pending = self._flight.steps()
-        if self._tier is not None:
-            pending |= self._tier.pending_steps()
-        return pending
+        return self._flight.steps() | (set() if self._tier is None
+                                       else self._tier.pending_steps())
 
     @one_at_a_time
     def reached_preemption(self, step: int) -> bool:
@@ -383,7 +381,8 @@ class CheckpointManager:
             RuntimeWarning: a local tier's step could not be persisted (this one commits).
         """
         if self._closed:
-            raise CheckpointError("this CheckpointManager is closed")
+            raise CheckpointError(f"cannot save step {step} in {self.directory}: this "
+                                  "CheckpointManager is closed (open a new one)")
         decided = self._decisions.decide_save(step, metrics, force, self.directory)
         if decided is None:
             if self._flight.step is not None and self._flight.step == step:
