@@ -441,3 +441,28 @@ def test_past_a_damaged_local_copy_the_base_is_one_that_can_be_persisted(tmp_pat
     got = ss.load(str(persist / "step_0000000005"))
     np.testing.assert_array_equal(got["A"], a[2])
     np.testing.assert_array_equal(got["B"], b[2])
+
+
+def test_with_several_nodes_past_a_damaged_copy_the_base_can_be_persisted_too():
+    # The several-node choice (the newest step every node's tier holds) passed over a
+    # damaged local copy but not a step whose chain is gone: as in the test above, step
+    # 3 refers to step 2, whose base (step 1) is in neither tier. Stubs stand for a
+    # leader's tier (one process: its candidates are every node's).
+    from types import SimpleNamespace
+
+    from statestream.distributed import SingleProcess
+    from statestream.manager._tierbase import base_for
+
+    bases = {2: [1], 3: [2], 4: [3]}
+    tier = SimpleNamespace(
+        groups=SimpleNamespace(leaders=lambda: [0, 1], is_leader=True),
+        steps=lambda: [2, 3, 4], damaged_copies={4}, root="/local",
+        is_committed=lambda s: s in bases, path=lambda s: f"/local/step_{s:010d}",
+        current_in_persistent=lambda s: False,
+        persistent=SimpleNamespace(directory="/persist"),
+        retention=SimpleNamespace(bases_of=lambda s: bases.get(s)))
+    assert base_for(5, SingleProcess(), tier, list, str) is None  # a full save
+    bases[2] = []  # step 2 a full save: 3 can be persisted (2 copied there first)
+    assert base_for(5, SingleProcess(), tier, list, str) == 3
+    tier.damaged_copies = set()  # nothing passed over: the newest, unchecked
+    assert base_for(5, SingleProcess(), tier, list, str) == 4

@@ -46,10 +46,15 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
                 return None
             if _overwrites(tier, step):
                 return []
-            return [s for s in tier.steps() if s < step and s not in tier.damaged_copies]
+            older = [s for s in tier.steps() if s < step]
+            good = [s for s in older if s not in tier.damaged_copies and s not in damaged]
+            if not good or good[-1] == older[-1]:
+                return good
+            # past a newer step passed over: only steps whose chain can be persisted
+            return [s for s in good if unpersistable(tier, s) is None]
 
         held = gather_each(coll, phase, mine)
-        common = set.intersection(*(set(h) for h in held if h is not None)) - set(damaged)
+        common = set.intersection(*(set(h) for h in held if h is not None))
         return max(common) if common else None
 
     def newest_older() -> int | None:
