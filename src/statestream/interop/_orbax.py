@@ -47,6 +47,7 @@ from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
+from statestream.interop._orbax_check import check_scalars, leaves_where
 from statestream.interop._orbax_direct import read_chunk_direct
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
 from statestream.interop._orbax_part import PartReads, read_part
@@ -154,10 +155,15 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                 return (isinstance(m, ometa.ArrayMetadata)
                         and not isinstance(m, ometa.ScalarMetadata))
 
+            # a number is restored by reading its whole stored array: it must be 0-d
+            check_scalars(item, leaves_where(tree, lambda m: isinstance(
+                m, ometa.ScalarMetadata)), lambda name: _read_spec(
+                    item, name, bool(getattr(meta, "use_zarr3", False)), use_ocdbt, None),
+                None)
             # orbax restores everything but the arrays (numbers, strings): small
             values = handler.restore(epath.Path(item), args=ocp.args.PyTreeRestore(
                 item=_map_leaves(tree, lambda m: ocp.PLACEHOLDER if is_array(m) else m)))
-    except (MemoryError, PermissionError, KeyboardInterrupt):
+    except (MemoryError, PermissionError, KeyboardInterrupt, CheckpointCorruptError):
         raise
     except Exception as exc:  # orbax and tensorstore raise many types for one damage
         raise _corrupt(item, exc) from exc
@@ -177,6 +183,18 @@ def _map_leaves(tree: Any, fn: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_leaves(v, fn) for v in tree)
     return fn(tree)
+
+
+def _read_spec(item: str, name: str, use_zarr3: bool, use_ocdbt: bool, context: Any) -> Any:
+    """The tensorstore spec orbax builds to read its array ``name`` of ``item``."""
+    from etils import epath
+    from orbax.checkpoint import type_handlers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        info = type_handlers.ParamInfo(name=name, parent_dir=epath.Path(item),
+                                       use_zarr3=use_zarr3, ts_context=context)
+        return type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
 
 
 class _Leaf:
@@ -373,20 +391,13 @@ class _OrbaxReader(FileSetReader):
         """The tensorstore future of ``leaf``'s array (under ``_open_lock``), or the error
         building its spec raised (raised when the leaf is asked for)."""
         ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
-        from etils import epath
-        from orbax.checkpoint import type_handlers
-
         if self._ts_context is None:
             self._ts_context = ts.Context(
                 {"cache_pool#ocdbt": {"total_bytes_limit": _BTREE_CACHE_BYTES}})
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                info = type_handlers.ParamInfo(
-                    name=leaf.name, parent_dir=epath.Path(self._item),
-                    use_zarr3=self._use_zarr3, ts_context=self._ts_context)
-                spec = type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
-                return ts.open(spec, context=self._ts_context, open=True, read=True)
+            spec = _read_spec(self._item, leaf.name, self._use_zarr3, self._use_ocdbt,
+                              self._ts_context)
+            return ts.open(spec, context=self._ts_context, open=True, read=True)
         except (MemoryError, KeyboardInterrupt):
             raise
         except Exception as exc:
