@@ -42,3 +42,55 @@ def test_a_number_stored_as_a_large_array_is_refused_before_orbax_reads_it(
                            match=r"'step' is a number in _METADATA, but its stored array is "
                                  r"int64 of shape \(1048576,\)"):
             call()
+
+
+@pytest.mark.parametrize("layout", ["zarr2", "zarr3-shard"])
+def test_an_array_claiming_far_more_than_is_stored_is_refused_before_a_load_allocates(
+        tmp_path: Path, layout: str) -> None:
+    """Missing chunks are an error when read, but a load allocated what the metadata
+    claims first: 1 KB of checkpoint claiming 2**40 elements was a MemoryError naming
+    nothing (several arrays that each fit: memory reserved, then a read error). A zarr v3
+    shard whose index stores one inner chunk of 2**18 is refused the same."""
+    ts = pytest.importorskip("tensorstore")
+    o = tmp_path / "o"
+    _save(o, {"w": np.arange(4.0), "b": np.ones(3)}, use_ocdbt=False,
+          use_zarr3=layout != "zarr2")
+    n = 1 << 28
+    if layout == "zarr2":
+        _edit_json(o / "w" / ".zarray", shape=[n], chunks=[n])
+        (o / "w" / "0").unlink()
+    else:
+        meta = json.loads((o / "w" / "zarr.json").read_text())
+        meta.update(shape=[n], chunk_grid={"name": "regular",
+                                           "configuration": {"chunk_shape": [n]}})
+        meta["codecs"][0]["configuration"]["chunk_shape"] = [1 << 18]
+        for p in sorted((o / "w").rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(o / "w")},
+                     "metadata": meta}, create=True).result()
+        t[:10].write(np.ones(10)).result()
+    for call in (lambda: ss.load(o), lambda: ss.metadata(o),
+                 lambda: ss.convert(o, tmp_path / "ck")):
+        with pytest.raises(ss.CheckpointCorruptError,
+                           match=rf"{o}: key path 'w' claims {n * 8} bytes, but some of its "
+                                 "chunks are missing"):
+            call()
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("layout", [{}, {"use_ocdbt": False}, {"use_zarr3": True}],
+                         ids=["ocdbt", "zarr2", "zarr3"])
+def test_a_real_checkpoint_of_zeros_far_larger_than_its_files_loads(
+        tmp_path: Path, layout: dict) -> None:
+    """Orbax stores every chunk, zeros too, and zstd makes 128 MiB of zeros a few KB: the
+    arrays then add up to far more than the files, and each is found fully stored."""
+    from statestream.interop._chunks import _STORED_SLACK, STORED_FACTOR
+
+    state = {"mu": np.zeros((1 << 12, 1 << 12), np.float32),
+             "nu": np.zeros(1 << 24, np.float32), "w": np.arange(8.0), "step": 0}
+    _save(tmp_path / "o", state, **layout)
+    files = sum(p.stat().st_size for p in (tmp_path / "o").rglob("*") if p.is_file())
+    assert STORED_FACTOR * files + _STORED_SLACK < 1 << 27  # each array is asked
+    out = ss.load(tmp_path / "o")
+    assert out["mu"].shape == (1 << 12, 1 << 12) and not out["mu"].any()
+    assert not out["nu"].any() and out["w"].tobytes() == state["w"].tobytes()

@@ -18,6 +18,7 @@ engine a read holds the decoded chunk (``decode_bytes``), which the budget charg
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -47,7 +48,7 @@ from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
-from statestream.interop._orbax_check import check_scalars, leaves_where
+from statestream.interop._orbax_check import check_fully_stored, check_scalars, leaves_where
 from statestream.interop._orbax_direct import read_chunk_direct
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
 from statestream.interop._orbax_part import PartReads, read_part
@@ -135,7 +136,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
             raise CheckpointCorruptError(
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
-    refuse_links(item)
+    stored = refuse_links(item)
     use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     if not use_ocdbt:
         refuse_outside_names(item)
@@ -156,10 +157,11 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                         and not isinstance(m, ometa.ScalarMetadata))
 
             # a number is restored by reading its whole stored array: it must be 0-d
+            ctx = _ts_context()
             check_scalars(item, leaves_where(tree, lambda m: isinstance(
                 m, ometa.ScalarMetadata)), lambda name: _read_spec(
-                    item, name, bool(getattr(meta, "use_zarr3", False)), use_ocdbt, None),
-                None)
+                    item, name, bool(getattr(meta, "use_zarr3", False)), use_ocdbt, ctx),
+                ctx)
             # orbax restores everything but the arrays (numbers, strings): small
             values = handler.restore(epath.Path(item), args=ocp.args.PyTreeRestore(
                 item=_map_leaves(tree, lambda m: ocp.PLACEHOLDER if is_array(m) else m)))
@@ -174,6 +176,13 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     root = walk.node(values, tree, (), is_array)
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
                           use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
+    try:  # a load allocates what the metadata claims: refuse claims of missing chunks
+        check_fully_stored(item, [(leaf.path, math.prod(leaf.shape) * dtype_from_name(
+            leaf.dtype).itemsize, functools.partial(reader._store, leaf))
+            for leaf in walk.leaves], stored)
+    except BaseException:
+        reader.close()
+        raise
     return reader, Manifest(root, walk.arrays, walk.files)
 
 
@@ -183,6 +192,12 @@ def _map_leaves(tree: Any, fn: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_leaves(v, fn) for v in tree)
     return fn(tree)
+
+
+def _ts_context() -> Any:
+    """A tensorstore context for orbax's read specs (their OCDBT B-tree cache, bounded)."""
+    ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": _BTREE_CACHE_BYTES}})
 
 
 def _read_spec(item: str, name: str, use_zarr3: bool, use_ocdbt: bool, context: Any) -> Any:
@@ -392,8 +407,7 @@ class _OrbaxReader(FileSetReader):
         building its spec raised (raised when the leaf is asked for)."""
         ts = require("tensorstore", "orbax", "reading Orbax checkpoints")
         if self._ts_context is None:
-            self._ts_context = ts.Context(
-                {"cache_pool#ocdbt": {"total_bytes_limit": _BTREE_CACHE_BYTES}})
+            self._ts_context = _ts_context()
         try:
             spec = _read_spec(self._item, leaf.name, self._use_zarr3, self._use_ocdbt,
                               self._ts_context)

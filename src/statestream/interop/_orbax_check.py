@@ -7,6 +7,18 @@ A tiny checkpoint whose ``.zarray`` gives ``step`` the shape ``[2**40]`` (and wh
 ``_METADATA`` lets missing chunks read as the fill value) made that restore allocate and
 fill terabytes. Each number's stored array is opened (its metadata only) and must be
 0-d with a numeric dtype before orbax restores it.
+
+An array's chunks are read with missing chunks an error (never the fill value), but a
+load allocates each array the size its metadata claims before reading it: a 1 KB
+checkpoint claiming arrays of 2**40 elements made it allocate them (a MemoryError naming
+nothing, or, for several that each fit, memory reserved for reads that then failed).
+When the arrays' bytes exceed :data:`STORED_FACTOR` times the bytes of the item's files
+plus 64 MiB (as foreign torch files, interop/_chunks.py) -- a real checkpoint is there
+only when it compresses well, say zeros -- each array must have every chunk stored
+(tensorstore's storage statistics, which see the inner chunks of a zarr v3 shard too);
+the first that does not is refused, naming it, before anything is allocated. What a
+stored chunk decompresses to is the codec's business (zstd: at most about 32,000 times
+its size, for a run of zeros).
 """
 
 from __future__ import annotations
@@ -15,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from statestream.errors import CheckpointCorruptError
+from statestream.interop._chunks import _STORED_SLACK, STORED_FACTOR
 from statestream.interop._deps import require
 from statestream.tree import KeyPath, format_keypath
 
-__all__ = ["check_scalars", "leaves_where"]
+__all__ = ["check_fully_stored", "check_scalars", "leaves_where"]
 
 #: The widest item of a number orbax stores (complex128).
 _MAX_SCALAR_ITEMSIZE = 16
@@ -71,3 +84,36 @@ def check_scalars(item: str, scalars: list[tuple[KeyPath, Any]], spec: Callable[
                 f"{item}: key path '{format_keypath(path)}' is a number in _METADATA, but "
                 f"its stored array is {store.dtype.name} of shape {shape!r:.200}; refusing "
                 "to read it")
+
+
+def check_fully_stored(item: str, arrays: list[tuple[KeyPath, int, Callable[[], Any]]],
+                       stored: int) -> None:
+    """Refuse an array some of whose chunks are missing, when ``arrays`` (key path, bytes,
+    a function opening its tensorstore) add up to more than :data:`STORED_FACTOR` times
+    the ``stored`` bytes of the item's files plus 64 MiB.
+
+    Raises:
+        CheckpointCorruptError: naming ``item``, the key path and the bytes claimed.
+    """
+    total = sum(n for _, n, _ in arrays)
+    if total <= STORED_FACTOR * stored + _STORED_SLACK:
+        return
+    stats = []
+    for path, nbytes, open_store in arrays:
+        if nbytes:  # opened in order (each open starts the next ones)
+            stats.append((path, nbytes, open_store().storage_statistics(
+                query_fully_stored=True)))
+    for path, nbytes, f in stats:
+        try:
+            full = f.result().fully_stored
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"{item}: key path '{format_keypath(path)}': cannot list its stored chunks "
+                f"({type(exc).__name__}: {str(exc)[:300]})") from exc
+        if not full:
+            raise CheckpointCorruptError(
+                f"{item}: key path '{format_keypath(path)}' claims {nbytes} bytes, but some "
+                f"of its chunks are missing (the arrays claim {total} bytes; the item's "
+                f"files hold {stored}); refusing to allocate them")

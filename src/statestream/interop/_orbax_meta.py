@@ -18,10 +18,15 @@ __all__ = ["key_impls", "outside", "refuse_links", "refuse_outside_names"]
 _MAX_METADATA = 256 << 20
 
 
-def refuse_links(item: str) -> None:
+def refuse_links(item: str) -> int:
     """Tensorstore opens the item's files by path and follows links: refuse a symbolic
     link, FIFO, socket or device anywhere under the item, as statestream's own files are
-    refused (docs/security.md), so no read leaves the checkpoint's directory or blocks."""
+    refused (docs/security.md), so no read leaves the checkpoint's directory or blocks.
+
+    Returns:
+        The bytes of the item's files, all together.
+    """
+    stored = 0
     stack = [item]
     while stack:
         d = stack.pop()
@@ -30,13 +35,16 @@ def refuse_links(item: str) -> None:
         except OSError as exc:
             raise CheckpointCorruptError(f"{d}: cannot list this Orbax directory ({exc})") from exc
         for e in entries:
-            mode = e.stat(follow_symlinks=False).st_mode
-            if stat.S_ISDIR(mode):
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
                 stack.append(e.path)
-            elif not stat.S_ISREG(mode):
+            elif not stat.S_ISREG(st.st_mode):
                 raise UnsafeCheckpointError(
                     f"{e.path} is not a regular file or directory (a symbolic link, FIFO or "
                     "device); refused in an Orbax checkpoint")
+            else:
+                stored += st.st_size
+    return stored
 
 
 def outside(name: str) -> bool:
