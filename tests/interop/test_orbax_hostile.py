@@ -4,6 +4,7 @@ anything large is allocated or anything outside the checkpoint is read."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -94,3 +95,55 @@ def test_a_real_checkpoint_of_zeros_far_larger_than_its_files_loads(
     out = ss.load(tmp_path / "o")
     assert out["mu"].shape == (1 << 12, 1 << 12) and not out["mu"].any()
     assert not out["nu"].any() and out["w"].tobytes() == state["w"].tobytes()
+
+
+def _ocdbt_checkpoint(o: Path, state: dict) -> None:
+    """An Orbax checkpoint whose arrays sit in one OCDBT database written without
+    compression, all values in one data file (so its B-tree node can be edited)."""
+    ts = pytest.importorskip("tensorstore")
+    _save(o, state, use_ocdbt=False)
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{o}/"},
+                          "config": {"compression": None, "max_inline_value_bytes": 0}}
+                         ).result()
+    with ts.Transaction() as txn:
+        for name in state:
+            for p in sorted((o / name).iterdir()):
+                kv.with_transaction(txn).write(f"{name}/{p.name}", p.read_bytes()).result()
+    for name in state:
+        for p in (o / name).iterdir():
+            p.unlink()
+        (o / name).rmdir()
+    _edit_json(o / "_METADATA", use_ocdbt=True)
+
+
+def test_an_ocdbt_data_file_outside_the_checkpoint_is_never_read(tmp_path: Path) -> None:
+    """A B-tree node of OCDBT names each value's data file (a base path and a relative
+    path, joined to the database's directory): one naming ``../x`` or an absolute path
+    is refused by tensorstore's file store ("Invalid key") before any read, so the copy
+    of the data placed there is never used; the undamaged checkpoint loads."""
+    import crc32c
+
+    o = tmp_path / "o"
+    w = np.arange(64, dtype=np.float32)
+    _ocdbt_checkpoint(o, {"w": w})
+    assert ss.load(o)["w"].tobytes() == w.tobytes()
+    (data,) = (o / "d").iterdir()
+    raw = data.read_bytes()
+    at = raw.index(b"\x0c\xdb\x20\xde")  # the B-tree node after the values
+    size = int.from_bytes(raw[at + 4:at + 12], "little")
+    old = f"d/{data.name}".encode()
+    absolute = f"/tmp/ss-{os.getpid()}-".ljust(len(old), "y")
+    for new, there in ((b"../" + b"x" * (len(old) - 3), tmp_path / ("x" * (len(old) - 3))),
+                       (absolute.encode(), Path(absolute))):
+        assert len(new) == len(old) and raw[at:at + size].count(old) == 1
+        there.write_bytes(raw)  # the data, outside the checkpoint
+        try:
+            node = bytearray(raw[at:at + size].replace(old, new))
+            node[-4:] = crc32c.crc32c(bytes(node[:-4])).to_bytes(4, "little")
+            data.write_bytes(raw[:at] + bytes(node) + raw[at + size:])
+            for call in (lambda: ss.load(o), lambda: ss.convert(o, tmp_path / "ck")):
+                with pytest.raises(ss.CheckpointCorruptError, match="Invalid key"):
+                    call()
+        finally:
+            there.unlink()
+        assert not (tmp_path / "ck").exists()
