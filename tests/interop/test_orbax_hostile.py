@@ -147,3 +147,19 @@ def test_an_ocdbt_data_file_outside_the_checkpoint_is_never_read(tmp_path: Path)
         finally:
             there.unlink()
         assert not (tmp_path / "ck").exists()
+
+
+def test_a_metadata_file_nested_too_deeply_is_a_corrupt_error(tmp_path: Path) -> None:
+    """JSON nested deeper than Python's recursion limit: the check of the array names in
+    _METADATA let the RecursionError out of load, metadata and convert. A deeply nested
+    array_metadatas file (read for typed keys, best effort) is ignored, as orbax does."""
+    _save(tmp_path / "o", {"w": np.arange(4.0), "step": 3}, use_ocdbt=False)
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "o" / "array_metadatas").mkdir()
+    (tmp_path / "o" / "array_metadatas" / "process_0").write_text(deep)
+    assert ss.load(tmp_path / "o")["step"] == 3
+    (tmp_path / "o" / "_METADATA").write_text(deep)
+    for call in (lambda: ss.load(tmp_path / "o"), lambda: ss.metadata(tmp_path / "o"),
+                 lambda: ss.convert(tmp_path / "o", tmp_path / "ck")):
+        with pytest.raises(ss.CheckpointCorruptError, match=r"_METADATA: JSON nested too deep"):
+            call()

@@ -59,10 +59,13 @@ def refuse_outside_names(item: str) -> None:
     ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
     The names are checked in ``_METADATA`` before orbax reads anything; a file that
     does not parse is left to orbax (a CheckpointCorruptError)."""
+    path = os.path.join(item, "_METADATA")
     try:
-        meta = json.loads(read_capped(os.path.join(item, "_METADATA"), _MAX_METADATA))
+        meta = json.loads(read_capped(path, _MAX_METADATA))
         entries = meta["tree_metadata"].values()
         names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
+    except RecursionError as exc:  # orbax's own parse of it would raise this too
+        raise CheckpointCorruptError(f"{path}: JSON nested too deeply to read") from exc
     except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     bad = [n for n in names if outside(n)]
@@ -92,6 +95,6 @@ def key_impls(item: str) -> dict[str, str]:
                 if type(impl) is str and type(meta["param_name"]) is str and impl.isidentifier():
                     out[meta["param_name"]] = impl
         except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError,
-                AttributeError):
+                AttributeError, RecursionError):
             continue
     return out
