@@ -163,3 +163,25 @@ def test_a_metadata_file_nested_too_deeply_is_a_corrupt_error(tmp_path: Path) ->
                  lambda: ss.convert(tmp_path / "o", tmp_path / "ck")):
         with pytest.raises(ss.CheckpointCorruptError, match=r"_METADATA: JSON nested too deep"):
             call()
+
+
+def test_an_empty_ocdbt_manifest_does_not_skip_the_check_of_array_names(
+        tmp_path: Path) -> None:
+    """Orbax decides OCDBT from _METADATA's use_ocdbt, and from whether manifest.ocdbt
+    exists only when it gives none; statestream skipped its check of the array names
+    whenever the file existed. An empty manifest.ocdbt beside "use_ocdbt": false and a
+    number named by an absolute path loaded that number from outside the checkpoint."""
+    o = tmp_path / "o"
+    _save(o, {"step": 3, "lr": 0.5}, use_ocdbt=False)
+    (o / "step").rename(tmp_path / "secret")
+    meta = json.loads((o / "_METADATA").read_text())
+    entry = meta["tree_metadata"].pop("('step',)")
+    entry["key_metadata"] = [{"key": str(tmp_path / "secret"), "key_type": 2}]
+    meta["tree_metadata"][f"('{tmp_path / 'secret'}',)"] = entry
+    (o / "_METADATA").write_text(json.dumps(meta))
+    (o / "manifest.ocdbt").write_bytes(b"")
+    for call in (lambda: ss.load(o), lambda: ss.metadata(o),
+                 lambda: ss.convert(o, tmp_path / "ck")):
+        with pytest.raises(ss.UnsafeCheckpointError, match="secret' in _METADATA are not "
+                                                           "names inside the checkpoint"):
+            call()

@@ -137,9 +137,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
     stored = refuse_links(item)
-    use_ocdbt = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
-    if not use_ocdbt:
-        refuse_outside_names(item)
+    use_ocdbt = refuse_outside_names(item)
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()

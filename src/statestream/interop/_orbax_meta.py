@@ -53,26 +53,41 @@ def outside(name: str) -> bool:
     return name.startswith("/") or "\0" in name or ".." in name.split("/")
 
 
-def refuse_outside_names(item: str) -> None:
+def refuse_outside_names(item: str) -> bool:
     """Without OCDBT each array is a directory named after its key path (joined with
     "."), which orbax and tensorstore join to the item's path: a key path of
     ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
     The names are checked in ``_METADATA`` before orbax reads anything; a file that
-    does not parse is left to orbax (a CheckpointCorruptError)."""
+    does not parse is left to orbax (a CheckpointCorruptError).
+
+    Returns:
+        Whether the arrays are in OCDBT, decided as orbax decides it: ``_METADATA``'s
+        ``use_ocdbt`` when it gives one, else whether ``manifest.ocdbt`` exists (an
+        empty ``manifest.ocdbt`` beside ``"use_ocdbt": false`` skipped this check while
+        orbax read each array by its name, a number from ``/elsewhere`` included).
+    """
+    present = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     path = os.path.join(item, "_METADATA")
     try:
         meta = json.loads(read_capped(path, _MAX_METADATA))
-        entries = meta["tree_metadata"].values()
-        names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
     except RecursionError as exc:  # orbax's own parse of it would raise this too
         raise CheckpointCorruptError(f"{path}: JSON nested too deeply to read") from exc
-    except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError, AttributeError):
-        return
+    except (CheckpointCorruptError, OSError, ValueError):
+        return present
+    flag = meta.get("use_ocdbt") if isinstance(meta, dict) else None
+    if (present if flag is None else bool(flag)):
+        return True
+    try:
+        entries = meta["tree_metadata"].values()
+        names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
     bad = [n for n in names if outside(n)]
     if bad:
         raise UnsafeCheckpointError(
             f"{item}: the array names {', '.join(repr(n) for n in bad[:5])} in _METADATA are "
             "not names inside the checkpoint (each array is a directory of that name)")
+    return False
 
 
 def key_impls(item: str) -> dict[str, str]:
