@@ -185,3 +185,56 @@ def test_an_empty_ocdbt_manifest_does_not_skip_the_check_of_array_names(
         with pytest.raises(ss.UnsafeCheckpointError, match="secret' in _METADATA are not "
                                                            "names inside the checkpoint"):
             call()
+
+
+def _unstore(o: Path, name: str) -> None:
+    """Remove every stored chunk of array ``name`` (zarr v3: its ``c/`` folder) and the
+    flag of _METADATA that says every chunk is stored, as orbax wrote before it stored
+    chunks equal to the fill value."""
+    for p in sorted((o / name / "c").rglob("*"), reverse=True):
+        p.rmdir() if p.is_dir() else p.unlink()
+    meta = json.loads((o / "_METADATA").read_text())
+    del meta["store_array_data_equal_to_fill_value"]
+    (o / "_METADATA").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_that_did_not_store_chunks_of_zeros_loads_as_orbax_loads_it(
+        tmp_path: Path) -> None:
+    """Orbax's zarr v3 checkpoints did not store a chunk equal to the fill value (an
+    optimizer's fresh moments) before store_array_data_equal_to_fill_value; orbax reads
+    those chunks as zeros, statestream refused them ("chunk ... is missing"). Loaded
+    when small, and when the arrays add up to more than 8x the files + 64 MiB as long as
+    the missing boxes stay within that."""
+    o = tmp_path / "o"
+    w = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float64)  # 2 MiB
+    state = {"w": w, "mu": np.zeros((1 << 11, 1 << 12), np.float32),  # 32 MiB
+             "nu": np.zeros(1 << 24, np.float32), "step": 0}  # 64 MiB, stored
+    _save(o, state, use_ocdbt=False, use_zarr3=True)
+    _unstore(o, "mu")
+    from statestream.interop._chunks import _STORED_SLACK, STORED_FACTOR
+
+    files = sum(p.stat().st_size for p in o.rglob("*") if p.is_file())
+    assert STORED_FACTOR * files + _STORED_SLACK < 98 << 20  # each array is asked
+    out = ss.load(o)
+    assert out["w"].tobytes() == w.tobytes() and out["mu"].shape == (1 << 11, 1 << 12)
+    assert not out["mu"].any() and not out["nu"].any()
+    ss.convert(o, tmp_path / "ck")
+    assert not ss.load(tmp_path / "ck")["mu"].any()
+
+
+def test_missing_chunks_read_as_fill_values_are_bounded(tmp_path: Path) -> None:
+    """Where missing chunks read as the fill value, 1 KB of checkpoint claiming 2 GiB
+    with no chunk stored is refused before a load allocates it, naming the key path."""
+    o = tmp_path / "o"
+    _save(o, {"w": np.arange(4.0), "b": np.ones(3)}, use_ocdbt=False, use_zarr3=True)
+    _unstore(o, "w")
+    meta = json.loads((o / "w" / "zarr.json").read_text())
+    meta["shape"] = [1 << 28]
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 28]
+    meta["codecs"][0]["configuration"]["chunk_shape"] = [1 << 24]
+    (o / "w" / "zarr.json").write_text(json.dumps(meta))
+    for call in (lambda: ss.load(o), lambda: ss.metadata(o)):
+        with pytest.raises(ss.CheckpointCorruptError,
+                           match=r"key path 'w': the chunks missing from the arrays so far "
+                                 r"\(read as the fill value\) add up to 2147483648 bytes"):
+            call()

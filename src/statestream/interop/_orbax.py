@@ -18,7 +18,6 @@ engine a read holds the decoded chunk (``decode_bytes``), which the budget charg
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -48,7 +47,7 @@ from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
-from statestream.interop._orbax_check import check_fully_stored, check_scalars, leaves_where
+from statestream.interop._orbax_check import check_claims, check_scalars, leaves_where
 from statestream.interop._orbax_direct import read_chunk_direct
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
 from statestream.interop._orbax_part import PartReads, read_part
@@ -137,7 +136,8 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
     stored = refuse_links(item)
-    use_ocdbt = refuse_outside_names(item)
+    layout = refuse_outside_names(item)
+    use_ocdbt = layout.use_ocdbt
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
     # process of a multi-process JAX job at a barrier, so metadata() on one rank hung
     handler = ocp.PyTreeCheckpointHandler()
@@ -173,11 +173,10 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     walk = _Walk(item, use_ocdbt, key_impls(item))
     root = walk.node(values, tree, (), is_array)
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
-                          use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
+                          use_zarr3=use_zarr3, use_ocdbt=use_ocdbt, fills=layout.fills)
     try:  # a load allocates what the metadata claims: refuse claims of missing chunks
-        check_fully_stored(item, [(leaf.path, math.prod(leaf.shape) * dtype_from_name(
-            leaf.dtype).itemsize, functools.partial(reader._store, leaf))
-            for leaf in walk.leaves], stored)
+        check_claims(item, walk.leaves, walk.blocks.values(), reader._store, stored,
+                     layout.fills)
     except BaseException:
         reader.close()
         raise
@@ -198,8 +197,10 @@ def _ts_context() -> Any:
     return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": _BTREE_CACHE_BYTES}})
 
 
-def _read_spec(item: str, name: str, use_zarr3: bool, use_ocdbt: bool, context: Any) -> Any:
-    """The tensorstore spec orbax builds to read its array ``name`` of ``item``."""
+def _read_spec(item: str, name: str, use_zarr3: bool, use_ocdbt: bool, context: Any,
+               fills: bool = False) -> Any:
+    """The tensorstore spec orbax builds to read its array ``name`` of ``item`` (missing
+    chunks read as the fill value where ``fills``, else an error)."""
     from etils import epath
     from orbax.checkpoint import type_handlers
 
@@ -207,7 +208,8 @@ def _read_spec(item: str, name: str, use_zarr3: bool, use_ocdbt: bool, context: 
         warnings.simplefilter("ignore")
         info = type_handlers.ParamInfo(name=name, parent_dir=epath.Path(item),
                                        use_zarr3=use_zarr3, ts_context=context)
-        return type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+        return type_handlers.get_json_tspec_read(
+            info, use_ocdbt=use_ocdbt, raise_array_data_missing_error=not fills)
 
 
 class _Leaf:
@@ -348,13 +350,15 @@ class _OrbaxReader(FileSetReader):
 
     def __init__(self, location: str, item: str, memory: dict[str, memoryview],
                  blocks: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]],
-                 leaves: list[_Leaf], *, use_zarr3: bool, use_ocdbt: bool) -> None:
+                 leaves: list[_Leaf], *, use_zarr3: bool, use_ocdbt: bool,
+                 fills: bool = False) -> None:
         super().__init__(location, {}, memory=memory)
         self._item = item
         self._blocks = blocks
         self._leaves = leaves
         self._use_zarr3 = use_zarr3
         self._use_ocdbt = use_ocdbt
+        self._fills = fills
         self._ts_context: Any = None
         self._open_lock = threading.Lock()
         self._order = {n: i for i, n in enumerate(blocks)}
@@ -408,7 +412,7 @@ class _OrbaxReader(FileSetReader):
             self._ts_context = _ts_context()
         try:
             spec = _read_spec(self._item, leaf.name, self._use_zarr3, self._use_ocdbt,
-                              self._ts_context)
+                              self._ts_context, self._fills)
             return ts.open(spec, context=self._ts_context, open=True, read=True)
         except (MemoryError, KeyboardInterrupt):
             raise

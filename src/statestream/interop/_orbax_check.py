@@ -8,30 +8,41 @@ A tiny checkpoint whose ``.zarray`` gives ``step`` the shape ``[2**40]`` (and wh
 fill terabytes. Each number's stored array is opened (its metadata only) and must be
 0-d with a numeric dtype before orbax restores it.
 
-An array's chunks are read with missing chunks an error (never the fill value), but a
-load allocates each array the size its metadata claims before reading it: a 1 KB
+A load allocates each array the size its metadata claims before reading it: a 1 KB
 checkpoint claiming arrays of 2**40 elements made it allocate them (a MemoryError naming
 nothing, or, for several that each fit, memory reserved for reads that then failed).
 When the arrays' bytes exceed :data:`STORED_FACTOR` times the bytes of the item's files
 plus 64 MiB (as foreign torch files, interop/_chunks.py) -- a real checkpoint is there
-only when it compresses well, say zeros -- each array must have every chunk stored
-(tensorstore's storage statistics, which see the inner chunks of a zarr v3 shard too);
-the first that does not is refused, naming it, before anything is allocated. What a
-stored chunk decompresses to is the codec's business (zstd: at most about 32,000 times
-its size, for a run of zeros).
+only when it compresses well, say zeros -- each array is asked which of its chunks are
+stored (tensorstore's storage statistics, which see the inner chunks of a zarr v3 shard
+too), before anything is allocated:
+
+- orbax now stores every chunk, zeros too, and says so in ``_METADATA``
+  (``store_array_data_equal_to_fill_value``); a missing chunk is then damage, an error
+  when read, and an array missing one is refused here;
+- a checkpoint without that flag (orbax's zarr v3 checkpoints did not store a chunk of
+  zeros: an optimizer's fresh moments) reads a missing chunk as the fill value, as orbax
+  does; the boxes (storage chunks, or bands of them) with a chunk missing may add up to
+  at most the same bound, and are refused past it.
+
+What a stored chunk decompresses to is the codec's business (zstd: at most about 32,000
+times its size, for a run of zeros).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from statestream.errors import CheckpointCorruptError
+from statestream.format import dtype_from_name
 from statestream.interop._chunks import _STORED_SLACK, STORED_FACTOR
 from statestream.interop._deps import require
 from statestream.tree import KeyPath, format_keypath
 
-__all__ = ["check_fully_stored", "check_scalars", "leaves_where"]
+__all__ = ["Stored", "check_claims", "check_fully_stored", "check_scalars", "leaves_where"]
 
 #: The widest item of a number orbax stores (complex128).
 _MAX_SCALAR_ITEMSIZE = 16
@@ -86,34 +97,100 @@ def check_scalars(item: str, scalars: list[tuple[KeyPath, Any]], spec: Callable[
                 "to read it")
 
 
-def check_fully_stored(item: str, arrays: list[tuple[KeyPath, int, Callable[[], Any]]],
-                       stored: int) -> None:
-    """Refuse an array some of whose chunks are missing, when ``arrays`` (key path, bytes,
-    a function opening its tensorstore) add up to more than :data:`STORED_FACTOR` times
-    the ``stored`` bytes of the item's files plus 64 MiB.
+def check_claims(item: str, leaves: Sequence[Any],
+                 blocks: Iterable[tuple[int, tuple[int, ...], tuple[int, ...]]],
+                 open_store: Callable[[Any], Any], stored: int, fills: bool) -> None:
+    """:func:`check_fully_stored` of the reader's ``leaves`` (each with its index, key
+    path, shape and dtype name), read in ``blocks`` (leaf index, start, shape) from the
+    tensorstore ``open_store(leaf)`` opens; ``stored``: the bytes of the item's files."""
+    boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for index, start, bshape in blocks:
+        boxes.setdefault(index, []).append((start, bshape))
+    arrays = []
+    for leaf in leaves:
+        isz = dtype_from_name(leaf.dtype).itemsize
+        arrays.append(Stored(leaf.path, math.prod(leaf.shape) * isz,
+                             functools.partial(open_store, leaf), boxes.get(leaf.index, []),
+                             isz))
+    check_fully_stored(item, arrays, stored, fills)
+
+
+class Stored(NamedTuple):
+    """An array as :func:`check_fully_stored` asks about it."""
+
+    path: KeyPath
+    #: its bytes
+    nbytes: int
+    #: opens its tensorstore
+    open_store: Callable[[], Any]
+    #: the boxes (start, shape) it is read in, each a storage chunk or a band of them
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    itemsize: int
+
+
+def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool) -> None:
+    """When ``arrays`` add up to more than :data:`STORED_FACTOR` times the ``stored``
+    bytes of the item's files plus 64 MiB, refuse an array some of whose chunks are
+    missing; or, where missing chunks read as the fill value (``fills``: a checkpoint
+    written without ``store_array_data_equal_to_fill_value``, as orbax wrote before it
+    stored every chunk), refuse once the boxes with a chunk missing add up to more than
+    that (each such box counted whole).
 
     Raises:
         CheckpointCorruptError: naming ``item``, the key path and the bytes claimed.
     """
-    total = sum(n for _, n, _ in arrays)
-    if total <= STORED_FACTOR * stored + _STORED_SLACK:
+    total = sum(a.nbytes for a in arrays)
+    bound = STORED_FACTOR * stored + _STORED_SLACK
+    if total <= bound:
         return
+    partial = [(a, store) for a, store, full in _fully_stored(item, arrays) if not full]
+    missing = 0
+    for a, store in partial:
+        if not fills:
+            raise CheckpointCorruptError(
+                f"{item}: key path '{format_keypath(a.path)}' claims {a.nbytes} bytes, but "
+                f"some of its chunks are missing (the arrays claim {total} bytes; the "
+                f"item's files hold {stored}); refusing to allocate them")
+        missing += _missing_bytes(item, a, store)
+        if missing > bound:
+            raise CheckpointCorruptError(
+                f"{item}: key path '{format_keypath(a.path)}': the chunks missing from the "
+                f"arrays so far (read as the fill value) add up to {missing} bytes, more "
+                f"than {STORED_FACTOR} times the {stored} bytes of the item's files plus "
+                "64 MiB; refusing to allocate them")
+
+
+def _missing_bytes(item: str, a: Stored, store: Any) -> int:
+    """The bytes of ``a``'s boxes that have a chunk missing (each counted whole)."""
+    try:
+        futures = [(box, store[tuple(slice(s, s + n) for s, n in zip(*box))]
+                    .storage_statistics(query_fully_stored=True)) for box in a.boxes]
+        return sum(math.prod(box[1]) * a.itemsize for box, f in futures
+                   if not f.result().fully_stored)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"{item}: key path '{format_keypath(a.path)}': cannot list its stored "
+            f"chunks ({type(exc).__name__}: {str(exc)[:300]})") from exc
+
+
+def _fully_stored(item: str, arrays: list[Stored]) -> list[tuple[Stored, Any, bool]]:
+    """(array, its tensorstore, whether every chunk of it is stored) of each array
+    that has bytes."""
     stats = []
-    for path, nbytes, open_store in arrays:
-        if nbytes:  # opened in order (each open starts the next ones)
-            stats.append((path, nbytes, open_store().storage_statistics(
-                query_fully_stored=True)))
-    for path, nbytes, f in stats:
+    for a in arrays:
+        if a.nbytes:  # opened in order (each open starts the next ones)
+            store = a.open_store()
+            stats.append((a, store, store.storage_statistics(query_fully_stored=True)))
+    out = []
+    for a, store, f in stats:
         try:
-            full = f.result().fully_stored
+            out.append((a, store, bool(f.result().fully_stored)))
         except (MemoryError, KeyboardInterrupt):
             raise
         except Exception as exc:
             raise CheckpointCorruptError(
-                f"{item}: key path '{format_keypath(path)}': cannot list its stored chunks "
-                f"({type(exc).__name__}: {str(exc)[:300]})") from exc
-        if not full:
-            raise CheckpointCorruptError(
-                f"{item}: key path '{format_keypath(path)}' claims {nbytes} bytes, but some "
-                f"of its chunks are missing (the arrays claim {total} bytes; the item's "
-                f"files hold {stored}); refusing to allocate them")
+                f"{item}: key path '{format_keypath(a.path)}': cannot list its stored "
+                f"chunks ({type(exc).__name__}: {str(exc)[:300]})") from exc
+    return out

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
+from typing import NamedTuple
 
 from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
 from statestream.interop._files import read_capped
 
-__all__ = ["key_impls", "outside", "refuse_links", "refuse_outside_names"]
+__all__ = ["Layout", "key_impls", "outside", "refuse_links", "refuse_outside_names"]
 
 #: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
 #: per array).
@@ -53,7 +54,17 @@ def outside(name: str) -> bool:
     return name.startswith("/") or "\0" in name or ".." in name.split("/")
 
 
-def refuse_outside_names(item: str) -> bool:
+class Layout(NamedTuple):
+    """How orbax reads the item's arrays, from ``_METADATA`` (:func:`refuse_outside_names`)."""
+
+    #: in one OCDBT database, not a directory each
+    use_ocdbt: bool
+    #: a missing chunk reads as the fill value (orbax wrote no chunk equal to it), not an
+    #: error
+    fills: bool
+
+
+def refuse_outside_names(item: str) -> Layout:
     """Without OCDBT each array is a directory named after its key path (joined with
     "."), which orbax and tensorstore join to the item's path: a key path of
     ``/elsewhere`` made orbax's own metadata() read ``/elsewhere``'s zarr metadata.
@@ -61,10 +72,11 @@ def refuse_outside_names(item: str) -> bool:
     does not parse is left to orbax (a CheckpointCorruptError).
 
     Returns:
-        Whether the arrays are in OCDBT, decided as orbax decides it: ``_METADATA``'s
-        ``use_ocdbt`` when it gives one, else whether ``manifest.ocdbt`` exists (an
-        empty ``manifest.ocdbt`` beside ``"use_ocdbt": false`` skipped this check while
-        orbax read each array by its name, a number from ``/elsewhere`` included).
+        The layout, decided as orbax decides it: OCDBT by ``_METADATA``'s ``use_ocdbt``
+        when it gives one, else by whether ``manifest.ocdbt`` exists (an empty
+        ``manifest.ocdbt`` beside ``"use_ocdbt": false`` skipped this check while orbax
+        read each array by its name, a number from ``/elsewhere`` included); missing
+        chunks filled unless ``store_array_data_equal_to_fill_value`` is true.
     """
     present = os.path.isfile(os.path.join(item, "manifest.ocdbt"))
     path = os.path.join(item, "_METADATA")
@@ -73,21 +85,25 @@ def refuse_outside_names(item: str) -> bool:
     except RecursionError as exc:  # orbax's own parse of it would raise this too
         raise CheckpointCorruptError(f"{path}: JSON nested too deeply to read") from exc
     except (CheckpointCorruptError, OSError, ValueError):
-        return present
-    flag = meta.get("use_ocdbt") if isinstance(meta, dict) else None
-    if (present if flag is None else bool(flag)):
-        return True
+        return Layout(present, False)  # orbax cannot read it either
+    if not isinstance(meta, dict):
+        return Layout(present, False)
+    flag = meta.get("use_ocdbt")
+    layout = Layout(present if flag is None else bool(flag),
+                    not meta.get("store_array_data_equal_to_fill_value", False))
+    if layout.use_ocdbt:
+        return layout
     try:
         entries = meta["tree_metadata"].values()
         names = [".".join(str(k["key"]) for k in e["key_metadata"]) for e in entries]
     except (ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return layout
     bad = [n for n in names if outside(n)]
     if bad:
         raise UnsafeCheckpointError(
             f"{item}: the array names {', '.join(repr(n) for n in bad[:5])} in _METADATA are "
             "not names inside the checkpoint (each array is a directory of that name)")
-    return False
+    return layout
 
 
 def key_impls(item: str) -> dict[str, str]:
