@@ -165,6 +165,18 @@ def test_a_metadata_file_nested_too_deeply_is_a_corrupt_error(tmp_path: Path) ->
             call()
 
 
+def _number_outside(o: Path, secret: Path) -> dict:
+    """Save an Orbax checkpoint at ``o`` whose number ``step`` is moved to ``secret``
+    (outside it); its _METADATA, returned, keys it by that absolute path."""
+    _save(o, {"step": 3, "lr": 0.5}, use_ocdbt=False)
+    (o / "step").rename(secret)
+    meta = json.loads((o / "_METADATA").read_text())
+    entry = meta["tree_metadata"].pop("('step',)")
+    entry["key_metadata"] = [{"key": str(secret), "key_type": 2}]
+    meta["tree_metadata"][f"('{secret}',)"] = entry
+    return meta
+
+
 def test_an_empty_ocdbt_manifest_does_not_skip_the_check_of_array_names(
         tmp_path: Path) -> None:
     """Orbax decides OCDBT from _METADATA's use_ocdbt, and from whether manifest.ocdbt
@@ -172,12 +184,7 @@ def test_an_empty_ocdbt_manifest_does_not_skip_the_check_of_array_names(
     whenever the file existed. An empty manifest.ocdbt beside "use_ocdbt": false and a
     number named by an absolute path loaded that number from outside the checkpoint."""
     o = tmp_path / "o"
-    _save(o, {"step": 3, "lr": 0.5}, use_ocdbt=False)
-    (o / "step").rename(tmp_path / "secret")
-    meta = json.loads((o / "_METADATA").read_text())
-    entry = meta["tree_metadata"].pop("('step',)")
-    entry["key_metadata"] = [{"key": str(tmp_path / "secret"), "key_type": 2}]
-    meta["tree_metadata"][f"('{tmp_path / 'secret'}',)"] = entry
+    meta = _number_outside(o, tmp_path / "secret")
     (o / "_METADATA").write_text(json.dumps(meta))
     (o / "manifest.ocdbt").write_bytes(b"")
     for call in (lambda: ss.load(o), lambda: ss.metadata(o),
@@ -237,4 +244,20 @@ def test_missing_chunks_read_as_fill_values_are_bounded(tmp_path: Path) -> None:
         with pytest.raises(ss.CheckpointCorruptError,
                            match=r"key path 'w': the chunks missing from the arrays so far "
                                  r"\(read as the fill value\) add up to 2147483648 bytes"):
+            call()
+
+
+def test_a_metadata_file_too_large_to_check_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_METADATA larger than the check reads (256 MiB; 2 KiB here) skipped the check of
+    the array names, and orbax then read a number keyed by an absolute path from outside
+    the checkpoint. It is refused, naming the file."""
+    from statestream.interop import _orbax_meta
+
+    monkeypatch.setattr(_orbax_meta, "_MAX_METADATA", 2048)
+    o = tmp_path / "o"
+    meta = _number_outside(o, tmp_path / "secret")
+    (o / "_METADATA").write_text(json.dumps(meta) + " " * 4096)
+    for call in (lambda: ss.load(o), lambda: ss.metadata(o)):
+        with pytest.raises(ss.CheckpointCorruptError, match=r"_METADATA is larger than 2048"):
             call()

@@ -84,8 +84,10 @@ def refuse_outside_names(item: str) -> Layout:
         meta = json.loads(read_capped(path, _MAX_METADATA))
     except RecursionError as exc:  # orbax's own parse of it would raise this too
         raise CheckpointCorruptError(f"{path}: JSON nested too deeply to read") from exc
-    except (CheckpointCorruptError, OSError, ValueError):
-        return Layout(present, False)  # orbax cannot read it either
+    except CheckpointCorruptError:  # too large: orbax would read its names unchecked
+        raise
+    except (OSError, ValueError):  # orbax cannot read it either
+        return Layout(present, False)
     if not isinstance(meta, dict):
         return Layout(present, False)
     flag = meta.get("use_ocdbt")
