@@ -3,6 +3,7 @@ anything large is allocated or anything outside the checkpoint is read."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import warnings
@@ -261,3 +262,23 @@ def test_a_metadata_file_too_large_to_check_is_refused(
     for call in (lambda: ss.load(o), lambda: ss.metadata(o)):
         with pytest.raises(ss.CheckpointCorruptError, match=r"_METADATA is larger than 2048"):
             call()
+
+
+def test_an_unknown_value_type_fails_without_printing_unawaited_coroutines(
+        tmp_path: Path) -> None:
+    """orbax makes each type handler's metadata() coroutine before awaiting them; an
+    unknown value_type in _METADATA failed with the others never awaited, and each
+    printed 'RuntimeWarning: coroutine ... was never awaited' when the caller's error
+    was freed. The caller gets the error, and no such warning."""
+    o = tmp_path / "o"
+    _save(o, {"w": np.arange(4.0), "step": 3, "name": "run"}, use_ocdbt=False)
+    meta = json.loads((o / "_METADATA").read_text())
+    meta["tree_metadata"]["('w',)"]["value_metadata"]["value_type"] = "foo"
+    (o / "_METADATA").write_text(json.dumps(meta))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for call in (ss.metadata, ss.load):
+            with pytest.raises(ss.CheckpointCorruptError, match='Unknown type: "foo"'):
+                call(o)
+        gc.collect()  # the errors, and whatever they held, are freed
+    assert not [w for w in got if "never awaited" in str(w.message)]

@@ -1,13 +1,16 @@
 """Quieting what orbax abandons: tensorstore operations that finish after the event
-loop orbax awaited them on was closed (see :func:`quiet_late_loop_callbacks`)."""
+loop orbax awaited them on was closed (see :func:`quiet_late_loop_callbacks`), and
+coroutines it made and never awaited (:func:`drop_abandoned`)."""
 
 from __future__ import annotations
 
 import sys
 import threading
+import traceback
+import warnings
 from typing import Any
 
-__all__ = ["quiet_late_loop_callbacks"]
+__all__ = ["drop_abandoned", "quiet_late_loop_callbacks"]
 
 _QUIET_LOCK = threading.Lock()
 _quiet_installed = False
@@ -52,3 +55,16 @@ def quiet_late_loop_callbacks() -> None:
 
         sys.unraisablehook = hook
         _quiet_installed = True
+
+
+def drop_abandoned(exc: BaseException) -> None:
+    """Free the locals of the frames ``exc`` went through, quietly: orbax makes each
+    type handler's ``metadata()`` coroutine before awaiting them, and one failing (an
+    unknown value type in _METADATA) left the others never awaited, each printing a
+    RuntimeWarning when the caller's error was freed, at the caller's line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        traceback.clear_frames(exc.__traceback__)
+        for e in (exc.__cause__, exc.__context__):
+            if e is not None:
+                traceback.clear_frames(e.__traceback__)

@@ -46,7 +46,7 @@ from statestream.format import (
 from statestream.interop._chunks import ROW_BLOCK_BYTES, check_tiling
 from statestream.interop._deps import require
 from statestream.interop._files import FileSetReader
-from statestream.interop._loopnoise import quiet_late_loop_callbacks
+from statestream.interop._loopnoise import drop_abandoned, quiet_late_loop_callbacks
 from statestream.interop._orbax_check import check_claims, check_scalars, leaves_where
 from statestream.interop._orbax_direct import read_chunk_direct
 from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
@@ -166,6 +166,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     except (MemoryError, PermissionError, KeyboardInterrupt, CheckpointCorruptError):
         raise
     except Exception as exc:  # orbax and tensorstore raise many types for one damage
+        drop_abandoned(exc)
         raise _corrupt(item, exc) from exc
     finally:
         handler.close()
