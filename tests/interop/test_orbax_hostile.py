@@ -282,3 +282,22 @@ def test_an_unknown_value_type_fails_without_printing_unawaited_coroutines(
                 call(o)
         gc.collect()  # the errors, and whatever they held, are freed
     assert not [w for w in got if "never awaited" in str(w.message)]
+
+
+def test_a_sparse_file_does_not_raise_the_bound_on_claimed_bytes(tmp_path: Path) -> None:
+    """The bound on what the arrays may claim is 8x the item's bytes + 64 MiB: a sparse
+    file of 1 TiB beside them (a few bytes in a tar archive) counted as 1 TiB and let a
+    claim of 2 GiB with no chunk stored through to the load's allocation."""
+    o = tmp_path / "o"
+    _save(o, {"w": np.arange(4.0), "b": np.ones(3)}, use_ocdbt=False)
+    with open(o / "padding", "wb") as f:
+        f.truncate(1 << 40)
+    if os.stat(o / "padding").st_blocks * 512 >= 1 << 20:
+        pytest.skip("this file system stores no sparse files")
+    n = 1 << 28
+    _edit_json(o / "w" / ".zarray", shape=[n], chunks=[n])
+    (o / "w" / "0").unlink()
+    with pytest.raises(ss.CheckpointCorruptError,
+                       match=r"key path 'w' claims 2147483648 bytes, but some of its chunks "
+                             "are missing"):
+        ss.metadata(o)

@@ -25,7 +25,8 @@ def refuse_links(item: str) -> int:
     refused (docs/security.md), so no read leaves the checkpoint's directory or blocks.
 
     Returns:
-        The bytes of the item's files, all together.
+        The bytes of the item's files, all together, as stored (a sparse file's holes,
+        free to ship, do not count).
     """
     stored = 0
     stack = [item]
@@ -43,8 +44,9 @@ def refuse_links(item: str) -> int:
                 raise UnsafeCheckpointError(
                     f"{e.path} is not a regular file or directory (a symbolic link, FIFO or "
                     "device); refused in an Orbax checkpoint")
-            else:
-                stored += st.st_size
+            else:  # a sparse file's holes are not stored (st_blocks: 512-byte units)
+                blocks = getattr(st, "st_blocks", None)
+                stored += st.st_size if blocks is None else min(st.st_size, blocks * 512)
     return stored
 
 
