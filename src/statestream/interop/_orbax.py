@@ -135,7 +135,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
             raise CheckpointCorruptError(
                 f"{d} is an Orbax checkpoint still being written (orbax's temporary "
                 "directory); it is incomplete")
-    stored = refuse_links(item)
+    stored, holes = refuse_links(item)
     layout = refuse_outside_names(item)
     use_ocdbt = layout.use_ocdbt
     # orbax's handler, not a Checkpointer: a Checkpointer's restore waits for every
@@ -176,8 +176,8 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
                           use_zarr3=use_zarr3, use_ocdbt=use_ocdbt, fills=layout.fills)
     try:  # a load allocates what the metadata claims: refuse claims of missing chunks
-        check_claims(item, walk.leaves, walk.blocks.values(), reader._store, stored,
-                     layout.fills)
+        check_claims(item, walk.leaves, walk.blocks.values(), reader._store,
+                     (stored, holes), layout.fills)
     except BaseException:
         reader.close()
         raise

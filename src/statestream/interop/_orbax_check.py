@@ -99,10 +99,12 @@ def check_scalars(item: str, scalars: list[tuple[KeyPath, Any]], spec: Callable[
 
 def check_claims(item: str, leaves: Sequence[Any],
                  blocks: Iterable[tuple[int, tuple[int, ...], tuple[int, ...]]],
-                 open_store: Callable[[Any], Any], stored: int, fills: bool) -> None:
+                 open_store: Callable[[Any], Any], stored: tuple[int, int],
+                 fills: bool) -> None:
     """:func:`check_fully_stored` of the reader's ``leaves`` (each with its index, key
     path, shape and dtype name), read in ``blocks`` (leaf index, start, shape) from the
-    tensorstore ``open_store(leaf)`` opens; ``stored``: the bytes of the item's files."""
+    tensorstore ``open_store(leaf)`` opens; ``stored``: the bytes of the item's files,
+    and of their holes (:func:`refuse_links`)."""
     boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for index, start, bshape in blocks:
         boxes.setdefault(index, []).append((start, bshape))
@@ -112,7 +114,7 @@ def check_claims(item: str, leaves: Sequence[Any],
         arrays.append(Stored(leaf.path, math.prod(leaf.shape) * isz,
                              functools.partial(open_store, leaf), boxes.get(leaf.index, []),
                              isz))
-    check_fully_stored(item, arrays, stored, fills)
+    check_fully_stored(item, arrays, stored[0], fills, stored[1])
 
 
 class Stored(NamedTuple):
@@ -128,13 +130,16 @@ class Stored(NamedTuple):
     itemsize: int
 
 
-def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool) -> None:
+def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool,
+                       holes: int = 0) -> None:
     """When ``arrays`` add up to more than :data:`STORED_FACTOR` times the ``stored``
     bytes of the item's files plus 64 MiB, refuse an array some of whose chunks are
     missing; or, where missing chunks read as the fill value (``fills``: a checkpoint
     written without ``store_array_data_equal_to_fill_value``, as orbax wrote before it
     stored every chunk), refuse once the boxes with a chunk missing add up to more than
-    that (each such box counted whole).
+    that (each such box counted whole). Files that are mostly holes (``holes`` bytes
+    of them past the same bound: a sparse chunk file stored uncompressed reads as
+    zeros and ships as nothing) are refused too.
 
     Raises:
         CheckpointCorruptError: naming ``item``, the key path and the bytes claimed.
@@ -143,6 +148,11 @@ def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool
     bound = STORED_FACTOR * stored + _STORED_SLACK
     if total <= bound:
         return
+    if holes > bound:
+        raise CheckpointCorruptError(
+            f"{item}: its files are sparse, {holes} bytes of holes holding none of their "
+            f"{stored} bytes stored, and the arrays claim {total} bytes; refusing to "
+            "allocate them")
     partial = [(a, store) for a, store, full in _fully_stored(item, arrays) if not full]
     missing = 0
     for a, store in partial:

@@ -19,16 +19,16 @@ __all__ = ["Layout", "key_impls", "outside", "refuse_links", "refuse_outside_nam
 _MAX_METADATA = 256 << 20
 
 
-def refuse_links(item: str) -> int:
+def refuse_links(item: str) -> tuple[int, int]:
     """Tensorstore opens the item's files by path and follows links: refuse a symbolic
     link, FIFO, socket or device anywhere under the item, as statestream's own files are
     refused (docs/security.md), so no read leaves the checkpoint's directory or blocks.
 
     Returns:
         The bytes of the item's files, all together, as stored (a sparse file's holes,
-        free to ship, do not count).
+        free to ship, do not count), and the bytes of their holes.
     """
-    stored = 0
+    stored = holes = 0
     stack = [item]
     while stack:
         d = stack.pop()
@@ -46,8 +46,10 @@ def refuse_links(item: str) -> int:
                     "device); refused in an Orbax checkpoint")
             else:  # a sparse file's holes are not stored (st_blocks: 512-byte units)
                 blocks = getattr(st, "st_blocks", None)
-                stored += st.st_size if blocks is None else min(st.st_size, blocks * 512)
-    return stored
+                held = st.st_size if blocks is None else min(st.st_size, blocks * 512)
+                stored += held
+                holes += st.st_size - held
+    return stored, holes
 
 
 def outside(name: str) -> bool:
