@@ -176,8 +176,7 @@ def open_orbax(directory: str) -> tuple[FileSetReader, Manifest]:
     reader = _OrbaxReader(directory, item, walk.memory, walk.blocks, walk.leaves,
                           use_zarr3=use_zarr3, use_ocdbt=use_ocdbt, fills=layout.fills)
     try:  # a load allocates what the metadata claims: refuse claims of missing chunks
-        check_claims(item, walk.leaves, walk.blocks.values(), reader._store,
-                     (stored, holes), layout.fills)
+        check_claims(item, walk.leaves, reader._store, (stored, holes), layout.fills)
     except BaseException:
         reader.close()
         raise

@@ -22,8 +22,8 @@ too), before anything is allocated:
   when read, and an array missing one is refused here;
 - a checkpoint without that flag (orbax's zarr v3 checkpoints did not store a chunk of
   zeros: an optimizer's fresh moments) reads a missing chunk as the fill value, as orbax
-  does; the boxes (storage chunks, or bands of them) with a chunk missing may add up to
-  at most the same bound, and are refused past it.
+  does; the arrays with a chunk missing (each counted whole) may add up to at most the
+  same bound, and are refused past it.
 
 What a stored chunk decompresses to is the codec's business (zstd: at most about 32,000
 times its size, for a run of zeros).
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from statestream.errors import CheckpointCorruptError
@@ -97,23 +97,13 @@ def check_scalars(item: str, scalars: list[tuple[KeyPath, Any]], spec: Callable[
                 "to read it")
 
 
-def check_claims(item: str, leaves: Sequence[Any],
-                 blocks: Iterable[tuple[int, tuple[int, ...], tuple[int, ...]]],
-                 open_store: Callable[[Any], Any], stored: tuple[int, int],
-                 fills: bool) -> None:
-    """:func:`check_fully_stored` of the reader's ``leaves`` (each with its index, key
-    path, shape and dtype name), read in ``blocks`` (leaf index, start, shape) from the
-    tensorstore ``open_store(leaf)`` opens; ``stored``: the bytes of the item's files,
-    and of their holes (:func:`refuse_links`)."""
-    boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    for index, start, bshape in blocks:
-        boxes.setdefault(index, []).append((start, bshape))
-    arrays = []
-    for leaf in leaves:
-        isz = dtype_from_name(leaf.dtype).itemsize
-        arrays.append(Stored(leaf.path, math.prod(leaf.shape) * isz,
-                             functools.partial(open_store, leaf), boxes.get(leaf.index, []),
-                             isz))
+def check_claims(item: str, leaves: Sequence[Any], open_store: Callable[[Any], Any],
+                 stored: tuple[int, int], fills: bool) -> None:
+    """:func:`check_fully_stored` of the reader's ``leaves`` (each with its key path,
+    shape and dtype name), whose tensorstores ``open_store(leaf)`` opens; ``stored``:
+    the bytes of the item's files, and of their holes (:func:`refuse_links`)."""
+    arrays = [Stored(leaf.path, math.prod(leaf.shape) * dtype_from_name(leaf.dtype).itemsize,
+                     functools.partial(open_store, leaf)) for leaf in leaves]
     check_fully_stored(item, arrays, stored[0], fills, stored[1])
 
 
@@ -125,9 +115,6 @@ class Stored(NamedTuple):
     nbytes: int
     #: opens its tensorstore
     open_store: Callable[[], Any]
-    #: the boxes (start, shape) it is read in, each a storage chunk or a band of them
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
-    itemsize: int
 
 
 def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool,
@@ -136,9 +123,11 @@ def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool
     bytes of the item's files plus 64 MiB, refuse an array some of whose chunks are
     missing; or, where missing chunks read as the fill value (``fills``: a checkpoint
     written without ``store_array_data_equal_to_fill_value``, as orbax wrote before it
-    stored every chunk), refuse once the boxes with a chunk missing add up to more than
-    that (each such box counted whole). Files that are mostly holes (``holes`` bytes
-    of them past the same bound: a sparse chunk file stored uncompressed reads as
+    stored every chunk), refuse once the arrays with a chunk missing add up to more
+    than that (each counted whole: tensorstore answers for a whole array at once, but
+    for part of one it visits every chunk of that part, millions of chunks of one
+    element each for a hostile ``.zarray``). Files that are mostly holes (``holes``
+    bytes of them past the same bound: a sparse chunk file stored uncompressed reads as
     zeros and ships as nothing) are refused too.
 
     Raises:
@@ -153,50 +142,33 @@ def check_fully_stored(item: str, arrays: list[Stored], stored: int, fills: bool
             f"{item}: its files are sparse, {holes} bytes of holes holding none of their "
             f"{stored} bytes stored, and the arrays claim {total} bytes; refusing to "
             "allocate them")
-    partial = [(a, store) for a, store, full in _fully_stored(item, arrays) if not full]
     missing = 0
-    for a, store in partial:
+    for a in _not_fully_stored(item, arrays):
         if not fills:
             raise CheckpointCorruptError(
                 f"{item}: key path '{format_keypath(a.path)}' claims {a.nbytes} bytes, but "
                 f"some of its chunks are missing (the arrays claim {total} bytes; the "
                 f"item's files hold {stored}); refusing to allocate them")
-        missing += _missing_bytes(item, a, store)
+        missing += a.nbytes
         if missing > bound:
             raise CheckpointCorruptError(
-                f"{item}: key path '{format_keypath(a.path)}': the chunks missing from the "
-                f"arrays so far (read as the fill value) add up to {missing} bytes, more "
+                f"{item}: key path '{format_keypath(a.path)}': the arrays with chunks "
+                f"missing so far (read as the fill value) add up to {missing} bytes, more "
                 f"than {STORED_FACTOR} times the {stored} bytes of the item's files plus "
                 "64 MiB; refusing to allocate them")
 
 
-def _missing_bytes(item: str, a: Stored, store: Any) -> int:
-    """The bytes of ``a``'s boxes that have a chunk missing (each counted whole)."""
-    try:
-        futures = [(box, store[tuple(slice(s, s + n) for s, n in zip(*box))]
-                    .storage_statistics(query_fully_stored=True)) for box in a.boxes]
-        return sum(math.prod(box[1]) * a.itemsize for box, f in futures
-                   if not f.result().fully_stored)
-    except (MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        raise CheckpointCorruptError(
-            f"{item}: key path '{format_keypath(a.path)}': cannot list its stored "
-            f"chunks ({type(exc).__name__}: {str(exc)[:300]})") from exc
-
-
-def _fully_stored(item: str, arrays: list[Stored]) -> list[tuple[Stored, Any, bool]]:
-    """(array, its tensorstore, whether every chunk of it is stored) of each array
-    that has bytes."""
+def _not_fully_stored(item: str, arrays: list[Stored]) -> list[Stored]:
+    """The arrays with bytes some of whose chunks are not stored."""
     stats = []
     for a in arrays:
         if a.nbytes:  # opened in order (each open starts the next ones)
-            store = a.open_store()
-            stats.append((a, store, store.storage_statistics(query_fully_stored=True)))
+            stats.append((a, a.open_store().storage_statistics(query_fully_stored=True)))
     out = []
-    for a, store, f in stats:
+    for a, f in stats:
         try:
-            out.append((a, store, bool(f.result().fully_stored)))
+            if not f.result().fully_stored:
+                out.append(a)
         except (MemoryError, KeyboardInterrupt):
             raise
         except Exception as exc:
