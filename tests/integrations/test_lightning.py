@@ -483,3 +483,50 @@ def test_on_s3_a_save_in_flight_is_no_remains(s3, tmp_path):
     io.remove_checkpoint(url)
     assert _keys(client, key) == before != []
     txn.abort()
+
+
+def test_a_last_link_is_replaced_by_a_checkpoint_and_its_target_kept(tmp_path):
+    # save_last="link" makes last.ckpt a symbolic link to the newest top-k checkpoint.
+    # A save to last.ckpt (a run resumed with save_last=True, or with "link" where the
+    # first epoch after the resume is not in the top k) raised CheckpointExistsError
+    # ("never replaces a link") and stopped training. Now the link is replaced by the
+    # checkpoint, atomically, and what it pointed to is left as it was.
+    ckdir = tmp_path / "ck"
+
+    def top(save_last):
+        return ModelCheckpoint(dirpath=ckdir, monitor="epoch_score", mode="max",
+                               save_top_k=1, save_last=save_last, filename="{epoch}")
+
+    trainer(tmp_path / "a", 2, StatestreamCheckpointIO(), [top("link")]).fit(Net(), data())
+    assert os.readlink(ckdir / "last.ckpt") == "epoch=1.ckpt"
+    resumed = trainer(tmp_path / "b", 3, StatestreamCheckpointIO(), [top(True)])
+    resumed.fit(Net(), data(), ckpt_path="last")
+    assert resumed.current_epoch == 3
+    assert not os.path.islink(ckdir / "last.ckpt")
+    assert ss.load(ckdir / "last.ckpt", items=["epoch"]) == {"epoch": 2}
+    assert ckpt_names(ckdir) == ["epoch=2.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(ckdir)) == ckpt_names(ckdir)  # no hidden leftovers
+
+
+@pytest.mark.parametrize("plugin_cls", [StatestreamCheckpointIO, AsyncStatestreamCheckpointIO],
+                         ids=["sync", "async"])
+def test_saving_to_a_link_leaves_its_target_alone(tmp_path, plugin_cls):
+    io = plugin_cls()
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    io.wait()
+    os.symlink("a.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "last.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.zeros(3))
+    assert not os.path.islink(tmp_path / "last.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(3))
+    os.symlink("gone.ckpt", tmp_path / "dangling.ckpt")  # a link to nothing is replaced too
+    io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "dangling.ckpt")
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "dangling.ckpt")["w"], torch.ones(1))
+    torch.save({"a": 1}, tmp_path / "old.pt")  # a link to something else is still refused
+    os.symlink("old.pt", tmp_path / "other.ckpt")
+    with pytest.raises(ss.CheckpointExistsError):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "other.ckpt")
+        io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "dangling.ckpt", "last.ckpt", "old.pt",
+                                            "other.ckpt"]

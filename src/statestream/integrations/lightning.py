@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import threading
 from typing import Any
 
@@ -52,6 +53,7 @@ from statestream.api._pickles import AllowPickle
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.format import DATA_DIR, FORMAT_NAME, MANIFEST_NAME
 from statestream.storage import storage_for
+from statestream.storage._local import exchange_paths, fsync_dir
 
 __all__ = ["AsyncStatestreamCheckpointIO", "StatestreamCheckpointIO"]
 
@@ -108,7 +110,8 @@ class StatestreamCheckpointIO(CheckpointIO):
         self.allow_pickle = _trusted(allow_pickle)
         self.io = io
         self.memory = memory
-        self._inflight: dict[str, list[ss.SaveHandle]] = {}
+        # each background save with what puts it in place once committed (or None)
+        self._inflight: dict[str, list[tuple[ss.SaveHandle, _Finish | None]]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ save
@@ -128,8 +131,14 @@ class StatestreamCheckpointIO(CheckpointIO):
                 "constructor instead"
             )
         key = os.fspath(path)
-        self._reap(key, wait=False)
-        if _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
+        self._reap(key, wait=os.path.islink(key))  # a link's replacement goes first
+        where, finish = key, None
+        if _replaceable_link(key):  # save_last="link" made it: replaced, its target kept
+            where = _beside(key)
+            if os.path.islink(where):  # a swap killed before the old link was removed
+                os.unlink(where)
+            finish = _Finish(where, key)
+        elif _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
             storage, spath = storage_for(key)
             storage.delete(spath)
         kwargs: dict[str, Any] = {
@@ -140,11 +149,13 @@ class StatestreamCheckpointIO(CheckpointIO):
             "collective": ss.SingleProcess(),
         }
         if self.async_save:
-            handle = ss.save_async(key, checkpoint, **kwargs)
+            handle = ss.save_async(where, checkpoint, **kwargs)
             with self._lock:
-                self._inflight.setdefault(key, []).append(handle)
+                self._inflight.setdefault(key, []).append((handle, finish))
         else:
-            ss.save(key, checkpoint, **kwargs)
+            ss.save(where, checkpoint, **kwargs)
+            if finish is not None:
+                finish(True)
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
@@ -225,21 +236,29 @@ class StatestreamCheckpointIO(CheckpointIO):
         Raises the error of a failed save (each handle is reaped once).
         """
         with self._lock:
-            pending = [(k, h) for k, hs in self._inflight.items() for h in hs]
+            pending = [(k, e) for k, es in self._inflight.items() for e in es]
         first: BaseException | None = None
-        for k, h in pending:
+        for k, (h, finish) in pending:
             if not (h.done() or (wait and key in (None, k))):
                 continue
+            ok = False
             try:
                 h.result()
+                ok = True
             except BaseException as exc:
                 first = first or exc
             with self._lock:
                 hs = self._inflight.get(k, [])
-                if h in hs:
-                    hs.remove(h)
+                if (h, finish) not in hs:
+                    continue  # reaped meanwhile
+                hs.remove((h, finish))
                 if not hs:
                     self._inflight.pop(k, None)
+            if finish is not None:
+                try:
+                    finish(ok)
+                except BaseException as exc:
+                    first = first or exc
         if first is not None:
             raise first
 
@@ -292,6 +311,47 @@ def _interrupted_deletion(key: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def _replaceable_link(key: str) -> bool:
+    """Whether ``key`` is a symbolic link a save replaces: one to a committed statestream
+    checkpoint (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) or to
+    nothing. A link to anything else is left to the storage, which refuses it."""
+    if "://" in key or not os.path.islink(key):
+        return False
+    if not os.path.exists(key):
+        return True
+    storage, spath = storage_for(key)
+    return storage.is_committed(spath)
+
+
+def _beside(key: str) -> str:
+    """Where a save that replaces the link ``key`` is written before it takes its place
+    (hidden: Lightning's search for ``last*.ckpt`` passes it over)."""
+    parent, name = os.path.split(os.path.abspath(key))
+    return os.path.join(parent, f".{name}.relink")
+
+
+class _Finish:
+    """Puts a checkpoint saved beside a link in the link's place once committed: one
+    atomic swap (renameat2), else unlink and rename; the link itself is removed, never
+    what it pointed to. A failed save's remains go."""
+
+    def __init__(self, saved: str, link: str) -> None:
+        self.saved, self.link = saved, link
+
+    def __call__(self, ok: bool) -> None:
+        if not ok:
+            shutil.rmtree(self.saved, ignore_errors=True)
+            return
+        parent = os.path.dirname(os.path.abspath(self.link))
+        if exchange_paths(self.saved, self.link):
+            os.unlink(self.saved)  # the link, now
+        else:
+            if os.path.islink(self.link):
+                os.unlink(self.link)
+            os.rename(self.saved, self.link)
+        fsync_dir(parent)
 
 
 #: Top-level keys of a Lightning checkpoint whose tensors become an object's state.
