@@ -303,3 +303,21 @@ def test_a_step_saved_again_and_killed_while_replacing_keeps_a_checkpoint(
     assert not [n for n in os.listdir(out) if n.endswith((".old", ".partial"))]
     if two_renames:  # the old checkpoint of step 6: training from it ends as the reference
         assert_same(weights(model), reference)
+
+
+def test_a_new_run_beside_higher_steps_keeps_its_own_checkpoints(tmp_path):
+    # save_total_limit rotated by step number: a run started again in an output_dir
+    # holding an earlier run's checkpoints at higher steps (or resumed from an older
+    # checkpoint) deleted each checkpoint it had just written, as the lowest step,
+    # leaving nothing of its own to resume from. transformers' Trainer rotates by
+    # modification time (the newest is kept); now so does this one.
+    _, trainer = make(StatestreamTrainer, tmp_path, callbacks=[StopAt(6)], async_save=False)
+    trainer.train()
+    long_ago = os.path.getmtime(tmp_path / "checkpoint-6") - 3600
+    for old, new in (("checkpoint-3", "checkpoint-300"), ("checkpoint-6", "checkpoint-600")):
+        os.rename(tmp_path / old, tmp_path / new)
+        os.utime(tmp_path / new, (long_ago, long_ago))
+    _, trainer = make(StatestreamTrainer, tmp_path, callbacks=[StopAt(4)], async_save=False)
+    trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-600"]
+    assert is_statestream_checkpoint(tmp_path / "checkpoint-3")

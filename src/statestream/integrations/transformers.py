@@ -349,8 +349,11 @@ class StatestreamCheckpointing:
         else:
             os.rename(partial, final)
             fsync_dir(run_dir)
+        # By modification time, as Trainer._save_checkpoint: the newest is kept even
+        # where an earlier run left checkpoints at higher steps.
         rotate_checkpoints(output_dir=run_dir, save_total_limit=t.args.save_total_limit,
-                           best_model_checkpoint=t.state.best_model_checkpoint)
+                           best_model_checkpoint=t.state.best_model_checkpoint,
+                           use_mtime=True)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         t: Any = self
