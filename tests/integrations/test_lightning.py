@@ -519,6 +519,14 @@ def test_saving_to_a_link_leaves_its_target_alone(tmp_path, plugin_cls):
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.zeros(3))
     assert not os.path.islink(tmp_path / "last.ckpt")
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(3))
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.ckpt")
+    io.wait()
+    (tmp_path / "b.ckpt" / "COMMITTED").unlink()  # a removal of it killed part-way
+    os.symlink("b.ckpt", tmp_path / "half.ckpt")
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "half.ckpt")
+    io.wait()
+    assert torch.equal(io.load_checkpoint(tmp_path / "half.ckpt")["w"], torch.zeros(2))
+    assert (tmp_path / "b.ckpt" / "manifest.json").exists()  # left to its own removal
     os.symlink("gone.ckpt", tmp_path / "dangling.ckpt")  # a link to nothing is replaced too
     io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "dangling.ckpt")
     io.teardown()
@@ -528,5 +536,5 @@ def test_saving_to_a_link_leaves_its_target_alone(tmp_path, plugin_cls):
     with pytest.raises(ss.CheckpointExistsError):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "other.ckpt")
         io.teardown()
-    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "dangling.ckpt", "last.ckpt", "old.pt",
-                                            "other.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "dangling.ckpt", "half.ckpt",
+                                            "last.ckpt", "old.pt", "other.ckpt"]

@@ -315,14 +315,15 @@ def _interrupted_deletion(key: str) -> bool:
 
 def _replaceable_link(key: str) -> bool:
     """Whether ``key`` is a symbolic link a save replaces: one to a committed statestream
-    checkpoint (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) or to
-    nothing. A link to anything else is left to the storage, which refuses it."""
+    checkpoint (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one), to what
+    a killed removal of one left, or to nothing. A link to anything else is left to the
+    storage, which refuses it."""
     if "://" in key or not os.path.islink(key):
         return False
     if not os.path.exists(key):
         return True
     storage, spath = storage_for(key)
-    return storage.is_committed(spath)
+    return storage.is_committed(spath) or _interrupted_deletion(os.path.realpath(key))
 
 
 def _beside(key: str) -> str:
