@@ -538,3 +538,21 @@ def test_saving_to_a_link_leaves_its_target_alone(tmp_path, plugin_cls):
         io.teardown()
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "dangling.ckpt", "half.ckpt",
                                             "last.ckpt", "old.pt", "other.ckpt"]
+
+
+def test_a_link_replaced_during_a_background_save_to_it_is_kept(tmp_path):
+    # save_last="link": a background save to the last.ckpt link, then Lightning links
+    # last.ckpt to a newer checkpoint itself (no plugin call) before that save is put
+    # in place: the newer link stays, the older save is dropped.
+    io = AsyncStatestreamCheckpointIO()
+    for name in ("a.ckpt", "b.ckpt"):
+        io.save_checkpoint({"w": torch.ones(3)}, tmp_path / name)
+    io.wait()
+    os.symlink("a.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "last.ckpt")
+    os.remove(tmp_path / "last.ckpt")  # as ModelCheckpoint._link_checkpoint
+    os.symlink("b.ckpt", tmp_path / "last.ckpt")
+    io.teardown()
+    assert os.readlink(tmp_path / "last.ckpt") == "b.ckpt"
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "last.ckpt"]
+

@@ -336,12 +336,18 @@ def _beside(key: str) -> str:
 class _Finish:
     """Puts a checkpoint saved beside a link in the link's place once committed: one
     atomic swap (renameat2), else unlink and rename; the link itself is removed, never
-    what it pointed to. A failed save's remains go."""
+    what it pointed to. A failed save's remains go, and so does a background save whose
+    link Lightning replaced meanwhile (``save_last="link"`` links the newer one)."""
 
     def __init__(self, saved: str, link: str) -> None:
         self.saved, self.link = saved, link
+        self.points_to = os.readlink(link)
 
     def __call__(self, ok: bool) -> None:
+        if ok and not self._link_unchanged():
+            # Lightning linked it anew meanwhile (save_last="link"): that is newer
+            log.debug("%s was replaced while a save to it ran; that save is dropped", self.link)
+            ok = False
         if not ok:
             shutil.rmtree(self.saved, ignore_errors=True)
             return
@@ -353,6 +359,12 @@ class _Finish:
                 os.unlink(self.link)
             os.rename(self.saved, self.link)
         fsync_dir(parent)
+
+    def _link_unchanged(self) -> bool:
+        try:
+            return os.readlink(self.link) == self.points_to
+        except OSError:  # gone, or no longer a link
+            return False
 
 
 #: Top-level keys of a Lightning checkpoint whose tensors become an object's state.
