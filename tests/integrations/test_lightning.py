@@ -556,3 +556,14 @@ def test_a_link_replaced_during_a_background_save_to_it_is_kept(tmp_path):
     assert os.readlink(tmp_path / "last.ckpt") == "b.ckpt"
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "last.ckpt"]
 
+
+def test_what_a_killed_link_replacement_left_goes_with_the_next_save(tmp_path):
+    # A save replacing a last.ckpt link is written to .last.ckpt.relink first; killed
+    # after its commit and before the swap, that checkpoint stayed there for good.
+    io = StatestreamCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / ".last.ckpt.relink")  # the remains
+    os.symlink("nowhere", tmp_path / ".x.ckpt.relink")  # killed mid-swap: the old link
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "x.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "x.ckpt"]
+

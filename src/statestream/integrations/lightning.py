@@ -138,9 +138,11 @@ class StatestreamCheckpointIO(CheckpointIO):
             if os.path.islink(where):  # a swap killed before the old link was removed
                 os.unlink(where)
             finish = _Finish(where, key)
-        elif _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
-            storage, spath = storage_for(key)
-            storage.delete(spath)
+        else:
+            if _interrupted_deletion(key):  # a killed removal's remains: replaced like the rest
+                storage, spath = storage_for(key)
+                storage.delete(spath)
+            _drop_stale_side(key)
         kwargs: dict[str, Any] = {
             "overwrite": True,  # Lightning rewrites last.ckpt in place
             "pickle_paths": ["<root>"] if self.pickle else (),
@@ -331,6 +333,21 @@ def _beside(key: str) -> str:
     (hidden: Lightning's search for ``last*.ckpt`` passes it over)."""
     parent, name = os.path.split(os.path.abspath(key))
     return os.path.join(parent, f".{name}.relink")
+
+
+def _drop_stale_side(key: str) -> None:
+    """Remove what a save that replaced the link ``key`` left beside it when killed
+    between its commit and the swap (or mid-swap: the old link), once ``key`` is no
+    longer such a link (nothing else would ever remove it)."""
+    if "://" in key or os.path.islink(key):
+        return
+    side = _beside(key)
+    if os.path.islink(side):
+        os.unlink(side)
+    elif os.path.isdir(side):
+        storage, spath = storage_for(side)
+        if storage.is_committed(spath) or _interrupted_deletion(side):
+            storage.delete(spath)
 
 
 class _Finish:
