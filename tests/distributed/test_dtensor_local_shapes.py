@@ -6,8 +6,9 @@ where rows 0-2 of 6 are its shard) was saved as it was, its chunks short, and th
 checkpoint committed with a manifest claiming bytes no data file held: the load then
 failed with "TruncatedFileError: ... needs bytes [0, 36) of data/r0-0.bin, which has
 only 24 bytes". Now the walk refuses it, on every rank, naming the key path, the local
-shape and the shard's shape, and nothing is committed. A larger local tensor is a
-padded shard, whose real part is saved (as before).
+shape and the shard's shape, and nothing is committed. So is one larger along a dim no
+placement shards (3 columns where the global shape has 2: one was dropped unseen); one
+larger along a sharded dim is a padded shard, whose real part is saved (as before).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def _states(rank: int) -> dict[str, Any]:
         "short_on_both": {"w": dt(2, 6)},
         # 5 rows: torch gives rank 0 rows 0-2, rank 1 rows 3-4; rank 0 passes 2, rank 1 3
         "short_on_rank_0": {"w": dt(2 + rank, 5)},
+        # 3 columns where the global shape says 2: part of it would be dropped unseen
+        "wide": {"w": DTensor.from_local(local(3), mesh, [Shard(0)], run_check=False,
+                                         shape=torch.Size((6, 2)), stride=(2, 1))},
         # a padded shard: 3 rows on each rank, rank 1's last one padding
         "padded": {"w": dt(3, 5)},
     }
@@ -86,6 +90,11 @@ def test_a_local_tensor_smaller_than_its_shard_is_refused(tmp_path: Path) -> Non
                     "give this rank a shard of shape [3, 3]" in v["message"]), v["message"]
             assert v["message"].endswith("nothing was committed"), v["message"]
             assert v["left"] == [], (r.rank, case, v)
+        wide = r.value["wide"]
+        assert wide["raised"] == "DistributedError", wide
+        assert ("has a local tensor of shape [3, 3] on this rank, but its placements give "
+                "this rank a shard of shape [3, 2]" in wide["message"]), wide["message"]
+        assert wide["left"] == [], wide
         padded = r.value["padded"]
         assert padded["raised"] is None, padded
         want = [[float(i * 3 + j) for j in range(3)] for i in range(3)]

@@ -22,6 +22,8 @@ import math
 import sys
 from typing import Any
 
+from statestream.errors import UnsupportedTypeError
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 Runs = list[tuple[int, int]]  # [start, stop) ranges of global indices, in local order
 
@@ -45,6 +47,28 @@ class DTensorLayout:
                 return tuple(x + b - a for x, a, b in zip(loc, g, start))
         # Engine bug, not bad input: the engine asks only for boxes this process holds.
         raise ValueError(f"box {start}+{shape} is not held by this process")
+
+
+def refuse_local_mismatch(local: Any, layout: DTensorLayout, obj: Any, where: str) -> None:
+    """Refuse a DTensor whose local tensor does not hold the shard its placements give
+    this rank (``DTensor.from_local(..., run_check=False)`` with a wrong ``shape``):
+    smaller, its chunks would be short and the manifest would claim bytes no file
+    holds; larger along a dim no placement shards, part of it would be dropped
+    unseen. Larger along a sharded dim is a padded shard (its real part is saved)."""
+    if not layout.held():
+        return
+    have = tuple(int(n) for n in local.shape)
+    want = layout.local_shape
+    sharded = {pl.dim % len(want) for pl in obj.placements if getattr(pl, "dim", None) is not None}
+    if len(have) == len(want) and all(
+            a == b or (a > b and d in sharded) for d, (a, b) in enumerate(zip(have, want))):
+        return
+    raise UnsupportedTypeError(
+        f"DTensor at key path '{where}' (global shape {list(obj.shape)}, placements "
+        f"{tuple(obj.placements)}) has a local tensor of shape {list(have)} on this rank, "
+        f"but its placements give this rank a shard of shape {list(want)}: the local "
+        "tensors do not match the global shape (from_local with run_check=False and a "
+        "wrong shape?)")
 
 
 def strided_split(placement: Any) -> int | None:

@@ -29,7 +29,12 @@ from statestream.providers._base import (
     box_slices,
     row_block_chunker,
 )
-from statestream.providers._dtensor import DTensorLayout, dtensor_layout, strided_split
+from statestream.providers._dtensor import (
+    DTensorLayout,
+    dtensor_layout,
+    refuse_local_mismatch,
+    strided_split,
+)
 from statestream.providers._dtensor import is_dtensor as _is_dtensor
 from statestream.providers._torch_bytes import byte_view, contiguous_bytes, host_bytes
 from statestream.providers._torch_device import device_staging
@@ -175,7 +180,7 @@ class TorchProvider(ArrayProvider):
             )
         lshape = layout.local_shape
         local = obj.to_local().detach()
-        _refuse_short_local(local, layout, obj, where)
+        refuse_local_mismatch(local, layout, obj, where)
         if tuple(local.shape) != lshape:  # padded local shards: keep the real part
             local = local[tuple(slice(0, n) for n in lshape)]
         shape = tuple(int(x) for x in obj.shape)
@@ -568,25 +573,6 @@ def _layout(t: Any, what: str) -> DTensorLayout:
                 "supported (redistribute it first, e.g. to Replicate())"
             )
     return dtensor_layout(t.shape, t.device_mesh, t.placements)
-
-
-def _refuse_short_local(local: Any, layout: DTensorLayout, obj: Any, where: str) -> None:
-    """Refuse a DTensor whose local tensor is smaller than its placements say this
-    rank holds (``DTensor.from_local(..., run_check=False)`` with a wrong ``shape``):
-    its chunks would be short, and the checkpoint's manifest would claim bytes no
-    file holds. A larger one is a padded shard (its real part is saved)."""
-    if not layout.held():
-        return
-    have = tuple(int(n) for n in local.shape)
-    if len(have) == len(layout.local_shape) and all(
-            a >= b for a, b in zip(have, layout.local_shape)):
-        return
-    raise UnsupportedTypeError(
-        f"DTensor at key path '{where}' (global shape {list(obj.shape)}, placements "
-        f"{tuple(obj.placements)}) has a local tensor of shape {list(have)} on this rank, "
-        f"but its placements give this rank a shard of shape {list(layout.local_shape)}: "
-        "the local tensors do not match the global shape (from_local with run_check=False "
-        "and a wrong shape?)")
 
 
 def _layout_views(layout: DTensorLayout, local: np.ndarray
