@@ -100,6 +100,15 @@ class JaxProvider(ArrayProvider):
         jax = _jax()
         _check_not_deleted(obj, f"at key path '{format_keypath(path)}': ")
         shards = getattr(obj, "addressable_shards", None)
+        if not shards and not getattr(obj, "is_fully_addressable", True):
+            # a global array on other processes' devices only: this one holds none of
+            # it (they write it); reading it here would fetch from devices it cannot see
+            first = prepare_host_array(np.empty((0,), dtype=np.dtype(obj.dtype)), path,
+                                       self.kind)
+            return PreparedArray(kind=self.kind, dtype=first.dtype,
+                                 shape=tuple(int(x) for x in obj.shape),
+                                 chunk=_holds_nothing, copies=False, boxes=[],
+                                 distributed=True)
         if not shards or (len(shards) == 1 and jax.process_count() == 1):
             if _host_view_is_free(obj):
                 # On the CPU this is a zero-copy view of the device buffer; holding the
@@ -217,9 +226,17 @@ class JaxProvider(ArrayProvider):
                     host = host.astype(want)
                 place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
                 arrays.append(jax.device_put(host, place))
+            if not arrays:  # a sharding over other processes' devices only
+                return jax.make_array_from_single_device_arrays(shape, sharding, arrays,
+                                                                dtype=canonical)
             return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         return Destination(boxes=[(b[0], buf) for b, buf in bufs.items()], finish=finish)
+
+
+def _holds_nothing(start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    # Engine bug, not bad input: the plan gives a process only boxes it holds.
+    raise ValueError(f"box {start}+{shape} is not held by this process")
 
 
 def _canonical(dtype: Any) -> Any:
