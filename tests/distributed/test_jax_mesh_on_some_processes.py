@@ -74,6 +74,10 @@ def worker(ctx: Context) -> dict[str, Any]:
                                               sharding=NamedSharding(first, P(None, "a")))}
         got = ss.load(root / "ck", target=like, items=["every"])["every"]
         out["onto_first"] = {"shape": list(got.shape), "shards": _shards(got)}
+        # a lazy save takes a private copy of each array first (on its own devices)
+        handle = ss.save_async(root / "lazy", {"first": make(first, P("a"))}, lazy=True)
+        handle.result()
+        out["lazy"] = bool(np.array_equal(ss.load(root / "lazy")["first"], FULL))
     except ss.CheckpointError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     jax.distributed.shutdown()
@@ -89,6 +93,7 @@ def test_an_array_on_one_process_devices_saves_and_loads(tmp_path: Path) -> None
         # the 2x2 mesh: each process holds one row of devices, two quarters of the array
         assert len(r.value["onto_every"]) == 2 and all(ok for _, ok in r.value["onto_every"])
         assert r.value["onto_first"]["shape"] == [4, 6]
+        assert r.value["lazy"] is True
     # process 0 holds both column halves; process 1 none of the array
     assert [ok for _, ok in res[0].value["onto_first"]["shards"]] == [True, True]
     assert res[1].value["onto_first"]["shards"] == []
