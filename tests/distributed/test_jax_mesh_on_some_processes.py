@@ -74,6 +74,15 @@ def worker(ctx: Context) -> dict[str, Any]:
                                               sharding=NamedSharding(first, P(None, "a")))}
         got = ss.load(root / "ck", target=like, items=["every"])["every"]
         out["onto_first"] = {"shape": list(got.shape), "shards": _shards(got)}
+        # one device of process 0: process 1 reads none of it
+        from jax.sharding import SingleDeviceSharding
+
+        calls: list[Any] = []
+        like = {"first": jax.ShapeDtypeStruct(FULL.shape, np.float32,
+                                              sharding=SingleDeviceSharding(devs[0]))}
+        got = ss.load(root / "ck", target=like, items=["first"],
+                      progress=lambda done, total: calls.append(total))["first"]
+        out["one_device"] = {"shards": _shards(got), "read": max(calls, default=0)}
         # a lazy save takes a private copy of each array first (on its own devices)
         handle = ss.save_async(root / "lazy", {"first": make(first, P("a"))}, lazy=True)
         handle.result()
@@ -97,3 +106,6 @@ def test_an_array_on_one_process_devices_saves_and_loads(tmp_path: Path) -> None
     # process 0 holds both column halves; process 1 none of the array
     assert [ok for _, ok in res[0].value["onto_first"]["shards"]] == [True, True]
     assert res[1].value["onto_first"]["shards"] == []
+    assert res[0].value["one_device"]["shards"] == [[[[None, None], [None, None]], True]]
+    assert res[0].value["one_device"]["read"] >= FULL.nbytes
+    assert res[1].value["one_device"] == {"shards": [], "read": 0}

@@ -168,7 +168,9 @@ class JaxProvider(ArrayProvider):
                 "load it into a uint32 target and make keys of it with "
                 "jax.random.wrap_key_data")
         sharding = getattr(like, "sharding", None) if like is not None else None
-        if sharding is not None and not _single_device(sharding):
+        if sharding is not None and (not _single_device(sharding)
+                                     or not getattr(sharding, "is_fully_addressable", True)):
+            # (one device of another process: this one holds nothing of it, reads nothing)
             return self._restore_sharded(dtype, shape, like, sharding, path)
         dest = host_destination(dtype, shape)
 
