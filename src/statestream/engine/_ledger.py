@@ -174,10 +174,15 @@ class StagingLedger:
             self._covered_cv.notify_all()
         return item.array if self._left[item.array] == 0 else None
 
-    def race_copy(self, item: WriteItem, charged: int) -> bool:
+    def race_copy(self, item: WriteItem, charged: int,
+                  check: Callable[[list[WriteItem]], None]) -> bool:
         """Copy one chunk into a pooled buffer unless a writer already read it
         (copy threads): a host buffer idle or fresh (see :meth:`race_start`), a
         page-locked one only idle.
+
+        ``check([item])`` runs once the copy landed and before the chunk counts as
+        covered: its array's values must not have changed since the walk. Covered,
+        a guarded step may change them (as :meth:`race_written` checks first too).
 
         Returns whether the copy was kept; if not, the caller releases
         ``charged``. A device copy is waited for here.
@@ -219,6 +224,10 @@ class StagingLedger:
                     f"copying the value at key path '{self._key_of(item.array)}' failed: {exc}"
                 ) from exc
             raise
+        with self._lock:
+            direct = key in self._direct
+        if not direct:  # else its writer checks it (and may have covered it already)
+            check([item])
         with self._lock:
             self._copying.discard(key)
             kept = key not in self._direct

@@ -126,9 +126,8 @@ def _race(job: SaveJob, torn: set[int]) -> None:
         if got is None:
             full.set()  # the writers read the rest from the state
             return
-        if job.ledger.race_copy(it, got):
-            check_copied(job, [it], torn)
-        else:
+        # checked before the chunk counts as covered: a guarded step may go on then
+        if not job.ledger.race_copy(it, got, lambda its: check_copied(job, its, torn)):
             job.budget.release(got)
 
     # A lazy snapshot copies on its own (background) thread: a thread pool cannot

@@ -1,0 +1,68 @@
+"""What a lazy snapshot promises about order: a tensor is reported copied (a guarded step
+may then change it) only after the check that its copy is not torn.
+
+The snapshot is held at points of the library (its own hooks) and at the moment it
+reports an array ready (``SaveHandle.array_ready``, wrapped here), so the guarded step
+runs exactly in the window under test. Timeouts only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statestream as ss
+from statestream import _hooks
+from statestream.engine import SaveHandle
+
+torch = pytest.importorskip("torch")
+
+_WAIT_S = 120
+
+
+@pytest.fixture
+def hooks() -> Iterator[None]:
+    _hooks.clear()
+    yield
+    _hooks.clear()
+
+
+def test_a_guarded_step_right_after_a_copy_does_not_fail_the_save(
+        tmp_path: Path, hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy thread reported a chunk's array ready, then checked the array's version
+    # counter: a guarded step let through by the report bumped it in between, and the
+    # save failed as torn although the copy held the values from before the step.
+    big = torch.zeros(10 << 20 >> 2)  # 10 MiB in 1 MiB chunks, written from the front
+    w = torch.nn.Parameter(torch.ones(1000))  # the last chunk: copied first, from the back
+    w.grad = torch.ones(1000)
+    opt = torch.optim.SGD([w], lr=1.0)
+    stepped = threading.Event()
+    real = SaveHandle.array_ready
+
+    def array_ready(self: SaveHandle, index: int) -> None:
+        real(self, index)
+        if index == 1:  # w: let the guarded step run before the copy thread goes on
+            assert stepped.wait(_WAIT_S)
+
+    monkeypatch.setattr(SaveHandle, "array_ready", array_ready)
+    first = [True]
+
+    def hold_the_writer() -> None:  # after its first batch: w is left to the copy
+        if first[0]:
+            first[0] = False
+            assert stepped.wait(_WAIT_S)
+
+    _hooks.register("save.chunk_written", hold_the_writer)
+    path = tmp_path / "c"
+    h = ss.save_async(path, {"big": big, "w": w}, lazy=True,
+                      io=ss.IOOptions(num_threads=1, max_chunk_bytes=1 << 20))
+    ss.guard_optimizer(opt, h)
+    opt.step()  # waits for w's copy only
+    stepped.set()
+    h.result(timeout=_WAIT_S)
+    assert np.all(w.detach().numpy() == 0.0)  # it did step
+    np.testing.assert_array_equal(ss.load(path)["w"], np.ones(1000, dtype=np.float32))
