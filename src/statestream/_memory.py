@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import mmap
+import os
 import threading
 from collections.abc import Callable
 
@@ -50,6 +51,16 @@ def _advice_switch() -> Callable[[bool], bool] | None:
 
 _SWITCH = _advice_switch()
 _LOCK = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    # after fork(): a thread that held it (a save's copy thread) did not come along
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def fresh_bytes(nbytes: int) -> np.ndarray:

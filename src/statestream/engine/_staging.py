@@ -22,6 +22,7 @@ the next save (see :attr:`StagingPool.epoch`).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -267,6 +268,17 @@ class StagingPool:
             self.idle_bytes = 0
         return freed
 
+    def forget_parent(self) -> None:
+        """In a child after ``fork()``: the buffers lent out and the bytes reserved are
+        the parent's threads', which did not come along and never give them back; a
+        lock one of them held at the fork stays held, and what it was changing under
+        the lock may be half done. The child starts with an empty pool of its own."""
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._idle = collections.OrderedDict()
+        self._by_size = {}
+        self.idle_bytes = self.lent_bytes = self.reserved_bytes = self.waiting = 0
+
     def _evict_locked(self, incoming: int) -> None:
         # Oldest idle buffers go first until idle + lent + reserved + incoming fits.
         while self._idle and (self.idle_bytes + self.lent_bytes + self.reserved_bytes
@@ -284,6 +296,16 @@ class StagingPool:
 
 _HOST = StagingPool()
 _PINNED = StagingPool(allocate=_pinned_alloc)
+
+
+def _forget_in_child() -> None:
+    # a DataLoader worker forked while a save's threads use the pools
+    _HOST.forget_parent()
+    _PINNED.forget_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def host_pool() -> StagingPool:
