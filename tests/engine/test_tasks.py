@@ -4,12 +4,15 @@ order, ends its thread on close, and keeps no finished task alive."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
+import time
 import weakref
 
 import pytest
 
-from statestream.engine import BackgroundTasks
+from statestream.engine import BackgroundTasks, _tasks
 from statestream.errors import CheckpointError
 
 
@@ -60,3 +63,39 @@ def test_a_finished_task_is_not_kept_alive_by_the_thread() -> None:
     assert ref() is None  # the idle thread (still running) held the last task
     assert len(_threads("test-tasks-refs")) == 1
     w.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_child_forked_while_a_task_runs_neither_waits_for_it_nor_loses_the_worker(
+        ) -> None:
+    # A process forked while a manager's persistence task ran (any os.fork(), a
+    # DataLoader worker that exits normally) waited at its exit for the parent's task,
+    # whose thread did not come along: forever. Its own tasks queued behind it too.
+    w = BackgroundTasks("test-tasks-fork")
+    gate = threading.Event()
+    w.submit(lambda: gate.wait(60), "the parent's persistence")
+    pid = os.fork()
+    if pid == 0:  # the child: its exit drain, then a task of its own
+        code = 1
+        try:
+            _tasks._drain_at_exit()  # what atexit runs
+            ran: list[int] = []
+            w.submit(lambda: ran.append(1), "the child's").result(timeout=30)
+            code = 0 if ran == [1] else 2
+        finally:
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child waited for the parent's task")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        gate.set()
+        w.close()

@@ -12,6 +12,7 @@ nor anything its tasks referred to).
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -129,6 +130,15 @@ class BackgroundTasks:
             self._handles = [h for h in self._handles if not h._seen]
             return list(self._handles)
 
+    def _forget_parent(self) -> None:
+        """In a child after ``fork()``: the thread and its tasks are the parent's (the
+        thread did not come along). A fresh queue and lock; the next task starts a
+        thread of the child's own."""
+        self._lock = threading.Lock()
+        self._queue = queue.Queue()
+        self._thread = None
+        self._handles = []
+
     def _run(self) -> None:
         lower_thread_priority(self._nice)
         while True:
@@ -144,6 +154,19 @@ class BackgroundTasks:
             # the task's closure (a tier, its manager, their state) is not kept alive
             # while the thread waits for the next one
             del job, fn, h
+
+
+def _forget_in_child() -> None:
+    """After fork(): the exit drain waited for the parent's tasks, whose thread is not
+    in the child, forever (and a child's own task queued behind them)."""
+    global _ATEXIT
+    _ATEXIT = threading.Lock()
+    for w in list(_WORKERS):
+        w._forget_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _drain_at_exit() -> None:
