@@ -35,6 +35,7 @@ def _child(path: str, out: multiprocessing.SimpleQueue) -> None:  # type: ignore
     out.put(bool(np.array_equal(got["x"], big)))
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX, if another test loaded it
 def test_a_child_forked_while_a_save_thread_holds_its_locks_can_save_and_load(
         tmp_path: Path) -> None:
     locks = [host_pool()._lock, pinned_pool()._lock, _memory._LOCK]

@@ -66,6 +66,7 @@ def test_a_finished_task_is_not_kept_alive_by_the_thread() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX, if another test loaded it
 def test_a_child_forked_while_a_task_runs_neither_waits_for_it_nor_loses_the_worker(
         ) -> None:
     # A process forked while a manager's persistence task ran (any os.fork(), a
