@@ -1,5 +1,6 @@
-"""What a lazy snapshot promises about order: a tensor is reported copied (a guarded step
-may then change it) only after the check that its copy is not torn.
+"""What a snapshot promises about order: a tensor is reported copied (a guarded step
+may then change it) only after the check that its copy is not torn; and a change made
+by another thread while save_async (not lazy) copies the state fails the save.
 
 The snapshot is held at points of the library (its own hooks) and at the moment it
 reports an array ready (``SaveHandle.array_ready``, wrapped here), so the guarded step
@@ -18,6 +19,7 @@ import pytest
 import statestream as ss
 from statestream import _hooks
 from statestream.engine import SaveHandle
+from statestream.testing import faults
 
 torch = pytest.importorskip("torch")
 
@@ -66,3 +68,35 @@ def test_a_guarded_step_right_after_a_copy_does_not_fail_the_save(
     h.result(timeout=_WAIT_S)
     assert np.all(w.detach().numpy() == 0.0)  # it did step
     np.testing.assert_array_equal(ss.load(path)["w"], np.ones(1000, dtype=np.float32))
+
+
+def test_a_change_from_another_thread_during_the_blocking_phase_fails_the_save(
+        tmp_path: Path, hooks: None) -> None:
+    # save_async without lazy copies the state before it returns, but nothing stopped
+    # another thread (an EMA updater, a second training thread) from changing it then:
+    # chunks copied before the change and after it were committed as one checkpoint.
+    big = torch.zeros(20 << 20 >> 2)  # 20 MiB: the writer's first batch is 16 MiB of it
+    w = torch.zeros(4 << 20 >> 2)  # 4 chunks at the end: copied first, from the back
+    mutated = threading.Event()
+
+    def change_from_another_thread() -> None:  # before w's second chunk is copied
+        t = threading.Thread(target=lambda: w.add_(1.0))
+        t.start()
+        t.join()
+        mutated.set()
+
+    faults.on("async.snapshot_chunk", change_from_another_thread, nth=2)
+    first = [True]
+
+    def hold_the_writer() -> None:  # the copies of w happen meanwhile
+        if first[0]:
+            first[0] = False
+            assert mutated.wait(_WAIT_S)
+
+    _hooks.register("save.chunk_written", hold_the_writer)
+    path = tmp_path / "c"
+    with pytest.raises(ss.CheckpointError, match="changed in place") as ei:
+        ss.save_async(path, {"big": big, "w": w},
+                      io=ss.IOOptions(num_threads=1, max_chunk_bytes=1 << 20))
+    assert "'w'" in str(ei.value) and "'big'" not in str(ei.value)
+    assert not path.exists()  # nothing committed

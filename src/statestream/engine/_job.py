@@ -113,8 +113,10 @@ class SaveJob:
         self.multi = self.coll.world_size > 1
         self.storage, self.spath = storage_for(path)
         # Which memory each array uses matters to guarded optimizer steps (async
-        # saves); whether it changed before its copy, only to lazy snapshots.
-        self.collector = Collector(options.pickle_paths, track=snapshot, versions=lazy,
+        # saves); whether it changed before its copy, to every snapshot: a lazy one
+        # races the training step, and another thread may change the state while
+        # save_async copies it (which once committed a mix of old and new chunks).
+        self.collector = Collector(options.pickle_paths, track=snapshot, versions=snapshot,
                                    private_copies=lazy)
         io = options.io
         # an object store writer's own part buffers come out of the budget

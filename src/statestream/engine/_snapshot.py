@@ -58,7 +58,8 @@ def take_snapshot(job: SaveJob) -> None:
     else:
         _race(job, torn)
     if torn:
-        raise CheckpointError(_torn_message([job.collector.key(i) for i in sorted(torn)]))
+        raise CheckpointError(_torn_message([job.collector.key(i) for i in sorted(torn)],
+                                            job.lazy))
     job.writer.flush()
     # Writers that raced the snapshot (someone waits for it) yield from now on.
     job.writer.yield_to_training()
@@ -235,9 +236,16 @@ def _warm_up(job: SaveJob, sizes: tuple[list[int], list[int]]) -> None:
         pass
 
 
-def _torn_message(keys: list[str]) -> str:
+def _torn_message(keys: list[str], lazy: bool = True) -> str:
     named = ", ".join(f"'{k}'" for k in keys[:_MAX_NAMED])
     more = f" and {len(keys) - _MAX_NAMED} more" if len(keys) > _MAX_NAMED else ""
+    if not lazy:  # the caller was blocked in save_async: another thread changed it
+        return (
+            f"the state was modified while save_async() copied it: {len(keys)} tensor(s) "
+            f"changed in place before their copy was complete ({named}{more}), from "
+            "another thread; the checkpoint would mix old and new values, so nothing was "
+            "committed. Keep other threads from changing the state until save_async() "
+            "returns")
     return (
         f"a lazy snapshot was modified before it was copied: {len(keys)} tensor(s) changed "
         f"in place after save_async() returned ({named}{more}); the checkpoint would mix "
