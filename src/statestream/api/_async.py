@@ -73,7 +73,9 @@ def save_async(
     Raises:
         UnsupportedTypeError, CheckpointExistsError, CheckpointError (as
             :func:`save`): from the blocking phase, before anything runs in
-            the background.
+            the background; CheckpointError also when another thread changed a
+            torch tensor of the state in place while the call copied it (naming its
+            key path; nothing is committed).
     """
     return start_save(path_arg(path, "path"), state, save_options(
         overwrite=overwrite, pickle_paths=pickle_paths, io=io, memory=memory,
