@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -375,6 +376,40 @@ def _start_holder(url: str, endpoint: str, ttl: float) -> subprocess.Popen[str]:
         proc.kill()
         pytest.fail(f"holder did not start: {line!r} {proc.communicate()[1]}")
     return proc
+
+
+_FORKING_HOLDER = _HOLDER.replace('print("HOLDING", flush=True)', """
+import os
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a plain child that ends normally: the exit handlers run in it
+os.waitpid(pid, 0)
+print("HOLDING", flush=True)""")
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_ending_does_not_release_the_parents_lease(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    """A child forked by a process holding a manager's lease ran the exit handler that
+    gives up never-closed managers' leases, and deleted the parent's lease object:
+    another manager then took the directory while the parent still wrote to it. The
+    leases are the parent's: a child forgets them."""
+    url = f"{base_url}/forked"
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-c",
+                             textwrap.dedent(_FORKING_HOLDER), url, s3_server["endpoint"], "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        # (before the fix the child hung at exit, in the release, and the parent with it)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the forked child did not end (it hung in its exit handlers)"
+        line = proc.stdout.readline()
+        assert line.strip() == "HOLDING", line
+        with pytest.raises(ss.ManagerLockedError, match="already managed"):
+            ss.CheckpointManager(url)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.mark.timeout(120)

@@ -378,3 +378,15 @@ def _release_at_exit() -> None:
 
 
 atexit.register(_release_at_exit)
+
+
+def _forget_in_child() -> None:
+    """After ``fork()``: the leases are the parent's, not the child's to give up. A plain
+    child that ended normally ran :func:`_release_at_exit` on them: on an object store it
+    hung at exit (the store's client does not survive a fork), or deleted the parent's
+    lease object, so another manager could take the directory while the parent wrote."""
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
