@@ -183,8 +183,10 @@ def test_doc_example_runs(tmp_path: Path, request: pytest.FixtureRequest,
 #: after its checks had passed (core dumps: pt_gloo_runloop in
 #: ~AsyncAllgatherCoalescedWork, the main thread in Py_FinalizeEx). statestream's own
 #: group and the store no longer outlive destroy_process_group()
-#: (tests/distributed/test_torch_group_release.py); a run that aborts this way is run
-#: once more, so a real failure (every time) still fails.
+#: (tests/distributed/test_torch_group_release.py), and statestream's group ends at
+#: exit, before finalization, in jobs that never call it (the two-rank example of
+#: docs/distributed.md aborted so twice in a row in one CI run); a run that aborts
+#: this way is run once more, so a real failure (every time) still fails.
 _TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 

@@ -19,14 +19,11 @@ from statestream.distributed._liveness import (
     describe_ranks,
     find_stalled,
 )
-from statestream.errors import CollectiveTimeoutError, DistributedError, InvalidOptionError
+from statestream.distributed._torchgroup import default_store, group_for, in_use
+from statestream.errors import CollectiveTimeoutError, DistributedError
 
 __all__ = ["TorchCollective"]
 
-#: The gloo group made for each (id of the user's group, timeout, channel), held
-#: weakly: torch holds it while it is registered, and a group kept after
-#: destroy_process_group() would keep rank 0's store server (and its port) alive.
-_GROUPS: dict[tuple[int | None, float, str], weakref.ref[Any]] = {}
 #: Collectives entered so far per group (same order on every rank).
 _SEQ: dict[tuple[int | None, float, str], int] = {}
 #: Bytes of every rank's object that the first round of
@@ -63,18 +60,10 @@ def _start_heartbeat(dist: Any, store: Any) -> None:
         key = _alive_key(dist.get_rank())
 
         def current() -> bool:
-            return bool(dist.is_initialized()) and id(_default_store()) == sid
+            return bool(dist.is_initialized()) and id(default_store()) == sid
 
         _BEATS[sid] = Heartbeat(lambda: own.add(key, 1), current,
                                 name="statestream-torch-heartbeat")
-
-
-def _registered(dist: Any, pg: Any) -> bool:
-    try:
-        dist.get_rank(pg)
-        return True
-    except (ValueError, RuntimeError):
-        return False
 
 
 def _first_words(exc: BaseException) -> str:
@@ -82,77 +71,6 @@ def _first_words(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else repr(exc)
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
     return text.split(" This is typically caused", 1)[0].rstrip(". ")
-
-
-def _default_store() -> Any:
-    """The rendezvous store of the default group, or None (diagnostics only)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # no store (not initialised, another backend): no diagnostics then
-        return None
-
-
-def _gloo_group(dist: Any, group: Any, timeout_s: float, channel: str) -> Any:
-    """A gloo group over ``group``'s ranks (the job's when None).
-
-    Only a subgroup's own ranks call this (``use_local_synchronization``): torch's
-    plain ``new_group`` must be entered by every rank of the job, and one the other
-    ranks did not enter leaves the members counting groups differently from them, so
-    the job's next group (a user's, a device mesh's) hangs.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if group is None:
-        return dist.new_group(ranks=None, backend="gloo", timeout=timeout)
-    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0:
-        raise InvalidOptionError(
-            f"TorchCollective(group=...): this process (rank {dist.get_rank()} of the job) "
-            "is not a member of the group; create the collective (and save or load with "
-            "it) only on the group's ranks"
-        )
-    ranks = dist.get_process_group_ranks(group)
-    _align_group_counts(dist, ranks, f"{group.group_name}/{timeout_s:g}/{channel}", timeout_s)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                          use_local_synchronization=True)
-
-
-#: Subgroup gloo groups created so far per (user group, timeout, channel) in this process.
-_ALIGNED: dict[str, int] = {}
-
-
-def _align_group_counts(dist: Any, ranks: list[int], tag: str, timeout_s: float) -> None:
-    """Bring every member of ``ranks`` to the same number of registered process groups.
-
-    torch names a ``use_local_synchronization`` group after its ranks and the number
-    of groups the calling process has registered; that number differs between
-    processes that belong to different groups (ranks 0 and 1 of a job with a group
-    [1, 3]), and members that name the group differently wait for each other forever.
-    Each member posts its count in the rendezvous store; those below the largest
-    register one single-rank group per missing one.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    store = _default_store()
-    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
-    if store is None or names is None:  # another torch: nothing to align by
-        return
-    seq = _ALIGNED[tag] = _ALIGNED.get(tag, 0) + 1
-    prefix = f"statestream/groups/{tag}/{seq}"
-    me = dist.get_rank()
-    mine = len(names)
-    store.set(f"{prefix}/{me}", str(mine))
-    keys = [f"{prefix}/{r}" for r in ranks]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # the store's timeout: name who never came
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        raise CollectiveTimeoutError(
-            f"TorchCollective(group=...) on rank {me} of the job waited more than "
-            f"{timeout_s:g}s for ranks {missing} of the group to create it too"
-        ) from exc
-    for _ in range(max(int(store.get(k)) for k in keys) - mine):
-        dist.new_group([me], backend="gloo", use_local_synchronization=True)
 
 
 class TorchCollective:
@@ -182,13 +100,8 @@ class TorchCollective:
         self._channel = channel
         self._timeout_s = seconds_option(timeout_s, "timeout_s")
         key = (None if group is None else id(group), self._timeout_s, channel)
-        ref = _GROUPS.get(key)
-        pg = ref() if ref is not None else None
-        if pg is not None and not _registered(dist, pg):
-            pg = None  # destroy_process_group() since: a group of the old job
-        if pg is None:
-            pg = _gloo_group(dist, group, self._timeout_s, channel)
-            _GROUPS[key] = weakref.ref(pg)
+        pg, new = group_for(dist, key, group, self._timeout_s, channel)
+        if new:
             _SEQ.pop(key, None)  # a new group: every rank counts from the start again
         # held weakly, like the store below: torch's registry holds the group while it
         # is registered, and a collective kept after destroy_process_group() (a closed
@@ -204,7 +117,7 @@ class TorchCollective:
         # never came (gloo's own error does not say).
         self._key = key
         self._at = ""  # what this rank's latest arrival mark says it entered
-        store = _default_store()
+        store = default_store()
         self._store_ref = weakref.ref(store) if store is not None else None
         self._prefix = (f"statestream/arrive/{channel}/{self._timeout_s:g}/"
                         + "-".join(str(r) for r in self._global_ranks))
@@ -405,10 +318,11 @@ class TorchCollective:
     def barrier(self, name: str) -> None:
         seq = self._arrive(f"barrier '{name}'")
         try:
-            self._dist.monitored_barrier(
-                group=self._pg, timeout=datetime.timedelta(seconds=self._timeout_s),
-                wait_all_ranks=True,
-            )
+            with in_use(self._key):
+                self._dist.monitored_barrier(
+                    group=self._pg, timeout=datetime.timedelta(seconds=self._timeout_s),
+                    wait_all_ranks=True,
+                )
         except RuntimeError as exc:
             raise self._wrap(f"barrier '{name}'", exc, seq) from exc
 
@@ -429,7 +343,8 @@ class TorchCollective:
         t = torch.tensor(values, dtype=torch.int64)
         seq = self._arrive("all_reduce")
         try:
-            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._pg)
+            with in_use(self._key):
+                self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._pg)
         except RuntimeError as exc:
             raise self._wrap("all_reduce", exc, seq) from exc
         return [int(v) for v in t.tolist()]
@@ -496,7 +411,8 @@ class TorchCollective:
         outs = [torch.empty_like(t) for _ in range(self._world)]
         seq = self._arrive("all_gather")
         try:
-            self._dist.all_gather(outs, t, group=self._pg)
+            with in_use(self._key):
+                self._dist.all_gather(outs, t, group=self._pg)
         except RuntimeError as exc:
             raise self._wrap("all_gather", exc, seq) from exc
         return [o.numpy().tobytes() for o in outs]
@@ -508,7 +424,8 @@ class TorchCollective:
         outs = [torch.empty_like(t) for _ in range(self._world)] if self._rank == dst else None
         seq = self._arrive("gather")
         try:
-            self._dist.gather(t, gather_list=outs, dst=self._global_ranks[dst], group=self._pg)
+            with in_use(self._key):
+                self._dist.gather(t, gather_list=outs, dst=self._global_ranks[dst], group=self._pg)
         except RuntimeError as exc:
             raise self._wrap("gather", exc, seq) from exc
         return [o.numpy().tobytes() for o in outs] if outs is not None else []
@@ -525,7 +442,8 @@ class TorchCollective:
             return
         t = torch.frombuffer(data, dtype=torch.uint8)
         try:
-            self._dist.send(t, dst=self._global_ranks[dst], group=self._pg)
+            with in_use(self._key):
+                self._dist.send(t, dst=self._global_ranks[dst], group=self._pg)
         except RuntimeError as exc:
             raise self._wrap(f"sending bytes to rank {dst}", exc) from exc
 
@@ -537,7 +455,8 @@ class TorchCollective:
             return
         t = torch.frombuffer(into, dtype=torch.uint8)
         try:
-            self._dist.recv(t, src=self._global_ranks[src], group=self._pg)
+            with in_use(self._key):
+                self._dist.recv(t, src=self._global_ranks[src], group=self._pg)
         except RuntimeError as exc:
             raise self._wrap(f"receiving bytes from rank {src}", exc) from exc
 
@@ -545,11 +464,12 @@ class TorchCollective:
         box = [obj if self._rank == src else None]
         seq = self._arrive("broadcast")
         try:
-            if self._rank == src or self._store is None:
-                self._dist.broadcast_object_list(box, src=self._global_ranks[src],
-                                                 group=self._pg)
-            else:
-                self._receive_watching(box, src, seq)
+            with in_use(self._key):
+                if self._rank == src or self._store is None:
+                    self._dist.broadcast_object_list(box, src=self._global_ranks[src],
+                                                     group=self._pg)
+                else:
+                    self._receive_watching(box, src, seq)
         except RuntimeError as exc:
             raise self._wrap("broadcast", exc, seq) from exc
         return box[0]
