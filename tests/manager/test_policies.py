@@ -38,6 +38,28 @@ def test_every_n_steps_rejects_bad_n(n):
         ss.EveryNSteps(n)
 
 
+def test_numpy_and_torch_integers_are_counts_like_ints():
+    """A step count that came out of NumPy or torch (a config's np.int64, a tensor's
+    item kept as a 0-d tensor) is a whole number like an int, as it is for steps: the
+    policies refused it ("needs an int n, not int64"). It is kept as a plain int."""
+    torch = pytest.importorskip("torch")
+    every = ss.EveryNSteps(np.int64(5))
+    assert saves(every, range(11)) == [0, 5, 10] and type(every.n) is int
+    assert every == ss.EveryNSteps(5)
+    at = ss.AtSteps(np.array([3, 7]))
+    assert saves(at, range(10)) == [3, 7] and all(type(s) is int for s in at.steps)
+    assert ss.KeepLatest(torch.tensor(2)).keep(infos(1, 5, 3)) == {3, 5}
+    assert ss.KeepEvery(np.uint8(2)).keep(infos(1, 2, 4)) == {2, 4}
+    assert ss.KeepBest(np.int32(1), "loss").n == 1
+    assert saves(ss.EveryNSeconds(np.float32(2.0)), [1], last_time=0.0, now=2.5) == [1]
+    with pytest.raises(TypeError, match="needs an int n, not float64"):
+        ss.EveryNSteps(np.float64(5.0))
+    with pytest.raises(TypeError, match="needs an int n, not Tensor"):
+        ss.KeepLatest(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="n >= 1"):
+        ss.EveryNSteps(np.int64(0))
+
+
 def test_at_steps():
     assert saves(ss.AtSteps({3, 7, 100}), range(20)) == [3, 7]
     assert saves(ss.AtSteps([0]), range(3)) == [0]

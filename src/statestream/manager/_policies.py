@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -41,13 +42,19 @@ __all__ = [
 ]
 
 
-def _count(policy: str, name: str, value: object, least: int) -> None:
-    """A policy's whole-number argument: an int (not a bool) of at least ``least``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+def _count(policy: str, name: str, value: object, least: int) -> int:
+    """A policy's whole-number argument as a plain int: an int (not a bool; NumPy,
+    torch and JAX integer scalars count, as they do for steps) of at least ``least``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
         raise InvalidOptionTypeError(
-            f"{policy} needs an int {name}, not {type(value).__name__} {value!r:.60}")
-    if value < least:
-        raise InvalidOptionError(f"{policy} needs {name} >= {least}, got {value}")
+            f"{policy} needs an int {name}, not {type(value).__name__} {value!r:.60}") from None
+    if number < least:
+        raise InvalidOptionError(f"{policy} needs {name} >= {least}, got {number}")
+    return number
 
 
 def _is_policy(value: object, method: str) -> bool:
@@ -100,7 +107,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        _count("EveryNSteps", "n", self.n, 1)
+        object.__setattr__(self, "n", _count("EveryNSteps", "n", self.n, 1))
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
@@ -116,8 +123,8 @@ class AtSteps:
         if isinstance(self.steps, (str, bytes)) or not isinstance(self.steps, Collection):
             raise InvalidOptionTypeError(
                 f"AtSteps takes a collection of steps ({{100, 500}}), not {self.steps!r:.60}")
-        for s in self.steps:
-            _count("AtSteps", "steps", s, 0)
+        object.__setattr__(self, "steps",
+                           frozenset(_count("AtSteps", "steps", s, 0) for s in self.steps))
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step in self.steps
@@ -135,9 +142,10 @@ class EveryNSeconds:
     seconds: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)):
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real):
             raise InvalidOptionTypeError(
                 f"EveryNSeconds needs a number of seconds, not {self.seconds!r:.60}")
+        object.__setattr__(self, "seconds", float(self.seconds))  # NumPy's float32 too
         if not math.isfinite(self.seconds) or self.seconds < 0:
             raise InvalidOptionError(
                 f"EveryNSeconds needs seconds >= 0 (finite), got {self.seconds}")
@@ -220,7 +228,8 @@ class KeepLatest:
     n: int
 
     def __post_init__(self) -> None:
-        _count("KeepLatest", "n", self.n, 0)  # 0: only the latest step, which always stays
+        # 0: only the latest step, which always stays
+        object.__setattr__(self, "n", _count("KeepLatest", "n", self.n, 0))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(sorted(s.step for s in steps)[-self.n:]) if self.n > 0 else set()
@@ -233,7 +242,7 @@ class KeepEvery:
     k: int
 
     def __post_init__(self) -> None:
-        _count("KeepEvery", "k", self.k, 1)
+        object.__setattr__(self, "k", _count("KeepEvery", "k", self.k, 1))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.k == 0}
@@ -256,7 +265,7 @@ class KeepBest:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        _count("KeepBest", "n", self.n, 0)
+        object.__setattr__(self, "n", _count("KeepBest", "n", self.n, 0))
         if not isinstance(self.metric, str):
             raise InvalidOptionTypeError(
                 f"KeepBest needs a metric name (str), not {self.metric!r:.60}")
