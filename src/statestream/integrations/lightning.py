@@ -150,14 +150,17 @@ class StatestreamCheckpointIO(CheckpointIO):
             "memory": self.memory,
             "collective": ss.SingleProcess(),
         }
-        if self.async_save:
-            handle = ss.save_async(where, checkpoint, **kwargs)
-            with self._lock:
-                self._inflight.setdefault(key, []).append((handle, finish))
-        else:
-            ss.save(where, checkpoint, **kwargs)
-            if finish is not None:
-                finish(True)
+        try:
+            if self.async_save:
+                handle = ss.save_async(where, checkpoint, **kwargs)
+                with self._lock:
+                    self._inflight.setdefault(key, []).append((handle, finish))
+            else:
+                ss.save(where, checkpoint, **kwargs)
+        except ss.UnsupportedTypeError as exc:
+            raise _plugin_hint(exc, type(self).__name__) from None
+        if finish is not None and not self.async_save:
+            finish(True)
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
@@ -280,6 +283,16 @@ class AsyncStatestreamCheckpointIO(StatestreamCheckpointIO):
 
 #: A data file's name in a checkpoint's ``data/`` (``r<rank>-<n>.bin`` and the like).
 _DATA_FILE = re.compile(r"^r\d+-\d+[.\w-]*$")
+
+
+def _plugin_hint(exc: ss.UnsupportedTypeError, plugin: str) -> ss.UnsupportedTypeError:
+    """``exc`` with the plugin's way to store such a value: the library's error says to
+    pass ``pickle_paths`` to ``save()``, which a Lightning user never calls."""
+    text = str(exc).split("; to store it anyway", 1)[0]
+    return ss.UnsupportedTypeError(
+        f"{text}; to store it anyway, build the plugin with {plugin}(pickle=True) "
+        "(loading it then needs allow_pickle=True, or the key paths trusted to hold "
+        "pickles)")
 
 
 def _interrupted_deletion(key: str) -> bool:
