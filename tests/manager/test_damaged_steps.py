@@ -314,6 +314,42 @@ def test_a_run_resumed_past_a_damaged_step_saves_the_steps_in_between(tmp_path, 
             assert mgr.load()["step"] == 200
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_that_starts_over_after_every_step_was_damaged_saves_from_its_first_step(
+        tmp_path, async_save):
+    # load() raises (every step damaged) and the run starts over from step 1: every save
+    # raised 'steps only go forward' (step 200 counted as saved), for ever, unless the run
+    # moved to another directory; a failed save counted damaged step 200 again.
+    from statestream.testing import faults
+
+    _saved(str(tmp_path), [100, 200])
+    for s in (100, 200):
+        _flip(glob.glob(str(tmp_path / f"step_{s:010d}" / "data" / "*"))[0])
+    with ss.CheckpointManager(tmp_path, async_save=async_save,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        with pytest.warns(RuntimeWarning, match="step 200 .* is damaged, loading step 100"):
+            with pytest.raises(ss.ChecksumMismatchError, match="step_0000000200"):
+                mgr.load()
+        assert mgr.save(1, state_at(1))
+        faults.on("save.data_synced", lambda: (_ for _ in ()).throw(OSError("full")), nth=1)
+        try:
+            with pytest.raises(OSError, match="full"):
+                mgr.save(2, state_at(2))
+                mgr.wait()
+        finally:
+            faults.clear()
+        assert mgr.save(2, state_at(2))
+        mgr.wait()
+        # KeepLatest(1) keeps damaged step 200 (the newest); the newest good one stays too
+        assert mgr.steps() == [2, 200]
+    with ss.CheckpointManager(tmp_path, async_save=False, keep_policy=ss.KeepLatest(1)) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert mgr.load()["step"] == 2
+        assert mgr.save(3, state_at(3))
+        assert mgr.steps() == [3, 200]
+
+
 def test_the_newest_good_step_is_kept_while_a_damaged_step_is_newer(tmp_path):
     # KeepLatest(1) keeps damaged step 200 (the newest): the step the run saved since it
     # resumed from 100 must stay, or nothing loadable is left.

@@ -587,8 +587,10 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")
-        out = load_newest_good(latest, self._agreed_steps, one, self.directory, self._resumed,
-                               lambda: share_from_0(self._coll, "listing retired steps",
-                                                    self._retention.retired))
-        self._last_saved_step = self._resumed.resumed_from(self._last_saved_step)
-        return out
+        try:
+            return load_newest_good(latest, self._agreed_steps, one, self.directory,
+                                    self._resumed,
+                                    lambda: share_from_0(self._coll, "listing retired steps",
+                                                         self._retention.retired))
+        finally:  # every step damaged too: the run may start over below them
+            self._last_saved_step = self._resumed.resumed_from(self._last_saved_step)

@@ -174,18 +174,19 @@ class ResumeGuard:
         load (``last``: as before it): the step a resume went back to, past ``last`` found
         damaged. Before 2026-12-07 every save of such a resumed run was refused ('steps
         only go forward') until it passed the damaged step's number, and that step's own
-        number was skipped as saved already."""
-        if self.step is not None and (last is None or last in self.damaged):
+        number was skipped as saved already. None when every step was found damaged: a
+        run that starts over then saves from its first step (it was refused at every
+        save, forever, unless moved to another directory)."""
+        if last is None or last in self.damaged:
             return self.step
         return last
 
     def newest_good(self, steps: list[int]) -> int | None:
-        """The newest of ``steps`` (ascending) not found damaged; if all are, the step a
-        resume went back to (a retired one), else the newest."""
+        """The newest of ``steps`` not found damaged; if all are, the step a resume went
+        back to (a retired one), or None (every step was found damaged: a run starting
+        over saves below them)."""
         good = [s for s in steps if s not in self.damaged]
-        if good or self.step is None:
-            return max(good or steps, default=None)
-        return self.step
+        return max(good) if good else self.step
 
     def kept(self, committed: Callable[[], list[int]]) -> set[int]:
         """The steps to protect from the keep policy (``committed``: the directory's):
