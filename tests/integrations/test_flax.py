@@ -199,6 +199,38 @@ def test_nnx_state_round_trips(tmp_path):
     assert_trees_equal(nnx.state(model), nnx.state(model2))
 
 
+def test_nnx_modules_and_optimizers_save_as_their_state_and_load_in_place(tmp_path):
+    """A module saved as it is recorded flax's bookkeeping ('model/_pytree__state' per
+    module), so its checkpoint and its nnx.state's had other key paths: the state's
+    did not load into the module, and a module's load built a new module instead of
+    filling the one given. Both now save nnx.state's tree; either loads into either."""
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.mean((m(batch(0)[0]) - batch(0)[1]) ** 2))(model)
+    opt.update(model, grads)
+    ss.save(tmp_path / "objects", {"model": model, "opt": opt})
+    ss.save(tmp_path / "states", {"model": nnx.state(model), "opt": nnx.state(opt)})
+    assert "_pytree__state" not in ss.metadata(tmp_path / "objects").tree["model"]
+    def shapes(name):
+        return {p: a.shape for p, a in ss.metadata(tmp_path / name).leaves()}
+
+    assert shapes("objects") == shapes("states") and "model/lin/kernel/value" in shapes("states")
+    for saved in ("objects", "states"):
+        model2 = Net(nnx.Rngs(7))
+        opt2 = nnx.Optimizer(model2, optax.adam(1e-2), wrt=nnx.Param)
+        got = ss.load(tmp_path / saved, target={"model": model2, "opt": opt2})
+        assert got["model"] is model2 and got["opt"] is opt2  # filled in place
+        assert_trees_equal(nnx.state(model), nnx.state(model2))
+        assert_trees_equal(nnx.state(opt), nnx.state(opt2))
+        got = ss.load(tmp_path / saved, target={"model": nnx.state(Net(nnx.Rngs(8)))})
+        assert_trees_equal(nnx.state(model), got["model"])
+    part = Net(nnx.Rngs(9))
+    before = np.asarray(part.out.kernel[...])
+    ss.load(tmp_path / "objects", target={"model": part}, items=["model/lin"])
+    np.testing.assert_array_equal(part.lin.kernel[...], model.lin.kernel[...])
+    np.testing.assert_array_equal(part.out.kernel[...], before)  # not selected: as it was
+
+
 def test_items_inside_an_nnx_state_target(tmp_path):
     # an nnx.State is a JAX pytree, not a dict: items= below it was refused ("at 'model'
     # it has a flax.nnx.statelib.State, which has no entry 'lin'", which it has)

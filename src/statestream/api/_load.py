@@ -367,6 +367,9 @@ def _walk_adapted(adapter: StateAdapter, node: Node, like: Any, path: KeyPath, m
         # state_dict() (refused early, its load_state_dict once every value is built)
         build_wrapped = _walk_stateful_target(node, inner_like, path, m, job)
         return lambda: (build_wrapped(), like)[1]
+    if adapter.plain_state and node.kind != "stateful":  # an nnx.state saved as it is
+        inner = _walk(node, adapter.target_state(like), path, m, job, "saved", False)
+        return adapted_build(adapter, like, inner, path, job.state_loads.append)
     if node.kind != "stateful" or not node.children or (
             adapter.name and node.type_name != adapter.name):
         saved = node.type_name if node.kind == "stateful" else node.kind

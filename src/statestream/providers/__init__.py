@@ -42,6 +42,7 @@ from statestream.providers.numpy import NumpyProvider
 from statestream.providers.stateful import (
     CompiledModuleAdapter,
     JaxKeyAdapter,
+    NnxAdapter,
     NumpyBitGeneratorAdapter,
     NumpyGeneratorAdapter,
     NumpyRandomStateAdapter,
@@ -83,5 +84,5 @@ register_provider(TorchProvider(), module="torch")
 register_provider(JaxProvider(), module="jax")
 for _adapter in (NumpyGeneratorAdapter(), NumpyBitGeneratorAdapter(), NumpyRandomStateAdapter(),
                  PythonRandomAdapter(), TorchGeneratorAdapter(), CompiledModuleAdapter(),
-                 JaxKeyAdapter()):
+                 JaxKeyAdapter(), NnxAdapter()):
     register_adapter(_adapter)

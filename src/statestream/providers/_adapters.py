@@ -43,6 +43,9 @@ class StateAdapter(abc.ABC):
     #: ``torch.compile``'d module's ``_orig_mod.``): a saved state whose keys all
     #: carry it loads into a stateful target whose keys carry none, without it
     key_prefix: str = ""
+    #: a saved plain tree (what :meth:`get_state` returns, saved as it is) loads into a
+    #: target of this kind too, as its state
+    plain_state: bool = False
 
     @abc.abstractmethod
     def handles(self, obj: Any) -> bool:

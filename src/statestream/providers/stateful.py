@@ -268,6 +268,48 @@ class CompiledModuleAdapter(StateAdapter):
         return obj
 
 
+class NnxAdapter(StateAdapter):
+    """A flax NNX module, optimizer or other ``nnx.Pytree`` saves as ``nnx.state(obj)``
+    and loads in place with ``nnx.update``, as a torch module does with its
+    ``state_dict()``.
+
+    Saved as a JAX pytree, a module also recorded flax's bookkeeping (an empty
+    ``_pytree__state`` entry per module), so a module's checkpoint and one of its
+    ``nnx.state`` (what flax's docs save) had different key paths: the state's did not
+    load into the module ("'model/_pytree__state' is in the target but not in the
+    checkpoint"), and a load built a new module instead of filling the one given. Now
+    both save the same tree, and either loads into a module or its state.
+    """
+
+    module = "flax.nnx"
+    plain_state = True
+
+    def handles(self, obj: Any) -> bool:
+        nnx = sys.modules.get("flax.nnx")
+        cls = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+        return cls is not None and isinstance(obj, cls)
+
+    def node_name(self, obj: Any) -> str:
+        return type_name(obj)
+
+    def get_state(self, obj: Any) -> Any:
+        from flax import nnx
+
+        return nnx.state(obj)
+
+    def target_state(self, obj: Any) -> Any:
+        return self.get_state(obj)
+
+    def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        from flax import nnx
+
+        nnx.update(obj, state)
+        return obj
+
+    def staged(self, obj: Any, state: Any, path: KeyPath) -> Callable[[], Any]:
+        return functools.partial(self.set_state, obj, state, path)
+
+
 class JaxKeyAdapter(StateAdapter):
     """Typed JAX keys (``jax.random.key``): their key data and the impl's name."""
 
