@@ -85,10 +85,9 @@ def _release_at_exit() -> None:
                 if not _BUSY.get(key) and key not in _BROKEN]
         _GROUPS.clear()
     for pg in idle:
-        if pg is None or not registered(dist, pg):
-            continue
         try:
-            dist.destroy_process_group(pg)
+            if pg is not None and registered(dist, pg):
+                dist.destroy_process_group(pg)
         except Exception:  # torch's own state at exit: nothing better to do than leave it
             pass
 
