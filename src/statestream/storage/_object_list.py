@@ -66,11 +66,7 @@ def listed(owner: ObjectStorage, bucket: str, prefix: str, **kw: Any) -> Iterato
             if key == prefix[:-1]:
                 continue  # the folder marker ``run/`` of a console, listed without its "/"
             if not key.startswith(prefix):
-                raise StorageError(
-                    f"listing {owner._url(bucket, prefix)} failed: the store answered "
-                    f"{owner._url(bucket, shown_key(key))}, which is not under it (a store "
-                    "or proxy that does not apply the listing's prefix); nothing it listed "
-                    "was used")
+                raise _outside_error(owner, bucket, prefix, key)
             if key in seen:
                 raise StorageError(
                     f"listing {owner._url(bucket, prefix)} failed: the store answered "
@@ -78,6 +74,15 @@ def listed(owner: ObjectStorage, bucket: str, prefix: str, **kw: Any) -> Iterato
                     "repeats or loops); stopped instead of listing forever")
             seen.add(key)
             yield m
+
+
+def _outside_error(owner: ObjectStorage, bucket: str, prefix: str, key: str) -> StorageError:
+    """The error of a listing of ``prefix`` (ends with ``/``) that answered ``key``, which
+    is not under it."""
+    return StorageError(
+        f"listing {owner._url(bucket, prefix)} failed: the store answered "
+        f"{owner._url(bucket, shown_key(key))}, which is not under it (a store or proxy "
+        "that does not apply the listing's prefix); nothing it listed was used")
 
 
 def _unescape(text: str) -> str:
@@ -202,11 +207,7 @@ def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> li
         keys += [m["path"] for m in res["objects"] if m["path"] != prefix]  # folder marker
         outside = next((k for k in keys if not k.startswith(prefix + "/")), None)
         if outside is not None:
-            raise StorageError(
-                f"listing {owner._url(bucket, prefix)}/ failed: the store answered "
-                f"{owner._url(bucket, shown_key(outside))}, which is not under it (a store "
-                "or proxy that does not apply the listing's prefix); nothing it listed was "
-                "used")
+            raise _outside_error(owner, bucket, prefix + "/", outside)
         names = {k[len(prefix) + 1:].partition("/")[0] for k in keys}
     except Exception as exc:
         if odd_key(exc) is None:
