@@ -4,6 +4,7 @@ a small HTTP proxy on loopback that rewrites its listing answers."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import socket
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
+from statestream.cli._main import main as cli_main
 from statestream.storage import S3Options, S3Storage, set_backend, storage_for
 
 #: rewrites (request line, answer body) -> the body to send, or None to leave it
@@ -109,11 +111,11 @@ def direct(s3_server: dict[str, Any]) -> Iterator[S3Storage]:
         set_backend("s3", None)
 
 
-def _via(s3_server: dict[str, Any], proxy: RewritingProxy) -> S3Storage:
+def _via(s3_server: dict[str, Any], proxy: RewritingProxy, **kw: Any) -> S3Storage:
     st = S3Storage(S3Options(endpoint=f"http://127.0.0.1:{proxy.port}", region="us-east-1",
                              access_key_id=s3_server["aws_access_key_id"],
                              secret_access_key=s3_server["aws_secret_access_key"],
-                             max_retries=0))
+                             max_retries=0, **kw))
     set_backend("s3", st)
     return st
 
@@ -163,7 +165,7 @@ def test_a_listing_whose_continuation_token_repeats_fails_instead_of_looping(
 
     def rewrite(line: bytes, body: bytes) -> bytes | None:
         if not _is_listing(line) or b"delimiter" in line:
-            return None  # (a listing with a delimiter is one call of the client's)
+            return None  # (a listing with a delimiter: see the tests below)
         return body.replace(b"<IsTruncated>false</IsTruncated>",
                             b"<IsTruncated>true</IsTruncated>"
                             b"<NextContinuationToken>again</NextContinuationToken>")
@@ -177,6 +179,113 @@ def test_a_listing_whose_continuation_token_repeats_fails_instead_of_looping(
             with pytest.raises(ss.StorageError, match="twice") as ei:
                 call()
             assert f"{url}/ck/" in str(ei.value)
+    finally:
+        proxy.close()
+        set_backend("s3", direct)
+
+
+def _forever(line: bytes, body: bytes, *, empty: bool, delimited: bool) -> bytes | None:
+    """A listing answer that says there is more, with the same token each time; its
+    objects left out when ``empty``. Listings with (``delimited``) or without a delimiter."""
+    if not _is_listing(line) or (b"delimiter" in line) != delimited:
+        return None
+    if empty:
+        body = re.sub(rb"<(Contents|CommonPrefixes)>.*?</\1>", b"", body, flags=re.S)
+        body = re.sub(rb"<KeyCount>\d+</KeyCount>", b"<KeyCount>0</KeyCount>", body)
+    return body.replace(b"<IsTruncated>false</IsTruncated>",
+                        b"<IsTruncated>true</IsTruncated>"
+                        b"<NextContinuationToken>again</NextContinuationToken>")
+
+
+def _drop_token(line: bytes) -> bytes:
+    return re.sub(rb"continuation-token=[^& ]*&?", b"", line)
+
+
+#: the options of a store behind a looping proxy: a listing that hands back nothing is
+#: given up after 2 * (timeout_s + retry_timeout_s) = 6 s
+_SHORT = {"timeout_s": 2.0, "retry_timeout_s": 1.0}
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_a_listing_whose_repeated_pages_are_empty_fails_instead_of_looping(
+        s3_server: dict[str, Any], direct: S3Storage) -> None:
+    """Every answer is empty and says there is more, with the same token: the client
+    (obstore) pages by itself and hands nothing back, so no key is listed twice --
+    deleting a checkpoint, leftovers, verify never returned (about 250 requests a second
+    until the process ended). A listing that hands back nothing for longer than a request
+    may take is now a StorageError naming it."""
+    bucket = s3_server["bucket"]
+    url = f"s3://{bucket}/empty-loop-{uuid.uuid4().hex[:8]}"
+    ss.save(f"{url}/ck", {"w": np.ones(3)})
+    proxy = RewritingProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]),
+                           lambda line, body: _forever(line, body, empty=True, delimited=False),
+                           _drop_token)
+    try:
+        st = _via(s3_server, proxy, **_SHORT)
+        for call in (lambda: st.leftovers(url), lambda: ss.verify(f"{url}/ck"),
+                     lambda: st.delete(f"{url}/ck"), lambda: st.check_bucket(bucket)):
+            with pytest.raises(ss.StorageError, match="without end") as ei:
+                call()
+            assert f"listing s3://{bucket}/" in str(ei.value)
+    finally:
+        proxy.close()
+        set_backend("s3", direct)
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("empty", [False, True])
+def test_a_listing_of_names_whose_token_repeats_fails_instead_of_looping(
+        s3_server: dict[str, Any], direct: S3Storage, empty: bool) -> None:
+    """The listing with a delimiter (the names under a directory: steps(), latest_step(),
+    ``statestream ls``) is paged by the client, which returns only after the last page:
+    with a token that repeats it never returned, its pages' objects or not. It is now a
+    StorageError naming the directory."""
+    bucket = s3_server["bucket"]
+    url = f"s3://{bucket}/names-loop-{uuid.uuid4().hex[:8]}"
+    with ss.CheckpointManager(url, async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(3)})
+    proxy = RewritingProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]),
+                           lambda line, body: _forever(line, body, empty=empty, delimited=True),
+                           _drop_token)
+    try:
+        st = _via(s3_server, proxy, **_SHORT)
+        with pytest.raises(ss.StorageError, match="did not finish") as ei:
+            st.list(url)
+        assert f"listing {url}/ failed" in str(ei.value)
+        with pytest.raises(ss.StorageError, match="did not finish"):
+            ss.CheckpointManager(url, async_save=False).steps()
+        assert cli_main(["ls", url]) != 0
+    finally:
+        proxy.close()
+        set_backend("s3", direct)
+
+
+@pytest.mark.timeout(60)
+def test_a_listing_whose_tokens_cycle_fails_instead_of_looping(
+        s3_server: dict[str, Any], direct: S3Storage) -> None:
+    """Tokens that loop (a, b, a, ...) rather than repeat at once: the first page comes
+    again, its first key is listed twice."""
+    bucket = s3_server["bucket"]
+    url = f"s3://{bucket}/cycle-{uuid.uuid4().hex[:8]}"
+    ss.save(f"{url}/ck", {"w": np.ones(3)})
+
+    answers = itertools.count()
+
+    def rewrite(line: bytes, body: bytes) -> bytes | None:
+        if not _is_listing(line) or b"delimiter" in line:
+            return None
+        nxt = b"ab"[next(answers) % 2:][:1]  # a, b, a, b, ...
+        return body.replace(b"<IsTruncated>false</IsTruncated>",
+                            b"<IsTruncated>true</IsTruncated><NextContinuationToken>"
+                            + nxt + b"</NextContinuationToken>")
+
+    proxy = RewritingProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]), rewrite,
+                           _drop_token)
+    try:
+        st = _via(s3_server, proxy)
+        with pytest.raises(ss.StorageError, match="twice") as ei:
+            st.leftovers(url)
+        assert f"{url}/ck/" in str(ei.value)
     finally:
         proxy.close()
         set_backend("s3", direct)

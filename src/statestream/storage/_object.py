@@ -71,6 +71,7 @@ from statestream.storage._object_list import (
     saved_roots,
     shown_key,
 )
+from statestream.storage._object_pages import pages
 from statestream.storage._object_read import ObjectReader
 from statestream.storage._object_write import ObjectFileWriter, ObjectTxn
 
@@ -279,12 +280,8 @@ class ObjectStorage:
         It lists the bucket: a save does not call it (reading the commit marker tells a
         missing bucket already, see :meth:`_get_small`), so saving needs no permission
         to list."""
-        import obstore
-
         try:
-            stream = obstore.list(self._store(bucket), prefix="statestream-probe/",
-                                  chunk_size=1)
-            next(iter(stream), None)
+            next(pages(self, bucket, "statestream-probe/", chunk_size=1), None)
         except Exception as exc:
             text = scrub(str(exc)).lower()
             squashed = text.replace(" ", "")

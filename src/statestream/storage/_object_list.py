@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from statestream.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME, validate_file_name
 from statestream.storage._object_config import DELETING_NAME, ROOT_RE
+from statestream.storage._object_pages import delimited, pages
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -53,14 +54,13 @@ _ILLEGAL = re.compile(r"[\x00-\x1f\x7f]")
 def listed(owner: ObjectStorage, bucket: str, prefix: str, **kw: Any) -> Iterator[Any]:
     """Every object the store lists under ``prefix`` (``run/``: ends with ``/``), checked:
     a key outside it (a store or proxy that does not apply the prefix; deleting what it
-    lists would delete someone else's objects) or a key listed twice (a continuation token
-    that repeats or loops: the client would list forever) is a StorageError. The object
+    lists would delete someone else's objects), a key listed twice (a continuation token
+    that repeats or loops: the client would list forever) or a batch that does not come
+    (the same with empty pages, see :mod:`._object_pages`) is a StorageError. The object
     ``run/`` itself (a folder made in a console), which the client lists as ``run``, is
     no entry of it."""
-    import obstore
-
     seen: set[str] = set()
-    for batch in obstore.list(owner._store(bucket), prefix=prefix, **kw):
+    for batch in pages(owner, bucket, prefix, **kw):
         for m in batch:
             key = m["path"]
             if key == prefix[:-1]:
@@ -199,10 +199,8 @@ def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> li
     """Names of the entries directly under ``path`` (``prefix`` in ``bucket``), without
     those that name no path inside it (warned). Raises a StorageError when an odd key
     may hide a name that starts with a letter, digit or ``_`` (see :func:`_hides`)."""
-    import obstore
-
     try:
-        res = obstore.list_with_delimiter(owner._store(bucket), prefix=prefix + "/")
+        res = delimited(owner, bucket, prefix + "/")
         keys = [p.rstrip("/") for p in res["common_prefixes"]]
         keys += [m["path"] for m in res["objects"] if m["path"] != prefix]  # folder marker
         outside = next((k for k in keys if not k.startswith(prefix + "/")), None)
