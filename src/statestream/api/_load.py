@@ -437,7 +437,8 @@ def load(
             return them, as DCP does: contiguous CPU ones of the saved dtype are read into
             (no extra memory; a load failing part-way leaves them partly written), others
             (strided, neg/conj views, another dtype, a GPU) get ``copy_()`` once all was
-            read and checked; unwritable ones (read-only, JAX, meta) get new values. Tied
+            read and checked; unwritable ones (read-only, JAX, meta) get new values; a
+            DTensor whose local tensor is too small for its shard is refused. Tied
             weights get the later key's bytes; torch version counters move as ``copy_()``
             moves them. Without it, target arrays and tensors are never written.
         io, memory: thread count and request sizes; the host scratch budget (docs/async.md).

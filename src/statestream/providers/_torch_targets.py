@@ -340,3 +340,26 @@ def _refused_groups(opt: Any, saved: Node) -> str | None:
 
 def _a(kind: str) -> str:
     return f"{'an' if kind[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {kind}"
+
+
+def held_local(like: Any, local: Any, want: tuple[int, ...], path: KeyPath) -> Any:
+    """The part of DTensor ``like``'s local tensor ``local`` that an in-place load
+    fills: all of it where it has the shape ``want`` its placements give this rank, the
+    leading part of a padded shard (larger along a sharded dim). Any other shape is
+    refused: filling it would leave the target wrong, and returning a new DTensor in its
+    place (as loads did until 2026-12-07) left the model's own parameter unloaded."""
+    have = tuple(int(n) for n in local.shape)
+    if have == want:
+        return local
+    sharded = {pl.dim % len(want) for pl in like.placements
+               if getattr(pl, "dim", None) is not None and len(want)}
+    if len(have) == len(want) and all(
+            a == b or (a > b and d in sharded) for d, (a, b) in enumerate(zip(have, want))):
+        return local[tuple(slice(0, n) for n in want)]
+    raise TargetMismatchError(
+        f"the target DTensor at key path '{format_keypath(path)}' (global shape "
+        f"{list(like.shape)}, placements {tuple(like.placements)}) has a local tensor of "
+        f"shape {list(have)} on this rank, but its placements give this rank a shard of "
+        f"shape {list(want)}: in_place=True cannot fill it (from_local with run_check=False "
+        "and a wrong shape?); pass a DTensor whose local tensor is its shard, or load "
+        "without in_place")

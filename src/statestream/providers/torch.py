@@ -289,17 +289,14 @@ class TorchProvider(ArrayProvider):
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
                      path: KeyPath) -> Destination | None:
         """Destinations in ``like``'s own memory (None when that is not possible)."""
-        _, from_name = _tables()
-        saved = from_name.get(dtype)
-        if saved is None or like.dtype != saved:
-            return None
         local = like
         layout: DTensorLayout | None = None
-        if _is_dtensor(like):
+        if _is_dtensor(like):  # (a local tensor of another shape is refused first)
             layout = _layout(like, f"target DTensor at key path '{format_keypath(path)}'")
-            local = like.to_local()
-            if tuple(local.shape) != layout.local_shape:
-                return None
+            local = _torch_targets.held_local(like, like.to_local(), layout.local_shape, path)
+        saved = _tables()[1].get(dtype)
+        if saved is None or like.dtype != saved:
+            return None
         if local.device.type == "cpu" and local.numel() == 0:
             return Destination(boxes=[], finish=lambda: like)  # nothing to fill: itself
         if (local.device.type != "cpu" or local.layout != _torch().strided
@@ -321,6 +318,8 @@ class TorchProvider(ArrayProvider):
                 or _is_dtensor(like) != _is_dtensor(value)):
             return None
         dst, src = (like.to_local(), value.to_local()) if _is_dtensor(like) else (like, value)
+        if _is_dtensor(like) and dst.shape != src.shape:  # a padded shard: its real part
+            dst = _torch_targets.held_local(like, dst, tuple(src.shape), ())
         if (dst.device.type == "meta" or dst.layout != torch.strided or dst.is_quantized
                 or dst.is_nested or dst.shape != src.shape):
             return None
