@@ -48,7 +48,7 @@ from statestream.api._target_keys import (
 )
 from statestream.api._targets import (
     dtype_checked,
-    number_into_jax,
+    number_into_array,
     refuse_array_target,
     refuse_structured,
     saved_plain,
@@ -204,7 +204,7 @@ def _walk(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
     if adapter is not None:  # a generator, typed key or compiled module as target
         return _walk_adapted(adapter, node, like, path, m, job)
     if k in PLAIN_KINDS or k in ("bytes", "pickle"):
-        number = number_into_jax(node, like, path)
+        number = number_into_array(node, like, path, job)
         if number is not None:
             return number
         # a plain target (an int for an int) takes it; an array, object or container

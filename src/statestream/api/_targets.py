@@ -2,15 +2,16 @@
 
 The refusals name the key path and what to pass instead (a target that would be
 returned untouched, or a value of another kind); the one conversion is a saved
-Python number into a 0-d JAX target, which a fresh flax ``TrainState``'s ``step``
-needs (``jax.eval_shape`` makes it a ``ShapeDtypeStruct``).
+Python number into a 0-d array target (NumPy, torch, JAX: a step kept as a 0-d
+tensor; a fresh flax ``TrainState``'s ``step``, which ``jax.eval_shape`` makes a
+``ShapeDtypeStruct``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from statestream.api._job import Build
+from statestream.api._job import Build, _Job
 from statestream.api._kinds import structured
 from statestream.api._select import NO_TARGET
 from statestream.errors import TargetMismatchError
@@ -19,22 +20,28 @@ from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = [
     "dtype_checked",
-    "number_into_jax",
+    "number_into_array",
     "refuse_array_target",
     "refuse_structured",
     "saved_plain",
 ]
 
 
-def number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
-    """A saved Python number (a fresh flax ``TrainState``'s ``step=0``) into a 0-d JAX
-    target (``jax.eval_shape`` of that state makes it a ``ShapeDtypeStruct``): a JAX
-    array of the target's dtype and sharding, refused where the cast would change the
-    value, as for a saved 0-d array. Was refused ('the target has an array')."""
+def number_into_array(node: Node, like: Any, path: KeyPath, job: _Job) -> Build | None:
+    """A saved Python number (``"step": 3``; a fresh flax ``TrainState``'s ``step=0``)
+    into a 0-d array target: a NumPy scalar or 0-d array, a 0-d torch tensor, a 0-d JAX
+    array (``jax.eval_shape`` of that state makes it a ``ShapeDtypeStruct``). The value
+    comes back of the target's dtype (and device, sharding), filling the target itself
+    with ``in_place=True`` where it is writable, as for a saved 0-d array; refused,
+    naming the key path, where the cast would change it (beyond rounding a float): a
+    float with a fractional part, or a value out of range, into an integer target; a
+    number other than 0 or 1 into a bool one; a finite float into a float dtype it
+    overflows. Numbers into NumPy and torch targets were refused ('the target has an
+    array') until 2026-12-07; into JAX ones until 2026-11."""
     if node.kind not in ("int", "float", "bool") or like is NO_TARGET:
         return None
     provider = target_provider_for(like)
-    if provider is None or provider.kind != "jax" or tuple(provider.target_shape(like)):
+    if provider is None or tuple(provider.target_shape(like)):
         return None
     v = node.value
     dtype = {"bool": "bool", "float": "float64"}.get(node.kind, "int64")
@@ -42,7 +49,19 @@ def number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
         return None  # no NumPy integer holds it: refused as before
     if node.kind == "int" and v >= 2**63:
         dtype = "uint64"
-    dest = provider.restore(dtype, (), like, path)
+    noun = {"numpy": "NumPy array", "torch": "torch tensor", "jax": "JAX array"}
+    what = (f"0-d {str(like.dtype).removeprefix('torch.')} "
+            f"{noun.get(provider.kind, provider.kind + ' array')}")
+
+    def refused(exc: Exception | None) -> TargetMismatchError:
+        return TargetMismatchError(
+            f"the checkpoint's {node.kind} at key path '{format_keypath(path)}' is {v!r}, "
+            f"which the target's {what} cannot hold without changing it; pass None there for "
+            f"the saved {node.kind}, or a target of a dtype that holds it")
+
+    if str(like.dtype).removeprefix("torch.") == "bool" and v not in (0, 1):
+        raise refused(None)
+    dest = job.copied_in(provider, like, provider.restore(dtype, (), like, path))
 
     def build() -> Any:
         for _, buf in dest.boxes:
@@ -50,10 +69,7 @@ def number_into_jax(node: Node, like: Any, path: KeyPath) -> Build | None:
         try:
             return dest.finish()
         except TargetMismatchError as exc:  # (its text is about a saved array)
-            raise TargetMismatchError(
-                f"the checkpoint's {node.kind} at key path '{format_keypath(path)}' is "
-                f"{v!r}, which the target's 0-d {like.dtype} JAX array cannot hold without "
-                f"changing it; pass None there for the saved {node.kind}") from exc
+            raise refused(exc) from exc
 
     return build
 
