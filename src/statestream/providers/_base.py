@@ -53,11 +53,15 @@ def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
     NumPy, torch and JAX wrap an integer around (2**40 into int32 is 0) and make any
     int of a NaN or a float out of range (and cut 1.5 to 1), which no caller asks
     for. Integers: one min/max pass, only where ``want`` cannot hold every value of
-    ``saved``; floats: a few passes (a float array into an integer target is rare)."""
-    can = _int_range(np.dtype(want))
-    if can is None or not host.size:
-        return
+    ``saved``; floats: a few passes (a float array into an integer target is rare).
+    A float target: :func:`_refuse_float_overflow`."""
     want = np.dtype(want)
+    can = _int_range(want)
+    if can is None:
+        _refuse_float_overflow(host, want, saved, path, advice)
+        return
+    if not host.size:
+        return
     have = _int_range(host.dtype)
     if have is not None:
         if can.min <= have.min and have.max <= can.max:
@@ -75,6 +79,52 @@ def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
             f"{bad}, which the target's dtype {want} cannot hold (from {can.min} to "
             f"{can.max}; {how}); "
             + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def _refuse_float_overflow(host: np.ndarray, want: np.dtype, saved: str, path: KeyPath,
+                           advice: str) -> None:
+    """Raise TargetMismatchError where a finite value of ``host`` becomes an infinity or
+    NaN (or, torch's float8, is clamped) cast to the target's float dtype ``want``:
+    1e5 into float16, 1e39 into float32. Until 2026-12-07 it became inf silently.
+    Rounding is a cast's business and allowed. One min/max pass, only where ``want``'s
+    range is narrower than ``saved``'s (float32 into float16 or bfloat16)."""
+    top = _float_max(want)
+    have = _float_max(host.dtype) if _int_range(host.dtype) is None else _int_range(host.dtype)
+    if top is None or have is None or not host.size:
+        return
+    if isinstance(have, float) and have <= top:
+        return
+    if not isinstance(have, float) and -top <= int(have.min) and int(have.max) <= top:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo, hi = host.min(), host.max()
+        if not (np.isfinite(lo) and np.isfinite(hi)):  # an inf or NaN saved: not ours
+            finite = host[np.isfinite(host)]
+            if not finite.size:
+                return
+            lo, hi = finite.min(), finite.max()
+        for v in (lo, hi):
+            if not np.isfinite(np.array([v], dtype=host.dtype).astype(want)).all():
+                raise TargetMismatchError(
+                    f"the checkpoint's {saved} array at key path '{format_keypath(path)}' "
+                    f"holds {v}, which the target's dtype {want} cannot hold (its largest "
+                    f"finite value is {top}; a cast would make it inf or NaN); "
+                    + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def _float_max(dtype: np.dtype) -> float | None:
+    """The largest finite value of a real float dtype (NumPy's or ml_dtypes': bfloat16,
+    float8_*), or None for any other dtype."""
+    if dtype.kind == "f":
+        return float(np.finfo(dtype).max)
+    if dtype.kind == "V" and dtype.name.startswith(("float", "bfloat")):
+        import ml_dtypes
+
+        try:
+            return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
+        except ValueError:  # pragma: no cover - an ml_dtypes float it cannot describe
+            return None
+    return None
 
 
 def _int_range(dtype: np.dtype) -> Any:
