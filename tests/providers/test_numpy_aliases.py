@@ -213,10 +213,16 @@ def test_alias_and_prepare_matches_alias_key_and_prepare(make: Callable[[], Any]
     assert key == P.alias_key(x)
     if key is not None:
         assert key == (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)
-    assert dataclasses.replace(prepared, chunk=None) == dataclasses.replace(want, chunk=None)
+    assert (dataclasses.replace(prepared, chunk=None, copy_into=None)
+            == dataclasses.replace(want, chunk=None, copy_into=None))
+    assert (prepared.copy_into is None) == (want.copy_into is None) == (not want.copies)
     if x.size:
         whole = (0,) * x.ndim
         assert bytes(prepared.chunk(whole, want.shape)) == bytes(want.chunk(whole, want.shape))
+        if want.copy_into is not None:  # the same bytes, written into a buffer
+            out = np.empty(want.nbytes, dtype=np.uint8)
+            want.copy_into(whole, want.shape, out)
+            assert bytes(out) == bytes(want.chunk(whole, want.shape))
         if x.ndim and x.shape[0] > 1:  # a row block
             rows = (1,) + want.shape[1:]
             assert bytes(prepared.chunk(whole, rows)) == bytes(want.chunk(whole, rows))

@@ -341,3 +341,19 @@ def test_refused_keys_leave_custom_loading_and_optimizers_to_decide() -> None:
     assert P.refused_keys(lin, ["weight", "bias"], ["w", "b"]) == ([], [])
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     assert P.refused_keys(opt, ["state", "param_groups"], ["param_groups"]) == ([], [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool", "complex64", "int8"])
+def test_copy_into_writes_the_chunks_bytes(dtype: str) -> None:
+    """A non-contiguous CPU tensor's ``copy_into`` (a snapshot copies its chunks
+    straight into staging buffers with it) writes the bytes ``chunk`` returns; a
+    contiguous one has none (its chunks are views)."""
+    t = (torch.arange(48).reshape(6, 8) % 3).to(getattr(torch, dtype))
+    assert P.prepare(t, PATH).copy_into is None
+    prepared = P.prepare(t.t(), PATH)
+    assert prepared.copies and prepared.copy_into is not None
+    for start, shape in [((0, 0), (8, 6)), ((2, 1), (3, 4))]:
+        want = prepared.chunk(start, shape)
+        out = np.full(want.nbytes, 0xAB, dtype=np.uint8)
+        prepared.copy_into(start, shape, out)
+        assert bytes(out) == bytes(want)

@@ -195,26 +195,38 @@ def writers_share(budget: int, threads: int, per_file: int) -> tuple[int, int]:
 
 
 #: A snapshot save that compresses keeps this share (1/N) of its memory budget for
-#: the writers' compression buffers; the rest stages copies.
+#: the writers' compression buffers (and their copies of chunks, see
+#: :func:`snapshot_budgets`); the rest stages copies.
 CODEC_SHARE = 4
 
 
-def snapshot_budgets(capacity: int, *, compresses: bool) -> tuple[ByteBudget, ByteBudget]:
+def snapshot_budgets(capacity: int, *, compresses: bool,
+                     copies: int = 0) -> tuple[ByteBudget, ByteBudget]:
     """A snapshot save's budgets out of ``capacity``: one for the staged copies and
-    one for the writers' compression buffers.
+    one for the writers' own buffers (compression buffers, and the copies they make
+    of chunks they write from the state: non-contiguous or byte-swapped arrays,
+    ``copies`` bytes of them in the state).
 
-    Two pools, not one: a writer waiting for compression bytes that staged copies
-    hold would wait forever, since only its own writes release them. Their sum is
-    ``capacity``. Without compression the writers hold no buffers of their own.
+    Two pools, not one: a writer waiting for bytes that staged copies hold would
+    wait forever, since only its own writes release them. Their sum is
+    ``capacity``. With neither compression nor such arrays the writers hold no
+    buffers of their own; with such arrays only, they keep at most a quarter, and no
+    more than those arrays' size (a small byte-swapped array takes little from the
+    staging).
 
     Example:
         >>> staged, codec = snapshot_budgets(100, compresses=True)
         >>> staged.capacity, codec.capacity
         (75, 25)
+        >>> staged, codec = snapshot_budgets(100, compresses=False, copies=10)
+        >>> staged.capacity, codec.capacity
+        (90, 10)
     """
-    if not compresses:
+    if not compresses and not copies:
         return ByteBudget(capacity), ByteBudget(1 << 62)
     reserve = max(1, capacity // CODEC_SHARE)
+    if not compresses:
+        reserve = max(1, min(reserve, copies))
     return ByteBudget(max(1, capacity - reserve)), ByteBudget(reserve)
 
 

@@ -140,11 +140,9 @@ class SaveJob:
             capacity=capacity)
         # A synchronous save's own buffers share the budget with the staging buffers
         # an earlier save_async left idle: taking bytes frees idle ones beyond the rest.
+        # (A snapshot's budgets are split once the walk found its arrays: _open_writer.)
         self.budget = self._codec_budget = ByteBudget(
             capacity, on_use=None if snapshot else self.ledger.leave_room)
-        if snapshot:
-            self.budget, self._codec_budget = snapshot_budgets(
-                self.budget.capacity, compresses=bool(options.compression))
         self.handle: SaveHandle | None = None
         self._writer: StreamWriter | None = None
         #: the snapshot races the writers (see StagingLedger): writers read
@@ -202,8 +200,8 @@ class SaveJob:
         self._open_base()
         self.txn = self._begin_write()
         try:
-            self._open_writer()
             if not self.snapshot_mode:
+                self._open_writer()
                 # Writers start on each array while the walk goes on to the next.
                 self.collector.on_array = lambda i, _: self.writer.submit(self._plan(i))
             try:
@@ -211,6 +209,7 @@ class SaveJob:
             finally:
                 self.collector.on_array = None  # (it refers back to the job: no cycle)
             if self.snapshot_mode:
+                self._open_writer()  # its budget depends on the arrays found
                 self.items = [self._plan(i) for i in range(len(self.collector.arrays))]
             self.merged = single_tree(tree, self.collector.arrays)
             self._total_bytes = total_bytes(self.collector.arrays)
@@ -290,23 +289,45 @@ class SaveJob:
     def _open_writer(self) -> None:
         assert self.txn is not None
         if self.snapshot_mode:
+            self._split_snapshot_budget()
             # A failed writer never gives its staged bytes back: wake the snapshot
             # instead of letting it wait for them forever. The writer charges only
-            # compression buffers (the snapshot charged the staged bytes), to their
-            # own share of the budget (see _budgets).
+            # its own buffers (the snapshot charged the staged bytes): compression
+            # buffers and copies of chunks it reads from the state, to their own
+            # share of the budget (see _split_snapshot_budget).
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self._snapshot_source,
                 budget=self._codec_budget,
                 after_write=self._snapshot_written, on_error=self.budget.abort,
                 nice=self.options.io.background_nice, relayout=self._relayout(),
                 hashes=self.options.hashes, base=self.base, nice_later=True,
-                defer=self._snapshot_defer)
+                defer=self._snapshot_defer, copy_bytes=self._snapshot_copy_bytes)
         else:
             self._writer = StreamWriter(
                 self.txn, self.planner.file_name, self.ledger.read, budget=self.budget,
                 progress=self.options.progress, after_write=self.ledger.after_write,
                 relayout=self._relayout(), hashes=self.options.hashes, base=self.base,
                 lendable=self.ledger.lendable)
+
+    def _split_snapshot_budget(self) -> None:
+        """Split a snapshot's budget between the staged copies and the writers' own
+        buffers (:func:`snapshot_budgets`), once the walk found the arrays.
+
+        A racing snapshot's writers copy each chunk of a non-contiguous or
+        byte-swapped array they write from the state; those copies were charged to
+        nothing, and each writer batches up to 16 MiB of them (a transposed 128 MiB
+        array under a 4 MiB budget, four writers: +40 MiB peak RSS, +13 saved by
+        ``ss.save``). The staging pool keeps no more than its share, so that idle
+        staging buffers and the writers' copies stay within the budget together.
+        """
+        copies = sum(a.nbytes for a in self.collector.arrays if a.copies and a.stage is None)
+        self.budget, self._codec_budget = snapshot_budgets(
+            self.budget.capacity, compresses=bool(self.options.compression), copies=copies)
+        self.ledger.set_staging_capacity(self.budget.capacity)
+
+    def _snapshot_copy_bytes(self, item: WriteItem) -> int:
+        # what the writer copies to write ``item`` from the state (its own budget)
+        return self.ledger.race_copy_bytes(item) if self._race else 0
 
     def _relayout(self) -> bool:
         # chunks placed one after the other by what is really written (stored sizes;

@@ -108,6 +108,7 @@ class StreamWriter:
         nice_later: bool = False,
         lendable: Callable[[WriteItem], bool] | None = None,
         defer: Callable[[WriteItem], Callable[[], None] | None] | None = None,
+        copy_bytes: Callable[[WriteItem], int] | None = None,
     ) -> None:
         self._nice = nice
         #: whether an item's bytes from ``source`` stay unchanged and alive until
@@ -117,6 +118,9 @@ class StreamWriter:
         #: before an item: a waiter to call (after writing what is batched and
         #: releasing the budget held) before going on, or None (a racing snapshot)
         self._defer = defer
+        #: the bytes ``source`` will allocate for an item beyond its ``staging_bytes``
+        #: (a racing snapshot's copies of chunks read from the state), charged too
+        self._copy_bytes = copy_bytes
         #: set: writer threads take ``nice`` (at once, or from the next batch on
         #: when ``nice_later``, after :meth:`yield_to_training`)
         self._yield = threading.Event()
@@ -239,7 +243,7 @@ class StreamWriter:
         # counting, not left to the cyclic collector (0.1-0.3 s on the caller's thread
         # for a 20,000-array save).
         self._source = _gone
-        self._after_write = self._on_error = self._defer = None
+        self._after_write = self._on_error = self._defer = self._copy_bytes = None
 
     def _raise(self) -> None:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
@@ -293,6 +297,8 @@ class StreamWriter:
             flush = wait is not None or (
                 batch and (end - batch_off >= _WRITE_BATCH_BYTES or len(batch) > 900))
             need = it.staging_bytes + _codec_bytes(it)
+            if self._copy_bytes is not None:
+                need += self._copy_bytes(it)
             got = None if flush else budget.try_acquire(need)
             if wait is not None or got is None:
                 if done_items:  # never wait while holding staged bytes: write first

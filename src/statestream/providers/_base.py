@@ -29,6 +29,7 @@ __all__ = [
     "box_slices",
     "find_box",
     "chunk_of_host_array",
+    "copy_box_of_host_array",
     "refuse_int_overflow",
     "row_block_chunker",
 ]
@@ -176,6 +177,15 @@ def chunk_of_host_array(
     return part.reshape(-1).view(np.uint8)
 
 
+def copy_box_of_host_array(arr: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...],
+                           out: np.ndarray) -> None:
+    """Write what :func:`chunk_of_host_array` returns into ``out`` (1-D uint8 of its
+    size), straight from the array (strided, byte-swapped) with no copy between."""
+    part = arr[box_slices(start, shape)] if arr.ndim else arr.reshape(1)
+    np.copyto(out.view(part.dtype.newbyteorder("<")).reshape(part.shape), part,
+              casting="equiv")
+
+
 def row_block_chunker(
     flat: np.ndarray,
     shape: tuple[int, ...],
@@ -245,6 +255,12 @@ class PreparedArray:
     #: None: the engine copies ``chunk(start, shape)`` into ``out`` itself.
     stage: Callable[[tuple[int, ...], tuple[int, ...], np.ndarray],
                     Callable[[], None]] | None = None
+    #: For host arrays whose ``chunk`` copies: ``copy_into(start, shape, out)``
+    #: writes the box's bytes (as ``chunk`` gives them) into ``out`` (1-D uint8 of
+    #: exactly its size) without a copy of its own, so that a snapshot's copy into
+    #: a staging buffer allocates nothing outside the budget. None: the engine
+    #: copies ``chunk(start, shape)`` into ``out``.
+    copy_into: Callable[[tuple[int, ...], tuple[int, ...], np.ndarray], None] | None = None
 
     @property
     def nbytes(self) -> int:

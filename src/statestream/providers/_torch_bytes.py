@@ -8,7 +8,7 @@ import numpy as np
 
 from statestream._memory import fresh_bytes
 
-__all__ = ["byte_view", "contiguous_bytes", "host_bytes"]
+__all__ = ["byte_view", "contiguous_bytes", "copy_bytes_into", "host_bytes"]
 
 
 def byte_view(t: Any) -> np.ndarray:
@@ -69,3 +69,12 @@ def contiguous_bytes(part: Any) -> np.ndarray:
     if out.size:
         torch.from_numpy(out).view(part.dtype).view(part.shape).copy_(part)
     return out
+
+
+def copy_bytes_into(part: Any, out: np.ndarray) -> None:
+    """Write what :func:`contiguous_bytes` returns for the CPU tensor ``part`` into
+    ``out`` (1-D uint8 of its size), with no copy between."""
+    import torch
+
+    if out.size:
+        torch.from_numpy(out).view(part.dtype).view(part.shape).copy_(part)

@@ -19,6 +19,7 @@ from statestream.providers._base import (
     PreparedArray,
     ProviderCapabilities,
     chunk_of_host_array,
+    copy_box_of_host_array,
     refuse_int_overflow,
     row_block_chunker,
 )
@@ -42,7 +43,9 @@ def prepare_host_array(arr: np.ndarray, path: KeyPath, kind: str,
         return _prepared_in_place(arr, name, shape, kind, attrs)
     return PreparedArray(kind=kind, dtype=name, shape=shape,
                          chunk=functools.partial(chunk_of_host_array, arr), copies=copies,
-                         attrs=attrs)
+                         attrs=attrs,
+                         copy_into=functools.partial(copy_box_of_host_array, arr) if copies
+                         else None)
 
 
 def _prepared_in_place(arr: np.ndarray, name: str, shape: tuple[int, ...], kind: str,

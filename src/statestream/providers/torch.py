@@ -36,7 +36,12 @@ from statestream.providers._dtensor import (
     strided_split,
 )
 from statestream.providers._dtensor import is_dtensor as _is_dtensor
-from statestream.providers._torch_bytes import byte_view, contiguous_bytes, host_bytes
+from statestream.providers._torch_bytes import (
+    byte_view,
+    contiguous_bytes,
+    copy_bytes_into,
+    host_bytes,
+)
 from statestream.providers._torch_device import device_staging
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -162,10 +167,14 @@ class TorchProvider(ArrayProvider):
                 part = part.to("cpu")
             return contiguous_bytes(part)
 
+        def into(start: tuple[int, ...], cshape: tuple[int, ...], out: np.ndarray) -> None:
+            copy_bytes_into(t[box_slices(start, cshape)] if t.dim() else t, out)
+
         chunk: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray] = general
         if not copies and t.numel():
             chunk = row_block_chunker(byte_view(t), shape, t.element_size(), general)
         return PreparedArray(kind=self.kind, dtype=name, shape=shape, chunk=chunk, copies=copies,
+                             copy_into=into if copies and t.device.type == "cpu" else None,
                              **device_staging(t, _same_start))
 
     def _prepare_dtensor(self, obj: Any, path: KeyPath) -> PreparedArray:
