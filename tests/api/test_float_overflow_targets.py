@@ -67,3 +67,18 @@ def test_values_that_fit_saved_infs_and_rounding_still_load(ck):
     inf = got["inf"].tolist()
     assert inf[0] == float("inf") and inf[1] != inf[1] and inf[2] == 1.0
     assert got["t"].dtype == torch.bfloat16 and got["t"][0, 0].item() == 3.0
+
+
+def test_float8_arrays_saved_and_loaded_into_other_floats(tmp_path):
+    # float8_e5m2 has NumPy's kind 'f' (bfloat16 and float8_e4m3fn have 'V'): the check
+    # asked np.finfo for its range, which raised ValueError on every load of such an
+    # array into another dtype (found by the randomized campaign, seed 650008)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    path = tmp_path / "f8"
+    ss.save(path, {"a": np.array([2.0, 1024.0], dtype=ml_dtypes.float8_e5m2)})
+    got = ss.load(path, target={"a": np.zeros(2, np.float32)})
+    np.testing.assert_array_equal(got["a"], [2.0, 1024.0])
+    with pytest.raises(ss.TargetMismatchError, match="holds 1024.0.*float8_e4m3fn"):
+        ss.load(path, target={"a": np.zeros(2, ml_dtypes.float8_e4m3fn)})
+    got = ss.load(path, target={"a": torch.zeros(2, dtype=torch.bfloat16)})
+    assert got["a"].tolist() == [2.0, 1024.0]

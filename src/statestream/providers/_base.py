@@ -115,17 +115,17 @@ def _refuse_float_overflow(host: np.ndarray, want: np.dtype, saved: str, path: K
 
 def _float_max(dtype: np.dtype) -> float | None:
     """The largest finite value of a real float dtype (NumPy's or ml_dtypes': bfloat16,
-    float8_*), or None for any other dtype."""
-    if dtype.kind == "f":
+    float8_*; some of those have NumPy's kind 'f', others 'V'), or None for any other."""
+    if dtype.kind not in ("f", "V") or not dtype.name.startswith(("float", "bfloat")):
+        return None
+    if dtype.type in (np.float16, np.float32, np.float64, np.longdouble):
         return float(np.finfo(dtype).max)
-    if dtype.kind == "V" and dtype.name.startswith(("float", "bfloat")):
+    try:
         import ml_dtypes
 
-        try:
-            return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
-        except ValueError:  # pragma: no cover - an ml_dtypes float it cannot describe
-            return None
-    return None
+        return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    except (ImportError, ValueError):  # an ml_dtypes float it cannot describe
+        return None
 
 
 def _int_range(dtype: np.dtype) -> Any:
