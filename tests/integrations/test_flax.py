@@ -224,6 +224,10 @@ def test_nnx_modules_and_optimizers_save_as_their_state_and_load_in_place(tmp_pa
         assert_trees_equal(nnx.state(opt), nnx.state(opt2))
         got = ss.load(tmp_path / saved, target={"model": nnx.state(Net(nnx.Rngs(8)))})
         assert_trees_equal(nnx.state(model), got["model"])
+    abstract = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))  # nothing allocated before the load
+    got = ss.load(tmp_path / "objects", target={"model": abstract})
+    assert got["model"] is abstract
+    assert_trees_equal(nnx.state(model), nnx.state(abstract))
     part = Net(nnx.Rngs(9))
     before = np.asarray(part.out.kernel[...])
     ss.load(tmp_path / "objects", target={"model": part}, items=["model/lin"])
