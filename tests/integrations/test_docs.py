@@ -119,10 +119,12 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], procs: int) -> list[tu
         for proc, _log in running:
             proc.wait(timeout=240)
     finally:
-        for proc, log in running:
-            if proc.poll() is None:
+        for proc, log in running:  # the whole session: anything a rank started too
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            except ProcessLookupError:
+                pass
+            proc.wait()
             log.seek(0)
             out.append((proc.returncode, log.read()))
             log.close()
