@@ -30,7 +30,7 @@ __all__ = [
     "find_box",
     "chunk_of_host_array",
     "copy_box_of_host_array",
-    "refuse_int_overflow",
+    "refuse_lossy_cast",
     "row_block_chunker",
 ]
 
@@ -47,10 +47,10 @@ def find_box(
     raise TargetMismatchError(f"box {start}+{shape} is not held by this process")
 
 
-def refuse_int_overflow(host: np.ndarray, want: Any, saved: str, path: KeyPath,
-                        advice: str = "") -> None:
+def refuse_lossy_cast(host: np.ndarray, want: Any, saved: str, path: KeyPath,
+                      advice: str = "") -> None:
     """Raise TargetMismatchError where casting the loaded array ``host`` (of the saved
-    dtype ``saved``) to the target's integer dtype ``want`` would change a value:
+    dtype ``saved``) to the target's dtype ``want`` would change a value. Integer targets:
     NumPy, torch and JAX wrap an integer around (2**40 into int32 is 0) and make any
     int of a NaN or a float out of range (and cut 1.5 to 1), which no caller asks
     for. Integers: one min/max pass, only where ``want`` cannot hold every value of

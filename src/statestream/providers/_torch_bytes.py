@@ -61,13 +61,10 @@ def contiguous_bytes(part: Any) -> np.ndarray:
     (a transposed 512 MiB tensor saved under a 32 MiB budget peaked at +358 MiB;
     NumPy's copies of a transposed NumPy array: +64).
     """
-    import torch
-
     if part.is_contiguous():
         return byte_view(part)
     out = fresh_bytes(part.numel() * part.element_size())
-    if out.size:
-        torch.from_numpy(out).view(part.dtype).view(part.shape).copy_(part)
+    copy_bytes_into(part, out)
     return out
 
 

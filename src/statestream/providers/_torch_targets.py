@@ -13,7 +13,7 @@ import numpy as np
 
 from statestream.errors import TargetMismatchError
 from statestream.format import dtype_from_name
-from statestream.providers._base import refuse_int_overflow
+from statestream.providers._base import refuse_lossy_cast
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
@@ -41,16 +41,17 @@ def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
 
 def refuse_overflow(boxes: list[tuple[Any, Any]], want: str, dtype: str,
                     path: KeyPath) -> None:
-    """:func:`refuse_int_overflow` of the loaded host arrays ``boxes`` (saved as ``dtype``)
-    for a target of torch dtype ``want`` (``str(torch.int32)``): integers, and floats
-    (a finite value a narrower float makes inf: until 2026-12-07 unchecked)."""
+    """:func:`~statestream.providers._base.refuse_lossy_cast` of the loaded host arrays
+    ``boxes`` (saved as ``dtype``) for a target of torch dtype ``want``
+    (``str(torch.int32)``): integers, and floats (a finite value a narrower float
+    makes inf: until 2026-12-07 unchecked)."""
     name = want.removeprefix("torch.")
     try:
         np_want = np.dtype(name) if name in _INTS else dtype_from_name(name)
     except KeyError:  # (complex, bool, a dtype statestream does not store)
         return
     for _, host in boxes:
-        refuse_int_overflow(host, np_want, dtype, path)
+        refuse_lossy_cast(host, np_want, dtype, path)
 
 
 _INTS = frozenset(f"{u}int{b}" for u in ("", "u") for b in (8, 16, 32, 64))

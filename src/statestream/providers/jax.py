@@ -20,7 +20,7 @@ from statestream.providers._base import (
     ProviderCapabilities,
     chunk_of_host_array,
     find_box,
-    refuse_int_overflow,
+    refuse_lossy_cast,
 )
 from statestream.providers.numpy import host_destination, prepare_host_array
 from statestream.tree import KeyPath, PytreeExpansion, format_keypath, type_name
@@ -178,7 +178,7 @@ class JaxProvider(ArrayProvider):
             out = dest
             sharding = None
             # what a device_put makes of it (int64 is int32 unless jax_enable_x64)
-            refuse_int_overflow(out, _canonical(out.dtype if like is None else like.dtype),
+            refuse_lossy_cast(out, _canonical(out.dtype if like is None else like.dtype),
                                 dtype, path, _x64_advice(like, dtype))
             if like is not None:
                 if np.dtype(like.dtype) != out.dtype:
@@ -223,7 +223,7 @@ class JaxProvider(ArrayProvider):
             arrays = []
             for device, box in per_device:
                 host = bufs[box]
-                refuse_int_overflow(host, canonical, dtype, path, _x64_advice(like, dtype))
+                refuse_lossy_cast(host, canonical, dtype, path, _x64_advice(like, dtype))
                 if host.dtype != want:
                     host = host.astype(want)
                 place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)

@@ -20,7 +20,7 @@ from statestream.providers._base import (
     ProviderCapabilities,
     chunk_of_host_array,
     copy_box_of_host_array,
-    refuse_int_overflow,
+    refuse_lossy_cast,
     row_block_chunker,
 )
 from statestream.tree import KeyPath, format_keypath
@@ -211,7 +211,7 @@ class NumpyProvider(ArrayProvider):
         def finish() -> Any:
             out = dest
             if want is not None and want != out.dtype:
-                refuse_int_overflow(out, want, dtype, path)
+                refuse_lossy_cast(out, want, dtype, path)
                 try:
                     out = out.astype(want)
                 except (TypeError, ValueError) as exc:

@@ -297,9 +297,6 @@ class NnxAdapter(StateAdapter):
 
         return nnx.state(obj)
 
-    def target_state(self, obj: Any) -> Any:
-        return self.get_state(obj)
-
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
         from flax import nnx
 
