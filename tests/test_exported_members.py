@@ -67,10 +67,11 @@ EXPECTED: dict[str, list[str]] = {
         "plan_load", "plan_verify", "single_tree", "split_chunks",
     ],
     "statestream.engine": [
-        "BackgroundTasks", "ByteBudget", "ChainReader", "CompressionOption",
+        "BackgroundTasks", "ByteBudget", "ChainReader", "CommittedSummary", "CompressionOption",
         "CompressionPolicy", "IOOptions", "MemoryOptions", "NodeGroups", "Progress",
         "SaveHandle", "SaveJob", "SaveOptions", "StagingPool", "StreamWriter", "TaskHandle",
-        "check_base", "chunk_checksums", "complete_copies", "copy_checkpoint",
+        "check_base", "chunk_checksums", "committed_summary", "complete_copies",
+        "copy_checkpoint",
         "default_memory_budget_bytes",
         "describe_copy",
         "follow_bases", "host_pool", "lower_thread_priority", "node_groups", "parallel_for",

@@ -17,6 +17,7 @@ from statestream.engine._job import SaveJob, SaveOptions
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
 from statestream.engine._readbudget import read_budget, saving_to
+from statestream.engine._recent import CommittedSummary, committed_summary
 from statestream.engine._refs import check_base, read_manifest
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._start import run_save, start_save
@@ -29,6 +30,7 @@ __all__ = [
     "BackgroundTasks",
     "ByteBudget",
     "ChainReader",
+    "CommittedSummary",
     "CompressionOption",
     "CompressionPolicy",
     "IOOptions",
@@ -42,6 +44,7 @@ __all__ = [
     "StreamWriter",
     "TaskHandle",
     "chunk_checksums",
+    "committed_summary",
     "complete_copies",
     "copy_checkpoint",
     "default_memory_budget_bytes",

@@ -51,6 +51,7 @@ from statestream.engine._handle import SaveHandle
 from statestream.engine._ledger import StagingLedger
 from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._plans import agree_on_plan, total_bytes
+from statestream.engine._recent import remember_summary
 from statestream.engine._refs import (
     BaseChunks,
     base_chunks,
@@ -540,8 +541,10 @@ class SaveJob:
         _hooks.fire("commit.marker_written")
         txn.commit()
         _hooks.fire("commit.renamed")
-        if (self.options.hashes or self.base is not None) and self._built is not None:
-            remember_committed(self.spath, mbytes, self._built)
+        if self._built is not None:
+            remember_summary(self.spath, mbytes, self._built)
+            if self.options.hashes or self.base is not None:
+                remember_committed(self.spath, mbytes, self._built)
 
     # ----------------------------------------------------------------------- failure
     def _abort_local(self) -> None:

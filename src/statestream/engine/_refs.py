@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from statestream.engine._recent import still_committed
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -468,17 +469,9 @@ def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> Ba
     path = sibling_path(spath, name)
     with _RECENT_LOCK:
         known = _RECENT.get(path)
-    if known is not None and storage.is_committed(path):
-        reader = storage.open_read(path)
-        try:
-            size, crc = decode_commit(reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES),
-                                      f"{reader.location}/{COMMIT_NAME}")
-            same = (size, crc) == known[:2] and _manifest_is(reader, size, crc)
-        finally:
-            reader.close()
-        if same:
-            _remember(path, size, crc, known[2])  # used again: the last to be evicted
-            return known[2]
+    if known is not None and still_committed(storage, path, known[0], known[1]):
+        _remember(path, *known)  # used again: the last to be evicted
+        return known[2]
     reader, m, size, crc = _open_committed(storage, spath, name, of=of)
     reader.close()
     chunks = BaseChunks(name, m)
@@ -496,19 +489,6 @@ def check_base(path: str) -> None:
     """
     storage, spath = storage_for(path)
     _committed_chunks(storage, spath, _split(spath)[1], of=f"the base {spath}")
-
-
-def _manifest_is(reader: CheckpointReader, size: int, crc: int) -> bool:
-    """Whether the manifest file still holds what the commit marker names: a kept index
-    must not hide a manifest damaged since (a save would then commit references that
-    no load can follow, where a fresh process refuses the base). Read, not decoded."""
-    try:
-        data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    except StorageError:
-        raise  # the store failed, not the checkpoint
-    except CheckpointError:
-        return False  # the full read below names what is wrong
-    return len(data) == size and checksum(data) == crc
 
 
 def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:

@@ -21,6 +21,7 @@ import numpy as np
 
 from statestream.api import metadata
 from statestream.distributed import Collective, share_from_0
+from statestream.engine import committed_summary
 from statestream.errors import (
     CheckpointError,
     InvalidOptionError,
@@ -64,17 +65,25 @@ def chain_depth(path: str) -> int | None:
         StorageError: the store failed (not the step).
     """
     try:
-        md = metadata(path)
+        # a step this process committed: no manifest decoded (until 2026-12-07 rank 0
+        # read its base's whole manifest before each save: metadata of 100k arrays ~1 s)
+        known = committed_summary(path)
+        bases, user = ((known.bases, known.meta.get("user")) if known is not None
+                       else _read(path))
     except StorageError:
         raise
     except CheckpointError:
         return None
-    if not md.bases:
+    if not bases:
         return 0
-    user = md.meta.get("user")
     depth = user.get(CHAIN_KEY) if isinstance(user, dict) else None
     ok = isinstance(depth, int) and not isinstance(depth, bool) and depth >= 0
     return depth if ok else None
+
+
+def _read(path: str) -> tuple[list[str], Any]:
+    md = metadata(path)
+    return md.bases, md.meta.get("user")
 
 
 def chain_base(step: int, limit: int | None, coll: Collective, tier: LocalTier | None,

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from statestream import _hooks
-from statestream.api import metadata
+from statestream.api import CheckpointMetadata, metadata
 from statestream.api._options import meta_option
+from statestream.engine import CommittedSummary, committed_summary
 from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score, kept_by
 from statestream.manager._steps import StepDirectory, parse_step
@@ -110,7 +111,9 @@ def _decode_metric(v: Any) -> Any:
 def step_info(path: str, step: int) -> dict[str, Any]:
     """Recorded metadata of the step at ``path``: wall time, metrics, size, user metadata,
     and the checkpoints it refers to (``bases``: an incremental save's)."""
-    md = metadata(path)
+    md: CheckpointMetadata | CommittedSummary | None = committed_summary(path)
+    if md is None:  # not a step this process just committed: the manifest is decoded
+        md = metadata(path)
     user = md.meta.get("user", {})
     return {
         "step": step,
