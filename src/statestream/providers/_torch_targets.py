@@ -17,7 +17,7 @@ from statestream.providers._base import refuse_lossy_cast
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_overflow",
+__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_lossy_casts",
            "refuse_target", "refused_keys", "refused_state", "retie", "tied_names"]
 
 
@@ -39,8 +39,8 @@ def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
             f"the saved {dtype} array to; pass a tensor of a numeric dtype (or None there)")
 
 
-def refuse_overflow(boxes: list[tuple[Any, Any]], want: str, dtype: str,
-                    path: KeyPath) -> None:
+def refuse_lossy_casts(boxes: list[tuple[Any, Any]], want: str, dtype: str,
+                       path: KeyPath) -> None:
     """:func:`~statestream.providers._base.refuse_lossy_cast` of the loaded host arrays
     ``boxes`` (saved as ``dtype``) for a target of torch dtype ``want``
     (``str(torch.int32)``): integers, and floats (a finite value a narrower float

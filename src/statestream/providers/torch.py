@@ -372,7 +372,7 @@ class TorchProvider(ArrayProvider):
 
         def finish() -> Any:
             local = inner.finish()
-            _torch_targets.refuse_overflow(inner.boxes, str(like.dtype), dtype, path)
+            _torch_targets.refuse_lossy_casts(inner.boxes, str(like.dtype), dtype, path)
             if local.dtype != like.dtype or local.device != device:
                 local = local.to(device=device, dtype=like.dtype)
             out: Any = DTensor.from_local(local, like.device_mesh, like.placements,
@@ -543,7 +543,7 @@ def _like_target(loaded: Any, like: Any, host: np.ndarray, dtype: str, path: Key
     tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
     import torch
 
-    _torch_targets.refuse_overflow([((), host)], str(like.dtype), dtype, path)
+    _torch_targets.refuse_lossy_casts([((), host)], str(like.dtype), dtype, path)
     out = loaded
     device = out.device if like.device.type == "meta" else like.device
     if like.dtype != out.dtype or device != out.device:
