@@ -30,6 +30,15 @@ def test_the_summary_is_what_metadata_reads(tmp_path: Path, kw: dict) -> None:
     _same_as_metadata(p)
 
 
+def test_tied_arrays_and_other_kinds_are_summed_as_metadata_sums_them(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    w = torch.ones(8, 4)
+    p = str(tmp_path / "c")
+    ss.save(p, {"emb": w, "head": w, "view": w[2:], "t": torch.zeros(3, dtype=torch.int64),
+                "np": np.ones((2, 2), np.float16), "b": b"bytes", "n": 1.5})
+    _same_as_metadata(p)
+
+
 def test_an_incremental_saves_bases_are_in_its_summary(tmp_path: Path) -> None:
     base, p = str(tmp_path / "base"), str(tmp_path / "next")
     frozen = np.random.default_rng(0).standard_normal(4096)

@@ -542,7 +542,7 @@ class SaveJob:
         txn.commit()
         _hooks.fire("commit.renamed")
         if self._built is not None:
-            remember_summary(self.spath, mbytes, self._built)
+            remember_summary(self.spath, mbytes, self._built, refers=self.base is not None)
             if self.options.hashes or self.base is not None:
                 remember_committed(self.spath, mbytes, self._built)
 

@@ -48,16 +48,20 @@ _LOCK = threading.Lock()
 _MAX = 16
 
 
-def remember_summary(spath: str, mbytes: bytes, manifest: Manifest) -> None:
+def remember_summary(spath: str, mbytes: bytes, manifest: Manifest, *,
+                     refers: bool = True) -> None:
     """Keep the summary of ``manifest`` (encoded as ``mbytes``), just committed at
-    ``spath`` by this process."""
+    ``spath`` by this process; ``refers=False``: a save without a base, whose chunks
+    refer to nothing (not looked through: 20 ms at 100k arrays)."""
     bases = dict.fromkeys(manifest.bases)  # one being committed: only in its chunks
-    for a in manifest.arrays:
+    for a in manifest.arrays if refers else ():
         for c in a.chunks:
             if c.ref is not None:
                 bases[c.ref.base] = None
-    summary = CommittedSummary(copy.deepcopy(manifest.meta),
-                               sum(a.nbytes for a in manifest.arrays), tuple(bases))
+    total = manifest.meta.get("total_bytes")  # the job's sum (again: 20 ms at 100k)
+    if not isinstance(total, int):
+        total = sum(a.nbytes for a in manifest.arrays)
+    summary = CommittedSummary(copy.deepcopy(manifest.meta), total, tuple(bases))
     _keep(spath, len(mbytes), checksum(mbytes), summary)
 
 
