@@ -57,7 +57,10 @@ class SaveHandle:
         self._superseded = threading.Event()
         #: the save's background thread, joined at interpreter exit
         self._thread: threading.Thread | None = None
-        self._array_ready = [threading.Event() for _ in range(n_arrays)]
+        #: 1 where an array is copied; one condition for all (an Event per array took
+        #: 0.3-0.5 s of the blocking phase of a save of 20,000 arrays until 2026-12-07)
+        self._ready = bytearray(n_arrays)
+        self._ready_cv = threading.Condition(threading.Lock())
         self._error: BaseException | None = None
         self._snapshot_failed = False
         #: memory id -> indices of the arrays that use it (see ``wait_for``)
@@ -117,9 +120,11 @@ class SaveHandle:
                 self._snapshot.wait()
                 return
             ids.add(mid)
-        for mid in ids:
-            for ai in self._memory.get(mid, ()):
-                self._array_ready[ai].wait()
+        with self._ready_cv:
+            for mid in ids:
+                for ai in self._memory.get(mid, ()):
+                    while not self._ready[ai]:  # each array looked at once, not per wake
+                        self._ready_cv.wait()
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the checkpoint is durable and committed; raise any error.
@@ -150,7 +155,9 @@ class SaveHandle:
 
     # -- the job's side -----------------------------------------------------------
     def array_ready(self, index: int) -> None:
-        self._array_ready[index].set()
+        with self._ready_cv:
+            self._ready[index] = 1
+            self._ready_cv.notify_all()
 
     def snapshot_finished(self) -> None:
         self._snapshot.set()
@@ -160,8 +167,9 @@ class SaveHandle:
             self._error = exc
         if not self._snapshot.is_set():
             self._snapshot_failed = True
-        for e in self._array_ready:
-            e.set()
+        with self._ready_cv:
+            self._ready[:] = b"\x01" * len(self._ready)
+            self._ready_cv.notify_all()
         self._snapshot.set()
         # A failed save stays pending until the caller has seen its error, so one
         # that nobody asked about is still reported at interpreter exit.
