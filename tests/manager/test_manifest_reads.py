@@ -21,7 +21,6 @@ import pytest
 import statestream as ss
 import statestream.engine._recent as recent
 import statestream.engine._refs as refs
-import statestream.manager._chain as chain
 import statestream.manager._retention as retention
 
 
@@ -35,8 +34,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         seen[os.path.basename(str(path))] += 1
         return real(path, **kw)
 
-    monkeypatch.setattr(chain, "metadata", counted)
-    monkeypatch.setattr(retention, "metadata", counted)
+    monkeypatch.setattr(retention, "metadata", counted)  # every read of a step's manifest
     return seen
 
 

@@ -19,15 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from statestream.api import metadata
 from statestream.distributed import Collective, share_from_0
-from statestream.engine import committed_summary
 from statestream.errors import (
     CheckpointError,
     InvalidOptionError,
     InvalidOptionTypeError,
     StorageError,
 )
+from statestream.manager._retention import recorded
 from statestream.manager._tier import LocalTier
 from statestream.manager._tierbase import base_for
 
@@ -67,23 +66,17 @@ def chain_depth(path: str) -> int | None:
     try:
         # a step this process committed: no manifest decoded (until 2026-12-07 rank 0
         # read its base's whole manifest before each save: metadata of 100k arrays ~1 s)
-        known = committed_summary(path)
-        bases, user = ((known.bases, known.meta.get("user")) if known is not None
-                       else _read(path))
+        md = recorded(path)
     except StorageError:
         raise
     except CheckpointError:
         return None
-    if not bases:
+    if not md.bases:
         return 0
+    user = md.meta.get("user")
     depth = user.get(CHAIN_KEY) if isinstance(user, dict) else None
     ok = isinstance(depth, int) and not isinstance(depth, bool) and depth >= 0
     return depth if ok else None
-
-
-def _read(path: str) -> tuple[list[str], Any]:
-    md = metadata(path)
-    return md.bases, md.meta.get("user")
 
 
 def chain_base(step: int, limit: int | None, coll: Collective, tier: LocalTier | None,

@@ -17,8 +17,8 @@ from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptio
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score, kept_by
 from statestream.manager._steps import StepDirectory, parse_step
 
-__all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "step_info",
-           "step_meta"]
+__all__ = ["Retention", "decode_metrics", "encode_metrics", "plain_metrics", "recorded",
+           "step_info", "step_meta"]
 
 #: listings of a directory whose steps a keep policy deletes meanwhile, at most
 _RELISTS = 8
@@ -108,12 +108,23 @@ def _decode_metric(v: Any) -> Any:
     return v
 
 
+def recorded(path: str) -> CheckpointMetadata | CommittedSummary:
+    """What the manifest of the step at ``path`` records (``meta``, ``bases``,
+    ``total_bytes``): from this process's own save of it while that manifest is still
+    the one committed (not decoded again), else read.
+
+    Raises:
+        StorageError: the store failed.
+        CheckpointError: the step cannot be read.
+    """
+    known = committed_summary(path)
+    return known if known is not None else metadata(path)
+
+
 def step_info(path: str, step: int) -> dict[str, Any]:
     """Recorded metadata of the step at ``path``: wall time, metrics, size, user metadata,
     and the checkpoints it refers to (``bases``: an incremental save's)."""
-    md: CheckpointMetadata | CommittedSummary | None = committed_summary(path)
-    if md is None:  # not a step this process just committed: the manifest is decoded
-        md = metadata(path)
+    md = recorded(path)
     user = md.meta.get("user", {})
     return {
         "step": step,
