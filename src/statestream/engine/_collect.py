@@ -68,6 +68,15 @@ class Collector:
         return flatten(state, self.leaf, pytree_fn=expand_pytree, fallback_fn=self.fallback,
                        path=path)
 
+    def release(self) -> None:
+        """Forget what the walk found (once its save's outcome is known): the state's
+        memory is let go of, and nothing of it is left for the collector to traverse."""
+        self.arrays.clear()
+        self.paths.clear()
+        self.versions.clear()
+        self._aliases.clear()
+        self.memory = {}  # (a save handle's until its snapshot is over)
+
     def key(self, index: int) -> str:
         return format_keypath(self.paths[index])
 

@@ -161,6 +161,7 @@ class SaveHandle:
 
     def snapshot_finished(self) -> None:
         self._snapshot.set()
+        self._memory = {}  # waits return at once from now on (the walk's, let go of)
 
     def fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -171,6 +172,7 @@ class SaveHandle:
             self._ready[:] = b"\x01" * len(self._ready)
             self._ready_cv.notify_all()
         self._snapshot.set()
+        self._memory = {}
         # A failed save stays pending until the caller has seen its error, so one
         # that nobody asked about is still reported at interpreter exit.
         self._finished.set()

@@ -92,6 +92,10 @@ _Box = tuple[tuple[int, ...], tuple[int, ...]]
 MIN_COPY_CHUNK_BYTES = 1 << 20
 
 
+def _no_pause() -> None:
+    pass
+
+
 class SaveJob:
     """One save of ``state`` to ``path`` (see the module docstring).
 
@@ -163,6 +167,9 @@ class SaveJob:
         #: with several processes: this save's id, agreed with the transaction (meta.save_id)
         self.save_id: str | None = None
         self._user_meta: dict[str, Any] | None = None
+        #: an asynchronous save's pause of the cyclic collector, resumed once its
+        #: outcome is known (statestream._gc; idempotent)
+        self.resume_gc: Callable[[], None] = _no_pause
 
     def _open_base(self) -> None:
         """Read the base's manifest (before anything is written)."""
@@ -366,10 +373,20 @@ class SaveJob:
 
     # ----------------------------------------------------------------------- async
     def release_values(self) -> None:
-        """Let go of the state and of what the walk made of it (host views of its
-        memory); only the plan's sizes remain. After the commit."""
+        """Let go of the state and of what the save made of it (host views of its
+        memory, the plan, the tree, the manifest); only what warming the staging
+        buffers needs remains. Once the outcome is known, and before the collector
+        resumes: hundreds of thousands of objects for a large state, each of which
+        a collection would traverse while it lived (statestream._gc)."""
         self.state = None
-        self.collector.arrays.clear()
+        self.collector.release()
+        self.planner.chunks = []
+        self.items = []
+        self.merged = None
+        self.mine = None
+        self._built = None
+        self._decls = []
+        self.base = None
 
     def make_handle(self) -> SaveHandle:
         h = self.handle = SaveHandle(self.spath, len(self.collector.arrays))

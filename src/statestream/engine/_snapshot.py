@@ -195,12 +195,14 @@ def run_background(job: SaveJob, run_snapshot: bool,
         _hooks.fire("save.data_synced")
         agreed = True
         job.finish(written, None)
+        del written  # (freed before the collector resumes: release_values)
         job.ledger.reclaim(True)
         warm = job.ledger.warm_sizes(job.items)
         # Let go of the state before the caller hears of the commit: after
         # result() the library holds no reference to it (a training step may
         # donate or free it, and nothing of it is dropped later on this thread).
         job.release_values()
+        job.resume_gc()
         h.finish()
     except BaseException as exc:
         job.writer.abort()
@@ -212,11 +214,13 @@ def run_background(job: SaveJob, run_snapshot: bool,
                 exc = agreed_exc
         job._abort_txn()
         job.release_values()
+        job.resume_gc()
         h.fail(exc)
     try:
         if warm is not None:
             _warm_up(job, warm)
     finally:
+        job.resume_gc()  # (done above unless that raised)
         h._settled.set()
 
 

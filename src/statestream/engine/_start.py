@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from statestream._gc import gc_paused
+from statestream._gc import pause as pause_gc
 from statestream.engine._handle import (
     SAVE_THREADS,
     SaveHandle,
@@ -113,9 +114,16 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
         job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
         if job.multi:
             job.finish_coll = job.coll.fork("statestream-async")
-        with gc_paused():
+        # The collector stays paused until the save's outcome is known (its
+        # background thread resumes it): what the walk made lives until then, and
+        # collections would traverse it again and again (statestream._gc).
+        resume = job.resume_gc = pause_gc()
+        try:
             job.begin()
-        handle = job.make_handle()
+            handle = job.make_handle()
+        except BaseException:
+            resume()
+            raise
         try:
             enqueue(handle)
             if not lazy:
@@ -142,6 +150,7 @@ def _abandon(job: SaveJob, exc: BaseException) -> None:
             handle.result()
         job._abort_local()
     finally:
+        job.resume_gc()
         handle.fail(exc)
         handle._settled.set()
         handle._reported()  # raised to the caller right here

@@ -203,7 +203,8 @@ class StreamWriter:
         self._drop_callbacks()
         if self._errors:
             self._raise()
-        return self._records
+        records, self._records = self._records, {}  # the caller's from now on
+        return records
 
     def files(self) -> list[FileEntry]:
         """The data files written (after :meth:`close`), in file-index order."""
