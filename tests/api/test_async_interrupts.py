@@ -2,7 +2,8 @@
 is in flight, leave no save that never settles.
 
 A save that never settles hangs the next ``save_async`` (one save at a time) and
-the interpreter's exit (pending saves are completed then). Found by an exploratory
+the interpreter's exit (pending saves are completed then); one that never resumes
+the cyclic collector it paused leaves the process without it. Found by an exploratory
 run with real SIGINTs: the interrupt landed in ``Thread.start()`` of a writer, the
 abort then joined a thread that never started (``RuntimeError: cannot join thread
 before it is started`` in place of the KeyboardInterrupt), and the handle stayed
@@ -11,10 +12,12 @@ pending. Timeouts only guard against hangs.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,14 @@ from statestream import _hooks
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork")
 
 _WAIT_S = 120
+
+
+@pytest.fixture(autouse=True)
+def _collector_resumed() -> Iterator[None]:
+    """Every test ends with the cyclic collector as it began (statestream._gc)."""
+    was = gc.isenabled()
+    yield
+    assert gc.isenabled() == was, "a save left the cyclic collector paused"
 
 
 def _interrupt_start(monkeypatch: pytest.MonkeyPatch, prefix: str, *, after: bool) -> None:
