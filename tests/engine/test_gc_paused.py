@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import multiprocessing
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ import pytest
 
 import statestream as ss
 from statestream import _hooks
+from statestream._gc import gc_paused
 
 
 @pytest.fixture()
@@ -134,4 +137,34 @@ def test_an_async_save_frees_what_it_built_before_the_collector_resumes(
         gc.set_threshold(*thresholds)
         counted.set()
     assert sum(young.values()) < 1000, young.most_common(8)
+    assert gc.isenabled()
+
+
+def _report_collector(out: multiprocessing.SimpleQueue) -> None:  # type: ignore[type-arg]
+    out.put(gc.isenabled())
+    with gc_paused():  # the child's own pauses count from zero
+        out.put(gc.isenabled())
+    out.put(gc.isenabled())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fork")
+def test_a_child_forked_during_a_save_gets_the_collector_back(
+        tmp_path: Path, collector_seen: dict[str, list[bool]]) -> None:
+    # a data loader forking its workers while a save runs in the background: the
+    # pause belongs to the parent's save, which the child does not have
+    gate = threading.Event()
+    _hooks.register("save.chunk_written", lambda: gate.wait(60))
+    try:
+        h = ss.save_async(tmp_path / "c", _state())
+        assert not gc.isenabled()
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.SimpleQueue()
+        child = ctx.Process(target=_report_collector, args=(out,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert [out.get() for _ in range(3)] == [True, False, True]
+    finally:
+        gate.set()
+    h.result()
     assert gc.isenabled()
