@@ -42,12 +42,14 @@ def worker_mismatch(ctx: Context) -> dict[str, Any]:
         out = {"type": type(exc).__name__, "message": str(exc),
                "distributed": isinstance(exc, ss.DistributedError)}
     out["elapsed_s"] = time.monotonic() - t0
-    # rank 0 hosts the rendezvous store: it stays until rank 1 has read the marks
-    done = Path(ctx.tmp) / "rank1-done"
-    if ctx.rank == 1:
-        done.touch()
+    # Each rank stays until the other's call has ended: rank 0 hosts the rendezvous
+    # store (rank 1 reads the marks from it), and a rank that exits first closes its
+    # connections, which the other's call, not yet timed out on a loaded machine,
+    # then reports as a gloo error instead of its timeout.
+    (Path(ctx.tmp) / f"rank{ctx.rank}-done").touch()
+    other = Path(ctx.tmp) / f"rank{1 - ctx.rank}-done"
     deadline = time.monotonic() + 60
-    while ctx.rank == 0 and not done.exists() and time.monotonic() < deadline:
+    while not other.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return out
 
