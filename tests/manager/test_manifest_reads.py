@@ -59,8 +59,8 @@ def test_incremental_saves_decode_no_manifest_of_their_own(
         mgr.wait()
         assert mgr.steps() == [3, 4, 5]
     assert decoded == Counter()
-    monkeypatch.setattr(recent, "_KEPT", {})  # as in a new process
-    monkeypatch.setattr(refs, "_RECENT", {})
+    monkeypatch.setattr(recent, "_KEPT", recent.KeptByManifest(16))  # as in a new process
+    monkeypatch.setattr(refs, "_RECENT", recent.KeptByManifest(8))
     with ss.CheckpointManager(d, incremental=3, async_save=async_save,
                               keep_policy=ss.KeepLatest(3)) as mgr:
         for s in range(6, 12):

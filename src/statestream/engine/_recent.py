@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from statestream.errors import CheckpointError, StorageError
 from statestream.format import (
@@ -29,7 +29,8 @@ from statestream.format import (
 )
 from statestream.storage import CheckpointReader, Storage, storage_for
 
-__all__ = ["CommittedSummary", "committed_summary", "remember_summary", "still_committed"]
+__all__ = ["CommittedSummary", "KeptByManifest", "committed_summary", "remember_summary",
+           "still_committed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,44 @@ class CommittedSummary:
     bases: tuple[str, ...]
 
 
-#: path -> (manifest size, manifest CRC-32C, summary), the most recently used last
-_KEPT: dict[str, tuple[int, int, CommittedSummary]] = {}
-_LOCK = threading.Lock()
-_MAX = 16
+T = TypeVar("T")
+
+
+class KeptByManifest(Generic[T]):
+    """Values kept per checkpoint path, each with the manifest it was made from (size
+    and CRC-32C), at most ``most`` of them, the least recently used dropped first
+    (thread-safe). A value is given out only while that manifest is still the one
+    committed at its path (:func:`still_committed`)."""
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[int, int, T]] = {}  # the most recently used last
+
+    def put(self, spath: str, size: int, crc: int, value: T) -> None:
+        with self._lock:
+            self._kept.pop(spath, None)
+            self._kept[spath] = (size, crc, value)
+            while len(self._kept) > self._most:
+                del self._kept[next(iter(self._kept))]
+
+    def get(self, storage: Storage, spath: str) -> T | None:
+        """The value kept for ``spath`` while its manifest is still committed there,
+        else None.
+
+        Raises:
+            StorageError: the store failed.
+            CheckpointError: the commit marker is damaged.
+        """
+        with self._lock:
+            kept = self._kept.get(spath)
+        if kept is None or not still_committed(storage, spath, kept[0], kept[1]):
+            return None
+        self.put(spath, *kept)  # used again: the last to be dropped
+        return kept[2]
+
+
+_KEPT: KeptByManifest[CommittedSummary] = KeptByManifest(16)
 
 
 def remember_summary(spath: str, mbytes: bytes, manifest: Manifest, *,
@@ -62,15 +97,7 @@ def remember_summary(spath: str, mbytes: bytes, manifest: Manifest, *,
     if not isinstance(total, int):
         total = sum(a.nbytes for a in manifest.arrays)
     summary = CommittedSummary(copy.deepcopy(manifest.meta), total, tuple(bases))
-    _keep(spath, len(mbytes), checksum(mbytes), summary)
-
-
-def _keep(spath: str, size: int, crc: int, summary: CommittedSummary) -> None:
-    with _LOCK:
-        _KEPT.pop(spath, None)
-        _KEPT[spath] = (size, crc, summary)
-        while len(_KEPT) > _MAX:
-            del _KEPT[next(iter(_KEPT))]
+    _KEPT.put(spath, len(mbytes), checksum(mbytes), summary)
 
 
 def committed_summary(path: str) -> CommittedSummary | None:
@@ -82,17 +109,12 @@ def committed_summary(path: str) -> CommittedSummary | None:
         StorageError: the store failed (not the checkpoint).
     """
     storage, spath = storage_for(path)
-    with _LOCK:
-        kept = _KEPT.get(spath)
-    if kept is None:
-        return None
-    size, crc, summary = kept
     try:
-        if not still_committed(storage, spath, size, crc):
-            return None
+        summary = _KEPT.get(storage, spath)
     except CheckpointError:
         return None  # metadata() names what is wrong
-    _keep(spath, size, crc, summary)  # used again: the last to be dropped
+    if summary is None:
+        return None
     return dataclasses.replace(summary, meta=copy.deepcopy(summary.meta))
 
 

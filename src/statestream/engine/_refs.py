@@ -17,14 +17,13 @@ import copy
 import json
 import math
 import re
-import threading
 import warnings
 from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from statestream.engine._recent import still_committed
+from statestream.engine._recent import KeptByManifest
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -445,37 +444,25 @@ class BaseChunks:
 #: recently used last: the next incremental save uses one without decoding that manifest
 #: again, once the checkpoint's commit marker shows that exactly that manifest is
 #: committed there.
-_RECENT: dict[str, tuple[int, int, BaseChunks]] = {}
-_RECENT_LOCK = threading.Lock()
-_RECENT_MAX = 8
-
-
-def _remember(spath: str, size: int, crc: int, chunks: BaseChunks) -> None:
-    with _RECENT_LOCK:
-        _RECENT.pop(spath, None)
-        _RECENT[spath] = (size, crc, chunks)
-        while len(_RECENT) > _RECENT_MAX:
-            del _RECENT[next(iter(_RECENT))]
+_RECENT: KeptByManifest[BaseChunks] = KeptByManifest(8)
 
 
 def remember_committed(spath: str, mbytes: bytes, manifest: Manifest) -> None:
     """Record a checkpoint this process just committed with hashed chunks."""
-    _remember(spath, len(mbytes), checksum(mbytes), BaseChunks(_split(spath)[1], manifest))
+    _RECENT.put(spath, len(mbytes), checksum(mbytes), BaseChunks(_split(spath)[1], manifest))
 
 
 def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> BaseChunks:
     """The hashed chunks of the committed sibling ``name`` of ``spath``: the index kept
     for it while its commit marker names the same manifest, else read (and kept)."""
     path = sibling_path(spath, name)
-    with _RECENT_LOCK:
-        known = _RECENT.get(path)
-    if known is not None and still_committed(storage, path, known[0], known[1]):
-        _remember(path, *known)  # used again: the last to be evicted
-        return known[2]
+    known = _RECENT.get(storage, path)
+    if known is not None:
+        return known
     reader, m, size, crc = _open_committed(storage, spath, name, of=of)
     reader.close()
     chunks = BaseChunks(name, m)
-    _remember(path, size, crc, chunks)
+    _RECENT.put(path, size, crc, chunks)
     return chunks
 
 
