@@ -517,11 +517,19 @@ class TorchProvider(ArrayProvider):
 
 
 class _PlainTensors:
-    """``torch.Tensor`` and ``nn.Parameter`` (looked up once torch is loaded)."""
+    """``torch.Tensor`` and ``nn.Parameter`` (looked up once torch is loaded; asked
+    three times per tensor a save walks)."""
+
+    _types: frozenset[type] = frozenset()
 
     def __contains__(self, t: type) -> bool:
-        torch = _torch()
-        return torch is not None and (t is torch.Tensor or t is torch.nn.Parameter)
+        types = self._types
+        if not types:
+            torch = _torch()
+            if torch is None:
+                return False
+            types = self._types = frozenset((torch.Tensor, torch.nn.Parameter))
+        return t in types
 
 
 _PLAIN_TENSORS = _PlainTensors()
