@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 
-def child(config: str, tensors: int, numel: int, saves: int, directory: str) -> dict[str, Any]:
+def child(config: str, tensors: int, numel: int, saves: int, directory: str,
+          pause: float = 0.0) -> dict[str, Any]:
     import torch
 
     import statestream as ss
@@ -48,6 +49,7 @@ def child(config: str, tensors: int, numel: int, saves: int, directory: str) -> 
             blocking.append(time.perf_counter() - t0)
             h.result()
         total.append(time.perf_counter() - t0)
+        time.sleep(pause)  # training between saves (the staging warms up meanwhile)
     return {"config": config, "blocking": blocking or total, "total": total}
 
 
@@ -58,12 +60,14 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--configs", default="ss.save,save_async,save_async lazy,torch.save")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds between saves (0: each save right after the last commits)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
-            r = child(args.child, args.tensors, args.numel, args.saves, d)
+            r = child(args.child, args.tensors, args.numel, args.saves, d, args.pause)
         print(json.dumps(r))
         return
     rows = []
@@ -71,7 +75,8 @@ def main() -> None:
         for config in args.configs.split(","):
             out = subprocess.run(
                 [sys.executable, __file__, "--child", config, "--tensors", str(args.tensors),
-                 "--numel", str(args.numel), "--saves", str(args.saves)],
+                 "--numel", str(args.numel), "--saves", str(args.saves),
+                 "--pause", str(args.pause)],
                 check=True, capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             r["repeat"] = rep

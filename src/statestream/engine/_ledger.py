@@ -158,6 +158,35 @@ class StagingLedger:
             self._staged[key] = buf
         return wait
 
+    def copy_out_run(self, items: Sequence[WriteItem]) -> None:
+        """:meth:`copy_out` for small host chunks, many at once (each charged its own
+        size): their buffers under one lock of the pool, their records under one of
+        the ledger, and each copy keeps the interpreter lock (a memoryview copy:
+        NumPy's releases it for more than 500 elements and then waits to take it
+        back, once per chunk). Up to 8 us a chunk went to those steps: 0.16 s of
+        a snapshot of 20,000 small tensors."""
+        bufs = self._pools[0].take_many([it.nbytes for it in items])
+        with self._lock:
+            for it, buf in zip(items, bufs):
+                key = (it.array, it.chunk)
+                self._held[key] = it.nbytes
+                self._lent[key] = (buf, 0)
+        for it, buf in zip(items, bufs):
+            a = self._arrays[it.array]
+            try:
+                src = a.chunk(it.start, it.shape) if a.copy_into is None else None
+                if src is not None and src.flags.c_contiguous and src.dtype == buf.dtype:
+                    buf.data[:] = src.data.cast("B")
+                else:
+                    _copy_into(a, it, buf)
+            except Exception as exc:
+                raise UnsupportedTypeError(
+                    f"copying the value at key path '{self._key_of(it.array)}' failed: {exc}"
+                ) from exc
+        with self._lock:
+            for it, buf in zip(items, bufs):
+                self._staged[(it.array, it.chunk)] = buf
+
     def take(self, item: WriteItem) -> np.ndarray:
         """The staged copy of a chunk (writer threads)."""
         with self._lock:

@@ -85,13 +85,18 @@ def _at_once(job: SaveJob, torn: set[int]) -> None:
     jobs = [it for its in job.items for it in its]
     waits: list[Callable[[], None]] = []
 
-    def one(it: WriteItem) -> None:
-        wait = job.ledger.copy_out(it, job.budget.acquire(it.nbytes))
-        if wait is not None:
-            waits.append(wait)
-        _hooks.fire("async.snapshot_chunk")
+    def one(run: list[WriteItem]) -> None:
+        if len(run) > 1:  # small host chunks (_runs): the whole run fits the budget
+            job.budget.acquire(sum(it.nbytes for it in run))
+            job.ledger.copy_out_run(run)
+        else:
+            wait = job.ledger.copy_out(run[0], job.budget.acquire(run[0].nbytes))
+            if wait is not None:
+                waits.append(wait)
+        for _ in run:
+            _hooks.fire("async.snapshot_chunk")
 
-    parallel_for(one, jobs, max(2, os.cpu_count() or 2))
+    parallel_for(one, _runs(job, jobs), max(2, os.cpu_count() or 2))
     for wait in waits:
         wait()
     check_copied(job, jobs, torn)
@@ -100,6 +105,36 @@ def _at_once(job: SaveJob, torn: set[int]) -> None:
     for ai, its in enumerate(job.items):
         job.writer.submit(its)
         job.handle.array_ready(ai)
+
+
+#: Host chunks under this size are copied in runs (StagingLedger.copy_out_run) ...
+SMALL_CHUNK_BYTES = 64 << 10
+#: ... of at most this many chunks and bytes
+RUN_CHUNKS, RUN_BYTES = 256, 4 << 20
+
+
+def _runs(job: SaveJob, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+    """``items`` in order, as the copy threads of a snapshot at once take them:
+    consecutive small host chunks together, every other chunk alone."""
+    arrays = job.collector.arrays
+    runs: list[list[WriteItem]] = []
+    run: list[WriteItem] = []
+    size = 0
+    for it in items:
+        if it.nbytes >= SMALL_CHUNK_BYTES or arrays[it.array].stage is not None:
+            if run:
+                runs.append(run)
+                run, size = [], 0
+            runs.append([it])
+            continue
+        if len(run) >= RUN_CHUNKS or size + it.nbytes > RUN_BYTES:
+            runs.append(run)
+            run, size = [], 0
+        run.append(it)
+        size += it.nbytes
+    if run:
+        runs.append(run)
+    return runs
 
 
 def _race(job: SaveJob, torn: set[int]) -> None:

@@ -118,6 +118,12 @@ class StagingPool:
         self.reuses += 1
         return buf
 
+    def take_many(self, sizes: Sequence[int]) -> list[np.ndarray]:
+        """:meth:`take` for each of ``sizes``, the idle ones under one lock."""
+        with self._lock:
+            idle = [self._take_idle_locked(n) for n in sizes]
+        return [buf if buf is not None else self.take(n) for buf, n in zip(idle, sizes)]
+
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
         buf = self._take(nbytes, within=False)
