@@ -29,6 +29,32 @@ def test_exact_size_reuse_and_counts() -> None:
     assert (p.allocations, p.reuses) == (3, 2)
 
 
+def test_take_many_reuses_idle_buffers_and_gives_back_on_failure() -> None:
+    p = StagingPool(capacity=1 << 20)
+    a, b = p.take(1000), p.take(3000)
+    p.give(a)
+    p.give(b)
+    got = p.take_many([1000, 500, 3000])
+    assert got[0] is a and got[2] is b and got[1].nbytes == 500
+    assert p.lent_bytes == 4500 and p.idle_bytes == 0
+    for buf in got:
+        p.give(buf)
+
+    calls = [0]
+
+    def fails(n: int) -> np.ndarray:
+        calls[0] += 1
+        raise MemoryError("no memory for the second buffer")
+
+    q = StagingPool(capacity=1 << 20, allocate=fails)
+    q.give(np.empty(100, np.uint8))
+    q.give(np.empty(300, np.uint8))
+    with pytest.raises(MemoryError):
+        q.take_many([100, 200, 300])  # the idle 100 and 300 go back
+    assert calls[0] == 1
+    assert q.lent_bytes == 0 and q.idle_bytes == 400
+
+
 def test_never_holds_more_than_capacity() -> None:
     p = StagingPool(capacity=10_000)
     bufs = [p.take(3000) for _ in range(3)]

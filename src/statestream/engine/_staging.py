@@ -119,10 +119,19 @@ class StagingPool:
         return buf
 
     def take_many(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        """:meth:`take` for each of ``sizes``, the idle ones under one lock."""
+        """:meth:`take` for each of ``sizes``, the idle ones under one lock. If one
+        cannot be allocated, those taken go back before the error is raised."""
         with self._lock:
             idle = [self._take_idle_locked(n) for n in sizes]
-        return [buf if buf is not None else self.take(n) for buf, n in zip(idle, sizes)]
+        out: list[np.ndarray] = []
+        try:
+            for buf, n in zip(idle, sizes):
+                out.append(buf if buf is not None else self.take(n))
+        except BaseException:
+            for buf in out + [b for b in idle[len(out) + 1:] if b is not None]:
+                self.give(buf)
+            raise
+        return out
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
