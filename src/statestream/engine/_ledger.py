@@ -174,11 +174,14 @@ class StagingLedger:
         for it, buf in zip(items, bufs):
             a = self._arrays[it.array]
             try:
-                src = a.chunk(it.start, it.shape) if a.copy_into is None else None
-                if src is not None and src.flags.c_contiguous and src.dtype == buf.dtype:
+                if a.copy_into is not None:
+                    a.copy_into(it.start, it.shape, buf)
+                    continue
+                src = a.chunk(it.start, it.shape)
+                if src.flags.c_contiguous and src.dtype == buf.dtype:
                     buf.data[:] = src.data.cast("B")
                 else:
-                    _copy_into(a, it, buf)
+                    np.copyto(buf, src)
             except Exception as exc:
                 raise UnsupportedTypeError(
                     f"copying the value at key path '{self._key_of(it.array)}' failed: {exc}"
