@@ -3,14 +3,14 @@ may then change it) only after the check that its copy is not torn; and a change
 by another thread while save_async (not lazy) copies the state fails the save.
 
 The snapshot is held at points of the library (its own hooks) and at the moment it
-reports an array ready (``SaveHandle.array_ready``, wrapped here), so the guarded step
+reports arrays ready (``SaveHandle.arrays_ready``, wrapped here), so the guarded step
 runs exactly in the window under test. Timeouts only guard against hangs.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,14 +43,14 @@ def test_a_guarded_step_right_after_a_copy_does_not_fail_the_save(
     w.grad = torch.ones(1000)
     opt = torch.optim.SGD([w], lr=1.0)
     stepped = threading.Event()
-    real = SaveHandle.array_ready
+    real = SaveHandle.arrays_ready
 
-    def array_ready(self: SaveHandle, index: int) -> None:
-        real(self, index)
-        if index == 1:  # w: let the guarded step run before the copy thread goes on
+    def arrays_ready(self: SaveHandle, indices: Sequence[int]) -> None:
+        real(self, indices)
+        if 1 in indices:  # w: let the guarded step run before the copy thread goes on
             assert stepped.wait(_WAIT_S)
 
-    monkeypatch.setattr(SaveHandle, "array_ready", array_ready)
+    monkeypatch.setattr(SaveHandle, "arrays_ready", arrays_ready)
     first = [True]
 
     def hold_the_writer() -> None:  # after its first batch: w is left to the copy

@@ -113,3 +113,121 @@ def test_a_run_that_fails_names_its_key_path_and_commits_nothing(
     assert not (tmp_path / "b").exists()
     ss.save_async(tmp_path / "c", state).result()  # the budget and buffers came back
     np.testing.assert_array_equal(ss.load(tmp_path / "c")["s123"], state["s123"])
+
+
+# -- the race: saves whose staging is not warm copy small chunks in runs too -------------
+
+
+def test_a_race_caps_its_runs_at_a_share_of_the_budget() -> None:
+    items = [_item(i, 1000) for i in range(40)] + [_item(40, 5000)] + [_item(41, 10)]
+    runs = _runs(_job(set(), len(items)), items, 3000)
+    assert [len(r) for r in runs] == [3] * 13 + [1, 1, 1]  # 5000 > 3000: alone
+    assert [it for run in runs for it in run] == items
+
+
+def _race_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int, int]]:
+    # (ledger, chunks, bytes kept) of every race_copy_run of the saves to come
+    from statestream.engine import _ledger
+
+    real = _ledger.StagingLedger.race_copy_run
+    calls: list[tuple[Any, int, int]] = []
+
+    def counted(self: Any, items: Any, check: Any) -> int:
+        kept = real(self, items, check)
+        calls.append((self, len(items), kept))
+        return kept
+
+    monkeypatch.setattr(_ledger.StagingLedger, "race_copy_run", counted)
+    return calls
+
+
+def test_a_cold_snapshot_races_the_writers_with_runs_of_small_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    state = _mixed()
+    state["torch"] = {f"w{i}": torch.randn(33) for i in range(300)}
+    ss.release_staging()  # nothing warm: the snapshot races the writers
+    calls = _race_runs(monkeypatch)
+    ss.save_async(tmp_path / "a", state).result()
+    assert calls and max(n for _, n, _ in calls) > 1  # runs, not chunk by chunk
+    ledger = calls[0][0]
+    assert ledger.copied_bytes + ledger.direct_bytes == sum(  # every chunk covered once
+        np.asarray(v).nbytes for k, v in state.items() if k != "torch") + 300 * 33 * 4
+    got = ss.load(tmp_path / "a")
+    for k, v in state.items():
+        if k != "torch":
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+    for k, v in state["torch"].items():
+        np.testing.assert_array_equal(np.asarray(got["torch"][k]), v.numpy(), err_msg=k)
+    from statestream.engine._staging import host_pool
+
+    assert host_pool().lent_bytes == 0
+
+
+def test_chunks_a_writer_took_while_their_run_copied_go_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy thread claimed a run, then every writer went past it and wrote its
+    # chunks from the state: the run's copies are given back, not kept, and their
+    # budget released; the save is whole.
+    from statestream.engine import _ledger
+
+    state = {f"s{i:03d}": np.full(256, i, np.float32) for i in range(400)}
+    real = _ledger.StagingLedger._copy_small
+    held: list[Any] = []
+
+    def slow(self: Any, it: Any, buf: Any) -> None:
+        if not held:
+            held.append(self)
+            deadline = time.monotonic() + 60
+            while self._uncovered > 0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the writers cover every chunk, this run's too
+        real(self, it, buf)
+
+    monkeypatch.setattr(_ledger.StagingLedger, "_copy_small", slow)
+    calls = _race_runs(monkeypatch)
+    ss.release_staging()
+    ss.save_async(tmp_path / "a", state, io=ss.IOOptions(num_threads=1)).result()
+    assert held and held[0]._uncovered == 0
+    first = [c for c in calls if c[0] is held[0]][0]
+    assert first[2] == 0  # nothing of the held run kept
+    got = ss.load(tmp_path / "a")
+    for k, v in state.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    from statestream.engine._staging import host_pool
+
+    assert host_pool().lent_bytes == 0
+
+
+def test_a_run_copied_after_a_change_fails_the_save_naming_the_array(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lazy snapshot's run copied a tensor after an unguarded in-place change: its
+    # check, before the run counts as covered, finds the version moved on. (The
+    # writer waits until the copies covered everything, so none of it is read
+    # from the state and checked by the writer instead.)
+    torch = pytest.importorskip("torch")
+    from statestream.engine import _ledger
+
+    state = {f"w{i:03d}": torch.ones(64) for i in range(300)}
+    copy, source = _ledger.StagingLedger._copy_small, _ledger.StagingLedger.race_source
+
+    def changing(self: Any, it: Any, buf: Any) -> None:
+        if self._key_of(it.array) == "w150":
+            state["w150"].add_(1.0)  # as an unguarded optimizer.step() would
+        copy(self, it, buf)
+
+    def late(self: Any, item: Any) -> Any:
+        deadline = time.monotonic() + 60
+        while self._uncovered > 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return source(self, item)
+
+    monkeypatch.setattr(_ledger.StagingLedger, "_copy_small", changing)
+    monkeypatch.setattr(_ledger.StagingLedger, "race_source", late)
+    calls = _race_runs(monkeypatch)
+    ss.release_staging()
+    h = ss.save_async(tmp_path / "a", state, lazy=True)
+    with pytest.raises(ss.CheckpointError, match="w150") as err:
+        h.result(timeout=120)
+    assert "w149" not in str(err.value) and "w151" not in str(err.value)
+    assert sum(kept for _, _, kept in calls) == 300 * 64 * 4  # all copied by runs
+    assert not (tmp_path / "a").exists()

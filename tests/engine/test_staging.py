@@ -388,6 +388,44 @@ def test_take_within_allocates_only_what_the_capacity_holds() -> None:
     assert pool.take_within(11 << 20) is None  # never more than the capacity
 
 
+def test_take_some_takes_idle_then_fresh_within_the_capacity_under_one_lock() -> None:
+    pool = StagingPool(capacity=10_000)
+    idle = pool.take(1000)
+    pool.give(idle)
+    got = pool.take_some([1000, 3000, 4000, 5000], fresh=True)
+    assert got[0] is idle  # idle first
+    assert got[1] is not None and got[2] is not None and got[3] is None  # 13,000 > cap
+    assert pool.lent_bytes == 8000 and pool.allocations == 3
+    for b in got[:3]:
+        assert b is not None
+        pool.give(b)
+    only_idle = pool.take_some([4000, 4000, 1000], fresh=False)
+    assert only_idle[0] is not None and only_idle[1] is None and only_idle[2] is not None
+    assert pool.allocations == 3 and pool.lent_bytes == 5000
+
+
+def test_take_some_counts_no_failed_allocation_and_gives_back_when_interrupted() -> None:
+    calls: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        calls.append(n)
+        if n == 2000:
+            raise MemoryError
+        if n == 3000:
+            raise KeyboardInterrupt
+        return np.empty(n, np.uint8)
+
+    pool = StagingPool(capacity=1 << 20, allocate=alloc)
+    got = pool.take_some([1000, 2000, 1500], fresh=True)
+    assert got[0] is not None and got[1] is None and got[2] is None  # the rest untried
+    assert calls == [1000, 2000] and pool.lent_bytes == 1000
+    pool.give(got[0])
+    with pytest.raises(KeyboardInterrupt):
+        pool.take_some([1000, 500, 3000, 700], fresh=True)
+    assert pool.lent_bytes == 0  # the idle 1000 and the fresh 500 came back
+    assert pool.idle_bytes == 1500
+
+
 def test_reserve_frees_idle_buffers_and_waits_for_lent_ones_only_while_told() -> None:
     # a load's scratch reserved beside the staging: idle buffers make room (oldest
     # first), lent ones are waited for (a save in flight) or, told not to, gone past

@@ -12,7 +12,7 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from statestream.errors import CheckpointError
@@ -154,9 +154,15 @@ class SaveHandle:
                 "never return. Wait for the save after save_async returns")
 
     # -- the job's side -----------------------------------------------------------
-    def array_ready(self, index: int) -> None:
+    def arrays_ready(self, indices: Sequence[int]) -> None:
+        """These arrays are copied or written: waits for them may return (one lock
+        for many: the copy threads and writers of a snapshot of many small arrays
+        contended for it, once per array)."""
+        if not indices:
+            return
         with self._ready_cv:
-            self._ready[index] = 1
+            for i in indices:
+                self._ready[i] = 1
             self._ready_cv.notify_all()
 
     def snapshot_finished(self) -> None:

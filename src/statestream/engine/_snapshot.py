@@ -7,7 +7,8 @@ the job:
 - :func:`take_snapshot` copies (or writes) every chunk this process writes before
   the state may change: all at once with every core when the staging buffers are
   warm and the state fits the budget, otherwise racing the writers (copy threads
-  from the end of the writers' queues, writers from the front). On the caller's thread, or in the
+  from the end of the writers' queues, writers from the front; small chunks
+  in runs either way). On the caller's thread, or in the
   background when the save is lazy; a value modified in place before its copy
   landed fails the save, naming its key paths.
 - :func:`run_background` writes, agrees, commits and then warms the staging
@@ -102,9 +103,9 @@ def _at_once(job: SaveJob, torn: set[int]) -> None:
     check_copied(job, jobs, torn)
     assert job.handle is not None
     job.writer.yield_to_training()  # nobody waits for these writes
-    for ai, its in enumerate(job.items):
+    for its in job.items:
         job.writer.submit(its)
-        job.handle.array_ready(ai)
+    job.handle.arrays_ready(range(len(job.items)))
 
 
 #: Host chunks under this size are copied in runs (StagingLedger.copy_out_run) ...
@@ -113,10 +114,13 @@ SMALL_CHUNK_BYTES = 64 << 10
 RUN_CHUNKS, RUN_BYTES = 256, 4 << 20
 
 
-def _runs(job: SaveJob, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
-    """``items`` in order, as the copy threads of a snapshot at once take them:
-    consecutive small host chunks together, every other chunk alone."""
+def _runs(job: SaveJob, items: Sequence[WriteItem],
+          limit: int = RUN_BYTES) -> list[list[WriteItem]]:
+    """``items`` in order, as a snapshot's copy threads take them: consecutive
+    small host chunks together (at most ``limit`` bytes a run), every other
+    chunk alone."""
     arrays = job.collector.arrays
+    limit = min(limit, RUN_BYTES)
     runs: list[list[WriteItem]] = []
     run: list[WriteItem] = []
     size = 0
@@ -127,7 +131,7 @@ def _runs(job: SaveJob, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
                 run, size = [], 0
             runs.append([it])
             continue
-        if len(run) >= RUN_CHUNKS or size + it.nbytes > RUN_BYTES:
+        if run and (len(run) >= RUN_CHUNKS or size + it.nbytes > limit):
             runs.append(run)
             run, size = [], 0
         run.append(it)
@@ -145,25 +149,33 @@ def _race(job: SaveJob, torn: set[int]) -> None:
     # than a synchronous save's writes, and with warm buffers about one copy.
     assert job.handle is not None
     _hooks.fire("async.race_begins")
-    job.ledger.on_covered = job.handle.array_ready
+    job.ledger.on_covered = job.handle.arrays_ready
     job._race = True
     job.ledger.race_start(job.items)
     for its in job.items:
         job.writer.submit(its)
     job.writer.flush()
-    jobs = copy_order(job.items)
+    # runs of small chunks: a run's bytes are at most a quarter of the budget
+    jobs = _runs(job, copy_order(job.items), job.budget.capacity // 4)
     full = threading.Event()
 
-    def one(it: WriteItem) -> None:
-        _hooks.fire("async.snapshot_chunk")  # once per chunk, copied or not
+    def check(its: list[WriteItem]) -> None:
+        check_copied(job, its, torn)
+
+    def one(run: list[WriteItem]) -> None:
+        for _ in run:
+            _hooks.fire("async.snapshot_chunk")  # once per chunk, copied or not
         if full.is_set() or job.writer.failed():
             return
-        got = job.budget.try_acquire(it.nbytes)
+        want = sum(it.nbytes for it in run)
+        got = job.budget.try_acquire(want)
         if got is None:
             full.set()  # the writers read the rest from the state
             return
-        # checked before the chunk counts as covered: a guarded step may go on then
-        if not job.ledger.race_copy(it, got, lambda its: check_copied(job, its, torn)):
+        # checked before the chunks count as covered: a guarded step may go on then
+        if len(run) > 1:
+            job.budget.release(got - job.ledger.race_copy_run(run, check))
+        elif not job.ledger.race_copy(run[0], got, check):
             job.budget.release(got)
 
     # A lazy snapshot copies on its own (background) thread: a thread pool cannot

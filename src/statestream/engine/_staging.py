@@ -133,6 +133,38 @@ class StagingPool:
             raise
         return out
 
+    def take_some(self, sizes: Sequence[int], *, fresh: bool) -> list[np.ndarray | None]:
+        """:meth:`take_within` (``fresh``) or :meth:`take_idle` for each of ``sizes``,
+        the pool's bookkeeping under one lock; None where neither gives a buffer
+        (an allocation that fails too: its bytes are not counted as lent)."""
+        out: list[np.ndarray | None] = []
+        todo: list[int] = []
+        with self._lock:
+            for i, n in enumerate(sizes):
+                buf = self._take_idle_locked(n)
+                out.append(buf)
+                if (buf is None and fresh and self.lent_bytes + self.reserved_bytes + n
+                        <= self.capacity):
+                    self._evict_locked(n)
+                    self.lent_bytes += n
+                    self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+                    self.allocations += 1
+                    todo.append(i)
+        for k, i in enumerate(todo):
+            try:
+                out[i] = self._allocate(sizes[i])
+            except BaseException as exc:
+                with self._lock:  # those not allocated are not lent
+                    self.lent_bytes -= sum(sizes[j] for j in todo[k:])
+                    self._room.notify_all()
+                if isinstance(exc, MemoryError):
+                    break  # the rest stay None
+                for buf in out:  # interrupted: everything taken goes back
+                    if buf is not None:
+                        self.give(buf)
+                raise
+        return out
+
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of exactly ``nbytes`` (contents undefined)."""
         buf = self._take(nbytes, within=False)
