@@ -435,9 +435,10 @@ def as_converted(x: Any, fmt: str, walked: bool = True) -> Any:
     DCP turn a NumPy scalar into a 0-d array; DCP keys are strings, and it drops empty
     dicts (with a warning) where its flattening walks: dicts, and lists holding an array,
     a dict or such a list. A tuple, or a list of plain values, is one DCP item, kept
-    whole with any empty dict in it. ``walked``: whether DCP walks into ``x``."""
+    whole with any empty dict and any key that is no string in it. ``walked``: whether
+    DCP walks into ``x``."""
     if isinstance(x, dict):
-        out = {str(k) if fmt == "dcp" else k: as_converted(v, fmt, walked)
+        out = {str(k) if fmt == "dcp" and walked else k: as_converted(v, fmt, walked)
                for k, v in x.items()}
         if fmt == "dcp" and walked:
             out = {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
