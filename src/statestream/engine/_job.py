@@ -129,10 +129,13 @@ class SaveJob:
                                         self.storage.capabilities.writer_buffer_bytes)
         # An array whose chunks are copies (non-contiguous, byte-swapped) takes each
         # chunk whole: at most a quarter of the budget, so writers copy side by side.
+        # Compressing a chunk takes up to twice its size (output, shuffled copy), and
+        # a snapshot keeps a quarter of its budget for that: an eighth.
         self.planner = StreamPlanner(file_prefix=f"data/r{self.coll.rank}",
                                      max_files=files,
                                      max_chunk_bytes=io.max_chunk_bytes,
-                                     copy_chunk_bytes=max(MIN_COPY_CHUNK_BYTES, capacity // 4))
+                                     copy_chunk_bytes=max(MIN_COPY_CHUNK_BYTES, capacity // 4),
+                                     codec_chunk_bytes=max(MIN_COPY_CHUNK_BYTES, capacity // 8))
         self.txn: WriteTransaction | None = None
         self.merged: MergedTree | None = None
         self._total_bytes = 0  # the checkpoint's raw size (the manifest's total_bytes)

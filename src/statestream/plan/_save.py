@@ -160,13 +160,18 @@ class StreamPlanner:
     """
 
     def __init__(self, *, file_prefix: str, max_files: int, max_chunk_bytes: int,
-                 block_bytes: int = 16 << 20, copy_chunk_bytes: int | None = None) -> None:
+                 block_bytes: int = 16 << 20, copy_chunk_bytes: int | None = None,
+                 codec_chunk_bytes: int | None = None) -> None:
         self._prefix = file_prefix
         self._max_files = max(1, max_files)
         self._max_chunk = max_chunk_bytes
         #: the largest chunk of an array whose chunks are copies (``ArraySpec.copies``):
         #: each is allocated whole, so it is kept within the memory budget
         self._copy_chunk = min(max_chunk_bytes, copy_chunk_bytes or max_chunk_bytes)
+        #: the largest chunk of a compressed array: compressing one takes buffers
+        #: of its size (COMPRESSED_CHUNK_BYTES at most)
+        self._codec_chunk = min(COMPRESSED_CHUNK_BYTES,
+                                codec_chunk_bytes or COMPRESSED_CHUNK_BYTES)
         self._block = max(1, block_bytes)
         self._sizes: list[int] = [0]
         self._file = 0
@@ -185,6 +190,8 @@ class StreamPlanner:
         assert array == len(self.chunks), "arrays must be added in order"
         shape = spec.shape
         limit = self._copy_chunk if spec.copies or spec.copied_whole else self._max_chunk
+        if spec.codec is not None:
+            limit = min(limit, self._codec_chunk)
         if boxes is None:
             nb = math.prod(shape) * spec.itemsize
             if 0 < nb <= CHECKSUM_BLOCK_BYTES and nb <= limit:
@@ -206,7 +213,7 @@ class StreamPlanner:
                                   nb if spec.copies else 0, codec=spec.codec)]
         per: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         items: list[WriteItem] = []
-        max_chunk = limit if spec.codec is None else min(limit, COMPRESSED_CHUNK_BYTES)
+        max_chunk = limit
         if boxes is None:
             whole = math.prod(shape) * spec.itemsize
             if 0 < whole <= max_chunk:  # the common case: one chunk
