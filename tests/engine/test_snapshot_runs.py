@@ -125,16 +125,16 @@ def test_a_race_caps_its_runs_at_a_share_of_the_budget() -> None:
     assert [it for run in runs for it in run] == items
 
 
-def _race_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int, int]]:
+def _race_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, list[Any], int]]:
     # (ledger, chunks, bytes kept) of every race_copy_run of the saves to come
     from statestream.engine import _ledger
 
     real = _ledger.StagingLedger.race_copy_run
-    calls: list[tuple[Any, int, int]] = []
+    calls: list[tuple[Any, list[Any], int]] = []
 
     def counted(self: Any, items: Any, check: Any) -> int:
         kept = real(self, items, check)
-        calls.append((self, len(items), kept))
+        calls.append((self, list(items), kept))
         return kept
 
     monkeypatch.setattr(_ledger.StagingLedger, "race_copy_run", counted)
@@ -149,7 +149,7 @@ def test_a_cold_snapshot_races_the_writers_with_runs_of_small_chunks(
     ss.release_staging()  # nothing warm: the snapshot races the writers
     calls = _race_runs(monkeypatch)
     ss.save_async(tmp_path / "a", state).result()
-    assert calls and max(n for _, n, _ in calls) > 1  # runs, not chunk by chunk
+    assert calls and max(len(its) for _, its, _ in calls) > 1  # runs, not chunk by chunk
     ledger = calls[0][0]
     assert ledger.copied_bytes + ledger.direct_bytes == sum(  # every chunk covered once
         np.asarray(v).nbytes for k, v in state.items() if k != "torch") + 300 * 33 * 4
@@ -177,7 +177,7 @@ def test_chunks_a_writer_took_while_their_run_copied_go_back(
 
     def slow(self: Any, it: Any, buf: Any) -> None:
         if not held:
-            held.append(self)
+            held.append(it)
             deadline = time.monotonic() + 60
             while self._uncovered > 0 and time.monotonic() < deadline:
                 time.sleep(0.005)  # the writers cover every chunk, this run's too
@@ -187,9 +187,9 @@ def test_chunks_a_writer_took_while_their_run_copied_go_back(
     calls = _race_runs(monkeypatch)
     ss.release_staging()
     ss.save_async(tmp_path / "a", state, io=ss.IOOptions(num_threads=1)).result()
-    assert held and held[0]._uncovered == 0
-    first = [c for c in calls if c[0] is held[0]][0]
-    assert first[2] == 0  # nothing of the held run kept
+    (run,) = [c for c in calls if any(it is held[0] for it in c[1])]
+    assert run[0]._uncovered == 0 and run[2] == 0  # nothing of the held run kept
+    assert run[0].direct_bytes + run[0].copied_bytes == 400 * 256 * 4
     got = ss.load(tmp_path / "a")
     for k, v in state.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
