@@ -73,22 +73,48 @@ def test_each_file_is_taken_from_the_back() -> None:
         assert offsets == sorted(offsets, reverse=True)
 
 
-def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(tmp_path) -> None:
-    # Two data files of four 8 MiB chunks; the budget stages the back half of each
-    # (the copy threads have 0.3 s for it). Writer 0 is slow on the chunks it writes
-    # from the state, writer 1 is done with its two soon. Its staged copies can
-    # wait: until the snapshot is complete (save_async returns) it writes nothing
-    # more, so the disk is writer 0's alone. (Before, it went straight on to its
-    # staged copies: all four chunks before the return.)
+def test_a_writer_done_with_its_share_leaves_the_disk_to_the_others(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two data files of four 8 MiB chunks; the budget stages the back half of each.
+    # Writer 1 is done with its two chunks from the state once the copy threads
+    # staged its other two; writer 0 is slow on its own (0.8 s more). Writer 1's
+    # staged copies can wait: until the snapshot is complete (save_async returns) it
+    # writes nothing more, so the disk is writer 0's alone. (Before, it went straight
+    # on to its staged copies: all four chunks before the return.) Writer 1 waits for
+    # the copies rather than for a fixed time: on a loaded machine they once took
+    # longer than the 0.3 s it waited, and it wrote a third chunk from the state.
+    from statestream.engine import _ledger
+
+    real_copy = _ledger.StagingLedger.race_copy
+    staged_1 = threading.Semaphore(0)
+
+    def race_copy(self, item, charged, check) -> bool:  # type: ignore[no-untyped-def]
+        kept = real_copy(self, item, charged, check)
+        if kept and item.file == 1:
+            staged_1.release()
+        return kept
+
+    monkeypatch.setattr(_ledger.StagingLedger, "race_copy", race_copy)
     ss.release_staging()
     state = {f"a{i}": np.full((2048, 1024), i, np.float32) for i in range(8)}  # 8 x 8 MiB
     batches: list[tuple[str, float]] = []  # one chunk each here (handed over one by one)
-    first = {"statestream-write-0": 0.8, "statestream-write-1": 0.3}
+    one_went_on = threading.Event()
+
+    def hold_one() -> None:
+        for _ in range(2):
+            assert staged_1.acquire(timeout=60)
+        one_went_on.set()
+
+    def hold_zero() -> None:
+        assert one_went_on.wait(60)
+        time.sleep(0.8)
+
+    first = {"statestream-write-0": hold_zero, "statestream-write-1": hold_one}
 
     def written() -> None:
         name = threading.current_thread().name
         batches.append((name, time.perf_counter()))
-        time.sleep(first.pop(name, 0.0))  # before the batch's chunks count as written
+        first.pop(name, lambda: None)()  # before the batch's chunks count as written
 
     _hooks.register("save.chunk_written", written)
     try:

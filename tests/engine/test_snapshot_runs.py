@@ -8,6 +8,7 @@ s of the blocking phase of a warm save_async of 20,000 small tensors
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -172,18 +173,25 @@ def test_chunks_a_writer_took_while_their_run_copied_go_back(
     from statestream.engine import _ledger
 
     state = {f"s{i:03d}": np.full(256, i, np.float32) for i in range(400)}
-    real = _ledger.StagingLedger._copy_small
+    real, source = _ledger.StagingLedger._copy_small, _ledger.StagingLedger.race_source
     held: list[Any] = []
+    copying = threading.Event()
 
     def slow(self: Any, it: Any, buf: Any) -> None:
         if not held:
             held.append(it)
+            copying.set()
             deadline = time.monotonic() + 60
             while self._uncovered > 0 and time.monotonic() < deadline:
                 time.sleep(0.005)  # the writers cover every chunk, this run's too
         real(self, it, buf)
 
+    def after_a_claim(self: Any, item: Any) -> Any:  # the writer reads once a run is claimed
+        assert copying.wait(60)
+        return source(self, item)
+
     monkeypatch.setattr(_ledger.StagingLedger, "_copy_small", slow)
+    monkeypatch.setattr(_ledger.StagingLedger, "race_source", after_a_claim)
     calls = _race_runs(monkeypatch)
     ss.release_staging()
     ss.save_async(tmp_path / "a", state, io=ss.IOOptions(num_threads=1)).result()
