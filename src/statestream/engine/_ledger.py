@@ -240,7 +240,6 @@ class StagingLedger:
         ``charged``. A device copy is waited for here.
         """
         key = (item.array, item.chunk)
-        ready: int | None = None
         with self._lock:
             if key in self._direct:
                 return False
@@ -271,24 +270,7 @@ class StagingLedger:
                     f"copying the value at key path '{self._key_of(item.array)}' failed: {exc}"
                 ) from exc
             raise
-        with self._lock:
-            direct = key in self._direct
-        if not direct:  # else its writer checks it (and may have covered it already)
-            check([item])
-        with self._lock:
-            kept = key not in self._direct
-            if kept:
-                self._held[key] = charged
-                self._lent[key] = (buf, which)
-                self._staged[key] = buf
-                self.copied_bytes += item.nbytes
-                ready = self._cover_locked(item)
-        if not kept:  # a writer read it from the state meanwhile
-            self._pools[which].give(buf, keep=self._keep, since=self._since[which])
-            return False
-        if ready is not None:
-            self.on_covered([ready])
-        return True
+        return self._keep_copies([(item, buf)], which, charged, check) > 0  # (nbytes > 0)
 
     def race_copy_run(self, items: Sequence[WriteItem],
                       check: Callable[[list[WriteItem]], None]) -> int:
@@ -314,6 +296,14 @@ class StagingLedger:
             for _, buf in pairs:
                 pool.give(buf, keep=self._keep, since=self._since[0])
             raise
+        return self._keep_copies(pairs, 0, None, check)
+
+    def _keep_copies(self, pairs: list[tuple[WriteItem, np.ndarray]], which: int,
+                     charged: int | None, check: Callable[[list[WriteItem]], None]) -> int:
+        """Keep and cover the chunks whose copies landed in ``pairs`` (each charged
+        its size, or ``charged`` for a single chunk) after ``check``; give back the
+        buffers of those a writer read from the state meanwhile. Returns the bytes
+        kept."""
         with self._lock:
             mine = [it for it, _ in pairs if (it.array, it.chunk) not in self._direct]
         if mine:  # else their writers check them (and may have covered them already)
@@ -327,8 +317,8 @@ class StagingLedger:
                 if key in self._direct:  # a writer read it from the state meanwhile
                     back.append(buf)
                     continue
-                self._held[key] = it.nbytes
-                self._lent[key] = (buf, 0)
+                self._held[key] = it.nbytes if charged is None else charged
+                self._lent[key] = (buf, which)
                 self._staged[key] = buf
                 kept += it.nbytes
                 r = self._cover_locked(it)
@@ -336,7 +326,7 @@ class StagingLedger:
                     ready.append(r)
             self.copied_bytes += kept
         for buf in back:
-            pool.give(buf, keep=self._keep, since=self._since[0])
+            self._pools[which].give(buf, keep=self._keep, since=self._since[which])
         self.on_covered(ready)
         return kept
 

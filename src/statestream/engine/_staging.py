@@ -121,45 +121,33 @@ class StagingPool:
     def take_many(self, sizes: Sequence[int]) -> list[np.ndarray]:
         """:meth:`take` for each of ``sizes``, the idle ones under one lock. If one
         cannot be allocated, those taken go back before the error is raised."""
-        with self._lock:
-            idle = [self._take_idle_locked(n) for n in sizes]
-        out: list[np.ndarray] = []
-        try:
-            for buf, n in zip(idle, sizes):
-                out.append(buf if buf is not None else self.take(n))
-        except BaseException:
-            for buf in out + [b for b in idle[len(out) + 1:] if b is not None]:
-                self.give(buf)
-            raise
-        return out
+        out = self._take_each(sizes, within=False)
+        return [b for b in out if b is not None]  # (without a capacity, never None)
 
     def take_some(self, sizes: Sequence[int], *, fresh: bool) -> list[np.ndarray | None]:
         """:meth:`take_within` (``fresh``) or :meth:`take_idle` for each of ``sizes``,
-        the pool's bookkeeping under one lock; None where neither gives a buffer
-        (an allocation that fails too: its bytes are not counted as lent)."""
-        out: list[np.ndarray | None] = []
-        todo: list[int] = []
+        the idle ones under one lock; None where neither gives a buffer (after an
+        allocation fails, the rest are not tried)."""
+        if not fresh:
+            with self._lock:
+                return [self._take_idle_locked(n) for n in sizes]
+        return self._take_each(sizes, within=True)
+
+    def _take_each(self, sizes: Sequence[int], *, within: bool) -> list[np.ndarray | None]:
+        # Idle buffers under one lock, then the rest one by one (_take); within the
+        # capacity, an allocation that fails leaves the rest None, and anything else
+        # raised gives back what was taken first.
         with self._lock:
-            for i, n in enumerate(sizes):
-                buf = self._take_idle_locked(n)
-                out.append(buf)
-                if (buf is None and fresh and self.lent_bytes + self.reserved_bytes + n
-                        <= self.capacity):
-                    self._evict_locked(n)
-                    self.lent_bytes += n
-                    self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
-                    self.allocations += 1
-                    todo.append(i)
-        for k, i in enumerate(todo):
+            out = [self._take_idle_locked(n) for n in sizes]
+        for i, n in enumerate(sizes):
+            if out[i] is not None:
+                continue
             try:
-                out[i] = self._allocate(sizes[i])
+                out[i] = self._take(n, within=within)
             except BaseException as exc:
-                with self._lock:  # those not allocated are not lent
-                    self.lent_bytes -= sum(sizes[j] for j in todo[k:])
-                    self._room.notify_all()
-                if isinstance(exc, MemoryError):
-                    break  # the rest stay None
-                for buf in out:  # interrupted: everything taken goes back
+                if within and isinstance(exc, MemoryError):
+                    break
+                for buf in out:
                     if buf is not None:
                         self.give(buf)
                 raise
