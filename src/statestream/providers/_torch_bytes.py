@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from statestream._memory import fresh_bytes
 
-__all__ = ["byte_view", "contiguous_bytes", "copy_bytes_into", "host_bytes"]
+__all__ = ["TensorRows", "byte_view", "contiguous_bytes", "copy_bytes_into", "host_bytes"]
 
 
 def byte_view(t: Any) -> np.ndarray:
@@ -32,24 +34,66 @@ class _HostMemory:
 
     __slots__ = ("__array_interface__", "storage", "tensor")
 
-    def __init__(self, tensor: Any) -> None:
+    def __init__(self, tensor: Any, storage: Any, ptr: int, nbytes: int) -> None:
         self.tensor = tensor
-        self.storage = tensor.untyped_storage()
-        n = tensor.numel() * tensor.element_size()
+        self.storage = storage
         self.__array_interface__ = {
-            "data": (tensor.data_ptr(), False),
-            "shape": (n,),
+            "data": (ptr, False),
+            "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
         }
 
 
-def host_bytes(t: Any) -> np.ndarray:
-    """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
-    holder = _HostMemory(t)
+def _view(tensor: Any, storage: Any, ptr: int, nbytes: int) -> np.ndarray:
+    holder = _HostMemory(tensor, storage, ptr, nbytes)
     out = np.asarray(holder)
     del holder.__array_interface__  # read once; the view keeps the holder alive
     return out
+
+
+def host_bytes(t: Any) -> np.ndarray:
+    """1-D uint8 view of a contiguous, non-empty CPU tensor without calling torch ops."""
+    return _view(t, t.untyped_storage(), t.data_ptr(), t.numel() * t.element_size())
+
+
+class TensorRows:
+    """Chunk reader over a contiguous, non-empty CPU tensor's bytes (as
+    ``row_block_chunker`` over :func:`host_bytes`), whose NumPy view is made when
+    its first chunk is read, by the thread that reads it.
+
+    The walk records only where the bytes are and keeps their storage alive (see
+    :class:`_HostMemory`): making the view took 1.8 us of the ~12 us a small
+    tensor costs the walk, which is all a lazy save blocks for. Two threads
+    reading chunks of one array at once may each make a view; both are right.
+    """
+
+    __slots__ = ("tensor", "storage", "ptr", "nbytes", "shape", "row_bytes", "flat",
+                 "fallback")
+
+    def __init__(self, tensor: Any, ptr: int, shape: tuple[int, ...], itemsize: int,
+                 fallback: Callable[[Any, tuple[int, ...], tuple[int, ...]], np.ndarray]
+                 ) -> None:
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
+        self.ptr = ptr  # tensor.data_ptr(), which the caller read already
+        self.row_bytes = row = math.prod(shape[1:]) * itemsize
+        self.nbytes = shape[0] * row if shape else itemsize
+        self.shape = shape
+        self.flat: np.ndarray | None = None
+        self.fallback = fallback
+
+    def __call__(self, start: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
+        flat = self.flat
+        if flat is None:
+            flat = self.flat = _view(self.tensor, self.storage, self.ptr, self.nbytes)
+        shape = self.shape
+        if not shape:
+            return flat
+        if cshape[1:] == shape[1:]:
+            a = start[0] * self.row_bytes
+            return flat[a : a + cshape[0] * self.row_bytes]
+        return self.fallback(self.tensor, start, cshape)
 
 
 def contiguous_bytes(part: Any) -> np.ndarray:

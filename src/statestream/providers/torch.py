@@ -37,6 +37,7 @@ from statestream.providers._dtensor import (
 )
 from statestream.providers._dtensor import is_dtensor as _is_dtensor
 from statestream.providers._torch_bytes import (
+    TensorRows,
     byte_view,
     contiguous_bytes,
     copy_bytes_into,
@@ -147,11 +148,9 @@ class TorchProvider(ArrayProvider):
             # process each one can wait a whole switch interval to get it back
             # while writer threads run; 20,000 small tensors paid seconds for that.
             shape = tuple(obj.shape)
-            flat = host_bytes(obj)
             return PreparedArray(
                 kind=self.kind, dtype=name, shape=shape, copies=False,
-                chunk=row_block_chunker(flat, shape, obj.element_size(),
-                                        functools.partial(_slow_chunk, obj)),
+                chunk=TensorRows(obj, obj.data_ptr(), shape, obj.element_size(), _slow_chunk),
             )
         t = obj.detach()
         if t.is_conj():
@@ -399,12 +398,11 @@ class TorchProvider(ArrayProvider):
                 n = obj.numel()
                 if name is not None and n:
                     shape = tuple(obj.shape)
-                    key = (obj.data_ptr(), shape, obj.stride(), obj.dtype, dev, None)
+                    ptr = obj.data_ptr()
+                    key = (ptr, shape, obj.stride(), obj.dtype, dev, None)
                     return key, PreparedArray(
                         kind=self.kind, dtype=name, shape=shape, copies=False,
-                        chunk=row_block_chunker(host_bytes(obj), shape, obj.element_size(),
-                                                functools.partial(_slow_chunk, obj)),
-                    )
+                        chunk=TensorRows(obj, ptr, shape, obj.element_size(), _slow_chunk))
         return self.alias_key(obj), self.prepare(obj, path)
 
     def alias_key(self, obj: Any) -> Hashable | None:
