@@ -103,6 +103,8 @@ class _LocalWriteTransaction:
                 raise StorageError(f"cannot join write of {path}: {join!r} is not its staging dir")
             self._tmp = join
         self._done = False
+        #: where the checkpoint an overwrite replaced lies until the commit is durable
+        self._displaced: str | None = None
 
     @property
     def token(self) -> str:
@@ -135,7 +137,7 @@ class _LocalWriteTransaction:
             fsync_dir(os.path.join(self._tmp, DATA_DIR))
             fsync_dir(self._tmp)
             self._publish()
-            fsync_dir(os.path.dirname(self._final) or ".")
+            self._sync_published()
             self._done = True
         except CheckpointError:
             self.abort()
@@ -146,6 +148,43 @@ class _LocalWriteTransaction:
         except BaseException:
             self.abort()
             raise
+        if self._displaced is not None:  # the checkpoint this one replaced, durably
+            shutil.rmtree(self._displaced, ignore_errors=True)
+
+    def _sync_published(self) -> None:
+        """Make the rename durable (fsync the parent), else put back what the path held.
+
+        A save that raises has committed nothing: a failed fsync here once left the new
+        checkpoint published (and, with overwrite, the old one deleted) under an error
+        saying the commit failed. Only once the parent is synced is the replaced
+        checkpoint removed."""
+        try:
+            fsync_dir(os.path.dirname(self._final) or ".")
+        except BaseException as exc:  # an interrupt too: the save raises, so undo
+            self._unpublish(exc)
+            raise
+
+    def _unpublish(self, cause: BaseException) -> None:
+        """The new checkpoint back to staging (``abort`` removes it) and the replaced
+        one (if any) back at the path; if that fails too, say what the path holds."""
+        final, old = self._final, self._displaced
+        try:
+            if old == self._tmp:  # exchanged: exchange back
+                if not _rename2(self._tmp, final, _RENAME_EXCHANGE):
+                    raise OSError(errno.ENOTSUP, "renameat2 refused the exchange back", final)
+            else:
+                os.rename(final, self._tmp)
+                if old is not None:
+                    os.rename(old, final)
+            self._displaced = None
+        except OSError as exc:
+            self._done = True  # the path holds this save's checkpoint: abort keeps it
+            where = (f"; the checkpoint it replaced is at {old}"
+                     if old is not None and old != self._tmp else "")
+            raise StorageError(
+                f"committing {final} failed after it was published (syncing its directory: "
+                f"{cause}) and putting back what it held failed too ({exc}): {final} holds "
+                f"this save's checkpoint, which may not survive a crash{where}") from exc
 
     def _publish(self) -> None:
         """Rename the staging dir to the final path; with overwrite, the last writer wins."""
@@ -177,18 +216,19 @@ class _LocalWriteTransaction:
         raise StorageError(f"{final} kept changing while this save tried to commit; gave up")
 
     def _replace(self, final: str) -> bool:
-        """Swap the staging dir with ``final``; False if ``final`` disappeared first."""
+        """Swap the staging dir with ``final``; False if ``final`` disappeared first.
+
+        The previous checkpoint is left at :attr:`_displaced` until the swap is durable."""
         try:
             if _rename2(self._tmp, final, _RENAME_EXCHANGE):
-                # self._tmp now holds the previous checkpoint
-                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._displaced = self._tmp  # which now holds the previous checkpoint
                 return True
             old = self._tmp + ".old"
             os.rename(final, old)
         except FileNotFoundError:
             return False
         os.rename(self._tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        self._displaced = old
         return True
 
     def abort(self) -> None:
