@@ -18,6 +18,7 @@ import pytest
 import statestream as ss
 from statestream.cli import main
 from statestream.cli._convert import parse_size
+from statestream.format import COMMIT_NAME, MANIFEST_NAME, encode_commit
 from statestream.tree import format_keypath
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(ss.__file__).parents[1])}
@@ -250,6 +251,42 @@ def test_diff_large_integers_exactly(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "1"]) == 1
     assert "~ ext" in capsys.readouterr().out
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+
+
+def test_diff_of_an_int_too_long_to_print(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """An int leaf past Python's 4,300-digit repr limit (which the format holds) is
+    described by its size and hex ends, as ``inspect`` does; ``diff`` ended in a
+    ValueError traceback with exit 1 (which also means "different")."""
+    ss.save(tmp_path / "a", {"x": 10**5000, "w": np.arange(3.0)})
+    ss.save(tmp_path / "b", {"x": 1, "w": np.arange(3.0)})
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    rc, out = out_json(capsys, ["diff", a, b, "--json"])
+    assert rc == 1
+    (change,) = out["changed"]
+    assert change["key"] == "x" and "16610-bit int" in json.dumps(change)
+    assert main(["diff", a, b]) == 1
+    assert "16610-bit int" in capsys.readouterr().out
+    assert main(["diff", a, a]) == 0
+
+
+def test_json_output_of_deeply_nested_meta(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest's ``meta`` may nest hundreds of levels (JSON holds it; ``save`` no
+    longer writes it): ``--json`` shows 64 and says what it left out; it died of a
+    RecursionError."""
+    ss.save(tmp_path / "a", {"w": np.zeros(2)})
+    doc = json.loads((tmp_path / "a" / MANIFEST_NAME).read_bytes())
+    deep: Any = 1
+    for _ in range(600):
+        deep = [deep]
+    doc["meta"]["deep"] = deep
+    raw = json.dumps(doc).encode()
+    (tmp_path / "a" / MANIFEST_NAME).write_bytes(raw)
+    (tmp_path / "a" / COMMIT_NAME).write_bytes(encode_commit(raw))
+    rc, out = out_json(capsys, ["inspect", str(tmp_path / "a"), "--json"])
+    assert rc == 0
+    assert "nested deeper than 64 levels, not shown" in json.dumps(out)
 
 
 def test_diff_escapes_hostile_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 import statestream as ss
 from statestream.engine import committed_summary
+from statestream.errors import UnsupportedTypeError
 from statestream.format import COMMIT_NAME, MANIFEST_NAME
 
 
@@ -83,3 +84,31 @@ def test_the_caller_gets_its_own_copy_of_meta(tmp_path: Path) -> None:
     got.meta["user"]["m"]["loss"] = 2.0
     again = committed_summary(p)
     assert again is not None and again.meta["user"]["m"]["loss"] == 1.0
+
+
+def _nested(levels: int) -> dict:
+    """A meta mapping of ``levels`` levels of dicts and lists (the mapping is one)."""
+    v: object = 1
+    for _ in range(levels - 1):
+        v = [v]
+    return {"deep": v}
+
+
+@pytest.mark.parametrize("lazy", [None, False, True])
+def test_meta_nested_too_deep_is_refused_before_anything_is_written(
+        tmp_path: Path, lazy: bool | None) -> None:
+    """JSON holds meta nested 600 deep, but the summary kept after the commit copies it
+    by recursion: such a save committed, then raised RecursionError. It is refused at
+    once now, and 64 levels still save and read back."""
+    p = tmp_path / "c"
+    for levels in (65, 600):
+        with pytest.raises(UnsupportedTypeError, match=f"meta nests {levels} levels.*within 64"):
+            if lazy is None:
+                ss.save(p, {"w": np.zeros(3)}, meta=_nested(levels))
+            else:
+                ss.save_async(p, {"w": np.zeros(3)}, meta=_nested(levels), lazy=lazy).result()
+        assert not p.exists()
+    ss.save(p, {"w": np.zeros(3)}, meta=_nested(64))
+    assert ss.metadata(p).meta["user"] == _nested(64)
+    got = committed_summary(str(p))
+    assert got is not None and got.meta["user"] == _nested(64)

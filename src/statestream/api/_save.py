@@ -69,8 +69,8 @@ def save(
             process group is initialised, multi-process JAX when running, else
             one process. Every process of the collective must call ``save``.
         progress: called as ``progress(bytes_done, bytes_total)`` while writing.
-        meta: small JSON-able user metadata, stored in the manifest
-            (``metadata(path).meta["user"]``).
+        meta: small JSON-able user metadata (under 1 MiB of JSON, nested at
+            most 64 levels), stored in the manifest (``metadata(path).meta["user"]``).
         compression: compress arrays chunk by chunk (format v2): ``"zstd"``
             or an :class:`~statestream.Compression` for every array, or a dict
             of key-path patterns to those or ``None`` (``{"opt/**": "zstd",

@@ -19,6 +19,7 @@ from statestream.api._inspect import leaf_paths
 from statestream.cli._main import (
     add_max_arrays,
     add_memory_budget,
+    int_text,
     json_text,
     memory_options,
     nonnegative,
@@ -197,7 +198,9 @@ def _largest(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], atol: float, rtol
 def _describe(leaf: Any) -> dict[str, Any]:
     if isinstance(leaf, ss.ArrayMetadata):
         return {"dtype": leaf.dtype, "shape": list(leaf.shape)}
-    return {"dtype": type(leaf).__name__, "shape": None, "value": safe(repr(leaf))[:200]}
+    # an int past 4,300 digits has no repr (Python refuses): its size and hex ends
+    text = int_text(leaf) if type(leaf) is int else safe(repr(leaf))
+    return {"dtype": type(leaf).__name__, "shape": None, "value": text[:200]}
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -59,7 +59,7 @@ def safe(text: str) -> str:
     return "".join(out)
 
 
-def _int_text(v: int) -> str:
+def int_text(v: int) -> str:
     """Decimal for ordinary ints; a huge one (Python refuses to print more than 4,300
     digits by default) as its size and the ends of its hex form."""
     if v.bit_length() <= 128:
@@ -77,7 +77,7 @@ def _describe(leaf: Any) -> tuple[str, str, str, int, int, str | None]:
         shape = f"({dims},)" if len(leaf.shape) == 1 else f"({dims})"
         return leaf.kind, leaf.dtype, shape, leaf.nbytes, leaf.stored_bytes, leaf.codec
     if isinstance(leaf, int) and not isinstance(leaf, bool):
-        text = _int_text(leaf)
+        text = int_text(leaf)
     else:  # repr escapes control characters and surrogates of a str
         text = safe(repr(leaf[:64] if isinstance(leaf, str) else leaf))
     if len(text) > 40:
@@ -163,15 +163,22 @@ def _json_default(x: Any) -> Any:  # pragma: no cover - meta is plain JSON
     return safe(repr(x))
 
 
-def _finite(x: Any) -> Any:
-    """``x`` with every NaN or infinite float, however deep, as ``"nan"``, ``"inf"`` or
-    ``"-inf"``."""
+#: ``--json`` prints containers nested this deep; deeper ones (a manifest's ``meta`` may
+#: nest hundreds of levels, which Python's JSON encoder cannot indent) as a note
+JSON_DEPTH = 64
+
+
+def _finite(x: Any, depth: int = 0) -> Any:
+    """``x`` with every NaN or infinite float as ``"nan"``, ``"inf"`` or ``"-inf"``, and
+    containers below :data:`JSON_DEPTH` levels as the string saying so."""
     if isinstance(x, float):
         return x if math.isfinite(x) else "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+    if isinstance(x, (dict, list, tuple)) and depth >= JSON_DEPTH:
+        return f"({type(x).__name__} nested deeper than {JSON_DEPTH} levels, not shown)"
     if isinstance(x, dict):
-        return {_finite(k): _finite(v) for k, v in x.items()}
+        return {_finite(k): _finite(v, depth + 1) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [_finite(v, depth + 1) for v in x]
     return x
 
 

@@ -43,7 +43,8 @@ class SaveOptions:
 
 
 def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Validate user metadata: a JSON-able mapping of at most 1 MiB (a copy of it).
+    """Validate user metadata: a JSON-able mapping of at most 1 MiB, nested at most
+    :data:`MAX_META_DEPTH` levels (a copy of it).
 
     Raises:
         UnsupportedTypeError: not JSON (NaN and infinities included), or too large.
@@ -60,7 +61,30 @@ def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if len(text) > 1 << 20:
         raise UnsupportedTypeError(f"meta is {len(text)} bytes of JSON; keep it under 1 MiB")
     out: dict[str, Any] = json.loads(text)
+    depth = _depth(out)
+    if depth > MAX_META_DEPTH:
+        raise UnsupportedTypeError(
+            f"meta nests {depth} levels of lists and dicts; keep it within {MAX_META_DEPTH}")
     return out
+
+
+#: How deep the caller's metadata may nest (the mapping itself is level 1). JSON
+#: takes nearly a thousand, but a manifest's meta is copied and printed by code that
+#: recurses (a save of meta 600 deep committed, then raised RecursionError).
+MAX_META_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """Levels of lists and dicts in the JSON value ``value`` (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in v)
+    return deepest
 
 
 def _not_json(value: Any, path: str, depth: int = 0) -> str | None:
