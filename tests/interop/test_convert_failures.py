@@ -159,3 +159,36 @@ def test_a_directory_output_replaced_and_killed_keeps_one_in_place(
     np.testing.assert_array_equal(got["w"], state["w"])
     np.testing.assert_array_equal(got["b"], state["b"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+@pytest.mark.parametrize(("to", "name", "kw"), [t for t in _TARGETS if t[0] != "statestream"],
+                         ids=[i for i in _IDS if not i.startswith("statestream")])
+def test_a_failed_sync_after_the_swap_replaces_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str, name: str,
+        kw: dict[str, object]) -> None:
+    """The output's parent directory failing to sync (EIO) after the new output moved in:
+    the conversion raised naming the output, yet the new output stayed and, with
+    overwrite, the old one was already deleted. Now the swap is undone first."""
+    _needs(to)
+    import statestream.interop._publish as publish
+
+    old = _source(tmp_path / "src")
+    dst = tmp_path / name
+    ss.convert(tmp_path / "src", dst, to=to, **kw)  # the old output
+    ss.save(tmp_path / "new", {k: v + 1 for k, v in old.items()})
+    real = publish.fsync_dir
+
+    def fsync_dir(path: str) -> None:
+        if os.path.realpath(path) == os.path.realpath(tmp_path):
+            raise OSError(errno.EIO, "injected", path)
+        real(path)
+
+    monkeypatch.setattr(publish, "fsync_dir", fsync_dir)
+    with pytest.raises(ss.StorageError, match=f"{name}.*injected") as ei:
+        ss.convert(tmp_path / "new", dst, to=to, overwrite=True, **kw)
+    assert ei.value.errno == errno.EIO
+    monkeypatch.undo()
+    got = ss.load(dst)  # the old output, whole
+    for k, v in old.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "new", "src"])

@@ -19,6 +19,7 @@ from typing import Any
 
 from statestream.errors import UnsupportedTypeError
 from statestream.interop._deps import require
+from statestream.interop._publish import claim, publish, staging_path, writing
 from statestream.interop._torchwrite import (
     _Tensor,
     check_torch_dtypes,
@@ -31,10 +32,6 @@ from statestream.interop._torchwrite import (
 from statestream.interop._writers import (
     ArraySpec,
     Slabs,
-    _claim,
-    _publish,
-    _staging_path,
-    _writing,
 )
 from statestream.tree import Key, KeyPath, Node, format_keypath
 
@@ -140,13 +137,13 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
         fqns[fqn] = p
     _warn_empty(empty, dst)
     small = small_bytes(root, specs, slabs)
-    _claim(dst, overwrite, directory=True)
-    staging = _staging_path(dst)
+    claim(dst, overwrite, directory=True)
+    staging = staging_path(dst)
     try:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         data_path = os.path.join(staging, DATA_NAME)
-        with _writing(data_path), open(data_path, "wb") as f:
+        with writing(data_path), open(data_path, "wb") as f:
             for fqn, (p, node) in zip(fqns, items):
                 start = f.tell()
                 if node.kind == "array":
@@ -172,11 +169,11 @@ def write_dcp(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, *,
         meta = md.Metadata(state_dict_metadata=sdm, planner_data=planner,
                            storage_data=storage, storage_meta=md.StorageMeta())
         meta_path = os.path.join(staging, ".metadata")
-        with _writing(meta_path), open(meta_path, "wb") as f:
+        with writing(meta_path), open(meta_path, "wb") as f:
             pickle.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        _publish(staging, dst)
+        publish(staging, dst)
         staging = ""
     finally:
         if staging:

@@ -25,13 +25,10 @@ from statestream.errors import CheckpointError, UnsupportedTypeError, storage_er
 from statestream.format import dtype_from_name, itemsize_of
 from statestream.interop._deps import require
 from statestream.interop._loopnoise import quiet_late_loop_callbacks
+from statestream.interop._publish import claim, publish, staging_path, writing
 from statestream.interop._writers import (
     ArraySpec,
     Slabs,
-    _claim,
-    _publish,
-    _staging_path,
-    _writing,
 )
 from statestream.tree import CONTAINER_KINDS, KeyPath, Node, format_keypath
 
@@ -179,12 +176,12 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
             "(in dicts with keys of one type, lists and tuples) only, not the "
             f"values at key paths {', '.join(bad[:20])}{' and more' if len(bad) > 20 else ''}; "
             "leave them out with items=")
-    _claim(dst, overwrite, directory=True)
+    claim(dst, overwrite, directory=True)
     batches = _batches(_units(root, ()), specs, batch_bytes)
-    staging = _staging_path(dst)
+    staging = staging_path(dst)
     try:
         out = os.path.join(staging, "out")
-        with _writing(out), _os_errors_of_tensorstore(out), warnings.catch_warnings():
+        with writing(out), _os_errors_of_tensorstore(out), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if len(batches) == 1:  # one tree: the plain StandardCheckpointer save
                 ck = ocp.StandardCheckpointer()
@@ -203,7 +200,7 @@ def write_orbax(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
                     del tree  # written: its arrays go before the next batch is read
                 partial.finalize(out)
                 item = _pytree_item(out)
-        _publish(item, dst)
+        publish(item, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

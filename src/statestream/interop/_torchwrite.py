@@ -24,14 +24,11 @@ from typing import Any
 from statestream.errors import PickleNotAllowedError, UnsupportedTypeError
 from statestream.format import itemsize_of
 from statestream.interop._deps import require
+from statestream.interop._publish import claim, publish, staging_path, writing
 from statestream.interop._torchfile import STORAGE_DTYPES
 from statestream.interop._writers import (
     ArraySpec,
     Slabs,
-    _claim,
-    _publish,
-    _staging_path,
-    _writing,
     array_paths,
 )
 from statestream.tree import KeyPath, Node, format_keypath
@@ -161,15 +158,15 @@ def write_torch(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: Slabs, 
     small = small_bytes(root, specs, slabs)
     raw, tensors = pickle_state(python_state(root, specs, small, ()))
     data = with_big_bytes(raw, root, specs, slabs, small)
-    _claim(dst, overwrite, directory=False)
-    staging = _staging_path(dst)
+    claim(dst, overwrite, directory=False)
+    staging = staging_path(dst)
     try:
         out = os.path.join(staging, "out.pt")
-        with _writing(out), open(out, "wb") as f:
+        with writing(out), open(out, "wb") as f:
             write_zip(f, data, tensors, slabs)
             f.flush()
             os.fsync(f.fileno())
-        _publish(out, dst)
+        publish(out, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -7,7 +7,6 @@ one slab at a time, never the state.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import json
@@ -28,7 +27,6 @@ from statestream.engine import parallel_for
 from statestream.engine._codec import encode_chunk
 from statestream.engine._refs import refuse_replacing_a_base
 from statestream.errors import (
-    CheckpointError,
     CheckpointExistsError,
     UnsupportedTypeError,
     storage_error,
@@ -48,19 +46,15 @@ from statestream.format import (
     itemsize_of,
 )
 from statestream.interop import _safetensors as _st
-from statestream.interop._dcp import looks_like_dcp
-from statestream.interop._orbax import looks_like_orbax
+from statestream.interop._publish import claim, holds_checkpoint, publish, staging_path, writing
 from statestream.interop._safetensors import (
     META_KEY,
     NAMES_KEY,
     ST_CODES,
     TREE_KEY,
-    find_index,
-    find_single,
 )
 from statestream.plan import COMPRESSED_CHUNK_BYTES, chunk_offset
-from statestream.storage import FileWriter, LocalStorage, Storage, staging_dir, storage_for
-from statestream.storage._local import exchange_paths, fsync_dir, refuse_inside_checkpoint
+from statestream.storage import FileWriter, LocalStorage, Storage, storage_for
 from statestream.tree import KeyPath, Node, format_keypath
 
 __all__ = ["ArraySpec", "Slabs", "aligned_bytes", "array_paths", "slab_rows", "tensor_names",
@@ -122,90 +116,6 @@ def tensor_names(root: Node) -> list[str]:
                 f"become the flat tensor name {name!r}; rename one to convert")
         seen[name] = p
     return names
-
-
-def _staging_path(final: str) -> str:
-    """Where a conversion to ``final`` is written before it is moved into place: a
-    directory with the umask's mode (a published shard directory is readable as any
-    other), that ``statestream gc`` removes when the conversion was killed. Missing
-    parent directories of ``final`` are made, as a save makes them."""
-    with _writing(final):
-        os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-        return staging_dir(final)
-
-
-def _holds_checkpoint(path: str) -> bool:
-    """An empty directory, or one holding a checkpoint statestream reads."""
-    if not os.listdir(path) or os.path.exists(os.path.join(path, COMMIT_NAME)):
-        return True
-    try:
-        return (find_index(path) is not None or looks_like_dcp(path) or looks_like_orbax(path)
-                or find_single(path) is not None)
-    except CheckpointError:  # several safetensors indexes: shards all the same
-        return True
-
-
-def _claim(final: str, overwrite: bool, *, directory: bool) -> None:
-    """Refuse an existing ``final`` unless ``overwrite``, and even then anything the
-    output (a ``directory`` or a file) should not replace: a directory by a file, a
-    file by a directory, or a directory holding something other than a checkpoint
-    (publishing renames the output over it and removes what it held); nor a path inside
-    a statestream checkpoint (replaced or deleted whole, taking the output along)."""
-    refuse_inside_checkpoint(os.path.abspath(final))
-    if not os.path.lexists(final):
-        return
-    if not overwrite:
-        raise CheckpointExistsError(
-            f"{final} already exists; pass overwrite=True to replace it")
-    is_dir = os.path.isdir(final) and not os.path.islink(final)
-    if is_dir == directory and (not is_dir or _holds_checkpoint(final)):
-        if is_dir:  # a statestream checkpoint that incremental siblings refer to stays
-            refuse_replacing_a_base(storage_for(final)[0], final, overwrite)
-        return
-    what = ("a directory that is neither empty nor a checkpoint" if is_dir == directory
-            else "a directory" if is_dir else "a file")
-    out = "a directory" if directory else "one file"
-    raise CheckpointExistsError(
-        f"{final} exists and is {what}; this conversion writes {out} and never replaces "
-        "it, not even with overwrite=True (only a file by a file, or an empty or "
-        "checkpoint directory by a directory). Choose another path, or remove it yourself")
-
-
-@contextlib.contextmanager
-def _writing(path: str) -> Iterator[None]:
-    """A file system failure (ENOSPC, EIO, EACCES) while writing ``path`` raised as a
-    ``StorageError`` naming it, with its errno (a bare OSError named no file)."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise storage_error(f"writing {path} failed: {exc}", exc) from exc
-
-
-def _publish(staged: str, final: str) -> None:
-    """Move the finished file or directory into place (replacing an old one), durably.
-
-    A directory replaces the old one in one atomic swap (renameat2 RENAME_EXCHANGE):
-    before 2026-12-06 the old one was renamed aside first, so a kill between the two
-    renames left no ``final`` (the new output in a staging directory that ``gc``
-    removes, the old one under ``final.old-<pid>``). Where the file system has no
-    renameat2 that window remains. A staged directory's entries are made durable
-    before it moves (its files are fsynced by their writers)."""
-    with _writing(final):
-        if os.path.isdir(staged) and not os.path.islink(staged):
-            fsync_dir(staged)
-        if os.path.isdir(final) and not os.path.islink(final):
-            if exchange_paths(staged, final):
-                shutil.rmtree(staged, ignore_errors=True)  # the old one, now
-            else:
-                old = final + f".old-{os.getpid()}"
-                os.rename(final, old)
-                os.rename(staged, final)
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staged, final)
-        fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
 # ----------------------------------------------------------------------------- statestream
@@ -270,7 +180,7 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
                               threads=threads)
     local = isinstance(storage, LocalStorage)
     if local and overwrite and os.path.lexists(spath):
-        _claim(spath, True, directory=True)  # what the other directory outputs replace
+        claim(spath, True, directory=True)  # what the other directory outputs replace
     if not (local and _foreign_checkpoint_dir(spath)):
         write(spath, overwrite=overwrite)
         return
@@ -279,11 +189,11 @@ def write_statestream(dst: str | os.PathLike[str], root: Node, specs: Sequence[A
     # directory outputs do: committed beside it, then moved over it
     if not overwrite:
         raise CheckpointExistsError(f"{spath} already exists; pass overwrite=True to replace it")
-    staging = _staging_path(spath)
+    staging = staging_path(spath)
     try:
         out = os.path.join(staging, "out")
         write(out, overwrite=False)
-        _publish(out, spath)
+        publish(out, spath)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -295,7 +205,7 @@ def _foreign_checkpoint_dir(path: str) -> bool:
         return False
     if any(os.path.lexists(os.path.join(path, n)) for n in (COMMIT_NAME, MANIFEST_NAME)):
         return False
-    return _holds_checkpoint(path)
+    return holds_checkpoint(path)
 
 
 def _commit_statestream(storage: Storage, path: str, *, overwrite: bool, root: Node,
@@ -533,14 +443,14 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
     Each file is written through two blocks of ``block_bytes`` (see ``_SeqFile``)."""
     names = check_safetensors(root, specs)
     metadata = _st_metadata(root, names, meta)
-    _claim(dst, overwrite, directory=sharded)
-    staging = _staging_path(dst)
+    claim(dst, overwrite, directory=sharded)
+    staging = staging_path(dst)
     try:
         if not sharded:
             out = os.path.join(staging, "out.safetensors")
             _write_one_file(out, list(range(len(specs))), names, specs, slabs, metadata,
                             block_bytes)
-            _publish(out, dst)
+            publish(out, dst)
             return
         limit = max_shard_bytes or DEFAULT_SHARD_BYTES
         shards: list[list[int]] = [[]]
@@ -568,11 +478,11 @@ def write_safetensors(dst: str, root: Node, specs: Sequence[ArraySpec], slabs: S
                 f"the safetensors index would be {len(text.encode())} bytes, above the "
                 f"{_st.MAX_INDEX_BYTES}-byte limit statestream reads: too many tensors or "
                 "too large a tree; convert fewer items")
-        with _writing(ipath), open(ipath, "w") as f:
+        with writing(ipath), open(ipath, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())  # durable before the directory moves into place
-        _publish(staging, dst)
+        publish(staging, dst)
         staging = ""
     finally:
         if staging:
