@@ -200,7 +200,7 @@ def test_a_base_deleted_while_the_save_runs_fails_the_save(tmp_path: Path, mode:
     faults.on("save.data_synced", lambda: shutil.rmtree(tmp_path / "s1"))
     try:
         with pytest.raises(ss.CheckpointError, match="refers to chunks of s1, which is no "
-                           "longer committed") as err:
+                           "longer the checkpoint this save read") as err:
             if mode == "sync":
                 ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
             else:
@@ -211,6 +211,42 @@ def test_a_base_deleted_while_the_save_runs_fails_the_save(tmp_path: Path, mode:
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing committed, nothing left
     ss.save(tmp_path / "s2", s)  # a full save goes through
     np.testing.assert_array_equal(ss.load(tmp_path / "s2")["lora"], s["lora"])
+
+
+@pytest.mark.parametrize("holder", [False, True], ids=["base", "base-of-base"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_base_replaced_while_the_save_runs_fails_the_save(tmp_path: Path, mode: str,
+                                                             holder: bool) -> None:
+    """A base replaced (``overwrite=True``) while the save runs is still committed, so
+    only its being committed was checked: the save reported success and committed
+    references to chunks the new base does not hold (its load: "whose record there
+    differs"). The same for a checkpoint the base refers to."""
+    s0 = _state()
+    s = {**s0, "lora": s0["lora"] + 1}  # frozen refers to s0, lora to s1
+    ss.save(tmp_path / "s0", s0, hashes=True)
+    ss.save(tmp_path / "s1", s, base=tmp_path / "s0", hashes=True)
+    replaced = tmp_path / ("s0" if holder else "s1")
+    changed = {k: v + 7 for k, v in s0.items()}
+
+    def replace() -> None:  # s1 refers to s0: an overwrite of s0 is refused, so by hand
+        if holder:
+            shutil.rmtree(replaced)
+        ss.save(replaced, changed, hashes=True, overwrite=not holder)
+
+    faults.on("save.data_synced", replace)
+    try:
+        with pytest.raises(ss.CheckpointError, match=f"refers to chunks of {replaced.name}, "
+                           "which is no longer the checkpoint this save read"):
+            if mode == "sync":
+                ss.save(tmp_path / "s2", s, base=tmp_path / "s1")
+            else:
+                ss.save_async(tmp_path / "s2", s, base=tmp_path / "s1").result()
+    finally:
+        faults.clear()
+    assert not (tmp_path / "s2").exists()
+    if not holder:  # (s1 itself cannot be loaded now: what it refers to is gone)
+        ss.save(tmp_path / "s2", s, base=tmp_path / "s1")  # against what is there now
+        np.testing.assert_array_equal(ss.load(tmp_path / "s2")["frozen"], s["frozen"])
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])

@@ -501,7 +501,8 @@ class SaveJob:
         assert merged is not None and txn is not None and parts is not None
         manifest = self._built = build_manifest(merged, parts, self._meta())
         check_bases_committed(self.storage, self.spath, {
-            c.ref.base for a in manifest.arrays for c in a.chunks if c.ref is not None})
+            c.ref.base for a in manifest.arrays for c in a.chunks if c.ref is not None},
+            self.base.manifests if self.base is not None else {})
         mbytes = encode_manifest(manifest)
         if self.multi:
             # Check the merged manifest exactly as a reader will (coverage, overlaps,

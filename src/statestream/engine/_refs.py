@@ -18,12 +18,12 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 
-from statestream.engine._recent import KeptByManifest
+from statestream.engine._recent import KeptByManifest, still_committed
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -166,17 +166,22 @@ def sibling_path(spath: str, name: str) -> str:
     return f"{_split(spath)[0]}/{name}"
 
 
-def check_bases_committed(storage: Storage, spath: str, bases: Collection[str]) -> None:
+def check_bases_committed(storage: Storage, spath: str, bases: Collection[str],
+                          read: Mapping[str, tuple[int, int]]) -> None:
     """Refuse to commit ``spath`` while a checkpoint its references point into is no
-    longer committed: removed while the save ran (the base was checked when it began),
-    the new checkpoint could never be loaded, and its save must not report success."""
+    longer the one the save read (``read``: name -> its manifest's size and CRC-32C,
+    :attr:`BaseChunks.manifests`): removed, or replaced by an overwrite, while the
+    save ran, the new checkpoint could never be loaded (its references name chunks
+    that are gone or hold other bytes), and its save must not report success."""
     for name in sorted(bases):
         there = sibling_path(spath, name)
-        if not storage.is_committed(there):
+        known = read.get(name)
+        if not (storage.is_committed(there) if known is None
+                else still_committed(storage, there, *known)):
             raise CheckpointError(
                 f"cannot commit {spath}: it refers to chunks of {name}, which is no longer "
-                f"committed at {there} (removed while this save was running?); nothing "
-                "was committed")
+                f"the checkpoint this save read at {there} (removed or replaced while this "
+                "save was running?); nothing was committed")
 
 
 #: a JSON value's decoder and the whitespace JSON allows between tokens
@@ -375,6 +380,9 @@ class BaseChunks:
 
     def __init__(self, name: str, manifest: Manifest) -> None:
         self.name = name
+        #: the manifest (size, CRC-32C) of each checkpoint a reference from here may
+        #: point into, as read: the save commits only while they are still committed
+        self.manifests: dict[str, tuple[int, int]] = {}
         self._by: dict[tuple[bytes, tuple[int, ...], int], ChunkEntry] = {}
         for a in manifest.arrays:
             isz = itemsize_of(a.dtype)
@@ -449,7 +457,9 @@ _RECENT: KeptByManifest[BaseChunks] = KeptByManifest(8)
 
 def remember_committed(spath: str, mbytes: bytes, manifest: Manifest) -> None:
     """Record a checkpoint this process just committed with hashed chunks."""
-    _RECENT.put(spath, len(mbytes), checksum(mbytes), BaseChunks(_split(spath)[1], manifest))
+    chunks = BaseChunks(_split(spath)[1], manifest)
+    chunks.manifests[chunks.name] = (len(mbytes), checksum(mbytes))
+    _RECENT.put(spath, *chunks.manifests[chunks.name], chunks)
 
 
 def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> BaseChunks:
@@ -462,6 +472,7 @@ def _committed_chunks(storage: Storage, spath: str, name: str, *, of: str) -> Ba
     reader, m, size, crc = _open_committed(storage, spath, name, of=of)
     reader.close()
     chunks = BaseChunks(name, m)
+    chunks.manifests[name] = (size, crc)
     _RECENT.put(path, size, crc, chunks)
     return chunks
 
@@ -508,6 +519,9 @@ def base_chunks(storage: Storage, spath: str, name: str) -> BaseChunks:
     usable, dropped = chunks.followable(holders)
     if dropped:
         _warn_unfollowable(spath, name, why, dropped)
+    usable = copy.copy(usable)  # (the kept index is shared: its manifests stay its own)
+    usable.manifests = {n: c.manifests[n] for n, c in [(name, chunks), *holders.items()]
+                        if c is not None}
     return usable
 
 
