@@ -112,6 +112,29 @@ def test_close_after_an_interrupted_wait_waits_for_the_save(tmp_path):
         assert again.steps() == [1]
 
 
+def test_an_interrupted_close_keeps_the_directory_while_the_save_runs(tmp_path):
+    # Ctrl-C in close() while the save still writes: the manager stays open (its lease
+    # held, so no second manager opens mid-save), and the next close waits for the save
+    gate = hold_at("save.data_synced")
+    mgr = ss.CheckpointManager(tmp_path)
+    try:
+        assert mgr.save(1, state_at(1))
+        interrupt_main_thread_in("result")
+        with pytest.raises(KeyboardInterrupt):
+            mgr.close()
+        assert mgr.in_flight is not None and not mgr.in_flight.done()
+        with pytest.raises(ss.ManagerLockedError):
+            ss.CheckpointManager(tmp_path)
+        gate.set()
+    finally:
+        gate.set()
+        mgr.close()
+    assert mgr.in_flight is None
+    assert sorted(os.listdir(tmp_path)) == [".statestream.lock", "step_0000000001"]
+    with ss.CheckpointManager(tmp_path) as again:
+        assert again.steps() == [1]
+
+
 def test_an_interrupted_wait_for_persistence_is_an_interrupt(tmp_path):
     gate = hold_at("tier.persist")
     mgr = ss.CheckpointManager(str(tmp_path / "persist"), local_tier=str(tmp_path / "local"))

@@ -4,9 +4,11 @@ Waiting for it ends it either way: a commit is reported (``committed(step)``), a
 failure is reported (``failed(step, exc)``) and raised once, and the manager has no
 save in flight after. An interrupted wait (KeyboardInterrupt while the save runs)
 leaves it in flight: the save is still running, so the next ``save``, ``wait`` or
-``close`` waits for it again. ``settle`` waits without ending it: a failure stays
-for the next ``save``, ``wait`` or ``close`` to raise (``CheckpointManager.load``
-waits for the commit this way and then reads what is committed).
+``close`` waits for it again (an interrupted ``close`` does not close: the manager
+keeps its directory while the save writes there). ``settle`` waits without ending
+it: a failure stays for the next ``save``, ``wait`` or ``close`` to raise
+(``CheckpointManager.load`` waits for the commit this way and then reads what is
+committed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class InFlight:
     def steps(self) -> set[int]:
         """The step in flight, as a set (empty with none)."""
         return set() if self.step is None else {self.step}
+
+    def running(self) -> bool:
+        """Whether a save is in flight and has not ended (committed or failed) yet."""
+        return self.handle is not None and not self.handle.done()
 
     def wait(self, committed: Callable[[int], None],
              failed: Callable[[int | None, BaseException], None]) -> None:

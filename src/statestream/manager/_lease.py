@@ -320,6 +320,17 @@ def release_after_failed_open(hold: DirectoryHold,
         hold.release()
 
 
+def release_at_close(hold: DirectoryHold, close_tier: Callable[[], None] | None) -> None:
+    """Give up what a closing manager holds: the directory's lease, then its local
+    tier (``close_tier``: its persistence thread and lease). ``CheckpointManager.close``
+    calls it only once no save of the manager still runs (a Ctrl-C that ended its wait
+    for one leaves the manager open: until 2026-12-07 the directory was released while
+    the save wrote there, and a second manager could open it mid-save)."""
+    hold.release()
+    if close_tier is not None:
+        close_tier()
+
+
 def warn_deferred(directory: str, local_tier: str, why: str) -> None:
     """Warn (on every rank) that a manager opened without its directory's lease."""
     warnings.warn(

@@ -36,6 +36,7 @@ from statestream.manager._lease import (
     close_after,
     open_lease,
     release_after_failed_open,
+    release_at_close,
     warn_deferred,
 )
 from statestream.manager._policies import (
@@ -210,12 +211,11 @@ class CheckpointManager:
             return
         try:
             self.wait()
-        finally:
-            self._closed = True
-            self._decisions.restore_sigterm()
-            self._hold.release()
-            if self._tier is not None:
-                self._tier.close()
+        finally:  # not while the save still writes there (a Ctrl-C ended the wait)
+            if not self._flight.running():
+                self._closed = True
+                self._decisions.restore_sigterm()
+                release_at_close(self._hold, None if self._tier is None else self._tier.close)
 
     def _keep_and_check(self, phase: str, *, directory: bool = True, check: bool = False,
                         then: Callable[[], None] | None = None,
