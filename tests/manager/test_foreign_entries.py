@@ -87,3 +87,23 @@ def test_a_directory_named_like_a_local_record_is_left_alone(tmp_path):
         with pytest.raises(ss.StorageError, match="cannot record that step 5 is persisted"):
             done()
     assert ss.load(str(tmp_path / "persist" / "step_0000000005"))["w"].tolist() == [5.0] * 3
+
+
+@pytest.mark.parametrize("meta", [{"time": "yesterday"}, {"metrics": ["loss", 0.1]},
+                                  {"metrics": {"loss": 0.1}, "time": [1]}, {"time": True}])
+@pytest.mark.parametrize("keep", [ss.KeepAll(), ss.KeepLatest(2), ss.KeepBest(2, "loss")])
+def test_a_step_saved_by_hand_with_other_metadata_is_still_a_step(tmp_path, meta, keep):
+    # ss.save's meta may hold a "time" or "metrics" no manager's save writes: they are
+    # ignored (creation time, no metrics) with a warning naming the step; they used to
+    # raise a bare ValueError/TypeError/AttributeError from every save, or the open
+    ss.save(tmp_path / "step_0000000005", {"w": np.ones(3)}, meta=meta)
+    created = ss.metadata(tmp_path / "step_0000000005").meta["created_unix"]
+    metrics = meta["metrics"] if isinstance(meta.get("metrics"), dict) else {}
+    with pytest.warns(RuntimeWarning, match=r"step 5 \(.*step_0000000005\) records .*ss.save"):
+        with ss.CheckpointManager(tmp_path, keep_policy=keep, async_save=False) as mgr:
+            assert mgr.step_info(5)["time"] == created
+            assert mgr.step_info(5)["metrics"] == metrics
+            assert mgr.save(6, {"w": np.zeros(3)}, metrics={"loss": 0.5})
+            assert mgr.best_step("loss") == (5 if metrics else 6)
+            assert mgr.save(7, {"w": np.zeros(3)}, metrics={"loss": 0.7})
+            assert mgr.steps()[-2:] == [6, 7]

@@ -123,17 +123,47 @@ def recorded(path: str) -> CheckpointMetadata | CommittedSummary:
 
 def step_info(path: str, step: int) -> dict[str, Any]:
     """Recorded metadata of the step at ``path``: wall time, metrics, size, user metadata,
-    and the checkpoints it refers to (``bases``: an incremental save's)."""
+    and the checkpoints it refers to (``bases``: an incremental save's).
+
+    A step saved by other means (``ss.save(..., meta=...)``) may record a ``time`` that
+    is not a number or ``metrics`` that are not a mapping: such a time is replaced by
+    the checkpoint's creation time, such metrics by ``{}``, with a RuntimeWarning naming
+    the step. Before 2026-12-07 they raised a bare ValueError, TypeError or
+    AttributeError from every save of its manager (and from its open, with a keep
+    policy other than ``KeepAll``).
+    """
     md = recorded(path)
-    user = md.meta.get("user", {})
+    user, odd = md.meta.get("user", {}), []
+    if not isinstance(user, Mapping):
+        user, odd = {}, [f"user metadata {user!r:.60}"]
+    created = md.meta.get("created_unix")
+    created = created if _is_time(created) else None
+    when = user.get("time", created)
+    if when is not None and not _is_time(when):
+        when, odd = created, [*odd, f"a 'time' of {when!r:.60}"]
+    metrics = user.get("metrics", {})
+    if not isinstance(metrics, Mapping):
+        metrics, odd = {}, [*odd, f"'metrics' of {metrics!r:.60}"]
+    if odd:
+        warnings.warn(
+            f"step {step} ({path}) records {' and '.join(odd)}, not as a CheckpointManager's "
+            "save records them (a step saved by other means, e.g. ss.save(..., meta=...)): "
+            "ignored (the keep policy, best_step and step_info see its creation time for "
+            "such a time, no metrics for such metrics)", RuntimeWarning, stacklevel=3)
     return {
         "step": step,
-        "time": user.get("time", md.meta.get("created_unix")),
-        "metrics": decode_metrics(user.get("metrics", {})),
+        "time": when,
+        "metrics": decode_metrics(metrics),
         "metadata": user.get("metadata", {}),
         "nbytes": md.total_bytes,
         "bases": list(md.bases),
     }
+
+
+def _is_time(value: Any) -> bool:
+    """A wall time as a manager records it: a finite number of seconds."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 class Retention:
