@@ -4,21 +4,33 @@ Saves are serialised: a new asynchronous save first waits for the previous
 one to finish, so an in-flight save is never disturbed. Pending saves are
 completed at interpreter exit, and failures nobody asked about are printed
 then -- never silently dropped.
+
+A failed save keeps nothing of the state: its error's traceback keeps no locals of
+the save's frames that returned (``drop_locals``), each ``result()`` raises the
+error with the traceback it failed with (the frames of earlier callers are not
+added to it), and the queue keeps the last save's :class:`QueuedSave`, not its
+handle (the error's traceback holds the frames of whoever asked for it last). Until
+2026-12-07 a failed save's state stayed alive in the module's last handle until the
+next ``save_async``, and each ``result()`` added its caller's frames to the error's
+traceback, which kept them (and their locals) alive.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import sys
 import threading
 from collections.abc import Iterable, Sequence
+from types import TracebackType
 from typing import Any
 
 from statestream.errors import CheckpointError
 from statestream.providers import array_provider_for
 
-__all__ = ["SAVE_THREADS", "SaveHandle", "enqueue", "previous_save", "start_lock"]
+__all__ = ["SAVE_THREADS", "QueuedSave", "SaveHandle", "drop_locals", "enqueue",
+           "previous_save", "start_lock"]
 
 #: Names of the threads a save runs on (its writers and its background thread).
 SAVE_THREADS = ("statestream-write-", "statestream-save")
@@ -27,12 +39,32 @@ _LOCK = threading.Lock()
 #: Held while an asynchronous save waits for the previous one and starts: two
 #: threads' save_async calls start one after the other, never both at once.
 _START = threading.Lock()
-_LAST: SaveHandle | None = None
+_LAST: QueuedSave | None = None
 _PENDING: set[SaveHandle] = set()
 _ATEXIT = False
 #: Set when the interpreter exits: a finished save's thread stops warming staging
 #: buffers for a next save that will not come (see ``_drain_at_exit``).
 EXITING = threading.Event()
+
+
+class QueuedSave:
+    """What the queue of saves keeps of the last save started: its path, the events
+    the next save waits for, its thread (joined at exit); not its outcome."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.finished = threading.Event()
+        #: set when the save's thread is done, after warming the staging pool
+        self.settled = threading.Event()
+        #: set when the next save starts: it stops warming (what is mapped by then
+        #: is used; the next save races the writers for the rest)
+        self.superseded = threading.Event()
+        #: the save's background thread, joined at interpreter exit
+        self.thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """True once the save is committed (or has failed)."""
+        return self.finished.is_set()
 
 
 class SaveHandle:
@@ -48,25 +80,32 @@ class SaveHandle:
 
     def __init__(self, path: str, n_arrays: int) -> None:
         self.path = path
+        self._queued = QueuedSave(path)
         self._snapshot = threading.Event()
-        self._finished = threading.Event()
-        #: set when the save's thread is done, after warming the staging pool
-        self._settled = threading.Event()
-        #: set when the next save starts: it stops warming (what is mapped by then
-        #: is used; the next save races the writers for the rest)
-        self._superseded = threading.Event()
-        #: the save's background thread, joined at interpreter exit
-        self._thread: threading.Thread | None = None
+        self._finished = self._queued.finished
+        self._settled = self._queued.settled
+        self._superseded = self._queued.superseded
         #: 1 where an array is copied; one condition for all (an Event per array took
         #: 0.3-0.5 s of the blocking phase of a save of 20,000 arrays until 2026-12-07)
         self._ready = bytearray(n_arrays)
         self._ready_cv = threading.Condition(threading.Lock())
         self._error: BaseException | None = None
+        #: the traceback the save failed with: each result() raises the error with it
+        self._error_tb: TracebackType | None = None
         self._snapshot_failed = False
         #: memory id -> indices of the arrays that use it (see ``wait_for``)
         self._memory: dict[int, list[int]] = {}
         self.bytes_total = 0
         self.bytes_written = 0
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The save's background thread (None until it is started)."""
+        return self._queued.thread
+
+    @_thread.setter
+    def _thread(self, thread: threading.Thread | None) -> None:
+        self._queued.thread = thread
 
     # -- progress ---------------------------------------------------------------
     def done(self) -> bool:
@@ -101,7 +140,7 @@ class SaveHandle:
             raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
         if self._snapshot_failed and self._error is not None:
             self._reported()
-            raise self._error
+            self._raise()
 
     def wait_for(self, values: Iterable[Any]) -> None:
         """Block until the arrays backed by these values' memory are copied.
@@ -141,7 +180,16 @@ class SaveHandle:
             raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
         if self._error is not None:
             self._reported()
-            raise self._error
+            self._raise()
+
+    def _raise(self) -> None:
+        """Raise the save's error with the traceback it failed with: raising the same
+        object again would add this caller's frames to the traceback it keeps (and
+        each earlier caller's, alive with their locals)."""
+        assert self._error is not None
+        error = self._error.with_traceback(self._error_tb)
+        drop_locals(error)  # the save's frames that have returned since it failed
+        raise error
 
     def _not_on_its_thread(self, what: str) -> None:
         """Refuse to wait on a thread of a save in flight (a progress callback runs on
@@ -169,9 +217,14 @@ class SaveHandle:
         self._snapshot.set()
         self._memory = {}  # waits return at once from now on (the walk's, let go of)
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, *, raised_here: bool = False) -> None:
+        """The save failed with ``exc``. Kept for ``result()`` without the locals of
+        the frames it passed (the state), unless ``raised_here``: the caller raises it
+        at once, and the queue does not keep this handle."""
         if self._error is None:
-            self._error = exc
+            self._error, self._error_tb = exc, exc.__traceback__
+            if not raised_here:
+                drop_locals(exc)
         if not self._snapshot.is_set():
             self._snapshot_failed = True
         with self._ready_cv:
@@ -190,6 +243,41 @@ class SaveHandle:
     def _reported(self) -> None:
         with _LOCK:
             _PENDING.discard(self)
+
+
+_GENERATOR_CODE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+                   | inspect.CO_ITERABLE_COROUTINE)
+
+
+def drop_locals(error: BaseException) -> None:
+    """Clear the locals of the frames in ``error``'s traceback that have returned, and
+    in the tracebacks of the errors chained to it (``__cause__``, ``__context__``)
+    that this library caught: the frames of a save below where it caught the error,
+    which hold its state, its job, views of its memory. A frame still running (on
+    any thread) and a generator's are left alone, and so is a chained error that
+    was caught elsewhere (one the caller was handling when it called the save: its
+    frames are the caller's). The error keeps its type, message, chain and where
+    each frame was; a post-mortem debugger sees no locals in those frames.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        if tb is None or not tb.tb_frame.f_globals.get("__name__", "").startswith(
+                "statestream."):
+            continue
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_flags & _GENERATOR_CODE:
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still running
+                    pass
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
 
 
 def _forget_in_child() -> None:
@@ -223,11 +311,11 @@ def _drain_at_exit() -> None:
     # the process ("terminate called without an active exception", exit 134).
     # One save runs at a time, so the last one is the only one that may be running.
     if last is not None:
-        last._settled.wait()
-        if last._thread is not None:
+        last.settled.wait()
+        if last.thread is not None:
             # Until the thread has ended: threading.Thread.run() itself drops the
             # job (its target) after the target returns.
-            last._thread.join()
+            last.thread.join()
 
 
 def start_lock() -> threading.Lock:
@@ -235,7 +323,7 @@ def start_lock() -> threading.Lock:
     return _START
 
 
-def previous_save() -> SaveHandle | None:
+def previous_save() -> QueuedSave | None:
     """The last save started (registering the exit drain on first use)."""
     global _ATEXIT
     with _LOCK:
@@ -250,4 +338,4 @@ def enqueue(handle: SaveHandle) -> None:
     global _LAST
     with _LOCK:
         _PENDING.add(handle)
-        _LAST = handle
+        _LAST = handle._queued

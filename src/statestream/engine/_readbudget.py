@@ -34,7 +34,7 @@ def save_in_flight() -> bool:
     """Whether a save runs in this process now (started, not settled)."""
     previous = previous_save()
     return start_lock().locked() or (previous is not None
-                                     and not previous._settled.is_set())
+                                     and not previous.settled.is_set())
 
 
 def saving_to(spath: str) -> bool:

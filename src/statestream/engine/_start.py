@@ -75,8 +75,8 @@ def run_save(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> 
     with _start_held():
         previous = previous_save()
         if previous is not None:
-            previous._superseded.set()
-            previous._settled.wait()
+            previous.superseded.set()
+            previous.settled.wait()
         _run_sync(path, state, options)
 
 
@@ -93,7 +93,7 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
     # asynchronous one not settled, or a synchronous one, which holds the start lock
     # while it runs; so is this thread's own save (a state_dict() it walks).
     # Waiting for it would wait for this thread.
-    in_flight = previous is not None and not previous._settled.is_set()
+    in_flight = previous is not None and not previous.settled.is_set()
     if _HOLDING.active or (threading.current_thread().name.startswith(SAVE_THREADS)
                            and (in_flight or start_lock().locked())):
         to = f" to {previous.path}" if previous is not None and in_flight else ""
@@ -109,8 +109,8 @@ def start_save(path: str | os.PathLike[str], state: Any, options: SaveOptions, *
             # reported at exit unless its caller asks for it). If it is still warming
             # staging buffers for this save, it stops: waiting for the rest to be
             # faulted in would take longer than racing the writers for it.
-            previous._superseded.set()
-            previous._settled.wait()
+            previous.superseded.set()
+            previous.settled.wait()
         job = SaveJob(path, state, options, snapshot=True, lazy=lazy)
         if job.multi:
             job.finish_coll = job.coll.fork("statestream-async")
@@ -150,8 +150,9 @@ def _abandon(job: SaveJob, exc: BaseException) -> None:
             handle.result()
         job._abort_local()
     finally:
+        job.release_values()  # (before 2026-12-07 a failed start's job kept the state)
         job.resume_gc()
-        handle.fail(exc)
+        handle.fail(exc, raised_here=True)
         handle._settled.set()
         handle._reported()  # raised to the caller right here
 
