@@ -568,3 +568,41 @@ def test_verify_reports_a_truncated_base_file_once(tmp_path: Path, cut: str,
     assert main(["verify", str(s2)]) == 1
     err = capsys.readouterr().err
     assert "1 problem(s)" in err and err.count(str(f)) == 1, err
+
+
+def _forge_hashes(path: Path, values: np.ndarray) -> None:
+    """Make every chunk record of the checkpoint at ``path`` claim the hash of
+    ``values``'s bytes (its data untouched), and reseal it: a hostile or edited base."""
+    import xxhash
+
+    forged = xxhash.xxh3_128(values.tobytes()).hexdigest()
+
+    def change(doc: dict[str, Any]) -> None:
+        exts = [x for a in doc["arrays"] for c in a["chunks"] for x in c
+                if isinstance(x, dict) and "hash" in x]
+        assert exts
+        for ext in exts:
+            ext["hash"] = forged
+
+    _rewrite(path, change)
+
+
+@pytest.mark.parametrize("kind", ["small", "compressed", "large"])
+def test_verify_checks_the_hashes_a_save_matched_chunks_by(tmp_path: Path, kind: str) -> None:
+    """A save refers to a base chunk whose recorded XXH3-128 equals its own chunk's; the
+    base's bytes are never read. A base whose records lie (edited, resealed) made the
+    new checkpoint load the base's bytes, and ``verify`` said both were fine (their
+    CRC-32Cs are right). ``verify`` now checks each recorded hash against the bytes:
+    small, compressed (decoded first) and large chunks (read in steps)."""
+    n = (3 << 20) if kind == "large" else 1024  # 12 MiB: checked in steps
+    zeros, ones = np.zeros(n, np.float32), np.ones(n, np.float32)
+    kw = {"compression": "zstd"} if kind == "compressed" else {}
+    ss.save(tmp_path / "a", {"w": zeros}, hashes=True, **kw)
+    assert ss.verify(tmp_path / "a").ok
+    _forge_hashes(tmp_path / "a", ones)
+    ss.save(tmp_path / "b", {"w": ones}, base=tmp_path / "a", **kw)  # matched by the lie
+    for name in ("a", "b"):
+        rep = ss.verify(tmp_path / name)
+        assert not rep.ok
+        assert "hash mismatch in array at key path 'w'" in rep.problems[0]
+        assert "CRC-32C correct" in rep.problems[0]

@@ -18,6 +18,7 @@ from statestream.engine._core import (
     _read_threads,
     _run_all,
 )
+from statestream.engine._refs import chunk_digest, digest_hasher
 from statestream.errors import (
     CheckpointCorruptError,
     CheckpointGoneError,
@@ -209,6 +210,7 @@ def _check_in_steps(reader: CheckpointReader, name: str, p: ReadPiece,
     checksums (a foreign format's) is still read through, as a whole read would."""
     checks: list[tuple[int, int, int | None]] = [*p.checks()] or [(0, p.nbytes, None)]
     buf = fresh_bytes(min(step, p.nbytes))
+    hasher = digest_hasher() if p.digest is not None else None
     for a, b, want in checks:
         got = 0
         for s in range(a, b, step):
@@ -218,8 +220,12 @@ def _check_in_steps(reader: CheckpointReader, name: str, p: ReadPiece,
             except CheckpointCorruptError as exc:  # missing, truncated, symlinked file
                 raise type(exc)(f"{exc} (affects {describe(p)})") from None
             got = checksum(view, got)
+            if hasher is not None:
+                hasher.update(view.data)
         if want is not None and got != want:
             return _mismatch(reader, name, p, a, b, got, want, describe)
+    if hasher is not None and bytes(hasher.digest()) != p.digest:
+        return _digest_mismatch(reader, name, p, bytes(hasher.digest()), describe)
     return None
 
 
@@ -359,6 +365,9 @@ def _finish_piece(reader: CheckpointReader, name: str, p: ReadPiece, buf: np.nda
         if raw is None:
             return
         buf = raw
+    if p.digest is not None and chunk_digest(buf) != p.digest:
+        _record(_digest_mismatch(reader, name, p, chunk_digest(buf), describe), collect, lock)
+        return
     if p.scatter:
         src = buf.view(p.dtype).reshape(p.chunk_shape)
         for dview, csl in p.scatter:
@@ -438,6 +447,20 @@ def _mismatch(reader: CheckpointReader, name: str, p: ReadPiece, a: int, b: int,
         f"the manifest says {want:08x}; the checkpoint is corrupt, "
         "restore it from another copy"
     )
+
+
+def _digest_mismatch(reader: CheckpointReader, name: str, p: ReadPiece, got: bytes,
+                     describe: Callable[[ReadPiece], str]) -> ChecksumMismatchError:
+    """A chunk whose CRC-32C is right but whose raw bytes do not have the XXH3-128 its
+    record gives (the hash an incremental save matched it by): the record was changed,
+    or a save referred to a base chunk whose record lied, and loads it silently."""
+    assert p.digest is not None
+    return ChecksumMismatchError(
+        f"hash mismatch in {describe(p)}: chunk {p.chunk} (bytes [{p.offset}, "
+        f"{p.offset + p.nbytes}) of {file_where(reader, name)}, CRC-32C correct) has "
+        f"XXH3-128 {got.hex()}, the manifest says {p.digest.hex()}; its record was altered "
+        "(here, or in the base checkpoint a save matched it in): the checkpoint does not "
+        "hold what was saved")
 
 
 def _check_supply(reader: CheckpointReader, name: str, req: ReadRequest,

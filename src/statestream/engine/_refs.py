@@ -80,6 +80,12 @@ def _bytes_of(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
 
 
+def digest_hasher() -> Any:
+    """A streaming XXH3-128 (``update(bytes)``, ``digest()``): :func:`chunk_digest` of
+    what it was given, in pieces."""
+    return _xxh3_128()
+
+
 def chunk_digest(data: np.ndarray) -> bytes:
     """XXH3-128 of a chunk's raw bytes (16 bytes, as ``xxh3_128().digest()``)."""
     h = _xxh3_128()

@@ -60,6 +60,8 @@ class ReadPiece:
     raw_nbytes: int = 0
     #: ``direct`` maps this piece's own file bytes: verify them, read nothing
     mapped: bool = False
+    #: the XXH3-128 its raw bytes must have (``verify`` of a chunk recorded with one)
+    digest: bytes | None = None
 
     def checks(self) -> list[tuple[int, int, int]]:
         """Byte ranges of the piece and the CRC-32C each must have."""
@@ -292,7 +294,8 @@ def plan_load(
 
 def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 20
                 ) -> list[ReadRequest]:
-    """Read every chunk of every array (into scratch) so its checksum can be checked."""
+    """Read every chunk of every array (into scratch) so its checksum can be checked
+    (and its hash, where it records one)."""
     pieces = []
     for ai, a in enumerate(arrays):
         for ci, c in enumerate(a.chunks):
@@ -300,7 +303,7 @@ def plan_verify(arrays: Sequence[ArrayEntry], *, max_request_bytes: int = 32 << 
                 continue
             dt = dtype_from_name(a.dtype)
             p = ReadPiece(ai, ci, c.file, c.offset, math.prod(c.shape) * dt.itemsize,
-                          c.checksum, c.shape, dt)
+                          c.checksum, c.shape, dt, digest=c.digest)
             if c.codec is not None:
                 _coded(p, c)
             elif c.block_rows:
