@@ -799,6 +799,9 @@ LIMIT_CASES = {
     "dim>2^48": (put("shape", 0, 2**48 + 1),
                  r"column shape\[0\] is 281474976710657, not in \[0, 281474976710656\]"),
     "box>2^48": (put("boxes", 2, 2**48 + 1), r"column boxes\[2\] is 281474976710657"),
+    # more chunks than a manifest can list (2^40 was allowed: see below)
+    "nchunks>2^27": (put("nchunks", 3, 2**40),
+                     r"column nchunks\[3\] is 1099511627776, not in \[0, 134217728\]"),
     "file>2^62": (put("chunks", 4 * 12, 2**62 + 1), r"column chunks\[48\] is 4611686018427387905"),
     "offset": (put("chunks", 4 * 4 + 1, 2**52 + 1), "array 1 chunk 0 has a bad offset"),
     "length": (put("chunks", 4 * 4 + 2, 2**48 + 1), "array 1 chunk 0 has a bad length"),
@@ -819,6 +822,14 @@ LIMIT_CASES = {
 @pytest.mark.parametrize(("mutate", "match"), list(LIMIT_CASES.values()), ids=list(LIMIT_CASES))
 def test_limits_are_enforced(mutate: Callable[[Doc], Any], match: str) -> None:
     refused(mutate, match)
+
+
+def test_the_chunk_counts_of_the_most_arrays_sum_exactly() -> None:
+    # with 2^40 chunks allowed per array, 2^24 arrays of 2^40 wrapped the int64 sum of
+    # nchunks to 0: an empty chunks column passed its length check, and np.repeat over
+    # the counts crashed the interpreter
+    assert manifest_mod.MAX_ARRAYS * table_mod._MAX_CHUNKS < 2**63
+    assert manifest_mod.MAX_MANIFEST_BYTES < 8 * (table_mod._MAX_CHUNKS + 1)
 
 
 CHUNK_CASES = {

@@ -32,6 +32,7 @@ from statestream.format._manifest import (
     MAX_CODEC_RATIO,
     MAX_DIM,
     MAX_FILE_BYTES,
+    MAX_MANIFEST_BYTES,
     MAX_NDIM,
     ArrayEntry,
     FileEntry,
@@ -43,8 +44,10 @@ __all__ = ["decode_table"]
 _COLUMNS = ("dtypes", "dtype", "ndim", "shape", "nchunks", "chunks", "boxes")
 _OPTIONAL = ("blocks", "ext")
 _INT = frozenset((int,))
-#: at most this many chunks per array (their sum must fit an int64 many times over)
-_MAX_CHUNKS = 1 << 40
+#: at most this many chunks per array: no more fit in a manifest (each takes at least
+#: the 8 bytes ``0,0,0,0,`` of the chunks column). MAX_ARRAYS of them sum to 2^51, so the
+#: int64 sum of the nchunks column is exact (with 2^40, 2^24 arrays wrapped it to 0).
+_MAX_CHUNKS = MAX_MANIFEST_BYTES // 8
 
 
 def _column(t: dict[str, Any], key: str, lo: int, hi: int, n: int | None = None) -> np.ndarray:
@@ -125,6 +128,8 @@ class _Table:
         self.nchunks = _column(t, "nchunks", 0, _MAX_CHUNKS, n)
         self.dims = _column(t, "shape", 0, MAX_DIM, int(self.ndim.sum()))
         nc = self.c = int(self.nchunks.sum())
+        # (exact: see _MAX_CHUNKS) the chunks column must hold that many chunks before
+        # anything is sized by the counts
         self.fields = _column(t, "chunks", 0, 1 << 62, 4 * nc).reshape(nc, 4)
         #: each chunk's array, each array's first chunk, each chunk's ndim
         self.owner = np.repeat(np.arange(n, dtype=np.int64), self.nchunks)
