@@ -43,8 +43,8 @@ EXPECTED: dict[str, list[str]] = {
         "Manifest", "check_max_arrays", "checksum", "decode_commit", "decode_manifest",
         "decode_tree",
         "dtype_from_name", "dtype_name", "encode_commit", "encode_manifest", "encode_tree",
-        "itemsize_of", "manifest_version", "over_max_arrays", "validate_base_name",
-        "validate_file_name",
+        "itemsize_of", "manifest_version", "over_max_arrays", "tiles_exactly",
+        "validate_base_name", "validate_file_name",
     ],
     "statestream.storage": [
         "AzureOptions", "AzureStorage", "Buffer", "CheckpointReader", "FileWriter",

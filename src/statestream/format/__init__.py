@@ -40,6 +40,7 @@ from statestream.format._manifest import (
     validate_base_name,
     validate_file_name,
 )
+from statestream.format._tiles import tiles_exactly
 
 __all__ = [
     "ARRAY_TABLE_MIN",
@@ -79,6 +80,7 @@ __all__ = [
     "itemsize_of",
     "manifest_version",
     "over_max_arrays",
+    "tiles_exactly",
     "validate_base_name",
     "validate_file_name",
 ]

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 
+from statestream.errors import CheckpointCorruptError
 from statestream.format._decode_tree import _Bad
 from statestream.format._manifest import FileEntry
 
-__all__ = ["_check_file_ranges", "_tiles_exactly"]
+__all__ = ["_check_file_ranges", "_tiles_exactly", "tiles_exactly"]
 
 #: How many corner points (below) one array's chunks may have: enough for chunks
 #: split along four axes at once; beyond it a manifest is refused as too costly.
@@ -102,6 +103,17 @@ def _tiles_exactly(starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...])
         return False
     origin_group = np.nonzero(first)[0][nz[0]]
     return bool(not pts[order[origin_group]].any())
+
+
+def tiles_exactly(starts: np.ndarray, ends: np.ndarray, shape: tuple[int, ...],
+                  what: str) -> bool:
+    """:func:`_tiles_exactly` for readers of other formats, whose chunk layouts get the
+    checks (and the cost bound) a manifest's do: the same preconditions, and too many
+    corner points raise :class:`CheckpointCorruptError` naming ``what``."""
+    try:
+        return _tiles_exactly(starts, ends, shape)
+    except _Bad as e:
+        raise CheckpointCorruptError(f"{what}: {e}") from None
 
 
 def _check_file_ranges(files: list[FileEntry], r: np.ndarray) -> None:

@@ -14,6 +14,7 @@ from statestream.format import (
     ArrayEntry,
     ChunkEntry,
     itemsize_of,
+    tiles_exactly,
 )
 
 __all__ = ["ROW_BLOCK_BYTES", "check_shape", "check_stored_bytes", "check_tiling",
@@ -83,12 +84,10 @@ def check_tiling(entry: ArrayEntry, what: str) -> None:
         return
     lo = np.array([c.start for c in live], dtype=np.int64)
     hi = lo + np.array([c.shape for c in live], dtype=np.int64)
-    for a in range(0, len(live), 512):  # pairwise, in blocks to bound memory
-        hit: np.ndarray = np.asarray(((lo[a:a + 512, None, :] < hi[None, :, :])
-                                      & (lo[None, :, :] < hi[a:a + 512, None, :])).all(axis=2))
-        hit[np.arange(hit.shape[0]), np.arange(a, a + hit.shape[0])] = False
-        if hit.any():
-            raise CheckpointCorruptError(f"{what}: two of its chunks overlap")
+    # linear, as a manifest's chunks are checked (comparing every pair of 10,000 chunks
+    # of a 3 MB DCP .metadata took 8 s and 350 MiB)
+    if not tiles_exactly(lo, hi, shape, what):
+        raise CheckpointCorruptError(f"{what}: two of its chunks overlap")
 
 
 def check_stored_bytes(arrays: list[ArrayEntry], stored: int, where: str) -> None:
