@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from statestream.errors import TargetMismatchError
+from statestream.errors import CheckpointCorruptError, TargetMismatchError
 from statestream.providers._adapters import StateAdapter
 from statestream.tree import KeyPath, format_keypath, type_name
 
@@ -54,14 +54,68 @@ def _with_seed_seq(bg: Any) -> dict[str, Any]:
     return state
 
 
+#: NumPy's smallest (and default) entropy pool, and the largest a checkpoint may name:
+#: mixing costs pool_size x (pool_size + entropy words), and NumPy takes any size (a
+#: manifest's 40,000 took 9 s, 10^6 half an hour, 2^40 asked for 4 TiB)
+_POOL_SIZES = (4, 4096)
+#: uint32 words an entropy or a spawn key may take (NumPy writes 4 for its own entropy,
+#: one per spawn; converting an int of 2^16 words took 21 s)
+_MAX_SEED_WORDS = 1024
+
+
+def _seed_words(v: Any, key: str, path: KeyPath, one: bool) -> int:
+    """The uint32 words of a saved entropy (``one``: an int or a list of them) or spawn
+    key (a list), after checking it is one and within :data:`_MAX_SEED_WORDS`."""
+    where = f"key path '{format_keypath((*path, _SEED_SEQ, key))}'"
+    items = [v] if one and type(v) is int else v
+    if type(items) is not list or any(type(x) is not int or x < 0 for x in items):
+        raise CheckpointCorruptError(
+            f"the NumPy seed sequence's {key} at {where} is not "
+            f"{'a non-negative int or a list of them' if one else 'a list of non-negative ints'}")
+    words = 0
+    for x in items:
+        words += max(1, -(-x.bit_length() // 32))
+        if words > _MAX_SEED_WORDS:
+            raise CheckpointCorruptError(
+                f"the NumPy seed sequence's {key} at {where} holds more than "
+                f"{_MAX_SEED_WORDS} 32-bit words (refusing to mix them)")
+    return words
+
+
+def _seed_int(v: Any, key: str, path: KeyPath, lo: int, hi: int) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise CheckpointCorruptError(
+            f"the NumPy seed sequence's {key} at key path "
+            f"'{format_keypath((*path, _SEED_SEQ, key))}' is {v!r:.40}, not an int in "
+            f"[{lo}, {hi}]")
+    return v
+
+
 def _seed_seq(saved: Any, path: KeyPath) -> Any:
+    """The saved seed sequence, its sizes bounded first (NumPy's cost grows with the
+    square of ``pool_size`` and of an entropy int's size).
+
+    Raises:
+        CheckpointCorruptError: a value outside what NumPy writes, naming its key path.
+    """
     if saved is None:
         return None
     try:
-        return np.random.SeedSequence(
-            saved["entropy"], spawn_key=tuple(saved["spawn_key"]),
-            pool_size=saved["pool_size"], n_children_spawned=saved["n_children_spawned"])
-    except (KeyError, TypeError, ValueError) as exc:
+        entropy, spawn_key = saved["entropy"], saved["spawn_key"]
+        pool, spawned = saved["pool_size"], saved["n_children_spawned"]
+    except (KeyError, TypeError) as exc:
+        raise TargetMismatchError(f"the NumPy seed sequence at key path "
+                                  f"'{format_keypath(path)}' is not one: {exc}") from None
+    if entropy is not None:
+        _seed_words(entropy, "entropy", path, one=True)
+    _seed_words(spawn_key, "spawn_key", path, one=False)
+    _seed_int(pool, "pool_size", path, *_POOL_SIZES)
+    # (NumPy keeps it as a uint32; at 2^32 - 1 its next spawn() fails)
+    _seed_int(spawned, "n_children_spawned", path, 0, (1 << 32) - 2)
+    try:
+        return np.random.SeedSequence(entropy, spawn_key=tuple(spawn_key), pool_size=pool,
+                                      n_children_spawned=spawned)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TargetMismatchError(f"the NumPy seed sequence at key path "
                                   f"'{format_keypath(path)}' is not one: {exc}") from None
 
