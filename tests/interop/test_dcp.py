@@ -264,6 +264,37 @@ def test_a_planner_path_deeper_than_a_tree_falls_back_to_flat_keys(tmp_path: Pat
     assert list(ss.load(tmp_path / "d")) == ["w"]
 
 
+@pytest.mark.parametrize("keys", [68, 69, 256])
+def test_a_planner_path_and_the_value_at_it_nest_no_deeper_than_a_manifest(
+        tmp_path: Path, keys: int) -> None:
+    # each was bounded alone (256 keys, 200 levels of value), not together: at 446
+    # levels a conversion died with RecursionError, at 290 it wrote a checkpoint that
+    # statestream then refused
+    v: object = 1
+    for _ in range(190):
+        v = [v]
+    _save({"w": torch.zeros(2), "v": v}, tmp_path / "d")
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written just above by dcp.save
+    md.planner_data["v"] = tuple(f"k{i}" for i in range(keys))
+    with open(tmp_path / "d" / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    if keys == 68:  # the int at 68 + 190 levels: as deep as a manifest's tree may be
+        ss.convert(tmp_path / "d", tmp_path / "out")
+        got = ss.load(tmp_path / "out")
+        for i in range(keys):
+            got = got[f"k{i}"]
+        assert got == v
+        return
+    where = "/".join(f"k{i}" for i in range(keys))
+    for read in (ss.load, ss.metadata, lambda p: ss.convert(p, tmp_path / "out")):
+        with pytest.raises(ss.CheckpointCorruptError,
+                           match=f"d: the state is nested deeper than 256 levels at key path "
+                                 f"'{where[:200]}"):
+            read(tmp_path / "d")
+    assert not (tmp_path / "out").exists()
+
+
 def test_metadata_read_reserves_its_size_not_the_limit(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading ``.metadata`` asks for its own size, not the 1 GiB limit plus one."""

@@ -18,6 +18,7 @@ from statestream.interop._safetensors import (
     open_sharded,
 )
 from statestream.interop._torchfile import looks_like_torch_zip, open_torch_file
+from statestream.tree import MAX_TREE_DEPTH, Key, Node, format_keypath
 
 __all__ = ["ForeignCheckpoint", "detect_format", "open_foreign"]
 
@@ -120,5 +121,41 @@ def open_foreign(path: str | os.PathLike[str], *, allow_pickle: bool = False
         reader, m = open_torch_file(p, allow_pickle=allow_pickle)
     else:
         return None
+    _check_depth(m.tree, p)
     reader.format = fmt
     return ForeignCheckpoint(fmt, reader, m)
+
+
+def _check_depth(root: Node, where: str) -> None:
+    """Refuse a tree nested deeper than a manifest's may be (its decoder's count: a
+    node's depth, the root's 0, at most ``MAX_TREE_DEPTH`` + 2).
+
+    Each format's parser bounds its own nesting, but a tree may be assembled from
+    several (a DCP item's key path and the value pickled at it): deeper, a load or a
+    conversion recursed past Python's limit, or wrote a checkpoint that statestream's
+    decoder then refuses. Iterative; the key path is rebuilt only for the message.
+
+    Raises:
+        CheckpointCorruptError: naming ``where`` and the key path.
+    """
+    Link = tuple[object, Key] | None  # (parent's link, key), None at the root
+    stack: list[tuple[Node, int, Link]] = [(root, 0, None)]
+    while stack:
+        n, depth, link = stack.pop()
+        if depth > MAX_TREE_DEPTH + 2:
+            keys: list[Key] = []
+            while link is not None:
+                link, k = link  # type: ignore[assignment]
+                keys.append(k)
+            raise CheckpointCorruptError(
+                f"{where}: the state is nested deeper than {MAX_TREE_DEPTH} levels at key "
+                f"path '{format_keypath(tuple(reversed(keys))):.300}', more than a statestream "
+                "checkpoint may hold")
+        kids = n.children
+        if not kids:
+            continue
+        if n.kind == "stateful":  # (its state is at its own key path)
+            stack.extend((c, depth + 1, link) for c in kids)
+        else:
+            keys_ = n.keys if n.keys is not None else range(len(kids))
+            stack.extend((c, depth + 1, (link, k)) for k, c in zip(keys_, kids))
