@@ -249,6 +249,48 @@ def test_hostile_statestream_metadata(tmp_path: Path, blob: bytes, match: str) -
     assert ss.verify(f).problems
 
 
+def _two(c0: dict[str, object], c1: dict[str, object] | None = None) -> bytes:
+    """A float32 (2, 2) tensor ``a`` and a uint8 (3,) tensor ``b``, whose embedded tree holds
+    ``c0`` (over array 0) and ``c1`` (over array 1; an array leaf by default)."""
+    tree = {"t": "dict", "k": ["a", "b"], "c": [c0, c1 or {"t": "array", "a": 1}]}
+    return _raw({"__metadata__": {"statestream.arrays": '["a", "b"]',
+                                  "statestream.tree": json.dumps(tree)},
+                 "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                 "b": {"dtype": "U8", "shape": [3], "data_offsets": [16, 19]}},
+                np.arange(4, dtype=np.float32).tobytes() + b"abc")
+
+
+@pytest.mark.parametrize("c0,match", [
+    ({"t": "bytes", "a": 0}, "bytes leaf must be a 1-D uint8 blob"),
+    # (reached pickle.loads with allow_pickle=True: UnpicklingError escaped)
+    ({"t": "pickle", "a": 0, "x": {"type": "x"}}, "pickle leaf must be a 1-D uint8 blob"),
+    ({"t": "alias", "a": 0}, "an alias refers to array 0, which no array leaf holds"),
+    ({"t": "array", "a": 0, "x": {"kind": {"t": "none"}}},
+     "leaf attributes must hold plain values, not tree nodes"),
+], ids=["bytes-on-float", "pickle-on-float", "dangling-alias", "node-in-attrs"])
+def test_an_embedded_tree_gets_a_manifests_leaf_checks(tmp_path: Path, c0: dict[str, object],
+                                                       match: str) -> None:
+    # only decode_tree's checks applied, not decode_manifest's: these loaded (or failed
+    # with a foreign exception), and convert wrote checkpoints statestream refused
+    f = tmp_path / "bad.safetensors"
+    f.write_bytes(_two(c0))
+    reads = (ss.load, ss.metadata, lambda p: ss.load(p, allow_pickle=True),
+             lambda p: ss.convert(p, tmp_path / "out"))
+    for read in reads:
+        with pytest.raises(ss.CheckpointCorruptError,
+                           match=r"bad\.safetensors: statestream\.tree: malformed tree: " + match):
+            read(f)
+    assert not (tmp_path / "out").exists()
+    assert ss.verify(f).problems
+
+
+def test_an_embedded_bytes_leaf_over_a_uint8_vector_loads(tmp_path: Path) -> None:
+    f = tmp_path / "ok.safetensors"
+    f.write_bytes(_two({"t": "array", "a": 0}, {"t": "bytes", "a": 1}))
+    out = ss.load(f)
+    assert out["b"] == b"abc" and out["a"].tolist() == [[0, 1], [2, 3]]
+
+
 def test_truncated_data_is_an_error(tmp_path: Path) -> None:
     f = tmp_path / "m.safetensors"
     st_torch.save_file({"w": torch.randn(64)}, f)

@@ -33,6 +33,7 @@ from statestream.format._decode_arrays import (
 from statestream.format._decode_tree import (
     OverLimit,
     _Bad,
+    _check_leaf_arrays,
     _check_tree,
     _int,
     _list,
@@ -54,7 +55,6 @@ from statestream.format._manifest import (
     FileEntry,
     Manifest,
 )
-from statestream.tree import Node
 
 _SCAN = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
@@ -441,40 +441,15 @@ def decode_manifest(data: bytes | str, where: str, max_arrays: int = MAX_ARRAYS)
         meta = doc.get("meta", {})
         if type(meta) is not dict:
             raise _Bad("meta must be an object")
+        _check_leaf_arrays(tree, arrays)
     except _Bad as exc:
         raise _bad_manifest(exc, where) from None
     except OverLimit as exc:
         raise exc.error(where) from None
     except RecursionError:
         raise CheckpointCorruptError(f"manifest {where} is nested too deeply") from None
-    _check_leaf_arrays(tree, arrays, where)
     return Manifest(tree=tree, arrays=arrays, files=files, meta=meta, version=version,
                     bases=list(store.bases))
-
-
-def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry], where: str) -> None:
-    stack = [tree]
-    plain: set[int] = set()
-    aliases: set[int] = set()
-    while stack:
-        n = stack.pop()
-        if n.children:
-            stack.extend(n.children)
-        if n.kind == "alias" and n.array is not None:
-            aliases.add(n.array)
-        elif n.kind == "array" and n.array is not None:
-            plain.add(n.array)
-        if n.kind in ("bytes", "pickle") and n.array is not None:
-            a = arrays[n.array]
-            if a.dtype != "uint8" or len(a.shape) != 1:
-                raise CheckpointCorruptError(
-                    f"manifest {where} is malformed: {n.kind} leaf must be a 1-D uint8 blob"
-                )
-    if not aliases <= plain:
-        raise CheckpointCorruptError(
-            f"manifest {where} is malformed: an alias refers to array "
-            f"{min(aliases - plain)}, which no array leaf holds"
-        )
 
 
 def decode_commit(data: bytes, where: str) -> tuple[int, int]:

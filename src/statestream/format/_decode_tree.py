@@ -19,6 +19,7 @@ from statestream.format._manifest import (
     MAX_ARRAYS,
     MAX_FILE_BYTES,
     MAX_INT_HEX_DIGITS,
+    ArrayEntry,
 )
 from statestream.tree import MAX_TREE_DEPTH, Key, Node
 
@@ -118,6 +119,9 @@ def _decode_node(d: Any, depth: int, n_arrays: int, used: set[int]) -> Node:
     node = _make_node(d, kids)
     if node.array is not None:
         _use_array(node, n_arrays, used)
+        # (what _TreeHook refuses as it parses: there, such an object is made a Node)
+        if node.attrs and any(type(v) is dict and "t" in v for v in node.attrs.values()):
+            raise _Bad("leaf attributes must hold plain values, not tree nodes")
     return node
 
 
@@ -295,9 +299,40 @@ def _check_tree(root: Any, n_arrays: int) -> Node:
     return root
 
 
-def decode_tree(doc: Any, n_arrays: int) -> Node:
-    """Parse and validate the JSON form of a tree whose leaves index ``n_arrays`` arrays."""
+def _check_leaf_arrays(tree: Node, arrays: list[ArrayEntry]) -> None:
+    """A bytes or pickle leaf's array is a 1-D uint8 blob; an alias refers to an array
+    that an array leaf holds."""
+    stack = [tree]
+    plain: set[int] = set()
+    aliases: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if n.children:
+            stack.extend(n.children)
+        if n.kind == "alias" and n.array is not None:
+            aliases.add(n.array)
+        elif n.kind == "array" and n.array is not None:
+            plain.add(n.array)
+        if n.kind in ("bytes", "pickle") and n.array is not None:
+            a = arrays[n.array]
+            if a.dtype != "uint8" or len(a.shape) != 1:
+                raise _Bad(f"{n.kind} leaf must be a 1-D uint8 blob")
+    if not aliases <= plain:
+        raise _Bad(f"an alias refers to array {min(aliases - plain)}, which no array leaf "
+                   "holds")
+
+
+def decode_tree(doc: Any, n_arrays: int, *, arrays: list[ArrayEntry] | None = None) -> Node:
+    """Parse and validate the JSON form of a tree whose leaves index ``n_arrays`` arrays.
+
+    With ``arrays`` (the ``n_arrays`` entries), its leaves are checked against them as
+    a manifest's are: a tree stored elsewhere (a safetensors file's metadata) is then
+    held to everything :func:`decode_manifest` checks of a tree.
+    """
     try:
-        return _decode_node(doc, 0, n_arrays, set())
+        tree = _decode_node(doc, 0, n_arrays, set())
+        if arrays is not None:
+            _check_leaf_arrays(tree, arrays)
+        return tree
     except _Bad as exc:
         raise CheckpointCorruptError(f"malformed tree: {exc}") from None

@@ -222,7 +222,7 @@ def _manifest(entries: list[tuple[int, TensorInfo]], files: list[FileEntry],
         arrays = [arrays[pos[n]] for n in order]
         doc = _json(meta[TREE_KEY].encode(), f"{where}: {TREE_KEY}")
         try:
-            tree = decode_tree(doc, len(arrays))
+            tree = decode_tree(doc, len(arrays), arrays=arrays)
         except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(f"{where}: {TREE_KEY}: {exc}") from None
     if tree is None:
