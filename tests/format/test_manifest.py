@@ -39,6 +39,7 @@ from statestream.format import (
     checksum,
     decode_commit,
     decode_manifest,
+    decode_tree,
     encode_commit,
     encode_manifest,
     validate_file_name,
@@ -577,6 +578,12 @@ def test_blob_leaf_must_be_uint8_vector() -> None:
         ({"t": "namedtuple", "k": [0], "c": [{"t": "none"}]}, "field name 0 must be a string"),
         ({"t": "dataclass", "k": [0], "c": [{"t": "none"}]}, "field name 0 must be a string"),
         ({"t": "pytree", "k": [0], "c": [{"t": "none"}]}, "field name 0 must be a string"),
+        # a repeated key: a load kept one child and dropped the other's array unnoticed
+        ({"t": "dict", "k": ["a", "b", "a"], "c": [{"t": "none"}] * 3},
+         "key 'a' appears twice in one dict"),
+        ({"t": "dict", "k": [7, "7", 7], "c": [{"t": "none"}] * 3}, "key 7 appears twice"),
+        ({"t": "namedtuple", "k": ["x", "x"], "c": [{"t": "none"}] * 2},
+         "key 'x' appears twice in one namedtuple"),
         ({"t": "list", "c": [], "n": 5}, "type name must be a string"),
         ({"t": "stateful", "c": []}, "exactly one child"),
         ({"t": "stateful", "c": [{"t": "none"}, {"t": "none"}]}, "exactly one child"),
@@ -591,6 +598,16 @@ def test_bad_tree_nodes(node: Any, match: str) -> None:
 def test_dict_allows_int_keys_but_keeps_them_ints() -> None:
     m = decode_doc(valid_doc())
     assert m.tree.keys is not None and 7 in m.tree.keys and "7" not in m.tree.keys
+
+
+def test_an_int_key_and_its_str_are_two_keys() -> None:
+    node = {"t": "dict", "k": [1, "1"], "c": [{"t": "none"}, {"t": "none"}]}
+    doc = valid_doc()
+    _set_node(doc, node)
+    decode_doc(doc)
+    assert decode_tree(node, 0).keys == [1, "1"]
+    with pytest.raises(CheckpointCorruptError, match="malformed tree: key 1 appears twice"):
+        decode_tree(dict(node, k=[1, 1]), 0)
 
 
 def test_int_hex_digit_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,6 +172,8 @@ def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
                     raise _Bad(f"field name {key!r:.80} must be a string")
             if len(keys) != len(kids):
                 raise _Bad("keys and children differ in length")
+            if len(set(keys)) != len(keys):  # (str or int only: 1 and "1" are two keys)
+                raise _Bad(f"key {_repeated(keys)!r:.80} appears twice in one {k}")
         tn = d.get("n")
         if tn is not None:
             _str(tn, "type name")
@@ -201,6 +203,16 @@ def _make_node(d: dict[str, Any], kids: list[Any] | None) -> Node:
     if k == "alias":  # another leaf holding the same array (tied weights)
         return _array_node(k, d, "alias's array index")
     raise _Bad(f"unknown tree node type {d.get('t')!r:.40}")
+
+
+def _repeated(keys: list[Key]) -> Key:
+    """The first key that appears again (there is one)."""
+    seen: set[Key] = set()
+    for x in keys:
+        if x in seen:
+            return x
+        seen.add(x)
+    raise AssertionError("no key repeats")
 
 
 def _array_node(k: str, d: dict[str, Any], what: str) -> Node:
