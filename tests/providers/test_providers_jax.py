@@ -184,3 +184,33 @@ def test_expand_leaves_is_none() -> None:
     assert expand_pytree(jnp.ones(2)) is None
     assert expand_pytree(3) is None
     assert expand_pytree("s") is None
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Mixed:
+    """A node whose children's path keys are 1 and "1": both named "1"."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+    def tree_flatten_with_keys(self) -> Any:
+        dk = jax.tree_util.DictKey
+        return ((dk(1), self.a), (dk("1"), self.b)), None
+
+    def tree_flatten(self) -> Any:
+        return (self.a, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> Mixed:
+        return cls(*children)
+
+
+def test_a_pytree_whose_children_share_a_name_is_refused_when_saved(tmp_path: Any) -> None:
+    """Such a save committed a tree node with one key twice, which loaded with one
+    child dropped (and is now refused by every load): the save refuses it, naming it."""
+    import statestream as ss
+
+    with pytest.raises(UnsupportedTypeError, match=r"Mixed at key path 'm' has two "
+                       r"children named '1'"):
+        ss.save(tmp_path / "c", {"m": Mixed(np.zeros(2), np.ones(2))})
+    assert not (tmp_path / "c").exists()

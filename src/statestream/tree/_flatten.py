@@ -265,6 +265,7 @@ class _Walker:
         if self.pytree_fn is not None:
             exp = self.pytree_fn(x)
             if exp is not None:
+                _refuse_repeated_keys(exp, p)
                 return Node(
                     "pytree",
                     keys=list(exp.keys),
@@ -282,6 +283,20 @@ class _Walker:
             f"pass pickle_paths=['{format_keypath(p)}'] to save() (loading then needs "
             "allow_pickle=True)"
         )
+
+def _refuse_repeated_keys(exp: PytreeExpansion, p: KeyPath) -> None:
+    """Two children of a pytree node under one key (their path keys differ only in
+    type, ``DictKey(1)`` and ``DictKey("1")``, both named ``"1"``): a load would
+    refuse the checkpoint (a tree node's keys are unique), so the save does."""
+    seen: set[str] = set()
+    for k in exp.keys:
+        if k in seen:
+            raise UnsupportedTypeError(
+                f"the {exp.type_name} at key path '{format_keypath(p)}' has two children "
+                f"named {k!r} (their pytree keys differ only in type); rename one, or "
+                "make the node a dict before saving")
+        seen.add(k)
+
 
 def rebuild_container(node_kind: str, like: Any, keys: Sequence[Key], values: list[Any],
                       path: KeyPath) -> Any:
