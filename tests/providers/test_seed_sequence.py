@@ -83,3 +83,18 @@ def test_the_largest_sizes_allowed_load(tmp_path: Path) -> None:
                                   n_children_spawned=(1 << 32) - 3)
     assert seq.state == want.state
     assert seq.spawn(1)[0].generate_state(4).tolist() == want.spawn(1)[0].generate_state(4).tolist()
+
+
+@pytest.mark.parametrize("seed", [np.int64(5), np.uint32(7), 2**70, [1, 2], np.array([3, 4]),
+                                  None], ids=["int64", "uint32", "int", "list", "array", "none"])
+def test_a_generator_seeded_with_numpy_ints_saves_and_spawns_alike(
+        tmp_path: Path, seed: Any) -> None:
+    """``default_rng(np.int64(5))`` (a seed drawn from a NumPy array) keeps a NumPy
+    int as its entropy: saving it raised "'numpy.int64' object is not iterable"."""
+    g = np.random.default_rng(seed)
+    g.random()
+    ss.save(tmp_path / "c", {"g": g})
+    out = ss.load(tmp_path / "c", target={"g": np.random.default_rng()})["g"]
+    assert out.random() == g.random()
+    mine, theirs = g.spawn(1)[0], out.spawn(1)[0]
+    assert mine.random() == theirs.random()

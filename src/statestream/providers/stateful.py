@@ -45,10 +45,12 @@ def _with_seed_seq(bg: Any) -> dict[str, Any]:
     state = dict(bg.state)
     seq = getattr(bg, "seed_seq", None)
     if isinstance(seq, np.random.SeedSequence):
-        entropy = seq.entropy
+        entropy: Any = seq.entropy  # (NumPy's stubs: int | Sequence[int])
         state[_SEED_SEQ] = {
-            "entropy": entropy if entropy is None or isinstance(entropy, int) else
-            [int(e) for e in entropy],
+            # an int, or a NumPy one (``default_rng(np.int64(5))``, a 0-d array): an
+            # int; a sequence of them: a list
+            "entropy": entropy if entropy is None else int(entropy)
+            if np.ndim(entropy) == 0 else [int(e) for e in entropy],
             "spawn_key": [int(k) for k in seq.spawn_key], "pool_size": int(seq.pool_size),
             "n_children_spawned": int(seq.n_children_spawned)}
     return state
