@@ -100,3 +100,30 @@ def test_a_child_forked_while_a_task_runs_neither_waits_for_it_nor_loses_the_wor
     finally:
         gate.set()
         w.close()
+
+
+def test_result_raises_the_error_without_gathering_its_callers_frames() -> None:
+    """Raising the kept error object again appended each caller's frames to its
+    traceback (alive, with their locals): a manager asking a failed tier task
+    again and again kept them all."""
+    tasks = BackgroundTasks("test")
+
+    def fail() -> None:
+        raise OSError("task failed")
+
+    h = tasks.submit(fail, "failing")
+    h.wait()
+
+    def frames() -> int:
+        try:
+            h.result()
+        except OSError as exc:
+            n, tb = 0, exc.__traceback__
+            while tb is not None:
+                n, tb = n + 1, tb.tb_next
+            return n
+        raise AssertionError("no error")
+
+    first = frames()
+    assert [frames() for _ in range(5)] == [first] * 5
+    tasks.close()

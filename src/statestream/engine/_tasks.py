@@ -18,6 +18,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from statestream.engine._core import lower_thread_priority
@@ -37,6 +38,9 @@ class TaskHandle:
         self.what = what
         self._done = threading.Event()
         self._error: BaseException | None = None
+        #: the traceback the task failed with: each result() raises the error with it
+        #: (raising the object again added every caller's frames to it, alive)
+        self._error_tb: TracebackType | None = None
         self._seen = False
 
     def done(self) -> bool:
@@ -57,7 +61,7 @@ class TaskHandle:
             raise TimeoutError(f"{self.what} not finished after {timeout}s")
         self._seen = True
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._error_tb)
 
 
 class BackgroundTasks:
@@ -149,7 +153,7 @@ class BackgroundTasks:
             try:
                 fn()
             except BaseException as exc:  # kept on the handle; raised to whoever waits
-                h._error = exc
+                h._error, h._error_tb = exc, exc.__traceback__
             h._done.set()
             # the task's closure (a tier, its manager, their state) is not kept alive
             # while the thread waits for the next one
