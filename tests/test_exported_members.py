@@ -76,7 +76,8 @@ EXPECTED: dict[str, list[str]] = {
         "describe_copy",
         "follow_bases", "host_pool", "lower_thread_priority", "node_groups", "parallel_for",
         "pinned_pool", "read_budget", "read_committed", "read_manifest", "read_requests",
-        "release_staging", "replicate_to_peers", "run_save", "saving_to", "start_save",
+        "referred_to_by", "release_staging", "replicate_to_peers", "run_save", "saving_to",
+        "start_save",
     ],
     "statestream.providers": [
         "ArrayProvider", "Destination", "JaxProvider", "NumpyProvider", "PreparedArray",

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,30 @@ def test_a_step_whose_base_was_deleted_by_hand_is_kept_with_a_warning(tmp_path: 
         shutil.move(tmp_path / "moved", d / "step_0000000001")
         for step in (2, 3):
             _check_state(mgr.load(step), step)
+
+
+def test_a_step_a_checkpoint_of_the_users_refers_to_is_kept_until_it_no_longer_does(
+        tmp_path: Path) -> None:
+    """ss.save(d / "export", base=mgr.step_path(1)) (a base must be a sibling) refers to
+    step 1's chunks: KeepLatest(1) deleted step 1 at the next save, without a word, and
+    the export no longer loaded. Step 1 is retired instead (kept, not listed), with one
+    RuntimeWarning naming the export, and deleted once nothing refers to it."""
+    d = tmp_path / "run"
+    with ss.CheckpointManager(d, incremental=True, async_save=False,
+                              keep_policy=ss.KeepLatest(1)) as mgr:
+        mgr.save(1, state_at(1))
+        ss.save(d / "export", state_at(1) | {"step": 99}, base=mgr.step_path(1))
+        assert list(ss.metadata(d / "export").bases) == ["step_0000000001"]
+        with pytest.warns(RuntimeWarning, match=r"keeps step 1 .* export in .* refers to"):
+            mgr.save(4, state_at(4))  # 'frozen' changed: step 4 refers to nothing
+        assert mgr.steps() == [4] and _on_disk(d) == [1, 4]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.save(5, state_at(5))
+        assert not caught, [str(w.message) for w in caught]  # warned once
+        assert mgr.steps() == [5] and _on_disk(d) == [1, 4, 5]
+        got = ss.load(d / "export")
+        assert got["step"] == 99 and np.array_equal(got["frozen"], state_at(1)["frozen"])
+        shutil.rmtree(d / "export")
+        mgr.save(6, state_at(6))
+        assert mgr.steps() == [6] and _on_disk(d) == [4, 6]  # 6 refers to 4

@@ -176,7 +176,7 @@ def test_steps_on_another_thread_while_the_keep_policy_deletes_is_one_moment(
     mgr.save(0, state)
     listed, deleted = threading.Event(), threading.Event()
     target: Any = mgr._dir.storage if paused == "after the names" else mgr._dir
-    name = "list" if paused == "after the names" else "steps"
+    name = "list" if paused == "after the names" else "listing"
     real = getattr(target, name)
 
     def held(*args: Any) -> Any:

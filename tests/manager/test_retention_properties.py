@@ -49,6 +49,9 @@ class _Dir:
     def steps(self) -> list[int]:
         return sorted(self.held)
 
+    def listing(self) -> tuple[list[int], list[str]]:
+        return self.steps(), []  # no entries but steps: none refers to one
+
     def path(self, step: int) -> str:
         return f"mem/{step}"
 

@@ -18,7 +18,7 @@ from statestream.engine._nodelocal import NodeGroups, node_groups
 from statestream.engine._read import read_requests
 from statestream.engine._readbudget import read_budget, saving_to
 from statestream.engine._recent import CommittedSummary, committed_summary
-from statestream.engine._refs import check_base, read_manifest
+from statestream.engine._refs import check_base, read_manifest, referred_to_by
 from statestream.engine._staging import StagingPool, host_pool, pinned_pool, release_staging
 from statestream.engine._start import run_save, start_save
 from statestream.engine._tasks import BackgroundTasks, TaskHandle
@@ -59,6 +59,7 @@ __all__ = [
     "read_committed",
     "read_budget",
     "read_requests",
+    "referred_to_by",
     "release_staging",
     "replicate_to_peers",
     "run_save",

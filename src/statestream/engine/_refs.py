@@ -59,6 +59,7 @@ __all__ = [
     "remember_committed",
     "open_base",
     "read_manifest",
+    "referred_to_by",
     "refuse_replacing_a_base",
     "sibling_path",
 ]
@@ -195,32 +196,95 @@ _JSON = json.JSONDecoder()
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-def _names_as_base(text: str, own: str) -> bool:
-    """Whether the manifest ``text`` lists ``own`` in its ``bases``, decoding its
-    top-level values only up to ``bases`` (statestream writes it after ``files``, before
-    ``arrays`` and ``tree``): never its arrays or tree, which a hostile sibling can make
-    cost gigabytes to decode (2^24 arrays). ``arrays`` before any ``bases``: it has
-    none (a decoder refuses a reference to a base not listed before the arrays).
-    ``tree`` first, as statestream never writes it: it counts as referring to ``own``
-    (its text names it), so an overwrite is refused rather than risk its chunks."""
+def _head_bases(text: str) -> list[Any] | None:
+    """The ``bases`` of the manifest ``text``, decoding its top-level values only up to
+    ``bases`` (statestream writes it after ``files``, before ``arrays`` and ``tree``):
+    never its arrays or tree, which a hostile sibling can make cost gigabytes to decode
+    (2^24 arrays). ``[]`` where it has none: ``arrays`` before any ``bases`` (a decoder
+    refuses a reference to a base not listed before the arrays), an object that ends
+    without them, text that is not a manifest (nothing can load it, nothing refers).
+    None where ``tree`` comes first, as statestream never writes it: whatever its text
+    names counts as referred to (an overwrite is refused rather than risk its chunks).
+
+    Raises:
+        ValueError: the text is not JSON where the head was decoded.
+    """
     i = _WS.match(text, 0).end()  # type: ignore[union-attr]  # (it matches "")
     if text[i:i + 1] != "{":
-        return False  # not a manifest: nothing can load it, nothing refers
+        return []
     while True:
         key, i = _JSON.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
         i = _WS.match(text, i).end()  # type: ignore[union-attr]
         if text[i:i + 1] != ":":
-            return False  # not JSON: nothing can load it
+            return []
         i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
         if key == "bases":
             bases, _ = _JSON.raw_decode(text, i)
-            return isinstance(bases, list) and own in bases
+            return bases if isinstance(bases, list) else []
         if key in ("arrays", "tree"):
-            return bool(key == "tree")
+            return None if key == "tree" else []
         _, i = _JSON.raw_decode(text, i)  # format, version, checksum, meta, files
         i = _WS.match(text, i).end()  # type: ignore[union-attr]
         if text[i:i + 1] != ",":
-            return False  # the object ended without bases: it refers to nothing
+            return []
+
+
+def _names_as_base(text: str, own: str) -> bool:
+    """Whether the manifest ``text`` lists ``own`` in its ``bases`` (:func:`_head_bases`;
+    a ``tree`` before them counts as referring to ``own``)."""
+    bases = _head_bases(text)
+    return bases is None or own in bases
+
+
+def _committed_head(storage: Storage, path: str) -> bytes | None:
+    """The manifest of the committed checkpoint at ``path`` where it may refer to
+    other checkpoints (format v2 or later), else None (not committed, format v1).
+
+    Raises:
+        CheckpointError: it cannot be read (StorageError: the store failed).
+    """
+    if not storage.is_committed(path):
+        return None
+    reader = storage.open_read(path)
+    try:
+        marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
+        decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
+        if json.loads(marker)["version"] == 1:
+            return None  # format v1 has no references: its manifest is not read
+        return reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    finally:
+        reader.close()
+
+
+def referred_to_by(storage: Storage, path: str, names: Collection[str]) -> list[str]:
+    """The ``names`` (siblings of ``path``) whose chunks the committed checkpoint at
+    ``path`` refers to (its manifest's ``bases`` name them), sorted; ``[]`` where it is
+    not committed, of format v1, or cannot be read (whatever it refers to, nothing can
+    load it now). Decodes only the manifest's values before ``bases``
+    (:func:`_head_bases`; a ``tree`` before them: the ``names`` its text holds).
+
+    A ``CheckpointManager`` asks this of the checkpoints beside its steps that are not
+    steps (a user's ``ss.save(..., base=mgr.step_path(s))``) before its keep policy
+    deletes a step.
+
+    Raises:
+        StorageError: the store failed (not the checkpoint).
+    """
+    try:
+        data = _committed_head(storage, path)
+        if data is None:
+            return []
+        text = data.decode("utf-8")
+        del data  # (not held twice while the head is decoded)
+        bases = _head_bases(text)
+    except StorageError:
+        raise
+    except (CheckpointError, OSError, KeyError, ValueError, RecursionError):
+        return []
+    if bases is None:
+        return sorted(n for n in names if json.dumps(n) in text)
+    wanted = set(names)
+    return sorted({b for b in bases if isinstance(b, str) and b in wanted})
 
 
 def dependents_of(storage: Storage, spath: str) -> list[str]:
@@ -241,25 +305,14 @@ def dependents_of(storage: Storage, spath: str) -> list[str]:
     for name in sorted(storage.list(parent)):
         if name == own:
             continue
-        path = sibling_path(spath, name)
         try:
-            if not storage.is_committed(path):
+            data = _committed_head(storage, sibling_path(spath, name))
+            if data is None or quoted not in data:
                 continue
-            reader = storage.open_read(path)
-            try:
-                marker = reader.read_bytes(COMMIT_NAME, MAX_COMMIT_BYTES)
-                decode_commit(marker, f"{reader.location}/{COMMIT_NAME}")
-                if json.loads(marker)["version"] == 1:
-                    continue  # format v1 has no references: its manifest is not read
-                data = reader.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-                if quoted not in data:
-                    continue
-                text = data.decode("utf-8")
-                del data  # (not held twice while the head is decoded)
-                if _names_as_base(text, own):
-                    found.append(name)
-            finally:
-                reader.close()
+            text = data.decode("utf-8")
+            del data  # (not held twice while the head is decoded)
+            if _names_as_base(text, own):
+                found.append(name)
         except (CheckpointError, OSError, KeyError, ValueError):
             continue
     return found

@@ -12,8 +12,13 @@ from typing import Any
 from statestream import _hooks
 from statestream.api import CheckpointMetadata, metadata
 from statestream.api._options import meta_option
-from statestream.engine import CommittedSummary, committed_summary
-from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
+from statestream.engine import CommittedSummary, committed_summary, referred_to_by
+from statestream.errors import (
+    CheckpointError,
+    InvalidOptionError,
+    InvalidOptionTypeError,
+    StorageError,
+)
 from statestream.manager._policies import KeepAll, KeepPolicy, StepInfo, is_score, kept_by
 from statestream.manager._steps import StepDirectory, parse_step
 
@@ -188,6 +193,11 @@ class Retention:
     step is the caller's decision, and a transient error must not cost a good
     one -- and neither is any step older than it, since what it refers to is
     unknown. The policy sees the readable steps; the next apply reads again.
+
+    A step the policy drops that a committed checkpoint beside the steps but not a
+    step refers to (a user's ``ss.save(..., base=mgr.step_path(s))``) is retired too,
+    until nothing refers to it: those siblings' manifest heads are read only when
+    a step would be deleted or listed although the policy drops it.
     """
 
     def __init__(self, policy: KeepPolicy, steps: StepDirectory) -> None:
@@ -206,6 +216,8 @@ class Retention:
         #: steps whose deletion failed after their commit marker was removed: no
         #: listing shows them again (they are not committed), so apply retries them
         self._unfinished: set[int] = set()
+        #: (sibling, step) pairs already warned about: a step kept for a non-step sibling
+        self._warned_held: set[tuple[str, int]] = set()
 
     def forget(self, step: int) -> None:
         with self._lock:
@@ -264,8 +276,13 @@ class Retention:
         own bases were deleted: it cannot be loaded), unless it is the newest."""
         if isinstance(self._policy, KeepAll):
             return self._steps.steps()
-        steps, read = self._list_and_read()
+        steps, read, others = self._list_and_read()
         keep, needed = self._plan(steps, set(), read=read)
+        try:  # dropped, but a checkpoint that is not a step refers to it: retired
+            dropped = [s for s in steps if s not in keep and s not in needed]
+            needed |= set(self._held(dropped, others))
+        except StorageError:
+            pass  # cannot tell: listed, as a step not deleted yet is
         broken = self._broken(steps)
         return [s for s in steps if s not in needed and (s not in broken or s == steps[-1])]
 
@@ -274,15 +291,17 @@ class Retention:
         out that can be loaded as far as a listing tells (its manifest reads, and what
         it refers to is committed): a resume's last resort when every listed step is
         damaged (a retired step is a full checkpoint: its own chunks, and its bases')."""
-        steps, read = self._list_and_read()
+        steps, read, _ = self._list_and_read()
         listed, have = set(self.listed()), set(steps)
         return [(s, bases) for s, (si, bases) in read.items()
                 if s not in listed and si is not None and have.issuperset(bases)]
 
-    def _list_and_read(self) -> tuple[list[int], dict[int, tuple[StepInfo | None, list[int]]]]:
+    def _list_and_read(self) -> tuple[list[int], dict[int, tuple[StepInfo | None, list[int]]],
+                                      list[str]]:
         """The committed steps, ascending, each read (:meth:`_read`), as they were at
         one moment although :meth:`apply` may delete steps on another thread (a
-        save's, a local tier's persistence worker's).
+        save's, a local tier's persistence worker's); and the directory's other
+        entries (:meth:`StepDirectory.listing`).
 
         A listing that a deletion overlapped is taken again: it could hold a step
         deleted before its manifest was read (which looks damaged), or miss every
@@ -294,13 +313,13 @@ class Retention:
         """
         for _ in range(_RELISTS):
             began = self._deletions
-            steps = self._steps.steps()
+            steps, others = self._steps.listing()
             read = {s: self._read(s) for s in steps}
             gone = {s for s, r in read.items() if r[0] is None and not self._committed(s)}
             if not gone and self._deletions == began:
-                return steps, read
+                return steps, read, others
         kept = [s for s in steps if s not in gone]  # deleting faster than listing
-        return kept, {s: read[s] for s in kept}
+        return kept, {s: read[s] for s in kept}, others
 
     def _committed(self, step: int) -> bool:
         try:
@@ -400,7 +419,8 @@ class Retention:
             "damaged step yourself once you no longer need it", RuntimeWarning, stacklevel=6)
 
     def apply(self, protected: set[int]) -> list[int]:
-        """Delete the committed steps the policy drops and no kept step refers to.
+        """Delete the committed steps the policy drops and no kept step refers to,
+        nor a committed checkpoint beside them that is not a step (:meth:`_held`).
 
         The latest committed step and the ``protected`` ones are always kept, and
         so is a step whose manifest cannot be read, with every older one (see the
@@ -415,11 +435,13 @@ class Retention:
 
         Warns:
             RuntimeWarning: a step could not be deleted (names it and the cause),
-                or the directory could not be listed.
+                or the directory could not be listed (or a checkpoint there that is not
+                a step read); a dropped step is kept for a checkpoint that is not a
+                step (once per checkpoint and step).
         """
         self._finish_deletions()
         try:
-            steps, read = self._list_and_read()
+            steps, read, others = self._list_and_read()
         except OSError as exc:  # StorageError included: a store that is down
             _warn_not_listed(self._steps.directory, exc)
             return []
@@ -427,6 +449,15 @@ class Retention:
             return []
         keep, needed = self._plan(steps, protected, read=read)
         dropped = [s for s in reversed(steps) if s not in keep and s not in needed]
+        try:
+            held = self._held(dropped, others)
+        except StorageError as exc:  # what those checkpoints refer to is unknown
+            _warn_not_listed(self._steps.directory, exc, "read the checkpoints in "
+                             f"{self._steps.directory} that are not steps (one may "
+                             "refer to a step it drops)")
+            return []
+        self._warn_held(held)
+        dropped = [s for s in dropped if s not in held]
         for i, s in enumerate(dropped):
             self.forget(s)
             with self._lock:
@@ -441,6 +472,40 @@ class Retention:
             self.forget(s)  # read again on another thread meanwhile (a listing)
             _hooks.fire("manager.step_deleted")
         return dropped
+
+    def _held(self, steps: list[int], others: list[str]) -> dict[int, list[str]]:
+        """Which of ``steps`` a committed checkpoint among ``others`` (the directory's
+        entries that are not steps) refers to, each with those checkpoints. Reads
+        their manifests' heads (``referred_to_by``), only where neither is empty.
+
+        Raises:
+            StorageError: the store failed reading one.
+        """
+        if not steps or not others:
+            return {}
+        names = {self._steps.name(s): s for s in steps}
+        held: dict[int, list[str]] = {}
+        for other in others:
+            for name in referred_to_by(self._steps.storage,
+                                       f"{self._steps.directory}/{other}", names):
+                held.setdefault(names[name], []).append(other)
+        return held
+
+    def _warn_held(self, held: dict[int, list[str]]) -> None:
+        """Warn once per (checkpoint, step) pair (per manager) that the step is kept
+        for a checkpoint that is not a step."""
+        for s, deps in sorted(held.items()):
+            new = [d for d in deps if (d, s) not in self._warned_held]
+            if not new:
+                continue
+            self._warned_held.update((d, s) for d in new)
+            warnings.warn(
+                f"the keep policy keeps step {s} ({self._steps.path(s)}), which it drops: "
+                f"{', '.join(new)} in {self._steps.directory}, not a step, refers to its "
+                "chunks (an incremental checkpoint saved with base=...), and could not be "
+                f"loaded without it. Step {s} is no longer listed; it is deleted once "
+                "nothing refers to it (delete that checkpoint, or convert it to a full one "
+                "with ss.convert)", RuntimeWarning, stacklevel=5)
 
     def _uncommitted(self, step: int) -> bool:
         try:
@@ -469,7 +534,8 @@ def _warn_not_deleted(path: str, later: list[int], exc: BaseException) -> None:
         f"tried again after the next save{also}", RuntimeWarning, stacklevel=5)
 
 
-def _warn_not_listed(directory: str, exc: BaseException) -> None:
+def _warn_not_listed(directory: str, exc: BaseException, what: str | None = None) -> None:
     warnings.warn(
-        f"the keep policy could not list {directory} ({exc}): nothing is deleted there "
-        "now; it is tried again after the next save", RuntimeWarning, stacklevel=5)
+        f"the keep policy could not {what or f'list {directory}'} ({exc}): nothing is "
+        "deleted there now; it is tried again after the next save", RuntimeWarning,
+        stacklevel=5)

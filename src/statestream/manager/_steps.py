@@ -77,9 +77,14 @@ class StepDirectory:
         self.storage = storage
         self.directory = directory
 
+    @staticmethod
+    def name(step: int) -> str:
+        """The directory entry of ``step`` (42 -> ``step_0000000042``)."""
+        return f"step_{step:010d}"
+
     def path(self, step: int) -> str:
         """Path (or URL) of ``step``."""
-        return f"{self.directory}/step_{step:010d}"
+        return f"{self.directory}/{self.name(step)}"
 
     def lease_path(self) -> str:
         return f"{self.directory}/{LEASE_NAME}"
@@ -102,8 +107,20 @@ class StepDirectory:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (never a step still being written)."""
-        found = (parse_step(name) for name in self.storage.list(self.directory))
-        return sorted(s for s in found if s is not None and self.is_committed(s))
+        return self.listing()[0]
+
+    def listing(self) -> tuple[list[int], list[str]]:
+        """(:meth:`steps`, the other entries but the lease, committed or not: a user's
+        own checkpoints among them may refer to steps), from one listing."""
+        steps, others = [], []
+        for name in self.storage.list(self.directory):
+            s = parse_step(name)
+            if s is None:
+                if name != LEASE_NAME:
+                    others.append(name)
+            elif self.is_committed(s):
+                steps.append(s)
+        return sorted(steps), others
 
     def remove_leftovers(self) -> list[str]:
         """Remove what crashed saves left: staging areas and steps that never committed.
