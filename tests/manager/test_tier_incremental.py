@@ -384,6 +384,49 @@ def test_a_local_copy_a_load_found_damaged_is_not_the_next_base(tmp_path):
             assert mgr.load(3)["w"][0] == 2
 
 
+def test_a_damaged_local_copy_of_a_base_is_not_the_next_base_nor_what_refers_to_it(
+        tmp_path):
+    # Steps 2 and 3 refer to step 1's 'frozen' chunk, whose local copy is damaged. The
+    # resume's load of step 3 failed on step 1's file and fell back to the persisted
+    # copy, but only step 3 was recorded damaged: the next save took step 2 as its base
+    # and referred to step 1's damaged bytes, so every later local copy was damaged
+    # from birth. Step 1 is recorded damaged too, and step 2, which refers to it, is no
+    # base either: step 4 is a full save, and its local copy verifies.
+    persist, local = tmp_path / "persist", tmp_path / "local"
+
+    def state(s: int) -> dict:
+        return {"frozen": np.arange(4096, dtype=np.float32), "w": np.full(64, s, np.int64)}
+
+    def manager() -> ss.CheckpointManager:
+        return ss.CheckpointManager(persist, local_tier=local, async_save=False,
+                                    incremental=True)
+
+    with manager() as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+    assert _bases(local, 2) == [1] and _bases(local, 3) == [1]
+    doc = json.loads((local / "step_0000000001" / "manifest.json").read_bytes())
+    (frozen,) = [a for a in doc["arrays"] if a["dtype"] == "float32"]
+    file, offset = frozen["chunks"][0][:2]
+    with open(local / "step_0000000001" / doc["files"][file][0], "r+b") as fh:
+        fh.seek(offset + 8)
+        b = fh.read(1)
+        fh.seek(offset + 8)
+        fh.write(bytes([b[0] ^ 1]))
+    with manager() as mgr:
+        with pytest.warns(RuntimeWarning, match="local copy of step 3 .* is damaged"):
+            assert mgr.load()["w"][0] == 3
+        with pytest.warns(RuntimeWarning, match="step 2 .* cannot be the base of step 4: a "
+                          "load found a step it refers to damaged"):
+            mgr.save(4, state(4))
+        assert _bases(local, 4) == []
+        mgr.save(5, state(5))
+        assert _bases(local, 5) == [4]
+        for s in (4, 5):
+            report = ss.verify(str(local / f"step_{s:010d}"))
+            assert report.ok, report.problems
+
+
 def test_a_step_saved_again_in_the_tier_can_be_persisted(tmp_path):
     # Saved again (force=True) against the step before it, step 4 referred to steps 3
     # and 2, which the directory had deleted (the old step 4 was a full save); step 2's

@@ -14,7 +14,7 @@ from statestream.distributed import Collective, gather_each, share_from_0
 from statestream.engine import check_base
 from statestream.errors import CheckpointError, StorageError
 from statestream.manager._tier import LocalTier
-from statestream.manager._tierrefs import unpersistable
+from statestream.manager._tierrefs import refers_to_damage, unpersistable
 
 __all__ = ["base_for"]
 
@@ -37,7 +37,8 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
     failed while it was the newest step. So is a step in ``damaged`` (a resume found
     its data damaged and went back past it): its manifest reads fine, but a chunk the
     new step left unchanged would refer to its damaged bytes, and the new step, reported
-    saved, would not load.
+    saved, would not load. With a tier, so is a step whose local copy a load found
+    damaged, or that refers to one (:func:`refers_to_damage`).
     """
     phase = f"finding the base of step {step}"
     if tier is not None and len(tier.groups.leaders()) > 1:
@@ -47,7 +48,7 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
             if _overwrites(tier, step):
                 return []
             older = [s for s in tier.steps() if s < step]
-            good = [s for s in older if s not in tier.damaged_copies and s not in damaged]
+            good = [s for s in older if not refers_to_damage(tier, s) and s not in damaged]
             if not good or good[-1] == older[-1]:
                 return good
             # past a newer step passed over: only steps whose chain can be persisted
@@ -63,10 +64,12 @@ def base_for(step: int, coll: Collective, tier: LocalTier | None,
         older = [s for s in (listed() if tier is None else tier.steps()) if s < step]
         for s in reversed(older):
             where = path(s) if tier is None else tier.dir.path(s)
-            if s in damaged or (tier is not None and s in tier.damaged_copies):
+            own = s in damaged or (tier is not None and s in tier.damaged_copies)
+            if own or (tier is not None and refers_to_damage(tier, s)):
+                which = "it" if own else "a step it refers to"
                 warnings.warn(f"step {s} ({where}) cannot be the base of step {step}: a load "
-                              "found it damaged; an older step is used instead, or none "
-                              "(a full save)", RuntimeWarning, stacklevel=6)
+                              f"found {which} damaged; an older step is used instead, or "
+                              "none (a full save)", RuntimeWarning, stacklevel=6)
                 continue
             try:
                 check_base(where)

@@ -50,6 +50,7 @@ from statestream.manager._policies import KeepLatest, KeepPolicy
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.manager._tier import LocalTier
 from statestream.manager._tiercheck import reconcile
+from statestream.manager._tierrefs import mark_damaged
 from statestream.manager._tierspace import (
     copy_bytes,
     fetch_shortage,
@@ -433,8 +434,10 @@ def _damaged(tier: LocalTier, step: int, exc: CheckpointCorruptError,
     copy (with a warning) if the directory holds one, else raise the damage. Either
     way the local copy is no incremental save's base from then on: a chunk left
     unchanged would refer to its damaged bytes, and every later local copy (loaded
-    from the tier first) would be damaged too."""
-    tier.damaged_copies.add(step)
+    from the tier first) would be damaged too. Neither is the copy of a step it
+    refers to that holds the damage, nor any step that refers to that one
+    (:func:`mark_damaged`, :func:`refers_to_damage`)."""
+    mark_damaged(tier, step, exc)
     if not _is_committed(tier.persistent, step):
         return False, exc
     warnings.warn(f"{what} ({exc}); loading the persisted copy "
