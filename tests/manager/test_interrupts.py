@@ -152,6 +152,28 @@ def test_an_interrupted_wait_for_persistence_is_an_interrupt(tmp_path):
         mgr.close()
 
 
+def test_an_interrupted_close_keeps_the_directory_while_persistence_runs(tmp_path):
+    # Ctrl-C in close() while the local tier still copies a step to the persistent
+    # directory: the manager stays open (a second manager opened it mid-copy), and
+    # the next close waits for the copy
+    gate = hold_at("tier.persist")
+    persist, local = str(tmp_path / "persist"), str(tmp_path / "local")
+    mgr = ss.CheckpointManager(persist, local_tier=local)
+    try:
+        assert mgr.save(1, state_at(1))
+        interrupt_main_thread_in("result")
+        with pytest.raises(KeyboardInterrupt):
+            mgr.close()
+        with pytest.raises(ss.ManagerLockedError):
+            ss.CheckpointManager(persist, local_tier=local)
+        gate.set()
+    finally:
+        gate.set()
+        mgr.close()
+    with ss.CheckpointManager(persist) as again:
+        assert again.steps() == [1]
+
+
 @pytest.mark.parametrize("point", ["save.planned", "save.data_synced"])
 def test_a_sync_save_interrupted_after_planning_leaves_no_staging_directory(tmp_path, point):
     # Ctrl-C right after the save job began (its staging directory exists): the save

@@ -211,8 +211,8 @@ class CheckpointManager:
             return
         try:
             self.wait()
-        finally:  # not while the save still writes there (a Ctrl-C ended the wait)
-            if not self._flight.running():
+        finally:  # not while the save or a persistence still writes (a Ctrl-C ended the wait)
+            if not self._flight.running() and not (self._tier and self._tier.tasks.pending()):
                 self._closed = True
                 self._decisions.restore_sigterm()
                 release_at_close(self._hold, None if self._tier is None else self._tier.close)
