@@ -80,7 +80,7 @@ def main() -> None:
     t0 = time.perf_counter()
     restored = ss.load(path, target=like)
     t_load = time.perf_counter() - t0
-    torch.set_rng_state(torch.from_numpy(restored["rng"]["torch"]))
+    torch.set_rng_state(restored["rng"]["torch"])  # a torch tensor, as saved
     np.random.set_state(restored["rng"]["numpy"])
     random.setstate(restored["rng"]["python"])
     resumed = [train_step(model2, opt2, sched2) for _ in range(2)]
