@@ -136,3 +136,19 @@ def test_the_hint_for_other_formats_names_every_command_that_reads_them(
     assert capsys.readouterr().out.splitlines()[2:] == [
         "2 safetensors checkpoints here (a.safetensors, b.safetensors): ls lists "
         "statestream's; inspect, verify, diff and convert read these by path"]
+
+
+def test_a_trainer_output_directory_says_where_its_checkpoints_are(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """StatestreamTrainer writes ``out/checkpoint-<N>/statestream``: ``ls out`` printed
+    an empty table ("0 committed checkpoints") where ``inspect out`` said where they
+    are; it says so too now."""
+    out = tmp_path / "out"
+    for step in (3, 6):
+        ss.save(out / f"checkpoint-{step}" / "statestream", {"w": np.ones(3) * step})
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert main(["ls", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "0 committed checkpoints" in text
+    assert "Trainer output directory (StatestreamTrainer)" in text
+    assert "steps 3, 6" in text and "checkpoint-6/statestream" in text

@@ -18,6 +18,7 @@ from statestream.format import over_max_arrays
 from statestream.manager._retention import decode_metrics
 from statestream.manager._steps import StepDirectory, parse_step
 from statestream.storage import storage_for
+from statestream.storage._hints import trainer_hint
 
 __all__ = ["add_parser", "list_directory"]
 
@@ -174,8 +175,22 @@ def _cmd(args: argparse.Namespace) -> int:
     n = sum(1 for e in rows if e["state"] == "committed")
     print(f"{n} committed checkpoint{'s' if n != 1 else ''}, {len(rows) - n} other")
     if not rows:
+        _trainer_hint(args.directory)
         _foreign_hint(args.directory)
     return 0
+
+
+def _trainer_hint(directory: str) -> None:
+    """Say where the checkpoints are when ``directory`` is a transformers Trainer output
+    directory of StatestreamTrainer's (``checkpoint-<N>/statestream``), as ``inspect``
+    does: ``ls`` showed an empty table there."""
+    try:
+        storage, spath = storage_for(directory)
+    except ss.CheckpointError:
+        return
+    hint = trainer_hint(storage, spath)
+    if hint is not None:
+        print(safe(hint))
 
 
 def _foreign_hint(directory: str) -> None:
