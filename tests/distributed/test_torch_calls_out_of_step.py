@@ -34,6 +34,7 @@ def worker_mismatch(ctx: Context) -> dict[str, Any]:
     coll = ss.TorchCollective(timeout_s=3)
     coll.max_ints([0])  # one call in step first: both at call #2 next
     mine = ctx.args["calls"][ctx.rank]
+    time.sleep(ctx.args.get("late", [0, 0])[ctx.rank])
     t0 = time.monotonic()
     try:
         CALLS[mine](coll)
@@ -67,6 +68,23 @@ def test_ranks_in_different_collectives_are_named(tmp_path: Path, calls: tuple[s
         assert (f"rank {1 - rank} is at {_mark(theirs)} (call #2) while this rank is at "
                 f"{_mark(mine)}: the ranks called different statestream functions"
                 in v["message"]), v["message"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("calls", [("all_gather", "barrier"), ("barrier", "all_gather")],
+                         ids="-".join)
+def test_a_rank_whose_peer_gave_up_first_names_the_calls_too(tmp_path: Path,
+                                                            calls: tuple[str, str]) -> None:
+    """Rank 0 enters its call 2 s after rank 1: rank 1 times out first, and rank 0's
+    call then fails on the connection rank 1 closed, before its own timeout. That
+    was a bare DistributedError ("all_gather (call #2) failed: [gloo ...]"), which
+    named neither call (it failed a CI run as a flaky timing)."""
+    res = launch(THIS, "worker_mismatch", 2, tmp_path,
+                 args={"calls": list(calls), "late": [2.0, 0.0]}, timeout_s=120, check=False)
+    for rank, theirs in enumerate(reversed(calls)):
+        v = res[rank].value
+        assert v["type"] == "CollectiveTimeoutError" and v["distributed"], v
+        assert f"rank {1 - rank} is at {_mark(theirs)} (call #2)" in v["message"], v["message"]
 
 
 def _mark(call: str) -> str:

@@ -298,6 +298,12 @@ class TorchCollective:
                 "timeout_s if ranks are just slow"
             )
         dead, store_gone = self._dead(seq)
+        behind = self._laggards(seq, dead) if seq and not dead and not store_gone else []
+        if behind:  # alive, at another call: it timed out first and closed the connection
+            return CollectiveTimeoutError(
+                f"rank {self._rank}'s {where} failed once another rank stopped waiting for "
+                f"it ({'; '.join(behind)}): {_first_words(exc)}. A rank never called the "
+                "same statestream function; raise timeout_s if ranks are just slow")
         if dead:
             then = "; then the rendezvous store became unreachable" if store_gone else ""
             return DistributedError(
