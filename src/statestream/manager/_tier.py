@@ -134,10 +134,10 @@ class LocalTier:
         #: the base each queued step was saved against (known before it commits)
         self._base_of: dict[int, int | None] = {}
         self.lease: DirectoryLease | None = None
-        #: the last persistence failed: the directory is probably unreachable
         #: steps whose local copy a load found damaged (the persisted copy was loaded
         #: instead): never an incremental save's base here, until saved again
         self.damaged_copies: set[int] = set()
+        #: the last persistence failed: the directory is probably unreachable
         self.directory_failing = False
         if leader:
             self._open_as_leader(storage)
