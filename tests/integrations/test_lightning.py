@@ -285,6 +285,33 @@ def test_async_waits_before_remove_and_reports_failures(tmp_path):
     io.teardown()  # reported once; nothing left in flight
 
 
+def test_a_failed_save_does_not_replace_the_error_that_ended_fit(tmp_path):
+    """Fit raised (epoch 2's first batch) while the save of epoch 1 was failing in the
+    background: Lightning's teardown, run while it handles that error, waited for the
+    save and raised its error, which replaced the training error (kept only as its
+    ``__context__``). The training error is raised now, the failed save warned about."""
+    from statestream.testing import faults
+
+    class Boom(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if trainer.current_epoch == 2:
+                raise RuntimeError("training broke")
+
+    def disk_gone() -> None:
+        raise OSError("disk gone")
+
+    faults.on("save.data_synced", disk_gone, nth=2)  # the save of epoch 1 fails
+    try:
+        t = trainer(tmp_path, 4, AsyncStatestreamCheckpointIO(),
+                    [ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1), Boom()])
+        with pytest.warns(RuntimeWarning, match=r"save failed \(.*disk gone.*ending with "
+                                                r"RuntimeError"), \
+                pytest.raises(RuntimeError, match="training broke"):
+            t.fit(Net(), data())
+    finally:
+        faults.clear()
+
+
 def _mapped_file(t) -> str | None:
     """The file whose mapping holds tensor ``t``'s first byte (None: anonymous memory)."""
     addr = t.data_ptr()

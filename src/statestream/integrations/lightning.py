@@ -42,7 +42,9 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -232,8 +234,23 @@ class StatestreamCheckpointIO(CheckpointIO):
         self._reap(None, wait=True)
 
     def teardown(self) -> None:
-        """Called by Lightning at the end of fit/validate/test: waits for all saves."""
-        self.wait()
+        """Called by Lightning at the end of fit/validate/test: waits for all saves.
+
+        A failed save raises here, unless Lightning is tearing down because fit
+        itself raised (this is called while that error is handled): raising then
+        would replace the error that ended fit (it would only be the new one's
+        ``__context__``), so the failed save is warned about instead."""
+        ending = sys.exc_info()[1]
+        if ending is None:
+            self.wait()
+            return
+        try:
+            self.wait()
+        except Exception as exc:  # an interrupt still goes through
+            warnings.warn(
+                f"statestream: a checkpoint save failed ({type(exc).__name__}: {exc}) while "
+                f"the run was ending with {type(ending).__name__}, which is raised",
+                RuntimeWarning, stacklevel=2)
 
     def _reap(self, key: str | None, *, wait: bool) -> None:
         """Forget finished saves; with ``wait``, first wait for those of ``key`` (None: all).
