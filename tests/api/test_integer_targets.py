@@ -183,3 +183,34 @@ def test_jax_advice_names_x64_only_for_a_64_bit_array(tmp_path: Path) -> None:
                        match=_refused("int32", -1, "uint32")
                        + "; pass a target of dtype int32 there, or None$"):
         ss.load(tmp_path / "c", {"neg": jax.ShapeDtypeStruct((2,), jax.numpy.uint32)})
+
+
+def test_bool_targets_take_only_zeros_and_ones_and_real_ones_no_imaginary_part(
+        tmp_path: Path) -> None:
+    """2, -7 and 0.5 loaded into a bool target as True, and a complex array into a real
+    (float or integer) target lost its imaginary parts, with only NumPy's or torch's
+    ComplexWarning: refused now, as for a narrower integer dtype, naming the value.
+    Zeros and ones, bools, and complex values with no imaginary part still load."""
+    torch = pytest.importorskip("torch")
+    ss.save(tmp_path / "c", {"i": np.array([0, 1, 2, -7]), "f": np.array([0.0, 0.5, 3.0]),
+                             "ok": np.array([0, 1, 1]), "z": np.array([1 + 2j, 3 - 4j],
+                                                                       np.complex64),
+                             "zr": np.array([1 + 0j, -2 + 0j]), "b": np.array([True, False])})
+    c = tmp_path / "c"
+    for key, target, value, want in (
+            ("i", np.zeros(4, bool), "2", "bool"),
+            ("i", torch.zeros(4, dtype=torch.bool), "2", "bool"),
+            ("f", np.zeros(3, bool), r"0\.5", "bool"),
+            ("z", np.zeros(2, np.float32), r"\(1\+2j\)", "float32"),
+            ("z", torch.zeros(2), r"\(1\+2j\)", "float32"),
+            ("z", np.zeros(2, np.int32), r"\(1\+2j\)", "int32")):
+        saved = {"i": "int64", "f": "float64", "z": "complex64"}[key]
+        with pytest.raises(ss.TargetMismatchError,
+                           match=rf"the checkpoint's {saved} array at key path '{key}' holds "
+                                 rf"{value}: .*into the target's dtype {want}; pass a target "
+                                 rf"of dtype {saved} there, or None"):
+            ss.load(c, {key: target}, items=[key])
+    out = ss.load(c, {"ok": np.zeros(3, bool), "zr": np.zeros(2, np.int8),
+                      "b": torch.zeros(2, dtype=torch.bool)}, items=["ok", "zr", "b"])
+    assert out["ok"].tolist() == [False, True, True] and out["zr"].tolist() == [1, -2]
+    assert out["b"].tolist() == [True, False]

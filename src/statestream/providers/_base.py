@@ -57,6 +57,15 @@ def refuse_lossy_cast(host: np.ndarray, want: Any, saved: str, path: KeyPath,
     ``saved``; floats: a few passes (a float array into an integer target is rare).
     A float target: :func:`_refuse_float_overflow`."""
     want = np.dtype(want)
+    if host.dtype.kind == "c" and want.kind != "c":  # a real target: no imaginary part
+        _refuse_unless(host.imag == 0, host, want, saved, path, advice,
+                       "an imaginary part, which a cast would drop")
+        host = host.real
+    if want.kind == "b":  # 2, -7 and 0.5 are no bools: True only from 1
+        if host.dtype.kind != "b":
+            _refuse_unless((host == 0) | (host == 1), host, want, saved, path, advice,
+                           "a value other than 0 and 1, which a cast would make True")
+        return
     can = _int_range(want)
     if can is None:
         _refuse_float_overflow(host, want, saved, path, advice)
@@ -79,6 +88,19 @@ def refuse_lossy_cast(host: np.ndarray, want: Any, saved: str, path: KeyPath,
             f"the checkpoint's {saved} array at key path '{format_keypath(path)}' holds "
             f"{bad}, which the target's dtype {want} cannot hold (from {can.min} to "
             f"{can.max}; {how}); "
+            + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def _refuse_unless(ok: np.ndarray, host: np.ndarray, want: np.dtype, saved: str,
+                   path: KeyPath, advice: str, what: str) -> None:
+    """Raise TargetMismatchError naming the first value of ``host`` where ``ok`` is
+    False (an imaginary part into a real target, 2 into a bool one: until 2026-12-07
+    dropped and made True silently)."""
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        raise TargetMismatchError(
+            f"the checkpoint's {saved} array at key path '{format_keypath(path)}' holds "
+            f"{host.reshape(-1)[bad[0]].item()!r}: {what}, into the target's dtype {want}; "
             + (advice or f"pass a target of dtype {saved} there, or None"))
 
 
