@@ -255,3 +255,6 @@ def test_items_missing_key_names_the_path(tmp_path: Path) -> None:
         ss.load(path, items=["step/x"])
     with pytest.raises(MissingKeyError, match="no item 'nope'"):
         ss.load(path, items=["nope"])
+    with pytest.raises(MissingKeyError, match="'model/layers.0.bias' holds an array without "
+                       "keys"):  # ("a array" until 2026-12-07)
+        ss.load(path, items=["model/layers.0.bias/x"])

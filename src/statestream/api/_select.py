@@ -158,6 +158,11 @@ def _select(root: Node, items: Sequence[str], like: Any, where: str,
     return _select_level(root, wanted, like, (), where, typed)
 
 
+def _a(kind: str) -> str:
+    """``kind`` with its article: "an array", "a list"."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 def _selected_child(node: Node, seg: str, path: KeyPath, where: str,
                     typed: bool) -> tuple[Key, Node]:
     found = _saved_child(node, seg, path, where, typed)
@@ -166,7 +171,7 @@ def _selected_child(node: Node, seg: str, path: KeyPath, where: str,
         raise MissingKeyError(
             f"checkpoint {where} has no item '{format_keypath(path + (seg,))}'; "
             + (f"at '{format_keypath(path)}' it has: {have}" if have
-               else f"'{format_keypath(path)}' holds a {node.kind} without keys")
+               else f"'{format_keypath(path)}' holds {_a(node.kind)} without keys")
         )
     return found
 
