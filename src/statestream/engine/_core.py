@@ -337,6 +337,16 @@ class _Progress:
         self._cb(done, self.total)
 
 
+def thread_started(t: threading.Thread) -> bool:
+    """After ``t.start()`` raised (a KeyboardInterrupt inside it): whether the thread runs.
+
+    ``Thread.start()`` creates the thread, then waits for it to say it started; an
+    interrupt may land before either. Created, it says so at once.
+    """
+    started = getattr(t, "_started", None)  # CPython's Event; no public way to ask
+    return bool(started.wait(1.0)) if started is not None else t.is_alive()
+
+
 def parallel_for(fn: Callable[[Any], None], items: Sequence[Any], num_threads: int) -> None:
     """Call ``fn(item)`` for every item on up to ``num_threads`` threads (in order per thread).
 

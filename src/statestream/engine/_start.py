@@ -19,6 +19,7 @@ from typing import Any
 
 from statestream._gc import gc_paused
 from statestream._gc import pause as pause_gc
+from statestream.engine._core import thread_started
 from statestream.engine._handle import (
     SAVE_THREADS,
     SaveHandle,
@@ -165,11 +166,9 @@ def _spawn(job: SaveJob, *, run_snapshot: bool) -> None:
     try:
         t.start()
     except BaseException as exc:  # a KeyboardInterrupt inside start()
-        # Thread.start() creates the thread, then waits for it to say it started; an
-        # interrupt may land before either. Started, it runs the save (and settles
-        # it); not started, nothing will: abandon the save here.
-        started = getattr(t, "_started", None)  # CPython's Event; no public way to ask
-        if not (started.wait(1.0) if started is not None else t.is_alive()):
+        # Started, it runs the save (and settles it); not started, nothing will:
+        # abandon the save here.
+        if not thread_started(t):
             job.handle._thread = None
             _abandon(job, exc)
         raise

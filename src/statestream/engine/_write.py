@@ -13,7 +13,12 @@ import numpy as np
 
 from statestream import _hooks
 from statestream.engine._codec import encode_chunk
-from statestream.engine._core import ByteBudget, Progress, lower_thread_priority
+from statestream.engine._core import (
+    ByteBudget,
+    Progress,
+    lower_thread_priority,
+    thread_started,
+)
 from statestream.engine._refs import BaseChunks, chunk_digest, digest_and_checksums
 from statestream.format import ChunkEntry, FileEntry, checksum
 from statestream.plan import WriteItem, chunk_offset
@@ -142,6 +147,8 @@ class StreamWriter:
         self._lock = threading.Lock()
         self._queues: list[queue.SimpleQueue[Any]] = []
         self._threads: list[threading.Thread] = []
+        #: one per writer thread, set once it is out of its file (finished or aborted)
+        self._stopped: list[threading.Event] = []
         self._errors: list[BaseException] = []
         self._records: dict[tuple[int, int], ChunkEntry] = {}
         self._sizes: dict[int, int] = {}
@@ -157,15 +164,22 @@ class StreamWriter:
         for it in items:
             while it.file >= len(self._queues):
                 q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                stopped = threading.Event()
                 t = threading.Thread(
                     target=self._run,
-                    args=(len(self._queues), q),
+                    args=(len(self._queues), q, stopped),
                     name=f"statestream-write-{len(self._queues)}",
                     daemon=True,
                 )
                 self._queues.append(q)
                 self._threads.append(t)
-                t.start()
+                self._stopped.append(stopped)
+                try:
+                    t.start()
+                except BaseException:  # a KeyboardInterrupt inside start()
+                    if not thread_started(t):
+                        stopped.set()  # it never ran: nothing else will say it stopped
+                    raise
             while it.file >= len(self._pending):
                 self._pending.append([])
                 self._pending_bytes.append(0)
@@ -232,11 +246,21 @@ class StreamWriter:
         self._drop_callbacks()
 
     def _join(self) -> None:
-        for t in self._threads:
-            try:
-                t.join()
-            except RuntimeError:  # never started (a KeyboardInterrupt in its start()):
-                pass  # nothing to wait for; if it did start, it stops at _STOP
+        """Wait until every writer thread is out of its file (finished or aborted).
+
+        Each thread says so itself (``_stopped``), not ``Thread.join()``: on Python
+        3.11 a join that a KeyboardInterrupt interrupts may mark the thread stopped
+        while it still runs (CPython's bpo-45274 workaround releases the lock the
+        running thread holds), and every later join returns at once. A Ctrl-C in
+        ``close()`` then let ``abort()`` return while a writer was still in its
+        file's ``finish()``, which completed an object store's upload after the
+        save had deleted its root (an orphan data object, a thread outliving the
+        save). An interrupt here raises (a second Ctrl-C gets out of ``abort()``,
+        leaving the save's root behind as a killed save would); a writer's wait is
+        bounded by the store's own timeouts.
+        """
+        for stopped in self._stopped:
+            stopped.wait()
 
     def _drop_callbacks(self) -> None:
         # The callbacks are the job's bound methods and the job holds this writer:
@@ -249,7 +273,13 @@ class StreamWriter:
     def _raise(self) -> None:
         raise self._errors[0] if self._errors else RuntimeError("a writer thread stopped")
 
-    def _run(self, index: int, q: queue.SimpleQueue[Any]) -> None:
+    def _run(self, index: int, q: queue.SimpleQueue[Any], stopped: threading.Event) -> None:
+        try:
+            self._run_file(index, q)
+        finally:
+            stopped.set()  # out of its file: _join() may return
+
+    def _run_file(self, index: int, q: queue.SimpleQueue[Any]) -> None:
         lowered = False
         w = None
         st = _FileState()
