@@ -610,3 +610,36 @@ def test_an_overwrite_whose_old_root_cannot_be_deleted_still_commits(
         proxy.close()
     np.testing.assert_array_equal(ss.load(url)["w"], np.arange(10.0) + 1)
     assert [x.target for x in storage.leftovers(base_url)] == ["a"]  # the old root
+
+
+@pytest.mark.timeout(120)
+def test_gc_reports_a_store_that_refuses_the_deletes(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by an audit: every error removing a leftover was skipped, so a store that
+    refused the deletes read as "0 leftover staging directories removed", exit 0."""
+    from statestream.cli import main
+    from statestream.storage import collect_garbage
+
+    ss.save(f"{base_url}/a", {"x": np.arange(3)})
+    txn = storage.begin_write(f"{base_url}/a", overwrite=True)  # an overwrite killed
+    txn.write_bytes("manifest.json", b"{}")
+    (left,) = storage.leftovers(base_url)
+    proxy = OutageProxy(int(s3_server["endpoint"].rsplit(":", 1)[1]))
+    proxy.refuse = b"?delete"  # S3's DeleteObjects: POST /bucket?delete
+    via_proxy = S3Storage(_options(s3_server, endpoint=f"http://127.0.0.1:{proxy.port}",
+                                   **_FAST_FAIL))
+    set_backend("s3", via_proxy)
+    try:
+        with pytest.raises(ss.StorageError, match=left.path):
+            collect_garbage(via_proxy, base_url, max_age_s=0)
+        assert main(["gc", base_url, "--max-age-hours", "0"]) == 2
+    finally:
+        set_backend("s3", storage)
+        proxy.close()
+    out, err = capsys.readouterr()
+    assert "0 leftover staging directories removed" in out
+    (line,) = err.splitlines()
+    assert line.startswith("error: ") and left.path in line
+    assert storage.leftovers(base_url) == [left]  # still there, as the error says
+    assert collect_garbage(storage, base_url, max_age_s=0) == [left.path]

@@ -223,7 +223,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from statestream.storage import collect_garbage, storage_for
+    from statestream.storage import storage_for
+    from statestream.storage._leftovers import sweep, sweep_error
 
     storage, path = storage_for(args.directory)
     if "://" not in args.directory and not os.path.isdir(path):
@@ -231,7 +232,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         raise ss.CheckpointNotFoundError(f"no directory at {args.directory}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        removed = collect_garbage(storage, path, max_age_s=args.max_age_hours * 3600)
+        removed, failed = sweep(storage, path, max_age_s=args.max_age_hours * 3600)
     for w in caught:  # a checkpoint put back from an overwrite's .old is an action taken
         text = str(w.message)
         text = text if text.isprintable() else ascii(text)
@@ -240,6 +241,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(f"removed {p if p.isprintable() else ascii(p)}")
     print(f"{len(removed)} leftover staging director{'y' if len(removed) == 1 else 'ies'} "
           "removed")
+    if failed:  # a store that refused or did not answer: not "nothing to remove"
+        print(f"error: {safe(str(sweep_error(path, removed, failed)))}", file=sys.stderr)
+        return 2
     return 0
 
 

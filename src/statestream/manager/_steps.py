@@ -9,7 +9,7 @@ from typing import Any
 
 from statestream.errors import CheckpointError, CheckpointExistsError, InvalidOptionError
 from statestream.storage import LocalStorage, Storage
-from statestream.storage._leftovers import collect_garbage
+from statestream.storage._leftovers import sweep
 from statestream.storage._local import refuse_inside_checkpoint
 
 __all__ = ["LEASE_NAME", "MAX_STEP", "StepDirectory", "check_forward", "check_step", "parse_step"]
@@ -126,10 +126,16 @@ class StepDirectory:
         """Remove what crashed saves left: staging areas and steps that never committed.
 
         Only for the lease holder: no one else writes steps here, so a step's
-        staging area whose writer is not provably alive is garbage.
+        staging area whose writer is not provably alive is garbage. What cannot be
+        removed (permission denied, a store that refuses) is a RuntimeWarning, not an
+        error: it never loads, and the next manager to open the directory tries again.
         """
-        removed = collect_garbage(self.storage, self.directory,
-                                  lease_held=lambda target: parse_step(target) is not None)
+        removed, failed = sweep(self.storage, self.directory,
+                                lease_held=lambda target: parse_step(target) is not None)
+        for path, exc in failed:  # a store that refused: cleaning up only, as below
+            warnings.warn(f"could not remove {path}, what a crashed save left ({exc}); it "
+                          f"is tried again when a manager next opens {self.directory}",
+                          RuntimeWarning, stacklevel=2)
         for name in self.storage.list(self.directory):
             step = parse_step(name)
             if step is not None and not self.is_committed(step):

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from statestream.errors import UnsafeCheckpointError
+from statestream.errors import StorageError, UnsafeCheckpointError
 from statestream.format import DATA_DIR, validate_file_name
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "FileWriter",
     "Lease",
     "Leftover",
+    "LeftoverKeptError",
     "Storage",
     "StorageCapabilities",
     "WriteTransaction",
@@ -294,8 +295,23 @@ class Storage(Protocol):
         Returns the checkpoint put back in its place instead, if any: a local
         ``<staging>.old`` holding the committed checkpoint an overwrite moved aside
         and was killed before it could replace (the path holds none) is restored,
-        not removed. ``None``: removed."""
+        not removed. ``None``: removed.
+
+        Raises:
+            LeftoverKeptError: it is not garbage (any more), so it was left alone on
+                purpose: committed meanwhile, not a staging area, or beside a damaged
+                commit marker or objects no save writes.
+            StorageError: removing it failed (permission denied, the store did not
+                answer, ...): a failure, not a decision.
+        """
         ...
+
+
+class LeftoverKeptError(StorageError):
+    """:meth:`Storage.remove_leftover` left a staging area alone on purpose: it is no
+    garbage (committed meanwhile, not a save's, or maybe the data of a checkpoint
+    whose commit marker is damaged). ``collect_garbage`` skips it; any other error
+    removing a leftover is a failure it reports."""
 
 
 def check_member_name(name: str) -> str:

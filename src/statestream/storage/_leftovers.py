@@ -18,10 +18,16 @@ import os
 import time
 from collections.abc import Callable
 
-from statestream.errors import CheckpointError, InvalidOptionError, InvalidOptionTypeError
-from statestream.storage._base import Storage, WriterId
+from statestream.errors import (
+    CheckpointError,
+    InvalidOptionError,
+    InvalidOptionTypeError,
+    storage_error,
+)
+from statestream.storage._base import LeftoverKeptError, Storage, WriterId
 
-__all__ = ["DEFAULT_MAX_AGE_S", "collect_garbage", "this_writer", "writer_alive"]
+__all__ = ["DEFAULT_MAX_AGE_S", "collect_garbage", "sweep", "sweep_error", "this_writer",
+           "writer_alive"]
 
 #: Staging areas whose writer cannot be checked are removed after this long unchanged.
 DEFAULT_MAX_AGE_S = 24 * 3600.0
@@ -103,6 +109,76 @@ def _check_max_age(max_age_s: float) -> None:
         raise InvalidOptionError(f"max_age_s must be a number of seconds >= 0, not {max_age_s}")
 
 
+#: A leftover whose removal failed, and why.
+Failure = tuple[str, Exception]
+
+
+def sweep(
+    storage: Storage,
+    parent: str,
+    *,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    lease_held: Callable[[str], bool] | None = None,
+) -> tuple[list[str], list[Failure]]:
+    """:func:`collect_garbage`, reporting instead of raising: the paths removed, and
+    the leftovers whose removal failed with their errors. A leftover the storage
+    keeps on purpose (:class:`LeftoverKeptError`) is neither. A store that does not
+    answer (a timeout) ends the sweep: the rest would wait as long, to fail as well.
+    Listing the leftovers raises, as :meth:`Storage.leftovers` does."""
+    _check_max_age(max_age_s)
+    removed: list[str] = []
+    failed: list[Failure] = []
+    now = time.time()
+    for item in storage.leftovers(parent):
+        alive = writer_alive(item.writer)
+        if alive:
+            continue
+        owned = lease_held is not None and lease_held(item.target)
+        if alive is None and not owned and now - item.modified <= max_age_s:
+            continue
+        try:
+            restored = storage.remove_leftover(item)
+        except (LeftoverKeptError, FileNotFoundError):
+            continue  # committed meanwhile, not a save's, gone already: left alone
+        except (OSError, CheckpointError) as exc:
+            failed.append((item.path, exc))
+            if isinstance(exc, TimeoutError):
+                break
+            continue
+        if restored is None:  # else put back (a RuntimeWarning says so), not removed
+            removed.append(item.path)
+    return removed, failed
+
+
+def sweep_error(parent: str, removed: list[str], failed: list[Failure]) -> CheckpointError:
+    """One error for the failures of a :func:`sweep`: the first one's class (a
+    ``PermissionError`` stays one) and message, which names its leftover, and how
+    many more failed and were removed."""
+    path, first = failed[0]
+    if (len(failed) == 1 and not removed and isinstance(first, CheckpointError)
+            and path in str(first) and not isinstance(first, TimeoutError)):
+        return first
+    more = [p for p, _ in failed[1:]]
+    notes = []
+    if more:
+        shown = ", ".join(more[:3]) + (", ..." if len(more) > 3 else "")
+        notes.append(f"{len(more)} more leftover(s) under {parent} could not be removed "
+                     f"either: {shown}")
+    if removed:
+        notes.append(f"{len(removed)} other(s) were removed")
+    if isinstance(first, TimeoutError):
+        notes.append("the store did not answer, so any others were not tried")
+    text = f"{first}" + (f" ({'; '.join(notes)})" if notes else "")
+    if path not in str(first):
+        text = f"removing {path} failed: {text}"
+    if isinstance(first, CheckpointError):
+        err = type(first)(text)
+        if isinstance(first, OSError) and isinstance(err, OSError):
+            err.errno, err.strerror = first.errno, first.strerror
+        return err
+    return storage_error(text, first if isinstance(first, OSError) else None)
+
+
 def collect_garbage(
     storage: Storage,
     parent: str,
@@ -121,27 +197,27 @@ def collect_garbage(
     negative age raises :class:`InvalidOptionError`: either one made every staging
     area of an unverifiable writer (another host's save in progress) old enough to go.
 
+    A staging area the storage keeps on purpose (committed meanwhile, gone already,
+    beside a damaged commit marker or objects no save writes) is skipped. A removal
+    that fails (permission denied, a store that refuses or does not answer) does not
+    stop the others; once they were tried the first failure is raised.
+
+    Raises:
+        StorageError: a leftover could not be removed (a ``PermissionError``, a
+            ``TimeoutError``, ... as the failure was); the message names it, and
+            how many others failed or were removed. A store that does not answer
+            stops the collection at once. Or listing ``parent`` failed.
+
     Example:
         >>> import tempfile
         >>> from statestream.storage import LocalStorage
         >>> collect_garbage(LocalStorage(), tempfile.mkdtemp())
         []
     """
-    _check_max_age(max_age_s)
-    removed = []
-    now = time.time()
-    for item in storage.leftovers(parent):
-        alive = writer_alive(item.writer)
-        if alive:
-            continue
-        owned = lease_held is not None and lease_held(item.target)
-        if alive is None and not owned and now - item.modified <= max_age_s:
-            continue
-        try:
-            restored = storage.remove_leftover(item)
-        except (OSError, CheckpointError):
-            continue  # removed concurrently, or not ours to remove: leave it for later
-        if restored is None:  # else put back (a RuntimeWarning says so), not removed
-            removed.append(item.path)
+    removed, failed = sweep(storage, parent, max_age_s=max_age_s, lease_held=lease_held)
+    if failed:
+        err = sweep_error(parent, removed, failed)
+        if err is failed[0][1]:
+            raise err
+        raise err from failed[0][1]
     return removed
-

@@ -20,6 +20,7 @@ from statestream.errors import (
 from statestream.format import COMMIT_NAME, DATA_DIR, MANIFEST_NAME
 from statestream.storage._base import (
     Leftover,
+    LeftoverKeptError,
     StorageCapabilities,
     WriterId,
     check_member_name,
@@ -427,7 +428,8 @@ class LocalStorage:
     def remove_leftover(self, leftover: Leftover) -> str | None:
         path = leftover.path
         if not _STAGING_RE.match(os.path.basename(path)) or os.path.islink(path):
-            raise StorageError(f"{path} is not a statestream staging directory; not removing it")
+            raise LeftoverKeptError(f"{path} is not a statestream staging directory; "
+                                    "not removing it")
         if path.endswith(".old") and _restore_replaced(path, leftover.target):
             return os.path.join(os.path.dirname(path), leftover.target)
         try:

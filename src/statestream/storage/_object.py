@@ -42,7 +42,7 @@ from statestream.errors import (
     storage_error,
 )
 from statestream.format import COMMIT_NAME, MAX_COMMIT_BYTES
-from statestream.storage._base import Leftover, StorageCapabilities
+from statestream.storage._base import Leftover, LeftoverKeptError, StorageCapabilities
 from statestream.storage._object_config import (
     DAMAGED_MARKER,
     DELETING_NAME,
@@ -463,11 +463,12 @@ class ObjectStorage:
         bucket, key = self.split_url(leftover.path)
         checkpoint, _, root = key.rpartition("/")
         if not ROOT_RE.match(root) or not checkpoint:
-            raise StorageError(f"{leftover.path} is not the root of a checkpoint; not removing it")
+            raise LeftoverKeptError(
+                f"{leftover.path} is not the root of a checkpoint; not removing it")
         try:  # what it holds now, not what the listing saw: only what a save writes
             for m in listed(self, bucket, checkpoint + "/"):
                 if saved_kind(m["path"][len(checkpoint) + 1 :]) is None:
-                    raise StorageError(
+                    raise LeftoverKeptError(
                         f"{self._url(bucket, checkpoint)} holds {self._url(bucket, m['path'])}"
                         f", which no save writes; not removing {leftover.path}")
         except StorageError:
@@ -477,10 +478,10 @@ class ObjectStorage:
                                    "removing what an unfinished save left") from exc
         live = self._live_root(bucket, checkpoint)
         if live == root:
-            raise StorageError(f"{leftover.path} was committed meanwhile; not removing it")
+            raise LeftoverKeptError(f"{leftover.path} was committed meanwhile; not removing it")
         if live == DAMAGED_MARKER:
-            raise StorageError(f"the commit marker of {self._url(bucket, checkpoint)} is "
-                               f"damaged, so {leftover.path} may be its data; not removing it")
+            raise LeftoverKeptError(f"the commit marker of {self._url(bucket, checkpoint)} is "
+                                    f"damaged, so {leftover.path} may be its data; not removing it")
         self._delete_prefix(bucket, key + "/")
 
     # -- Storage protocol ------------------------------------------------------------
