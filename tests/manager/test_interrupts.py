@@ -174,6 +174,36 @@ def test_an_interrupted_close_keeps_the_directory_while_persistence_runs(tmp_pat
         assert again.steps() == [1]
 
 
+def test_a_close_interrupted_as_the_save_ends_stays_open_until_its_commit_is_recorded(tmp_path):
+    # The Ctrl-C lands just as the save commits (a CI run hit it under load): the
+    # save is done, but its commit was neither recorded nor queued for the local
+    # tier. The manager closed then (lease released, the step never persisted by it);
+    # it stays open now, and the next close records the commit and persists the step
+    persist, local = str(tmp_path / "persist"), str(tmp_path / "local")
+    mgr = ss.CheckpointManager(persist, local_tier=local)
+    try:
+        assert mgr.save(1, state_at(1))
+        h = mgr.in_flight
+        assert h is not None
+        real = h.result
+
+        def result(timeout=None):
+            real(timeout)
+            raise KeyboardInterrupt  # after the save ended, before the wait returned
+
+        h.result = result  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            mgr.close()
+        del h.result
+        with pytest.raises(ss.ManagerLockedError):
+            ss.CheckpointManager(persist, local_tier=local)
+    finally:
+        mgr.close()
+    assert mgr.persisted_steps() == [1]
+    with ss.CheckpointManager(persist) as again:
+        assert again.steps() == [1]
+
+
 @pytest.mark.parametrize("point", ["save.planned", "save.data_synced"])
 def test_a_sync_save_interrupted_after_planning_leaves_no_staging_directory(tmp_path, point):
     # Ctrl-C right after the save job began (its staging directory exists): the save

@@ -117,6 +117,11 @@ class SaveHandle:
         it runs and once it is committed. Does not count as having seen the error."""
         return self._finished.is_set() and self._error is not None
 
+    def error(self) -> BaseException | None:
+        """The save's error once it has failed (what ``result()`` raises), else None.
+        Does not count as having seen it."""
+        return self._error if self._finished.is_set() else None
+
     def snapshot_done(self) -> bool:
         """True once every byte has been copied out of the state."""
         return self._snapshot.is_set()

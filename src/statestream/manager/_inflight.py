@@ -32,8 +32,10 @@ class InFlight:
         return set() if self.step is None else {self.step}
 
     def running(self) -> bool:
-        """Whether a save is in flight and has not ended (committed or failed) yet."""
-        return self.handle is not None and not self.handle.done()
+        """Whether a save is in flight whose outcome was not reported yet: still
+        running, or ended while a Ctrl-C ended the wait for it (its commit not yet
+        recorded, its step not yet queued for the local tier)."""
+        return self.handle is not None
 
     def wait(self, committed: Callable[[int], None],
              failed: Callable[[int | None, BaseException], None]) -> None:
@@ -48,8 +50,8 @@ class InFlight:
         try:
             h.result()
         except BaseException as exc:
-            if not h.done():
-                raise  # the wait was interrupted, not the save
+            if exc is not h.error():  # the wait was interrupted, not the save (which may
+                raise  # have committed meanwhile: its commit is reported at the next wait)
             step, self.handle, self.step = self.step, None, None
             failed(step, exc)
             raise
@@ -65,6 +67,6 @@ class InFlight:
             return
         try:
             h.result()
-        except BaseException:
-            if not h.done():
+        except BaseException as exc:
+            if exc is not h.error():
                 raise  # the wait was interrupted, not the save
