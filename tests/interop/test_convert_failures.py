@@ -170,20 +170,20 @@ def test_a_failed_sync_after_the_swap_replaces_nothing(
     the conversion raised naming the output, yet the new output stayed and, with
     overwrite, the old one was already deleted. Now the swap is undone first."""
     _needs(to)
-    import statestream.interop._publish as publish
+    import statestream.storage._local as local  # whose sync_or_swap_back syncs the parent
 
     old = _source(tmp_path / "src")
     dst = tmp_path / name
     ss.convert(tmp_path / "src", dst, to=to, **kw)  # the old output
     ss.save(tmp_path / "new", {k: v + 1 for k, v in old.items()})
-    real = publish.fsync_dir
+    real = local.fsync_dir
 
     def fsync_dir(path: str) -> None:
         if os.path.realpath(path) == os.path.realpath(tmp_path):
             raise OSError(errno.EIO, "injected", path)
         real(path)
 
-    monkeypatch.setattr(publish, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
     with pytest.raises(ss.StorageError, match=f"{name}.*injected") as ei:
         ss.convert(tmp_path / "new", dst, to=to, overwrite=True, **kw)
     assert ei.value.errno == errno.EIO

@@ -4,9 +4,7 @@ and the move into place (:func:`publish`)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import shutil
 from collections.abc import Iterator
 
 from statestream.engine._refs import refuse_replacing_a_base
@@ -21,7 +19,14 @@ from statestream.interop._dcp import looks_like_dcp
 from statestream.interop._orbax import looks_like_orbax
 from statestream.interop._safetensors import find_index, find_single
 from statestream.storage import staging_dir, storage_for
-from statestream.storage._local import exchange_paths, fsync_dir, refuse_inside_checkpoint
+from statestream.storage._local import (
+    SwapBackFailed,
+    exchange_paths,
+    fsync_dir,
+    refuse_inside_checkpoint,
+    remove_replaced,
+    sync_or_swap_back,
+)
 
 __all__ = ["claim", "holds_checkpoint", "publish", "staging_path", "writing"]
 
@@ -103,15 +108,14 @@ def publish(staged: str, final: str) -> None:
             fsync_dir(staged)
         old = _swap_in(staged, final)
         try:
-            fsync_dir(os.path.dirname(os.path.abspath(final)))
-        except BaseException:  # an interrupt too: the conversion raises, so undo
-            _swap_back(staged, final, old)
-            raise
-        if old is not None and os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        elif old is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old)
+            sync_or_swap_back(staged, final, old)
+        except SwapBackFailed as exc:
+            kept = f"; the output it replaced is at {old}" if old not in (None, staged) else ""
+            raise StorageError(
+                f"publishing {final} failed after the rename, and putting back what it held "
+                f"failed too ({exc.error}): {final} holds the new output, which may not "
+                f"survive a crash{kept}") from exc.error
+        remove_replaced(old)
 
 
 def _swap_in(staged: str, final: str) -> str | None:
@@ -126,22 +130,3 @@ def _swap_in(staged: str, final: str) -> str | None:
         return old
     os.replace(staged, final)  # a file, or nothing there: one atomic rename
     return None
-
-
-def _swap_back(staged: str, final: str, old: str | None) -> None:
-    """Undo :func:`_swap_in`: the new output back at ``staged`` (the caller removes it),
-    the old one back at ``final``; if that fails, say what ``final`` holds."""
-    try:
-        if old == staged:
-            if not exchange_paths(staged, final):
-                raise OSError(errno.ENOTSUP, "renameat2 refused the exchange back", final)
-        else:
-            os.rename(final, staged)
-            if old is not None:
-                os.rename(old, final)
-    except OSError as exc:
-        kept = f"; the output it replaced is at {old}" if old not in (None, staged) else ""
-        raise StorageError(
-            f"publishing {final} failed after the rename, and putting back what it held "
-            f"failed too ({exc}): {final} holds the new output, which may not survive a "
-            f"crash{kept}") from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import os
@@ -36,7 +37,14 @@ from statestream.storage._local_lease import (
 from statestream.storage._local_read import _LocalReader
 from statestream.storage._local_write import _LocalFileWriter
 
-__all__ = ["LocalStorage", "exchange_paths", "fsync_dir"]
+__all__ = [
+    "LocalStorage",
+    "SwapBackFailed",
+    "exchange_paths",
+    "fsync_dir",
+    "remove_replaced",
+    "sync_or_swap_back",
+]
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -82,6 +90,50 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class SwapBackFailed(Exception):
+    """:func:`sync_or_swap_back` could neither make the swap durable nor undo it: the
+    path holds the new output, which may not survive a crash."""
+
+    def __init__(self, cause: BaseException, error: OSError) -> None:
+        super().__init__(f"{cause}; swapping back: {error}")
+        #: why the swap could not be made durable; why it could not be undone
+        self.cause, self.error = cause, error
+
+
+def sync_or_swap_back(staged: str, final: str, old: str | None) -> None:
+    """Make the move of ``staged`` to ``final`` durable (fsync the parent), or undo it.
+
+    ``old`` is where what ``final`` held lies now: ``staged`` itself after an exchange
+    (:func:`exchange_paths`), a path it was renamed to, or None (nothing was there). If
+    the sync fails (or is interrupted) the new output goes back to ``staged`` and the
+    old one back to ``final``, and the sync's error is raised; :class:`SwapBackFailed`
+    if undoing fails too. The one mechanism of a save's commit and a conversion's
+    publication: neither may raise with the new output in place and the old removed."""
+    try:
+        fsync_dir(os.path.dirname(os.path.abspath(final)))
+    except BaseException as cause:  # an interrupt too: the caller raises, so undo
+        try:
+            if old == staged:  # exchanged: exchange back
+                if not _rename2(staged, final, _RENAME_EXCHANGE):
+                    raise OSError(errno.ENOTSUP, "renameat2 refused the exchange back", final)
+            else:
+                os.rename(final, staged)
+                if old is not None:
+                    os.rename(old, final)
+        except OSError as exc:
+            raise SwapBackFailed(cause, exc) from exc
+        raise
+
+
+def remove_replaced(old: str | None) -> None:
+    """Remove what a durable swap replaced (a directory or a file; None: nothing)."""
+    if old is not None and os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old)
 
 
 class _LocalWriteTransaction:
@@ -149,43 +201,31 @@ class _LocalWriteTransaction:
         except BaseException:
             self.abort()
             raise
-        if self._displaced is not None:  # the checkpoint this one replaced, durably
-            shutil.rmtree(self._displaced, ignore_errors=True)
+        remove_replaced(self._displaced)  # the checkpoint this one replaced, durably
 
     def _sync_published(self) -> None:
-        """Make the rename durable (fsync the parent), else put back what the path held.
+        """Make the rename durable, else put back what the path held (``abort`` then
+        removes the new checkpoint from staging).
 
         A save that raises has committed nothing: a failed fsync here once left the new
         checkpoint published (and, with overwrite, the old one deleted) under an error
         saying the commit failed. Only once the parent is synced is the replaced
         checkpoint removed."""
-        try:
-            fsync_dir(os.path.dirname(self._final) or ".")
-        except BaseException as exc:  # an interrupt too: the save raises, so undo
-            self._unpublish(exc)
-            raise
-
-    def _unpublish(self, cause: BaseException) -> None:
-        """The new checkpoint back to staging (``abort`` removes it) and the replaced
-        one (if any) back at the path; if that fails too, say what the path holds."""
         final, old = self._final, self._displaced
         try:
-            if old == self._tmp:  # exchanged: exchange back
-                if not _rename2(self._tmp, final, _RENAME_EXCHANGE):
-                    raise OSError(errno.ENOTSUP, "renameat2 refused the exchange back", final)
-            else:
-                os.rename(final, self._tmp)
-                if old is not None:
-                    os.rename(old, final)
-            self._displaced = None
-        except OSError as exc:
+            sync_or_swap_back(self._tmp, final, old)
+        except SwapBackFailed as exc:
             self._done = True  # the path holds this save's checkpoint: abort keeps it
             where = (f"; the checkpoint it replaced is at {old}"
                      if old is not None and old != self._tmp else "")
             raise StorageError(
                 f"committing {final} failed after it was published (syncing its directory: "
-                f"{cause}) and putting back what it held failed too ({exc}): {final} holds "
-                f"this save's checkpoint, which may not survive a crash{where}") from exc
+                f"{exc.cause}) and putting back what it held failed too ({exc.error}): "
+                f"{final} holds this save's checkpoint, which may not survive a crash"
+                f"{where}") from exc.error
+        except BaseException:
+            self._displaced = None  # put back at the path
+            raise
 
     def _publish(self) -> None:
         """Rename the staging dir to the final path; with overwrite, the last writer wins."""
