@@ -258,3 +258,25 @@ def test_items_missing_key_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(MissingKeyError, match="'model/layers.0.bias' holds an array without "
                        "keys"):  # ("a array" until 2026-12-07)
         ss.load(path, items=["model/layers.0.bias/x"])
+
+
+@pytest.mark.parametrize("order", ["view_first", "tensor_first"])
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_a_conjugate_or_negative_view_is_not_tied_to_its_tensor(
+        tmp_path: Path, view: str, order: str) -> None:
+    # x.conj() and x.conj().imag share x's memory, offset, shape and strides and read
+    # it conjugated or negated: taken for ties, both names loaded the first one's values
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    base = x if view == "conj" else x.imag
+    v = x.conj() if view == "conj" else x.conj().imag
+    assert v.is_conj() or v.is_neg()
+    state = {"a": v, "b": base} if order == "view_first" else {"a": base, "b": v}
+    ss.save(tmp_path / "ck", state)
+    got = ss.load(tmp_path / "ck")
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(got[k], state[k].resolve_conj().resolve_neg().numpy())
+    also = {"a": v, "b": v}  # two names of one view stay one tie
+    ss.save(tmp_path / "tie", also)
+    np.testing.assert_array_equal(ss.load(tmp_path / "tie")["b"],
+                                  v.resolve_conj().resolve_neg().numpy())
+    assert len(_tree(tmp_path / "tie")["arrays"]) == 1  # type: ignore[arg-type]

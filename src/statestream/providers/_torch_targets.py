@@ -17,8 +17,9 @@ from statestream.providers._base import refuse_lossy_cast
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["nested_shape_error", "optimizer_state_hints", "refuse_layout", "refuse_lossy_casts",
-           "refuse_target", "refused_keys", "refused_state", "retie", "tied_names"]
+__all__ = ["like_target", "nested_shape_error", "optimizer_state_hints", "refuse_layout",
+           "refuse_lossy_casts", "refuse_target", "refused_keys", "refused_state", "retie",
+           "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -369,3 +370,22 @@ def held_local(like: Any, local: Any, want: tuple[int, ...], path: KeyPath) -> A
         f"shape {list(want)}: in_place=True cannot fill it (from_local with run_check=False "
         "and a wrong shape?); pass a DTensor whose local tensor is its shard, or load "
         "without in_place")
+
+
+def like_target(loaded: Any, like: Any, host: np.ndarray, dtype: str, path: KeyPath) -> Any:
+    """The loaded CPU tensor (on ``host``, saved as ``dtype``) as ``like`` is: its dtype
+    (never wrapping an integer around), device, Parameter-ness and ``requires_grad``. A
+    target on the meta device gives shape and dtype only (it holds no data, so the
+    tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
+    import torch
+
+    refuse_lossy_casts([((), host)], str(like.dtype), dtype, path)
+    out = loaded
+    device = out.device if like.device.type == "meta" else like.device
+    if like.dtype != out.dtype or device != out.device:
+        out = out.to(device=device, dtype=like.dtype)
+    if isinstance(like, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
+    elif like.requires_grad:
+        out.requires_grad_(True)
+    return out

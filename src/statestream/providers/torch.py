@@ -291,7 +291,7 @@ class TorchProvider(ArrayProvider):
             finish: Callable[[], Any] = functools.partial(_same, buf)  # most targets
         else:
             _torch_targets.refuse_target(like, dtype, path, like.dtype in _tables()[0])
-            finish = functools.partial(_like_target, buf, like, np_view, dtype, path)
+            finish = functools.partial(_torch_targets.like_target, buf, like, np_view, dtype, path)
         return Destination(boxes=[((0,) * len(shape), np_view)], finish=finish)
 
     def restore_into(self, dtype: str, shape: tuple[int, ...], like: Any,
@@ -418,8 +418,11 @@ class TorchProvider(ArrayProvider):
         if (local.layout != _torch().strided or local.is_nested or not local.numel()
                 or local.device.type == "meta"):
             return None
-        return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
-                local.device, extra)
+        key = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,
+               local.device, extra)
+        if local.is_conj() or local.is_neg():  # the same memory read otherwise: no tie
+            return (*key, local.is_conj(), local.is_neg())
+        return key
 
     def memory_id(self, obj: Any) -> int | None:
         """The address of the storage the tensor (local shard) is a view of.
@@ -433,9 +436,16 @@ class TorchProvider(ArrayProvider):
 
     def version(self, obj: Any) -> Callable[[], int] | None:
         """Reader of the tensor's version counter (bumped by every in-place change;
-        views share their base's counter)."""
-        local = obj if type(obj) in _PLAIN_TENSORS else _local(obj)
-        read: Callable[[], int] = functools.partial(getattr, local, "_version")
+        views share their base's counter).
+
+        A DTensor's is the sum of its own and its local shard's: an in-place op on
+        the DTensor (``dt.add_()``, an FSDP2 optimizer step) bumps only its own,
+        one on ``to_local()`` only the shard's (reading the shard's alone let a lazy
+        save commit a DTensor changed under it, its checksums not matching)."""
+        if type(obj) not in _PLAIN_TENSORS and _is_dtensor(obj):
+            local = obj.to_local()
+            return lambda: obj._version + local._version
+        read: Callable[[], int] = functools.partial(getattr, obj, "_version")
         return read
 
     def pinned_alloc(self, nbytes: int) -> np.ndarray | None:
@@ -540,25 +550,6 @@ def _local(obj: Any) -> Any:
 
 def _same(value: Any) -> Any:
     return value
-
-
-def _like_target(loaded: Any, like: Any, host: np.ndarray, dtype: str, path: KeyPath) -> Any:
-    """The loaded CPU tensor (on ``host``, saved as ``dtype``) as ``like`` is: its dtype
-    (never wrapping an integer around), device, Parameter-ness and ``requires_grad``. A
-    target on the meta device gives shape and dtype only (it holds no data, so the
-    tensor stays on the CPU, ready for ``load_state_dict(..., assign=True)``)."""
-    import torch
-
-    _torch_targets.refuse_lossy_casts([((), host)], str(like.dtype), dtype, path)
-    out = loaded
-    device = out.device if like.device.type == "meta" else like.device
-    if like.dtype != out.dtype or device != out.device:
-        out = out.to(device=device, dtype=like.dtype)
-    if isinstance(like, torch.nn.Parameter):
-        out = torch.nn.Parameter(out, requires_grad=like.requires_grad)
-    elif like.requires_grad:
-        out.requires_grad_(True)
-    return out
 
 
 def _mesh_device(mesh: Any) -> Any:
