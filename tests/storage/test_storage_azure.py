@@ -396,3 +396,16 @@ def test_options_refuse_impossible_limits(field: str, value: float) -> None:
     for cls in (AzureOptions, GCSOptions):
         with pytest.raises(ss.StorageError, match=f"{cls.__name__}.{field}"):
             cls(**{field: value})
+
+
+def test_a_key_that_names_an_error_code_is_no_missing_container(
+        storage: AzureStorage, base_url: str) -> None:
+    # the code was looked for anywhere in the message, which names the key: a prefix
+    # holding "ContainerNotFound" could never be saved to
+    url = f"{base_url}/runs/ContainerNotFound-debug/s1"
+    ss.save(url, {"a": np.arange(4)})
+    np.testing.assert_array_equal(ss.load(url)["a"], np.arange(4))
+    with pytest.raises(ss.CheckpointNotFoundError, match="no committed checkpoint"):
+        ss.load(url + "-missing")
+    with pytest.raises(ss.StorageError, match="container .* does not exist"):
+        ss.load("az://nocontainer/runs/ContainerNotFound-debug/s1")

@@ -493,3 +493,46 @@ def test_urls_parse_with_one_rule_for_empty_segments(scheme: str) -> None:
     for rest in ("/a", "a//b", "/"):
         with pytest.raises(ss.StorageError):
             split_object_url(f"{scheme}://bucket/{rest}", scheme)
+
+
+def test_a_key_that_names_an_error_code_is_no_missing_bucket(
+        storage: S3Storage, base_url: str) -> None:
+    # the code was looked for anywhere in the message, which names the key: a prefix
+    # holding "NoSuchBucket" could never be saved to ("the bucket does not exist")
+    url = f"{base_url}/runs/NoSuchBucket-ablation/step1"
+    ss.save(url, {"a": np.arange(4)})
+    np.testing.assert_array_equal(ss.load(url)["a"], np.arange(4))
+    with pytest.raises(ss.CheckpointNotFoundError, match="no committed checkpoint"):
+        ss.load(url + "-missing")
+    with pytest.raises(ss.StorageError, match="does not exist"):  # a missing bucket still is
+        ss.load("s3://statestream-nobucket/runs/NoSuchBucket-ablation/step1")
+
+
+def test_a_damaged_marker_leaves_the_directory_usable(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str) -> None:
+    # an oversized COMMITTED made listing, gc and a manager raise for the whole parent
+    # (a local directory lists it as damaged); a deeply nested one made load, metadata
+    # and verify raise a bare RecursionError
+    client, bucket = s3_server["client"], s3_server["bucket"]
+    run = f"{base_url}/run"
+    with ss.CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.full(3, step)})
+    for step, body in ((2, b"{" + b" " * 5000 + b"}"), (3, b"[" * 2040 + b"]" * 2040)):
+        url = f"{run}/step_{step:010d}"
+        prefix = url[len(f"s3://{bucket}/"):]
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{COMMIT_NAME}", Body=body)
+        assert storage.is_committed(url)
+        for call in (ss.load, ss.metadata):
+            with pytest.raises(ss.CheckpointCorruptError, match=COMMIT_NAME if step == 2
+                               else "not valid JSON"):
+                call(url)
+        rep = ss.verify(url)
+        assert not rep.ok and rep.problems
+    from statestream.storage import collect_garbage
+
+    collect_garbage(storage, run, max_age_s=0)
+    with pytest.warns(RuntimeWarning, match="cannot read steps 2, 3"), \
+            ss.CheckpointManager(run, async_save=False) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+        np.testing.assert_array_equal(mgr.load(step=1)["w"], np.full(3, 1))

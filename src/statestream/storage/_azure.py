@@ -65,7 +65,7 @@ class AzureStorage(ObjectStorage):
     credentials_hint = ("set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or "
                         "AZURE_STORAGE_SAS_TOKEN; or pass AzureOptions)")
     timeout_hint = "AzureOptions.timeout_s / retry_timeout_s"
-    missing_bucket_codes = ("containernotfound",)
+    missing_bucket_codes = ("<code>containernotfound</code>",)
     list_permission = ("the List permission on the container ('l' in a SAS token's sp=; "
                        "with Microsoft Entra ID, a role such as Storage Blob Data Reader)")
 

@@ -99,8 +99,10 @@ class ObjectStorage:
     #: What to do when no credentials were found, and which options bound the time.
     credentials_hint: ClassVar[str] = ""
     timeout_hint: ClassVar[str] = ""
-    #: Error codes (lower case, spaces removed) that mean the bucket does not exist.
-    missing_bucket_codes: ClassVar[tuple[str, ...]] = ("nosuchbucket",)
+    #: Error codes that mean the bucket does not exist, as the store's error document
+    #: gives them (lower case, spaces removed): in their element, as the bare word may
+    #: be in the key the message names (a prefix ``runs/NoSuchBucket-ablation/``)
+    missing_bucket_codes: ClassVar[tuple[str, ...]] = ("<code>nosuchbucket</code>",)
     #: The permission a listing needs, named when the store refuses one.
     list_permission: ClassVar[str] = "permission to list the bucket's objects"
 
@@ -299,8 +301,11 @@ class ObjectStorage:
         """The root the commit marker at ``prefix`` names; None without a marker;
         :data:`DAMAGED_MARKER` for a marker that names no valid root (the checkpoint is
         there but damaged: listed, refused when read, and none of its data is garbage)."""
-        data = self._get_small(bucket, f"{prefix}/{COMMIT_NAME}", MAX_COMMIT_BYTES,
-                               missing_ok=True)
+        try:
+            data = self._get_small(bucket, f"{prefix}/{COMMIT_NAME}", MAX_COMMIT_BYTES,
+                                   missing_ok=True)
+        except CheckpointCorruptError:  # over the size limit: damaged, as a local one is
+            return DAMAGED_MARKER
         if data is None:
             return None
         try:

@@ -70,7 +70,7 @@ class ObjectReader:
         self._marker = marker
         try:
             root = json.loads(marker).get("root")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # (nested past Python's limit)
             raise CheckpointCorruptError(f"commit marker of {url} is not valid JSON") from None
         if type(root) is not str or not ROOT_RE.match(root):
             raise UnsafeCheckpointError(f"commit marker of {url} names an invalid root {root!r}")
@@ -124,7 +124,7 @@ class ObjectReader:
         try:
             size = int(obstore.head(self._owner._store(self._bucket), key)["size"])
         except Exception as exc:
-            err = self._owner._map_error(exc, where)
+            err = self._owner._map_error(exc, f"reading the size of {where}")
             if isinstance(err, CheckpointNotFoundError):
                 raise self._gone(f"data object {where}") from None
             raise err from exc
