@@ -13,11 +13,17 @@ calls ``torch.load`` itself: use ``load_checkpoint(path)["state_dict"]`` instead
 Lightning's checkpoint dict (weights, optimizer and scheduler states, loop
 progress, callback states under keys like ``"ModelCheckpoint{'monitor': ...}"``,
 hyper-parameters) is made of tensors, plain values, dicts, lists and tuples,
-all of which statestream stores without pickle. A value of any other type
-(an object in the hyper-parameters, a callback state holding a set) raises
-:class:`~statestream.UnsupportedTypeError` naming its key path, unless the
-plugin was built with ``pickle=True``; loading such a checkpoint then needs
-``allow_pickle`` too: ``True``, or the key paths trusted to hold pickles
+all of which statestream stores without pickle; a callback's random generators
+(``torch.Generator``, NumPy ``Generator``/``RandomState``, ``random.Random``, a
+typed JAX key) are stored as their state and come back as generators. A value
+that would not come back as it was (a namedtuple, dataclass or other pytree
+node, which would load as a dict; an object with ``state_dict()``, which would
+load as that state) or one of any other type (an object in the
+hyper-parameters, a callback state holding a set) raises
+:class:`~statestream.UnsupportedTypeError` naming its key path before anything
+is written, unless the plugin was built with ``pickle=True``, which pickles just
+those values; loading such a checkpoint then needs ``allow_pickle`` too:
+``True``, or the key paths trusted to hold pickles
 (``allow_pickle=["hyper_parameters"]``), as :func:`statestream.load` takes.
 
 Saves and loads run on the calling process only (Lightning saves on global
@@ -51,9 +57,12 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import statestream as ss
+from statestream._gc import gc_paused
+from statestream.api._open import open_checkpoint
 from statestream.api._pickles import AllowPickle
 from statestream.errors import CheckpointError, InvalidOptionTypeError
 from statestream.format import DATA_DIR, FORMAT_NAME, MANIFEST_NAME
+from statestream.integrations._lightning_state import inexact_values, load_target
 from statestream.storage import storage_for
 from statestream.storage._local import exchange_paths, fsync_dir
 
@@ -86,9 +95,10 @@ class StatestreamCheckpointIO(CheckpointIO):
             (training may go on), the write and commit finish later. A later
             save, a load or removal of the same path, and ``teardown`` wait for
             it; a failed background save raises on the next call.
-        pickle: store values statestream has no pickle-free form for by
-            pickling them (only those); without it they raise
-            ``UnsupportedTypeError`` naming the key path.
+        pickle: store values that have no pickle-free form that loads back as
+            they were (a set, an object, a namedtuple, a dataclass, an object
+            with ``state_dict()``) by pickling them (only those); without it they
+            raise ``UnsupportedTypeError`` naming the key path.
         allow_pickle: let :meth:`load_checkpoint` unpickle such values:
             ``True`` (all of them), ``False`` (none), or a collection of key
             paths trusted to hold pickles, each covering its subtree
@@ -123,7 +133,8 @@ class StatestreamCheckpointIO(CheckpointIO):
 
         Raises:
             InvalidOptionTypeError: ``storage_options`` were given (this plugin has none).
-            UnsupportedTypeError: a value has no pickle-free form and ``pickle`` is off.
+            UnsupportedTypeError: a value has no pickle-free form that loads back as it
+                was, and ``pickle`` is off (nothing is written).
             CheckpointExistsError: ``path`` is something other than a checkpoint
                 (a ``torch.save`` file, say): it is never replaced.
         """
@@ -133,6 +144,8 @@ class StatestreamCheckpointIO(CheckpointIO):
                 "constructor instead"
             )
         key = os.fspath(path)
+        # what would not come back as it was: refused (or pickled) before anything is written
+        checkpoint = inexact_values(checkpoint, type(self).__name__, pickle=self.pickle)
         self._reap(key, wait=os.path.islink(key))  # a link's replacement goes first
         where, finish = key, None
         if _replaceable_link(key):  # save_last="link" made it: replaced, its target kept
@@ -167,7 +180,8 @@ class StatestreamCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the checkpoint at ``path``: tensors as torch tensors, the rest as saved.
+        """Read the checkpoint at ``path``: tensors as torch tensors, generators and JAX
+        keys as such (a JAX key when JAX is imported), the rest as saved.
 
         ``map_location`` may be a device (or its name) to put the tensors on;
         other forms (functions, dicts) load onto the CPU. ``weights_only`` is
@@ -182,8 +196,10 @@ class StatestreamCheckpointIO(CheckpointIO):
         self._reap(key, wait=True)
         device = _device_of(map_location)
         one = ss.SingleProcess()
-        meta = ss.metadata(key)
-        target = _torch_target(meta.tree, device)
+        with gc_paused():  # a large manifest is many small objects (see statestream._gc)
+            reader, manifest = open_checkpoint(key, follow=False)
+            reader.close()
+            target = load_target(manifest.tree, manifest, device)
         kw: dict[str, Any] = {"allow_pickle": self.allow_pickle, "memory": self.memory,
                               "collective": one}
         kept = ([k for k in _KEPT if k in target]
@@ -429,28 +445,3 @@ def _device_of(map_location: Any) -> torch.device:
     if isinstance(map_location, str):
         return torch.device(map_location)
     return torch.device("cpu")
-
-
-def _torch_dtype(name: str) -> torch.dtype | None:
-    dt = getattr(torch, name, None)
-    return dt if isinstance(dt, torch.dtype) else None
-
-
-def _torch_target(tree: Any, device: torch.device) -> Any:
-    """A load target from a checkpoint's metadata: torch tensors where torch ones were saved.
-
-    Each target tensor is a zero-stride view of one element (nothing the size
-    of the checkpoint is allocated for it); ``None`` elsewhere means "as saved".
-    """
-    if isinstance(tree, ss.ArrayMetadata):
-        dt = _torch_dtype(tree.dtype) if tree.kind == "torch" else None
-        if dt is None:
-            return None
-        return torch.empty((), dtype=dt, device=device).expand(tree.shape)
-    if isinstance(tree, dict):
-        return {k: _torch_target(v, device) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_torch_target(v, device) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_torch_target(v, device) for v in tree)
-    return None
