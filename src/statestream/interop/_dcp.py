@@ -432,7 +432,8 @@ def _nest(values: dict[str, Node], planner: Any) -> Node:
         kids = [build(v) if isinstance(v, dict) else v for v in d.values()]
         if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
             # DCP's own unflattening makes a list where a path element is an int
-            return Node("list", children=[kids[keys.index(i)] for i in range(len(keys))])
+            at = dict(zip(keys, kids))  # (keys.index per element was quadratic)
+            return Node("list", children=[at[i] for i in range(len(keys))])
         return Node("dict", keys=keys, children=kids)
 
     return build(top)
