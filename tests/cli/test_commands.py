@@ -705,3 +705,25 @@ def test_gc_says_it_restored_a_checkpoint_an_overwrite_moved_aside(tmp_path: Pat
     assert lines[1:] == [f"removed {tmp_path / old[:-4]}", "1 leftover staging directory removed"]
     assert r.stderr == ""
     assert ss.load(ck)["w"].tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("name, carried", [("o.safetensors", True), ("o", True),
+                                           ("o.pt", False)])
+def test_convert_of_a_source_whose_meta_holds_nan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, carried: bool) -> None:
+    """A manifest's meta may hold NaN (JSON readers take it; no save writes it): a
+    conversion whose output keeps the metadata raised a bare ValueError (a traceback,
+    exit 1) after writing all the data; now exit 2 naming the value, nothing written.
+    An output without metadata (torch.save) converts as before."""
+    ss.save(tmp_path / "a", {"w": np.zeros(2)}, meta={"lr": 0.5})
+    raw = (tmp_path / "a" / MANIFEST_NAME).read_bytes().replace(b'"lr":0.5', b'"lr":NaN')
+    (tmp_path / "a" / MANIFEST_NAME).write_bytes(raw)
+    (tmp_path / "a" / COMMIT_NAME).write_bytes(encode_commit(raw))
+    rc = main(["convert", str(tmp_path / "a"), str(tmp_path / name)])
+    err = capsys.readouterr().err
+    if carried:
+        assert rc == 2 and "meta['user']['lr'] is nan" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    else:
+        assert rc == 0, err
+        np.testing.assert_array_equal(ss.load(tmp_path / name)["w"], np.zeros(2))

@@ -95,6 +95,21 @@ def test_items_selecting_only_the_alias(tmp_path, tied):
     assert torch.equal(torch.as_tensor(got["head.weight"]), sd["head.weight"])
 
 
+@pytest.mark.parametrize("to,name", [("statestream", "out"), ("safetensors", "o.safetensors"),
+                                     ("torch", "o.pt"), ("dcp", "dcp")])
+def test_items_naming_the_alias_before_its_array(tmp_path, tied, to, name):
+    """The tie's second name listed first: its alias became the array leaf and the real
+    leaf stayed one too (two leaves of one array: verify said DAMAGED, load refused)."""
+    src, sd = tied
+    out = ss.convert(src, tmp_path / name, to=to,
+                     items=["model/head.weight", "model/emb.weight"])
+    assert ss.verify(out).ok
+    got = ss.load(out)
+    assert list(got) == ["head.weight", "emb.weight"]
+    for k in got:
+        assert torch.equal(torch.as_tensor(got[k]), sd[k]), k
+
+
 def test_torch_save_file_with_tied_weights_reads_the_tie(tmp_path):
     """A Hugging Face pytorch_model.bin (torch.save of a state_dict whose lm_head.weight
     and transformer.wte.weight are one parameter) reads as one array under both names,

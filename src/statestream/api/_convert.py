@@ -31,7 +31,8 @@ from statestream.engine import (
     Progress,
     read_requests,
 )
-from statestream.errors import InvalidOptionError, InvalidOptionTypeError
+from statestream.engine._saveopts import check_user_meta
+from statestream.errors import InvalidOptionError, InvalidOptionTypeError, UnsupportedTypeError
 from statestream.format import Compression, Manifest, dtype_from_name, itemsize_of
 from statestream.interop import (
     write_dcp,
@@ -80,7 +81,9 @@ def _resolve_aliases(node: Node, keep: bool, held: dict[int, Node]) -> Node:
     that leaf; without ``keep`` (DCP, Orbax: as their own savers do) every alias becomes a
     copy of its array leaf (the tensor is written under each name)."""
     if node.kind == "array" and node.array is not None:
-        held.setdefault(node.array, node)
+        first = held.setdefault(node.array, node)
+        if first is not node and keep:  # an alias before it became the array leaf
+            return Node("alias", array=node.array, attrs=node.attrs)
     elif node.kind == "alias" and node.array is not None:
         if node.array not in held:
             held[node.array] = Node("array", array=node.array, attrs=node.attrs)
@@ -259,12 +262,28 @@ def _convert_open(src: str | os.PathLike[str], fmt: str, dst_s: str, *, allow_pi
             writer += storage_for(dst_s)[0].capabilities.writer_buffer_bytes
         slabs = _Slabs(reader, m, old, io, memory, progress, _first_paths(root, old),
                        writer_bytes=writer, reuse=fmt in _STREAMING)
-        meta = {k: v for k, v in m.meta.items() if k not in _OWN_META}
+        meta = _carried_meta(m.meta, reader.location, fmt in _STREAMING)
         _write_as(fmt, dst_s, root, specs, slabs, meta, overwrite=overwrite,
                   max_shard_bytes=max_shard_bytes, block_bytes=block,
                   codecs=_codecs(policy, root, specs) if policy else None)
     finally:
         reader.close()
+
+
+def _carried_meta(meta: dict[str, Any], where: str, kept: bool) -> dict[str, Any]:
+    """The source's metadata the output carries over (not what described its own save),
+    checked as a save checks its caller's before anything is written where the output
+    keeps it (``kept``: statestream, safetensors): a source's may hold what no save
+    writes (NaN, which JSON readers accept), and the writer raised a bare ValueError
+    once all the data was written."""
+    carried = {k: v for k, v in meta.items() if k not in _OWN_META}
+    if not kept:
+        return carried
+    try:
+        check_user_meta(carried)
+    except UnsupportedTypeError as exc:
+        raise UnsupportedTypeError(f"cannot carry the metadata of {where} over: {exc}") from exc
+    return carried
 
 
 def _shard_bytes(n: Any, fmt: str) -> int | None:
