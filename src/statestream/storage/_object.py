@@ -61,6 +61,8 @@ from statestream.storage._object_errors import (
     credentials_refused,
     scrub,
 )
+from statestream.storage._object_fork import check as fork_check
+from statestream.storage._object_fork import mark as fork_mark
 from statestream.storage._object_lease import LEASE_SLACK_S, ObjectLease, parse_lease
 from statestream.storage._object_list import (
     child_names,
@@ -226,7 +228,10 @@ class ObjectStorage:
         return (self.options, env)
 
     def _store(self, bucket: str) -> Any:
-        """The client for ``bucket``, rebuilt whenever its configuration changed."""
+        """The client for ``bucket``, rebuilt whenever its configuration changed; a
+        StorageError in a process forked from one that ran the client (see _object_fork)."""
+        fork_check()
+        fork_mark(self._url(bucket))
         key = self._config_key()
         with self._lock:
             cached = self._stores.get(bucket)

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from statestream.errors import StorageError
+from statestream.storage._object_fork import check as fork_check
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -80,7 +81,10 @@ def _run(make: Callable[[], Awaitable[T]], limit: float) -> T:
     """The result of the awaitable ``make()`` returns, on the listing loop (its own
     thread: a caller inside a running event loop, as in a notebook, can wait on it);
     :class:`_Stalled` when it takes longer than ``limit`` seconds (it is then
-    cancelled, which stops the client's requests)."""
+    cancelled, which stops the client's requests). A StorageError in a process forked
+    from one that ran the client: a listing begun before the fork does not go on."""
+    fork_check()
+
     async def bounded() -> T:
         try:
             return await asyncio.wait_for(make(), limit)

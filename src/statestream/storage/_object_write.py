@@ -17,6 +17,7 @@ from statestream.errors import CheckpointError, CheckpointExistsError, StorageEr
 from statestream.format import COMMIT_NAME
 from statestream.storage._base import Buffer, check_member_name
 from statestream.storage._object_config import DAMAGED_MARKER
+from statestream.storage._object_fork import check as fork_check
 
 if TYPE_CHECKING:
     from statestream.storage._object import ObjectStorage
@@ -169,6 +170,7 @@ class ObjectFileWriter:
             self._cv.notify_all()
 
     def _send(self, data: Buffer, n: int) -> None:
+        fork_check()  # a writer opened before a fork: its client does not work here
         self._sent += n
         self._w.write(data)
 
@@ -261,6 +263,7 @@ class ObjectFileWriter:
         try:
             if self._fill is not None:
                 self._send_fill()
+            fork_check()
             self._w.close()
         except Exception as exc:
             raise self._owner._map_error(exc, _completing(self._where, exc)) from exc
@@ -279,6 +282,7 @@ class ObjectFileWriter:
             return
         self._closed = True
         try:  # the client aborts the upload when its writer exits with an error
+            fork_check()
             self._w.__exit__(StorageError, StorageError("save aborted"), None)
         except Exception as exc:
             logging.getLogger("statestream").info(
