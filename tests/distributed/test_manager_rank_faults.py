@@ -9,7 +9,8 @@ ranks' collective calls no longer matched (``close`` timed out too). Each case
 keeps the failing process alive and checks that every rank raises the same
 error, naming the rank and what failed, and that the ranks stay in step.
 
-* rank 0 loses the directory's lease (its lock file is removed);
+* rank 0 loses the directory's lease (its lock file is removed), before a save or
+  as it commits;
 * a node's local tier is gone (its directory replaced by a file);
 * recording a persisted step fails once on one node: the step is copied again.
 
@@ -59,7 +60,7 @@ def worker(ctx: Context) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank,
                             world_size=ctx.world, timeout=datetime.timedelta(seconds=90))
     case, root = ctx.args["case"], ctx.args["root"]
-    local = None if case == "lease" else os.path.join(root, f"node{ctx.rank}")
+    local = None if case.startswith("lease") else os.path.join(root, f"node{ctx.rank}")
     mgr = ss.CheckpointManager(os.path.join(root, "persist"), local_tier=local,
                                async_save=ctx.args["async"],
                                collective=ss.TorchCollective(timeout_s=60))
@@ -67,8 +68,17 @@ def worker(ctx: Context) -> dict[str, Any]:
     mgr.wait()
     out: dict[str, Any] = {}
     failed: list[int] = []
+    lock = os.path.join(root, "persist", ".statestream.lock")
     if case == "lease" and ctx.rank == 0:
-        os.unlink(os.path.join(root, "persist", ".statestream.lock"))
+        os.unlink(lock)
+    elif case == "lease-at-commit" and ctx.rank == 0:
+        from statestream import _hooks
+
+        def lose() -> None:
+            _hooks.clear()
+            os.unlink(lock)
+
+        _hooks.register("commit.marker_written", lose)
     elif case == "tier-gone" and ctx.rank == 1:
         os.rename(local, local + ".gone")
         Path(local).write_text("not a directory any more")
@@ -115,6 +125,27 @@ def test_a_lost_lease_on_rank_0_raises_on_every_rank(tmp_path: Path, async_save:
 
     assert ss.load(str(tmp_path / "persist" / "step_0000000001"))["step"] == 1
     assert not (tmp_path / "persist" / "step_0000000002").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_lease_lost_as_rank_0_commits_raises_on_every_rank(tmp_path: Path,
+                                                             async_save: bool) -> None:
+    """Rank 0 checks the lease again last before it commits: its failure there is
+    agreed as any failed commit (an async save's by its result, which the next save
+    raises), and nothing is committed."""
+    committing = "DistributedError: rank 0 failed during committing: ManagerLockedError"
+    for rank, got in enumerate(_run(tmp_path, "lease-at-commit", async_save)):
+        failed = got["again"] if async_save else got["save"]
+        assert failed.startswith(committing), (rank, got)
+        assert "removed or moved" in failed and "nothing was committed" in failed, (rank, got)
+        if not async_save:
+            assert got["again"].startswith("DistributedError: rank 0 failed during "
+                                           "preparing to save step 2: ManagerLockedError")
+        assert got["close"].startswith("DistributedError: rank 0 failed"), (rank, got)
+    import statestream as ss
+
+    assert ss.load(str(tmp_path / "persist" / "step_0000000001"))["step"] == 1
+    assert sorted(os.listdir(tmp_path / "persist")) == ["step_0000000001"]
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

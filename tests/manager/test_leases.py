@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import statestream as ss
+from statestream import _hooks
 from statestream.storage import LocalStorage, _local_lease, set_backend
 
 _HOLDER = """
@@ -272,6 +273,43 @@ def test_a_manager_whose_lock_was_removed_stops_saving_and_deleting(tmp_path: Pa
             mgr.close()
     assert not (run / "step_0000000002").exists()
     assert not _open_fds_to(run / ".statestream.lock")  # close() let go of the old lock
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_whose_lock_was_taken_meanwhile_does_not_commit(tmp_path: Path,
+                                                               async_save: bool) -> None:
+    """The lease is checked again as the save commits: a manager whose lock file was
+    removed while it saved, and another manager opened the directory meanwhile, must
+    not commit its step there (until 2026-12-08 it did, in a directory it no longer
+    held, and raised ManagerLockedError only after)."""
+    run = tmp_path / "run"
+    mgr = ss.CheckpointManager(run, async_save=async_save)
+    other: list[ss.CheckpointManager] = []
+
+    def taken_over() -> None:
+        _hooks.clear()
+        os.unlink(run / ".statestream.lock")
+        other.append(ss.CheckpointManager(run))  # locks a new file there
+
+    try:
+        mgr.save(1, {"w": np.arange(3)})
+        mgr.wait()
+        _hooks.register("commit.marker_written", taken_over)
+        with pytest.raises(ss.ManagerLockedError, match="removed or moved"):
+            mgr.save(2, {"w": np.arange(4)})
+            mgr.wait()
+    finally:
+        _hooks.clear()
+        with contextlib.suppress(ss.ManagerLockedError):
+            mgr.close()
+    (new,) = other
+    with new:
+        assert new.steps() == [1]
+        assert [n for n in os.listdir(run) if n != ".statestream.lock"] == [f"step_{1:010d}"]
+        assert new.load()["w"].tolist() == [0, 1, 2]
+        new.save(2, {"w": np.arange(2)})
+        new.wait()
+        assert new.load(2)["w"].tolist() == [0, 1]
 
 
 def _open_fds_to(path: Path) -> list[str]:

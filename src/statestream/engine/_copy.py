@@ -233,11 +233,21 @@ def _open_dst(coll: Collective, dst: str, overwrite: bool | None) -> WriteTransa
     return txn
 
 
+def _commit_copy(txn: WriteTransaction, mbytes: bytes, marker: bytes,
+                 before_commit: Callable[[], None] | None) -> None:
+    txn.write_bytes(MANIFEST_NAME, mbytes)
+    txn.write_bytes(COMMIT_NAME, marker)
+    if before_commit is not None:
+        before_commit()
+    txn.commit()
+
+
 def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                     collective: Collective | None = None,
                     files: Callable[[str], bool] | None = None,
                     threads: int = 4, memory_bytes: int | None = None,
-                    require_bases: bool = True) -> None:
+                    require_bases: bool = True,
+                    before_commit: Callable[[], None] | None = None) -> None:
     """Copy the committed checkpoint ``src`` to ``dst`` and commit it there.
 
     Memory: ``threads`` data files are copied at once, each through one buffer of at
@@ -247,7 +257,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
     Every chunk's checksum is verified as it is read. Collective: each
     process opens its own ``src`` (its node's copy) and copies the data
     files ``files`` selects (default: all of them, which is right for one
-    process); rank 0 writes the manifest and marker and commits.
+    process); rank 0 writes the manifest and marker, calls ``before_commit`` (a
+    manager's lease check: raising fails the copy, nothing committed) and commits.
 
     ``overwrite``: replace ``dst`` if it is committed (None: if it is, which rank 0
     looks up, so a store that fails there fails the copy on every process).
@@ -299,9 +310,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool | None = False,
                 try:
                     if require_bases:
                         _check_bases(m, src, dst)
-                    txn.write_bytes(MANIFEST_NAME, mbytes)
-                    txn.write_bytes(COMMIT_NAME, marker)
-                    txn.commit()
+                    _commit_copy(txn, mbytes, marker, before_commit)
                 except BaseException as exc:
                     err = exc
             agree(coll, f"committing the copy of {src} at {dst}", err,

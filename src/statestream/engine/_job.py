@@ -560,6 +560,8 @@ class SaveJob:
         _hooks.fire("commit.manifest_written")
         txn.write_bytes(COMMIT_NAME, encode_commit(mbytes))
         _hooks.fire("commit.marker_written")
+        if self.options.before_commit is not None:
+            self.options.before_commit()  # raises: aborted as any failed commit
         txn.commit()
         _hooks.fire("commit.renamed")
         if self._built is not None:

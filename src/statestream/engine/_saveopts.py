@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from statestream.distributed import Collective, SingleProcess
@@ -40,6 +40,10 @@ class SaveOptions:
     #: the path is on each node's own disk: every node commits its own copy
     #: (the manifest and its processes' data files; see engine/_nodelocal.py)
     node_local: bool = False
+    #: called by the process that commits, last before the commit makes the save
+    #: visible (its manifest and marker staged); raising fails the save with nothing
+    #: committed. A manager's check that it still holds its directory's lease.
+    before_commit: Callable[[], None] | None = None
 
 
 def check_user_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:

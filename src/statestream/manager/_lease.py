@@ -27,6 +27,8 @@ __all__ = ["DirectoryHold", "DirectoryLease", "LeaseNotRenewedError", "OpenedLea
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 #: How long interpreter exit waits for a renewal in flight.
 EXIT_JOIN_S = 10.0
+#: A save commits only under a lease a renewal confirmed within this part of its ttl.
+COMMIT_WITHIN = 0.5
 
 _HELD: weakref.WeakSet[DirectoryLease] = weakref.WeakSet()
 
@@ -34,6 +36,15 @@ _HELD: weakref.WeakSet[DirectoryLease] = weakref.WeakSet()
 class LeaseNotRenewedError(StorageError):
     """A manager's lease on an object store was not renewed for longer than its ttl
     (the store did not answer): another manager may hold the directory now."""
+
+
+def _how_long(since: float, ttl_s: float) -> str:
+    """Why a lease not renewed for ``since`` seconds may not be written under."""
+    if since > ttl_s:
+        return (f"longer than its ttl ({ttl_s:g} s), so another manager may hold the "
+                "directory by now")
+    return (f"over half its ttl ({ttl_s:g} s), so another manager could take the directory "
+            "over before a commit of this one reached the store")
 
 
 def holder_name() -> str:
@@ -107,14 +118,16 @@ class DirectoryLease:
             lease.renew()
         self._confirmed_at = max(self._confirmed_at, started)
 
-    def check(self, *, confirm: bool = True) -> None:
+    def check(self, *, confirm: bool = True, within: float = 1.0) -> None:
         """Raise unless this manager may write (holds a live lease).
 
         A lease without a ttl (an ``flock``) is checked here and now: its lock
         file must still be the one locked (not removed with its directory). One
-        with a ttl that no renewal has confirmed for longer than the ttl is renewed
-        here first (``confirm``; False: a save to a local tier, which must not wait
-        for the store, checks only what is known).
+        with a ttl that no renewal has confirmed for longer than ``within`` times
+        the ttl is renewed here first (``confirm``; False: a save to a local tier,
+        which must not wait for the store, checks only what is known). A save about
+        to commit asks for half (:data:`COMMIT_WITHIN`): its commit then has at least half
+        a ttl to reach the store before another manager could take the lease over.
 
         Raises:
             ManagerLockedError: the lease expired and another manager took it, or
@@ -127,7 +140,7 @@ class DirectoryLease:
         lease = self._lease
         if self._lost is None and lease is not None and (
                 lease.ttl_s is None
-                or confirm and time.monotonic() - self._confirmed_at > lease.ttl_s):
+                or confirm and time.monotonic() - self._confirmed_at > lease.ttl_s * within):
             since = time.monotonic() - self._confirmed_at
             try:
                 self._renew(lease)
@@ -138,9 +151,9 @@ class DirectoryLease:
                     raise
                 raise LeaseNotRenewedError(
                     f"{self.directory}: this CheckpointManager could not renew its lease for "
-                    f"{since:.0f} s, longer than its ttl ({lease.ttl_s:g} s), so another "
-                    "manager may hold the directory by now; it saves and deletes nothing there "
-                    f"until a renewal goes through (renewing now: {type(exc).__name__}: {exc})"
+                    f"{since:.0f} s, {_how_long(since, lease.ttl_s)}; it saves and deletes "
+                    "nothing there until a renewal goes through (renewing now: "
+                    f"{type(exc).__name__}: {exc})"
                 ) from exc
         if self._lost is not None:
             raise ManagerLockedError(
@@ -272,9 +285,10 @@ class DirectoryHold:
 
     def ensure(self) -> None:
         """Rank 0, on the persistence worker, before each persistence (agreed by the
-        tier): the lease taken, if the manager opened while its store could not be
-        reached, and still held (renewed first if no renewal went through for longer
-        than its ttl: a persistence never writes where another manager may)."""
+        tier) and last before each of its copies commits: the lease taken, if the
+        manager opened while its store could not be reached, and still held (renewed
+        first unless a renewal confirmed it within half its ttl: a persistence never
+        writes, nor commits, where another manager may; see :meth:`check_to_commit`)."""
         if self.lease is None:
             if self.refused is not None:  # refused once: never again (as a lost lease)
                 raise self.refused
@@ -283,7 +297,21 @@ class DirectoryHold:
             except ManagerLockedError as exc:
                 self.refused = exc  # the next save raises it on every rank
                 raise
-        self.lease.check()
+        self.lease.check(within=COMMIT_WITHIN)
+
+    def check_to_commit(self) -> None:
+        """Rank 0, as a save to the directory is about to commit (``before_commit``):
+        raise unless the lease is still held, renewed first unless a renewal confirmed
+        it within half its ttl (no store request then: renewals run every third).
+        A manager whose renewals failed (dropped, or the process paused) for so long
+        that another manager may have taken the directory over, and removed this
+        save's staged data as a leftover, must not commit it there: until 2026-12-08
+        it wrote its marker, and the other manager listed a step whose manifest was
+        gone."""
+        if self.lease is not None:
+            self.lease.check(within=COMMIT_WITHIN)
+        else:
+            self.check_writable()
 
     def check_writable(self, *, confirm: bool = True) -> None:
         """Raise unless rank 0 still holds the lease (rank 0 alone decides); without

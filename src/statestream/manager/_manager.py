@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from statestream.api import SaveHandle, save, save_async
+from statestream.api import SaveHandle
 from statestream.api._async import guard_state_in
 from statestream.api._options import (
     collective_option,
@@ -50,6 +50,7 @@ from statestream.manager._policies import (
 )
 from statestream.manager._resume import ResumeGuard, load_newest_good, load_numbered
 from statestream.manager._retention import Retention, step_info, step_meta
+from statestream.manager._savestep import save_step, start_step
 from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
 from statestream.manager._steps import StepDirectory, check_step
 from statestream.manager._tier import LocalTier
@@ -424,16 +425,17 @@ class CheckpointManager:
                base: str | None) -> None:
         """Save (or start saving, ``async_save``) ``state`` to ``path``."""
         tiered = self._tier is not None
+        opts: dict[str, Any] = dict(
+            overwrite=overwrite, io=self._io, memory=self._memory, collective=self._coll,
+            meta=meta, compression=self._compression, base=base, hashes=self._incremental,
+            node_local=tiered)
+        # a save to the directory commits only while rank 0 holds the lease (confirmed)
+        check = None if tiered else self._hold.check_to_commit
         if self._async:  # agreed: one rank's failure is raised on every rank
-            self._flight.handle = started(self._coll, path, lambda: save_async(
-                path, state, lazy=self._lazy, overwrite=overwrite, io=self._io,
-                memory=self._memory, collective=self._coll, meta=meta,
-                compression=self._compression, base=base, hashes=self._incremental,
-                node_local=tiered))
+            self._flight.handle = started(self._coll, path, lambda: start_step(
+                path, state, check, lazy=self._lazy, **opts))
         else:
-            save(path, state, overwrite=overwrite, io=self._io, memory=self._memory,
-                 collective=self._coll, meta=meta, compression=self._compression,
-                 base=base, hashes=self._incremental, node_local=tiered)
+            save_step(path, state, check, **opts)
 
     def _prepare_save(self, step: int, metrics: Mapping[str, float] | None,
                       force: bool) -> bool:

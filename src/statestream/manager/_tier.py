@@ -92,15 +92,14 @@ class LocalTier:
             within (None: 16 MiB per file copied at once).
         take_lease: called on rank 0 (agreed) before each persistence: takes the
             directory's lease if the manager opened without it (its store could not
-            be reached) and checks it is still held; until it succeeds nothing is
-            persisted.
+            be reached) and checks it is still held (again as each copy commits);
+            until it succeeds nothing is persisted.
         on_close: called once the persistence thread has ended after :meth:`close`
             (on that thread, or in ``close``): ``coll`` is no longer used.
     """
 
     def __init__(self, root: str, persistent: StepDirectory, keep: KeepPolicy,
-                 coll: Collective, groups: NodeGroups, *,
-                 peers: bool = False,
+                 coll: Collective, groups: NodeGroups, *, peers: bool = False,
                  after_persist: Callable[[], None] | None = None,
                  directory_keep: KeepPolicy | None = None,
                  memory_bytes: int | None = None,
@@ -408,7 +407,8 @@ class LocalTier:
         that holds it (:func:`upload_filter`: the ranks may have moved)."""
         files = upload_filter(self._coll, self.groups, self.path(step), step)
         copy_checkpoint(self.path(step), self.persistent.path(step), overwrite=None,
-                        collective=self._coll, files=files, memory_bytes=self.memory_bytes)
+                        collective=self._coll, files=files, memory_bytes=self.memory_bytes,
+                        before_commit=self._take_lease)
         err: BaseException | None = None
         if self._leader:
             try:
