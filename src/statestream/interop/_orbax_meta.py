@@ -1,6 +1,7 @@
 """Checks and metadata of an Orbax checkpoint's item directory read before orbax reads
 anything (interop/_orbax.py): no links or devices under it, no array name leaving it, and
-which arrays are typed PRNG keys."""
+which arrays are typed PRNG keys; and which entries of a directory are orbax's own (what
+a conversion may replace, interop/_publish.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,64 @@ from typing import NamedTuple
 from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
 from statestream.interop._files import read_capped
 
-__all__ = ["Layout", "key_impls", "outside", "refuse_links", "refuse_outside_names"]
+__all__ = ["Layout", "key_impls", "orbax_strays", "outside", "refuse_links",
+           "refuse_outside_names"]
 
 #: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
 #: per array).
 _MAX_METADATA = 256 << 20
+
+
+#: The files orbax writes in a checkpoint's directory and in each item's (beside them: the
+#: directories below and, without OCDBT, one tensorstore array directory per array).
+_OWN_FILES = frozenset({"_CHECKPOINT_METADATA", "_METADATA", "_ROOT_METADATA", "_sharding",
+                        "manifest.ocdbt", "commit_success.txt"})
+#: ... and the directories: OCDBT's data, per-process array metadata, the descriptor
+_OWN_DIRS = frozenset({"d", "array_metadatas", "descriptor"})
+#: what a JsonSave item's directory holds
+_JSON_ITEM = frozenset({"metadata", "commit_success.txt"})
+
+
+def orbax_strays(directory: str, *, items: bool = True) -> list[str]:
+    """The entries of an Orbax checkpoint's ``directory`` that orbax did not write there:
+    not one of its own files or directories, a tensorstore array's directory (``.zarray``
+    or ``zarr.json`` in it: an array without OCDBT), nor (``items``: a CheckpointManager
+    step) an item's directory, itself holding only orbax's entries. Only names and the
+    entries of subdirectories are looked at, never a file's contents; a link is a stray.
+    """
+    out = []
+    for e in _entries(directory):
+        if e.is_file(follow_symlinks=False) and e.name in _OWN_FILES:
+            continue
+        if e.is_dir(follow_symlinks=False) and (
+                e.name in _OWN_DIRS or e.name.startswith("ocdbt.process_")
+                or _is_array_dir(e.path) or (items and _is_item(e.path))):
+            continue
+        out.append(e.name)
+    return sorted(out)
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _is_array_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))
+               for n in (".zarray", "zarr.json"))
+
+
+def _is_item(path: str) -> bool:
+    """A step's item: a PyTree item holding only orbax's entries, or a JsonSave item."""
+    entries = _entries(path)
+    files = {e.name for e in entries if e.is_file(follow_symlinks=False)}
+    if len(files) == len(entries) and "metadata" in files and files <= _JSON_ITEM:
+        return True
+    return bool(files & {"_METADATA", "_CHECKPOINT_METADATA"}) and not orbax_strays(
+        path, items=False)
 
 
 def refuse_links(item: str) -> tuple[int, int]:

@@ -15,9 +15,10 @@ from statestream.errors import (
     storage_error,
 )
 from statestream.format import COMMIT_NAME
-from statestream.interop._dcp import looks_like_dcp
+from statestream.interop._dcp import METADATA_NAME, looks_like_dcp
 from statestream.interop._orbax import looks_like_orbax
-from statestream.interop._safetensors import find_index, find_single
+from statestream.interop._orbax_meta import orbax_strays
+from statestream.interop._safetensors import find_single, index_shards
 from statestream.storage import staging_dir, storage_for
 from statestream.storage._local import (
     SwapBackFailed,
@@ -28,7 +29,8 @@ from statestream.storage._local import (
     sync_or_swap_back,
 )
 
-__all__ = ["claim", "holds_checkpoint", "publish", "staging_path", "writing"]
+__all__ = ["checkpoint_strays", "claim", "holds_checkpoint", "publish", "staging_path",
+           "writing"]
 
 
 def staging_path(final: str) -> str:
@@ -42,22 +44,55 @@ def staging_path(final: str) -> str:
 
 
 def holds_checkpoint(path: str) -> bool:
-    """An empty directory, or one holding a checkpoint statestream reads."""
-    if not os.listdir(path) or os.path.exists(os.path.join(path, COMMIT_NAME)):
-        return True
+    """An empty directory, or one holding a checkpoint statestream reads and nothing else."""
+    return checkpoint_strays(path) == []
+
+
+def checkpoint_strays(path: str) -> list[str] | None:
+    """The entries of directory ``path`` that are not its checkpoint's, sorted; None when
+    it holds no checkpoint statestream reads.
+
+    Nothing is a stray in an empty directory or a statestream checkpoint (``COMMITTED``:
+    replaced whole, as a save replaces it). Otherwise the format is decided as
+    ``detect_format`` decides it, and its files are: the safetensors indexes and the
+    shards their ``weight_map`` names (every ``*.safetensors`` file, when an index cannot
+    be read); DCP's ``.metadata`` and ``*.distcp`` files; an Orbax checkpoint's own
+    entries (``orbax_strays``); a model directory's one ``*.safetensors`` file. A Hugging
+    Face model directory's ``config.json`` or tokenizer is a stray: replacing the
+    directory would delete it (it did, before 2026-12-08).
+    """
     try:
-        return (find_index(path) is not None or looks_like_dcp(path) or looks_like_orbax(path)
-                or find_single(path) is not None)
-    except CheckpointError:  # several safetensors indexes: shards all the same
-        return True
+        names = os.listdir(path)
+    except OSError:  # not a readable directory: the caller's own check says what it is
+        return None
+    if not names or COMMIT_NAME in names:
+        return []
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    if indexes:
+        own = set(indexes)
+        for index in indexes:
+            shards = index_shards(os.path.join(path, index))
+            own |= shards if shards is not None else {
+                n for n in names if n.endswith(".safetensors")}
+    elif looks_like_dcp(path):
+        own = {n for n in names if n == METADATA_NAME or n.endswith(".distcp")}
+    elif looks_like_orbax(path):
+        return orbax_strays(path)
+    else:
+        one = find_single(path)
+        if one is None:
+            return None
+        own = {os.path.basename(one)}
+    return sorted(set(names) - own)
 
 
 def claim(final: str, overwrite: bool, *, directory: bool) -> None:
     """Refuse an existing ``final`` unless ``overwrite``, and even then anything the
     output (a ``directory`` or a file) should not replace: a directory by a file, a
-    file by a directory, or a directory holding something other than a checkpoint
-    (publishing renames the output over it and removes what it held); nor a path inside
-    a statestream checkpoint (replaced or deleted whole, taking the output along)."""
+    file by a directory, or a directory holding something other than a checkpoint, or
+    more than one (publishing renames the output over it and removes what it held); nor
+    a path inside a statestream checkpoint (replaced or deleted whole, taking the output
+    along)."""
     refuse_inside_checkpoint(os.path.abspath(final))
     if not os.path.lexists(final):
         return
@@ -65,13 +100,22 @@ def claim(final: str, overwrite: bool, *, directory: bool) -> None:
         raise CheckpointExistsError(
             f"{final} already exists; pass overwrite=True to replace it")
     is_dir = os.path.isdir(final) and not os.path.islink(final)
-    if is_dir == directory and (not is_dir or holds_checkpoint(final)):
+    strays = checkpoint_strays(final) if is_dir and directory else None
+    if is_dir == directory and (not is_dir or strays == []):
         if is_dir:  # a statestream checkpoint that incremental siblings refer to stays
             refuse_replacing_a_base(storage_for(final)[0], final, overwrite)
         return
+    out = "a directory" if directory else "one file"
+    if strays:
+        shown = ", ".join(f"{n!r:.80}" for n in strays[:5])
+        more = f" and {len(strays) - 5} more" if len(strays) > 5 else ""
+        raise CheckpointExistsError(
+            f"{final} exists and holds {shown}{more} beside its checkpoint, which replacing "
+            f"it would delete; this conversion writes {out} and never replaces such a "
+            "directory, not even with overwrite=True (only a directory holding a checkpoint "
+            "and nothing else, or an empty one). Choose another path, or move them out")
     what = ("a directory that is neither empty nor a checkpoint" if is_dir == directory
             else "a directory" if is_dir else "a file")
-    out = "a directory" if directory else "one file"
     raise CheckpointExistsError(
         f"{final} exists and is {what}; this conversion writes {out} and never replaces "
         "it, not even with overwrite=True (only a file by a file, or an empty or "

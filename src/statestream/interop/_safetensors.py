@@ -16,7 +16,7 @@ import re
 import struct
 from typing import Any
 
-from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
+from statestream.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from statestream.format import (
     MAX_DIM,
     MAX_NDIM,
@@ -272,6 +272,19 @@ def find_single(directory: str) -> str | None:
     except OSError:  # not a readable directory: the caller's open reports why
         return None
     return os.path.join(directory, names[0]) if len(names) == 1 else None
+
+
+def index_shards(index_path: str) -> set[str] | None:
+    """The shard files an index's ``weight_map`` names, or None when it cannot be read
+    (what a conversion may replace along with it: interop/_publish.py)."""
+    try:
+        doc = _json(read_capped(hub_blob(index_path), MAX_INDEX_BYTES, index_path), index_path)
+    except (CheckpointError, OSError):
+        return None
+    wmap = doc.get("weight_map") if type(doc) is dict else None
+    if type(wmap) is not dict:
+        return None
+    return {v for v in wmap.values() if type(v) is str}
 
 
 def open_sharded(index_path: str) -> tuple[FileSetReader, Manifest]:
