@@ -94,6 +94,30 @@ def test_hostile_storage_entries(tmp_path: Path) -> None:
         ss.load(tmp_path / "d")
 
 
+def test_a_dcp_directory_missing_its_data_file_is_damage_naming_it(tmp_path: Path) -> None:
+    """With its only .distcp gone, a DCP directory was no known format: verify said 'no
+    COMMITTED marker' (exit 2) where a sharded safetensors directory missing its shard is
+    damage naming the file (exit 1)."""
+    from statestream.cli import main
+
+    _save({"w": torch.arange(8.0)}, tmp_path / "d")
+    (tmp_path / "d" / "__0_0.distcp").unlink()
+    assert detect_format(tmp_path / "d") == "dcp"
+    rep = ss.verify(tmp_path / "d")
+    assert not rep.ok and len(rep.problems) == 1
+    assert "__0_0.distcp is missing" in rep.problems[0]
+    assert main(["verify", str(tmp_path / "d")]) == 1
+    with pytest.raises(ss.TruncatedFileError, match="__0_0.distcp is missing"):
+        ss.load(tmp_path / "d")
+    # a .metadata that is no DCP pickle, or no regular file, is not taken for one
+    for other in (b"", b"\x80\x04junk", pickle.dumps({"torch": 1})):
+        (tmp_path / "d" / ".metadata").write_bytes(other)
+        assert detect_format(tmp_path / "d") is None
+    (tmp_path / "d" / ".metadata").unlink()
+    os.mkfifo(tmp_path / "d" / ".metadata")  # never opened, nor waited on
+    assert detect_format(tmp_path / "d") is None
+
+
 def test_dcp_to_statestream_and_safetensors_exact(tmp_path: Path) -> None:
     state = _state()
     _save(state, tmp_path / "d")

@@ -16,6 +16,7 @@ import io
 import math
 import os
 import re
+import stat
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from statestream.interop._files import (
     ZIP_ERRORS,
     FileSetReader,
     open_binary,
+    open_plain,
     plain_size,
     read_capped,
 )
@@ -102,12 +104,37 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 
 def looks_like_dcp(directory: str) -> bool:
-    """A directory with ``.metadata`` and at least one ``*.distcp`` file."""
+    """A directory with ``.metadata`` and at least one ``*.distcp`` file, or whose
+    ``.metadata`` alone looks like DCP's (:func:`_dcp_head`): a checkpoint whose data
+    files are all gone is DCP missing them (damage, naming one), not a directory of no
+    known format (it was 'no COMMITTED marker')."""
     try:
         names = os.listdir(directory)
     except OSError:  # not a readable directory: not DCP; the caller's open reports why
         return False
-    return METADATA_NAME in names and any(n.endswith(".distcp") for n in names)
+    if METADATA_NAME not in names:
+        return False
+    return any(n.endswith(".distcp") for n in names) or _dcp_head(
+        os.path.join(directory, METADATA_NAME))
+
+
+def _dcp_head(path: str) -> bool:
+    """Whether the first bytes of ``path`` are a pickle (protocol 2 or later) naming DCP's
+    metadata module, as ``dcp.save``'s ``.metadata`` starts. Only a regular file is
+    opened (never a link, FIFO or device, nor waited on), and only its first 128 bytes read."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        fd = open_plain(path)
+    except (CheckpointError, OSError):
+        return False
+    try:
+        head = os.read(fd, 128)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and _DCP.encode() in head
 
 
 def _attr(obj: Any, name: str, where: str) -> Any:

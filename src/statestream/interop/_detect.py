@@ -54,7 +54,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     8-byte little-endian header length followed by ``{``; a torch.save file
     is a zip archive with a ``<name>/data.pkl`` entry. A directory is sharded
     safetensors when it holds a ``*.safetensors.index.json``, and DCP when it
-    holds ``.metadata`` and ``*.distcp`` files, Orbax when it holds
+    holds ``.metadata`` and ``*.distcp`` files (or a ``.metadata`` alone that starts as
+    DCP's does: its data files are missing), Orbax when it holds
     ``_CHECKPOINT_METADATA`` or ``_METADATA`` (and no statestream manifest),
     and safetensors when it holds none of these and exactly one ``*.safetensors``
     file (a Hugging Face model directory, read as that file).
