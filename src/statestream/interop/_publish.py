@@ -92,8 +92,9 @@ def claim(final: str, overwrite: bool, *, directory: bool) -> None:
     file by a directory, or a directory holding something other than a checkpoint, or
     more than one (publishing renames the output over it and removes what it held); nor
     a path inside a statestream checkpoint (replaced or deleted whole, taking the output
-    along)."""
+    along), nor a symbolic link."""
     refuse_inside_checkpoint(os.path.abspath(final))
+    _refuse_a_link(final)
     if not os.path.lexists(final):
         return
     if not overwrite:
@@ -120,6 +121,21 @@ def claim(final: str, overwrite: bool, *, directory: bool) -> None:
         f"{final} exists and is {what}; this conversion writes {out} and never replaces "
         "it, not even with overwrite=True (only a file by a file, or an empty or "
         "checkpoint directory by a directory). Choose another path, or remove it yourself")
+
+
+def _refuse_a_link(final: str) -> None:
+    """A symbolic link is never replaced, with or without overwrite, as a save never
+    replaces one: publishing would replace the link, not what it points to. (A link to a
+    checkpoint directory was told to pass overwrite=True, which then called it 'a file';
+    a file output replaced a link to a file by the file.)"""
+    try:
+        target = os.readlink(final)
+    except OSError:  # not a link (or gone): the other checks say what it is
+        return
+    raise CheckpointExistsError(
+        f"{final} exists and is a symbolic link (to {target}); a conversion never replaces "
+        "a link, not even with overwrite=True (it would replace the link, not what it "
+        "points to). Convert to the path it points to, or remove the link yourself")
 
 
 @contextlib.contextmanager
