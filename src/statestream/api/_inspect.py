@@ -150,8 +150,9 @@ def metadata(path: str | os.PathLike[str], *, allow_pickle: bool = False,
 
 
 def _describe(reader: CheckpointReader, m: Manifest) -> CheckpointMetadata:
+    where = reader.location  # a foreign checkpoint's reader has the path as given
     return CheckpointMetadata(
-        path=reader.location,
+        path=where if "://" in where else os.path.abspath(where),
         format_version=m.version,
         tree=_meta_tree(m.tree, m),
         total_bytes=sum(a.nbytes for a in m.arrays),
