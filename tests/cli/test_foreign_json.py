@@ -41,3 +41,22 @@ def test_inspect_and_diff_json_paths_are_absolute(made: Path, given: str,
     assert (doc["a"]["path"], doc["b"]["path"]) == (want, str(made / "ck"))
     assert main(["verify", "--json", given]) == 0  # verify's stays PATH as given
     assert json.loads(capsys.readouterr().out)["path"] == given
+
+
+def test_files_are_the_files_on_disk(made: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DCP and torch.save listed a made-up '<bytes values>' entry (the bytes values held in
+    memory), Orbax one '<array N block M>' per storage block: names of no file."""
+    for given in ("m.safetensors", "m.pt", "d", "sh"):
+        assert main(["inspect", "--json", given]) == 0
+        files = json.loads(capsys.readouterr().out)["files"]
+        base = given if os.path.isdir(given) else os.path.dirname(os.path.abspath(given))
+        assert files and all(os.path.getsize(os.path.join(base, n)) == s for n, s in files)
+    assert [n for n, _ in ss.metadata("d").files] == ["__0_0.distcp"]
+    assert [n for n, _ in ss.metadata("m.pt").files] == ["m.pt"]
+    pytest.importorskip("orbax.checkpoint")
+    ss.save(made / "ck2", {"w": np.ones(2, np.float32)})
+    ss.convert(made / "ck2", made / "o", to="orbax")
+    files = dict(ss.metadata("o").files)
+    assert "_METADATA" in files and any(n.startswith("ocdbt.process_0/d/") for n in files)
+    for name, size in files.items():
+        assert os.path.getsize(made / "o" / name) == size

@@ -157,7 +157,8 @@ def _describe(reader: CheckpointReader, m: Manifest) -> CheckpointMetadata:
         tree=_meta_tree(m.tree, m),
         total_bytes=sum(a.nbytes for a in m.arrays),
         num_arrays=len(m.arrays),
-        files=[(f.name, f.size) for f in m.files],
+        files=(reader.disk_files(m.files) if isinstance(reader, FileSetReader)
+               else [(f.name, f.size) for f in m.files]),
         meta=dict(m.meta),
         format=reader.format if isinstance(reader, FileSetReader) else "statestream",
         bases=list(m.bases),

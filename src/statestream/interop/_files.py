@@ -15,6 +15,7 @@ from statestream.errors import (
     TruncatedFileError,
     UnsafeCheckpointError,
 )
+from statestream.format import FileEntry
 from statestream.storage import Buffer, preadv_all
 from statestream.storage._local_read import open_regular
 
@@ -126,6 +127,12 @@ class FileSetReader:
             fd = open_plain(path)
             self._fds[name] = fd
             return fd
+
+    def disk_files(self, files: Sequence[FileEntry]) -> list[tuple[str, int]]:
+        """The checkpoint's files and their sizes, as ``metadata`` lists them: of its
+        manifest's ``files``, those on disk (not the values held in memory, whose
+        pseudo-file names such as ``<bytes values>`` name no file)."""
+        return [(f.name, f.size) for f in files if f.name in self._paths]
 
     def read_bytes(self, name: str, max_bytes: int) -> bytes:
         size = self.file_size(name)

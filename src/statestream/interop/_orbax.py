@@ -49,7 +49,13 @@ from statestream.interop._files import FileSetReader
 from statestream.interop._loopnoise import drop_abandoned, quiet_late_loop_callbacks
 from statestream.interop._orbax_check import check_claims, check_scalars, leaves_where
 from statestream.interop._orbax_direct import read_chunk_direct
-from statestream.interop._orbax_meta import key_impls, outside, refuse_links, refuse_outside_names
+from statestream.interop._orbax_meta import (
+    item_files,
+    key_impls,
+    outside,
+    refuse_links,
+    refuse_outside_names,
+)
 from statestream.interop._orbax_part import PartReads, read_part
 from statestream.storage import Buffer
 from statestream.tree import Key, KeyPath, Node, format_keypath
@@ -372,6 +378,10 @@ class _OrbaxReader(FileSetReader):
 
     def file_size(self, name: str) -> int:
         return self._size(name) if name in self._blocks else super().file_size(name)
+
+    def disk_files(self, files: Sequence[FileEntry]) -> list[tuple[str, int]]:
+        """The item's files on disk (its manifest's are blocks of arrays and values)."""
+        return item_files(self._item, os.path.abspath(self.location))
 
     def _store(self, leaf: _Leaf) -> Any:
         """``leaf``'s tensorstore, opened and checked against the metadata. Opening

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from statestream.errors import CheckpointCorruptError, UnsafeCheckpointError
 from statestream.interop._files import read_capped
 
-__all__ = ["Layout", "key_impls", "orbax_strays", "outside", "refuse_links",
+__all__ = ["Layout", "item_files", "key_impls", "orbax_strays", "outside", "refuse_links",
            "refuse_outside_names"]
 
 #: The largest ``_METADATA`` read to check its names (orbax's own is a few hundred bytes
@@ -104,6 +104,32 @@ def refuse_links(item: str) -> tuple[int, int]:
                 stored += held
                 holes += st.st_size - held
     return stored, holes
+
+
+def item_files(item: str, base: str) -> list[tuple[str, int]]:
+    """Every regular file under ``item`` and its size, named relative to ``base``, sorted:
+    the files an Orbax checkpoint's arrays are read from (tensorstore's layout, orbax's own
+    business), as ``metadata`` lists them. Anything else is left out (:func:`refuse_links`
+    refused it when the checkpoint was opened)."""
+    out = []
+    stack = [item]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+            elif stat.S_ISREG(st.st_mode):
+                out.append((os.path.relpath(e.path, base), st.st_size))
+    return sorted(out)
 
 
 def outside(name: str) -> bool:
