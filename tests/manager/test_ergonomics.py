@@ -173,12 +173,16 @@ def test_keep_best_metric_missing_warns(tmp_path):
             mgr.save(1, state_at(1))
 
 
-def test_loading_a_step_the_keep_policy_deleted_lists_the_steps(tmp_path):
-    """It said 'no checkpoint at .../step_0000000001: the directory does not exist'."""
+@pytest.mark.parametrize("tier", [False, True])
+def test_loading_a_step_the_keep_policy_deleted_lists_the_steps(tmp_path, tier):
+    """It said 'no checkpoint at .../step_0000000001: the directory does not exist' (with
+    a local tier until 2026-12-08: every step counted as there)."""
+    kw = {"local_tier": str(tmp_path / "local")} if tier else {}
     with ss.CheckpointManager(tmp_path / "run", async_save=False,
-                              keep_policy=ss.KeepLatest(2)) as mgr:
+                              keep_policy=ss.KeepLatest(2), **kw) as mgr:
         for step in range(1, 5):
             mgr.save(step, {"w": np.full(3, step)})
+        mgr.wait()
         with pytest.raises(ss.CheckpointNotFoundError,
                            match=r"step 1 is not a committed step of .*run \(its steps: 3, 4\); "
                                  "a keep policy may have deleted it"):

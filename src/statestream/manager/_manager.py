@@ -48,7 +48,7 @@ from statestream.manager._policies import (
     drops_for_good,
     warn_missing_metrics,
 )
-from statestream.manager._resume import ResumeGuard, load_newest_good, load_numbered
+from statestream.manager._resume import ResumeGuard, load_newest_good, load_numbered, steps_here
 from statestream.manager._retention import Retention, step_info, step_meta
 from statestream.manager._savestep import save_step, start_step
 from statestream.manager._serial import one_at_a_time, one_at_a_time_if_collective
@@ -584,8 +584,8 @@ class CheckpointManager:
                              collective=self._coll, fetch=self._incremental and s == latest,
                              max_arrays=limit)
         if step is not None:
-            return load_numbered(check_step(step), one, self.directory, self._retention.listed,
-                                 lambda s: self._tier is not None or self._dir.is_committed(s))
+            return load_numbered(check_step(step), one, self.directory,
+                                 *steps_here(self._dir, self._tier, self._retention.listed))
         if latest is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint in {self.directory}; save one first")

@@ -20,7 +20,8 @@ from statestream.errors import (
     DistributedError,
 )
 
-__all__ = ["ResumeGuard", "is_damage", "load_newest_good", "load_numbered", "missing_step"]
+__all__ = ["ResumeGuard", "is_damage", "load_newest_good", "load_numbered", "missing_step",
+           "steps_here"]
 
 
 def missing_step(step: int, directory: str, have: list[int]) -> CheckpointNotFoundError:
@@ -41,6 +42,27 @@ def load_numbered(step: int, load_step: Callable[[int], Any], directory: str,
         if exists(step):
             raise
         raise missing_step(step, directory, listed()) from exc
+
+
+def steps_here(directory: Any, tier: Any, listed: Callable[[], list[int]]
+               ) -> tuple[Callable[[], list[int]], Callable[[int], bool]]:
+    """:func:`load_numbered`'s ``listed`` and ``exists`` for a manager's ``directory``
+    (a StepDirectory; ``listed`` its steps without retired ones) and local ``tier``
+    (None without), as this process sees them: one rank's error lists them, so nothing
+    collective; a directory that cannot be listed (its store down) is left out. (With a
+    tier every step counted as there, and a missing one was a bare 'no checkpoint at'.)"""
+    def exists(step: int) -> bool:
+        return bool(directory.is_committed(step)) or (
+            tier is not None and bool(tier.is_committed(step)))
+
+    def steps() -> list[int]:
+        here = set() if tier is None else set(tier.retention.listed())
+        try:
+            return sorted(here | set(listed()))
+        except CheckpointError:
+            return sorted(here)
+
+    return steps, exists
 
 
 def _names(cls: type[Exception]) -> set[str]:
