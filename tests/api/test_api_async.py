@@ -589,3 +589,23 @@ def test_unsupported_leaf_fails_in_blocking_phase(tmp_path, lazy):
     h = ss.save_async(path, {"w": np.ones(1000)}, lazy=lazy)
     h.result(timeout=_WAIT_S)
     assert (ss.load(path)["w"] == 1).all()
+
+
+def test_timeouts_take_infinity_and_refuse_nan(tmp_path):
+    # inf raised OverflowError from threading; NaN timed out at once ("after nans")
+    from statestream.engine import BackgroundTasks
+
+    h = ss.save_async(tmp_path / "a", {"w": np.arange(4.0)}, lazy=True)
+    for wait in (h.wait_snapshot, h.result):
+        wait(float("inf"))
+        wait(np.float64(1e300))  # more than the platform can wait: no limit
+        with pytest.raises(ss.InvalidOptionError, match="NaN"):
+            wait(float("nan"))
+        with pytest.raises(ss.InvalidOptionTypeError, match="not str"):
+            wait("1")  # type: ignore[arg-type]
+    tasks = BackgroundTasks("test")
+    t = tasks.submit(lambda: None, "nothing")
+    t.result(float("inf"))
+    with pytest.raises(ss.InvalidOptionError, match="NaN"):
+        t.result(float("nan"))
+    tasks.close()

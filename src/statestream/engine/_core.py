@@ -24,6 +24,7 @@ __all__ = [
     "default_num_threads",
     "parallel_for",
     "snapshot_budgets",
+    "wait_seconds",
     "writers_share",
 ]
 
@@ -390,3 +391,24 @@ def _run_all(n_threads: int, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futs]
+
+
+def wait_seconds(timeout: Any, what: str) -> float | None:
+    """A caller's ``timeout`` (seconds) as ``threading`` waits take it: None, infinity
+    or more than the platform can wait is no limit (``inf`` raised OverflowError).
+
+    Raises:
+        InvalidOptionError: NaN (it timed out at once, "not finished after nans").
+        InvalidOptionTypeError: not a real number.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise InvalidOptionTypeError(
+            f"{what}: timeout must be seconds (a number) or None, not "
+            f"{type(timeout).__name__}")
+    t = float(timeout)
+    if t != t:
+        raise InvalidOptionError(
+            f"{what}: timeout is NaN; pass seconds, or None to wait without limit")
+    return None if t > threading.TIMEOUT_MAX else t

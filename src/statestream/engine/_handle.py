@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
+from statestream.engine._core import wait_seconds
 from statestream.errors import CheckpointError
 from statestream.providers import array_provider_for
 
@@ -132,7 +133,8 @@ class SaveHandle:
 
     # -- waiting ----------------------------------------------------------------
     def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Block until the state may be mutated (every chunk copied).
+        """Block until the state may be mutated (every chunk copied); ``timeout`` in
+        seconds (None or ``inf``: no limit).
 
         Raises:
             TimeoutError: the snapshot did not finish within ``timeout`` seconds.
@@ -141,7 +143,7 @@ class SaveHandle:
         """
         if not self._snapshot.is_set():
             self._not_on_its_thread("wait_snapshot()")
-        if not self._snapshot.wait(timeout):
+        if not self._snapshot.wait(wait_seconds(timeout, "wait_snapshot()")):
             raise TimeoutError(f"snapshot of {self.path} not done after {timeout}s")
         if self._snapshot_failed and self._error is not None:
             self._reported()
@@ -172,16 +174,18 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the checkpoint is durable and committed; raise any error.
+        ``timeout`` in seconds (None or ``inf``: no limit).
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds.
+            InvalidOptionError: ``timeout`` is NaN.
             CheckpointError (or the original error): the background phase failed;
                 nothing was committed. Also: called on a thread of the save (a
                 progress callback), which it would wait for forever.
         """
         if not self._finished.is_set():
             self._not_on_its_thread("result()")
-        if not self._finished.wait(timeout):
+        if not self._finished.wait(wait_seconds(timeout, "result()")):
             raise TimeoutError(f"save to {self.path} not finished after {timeout}s")
         if self._error is not None:
             self._reported()

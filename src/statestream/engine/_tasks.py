@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from statestream.engine._core import lower_thread_priority
+from statestream.engine._core import lower_thread_priority, wait_seconds
 from statestream.errors import CheckpointError
 
 __all__ = ["BackgroundTasks", "TaskHandle"]
@@ -57,7 +57,7 @@ class TaskHandle:
         Raises:
             TimeoutError: not done within ``timeout`` seconds.
         """
-        if not self._done.wait(timeout):
+        if not self._done.wait(wait_seconds(timeout, "result()")):
             raise TimeoutError(f"{self.what} not finished after {timeout}s")
         self._seen = True
         if self._error is not None:
