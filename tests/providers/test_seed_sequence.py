@@ -98,3 +98,49 @@ def test_a_generator_seeded_with_numpy_ints_saves_and_spawns_alike(
     assert out.random() == g.random()
     mine, theirs = g.spawn(1)[0], out.spawn(1)[0]
     assert mine.random() == theirs.random()
+
+
+def _bit_state(tmp_path: Path, rng: Any, keys: tuple[str, ...], value: Any) -> Path:
+    """A checkpoint of generator ``rng`` whose saved state has ``value`` at ``keys``."""
+    c = tmp_path / "c"
+    ss.save(c, {"rng": rng})
+    doc = json.loads((c / "manifest.json").read_bytes())
+    node = doc["tree"]["c"][0]["c"][0]
+    for k in keys:
+        node = node["c"][node["k"].index(k)]
+    node.clear()
+    node.update(value)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    (c / "manifest.json").write_bytes(data)
+    (c / "COMMITTED").write_bytes(encode_commit(data))
+    return c
+
+
+POSITIONS = {  # NumPy takes these unchecked: a draw then read out of bounds, or crashed
+    "mt-pos": (lambda: np.random.Generator(np.random.MT19937(1)), ("state", "pos"),
+               _int(10**9), "state/pos at key path 'rng/state/pos' is 1000000000"),
+    "mt-pos-625": (lambda: np.random.RandomState(1), ("state", "pos"), _int(625),
+                   "is 625, not an int in \\[0, 624\\]"),
+    "philox-pos": (lambda: np.random.Generator(np.random.Philox(1)), ("buffer_pos",),
+                   {"t": "int", "v": "-5f5e100"}, "buffer_pos at key path "
+                   "'rng/buffer_pos' is -100000000, not an int in \\[0, 4\\]"),
+    "pcg-flag": (lambda: np.random.Generator(np.random.PCG64(1)), ("has_uint32",),
+                 _int(7), "has_uint32 at key path 'rng/has_uint32' is 7"),
+    "mt-key": (lambda: np.random.MT19937(1), ("state", "key"), _ints(1, 2),
+               "state/key at key path 'rng/state/key' is not 624 words"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POSITIONS))
+@pytest.mark.parametrize("into", ["none", "target"])
+def test_a_bit_generator_position_out_of_range_is_refused(
+        tmp_path: Path, case: str, into: str) -> None:
+    make, keys, value, message = POSITIONS[case]
+    c = _bit_state(tmp_path, make(), keys, value)
+    with pytest.raises(CheckpointCorruptError, match=message):
+        ss.load(c, target={"rng": None if into == "none" else make()})
+    # within range it loads, and draws as NumPy does from that state
+    for ok in ([_int(624)] if case.startswith("mt-pos") else
+               [_int(4)] if case == "philox-pos" else [_int(1)] if case == "pcg-flag" else []):
+        c = _bit_state(tmp_path / "ok", make(), keys, ok)
+        ss.load(c, target={"rng": None})["rng"].random()

@@ -122,6 +122,48 @@ def _seed_seq(saved: Any, path: KeyPath) -> Any:
                                   f"'{format_keypath(path)}' is not one: {exc}") from None
 
 
+#: Per bit generator, what NumPy takes from a state unchecked: indexes into its
+#: buffers, bounded here (an MT19937 ``pos`` of 10^9 or a Philox ``buffer_pos`` of
+#: -10^8 loaded, and the first draw read out of bounds or crashed the interpreter),
+#: and the lengths of the arrays it copies those buffers from.
+_POSITIONS: dict[str, tuple[tuple[tuple[str, ...], int, int], ...]] = {
+    "MT19937": ((("state", "pos"), 0, 624),),
+    "Philox": ((("buffer_pos",), 0, 4),),
+}
+_WORDS: dict[str, tuple[tuple[tuple[str, ...], int], ...]] = {
+    "MT19937": ((("state", "key"), 624),),
+    "Philox": ((("buffer",), 4), (("state", "counter"), 4), (("state", "key"), 2)),
+    "SFC64": ((("state", "state"), 4),),
+}
+
+
+def _check_positions(state: dict[str, Any], path: KeyPath) -> None:
+    """Refuse a bit generator state whose buffer indexes or flags NumPy would take out
+    of range (see :data:`_POSITIONS`), or whose arrays are not the words it copies.
+
+    Raises:
+        CheckpointCorruptError: naming the value's key path.
+    """
+    name = state.get("bit_generator")
+    flags = tuple(((k,), 0, 1) for k in ("has_uint32", "has_gauss") if k in state)
+    for keys, lo, hi in (*_POSITIONS.get(name, ()), *flags):  # type: ignore[arg-type]
+        v: Any = state
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+            raise CheckpointCorruptError(
+                f"the NumPy {name} state's {'/'.join(keys)} at key path "
+                f"'{format_keypath((*path, *keys))}' is {v!r:.40}, not an int in [{lo}, {hi}]")
+    for keys, n in _WORDS.get(name, ()):  # type: ignore[arg-type]
+        v = state
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if np.shape(v) != (n,):
+            raise CheckpointCorruptError(
+                f"the NumPy {name} state's {'/'.join(keys)} at key path "
+                f"'{format_keypath((*path, *keys))}' is not {n} words")
+
+
 def _restore(bg: Any, state: Any, path: KeyPath) -> Any:
     """Put a saved state (with or without its seed sequence) into the bit generator."""
     state = dict(state)
@@ -131,6 +173,7 @@ def _restore(bg: Any, state: Any, path: KeyPath) -> Any:
             f"the NumPy generator at key path '{format_keypath(path)}' was saved with bit "
             f"generator {state.get('bit_generator')!r:.40}, the target's is "
             f"{type(bg).__name__}: load into a generator of that kind, or with None")
+    _check_positions(state, path)
     if seq is None:
         bg.state = state
     else:  # BitGenerator.__setstate__ takes (state, seed sequence) since NumPy 1.25
@@ -224,6 +267,8 @@ class NumpyRandomStateAdapter(StateAdapter):
         return obj.get_state(legacy=False)
 
     def set_state(self, obj: Any, state: Any, path: KeyPath) -> Any:
+        if isinstance(state, dict):
+            _check_positions(state, path)
         obj.set_state(state)
         return obj
 
