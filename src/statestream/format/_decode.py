@@ -402,10 +402,14 @@ def decode_manifest(data: bytes | str, where: str, max_arrays: int = MAX_ARRAYS)
         doc = _parse_document(text, store, head, max_arrays)
     except OverLimit as exc:
         raise exc.error(where) from None
-    except UnsafeCheckpointError:
+    except UnsafeCheckpointError as exc:
         if type(head.get("version")) is int and head.get("format") == FORMAT_NAME:
             _check_version(head, where)  # a future version's fields are not "unsafe"
-        raise
+        # which manifest (an incremental save's base's, say): the message named none
+        said = str(exc)
+        raise UnsafeCheckpointError(
+            f"manifest {where} {said[9:]}" if said.startswith("manifest ")
+            else f"manifest {where}: {said}") from None
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid JSON: {exc}") from exc
     except _Bad as exc:
