@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -151,6 +152,63 @@ def test_a_full_tier_on_one_rank_is_named_on_every_rank(
         else:
             assert ("DistributedError: rank 1 failed" in v["error"]
                     and "No space left on device" in v["error"]), v
+
+
+def store_back_worker(ctx: Context) -> dict[str, Any]:
+    """The store is down while rank 1's tier fills, then back; each persistence is
+    slower than a save (the next save finds it running)."""
+    init_gloo(ctx)
+    store = {"down": True}
+
+    def persist() -> None:
+        time.sleep(0.3)
+        if store["down"]:
+            raise ss.StorageError("the object store is down (injected)")
+
+    _hooks.register("tier.persist", persist)
+    mgr = _manager(ctx, async_save=False)
+    out: dict[str, Any] = {"saved": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in (1, 2):
+            assert mgr.save(step, state_at(step, ctx.rank))
+        try:
+            mgr.save(3, state_at(3, ctx.rank))
+        except ss.StorageError as exc:
+            out["error"], out["errno"] = str(exc), exc.errno
+        store["down"] = False
+        for step in (3, 4, 5):  # back to back
+            out["saved"].append(mgr.save(step, state_at(step, ctx.rank)))
+            out.setdefault("unpersisted", mgr.unpersisted_steps())  # after step 3
+        mgr.wait()
+        out["steps"], out["left"] = mgr.steps(), mgr.unpersisted_steps()
+        for s in out["steps"]:
+            for k, v in expected(s)["per_rank"].items():
+                np.testing.assert_array_equal(mgr.load(s)["per_rank"][k], v)
+        mgr.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_store_back_after_one_ranks_tier_filled_takes_the_waiting_steps_at_the_next_save(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    """Rank 1's tier fills while the store is down: step 3 fails on every rank, saying
+    that persisting the waiting steps failed, and why. Once the store is back, the
+    next save persists them first, every rank together, and fits (was: the local
+    tier is full at every save, until wait()); so do the saves right after it,
+    which wait for the persistence running."""
+    full = mount_tmpfs("2m")
+    res = launch(THIS, "store_back_worker", WORLD, tmp_path, timeout_s=180,
+                 args={"root": str(tmp_path / "job"), "full": str(full)})
+    for r in res:
+        v = r.value
+        assert v["errno"] == errno.ENOSPC and f"rank 1: saving step 3 failed: the local tier " \
+            f"{full} is full" in v["error"], (r.rank, v)
+        assert ("persisting the local steps that wait to be ([1, 2]) to make room failed"
+                in v["error"] and "the object store is down (injected)" in v["error"]), v
+        assert v["saved"] == [True, True, True], (r.rank, v)
+        assert not {1, 2} & set(v["unpersisted"]), (r.rank, v)
+        assert v["steps"] == [1, 2, 3, 4, 5] and v["left"] == [], (r.rank, v)
 
 
 def _peer_state(step: int, rank: int, big: bool = False) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from statestream.manager._resume import is_damage
 from statestream.manager._retention import Retention
 from statestream.manager._steps import StepDirectory
 from statestream.manager._tierrefs import missing_bases
-from statestream.manager._tierspace import TierRoom, make_room
+from statestream.manager._tierspace import TierRoom, make_room, went_through
 from statestream.manager._uploads import upload_filter
 from statestream.storage import LocalStorage, storage_for
 
@@ -286,15 +286,11 @@ class LocalTier:
         """
 
         def task() -> None:
-            if after is not None:
-                try:
-                    after.result()
-                except BaseException:
-                    return  # the save failed: its own handle reports it; nothing to persist
-            self._persist_one(step, replicate=self._peers)
-            _hooks.fire("tier.persisted")
-            self._catch_up(before=step)
-            if self._after_persist is not None:
+            if saved := after is None or went_through(after):  # failed: its handle reports it
+                self._persist_one(step, replicate=self._peers)
+                _hooks.fire("tier.persisted")
+            caught = self._catch_up(before=step if saved else None)  # a failed save's too
+            if self._after_persist is not None and (saved or caught):
                 self._after_persist()
             _hooks.fire("tier.caught_up")
 
@@ -367,13 +363,13 @@ class LocalTier:
                 self._active = None
         return todo
 
-    def _catch_up(self, before: int | None) -> None:
+    def _catch_up(self, before: int | None) -> list[int]:
         """Persist the local steps that earlier persistences left unpersisted (a store
-        that was down), older than ``before`` (all: None), oldest first, so that
-        once the store is back everything catches up without a restart. Stops at the
-        first failure (raised: the store is still down); every process copies the
-        same steps (the nodes' lists are agreed). A step whose local copy is
-        damaged does not stop the others (its error is raised at the end)."""
+        that was down), older than ``before`` (all: None), oldest first, so that once the
+        store is back everything catches up without a restart; returns the steps copied.
+        Stops at the first failure (raised: the store is still down); every process copies
+        the same steps (the nodes' lists are agreed). A damaged local copy does not stop
+        the others (its error is raised at the end)."""
         done: set[int] = set()
         damaged: CheckpointError | None = None
         for s in self._agreed_unpersisted():
@@ -386,6 +382,7 @@ class LocalTier:
                     damaged = damaged or exc
         if damaged is not None:
             raise damaged
+        return sorted(done)
 
     def _agreed_unpersisted(self) -> list[int]:
         """The steps every node holds committed and unpersisted (its leader says),
@@ -483,15 +480,18 @@ class LocalTier:
                 if not h.done():
                     raise  # the wait was interrupted (KeyboardInterrupt), not the task
                 # a step left unpersisted is retried (and reported) just below
-        h = self.tasks.submit(self._watched(self._retry_all),
-                              f"persisting the unpersisted local steps to "
-                              f"{self.persistent.directory}")
+        h = self.catch_up_now()
         try:
             h.result()
         except BaseException as exc:
             if not h.done() or isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"persisting a local step failed: {exc}") from exc
+
+    def catch_up_now(self, why: str = "") -> TaskHandle:
+        """Queue :meth:`wait`'s catch-up (after what is queued; every process alike)."""
+        return self.tasks.submit(self._watched(self._retry_all), "persisting the unpersisted "
+                                 f"local steps to {self.persistent.directory}{why}")
 
     def _retry_all(self) -> None:
         err: BaseException | None = None

@@ -27,20 +27,24 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from statestream.distributed import agree, gather_each
-from statestream.engine import SaveHandle
+from statestream.engine import SaveHandle, TaskHandle
 from statestream.errors import DistributedError, StorageError, storage_error
 
 if TYPE_CHECKING:
     from statestream.distributed import Collective
     from statestream.manager._tier import LocalTier
 
-__all__ = ["TierRoom", "copy_bytes", "fetch_shortage", "free_bytes", "lacks_room", "make_room",
-           "next_save_bytes", "raise_if_full",
-           "retry_together", "retry_when_full", "started", "tier_full_error",
-           "write_making_room"]
+__all__ = ["CATCH_UP_WAIT_S", "TierRoom", "copy_bytes", "fetch_shortage", "free_bytes",
+           "lacks_room", "make_room", "next_save_bytes", "persist_waiting", "raise_if_full",
+           "retry_together", "retry_when_full", "room_before_async", "started", "tier_full_error",
+           "went_through", "write_making_room"]
 
 #: room asked past the estimate of the next save (the manifest, the markers, the records)
 _MARGIN = 64 * 1024
+
+#: how long a save that does not fit waits for the local steps waiting to be persisted
+#: (:func:`persist_waiting`): a store that hangs fails that save once this has passed
+CATCH_UP_WAIT_S = 60.0
 
 _log = logging.getLogger("statestream.manager")
 
@@ -214,7 +218,12 @@ def write_making_room(tier: LocalTier | None, coll: Collective, step: int,
     local ``tier``: :func:`retry_when_full` with one process; with several, when
     ``agreed`` (a synchronous save: a failed ``write`` raises on every process
     together), :func:`retry_together`. Otherwise a failure that was a lack of room
-    in this process's tier raises as a full tier's error (:func:`raise_if_full`)."""
+    in this process's tier raises as a full tier's error (:func:`raise_if_full`).
+
+    An asynchronous save with one process, whose write may fail in the background
+    (not tried again), first makes room as :func:`room_before_async` says."""
+    if tier is not None and not agreed and coll.world_size == 1:
+        room_before_async(tier, step, base)
     try:
         write()
     except (StorageError, DistributedError) as exc:
@@ -261,21 +270,87 @@ def started(coll: Collective, path: str, start: Callable[[], SaveHandle]) -> Sav
     return handle
 
 
+def went_through(save: SaveHandle) -> bool:
+    """Whether ``save`` committed (waited for; a failure is its own handle's to report)."""
+    try:
+        save.result()
+    except BaseException:
+        return False
+    return True
+
+
+def persist_waiting(tier: LocalTier, step: int) -> BaseException | None:
+    """Persist the local steps that wait to be persisted now, so that the save of
+    ``step``, which did not fit, finds persisted steps to drop: a catch-up queued on
+    the persistence worker behind the persistence running there (every process
+    queues one: they copy together), waited for at most :data:`CATCH_UP_WAIT_S`.
+    Returns why it did not go through (its error, or that it is still running: it goes
+    on in the background), None if it did. A Ctrl-C interrupts the wait (raised)."""
+    h = tier.catch_up_now(f" to make room for step {step}")
+    try:
+        h.result(CATCH_UP_WAIT_S)
+    except BaseException as exc:
+        if h.done():
+            return _error_of(h)
+        if not isinstance(exc, TimeoutError):
+            raise  # interrupted: the catch-up goes on in the background
+        return TimeoutError(f"{h.what} was still running after {CATCH_UP_WAIT_S:g} s (it goes "
+                            "on in the background)")
+    return None
+
+
+def room_before_async(tier: LocalTier, step: int, base: int | None) -> None:
+    """Before the asynchronous save of ``step`` (one process): when the room made
+    before it (:func:`make_room`) is still less than the save is expected to take and
+    local steps wait to be persisted, or are being persisted, they are persisted
+    first (:func:`persist_waiting`, the store may be back; a persistence of the step
+    before may still be running), and then leave. A write that fails in the background
+    is not tried again. Nothing is raised here: the save then fits, or fails as the
+    full tier's error."""
+    steps = tier.steps()
+    free = free_bytes(tier.root)
+    if not steps or free is None or free >= next_save_bytes(tier, steps):
+        return
+    if (tier.unpersisted() or tier.pending_steps()) and persist_waiting(tier, step) is None:
+        make_room(tier, tier.pending_steps() | ({base} if base is not None else set()))
+
+
+def _error_of(h: TaskHandle) -> BaseException | None:
+    try:
+        h.result()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _room_for(tier: LocalTier, step: int, base: int | None) -> list[int]:
+    """:func:`make_room` after the save of ``step`` against ``base`` failed for room."""
+    return make_room(tier, tier.pending_steps() | ({base} if base is not None else set()),
+                     failed=step)
+
+
 def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
                     base: int | None, write: Callable[[], None]) -> None:
     """After ``write`` (a save of ``step`` against ``base``) failed with ``exc``: when
     that was a lack of room in a single process's tier, every persisted local step
     that can leave (:func:`make_room`; not ``base``, nor a step being persisted)
-    does, and ``write`` is tried once more. Raises ``exc`` otherwise (as a full
-    tier's error, :func:`raise_if_full`), or the retry's error."""
-    if (coll.world_size == 1 and _is_full(exc)
-            and make_room(tier, tier.pending_steps() | ({base} if base is not None else set()),
-                          failed=step)):
-        try:
-            return write()
-        except StorageError as again:
-            exc = again
-    raise_if_full(tier, step, exc)
+    does, and ``write`` is tried once more. When none can leave but local steps wait
+    to be persisted, or are being persisted, they are persisted first
+    (:func:`persist_waiting`) and then leave. Raises ``exc`` otherwise (as a full
+    tier's error, :func:`raise_if_full`, naming why they could not be persisted), or
+    the retry's error."""
+    why: BaseException | None = None
+    if coll.world_size == 1 and _is_full(exc):
+        room = _room_for(tier, step, base)
+        if not room and (tier.unpersisted() or tier.pending_steps()):
+            why = persist_waiting(tier, step)
+            room = [] if why is not None else _room_for(tier, step, base)
+        if room:
+            try:
+                return write()
+            except StorageError as again:
+                exc = again
+    raise_if_full(tier, step, exc, why)
     raise exc
 
 
@@ -285,13 +360,16 @@ def retry_together(tier: LocalTier, coll: Collective, step: int, exc: BaseExcept
     agreed ``DistributedError``): when a process's part did not fit in its node's
     local tier, the leader of each such node drops every persisted local step that
     can leave (:func:`make_room`), and if each of them dropped one, every process
-    tries ``write`` once more, together. Each decision is gathered from every
-    process, so none waits alone in a collective.
+    tries ``write`` once more, together. If one of them could drop none, every
+    process first persists the local steps that wait to be persisted
+    (:func:`persist_waiting`, together) and those leaders try again. Each decision is
+    gathered from every process, so none waits alone in a collective.
 
     Raises:
         StorageError: (errno ENOSPC) on every process, naming each rank whose local
-            tier is full and what could leave it, when nothing could leave one of
-            them or the save failed for room again.
+            tier is full and what could leave it (or why its waiting steps could not
+            be persisted), when nothing could leave one of them or the save failed for
+            room again.
         DistributedError: ``exc``, or the retry's error, when that was not a lack
             of room.
     """
@@ -299,11 +377,11 @@ def retry_together(tier: LocalTier, coll: Collective, step: int, exc: BaseExcept
     full = {tier.groups.leader(r) for r, t in enumerate(texts) if t is not None}
     if not full:
         raise exc
-    protected = tier.pending_steps() | ({base} if base is not None else set())
-    dropped = gather_each(
-        coll, f"making room for step {step} in the full local tiers",
-        lambda: make_room(tier, protected, failed=step) if coll.rank in full else [],
-        outcome=f"step {step} was not saved")
+    why: BaseException | None = None
+    dropped = _rooms(tier, coll, step, base, full, why)
+    if not all(dropped[r] for r in full):  # every process, together: the catch-up is agreed
+        why = persist_waiting(tier, step)
+        dropped = _rooms(tier, coll, step, base, full, why)
     if all(dropped[r] for r in full):
         try:
             return write()
@@ -314,26 +392,39 @@ def retry_together(tier: LocalTier, coll: Collective, step: int, exc: BaseExcept
         texts = _full_texts(tier, coll, step, exc)
         if all(t is None for t in texts):
             raise exc
+    else:  # with why the steps that wait could not be persisted (agreed: on every process)
+        texts = _full_texts(tier, coll, step, exc, why)
     named = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
     raise storage_error(f"{named}; step {step} was saved on no rank", errno.ENOSPC) from exc
 
 
-def _full_texts(tier: LocalTier, coll: Collective, step: int,
-                exc: BaseException) -> list[str | None]:
+def _rooms(tier: LocalTier, coll: Collective, step: int, base: int | None, full: set[int],
+           why: BaseException | None) -> list[list[int]]:
+    """What the leader of each ``full`` node dropped to make room (:func:`make_room`;
+    nothing where persisting its waiting steps failed: ``why``), gathered."""
+    return gather_each(
+        coll, f"making room for step {step} in the full local tiers",
+        lambda: _room_for(tier, step, base) if coll.rank in full and why is None else [],
+        outcome=f"step {step} was not saved")
+
+
+def _full_texts(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
+                why: BaseException | None = None) -> list[str | None]:
     """Every process's full tier error (:func:`tier_full_error`) as text, None where
     ``exc`` was not a lack of room in its node's local tier."""
 
     def mine() -> str | None:
-        full = tier_full_error(tier, step, exc)
+        full = tier_full_error(tier, step, exc, why)
         return None if full is exc else str(full)
 
     return gather_each(coll, f"finding which local tiers step {step} did not fit in", mine,
                        outcome=f"step {step} was not saved")
 
 
-def raise_if_full(tier: LocalTier, step: int, exc: BaseException) -> None:
+def raise_if_full(tier: LocalTier, step: int, exc: BaseException,
+                  why: BaseException | None = None) -> None:
     """Raise a full tier's error (:func:`tier_full_error`) if ``exc`` is one."""
-    full = tier_full_error(tier, step, exc)
+    full = tier_full_error(tier, step, exc, why)
     if full is not exc:
         raise full from exc
 
@@ -371,27 +462,41 @@ def _droppable(tier: LocalTier, steps: list[int], protected: set[int]) -> int | 
                  and tier.is_persisted(s)), None)
 
 
-def tier_full_error(tier: LocalTier, step: int, exc: BaseException) -> BaseException:
+def tier_full_error(tier: LocalTier, step: int, exc: BaseException,
+                    failed: BaseException | None = None) -> BaseException:
     """``exc``, or, when it is a lack of room (ENOSPC), an error that says the local
     tier is full, naming it, its free space, ``step`` and what could leave it
-    (also when ``exc`` was raised from one: an agreed ``DistributedError``)."""
+    (also when ``exc`` was raised from one: an agreed ``DistributedError``), or why
+    the steps waiting to be persisted could not be (``failed``: that persistence's
+    error, :func:`persist_waiting`)."""
     cause = _enospc(exc)
     if cause is None:
         return exc
     free = free_bytes(tier.root)
     try:
         could = _all_droppable(tier, tier.pending_steps())
+        waiting = tier.unpersisted()
     except OSError:
-        could = []
+        could, waiting = [], []
     why = (f"this save needed more room than was made before it (the largest local step "
            f"and the newest one's growth); the persisted local steps {could} could leave it"
-           if could
-           else "it holds no persisted step that can leave it (the others wait to be "
-           "persisted, or a kept step refers to them)")
+           if could else _none_can_leave(waiting, failed))
     return storage_error(
         f"saving step {step} failed: the local tier {tier.root} is full "
         f"({'unknown' if free is None else free} bytes free); {why}; give it more room "
         f"or keep fewer steps there ({exc})", cause)
+
+
+def _none_can_leave(waiting: list[int], failed: BaseException | None) -> str:
+    """Why no local step can leave a full tier (``waiting``: those not persisted)."""
+    if failed is not None:
+        return (f"it holds no persisted step that can leave it, and persisting the local "
+                f"steps that wait to be ({waiting}) to make room failed ({failed}; they are "
+                "tried again with each save, and by wait() and close())")
+    if waiting:
+        return (f"it holds no persisted step that can leave it (the steps {waiting} wait to "
+                "be persisted, in the background; or a kept step refers to the others)")
+    return "it holds no persisted step that can leave it (a kept step refers to each)"
 
 
 def _all_droppable(tier: LocalTier, protected: set[int]) -> list[int]:
