@@ -27,6 +27,7 @@ __all__ = [
     "ProviderCapabilities",
     "SnapshotWaiter",
     "box_slices",
+    "cast_host_array",
     "find_box",
     "chunk_of_host_array",
     "copy_box_of_host_array",
@@ -127,12 +128,26 @@ def _refuse_float_overflow(host: np.ndarray, want: np.dtype, saved: str, path: K
                 return
             lo, hi = finite.min(), finite.max()
         for v in (lo, hi):
-            if not np.isfinite(np.array([v], dtype=host.dtype).astype(want)).all():
+            if not np.isfinite(cast_host_array(np.array([v], dtype=host.dtype), want)).all():
                 raise TargetMismatchError(
                     f"the checkpoint's {saved} array at key path '{format_keypath(path)}' "
                     f"holds {v}, which the target's dtype {want} cannot hold (its largest "
                     f"finite value is {top}; a cast would make it inf or NaN); "
                     + (advice or f"pass a target of dtype {saved} there, or None"))
+
+
+def cast_host_array(host: np.ndarray, want: Any) -> np.ndarray:
+    """``host.astype(want)``, through float32 where ml_dtypes has no cast between the two
+    (float8_e8m0fnu and any other float8/float6/float4 or int4/int2, int4 and uint4,
+    int4 and float6_e2m3fn: TypeError 'Cannot cast array data ... according to the rule
+    unsafe' until 2026-12-08). Exact: every value of a real dtype of 16 bits or fewer is
+    a float32, so the value is rounded once, into ``want``, as a direct cast would be."""
+    try:
+        return host.astype(want)
+    except TypeError:
+        if host.dtype.itemsize > 2 or host.dtype.kind == "c":
+            raise
+        return host.astype(np.float32).astype(want)
 
 
 def _float_max(dtype: np.dtype) -> float | None:

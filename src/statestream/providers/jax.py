@@ -18,6 +18,7 @@ from statestream.providers._base import (
     Destination,
     PreparedArray,
     ProviderCapabilities,
+    cast_host_array,
     chunk_of_host_array,
     find_box,
     refuse_lossy_cast,
@@ -183,7 +184,7 @@ class JaxProvider(ArrayProvider):
             if like is not None:
                 if np.dtype(like.dtype) != out.dtype:
                     try:
-                        out = out.astype(like.dtype)
+                        out = cast_host_array(out, like.dtype)
                     except (TypeError, ValueError) as exc:
                         raise TargetMismatchError(
                             f"cannot cast saved {dtype} array at key path "
@@ -225,7 +226,7 @@ class JaxProvider(ArrayProvider):
                 host = bufs[box]
                 refuse_lossy_cast(host, canonical, dtype, path, _x64_advice(like, dtype))
                 if host.dtype != want:
-                    host = host.astype(want)
+                    host = cast_host_array(host, want)
                 place = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
                 arrays.append(jax.device_put(host, place))
             if not arrays:  # a sharding over other processes' devices only

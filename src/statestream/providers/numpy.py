@@ -18,6 +18,7 @@ from statestream.providers._base import (
     Destination,
     PreparedArray,
     ProviderCapabilities,
+    cast_host_array,
     chunk_of_host_array,
     copy_box_of_host_array,
     refuse_lossy_cast,
@@ -215,7 +216,7 @@ class NumpyProvider(ArrayProvider):
                 if out.dtype.kind == "c" and want.kind != "c":
                     out = out.real  # (no imaginary part, checked: no ComplexWarning)
                 try:
-                    out = out.astype(want)
+                    out = cast_host_array(out, want)
                 except (TypeError, ValueError) as exc:
                     raise TargetMismatchError(
                         f"cannot cast saved {dtype} array at key path '{format_keypath(path)}' "
