@@ -41,6 +41,7 @@ from statestream.format import (
     ChunkRef,
     Manifest,
     checksum,
+    checksum_of_blocks,
     decode_commit,
     decode_manifest,
     itemsize_of,
@@ -114,8 +115,7 @@ def digest_and_checksums(data: np.ndarray, block_bytes: int
             seg = raw[a:a + block_bytes]
             h.update(seg.data)
             blocks.append(checksum(seg))
-        return (bytes(h.digest()), checksum(np.array(blocks, dtype="<u4").tobytes()),
-                tuple(blocks))
+        return bytes(h.digest()), checksum_of_blocks(blocks), tuple(blocks)
     crc = 0
     for a in range(0, raw.nbytes, _SEGMENT):
         seg = raw[a:a + _SEGMENT]

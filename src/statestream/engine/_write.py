@@ -20,7 +20,7 @@ from statestream.engine._core import (
     thread_started,
 )
 from statestream.engine._refs import BaseChunks, chunk_digest, digest_and_checksums
-from statestream.format import ChunkEntry, FileEntry, checksum
+from statestream.format import ChunkEntry, FileEntry, checksum, checksum_of_blocks
 from statestream.plan import WriteItem, chunk_offset
 from statestream.storage import FileWriter, WriteTransaction
 
@@ -63,13 +63,14 @@ def chunk_checksums(item: WriteItem, data: np.ndarray) -> tuple[int, tuple[int, 
     """The chunk's CRC-32C, and its block CRCs when ``item.block_rows`` is set.
 
     With blocks, the chunk checksum is the CRC-32C of the block CRCs as
-    little-endian uint32 (docs/format.md), so each byte is hashed once.
+    little-endian uint32 (:func:`~statestream.format.checksum_of_blocks`,
+    docs/format.md), so each byte is hashed once.
     """
     if not item.block_rows:
         return checksum(data), ()
     step = (item.nbytes // item.shape[0]) * item.block_rows
     blocks = tuple(checksum(data[a : a + step]) for a in range(0, item.nbytes, step))
-    return checksum(np.array(blocks, dtype="<u4").tobytes()), blocks
+    return checksum_of_blocks(blocks), blocks
 
 
 def _gone(item: WriteItem) -> np.ndarray:

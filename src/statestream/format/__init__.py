@@ -3,7 +3,7 @@
 ``docs/format.md`` is the specification; this package enforces it.
 """
 
-from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum
+from statestream.format._checksum import CHECKSUM_ALGORITHM, checksum, checksum_of_blocks
 from statestream.format._codec import Compression
 from statestream.format._dtypes import DTYPE_NAMES, dtype_from_name, dtype_name, itemsize_of
 from statestream.format._manifest import (
@@ -68,6 +68,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "checksum",
+    "checksum_of_blocks",
     "check_max_arrays",
     "decode_commit",
     "decode_manifest",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["CHECKSUM_ALGORITHM", "checksum"]
+__all__ = ["CHECKSUM_ALGORITHM", "checksum", "checksum_of_blocks"]
 
 #: Name recorded in every manifest; readers refuse any other.
 CHECKSUM_ALGORITHM = "crc32c"
@@ -33,3 +35,15 @@ def checksum(data: Any, value: int = 0) -> int:
 #: buffers at least this large are hashed with the GIL released
 _RELEASE_GIL_BYTES = 1 << 20
 
+
+def checksum_of_blocks(blocks: Sequence[int]) -> int:
+    """The CRC-32C of a chunk's block checksums as little-endian uint32s: what
+    statestream records as the checksum of a chunk with block checksums, so that its
+    bytes are hashed once (docs/format.md; other writers may record the CRC-32C of its
+    bytes there instead, which a reader then checks when it reads the whole chunk).
+
+    Example:
+        >>> checksum_of_blocks([1, 2]) == checksum(bytes([1, 0, 0, 0, 2, 0, 0, 0]))
+        True
+    """
+    return checksum(struct.pack(f"<{len(blocks)}I", *blocks))

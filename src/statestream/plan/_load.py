@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from statestream.format import ArrayEntry, ChunkEntry, dtype_from_name
+from statestream.format import ArrayEntry, ChunkEntry, checksum_of_blocks, dtype_from_name
 
 __all__ = [
     "LoadPlan", "ReadPiece", "ReadRequest", "Wanted", "coalesce", "plan_load", "plan_verify",
@@ -109,11 +109,18 @@ def _intersect(
 
 def _block_checks(c: ChunkEntry, first_row: int, nbytes: int) -> list[tuple[int, int, int]]:
     """(start, end, crc) of the checksum blocks of chunk ``c`` covered by a read of
-    ``nbytes`` starting at row ``first_row`` (a block boundary)."""
+    ``nbytes`` starting at row ``first_row`` (a block boundary). A read of the whole
+    chunk checks its checksum over its bytes too where that is not the CRC-32C of its
+    block checksums (statestream's): another writer's, as docs/format.md allows (until
+    2026-12-08 that checksum was checked nowhere, so it could match nothing)."""
     step = c.block_rows * (c.nbytes // c.shape[0])
     b0 = first_row // c.block_rows
-    return [(a, min(a + step, nbytes), c.block_checksums[b0 + k])
-            for k, a in enumerate(range(0, nbytes, step))]
+    out = [(a, min(a + step, nbytes), c.block_checksums[b0 + k])
+           for k, a in enumerate(range(0, nbytes, step))]
+    if not first_row and nbytes == c.nbytes and c.checksum != checksum_of_blocks(
+            c.block_checksums):
+        out.append((0, nbytes, c.checksum))
+    return out
 
 
 def _row_blocks(entry: ArrayEntry) -> bool:
