@@ -8,6 +8,7 @@ numpy scratch buffers.
 from __future__ import annotations
 
 import pathlib
+import re
 import tracemalloc
 
 import numpy as np
@@ -65,3 +66,7 @@ def test_verify_in_steps_still_finds_a_flipped_byte(tmp_path: pathlib.Path, at: 
     _, rep = _verify_peak(path)
     assert not rep.ok
     assert any("'w'" in p and "checksum mismatch" in p for p in rep.problems), rep.problems
+    # the block that holds the byte, not the step or the chunk (reads span blocks)
+    (lo, hi), = [map(int, re.findall(r"bytes \[(\d+), (\d+)\)", p)[0])
+                 for p in rep.problems if "checksum mismatch" in p]
+    assert lo <= at < hi and hi - lo <= 2 * MiB, rep.problems

@@ -536,3 +536,41 @@ def test_a_damaged_marker_leaves_the_directory_usable(
             ss.CheckpointManager(run, async_save=False) as mgr:
         assert mgr.steps() == [1, 2, 3]
         np.testing.assert_array_equal(mgr.load(step=1)["w"], np.full(3, 1))
+
+
+def test_verify_reads_a_large_chunk_in_steps_not_blocks(
+        s3_server: dict[str, Any], storage: S3Storage, base_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify read one ~1 MiB checksum block per request (a 256 MiB array: 256 GETs, 9 s
+    against a load's 4): a read spans the blocks of up to one 8 MiB step; a flipped
+    byte is still named by its block."""
+    import math
+    import re
+
+    from statestream.engine._read import _CHECK_STEP
+    from statestream.storage._object_read import ObjectReader
+
+    n = 24 << 20
+    url = f"{base_url}/big"
+    ss.save(url, {"w": np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)})
+    reads: list[int] = []
+    plain = ObjectReader.read_into
+
+    def counted(self: ObjectReader, name: str, offset: int, buffers: Any) -> None:
+        reads.append(sum(memoryview(b).nbytes for b in buffers))
+        plain(self, name, offset, buffers)
+
+    monkeypatch.setattr(ObjectReader, "read_into", counted)
+    assert ss.verify(url).ok
+    assert len(reads) <= math.ceil(n / _CHECK_STEP) + 2, reads
+    client, bucket = s3_server["client"], s3_server["bucket"]
+    (key,) = [o["Key"] for o in client.list_objects_v2(
+        Bucket=bucket, Prefix=url.split(f"s3://{bucket}/", 1)[1])["Contents"]
+        if "/data/" in o["Key"]]
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    at = 13 * (1 << 20) + 5
+    body[at] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    (bad,) = [p for p in ss.verify(url).problems if "checksum mismatch" in p]
+    lo, hi = map(int, re.findall(r"bytes \[(\d+), (\d+)\)", bad)[0])
+    assert lo <= at < hi and hi - lo <= 2 << 20, bad
