@@ -105,3 +105,21 @@ def test_damage_in_a_base_names_the_object_that_holds_it(storage: S3Storage, bas
     assert real in str(err.value) and ".." not in str(err.value), err.value
     (problem,) = ss.verify(f"{base_url}/s2").problems
     assert real in problem and ".." not in problem, problem
+
+
+def test_overwrite_and_base_directly_under_the_bucket(storage: S3Storage,
+                                                      s3_server: dict[str, Any]) -> None:
+    """overwrite=True of s3://bucket/name failed "'s3://bucket' must look like
+    s3://bucket/prefix": looking for incremental siblings listed the bucket itself."""
+    name = f"root-{uuid.uuid4().hex[:8]}"
+    s1, s2 = f"s3://{s3_server['bucket']}/{name}", f"s3://{s3_server['bucket']}/{name}-inc"
+    ss.save(s1, _state(0), hashes=True)
+    ss.save(s1, _state(1), hashes=True, overwrite=True)
+    ss.save_async(s1, _state(1), hashes=True, overwrite=True).result()
+    ss.save(s2, _state(2), base=s1)
+    assert {name, f"{name}-inc"} <= set(storage.list(f"s3://{s3_server['bucket']}"))
+    with pytest.raises(ss.CheckpointError, match=rf"{name} is the base of .*\(s\) {name}-inc "):
+        ss.save(s1, _state(3), overwrite=True)
+    np.testing.assert_array_equal(ss.load(s2)["frozen"], _state(2)["frozen"])
+    storage.delete(s2)
+    storage.delete(s1)

@@ -517,10 +517,20 @@ class ObjectStorage:
         return self._live_root(bucket, prefix) is not None
 
     def list(self, path: str) -> builtins.list[str]:
-        """Names directly under ``path``; objects whose keys name no path inside it
-        (``run/../x``, ``run//y``) are skipped with a warning (see ``_object_list``)."""
-        bucket, prefix = self.split_url(path)
+        """Names directly under ``path`` (a bucket too); objects whose keys name no path
+        inside it (``run/../x``, ``run//y``) are skipped with a warning (see
+        ``_object_list``)."""
+        bucket, prefix = self._split_listed(path)
         return child_names(self, bucket, prefix, path)
+
+    def _split_listed(self, path: str) -> tuple[str, str]:
+        """:meth:`split_url`, and a bare bucket (``s3://bucket``) as prefix "": the
+        checkpoints directly under it are its entries (``s3://bucket/run``'s siblings)."""
+        head = f"{self.scheme}://"
+        rest = path[len(head):].rstrip("/") if path.startswith(head) else ""
+        if rest and "/" not in rest:  # the bucket's name checked as any URL's
+            return self.split_url(f"{head}{rest}/-")[0], ""
+        return self.split_url(path)
 
     def delete(self, path: str) -> None:
         """Mark the deletion, uncommit, delete everything under ``path``, then the mark.

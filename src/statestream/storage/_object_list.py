@@ -172,12 +172,14 @@ def _head(owner: ObjectStorage, bucket: str, key: str) -> Any:
 
 def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str,
           check: SkipCheck | None = None) -> Iterator[Any]:
-    """Every object under ``prefix/`` (its metadata), skipping odd keys (warned)."""
+    """Every object under ``prefix/`` (its metadata; ``prefix`` "": the whole bucket),
+    skipping odd keys (warned)."""
+    lead = f"{prefix}/" if prefix else ""
     offset: str | None = None
     while True:
         last = offset
         try:
-            for m in listed(owner, bucket, prefix + "/", offset=offset, chunk_size=1000):
+            for m in listed(owner, bucket, lead, offset=offset, chunk_size=1000):
                 last = m["path"]
                 yield m
             return
@@ -198,15 +200,17 @@ def _scan(owner: ObjectStorage, bucket: str, prefix: str, listing: str,
 def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> list[str]:
     """Names of the entries directly under ``path`` (``prefix`` in ``bucket``), without
     those that name no path inside it (warned). Raises a StorageError when an odd key
-    may hide a name that starts with a letter, digit or ``_`` (see :func:`_hides`)."""
+    may hide a name that starts with a letter, digit or ``_`` (see :func:`_hides`).
+    ``prefix`` "" lists the bucket itself (checkpoints directly under it)."""
+    lead = f"{prefix}/" if prefix else ""
     try:
-        res = delimited(owner, bucket, prefix + "/")
+        res = delimited(owner, bucket, lead)
         keys = [p.rstrip("/") for p in res["common_prefixes"]]
         keys += [m["path"] for m in res["objects"] if m["path"] != prefix]  # folder marker
-        outside = next((k for k in keys if not k.startswith(prefix + "/")), None)
+        outside = next((k for k in keys if not k.startswith(lead)), None)
         if outside is not None:
-            raise _outside_error(owner, bucket, prefix + "/", outside)
-        names = {k[len(prefix) + 1:].partition("/")[0] for k in keys}
+            raise _outside_error(owner, bucket, lead, outside)
+        names = {k[len(lead):].partition("/")[0] for k in keys}
     except Exception as exc:
         if odd_key(exc) is None:
             raise owner._list_error(exc, path, "finding the checkpoints under it") from exc
@@ -215,13 +219,13 @@ def child_names(owner: ObjectStorage, bucket: str, prefix: str, path: str) -> li
         names = set()
 
         def check(last: str | None, key: str) -> None:
-            low = None if last is None else last[len(prefix) + 1:].partition("/")[0]
-            name = key[len(prefix) + 1:].partition("/")[0]
+            low = None if last is None else last[len(lead):].partition("/")[0]
+            name = key[len(lead):].partition("/")[0]
             if _hides(low, name):
                 raise _hidden_error(owner, bucket, path, key, last)
 
         for m in _scan(owner, bucket, prefix, path, check):
-            names.add(m["path"][len(prefix) + 1:].partition("/")[0])
+            names.add(m["path"][len(lead):].partition("/")[0])
     return sorted(n for n in names if n not in _ODD_SEGMENTS and not _ILLEGAL.search(n)
                   and _mappable(owner, path, n))
 
@@ -262,7 +266,7 @@ def _hidden_error(owner: ObjectStorage, bucket: str, path: str, key: str, last: 
 def _mappable(owner: ObjectStorage, path: str, name: str) -> bool:
     """Whether ``path/name`` is a URL of this store (Azure refuses a backslash)."""
     try:
-        owner.split_url(f"{path}/{name}")
+        owner.split_url(f"{path.rstrip('/')}/{name}")
     except CheckpointError as exc:
         warnings.warn(f"ignored the entry {name!r} of {path}: {exc}", stacklevel=4)
         return False
