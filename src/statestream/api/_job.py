@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from statestream.api._castfill import CastFill, cast_fill
 from statestream.api._open import array_paths, has_checksums
 from statestream.api._overlap import InPlaceMemory
 from statestream.api._pickles import _PickleTrust
@@ -79,6 +80,8 @@ class _Job:
         default_factory=dict)
     #: the stateful targets' load_state_dict calls, made once every value is built
     state_loads: list[StateLoad] = dataclasses.field(default_factory=list)
+    #: in-place targets of another dtype, cast into in pieces after the reads
+    casts: list[CastFill] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.manifest is not None:
@@ -148,6 +151,17 @@ class _Job:
             self.own.add_boxes(index, found.boxes)
             self._fills(prov, like)
         return found
+
+    def cast_into(self, prov: ArrayProvider, index: int, entry: ArrayEntry, like: Any,
+                  path: KeyPath) -> bool:
+        """Whether ``like`` (filled in place, another dtype) is cast into in pieces
+        within the memory budget (api/_castfill.py) rather than from a whole copy."""
+        if not self.fills(prov, like) or self.reader is None or self.manifest is None:
+            return False
+        fill = cast_fill(prov, index, entry, like, path)
+        if fill is not None:
+            self.casts.append(fill)
+        return fill is not None
 
     def copied_in(self, prov: ArrayProvider, like: Any, dest: Destination) -> Destination:
         """``dest``, whose value is then copied into ``like``'s own memory and ``like``

@@ -17,6 +17,7 @@ from statestream.api._builds import (
     python_scalar,
     value_of,
 )
+from statestream.api._castfill import run_cast_fills
 from statestream.api._job import Build, _Job, target_shape
 from statestream.api._kinds import PLAIN_KINDS, fits
 from statestream.api._open import (
@@ -130,6 +131,9 @@ def _restore_array(node: Node, like: Any, path: KeyPath, m: Manifest, job: _Job,
             job.paths[node.array] = path
             return functools.partial(value_of, flat)
         found = job.restore_into(prov, node.array, entry, like, path)
+        if found is None and job.cast_into(prov, node.array, entry, like, path):
+            job.paths[node.array] = path
+            return lambda: like
         if found is None:
             mapped = job.restore_mapped(prov, node.array, entry, like, path, False)
         dest = found or job.copied_in(
@@ -576,6 +580,7 @@ def _load(
                           budget=read_budget(memory), describe=describe,
                           progress=progress)
             job.own.copy_back()  # in-place targets sharing memory: what was read apart
+            run_cast_fills(job.casts, reader, m, names, io, memory, describe)
         finally:
             reader.close()
         out = build()

@@ -17,9 +17,9 @@ from statestream.providers._base import refuse_lossy_cast
 from statestream.providers._dtensor import is_dtensor
 from statestream.tree import KeyPath, Node, format_keypath
 
-__all__ = ["like_target", "nested_shape_error", "optimizer_state_hints", "refuse_layout",
-           "refuse_lossy_casts", "refuse_target", "refused_keys", "refused_state", "retie",
-           "tied_names"]
+__all__ = ["cast_fill", "like_target", "nested_shape_error", "optimizer_state_hints",
+           "refuse_layout", "refuse_lossy_casts", "refuse_target", "refused_keys",
+           "refused_state", "retie", "tied_names"]
 
 
 def refuse_target(like: Any, dtype: str, path: KeyPath, stored: bool) -> None:
@@ -389,3 +389,34 @@ def like_target(loaded: Any, like: Any, host: np.ndarray, dtype: str, path: KeyP
     elif like.requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def cast_fill(like: Any, saved: Any, dtype: str, path: KeyPath,
+              ) -> tuple[Callable[[np.ndarray], None],
+                         Callable[[tuple[slice, ...], np.ndarray], None]] | None:
+    """For an in-place load into a plain CPU tensor of another dtype than the saved
+    one (torch ``saved``), read in pieces: (check a piece as :func:`like_target`
+    checks the whole array, cast a piece into its box of ``like`` by ``copy_``); None
+    for a target the general path handles (or refuses): no strided CPU tensor of a
+    number dtype, a conjugate or negative view, an inference tensor, overlapping."""
+    import torch
+
+    want = like.dtype
+    name = str(want).removeprefix("torch.")
+    if (want == saved or like.device.type != "cpu" or like.layout != torch.strided
+            or like.is_quantized or getattr(like, "is_nested", False)
+            or not (want.is_floating_point or want.is_complex or name in _INTS
+                    or want == torch.bool)
+            or like.is_conj() or like.is_neg() or like.is_inference()
+            or any(st == 0 and n > 1 for st, n in zip(like.stride(), like.shape))):
+        return None
+
+    def check(piece: np.ndarray) -> None:
+        refuse_lossy_casts([((), piece)], str(want), dtype, path)
+
+    def write(box: tuple[slice, ...], piece: np.ndarray) -> None:
+        src = torch.from_numpy(piece.reshape(-1).view(np.uint8)).view(saved)
+        with torch.no_grad():
+            like[box].copy_(src.reshape(piece.shape))
+
+    return check, write

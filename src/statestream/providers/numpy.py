@@ -177,6 +177,33 @@ class NumpyProvider(ArrayProvider):
         np.copyto(like, value, casting="unsafe")
         return like
 
+    def cast_fill(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath,
+                  ) -> tuple[Callable[[np.ndarray], None],
+                             Callable[[tuple[slice, ...], np.ndarray], None]] | None:
+        """For an in-place load into a writable ndarray of another dtype, read in
+        pieces (api/_castfill.py): (check a piece as :meth:`_restore` checks the whole
+        array, cast a piece into its box of ``like``); None where NumPy cannot cast
+        the saved dtype to ``like``'s (the general path says so)."""
+        saved = dtype_from_name(dtype)
+        if (type(like) is not np.ndarray or not like.flags.writeable or like.dtype == saved
+                or tuple(like.shape) != shape):
+            return None
+        want = like.dtype
+        real = saved.kind == "c" and want.kind != "c"
+        probe = np.zeros(1, dtype=saved)
+        try:  # (ml_dtypes casts some pairs of its dtypes only through float32)
+            np.copyto(np.empty(1, dtype=want), probe.real if real else probe, casting="unsafe")
+        except (TypeError, ValueError):
+            return None
+
+        def check(piece: np.ndarray) -> None:
+            refuse_lossy_cast(piece, want, dtype, path)
+
+        def write(box: tuple[slice, ...], piece: np.ndarray) -> None:
+            np.copyto(like[box], piece.real if real else piece, casting="unsafe")
+
+        return check, write
+
     def restore_flat(self, dtype: str, shape: tuple[int, ...], nbytes: int, like: Any,
                      in_place: bool, memory: np.ndarray | None = None,
                      ) -> tuple[np.ndarray, Any] | None:

@@ -339,6 +339,13 @@ class TorchProvider(ArrayProvider):
             return None
         return like
 
+    def cast_fill(self, dtype: str, shape: tuple[int, ...], like: Any, path: KeyPath) -> Any:
+        """A CPU tensor target of another dtype, cast into in pieces (in place)."""
+        saved = _tables()[1].get(dtype)
+        if saved is None or type(like) not in _PLAIN_TENSORS or tuple(like.shape) != shape:
+            return None
+        return _torch_targets.cast_fill(like, saved, dtype, path)
+
     def before_fill(self, targets: list[Any]) -> None:
         """Bump the version counter of every tensor (and DTensor's local shard) the load
         writes in place, as ``t.copy_()`` would: it writes their bytes through a
