@@ -106,3 +106,36 @@ def test_torch_float8_targets(ck):
         assert got.dtype == dt and got.float().tolist() == [1.0, 2.0, 0.5]
     with pytest.raises(ss.TargetMismatchError, match="key path 'big'"):
         ss.load(ck, {"big": torch.zeros(2, dtype=torch.float8_e4m3fn)})
+
+
+CLAMPED = [  # (saved values, target dtype, what the refusal names); each became a number
+    (np.array([1.0, 100.0], np.float32), "float4_e2m1fn", "holds 100.0"),  # was 6
+    (np.array([1.0, -31.0], np.float32), "float6_e3m2fn", "holds -31.0"),  # was -28 (29 rounds)
+    (np.array([1.0, np.nan], np.float32), "float4_e2m1fn", "holds NaN"),  # was -0
+    (np.array([1.0, np.inf], np.float32), "float8_e4m3fn", "holds an infinity"),  # was NaN
+    (np.array([1.0, 0.0], np.float16), "float8_e8m0fnu", "holds 0.0"),  # was NaN
+    (np.array([2.0, -1.0], np.float32), "float8_e8m0fnu", "holds -1.0"),  # was NaN
+]
+
+
+@pytest.mark.parametrize("values, want, said", CLAMPED,
+                         ids=[f"{v.dtype}-{w}-{s[6:]}" for v, w, s in CLAMPED])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_values_a_small_float_target_cannot_hold_are_refused(tmp_path, values, want, said,
+                                                              kind):
+    # a target without infinities clamped a value past its largest to it; one without
+    # NaN made NaN a number; float8_e8m0fnu made zero and negatives NaN: all silently
+    ss.save(tmp_path / "c", {"x": values})
+    like = np.zeros(values.shape, dtype_from_name(want))
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        tdt = getattr(torch, want, None)
+        if tdt is None:
+            pytest.skip(f"torch has no {want}")
+        like = torch.zeros(values.shape, dtype=tdt)
+    with pytest.raises(ss.TargetMismatchError, match=f"'x' {said}, which the target"):
+        ss.load(tmp_path / "c", {"x": like})
+    # within range (rounding allowed) it loads: 6.9 rounds to 6 in float4_e2m1fn
+    ss.save(tmp_path / "ok", {"x": np.array([6.9, -6.9], np.float32)})
+    got = ss.load(tmp_path / "ok", {"x": np.zeros(2, dtype_from_name("float4_e2m1fn"))})["x"]
+    assert got.astype(np.float32).tolist() == [6.0, -6.0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
@@ -107,33 +108,75 @@ def _refuse_unless(ok: np.ndarray, host: np.ndarray, want: np.dtype, saved: str,
 
 def _refuse_float_overflow(host: np.ndarray, want: np.dtype, saved: str, path: KeyPath,
                            advice: str) -> None:
-    """Raise TargetMismatchError where a finite value of ``host`` becomes an infinity or
-    NaN (or, torch's float8, is clamped) cast to the target's float dtype ``want``:
-    1e5 into float16, 1e39 into float32. Until 2026-12-07 it became inf silently.
+    """Raise TargetMismatchError where a value of ``host`` cast to the target's float dtype
+    ``want`` would change past rounding: a finite one that becomes an infinity or NaN, or
+    is clamped to the largest value (1e5 into float16, 1e39 into float32, 100 into
+    float4_e2m1fn, whose 6 it became); a NaN or infinity where ``want`` has none (NaN
+    into float4_e2m1fn became -0, inf into float8_e4m3fn NaN); zero or a negative where
+    ``want`` holds only positive values (float8_e8m0fnu: NaN). Until 2026-12-07 a value
+    became inf silently; until 2026-12-08 those of targets without inf were clamped.
     Rounding is a cast's business and allowed. One min/max pass, only where ``want``'s
-    range is narrower than ``saved``'s (float32 into float16 or bfloat16)."""
+    range is narrower than ``saved``'s or ``want`` lacks what ``host`` may hold."""
     top = _float_max(want)
     have = _float_max(host.dtype) if _int_range(host.dtype) is None else _int_range(host.dtype)
     if top is None or have is None or not host.size:
         return
-    if isinstance(have, float) and have <= top:
+    if isinstance(have, float):
+        wide = have > top
+    else:
+        wide = not (-top <= int(have.min) and int(have.max) <= top)
+    lacks = _lacks(want)
+    if not wide and not lacks:
         return
-    if not isinstance(have, float) and -top <= int(have.min) and int(have.max) <= top:
-        return
+
+    def refuse(v: Any, why: str) -> TargetMismatchError:
+        return TargetMismatchError(
+            f"the checkpoint's {saved} array at key path '{format_keypath(path)}' holds {v}, "
+            f"which the target's dtype {want} cannot hold ({why}); "
+            + (advice or f"pass a target of dtype {saved} there, or None"))
+
     with np.errstate(over="ignore", invalid="ignore"):
         lo, hi = host.min(), host.max()
-        if not (np.isfinite(lo) and np.isfinite(hi)):  # an inf or NaN saved: not ours
+        if not (np.isfinite(lo) and np.isfinite(hi)):  # an inf or NaN saved
+            if "nan" in lacks and np.isnan(host).any():
+                raise refuse("NaN", "it has no NaN: a cast would make it a number")
+            if "inf" in lacks and np.isinf(host).any():
+                raise refuse("an infinity", f"it has none: a cast would make it {top} or NaN")
             finite = host[np.isfinite(host)]
             if not finite.size:
                 return
             lo, hi = finite.min(), finite.max()
+        if "sign" in lacks and lo <= 0:
+            raise refuse(lo, "it holds positive values only: a cast would make it NaN")
+        if not wide:
+            return
+        # past the largest value by half its spacing or more: inf, NaN, or clamped
+        limit = top + 2.0 ** (math.floor(math.log2(top)) - _mantissa_bits(want)) / 2
         for v in (lo, hi):
-            if not np.isfinite(cast_host_array(np.array([v], dtype=host.dtype), want)).all():
-                raise TargetMismatchError(
-                    f"the checkpoint's {saved} array at key path '{format_keypath(path)}' "
-                    f"holds {v}, which the target's dtype {want} cannot hold (its largest "
-                    f"finite value is {top}; a cast would make it inf or NaN); "
-                    + (advice or f"pass a target of dtype {saved} there, or None"))
+            if (abs(float(v)) >= limit or not np.isfinite(
+                    cast_host_array(np.array([v], dtype=host.dtype), want)).all()):
+                raise refuse(v, f"its largest finite value is {top}; a cast would make it "
+                                "inf, NaN or that")
+
+
+@functools.lru_cache(maxsize=64)
+def _lacks(want: np.dtype) -> frozenset[str]:
+    """What of NaN, infinities and negative values the float dtype ``want`` cannot hold
+    (ml_dtypes' small floats: float4_e2m1fn none of the first two, float8_e4m3fn no
+    infinity, float8_e8m0fnu no infinity and no sign)."""
+    probe = cast_host_array(np.array([np.nan, np.inf, -1.0], dtype=np.float32), want)
+    got = probe.astype(np.float32)
+    return frozenset(name for name, ok in (("nan", np.isnan(got[0])), ("inf", got[1] == np.inf),
+                                           ("sign", got[2] == -1.0)) if not ok)
+
+
+def _mantissa_bits(dtype: np.dtype) -> int:
+    """Stored mantissa bits of a float dtype (NumPy's or ml_dtypes')."""
+    if dtype.type in (np.float16, np.float32, np.float64, np.longdouble):
+        return int(np.finfo(dtype).nmant)
+    import ml_dtypes
+
+    return int(ml_dtypes.finfo(dtype).nmant)  # type: ignore[no-untyped-call]
 
 
 def cast_host_array(host: np.ndarray, want: Any) -> np.ndarray:
