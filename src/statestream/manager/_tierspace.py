@@ -272,11 +272,7 @@ def started(coll: Collective, path: str, start: Callable[[], SaveHandle]) -> Sav
 
 def went_through(save: SaveHandle) -> bool:
     """Whether ``save`` committed (waited for; a failure is its own handle's to report)."""
-    try:
-        save.result()
-    except BaseException:
-        return False
-    return True
+    return _error_of(save) is None
 
 
 def persist_waiting(tier: LocalTier, step: int) -> BaseException | None:
@@ -312,10 +308,11 @@ def room_before_async(tier: LocalTier, step: int, base: int | None) -> None:
     if not steps or free is None or free >= next_save_bytes(tier, steps):
         return
     if (tier.unpersisted() or tier.pending_steps()) and persist_waiting(tier, step) is None:
-        make_room(tier, tier.pending_steps() | ({base} if base is not None else set()))
+        make_room(tier, _kept(tier, base))
 
 
-def _error_of(h: TaskHandle) -> BaseException | None:
+def _error_of(h: TaskHandle | SaveHandle) -> BaseException | None:
+    """What ``h`` failed with (waited for), None if it went through."""
     try:
         h.result()
     except BaseException as exc:
@@ -325,8 +322,12 @@ def _error_of(h: TaskHandle) -> BaseException | None:
 
 def _room_for(tier: LocalTier, step: int, base: int | None) -> list[int]:
     """:func:`make_room` after the save of ``step`` against ``base`` failed for room."""
-    return make_room(tier, tier.pending_steps() | ({base} if base is not None else set()),
-                     failed=step)
+    return make_room(tier, _kept(tier, base), failed=step)
+
+
+def _kept(tier: LocalTier, base: int | None) -> set[int]:
+    """The local steps no room is made by dropping: those being persisted, and ``base``."""
+    return tier.pending_steps() | ({base} if base is not None else set())
 
 
 def retry_when_full(tier: LocalTier, coll: Collective, step: int, exc: BaseException,
